@@ -1,0 +1,44 @@
+//! The node statistics record a STATS request returns (as JSON), shared by
+//! the node that fills it and the tools that print it.
+
+use serde::{Deserialize, Serialize};
+
+/// Per-disk figures.
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
+pub struct DiskStats {
+    pub id: String,
+    pub dir: String,
+    pub used_bytes: u64,
+    pub capacity_bytes: u64,
+    pub objects: u64,
+    pub evictions: u64,
+    pub failed: bool,
+    #[serde(default)]
+    pub failure: Option<String>,
+}
+
+/// What an operator needs about one node.
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
+pub struct NodeStats {
+    pub version: String,
+    pub uptime_secs: u64,
+    pub used_bytes: u64,
+    pub capacity_bytes: u64,
+    pub objects: u64,
+    pub hits: u64,
+    pub misses: u64,
+    pub mismatches: u64,
+    pub puts: u64,
+    pub put_duplicates: u64,
+    pub put_rejected: u64,
+    pub bytes_read: u64,
+    pub bytes_written: u64,
+    pub evictions: u64,
+    pub failed_disks: u64,
+    pub corrupt_dropped: u64,
+    pub mem_used_bytes: u64,
+    pub mem_capacity_bytes: u64,
+    pub mem_hits: u64,
+    pub connections: u64,
+    pub disks: Vec<DiskStats>,
+}

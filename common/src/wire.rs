@@ -1,0 +1,379 @@
+//! Data-plane wire frames (byte tables in docs/PROTOCOL.md).
+//!
+//! A connection opens with a 16-byte hello each way, then carries frames:
+//! a 16-byte header and `body_len` body bytes. Every frame carries a request
+//! id, so several requests may be in flight on one connection and responses
+//! may come back in any order. Decoders here check every claimed length
+//! against [`Limits`] before a caller allocates anything.
+
+use crate::page::{Geometry, GEOMETRY_WIRE_LEN, MAX_KEY_LEN};
+use crate::page::{le_u16, le_u32, le_u64};
+use crate::status::Status;
+
+/// `"KVCW"` as a little-endian u32: opens the client hello and server reply.
+pub const WIRE_MAGIC: u32 = 0x5743_564B;
+/// The protocol version this code speaks.
+pub const WIRE_VERSION: u16 = 1;
+/// Bytes of each hello.
+pub const HELLO_LEN: usize = 16;
+/// Bytes of a frame header (request or response).
+pub const FRAME_HEADER_LEN: usize = 16;
+/// Most keys one BATCH_EXIST may carry.
+pub const MAX_BATCH_KEYS: usize = 4096;
+/// Largest body of a request other than PUT and BATCH_EXIST.
+pub const MAX_SMALL_BODY: u32 = 64 * 1024;
+/// Largest BATCH_EXIST body: geometry, count and 4096 maximal keys.
+pub const MAX_BATCH_BODY: u32 =
+    (GEOMETRY_WIRE_LEN + 4 + MAX_BATCH_KEYS * (2 + MAX_KEY_LEN)) as u32;
+/// Request flag: compare the stored geometry with the request's (GET, EXIST).
+pub const FLAG_CHECK_GEOMETRY: u8 = 1;
+/// Response flag on PUT: the key was already stored (write-once; not rewritten).
+pub const RSP_FLAG_DUPLICATE: u16 = 1;
+
+/// Operations.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u8)]
+pub enum Op {
+    Put = 1,
+    Get = 2,
+    Exist = 3,
+    BatchExist = 4,
+    Delete = 5,
+    Stats = 6,
+    Ping = 7,
+}
+
+impl Op {
+    pub fn from_u8(b: u8) -> Option<Op> {
+        Some(match b {
+            1 => Op::Put,
+            2 => Op::Get,
+            3 => Op::Exist,
+            4 => Op::BatchExist,
+            5 => Op::Delete,
+            6 => Op::Stats,
+            7 => Op::Ping,
+            _ => return None,
+        })
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Op::Put => "put",
+            Op::Get => "get",
+            Op::Exist => "exist",
+            Op::BatchExist => "batch_exist",
+            Op::Delete => "delete",
+            Op::Stats => "stats",
+            Op::Ping => "ping",
+        }
+    }
+}
+
+/// Why bytes from a peer were refused.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum WireError {
+    #[error("bad magic {0:#010x}: not a kvcellar peer")]
+    Magic(u32),
+    #[error("unsupported protocol version {0}")]
+    Version(u16),
+    #[error("unknown op {0}")]
+    UnknownOp(u8),
+    #[error("{op} body of {len} bytes exceeds the limit of {max}")]
+    TooLarge { op: &'static str, len: u64, max: u64 },
+    #[error("malformed {0} body")]
+    Malformed(&'static str),
+    #[error("truncated frame")]
+    Truncated,
+}
+
+/// Limits a node enforces on what a peer claims.
+#[derive(Debug, Clone, Copy)]
+pub struct Limits {
+    /// Largest record a PUT may carry.
+    pub max_record: u64,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Limits { max_record: 256 << 20 }
+    }
+}
+
+/// The hello each side sends first.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Hello {
+    pub version: u16,
+    /// Client: 0. Server: 0 accepted, 1 version refused (then it closes).
+    pub status: u16,
+    /// Server: the largest record it accepts. Client: 0.
+    pub max_record: u64,
+}
+
+impl Hello {
+    pub fn encode(&self) -> [u8; HELLO_LEN] {
+        let mut b = [0u8; HELLO_LEN];
+        b[0..4].copy_from_slice(&WIRE_MAGIC.to_le_bytes());
+        b[4..6].copy_from_slice(&self.version.to_le_bytes());
+        b[6..8].copy_from_slice(&self.status.to_le_bytes());
+        b[8..16].copy_from_slice(&self.max_record.to_le_bytes());
+        b
+    }
+
+    pub fn decode(b: &[u8; HELLO_LEN]) -> Result<Hello, WireError> {
+        let magic = le_u32(b, 0);
+        if magic != WIRE_MAGIC {
+            return Err(WireError::Magic(magic));
+        }
+        Ok(Hello { version: le_u16(b, 4), status: le_u16(b, 6), max_record: le_u64(b, 8) })
+    }
+}
+
+/// A request frame header.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ReqHeader {
+    pub op: Op,
+    pub flags: u8,
+    pub body_len: u32,
+    pub req_id: u64,
+}
+
+impl ReqHeader {
+    pub fn encode(&self) -> [u8; FRAME_HEADER_LEN] {
+        let mut b = [0u8; FRAME_HEADER_LEN];
+        b[0] = self.op as u8;
+        b[1] = self.flags;
+        b[4..8].copy_from_slice(&self.body_len.to_le_bytes());
+        b[8..16].copy_from_slice(&self.req_id.to_le_bytes());
+        b
+    }
+
+    /// Decodes a header and checks its body length against `limits`.
+    pub fn decode(b: &[u8; FRAME_HEADER_LEN], limits: &Limits) -> Result<ReqHeader, WireError> {
+        let op = Op::from_u8(b[0]).ok_or(WireError::UnknownOp(b[0]))?;
+        let h = ReqHeader { op, flags: b[1], body_len: le_u32(b, 4), req_id: le_u64(b, 8) };
+        let max = match op {
+            Op::Put => limits.max_record.min(u32::MAX as u64),
+            Op::BatchExist => MAX_BATCH_BODY as u64,
+            _ => MAX_SMALL_BODY as u64,
+        };
+        if h.body_len as u64 > max {
+            return Err(WireError::TooLarge { op: op.name(), len: h.body_len as u64, max });
+        }
+        Ok(h)
+    }
+}
+
+/// A response frame header.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RspHeader {
+    pub status: Status,
+    pub op: u8,
+    pub flags: u16,
+    pub body_len: u32,
+    pub req_id: u64,
+}
+
+impl RspHeader {
+    pub fn encode(&self) -> [u8; FRAME_HEADER_LEN] {
+        let mut b = [0u8; FRAME_HEADER_LEN];
+        b[0] = self.status.to_wire();
+        b[1] = self.op;
+        b[2..4].copy_from_slice(&self.flags.to_le_bytes());
+        b[4..8].copy_from_slice(&self.body_len.to_le_bytes());
+        b[8..16].copy_from_slice(&self.req_id.to_le_bytes());
+        b
+    }
+
+    pub fn decode(b: &[u8; FRAME_HEADER_LEN]) -> RspHeader {
+        RspHeader {
+            status: Status::from_wire(b[0]),
+            op: b[1],
+            flags: le_u16(b, 2),
+            body_len: le_u32(b, 4),
+            req_id: le_u64(b, 8),
+        }
+    }
+}
+
+/// Body of GET and EXIST: geometry then key.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct KeyRequest<'a> {
+    pub geometry: Geometry,
+    pub key: &'a [u8],
+}
+
+impl<'a> KeyRequest<'a> {
+    pub fn encode(geometry: &Geometry, key: &[u8]) -> Vec<u8> {
+        let mut v = Vec::with_capacity(GEOMETRY_WIRE_LEN + key.len());
+        v.extend_from_slice(&geometry.encode());
+        v.extend_from_slice(key);
+        v
+    }
+
+    pub fn decode(b: &'a [u8]) -> Result<KeyRequest<'a>, WireError> {
+        let geometry = Geometry::decode(b).ok_or(WireError::Malformed("key request"))?;
+        let key = &b[GEOMETRY_WIRE_LEN..];
+        if key.is_empty() || key.len() > MAX_KEY_LEN {
+            return Err(WireError::Malformed("key request"));
+        }
+        Ok(KeyRequest { geometry, key })
+    }
+}
+
+/// Body of DELETE: the key alone.
+pub fn decode_key(b: &[u8]) -> Result<&[u8], WireError> {
+    if b.is_empty() || b.len() > MAX_KEY_LEN {
+        return Err(WireError::Malformed("key"));
+    }
+    Ok(b)
+}
+
+/// Body of BATCH_EXIST: geometry, u32 count, then `count` × (u16 len, key).
+pub fn encode_batch_exist<K: AsRef<[u8]>>(geometry: &Geometry, keys: &[K]) -> Vec<u8> {
+    let total: usize = keys.iter().map(|k| 2 + k.as_ref().len()).sum();
+    let mut v = Vec::with_capacity(GEOMETRY_WIRE_LEN + 4 + total);
+    v.extend_from_slice(&geometry.encode());
+    v.extend_from_slice(&(keys.len() as u32).to_le_bytes());
+    for k in keys {
+        let k = k.as_ref();
+        v.extend_from_slice(&(k.len() as u16).to_le_bytes());
+        v.extend_from_slice(k);
+    }
+    v
+}
+
+/// Decodes a BATCH_EXIST body. The count is checked against the body length
+/// before anything is allocated.
+pub fn decode_batch_exist(b: &[u8]) -> Result<(Geometry, Vec<&[u8]>), WireError> {
+    const WHAT: &str = "batch_exist";
+    let geometry = Geometry::decode(b).ok_or(WireError::Malformed(WHAT))?;
+    let rest = &b[GEOMETRY_WIRE_LEN..];
+    if rest.len() < 4 {
+        return Err(WireError::Malformed(WHAT));
+    }
+    let count = le_u32(rest, 0) as usize;
+    let mut rest = &rest[4..];
+    // Each key takes at least 3 bytes: a count beyond that is a lie.
+    if count > MAX_BATCH_KEYS || count > rest.len() / 3 {
+        return Err(WireError::Malformed(WHAT));
+    }
+    let mut keys = Vec::with_capacity(count);
+    for _ in 0..count {
+        if rest.len() < 2 {
+            return Err(WireError::Malformed(WHAT));
+        }
+        let n = le_u16(rest, 0) as usize;
+        if n == 0 || n > MAX_KEY_LEN || rest.len() < 2 + n {
+            return Err(WireError::Malformed(WHAT));
+        }
+        keys.push(&rest[2..2 + n]);
+        rest = &rest[2 + n..];
+    }
+    if !rest.is_empty() {
+        return Err(WireError::Malformed(WHAT));
+    }
+    Ok((geometry, keys))
+}
+
+/// Body of a BATCH_EXIST response: u32 count then one status byte per key.
+pub fn encode_batch_status(st: &[Status]) -> Vec<u8> {
+    let mut v = Vec::with_capacity(4 + st.len());
+    v.extend_from_slice(&(st.len() as u32).to_le_bytes());
+    v.extend(st.iter().map(|s| s.to_wire()));
+    v
+}
+
+pub fn decode_batch_status(b: &[u8]) -> Result<Vec<Status>, WireError> {
+    if b.len() < 4 {
+        return Err(WireError::Malformed("batch status"));
+    }
+    let n = le_u32(b, 0) as usize;
+    if b.len() - 4 != n {
+        return Err(WireError::Malformed("batch status"));
+    }
+    Ok(b[4..].iter().map(|&x| Status::from_wire(x)).collect())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn geo() -> Geometry {
+        Geometry { model_hash: 7, page_size: 64, tp_size: 2, ..Default::default() }
+    }
+
+    #[test]
+    fn headers_round_trip() {
+        let h = ReqHeader { op: Op::Get, flags: FLAG_CHECK_GEOMETRY, body_len: 40, req_id: 99 };
+        assert_eq!(ReqHeader::decode(&h.encode(), &Limits::default()).unwrap(), h);
+        let r = RspHeader { status: Status::Mismatch, op: 2, flags: 1, body_len: 0, req_id: 5 };
+        assert_eq!(RspHeader::decode(&r.encode()), r);
+        let hello = Hello { version: 1, status: 0, max_record: 1 << 28 };
+        assert_eq!(Hello::decode(&hello.encode()).unwrap(), hello);
+        let mut bad = hello.encode();
+        bad[0] = b'G';
+        assert!(matches!(Hello::decode(&bad), Err(WireError::Magic(_))));
+    }
+
+    #[test]
+    fn lengths_are_checked_before_allocation() {
+        let l = Limits { max_record: 1 << 20 };
+        let big_put = ReqHeader { op: Op::Put, flags: 0, body_len: (1 << 20) + 1, req_id: 1 };
+        assert!(matches!(ReqHeader::decode(&big_put.encode(), &l), Err(WireError::TooLarge { .. })));
+        let big_get = ReqHeader { op: Op::Get, flags: 0, body_len: MAX_SMALL_BODY + 1, req_id: 1 };
+        assert!(ReqHeader::decode(&big_get.encode(), &l).is_err());
+        let mut unknown = big_get.encode();
+        unknown[0] = 77;
+        assert_eq!(ReqHeader::decode(&unknown, &l), Err(WireError::UnknownOp(77)));
+    }
+
+    #[test]
+    fn bodies_round_trip() {
+        let body = KeyRequest::encode(&geo(), b"key-1");
+        let r = KeyRequest::decode(&body).unwrap();
+        assert_eq!((r.geometry, r.key), (geo(), &b"key-1"[..]));
+        let keys = vec![b"a".to_vec(), b"bb".to_vec(), vec![b'c'; 1024]];
+        let body = encode_batch_exist(&geo(), &keys);
+        let (g, got) = decode_batch_exist(&body).unwrap();
+        assert_eq!(g, geo());
+        assert_eq!(got, keys.iter().map(|k| k.as_slice()).collect::<Vec<_>>());
+        let st = vec![Status::Ok, Status::Miss, Status::Mismatch];
+        assert_eq!(decode_batch_status(&encode_batch_status(&st)).unwrap(), st);
+        assert!(decode_batch_exist(&body[..body.len() - 1]).is_err());
+        assert!(KeyRequest::decode(&body[..GEOMETRY_WIRE_LEN]).is_err());
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(2000))]
+        #[test]
+        fn decoders_never_panic(bytes in proptest::collection::vec(any::<u8>(), 0..600)) {
+            let l = Limits::default();
+            if bytes.len() >= FRAME_HEADER_LEN {
+                let mut h = [0u8; FRAME_HEADER_LEN];
+                h.copy_from_slice(&bytes[..FRAME_HEADER_LEN]);
+                if let Ok(r) = ReqHeader::decode(&h, &l) {
+                    prop_assert!(r.body_len as u64 <= l.max_record.max(MAX_BATCH_BODY as u64));
+                }
+                let _ = RspHeader::decode(&h);
+                let _ = Hello::decode(&h);
+            }
+            let _ = KeyRequest::decode(&bytes);
+            let _ = decode_key(&bytes);
+            if let Ok((_, keys)) = decode_batch_exist(&bytes) {
+                prop_assert!(keys.len() <= bytes.len() / 3);
+            }
+            let _ = decode_batch_status(&bytes);
+            let _ = crate::page::parse_record(&bytes);
+        }
+
+        #[test]
+        fn truncated_batches_are_refused(n in 1usize..20, cut in 1usize..64) {
+            let keys: Vec<Vec<u8>> = (0..n).map(|i| format!("key-{i}").into_bytes()).collect();
+            let body = encode_batch_exist(&geo(), &keys);
+            let cut = cut.min(body.len());
+            prop_assert!(decode_batch_exist(&body[..body.len() - cut]).is_err());
+        }
+    }
+}
