@@ -1,0 +1,559 @@
+//! One disk: a data file of extents, an LRU index, and the index journal.
+//!
+//! Locking: `state` (index, allocator, used bytes) is held only for in-memory
+//! work and journal appends, never across data I/O. Journal appends that
+//! describe the index (PUT on insert, DEL on evict/delete) happen under
+//! `state`, so the journal order is the index order. Lock order: state, then
+//! journal.
+//!
+//! Readers pin a record's extent through an `Arc<Extent>`; eviction only
+//! drops the index's reference, and the space goes back to the allocator
+//! when the last pin is dropped, so space is never reused under a reader.
+
+use std::fs::{File, OpenOptions};
+use std::io;
+use std::os::fd::AsRawFd;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use kv_common::page::{Geometry, PageHeader, HEADER_LEN};
+use kv_common::stats::DiskStats;
+use lru::LruCache;
+
+use super::alloc::Allocator;
+use super::buf::{align_up, BufPool, PooledBuf, ALIGN};
+use super::device::Device;
+use super::journal::{self, Journal, Replayed};
+
+pub const DATA_FILE: &str = "data.kvc";
+pub const MARKER_FILE: &str = "KVCELLAR_DISK";
+pub const CLEAN_FILE: &str = "clean";
+const LOCK_FILE: &str = "lock";
+const MARKER_TEXT: &str = "kvcellar disk format 1\n";
+
+/// Why a disk operation did not complete.
+#[derive(Debug, thiserror::Error)]
+pub enum DiskError {
+    #[error("disk {0} is out of service")]
+    Failed(String),
+    #[error("no space on disk {0}")]
+    Full(String),
+    #[error("record of {0} bytes exceeds the disk cap")]
+    TooLarge(u64),
+}
+
+/// Result of a put on one disk.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PutResult {
+    Stored,
+    Duplicate,
+}
+
+/// Result of a lookup on one disk.
+pub enum Lookup {
+    Hit(PooledBuf),
+    Mismatch,
+    Miss,
+}
+
+/// Space a record occupies; returned to the allocator when the last pin drops.
+struct Extent {
+    off: u64,
+    len: u64,
+    /// False for records recovered after an unclean stop until their payload
+    /// CRC has been checked once.
+    verified: AtomicBool,
+    released: Arc<Mutex<Vec<(u64, u64)>>>,
+}
+
+impl Drop for Extent {
+    fn drop(&mut self) {
+        lock(&self.released).push((self.off, self.len));
+    }
+}
+
+struct Entry {
+    ext: Arc<Extent>,
+    header: PageHeader,
+    header_bytes: [u8; HEADER_LEN],
+}
+
+struct State {
+    index: LruCache<Box<[u8]>, Entry>,
+    alloc: Allocator,
+    /// Bytes of allocated extents, pinned-but-evicted ones included.
+    used: u64,
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// What recovery found on one disk.
+#[derive(Debug, Default, Clone)]
+pub struct RecoveryReport {
+    pub records: u64,
+    pub clean: bool,
+    pub reclaimed: u64,
+    pub stray_temp_files: u64,
+    pub torn_journal_bytes: u64,
+}
+
+pub struct Disk {
+    pub id: String,
+    pub dir: PathBuf,
+    cap: u64,
+    dev: Box<dyn Device>,
+    state: Mutex<State>,
+    released: Arc<Mutex<Vec<(u64, u64)>>>,
+    journal: Mutex<Journal>,
+    failed: AtomicBool,
+    failure: Mutex<Option<String>>,
+    evictions: AtomicU64,
+    corrupt_dropped: AtomicU64,
+    appends_since_sync: AtomicU64,
+    _lock: File,
+}
+
+fn take_dir_lock(dir: &Path) -> io::Result<File> {
+    let f = OpenOptions::new().create(true).truncate(false).write(true).open(dir.join(LOCK_FILE))?;
+    // SAFETY: flock on a descriptor we own for the lifetime of the call.
+    let rc = unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) };
+    if rc != 0 {
+        return Err(io::Error::new(
+            io::ErrorKind::WouldBlock,
+            format!("{} is in use by another kv-server", dir.display()),
+        ));
+    }
+    Ok(f)
+}
+
+impl Disk {
+    /// Opens (initialising if empty) the disk at `dir` and recovers its index.
+    pub fn open(id: String, dir: &Path, cap: u64, dev: Box<dyn Device>) -> io::Result<(Disk, RecoveryReport)> {
+        let lockf = take_dir_lock(dir)?;
+        let marker = dir.join(MARKER_FILE);
+        match std::fs::read_to_string(&marker) {
+            Ok(t) if t == MARKER_TEXT => {}
+            Ok(_) => {
+                return Err(io::Error::new(
+                    io::ErrorKind::InvalidData,
+                    format!("{} holds an unknown kvcellar disk format", dir.display()),
+                ))
+            }
+            Err(e) if e.kind() == io::ErrorKind::NotFound => {
+                if dir.join(journal::JOURNAL_FILE).exists() {
+                    return Err(io::Error::new(
+                        io::ErrorKind::InvalidData,
+                        format!("{} has an index but no {MARKER_FILE} marker: refusing to guess", dir.display()),
+                    ));
+                }
+                std::fs::write(&marker, MARKER_TEXT)?;
+            }
+            Err(e) => return Err(e),
+        }
+        let mut report = RecoveryReport::default();
+        let clean_path = dir.join(CLEAN_FILE);
+        report.clean = clean_path.exists();
+        if report.clean {
+            std::fs::remove_file(&clean_path)?;
+        }
+        for e in std::fs::read_dir(dir)? {
+            let p = e?.path();
+            if p.extension().is_some_and(|x| x == "tmp") {
+                std::fs::remove_file(&p)?;
+                report.stray_temp_files += 1;
+            }
+        }
+        journal::sync_dir(dir)?;
+
+        let limit = cap / ALIGN as u64 * ALIGN as u64;
+        let replay = Journal::replay(dir)?;
+        report.torn_journal_bytes = replay.torn_bytes;
+        let released = Arc::new(Mutex::new(Vec::new()));
+        let mut index: LruCache<Box<[u8]>, Entry> = LruCache::unbounded();
+        let file_len = dev.len()?;
+        for e in replay.entries {
+            match e {
+                Replayed::Put { off, alloc_len, header, key } => {
+                    let ok = PageHeader::decode(&header).ok().filter(|h| {
+                        h.check_key(&key).is_ok()
+                            && off % ALIGN as u64 == 0
+                            && alloc_len == align_up(h.record_len())
+                            && off + alloc_len <= file_len.min(limit)
+                    });
+                    let Some(h) = ok else {
+                        report.reclaimed += 1;
+                        index.pop(&key[..]);
+                        continue;
+                    };
+                    let ext = Arc::new(Extent {
+                        off,
+                        len: alloc_len,
+                        verified: AtomicBool::new(report.clean),
+                        released: released.clone(),
+                    });
+                    index.put(key.into_boxed_slice(), Entry { ext, header: h, header_bytes: header });
+                }
+                Replayed::Del { key } => {
+                    index.pop(&key[..]);
+                }
+            }
+        }
+        // Carve the live extents out of free space; an overlap (only possible
+        // after a lost DEL) keeps the newer record.
+        let mut alloc = Allocator::new(limit);
+        let mut by_age: Vec<(Box<[u8]>, u64, u64)> =
+            index.iter().map(|(k, e)| (k.clone(), e.ext.off, e.ext.len)).collect();
+        by_age.reverse(); // oldest first
+        let mut used = 0;
+        let mut order: Vec<usize> = (0..by_age.len()).collect();
+        order.sort_by_key(|&i| std::cmp::Reverse(i)); // newest first wins overlaps
+        for i in order {
+            let (k, off, len) = &by_age[i];
+            if alloc.reserve(*off, *len) {
+                used += len;
+            } else {
+                index.pop(&k[..]);
+                report.reclaimed += 1;
+            }
+        }
+        // The extents just dropped were never reserved; forget their releases.
+        lock(&released).clear();
+        if file_len != limit {
+            dev.set_len(limit)?;
+        }
+        report.records = index.len() as u64;
+        let journal = Journal::rewrite(
+            dir,
+            index.iter().rev().map(|(k, e)| journal::Entry::Put {
+                off: e.ext.off,
+                alloc_len: e.ext.len,
+                header: &e.header_bytes,
+                key: k,
+            }),
+        )?;
+        let disk = Disk {
+            id,
+            dir: dir.to_path_buf(),
+            cap: limit,
+            dev,
+            state: Mutex::new(State { index, alloc, used }),
+            released,
+            journal: Mutex::new(journal),
+            failed: AtomicBool::new(false),
+            failure: Mutex::new(None),
+            evictions: AtomicU64::new(0),
+            corrupt_dropped: AtomicU64::new(0),
+            appends_since_sync: AtomicU64::new(0),
+            _lock: lockf,
+        };
+        Ok((disk, report))
+    }
+
+    pub fn cap(&self) -> u64 {
+        self.cap
+    }
+
+    pub fn is_failed(&self) -> bool {
+        self.failed.load(Ordering::Acquire)
+    }
+
+    /// Takes the disk out of service (idempotent). Returns true the first time.
+    pub fn fail(&self, reason: &str) -> bool {
+        if self.failed.swap(true, Ordering::AcqRel) {
+            return false;
+        }
+        tracing::error!(disk = %self.id, dir = %self.dir.display(), reason, "disk taken out of service");
+        *lock(&self.failure) = Some(reason.to_string());
+        let mut st = lock(&self.state);
+        st.index.clear();
+        true
+    }
+
+    fn io_failed(&self, what: &str, e: &io::Error) -> DiskError {
+        self.fail(&format!("{what}: {e}"));
+        DiskError::Failed(self.id.clone())
+    }
+
+    fn drain_released(&self, st: &mut State) {
+        let mut r = lock(&self.released);
+        for (off, len) in r.drain(..) {
+            st.alloc.free(off, len);
+            st.used -= len;
+        }
+    }
+
+    /// Evicts the least recently used record. False when the index is empty.
+    fn evict_one(&self, st: &mut State) -> bool {
+        let Some((key, entry)) = st.index.pop_lru() else {
+            return false;
+        };
+        self.evictions.fetch_add(1, Ordering::Relaxed);
+        if let Err(e) = lock(&self.journal).append(journal::Entry::Del { key: &key }) {
+            self.fail(&format!("index journal write: {e}"));
+        }
+        drop(entry);
+        self.drain_released(st);
+        true
+    }
+
+    /// Stores a validated record (`rec` holds exactly its bytes).
+    pub fn put(&self, rec: &mut PooledBuf, key: &[u8], header: &PageHeader) -> Result<PutResult, DiskError> {
+        if self.is_failed() {
+            return Err(DiskError::Failed(self.id.clone()));
+        }
+        let alloc_len = align_up(rec.len() as u64);
+        if alloc_len > self.cap {
+            return Err(DiskError::TooLarge(rec.len() as u64));
+        }
+        let off = {
+            let mut st = lock(&self.state);
+            self.drain_released(&mut st);
+            if st.index.contains(key) {
+                return Ok(PutResult::Duplicate);
+            }
+            while st.used + alloc_len > self.cap {
+                if !self.evict_one(&mut st) {
+                    break;
+                }
+            }
+            let off = loop {
+                if st.used + alloc_len <= self.cap {
+                    if let Some(off) = st.alloc.alloc(alloc_len) {
+                        break off;
+                    }
+                }
+                if !self.evict_one(&mut st) {
+                    // Everything evicted is still pinned by readers.
+                    return Err(DiskError::Full(self.id.clone()));
+                }
+            };
+            st.used += alloc_len;
+            off
+        };
+        let padded = rec.pad_to_align();
+        debug_assert_eq!(padded as u64, alloc_len);
+        if let Err(e) = self.dev.write_at(rec.prefix(padded), off) {
+            let mut st = lock(&self.state);
+            st.alloc.free(off, alloc_len);
+            st.used -= alloc_len;
+            drop(st);
+            return Err(match e.raw_os_error() {
+                Some(libc::ENOSPC) | Some(libc::EDQUOT) => DiskError::Full(self.id.clone()),
+                _ => self.io_failed("data write", &e),
+            });
+        }
+        let mut header_bytes = [0u8; HEADER_LEN];
+        header_bytes.copy_from_slice(&rec.as_slice()[..HEADER_LEN]);
+        let ext = Arc::new(Extent {
+            off,
+            len: alloc_len,
+            verified: AtomicBool::new(true),
+            released: self.released.clone(),
+        });
+        let mut st = lock(&self.state);
+        if st.index.contains(key) || self.is_failed() {
+            // A concurrent put of the same key won (write-once), or the disk
+            // failed meanwhile; our extent goes back when `ext` drops.
+            drop(ext);
+            self.drain_released(&mut st);
+            return if self.is_failed() {
+                Err(DiskError::Failed(self.id.clone()))
+            } else {
+                Ok(PutResult::Duplicate)
+            };
+        }
+        let appended = lock(&self.journal).append(journal::Entry::Put {
+            off,
+            alloc_len,
+            header: &header_bytes,
+            key,
+        });
+        if let Err(e) = appended {
+            drop(ext);
+            self.drain_released(&mut st);
+            drop(st);
+            return Err(self.io_failed("index journal write", &e));
+        }
+        self.appends_since_sync.fetch_add(1, Ordering::Relaxed);
+        st.index.put(key.into(), Entry { ext, header: *header, header_bytes });
+        Ok(PutResult::Stored)
+    }
+
+    /// Reads a record. With `geo`, a record of another geometry is a
+    /// mismatch and is not read. `promote` refreshes its recency.
+    pub fn get(&self, key: &[u8], geo: Option<&Geometry>, pool: &BufPool, promote: bool) -> Result<Lookup, DiskError> {
+        if self.is_failed() {
+            return Ok(Lookup::Miss);
+        }
+        let (ext, header, header_bytes) = {
+            let mut st = lock(&self.state);
+            let e = if promote { st.index.get(key) } else { st.index.peek(key) };
+            match e {
+                None => return Ok(Lookup::Miss),
+                Some(e) if geo.is_some_and(|g| !g.matches(&e.header)) => return Ok(Lookup::Mismatch),
+                Some(e) => (e.ext.clone(), e.header, e.header_bytes),
+            }
+        };
+        let mut buf = pool.get(ext.len as usize);
+        let n = ext.len as usize;
+        if let Err(e) = self.dev.read_at(&mut buf.full_mut()[..n], ext.off) {
+            if e.kind() == io::ErrorKind::UnexpectedEof {
+                self.drop_damaged(key, &ext, "record cut short");
+                return Ok(Lookup::Miss);
+            }
+            return Err(self.io_failed("data read", &e));
+        }
+        buf.set_len(header.record_len() as usize);
+        let rec = buf.as_slice();
+        let key_ok = &rec[HEADER_LEN..HEADER_LEN + key.len()] == key;
+        if rec[..HEADER_LEN] != header_bytes || !key_ok {
+            self.drop_damaged(key, &ext, "stored header or key differs from the index");
+            return Ok(Lookup::Miss);
+        }
+        if !ext.verified.load(Ordering::Acquire) {
+            let payload = &rec[HEADER_LEN + key.len()..];
+            if crc32fast::hash(payload) != header.payload_crc {
+                self.drop_damaged(key, &ext, "payload checksum failed");
+                return Ok(Lookup::Miss);
+            }
+            ext.verified.store(true, Ordering::Release);
+        }
+        Ok(Lookup::Hit(buf))
+    }
+
+    fn drop_damaged(&self, key: &[u8], ext: &Arc<Extent>, why: &str) {
+        let mut st = lock(&self.state);
+        let same = st.index.peek(key).is_some_and(|e| Arc::ptr_eq(&e.ext, ext));
+        if same {
+            st.index.pop(key);
+            self.corrupt_dropped.fetch_add(1, Ordering::Relaxed);
+            tracing::warn!(disk = %self.id, key = %String::from_utf8_lossy(key), why, "damaged record dropped");
+            if let Err(e) = lock(&self.journal).append(journal::Entry::Del { key }) {
+                self.fail(&format!("index journal write: {e}"));
+            }
+        }
+    }
+
+    /// KV_OK / KV_MISS / KV_MISMATCH for a key, from memory only.
+    pub fn exist(&self, key: &[u8], geo: Option<&Geometry>) -> Option<bool> {
+        if self.is_failed() {
+            return None;
+        }
+        let st = lock(&self.state);
+        st.index.peek(key).map(|e| geo.is_none_or(|g| g.matches(&e.header)))
+    }
+
+    pub fn contains(&self, key: &[u8]) -> bool {
+        !self.is_failed() && lock(&self.state).index.contains(key)
+    }
+
+    /// Removes a record. True when it was present.
+    pub fn delete(&self, key: &[u8]) -> bool {
+        if self.is_failed() {
+            return false;
+        }
+        let mut st = lock(&self.state);
+        let Some(entry) = st.index.pop(key) else {
+            return false;
+        };
+        if let Err(e) = lock(&self.journal).append(journal::Entry::Del { key }) {
+            drop(st);
+            self.fail(&format!("index journal write: {e}"));
+            return true;
+        }
+        drop(entry);
+        self.drain_released(&mut st);
+        true
+    }
+
+    /// Keys recovered after an unclean stop whose payload is not yet checked.
+    pub fn unverified(&self, max: usize) -> Vec<Box<[u8]>> {
+        let st = lock(&self.state);
+        st.index
+            .iter()
+            .filter(|(_, e)| !e.ext.verified.load(Ordering::Relaxed))
+            .take(max)
+            .map(|(k, _)| k.clone())
+            .collect()
+    }
+
+    /// Flushes the journal; rewrites it when superseded entries dominate.
+    pub fn maintain(&self) -> io::Result<()> {
+        if self.is_failed() {
+            return Ok(());
+        }
+        if !self.dir.join(MARKER_FILE).exists() {
+            self.fail("disk directory or its marker vanished");
+            return Ok(());
+        }
+        let live = lock(&self.state).index.len() as u64;
+        let entries = lock(&self.journal).entries();
+        if entries > 2 * live + 4096 {
+            return self.checkpoint();
+        }
+        if self.appends_since_sync.swap(0, Ordering::Relaxed) > 0 {
+            let r = lock(&self.journal).sync();
+            if let Err(e) = &r {
+                self.fail(&format!("index journal sync: {e}"));
+            }
+            return r;
+        }
+        Ok(())
+    }
+
+    /// Rewrites the journal from the live index, oldest first.
+    pub fn checkpoint(&self) -> io::Result<()> {
+        let st = lock(&self.state);
+        let mut j = lock(&self.journal);
+        let fresh = Journal::rewrite(
+            &self.dir,
+            st.index.iter().rev().map(|(k, e)| journal::Entry::Put {
+                off: e.ext.off,
+                alloc_len: e.ext.len,
+                header: &e.header_bytes,
+                key: k,
+            }),
+        )?;
+        *j = fresh;
+        self.appends_since_sync.store(0, Ordering::Relaxed);
+        Ok(())
+    }
+
+    /// Clean stop: checkpoint, then the marker that lets the next start trust
+    /// every record without re-checking payloads.
+    pub fn close(&self) -> io::Result<()> {
+        if self.is_failed() {
+            return Ok(());
+        }
+        self.checkpoint()?;
+        std::fs::write(self.dir.join(CLEAN_FILE), b"clean\n")?;
+        journal::sync_dir(&self.dir)
+    }
+
+    pub fn stats(&self) -> DiskStats {
+        let mut st = lock(&self.state);
+        self.drain_released(&mut st);
+        DiskStats {
+            id: self.id.clone(),
+            dir: self.dir.display().to_string(),
+            used_bytes: st.used,
+            capacity_bytes: self.cap,
+            objects: st.index.len() as u64,
+            evictions: self.evictions.load(Ordering::Relaxed),
+            failed: self.is_failed(),
+            failure: lock(&self.failure).clone(),
+        }
+    }
+
+    pub fn corrupt_dropped(&self) -> u64 {
+        self.corrupt_dropped.load(Ordering::Relaxed)
+    }
+
+    /// Where a record lives (tests and tools): (offset, extent length).
+    pub fn locate(&self, key: &[u8]) -> Option<(u64, u64)> {
+        lock(&self.state).index.peek(key).map(|e| (e.ext.off, e.ext.len))
+    }
+}

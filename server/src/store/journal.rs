@@ -1,0 +1,234 @@
+//! The per-disk index journal, `index.log`.
+//!
+//! Data extents carry only page records; where each record lives is kept here,
+//! in an append-only log of CRC-framed entries: PUT (offset, extent length,
+//! the 64-byte page header, the key) after a record's data is on media, DEL
+//! when a record is evicted or deleted (always before its space is reused).
+//! Recovery replays the log and stops at the first entry that does not
+//! validate (a torn tail), so it reads one sequential file and never the data.
+//! The log is rewritten from the live index (oldest first, so replay restores
+//! recency) at start, at clean shutdown and whenever it grows to twice the
+//! live set; the rewrite goes to a temp file that is renamed into place.
+
+use std::fs::{File, OpenOptions};
+use std::io::{self, BufWriter, Read, Write};
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+
+use kv_common::page::HEADER_LEN;
+
+pub const JOURNAL_FILE: &str = "index.log";
+const MAGIC: u32 = 0x4A43_564B; // "KVCJ"
+const VERSION: u32 = 1;
+const FILE_HEADER_LEN: u64 = 16;
+const KIND_PUT: u8 = 1;
+const KIND_DEL: u8 = 2;
+/// Largest entry payload: kind, offset, length, header, longest key.
+const MAX_ENTRY: usize = 1 + 8 + 8 + HEADER_LEN + kv_common::page::MAX_KEY_LEN;
+
+/// A replayed entry.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Replayed {
+    Put { off: u64, alloc_len: u64, header: [u8; HEADER_LEN], key: Vec<u8> },
+    Del { key: Vec<u8> },
+}
+
+/// An entry to append.
+#[derive(Debug, Clone, Copy)]
+pub enum Entry<'a> {
+    Put { off: u64, alloc_len: u64, header: &'a [u8; HEADER_LEN], key: &'a [u8] },
+    Del { key: &'a [u8] },
+}
+
+fn encode(e: &Entry<'_>, out: &mut Vec<u8>) {
+    let start = out.len();
+    out.extend_from_slice(&[0u8; 8]);
+    match e {
+        Entry::Put { off, alloc_len, header, key } => {
+            out.push(KIND_PUT);
+            out.extend_from_slice(&off.to_le_bytes());
+            out.extend_from_slice(&alloc_len.to_le_bytes());
+            out.extend_from_slice(&header[..]);
+            out.extend_from_slice(key);
+        }
+        Entry::Del { key } => {
+            out.push(KIND_DEL);
+            out.extend_from_slice(key);
+        }
+    }
+    let body_len = (out.len() - start - 8) as u32;
+    let crc = crc32fast::hash(&out[start + 8..]);
+    out[start..start + 4].copy_from_slice(&body_len.to_le_bytes());
+    out[start + 4..start + 8].copy_from_slice(&crc.to_le_bytes());
+}
+
+fn decode(body: &[u8]) -> Option<Replayed> {
+    let (&kind, rest) = body.split_first()?;
+    match kind {
+        KIND_PUT if rest.len() > 16 + HEADER_LEN => {
+            let off = u64::from_le_bytes(rest[0..8].try_into().ok()?);
+            let alloc_len = u64::from_le_bytes(rest[8..16].try_into().ok()?);
+            let mut header = [0u8; HEADER_LEN];
+            header.copy_from_slice(&rest[16..16 + HEADER_LEN]);
+            Some(Replayed::Put { off, alloc_len, header, key: rest[16 + HEADER_LEN..].to_vec() })
+        }
+        KIND_DEL if !rest.is_empty() => Some(Replayed::Del { key: rest.to_vec() }),
+        _ => None,
+    }
+}
+
+/// Result of reading a journal.
+pub struct Replay {
+    pub entries: Vec<Replayed>,
+    /// Bytes after the last valid entry (a torn tail), dropped.
+    pub torn_bytes: u64,
+}
+
+/// An open journal, appended to at its tail.
+pub struct Journal {
+    path: PathBuf,
+    file: File,
+    tail: u64,
+    entries: u64,
+    scratch: Vec<u8>,
+}
+
+impl Journal {
+    /// Reads `dir/index.log` (missing: empty). Does not modify it.
+    pub fn replay(dir: &Path) -> io::Result<Replay> {
+        let path = dir.join(JOURNAL_FILE);
+        let mut data = Vec::new();
+        match File::open(&path) {
+            Ok(mut f) => {
+                f.read_to_end(&mut data)?;
+            }
+            Err(e) if e.kind() == io::ErrorKind::NotFound => {
+                return Ok(Replay { entries: Vec::new(), torn_bytes: 0 })
+            }
+            Err(e) => return Err(e),
+        }
+        if data.len() < FILE_HEADER_LEN as usize {
+            return Ok(Replay { entries: Vec::new(), torn_bytes: data.len() as u64 });
+        }
+        let magic = u32::from_le_bytes(data[0..4].try_into().expect("4 bytes"));
+        let version = u32::from_le_bytes(data[4..8].try_into().expect("4 bytes"));
+        if magic != MAGIC || version != VERSION {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidData,
+                format!("{} is not a kvcellar v{VERSION} index journal", path.display()),
+            ));
+        }
+        let mut entries = Vec::new();
+        let mut at = FILE_HEADER_LEN as usize;
+        while data.len() - at >= 8 {
+            let len = u32::from_le_bytes(data[at..at + 4].try_into().expect("4 bytes")) as usize;
+            let crc = u32::from_le_bytes(data[at + 4..at + 8].try_into().expect("4 bytes"));
+            if len == 0 || len > MAX_ENTRY || data.len() - at - 8 < len {
+                break;
+            }
+            let body = &data[at + 8..at + 8 + len];
+            if crc32fast::hash(body) != crc {
+                break;
+            }
+            match decode(body) {
+                Some(e) => entries.push(e),
+                None => break,
+            }
+            at += 8 + len;
+        }
+        Ok(Replay { entries, torn_bytes: (data.len() - at) as u64 })
+    }
+
+    /// Writes a fresh journal holding `live` (oldest first) via a temp file
+    /// renamed into place, and opens it for appending.
+    pub fn rewrite<'a, I>(dir: &Path, live: I) -> io::Result<Journal>
+    where
+        I: IntoIterator<Item = Entry<'a>>,
+    {
+        let path = dir.join(JOURNAL_FILE);
+        let tmp = dir.join(format!("{JOURNAL_FILE}.tmp"));
+        let f = File::create(&tmp)?;
+        let mut w = BufWriter::with_capacity(1 << 20, f);
+        let mut head = [0u8; FILE_HEADER_LEN as usize];
+        head[0..4].copy_from_slice(&MAGIC.to_le_bytes());
+        head[4..8].copy_from_slice(&VERSION.to_le_bytes());
+        w.write_all(&head)?;
+        let mut tail = FILE_HEADER_LEN;
+        let mut entries = 0;
+        let mut buf = Vec::with_capacity(MAX_ENTRY + 8);
+        for e in live {
+            buf.clear();
+            encode(&e, &mut buf);
+            w.write_all(&buf)?;
+            tail += buf.len() as u64;
+            entries += 1;
+        }
+        let f = w.into_inner().map_err(|e| e.into_error())?;
+        f.sync_data()?;
+        drop(f);
+        std::fs::rename(&tmp, &path)?;
+        sync_dir(dir)?;
+        let file = OpenOptions::new().read(true).write(true).open(&path)?;
+        Ok(Journal { path, file, tail, entries, scratch: Vec::with_capacity(MAX_ENTRY + 8) })
+    }
+
+    /// Appends one entry (buffered: survives a process crash at once, the
+    /// device after the next [`Journal::sync`]).
+    pub fn append(&mut self, e: Entry<'_>) -> io::Result<()> {
+        self.scratch.clear();
+        encode(&e, &mut self.scratch);
+        self.file.write_all_at(&self.scratch, self.tail)?;
+        self.tail += self.scratch.len() as u64;
+        self.entries += 1;
+        Ok(())
+    }
+
+    /// Flushes appended entries to the device.
+    pub fn sync(&self) -> io::Result<()> {
+        self.file.sync_data()
+    }
+
+    /// Entries in the file (live and superseded).
+    pub fn entries(&self) -> u64 {
+        self.entries
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+}
+
+/// fsyncs a directory so a rename or create in it is durable.
+pub fn sync_dir(dir: &Path) -> io::Result<()> {
+    File::open(dir)?.sync_all()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn append_replay_and_torn_tail() {
+        let dir = tempfile::tempdir().unwrap();
+        let h = [7u8; HEADER_LEN];
+        let mut j = Journal::rewrite(dir.path(), [Entry::Put { off: 0, alloc_len: 4096, header: &h, key: b"a" }]).unwrap();
+        j.append(Entry::Put { off: 4096, alloc_len: 8192, header: &h, key: b"b" }).unwrap();
+        j.append(Entry::Del { key: b"a" }).unwrap();
+        let r = Journal::replay(dir.path()).unwrap();
+        assert_eq!(r.torn_bytes, 0);
+        assert_eq!(r.entries.len(), 3);
+        assert_eq!(r.entries[2], Replayed::Del { key: b"a".to_vec() });
+        // Tear the last entry: replay keeps the first two and reports the rest.
+        let p = dir.path().join(JOURNAL_FILE);
+        let len = std::fs::metadata(&p).unwrap().len();
+        let f = OpenOptions::new().write(true).open(&p).unwrap();
+        f.set_len(len - 2).unwrap();
+        let r = Journal::replay(dir.path()).unwrap();
+        assert_eq!(r.entries.len(), 2);
+        assert!(r.torn_bytes > 0);
+        // A flipped byte inside an entry ends replay there too.
+        let f = OpenOptions::new().write(true).open(&p).unwrap();
+        f.write_all_at(&[0xFF], FILE_HEADER_LEN + 20).unwrap();
+        assert_eq!(Journal::replay(dir.path()).unwrap().entries.len(), 0);
+    }
+}

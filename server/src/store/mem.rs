@@ -1,0 +1,68 @@
+//! The optional DRAM tier (`--mem-cap`): recently written and read records,
+//! held as the same buffers the disk path filled (no extra copy), bounded
+//! exactly by the bytes those buffers occupy.
+
+use std::sync::{Arc, Mutex};
+
+use lru::LruCache;
+
+use super::buf::PooledBuf;
+
+pub struct MemTier {
+    cap: u64,
+    inner: Mutex<Inner>,
+}
+
+struct Inner {
+    lru: LruCache<Box<[u8]>, Arc<PooledBuf>>,
+    used: u64,
+}
+
+impl MemTier {
+    pub fn new(cap: u64) -> MemTier {
+        MemTier { cap, inner: Mutex::new(Inner { lru: LruCache::unbounded(), used: 0 }) }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
+        self.inner.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Keeps `rec` under `key`, evicting the least recent to stay within cap.
+    pub fn insert(&self, key: &[u8], rec: Arc<PooledBuf>) {
+        let size = rec.capacity() as u64;
+        if size > self.cap {
+            return;
+        }
+        let mut g = self.lock();
+        if g.lru.contains(key) {
+            return;
+        }
+        while g.used + size > self.cap {
+            match g.lru.pop_lru() {
+                Some((_, old)) => g.used -= old.capacity() as u64,
+                None => break,
+            }
+        }
+        g.used += size;
+        g.lru.put(key.into(), rec);
+    }
+
+    pub fn get(&self, key: &[u8]) -> Option<Arc<PooledBuf>> {
+        self.lock().lru.get(key).cloned()
+    }
+
+    pub fn remove(&self, key: &[u8]) {
+        let mut g = self.lock();
+        if let Some(old) = g.lru.pop(key) {
+            g.used -= old.capacity() as u64;
+        }
+    }
+
+    pub fn used(&self) -> u64 {
+        self.lock().used
+    }
+
+    pub fn cap(&self) -> u64 {
+        self.cap
+    }
+}

@@ -1,0 +1,391 @@
+//! The multi-disk page store: placement among disks (DESIGN.md §3), an
+//! optional memory tier, counters. Blocking API: the server calls the
+//! I/O methods from the blocking pool, never on the async reactor.
+//!
+//! Layers: [`device::Device`] (aligned positional I/O, faults injectable),
+//! [`alloc::Allocator`] (extents), [`journal::Journal`] (index log),
+//! [`disk::Disk`] (one disk: index, eviction, recovery), [`mem::MemTier`].
+
+pub mod alloc;
+pub mod buf;
+pub mod device;
+pub mod disk;
+pub mod journal;
+pub mod mem;
+
+use std::io;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, RwLock};
+use std::time::Instant;
+
+use kv_common::page::{parse_record, Geometry, HeaderError, PageHeader};
+use kv_common::ring::{Ring, RingMember};
+use kv_common::stats::NodeStats;
+
+pub use buf::{AlignedBuf, BufPool, PooledBuf};
+pub use device::{Device, FileDevice};
+pub use disk::{Disk, DiskError, Lookup, PutResult, RecoveryReport};
+
+/// One `--dir` with its byte cap.
+#[derive(Debug, Clone)]
+pub struct DiskSpec {
+    pub dir: PathBuf,
+    pub cap: u64,
+}
+
+#[derive(Debug, Clone)]
+pub struct StoreConfig {
+    pub disks: Vec<DiskSpec>,
+    /// Bytes of the memory tier; 0 turns it off.
+    pub mem_cap: u64,
+    /// O_DSYNC data writes (on media when acknowledged). Tests may turn it off.
+    pub sync_writes: bool,
+    /// Bytes of idle I/O buffers kept for reuse.
+    pub pool_bytes: usize,
+}
+
+/// Why a store operation failed (mapped to a wire status in one place).
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    #[error("invalid record: {0}")]
+    BadRecord(#[from] HeaderError),
+    #[error("no disk in service")]
+    NoDisk,
+    #[error("store full: {0}")]
+    Full(String),
+    #[error("record too large: {0}")]
+    TooLarge(String),
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PutOutcome {
+    Stored,
+    Duplicate,
+}
+
+pub enum GetOutcome {
+    Hit(Arc<PooledBuf>),
+    Mismatch,
+    Miss,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Presence {
+    Present,
+    Mismatch,
+    Absent,
+}
+
+struct DiskRing {
+    ring: Ring,
+    /// Ring member index -> disk index.
+    disk_of: Vec<usize>,
+}
+
+#[derive(Default)]
+struct Counters {
+    hits: AtomicU64,
+    misses: AtomicU64,
+    mismatches: AtomicU64,
+    puts: AtomicU64,
+    put_duplicates: AtomicU64,
+    put_rejected: AtomicU64,
+    bytes_read: AtomicU64,
+    bytes_written: AtomicU64,
+    mem_hits: AtomicU64,
+}
+
+pub struct Store {
+    disks: Vec<Arc<Disk>>,
+    ring: RwLock<Arc<DiskRing>>,
+    mem: Option<mem::MemTier>,
+    pool: BufPool,
+    c: Counters,
+    started: Instant,
+}
+
+/// A device factory: the real one opens `data.kvc` with O_DIRECT.
+pub type DeviceFactory<'a> = &'a (dyn Fn(&Path, bool) -> io::Result<Box<dyn Device>> + Sync);
+
+fn file_device(path: &Path, sync: bool) -> io::Result<Box<dyn Device>> {
+    Ok(Box::new(FileDevice::open(path, sync)?))
+}
+
+/// Weight of a disk in placement: its cap in GiB, at least 1 (DESIGN §3).
+pub fn disk_weight(cap: u64) -> u32 {
+    (cap >> 30).clamp(1, u32::MAX as u64) as u32
+}
+
+impl Store {
+    pub fn open(cfg: &StoreConfig) -> Result<(Store, Vec<RecoveryReport>), String> {
+        Store::open_with(cfg, &file_device)
+    }
+
+    /// Opens every disk (in parallel) with devices from `make`.
+    pub fn open_with(cfg: &StoreConfig, make: DeviceFactory<'_>) -> Result<(Store, Vec<RecoveryReport>), String> {
+        if cfg.disks.is_empty() {
+            return Err("no --dir given".into());
+        }
+        let opened: Vec<Result<(Disk, RecoveryReport), String>> = std::thread::scope(|s| {
+            let handles: Vec<_> = cfg
+                .disks
+                .iter()
+                .enumerate()
+                .map(|(i, spec)| {
+                    s.spawn(move || {
+                        let dir = &spec.dir;
+                        let ctx = |e: io::Error| format!("disk dir {}: {e}", dir.display());
+                        std::fs::create_dir_all(dir).map_err(ctx)?;
+                        let dev = make(&dir.join(disk::DATA_FILE), cfg.sync_writes).map_err(ctx)?;
+                        Disk::open(format!("disk{i}"), dir, spec.cap, dev).map_err(ctx)
+                    })
+                })
+                .collect();
+            handles
+                .into_iter()
+                .map(|h| h.join().unwrap_or_else(|_| Err("disk recovery panicked".into())))
+                .collect()
+        });
+        let mut disks = Vec::new();
+        let mut reports = Vec::new();
+        for r in opened {
+            let (d, rep) = r?;
+            disks.push(Arc::new(d));
+            reports.push(rep);
+        }
+        let store = Store {
+            disks,
+            ring: RwLock::new(Arc::new(DiskRing { ring: Ring::default(), disk_of: vec![] })),
+            mem: (cfg.mem_cap > 0).then(|| mem::MemTier::new(cfg.mem_cap)),
+            pool: BufPool::new(cfg.pool_bytes),
+            c: Counters::default(),
+            started: Instant::now(),
+        };
+        store.rebuild_ring();
+        Ok((store, reports))
+    }
+
+    /// Places keys over the disks in service.
+    fn rebuild_ring(&self) {
+        let mut members = Vec::new();
+        let mut disk_of = Vec::new();
+        for (i, d) in self.disks.iter().enumerate() {
+            if !d.is_failed() {
+                members.push(RingMember { id: d.id.clone(), weight: disk_weight(d.cap()) });
+                disk_of.push(i);
+            }
+        }
+        let r = Arc::new(DiskRing { ring: Ring::new(members), disk_of });
+        *self.ring.write().unwrap_or_else(|e| e.into_inner()) = r;
+    }
+
+    fn ring(&self) -> Arc<DiskRing> {
+        self.ring.read().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    /// The disk (index) that owns `key` among disks in service.
+    pub fn owner(&self, key: &[u8]) -> Option<usize> {
+        let r = self.ring();
+        r.ring.owner(key).map(|m| r.disk_of[m])
+    }
+
+    /// Disk indices to search for `key`: its owner first, then the others
+    /// (records stay findable after a disk failure or a cap change moved
+    /// placement).
+    fn search_order(&self, key: &[u8]) -> impl Iterator<Item = usize> + '_ {
+        let first = self.owner(key);
+        first.into_iter().chain((0..self.disks.len()).filter(move |&i| Some(i) != first))
+    }
+
+    pub fn pool(&self) -> &BufPool {
+        &self.pool
+    }
+
+    pub fn disks(&self) -> &[Arc<Disk>] {
+        &self.disks
+    }
+
+    /// Stores a whole record held in `rec`. Blocking.
+    pub fn put(&self, mut rec: PooledBuf) -> Result<PutOutcome, StoreError> {
+        let (header, key) = parse_record(rec.as_slice())?;
+        let key = key.to_vec();
+        if self.disks.iter().any(|d| d.contains(&key)) {
+            self.c.put_duplicates.fetch_add(1, Ordering::Relaxed);
+            return Ok(PutOutcome::Duplicate);
+        }
+        for _attempt in 0..2 {
+            let Some(i) = self.owner(&key) else {
+                self.c.put_rejected.fetch_add(1, Ordering::Relaxed);
+                return Err(StoreError::NoDisk);
+            };
+            match self.disks[i].put(&mut rec, &key, &header) {
+                Ok(PutResult::Duplicate) => {
+                    self.c.put_duplicates.fetch_add(1, Ordering::Relaxed);
+                    return Ok(PutOutcome::Duplicate);
+                }
+                Ok(PutResult::Stored) => {
+                    self.c.puts.fetch_add(1, Ordering::Relaxed);
+                    self.c.bytes_written.fetch_add(rec.len() as u64, Ordering::Relaxed);
+                    if let Some(m) = &self.mem {
+                        m.insert(&key, Arc::new(rec));
+                    }
+                    return Ok(PutOutcome::Stored);
+                }
+                Err(DiskError::Failed(_)) => self.rebuild_ring(),
+                Err(DiskError::Full(d)) => {
+                    self.c.put_rejected.fetch_add(1, Ordering::Relaxed);
+                    return Err(StoreError::Full(d));
+                }
+                Err(DiskError::TooLarge(n)) => {
+                    self.c.put_rejected.fetch_add(1, Ordering::Relaxed);
+                    return Err(StoreError::TooLarge(format!("{n} bytes exceed the disk cap")));
+                }
+            }
+        }
+        self.c.put_rejected.fetch_add(1, Ordering::Relaxed);
+        Err(StoreError::NoDisk)
+    }
+
+    /// Reads a record. With `geo`, a record of another geometry is a mismatch.
+    pub fn get(&self, key: &[u8], geo: Option<&Geometry>) -> GetOutcome {
+        let out = self.lookup(key, geo);
+        match &out {
+            GetOutcome::Hit(b) => {
+                self.c.hits.fetch_add(1, Ordering::Relaxed);
+                self.c.bytes_read.fetch_add(b.len() as u64, Ordering::Relaxed);
+            }
+            GetOutcome::Mismatch => {
+                self.c.mismatches.fetch_add(1, Ordering::Relaxed);
+            }
+            GetOutcome::Miss => {
+                self.c.misses.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+        out
+    }
+
+    fn lookup(&self, key: &[u8], geo: Option<&Geometry>) -> GetOutcome {
+        if let Some(m) = &self.mem {
+            if let Some(rec) = m.get(key) {
+                let h = PageHeader::decode(rec.as_slice());
+                if let (Some(g), Ok(h)) = (geo, h) {
+                    if !g.matches(&h) {
+                        return GetOutcome::Mismatch;
+                    }
+                }
+                self.c.mem_hits.fetch_add(1, Ordering::Relaxed);
+                return GetOutcome::Hit(rec);
+            }
+        }
+        for i in self.search_order(key) {
+            match self.disks[i].get(key, geo, &self.pool, true) {
+                Ok(Lookup::Hit(buf)) => {
+                    let rec = Arc::new(buf);
+                    if let Some(m) = &self.mem {
+                        m.insert(key, rec.clone());
+                    }
+                    return GetOutcome::Hit(rec);
+                }
+                Ok(Lookup::Mismatch) => return GetOutcome::Mismatch,
+                Ok(Lookup::Miss) => {}
+                Err(_) => self.rebuild_ring(),
+            }
+        }
+        GetOutcome::Miss
+    }
+
+    /// Whether a get with `geo` would hit (memory only, no disk I/O).
+    pub fn exist(&self, key: &[u8], geo: Option<&Geometry>) -> Presence {
+        for i in self.search_order(key) {
+            match self.disks[i].exist(key, geo) {
+                Some(true) => return Presence::Present,
+                Some(false) => return Presence::Mismatch,
+                None => {}
+            }
+        }
+        Presence::Absent
+    }
+
+    /// Removes a key from every tier. True when something was removed.
+    pub fn delete(&self, key: &[u8]) -> bool {
+        if let Some(m) = &self.mem {
+            m.remove(key);
+        }
+        let mut any = false;
+        for d in &self.disks {
+            any |= d.delete(key);
+        }
+        any
+    }
+
+    /// Checks up to `max` records recovered after an unclean stop; drops the
+    /// damaged ones. Returns how many were checked.
+    pub fn scrub(&self, max: usize) -> usize {
+        let mut n = 0;
+        for d in &self.disks {
+            for k in d.unverified(max.saturating_sub(n)) {
+                if d.get(&k, None, &self.pool, false).is_err() {
+                    self.rebuild_ring();
+                }
+                n += 1;
+            }
+        }
+        n
+    }
+
+    /// Periodic upkeep: journal flush and compaction, vanished-dir checks.
+    pub fn maintain(&self) {
+        let mut changed = false;
+        for d in &self.disks {
+            let was = d.is_failed();
+            if let Err(e) = d.maintain() {
+                tracing::warn!(disk = %d.id, error = %e, "index maintenance failed");
+            }
+            changed |= was != d.is_failed();
+        }
+        if changed {
+            self.rebuild_ring();
+        }
+    }
+
+    /// Clean stop: every disk checkpoints and marks itself clean.
+    pub fn close(&self) -> io::Result<()> {
+        let mut first_err = None;
+        for d in &self.disks {
+            if let Err(e) = d.close() {
+                tracing::error!(disk = %d.id, error = %e, "checkpoint at shutdown failed");
+                first_err.get_or_insert(e);
+            }
+        }
+        first_err.map_or(Ok(()), Err)
+    }
+
+    pub fn stats(&self) -> NodeStats {
+        let disks: Vec<_> = self.disks.iter().map(|d| d.stats()).collect();
+        let ld = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        NodeStats {
+            version: env!("CARGO_PKG_VERSION").to_string(),
+            uptime_secs: self.started.elapsed().as_secs(),
+            used_bytes: disks.iter().map(|d| d.used_bytes).sum(),
+            capacity_bytes: disks.iter().map(|d| d.capacity_bytes).sum(),
+            objects: disks.iter().map(|d| d.objects).sum(),
+            evictions: disks.iter().map(|d| d.evictions).sum(),
+            failed_disks: disks.iter().filter(|d| d.failed).count() as u64,
+            corrupt_dropped: self.disks.iter().map(|d| d.corrupt_dropped()).sum(),
+            hits: ld(&self.c.hits),
+            misses: ld(&self.c.misses),
+            mismatches: ld(&self.c.mismatches),
+            puts: ld(&self.c.puts),
+            put_duplicates: ld(&self.c.put_duplicates),
+            put_rejected: ld(&self.c.put_rejected),
+            bytes_read: ld(&self.c.bytes_read),
+            bytes_written: ld(&self.c.bytes_written),
+            mem_used_bytes: self.mem.as_ref().map_or(0, |m| m.used()),
+            mem_capacity_bytes: self.mem.as_ref().map_or(0, |m| m.cap()),
+            mem_hits: ld(&self.c.mem_hits),
+            connections: 0,
+            disks,
+        }
+    }
+}

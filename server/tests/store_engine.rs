@@ -1,0 +1,408 @@
+//! Store engine tests without sockets: the behaviours issue 2 lists.
+
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicI32, Ordering};
+use std::sync::{Arc, Barrier, Mutex};
+
+use kv_common::page::{build_record, Geometry};
+use kv_server::store::device::FaultyDevice;
+use kv_server::store::{
+    DiskSpec, FileDevice, GetOutcome, Presence, PutOutcome, Store, StoreConfig, StoreError,
+};
+
+fn geo() -> Geometry {
+    Geometry { model_hash: 42, page_size: 64, dtype_tag: 1, tp_size: 1, layer_num: 2, head_num: 4, head_dim: 8, ..Default::default() }
+}
+
+fn cfg(dirs: &[PathBuf], cap: u64, mem_cap: u64) -> StoreConfig {
+    StoreConfig {
+        disks: dirs.iter().map(|d| DiskSpec { dir: d.clone(), cap }).collect(),
+        mem_cap,
+        sync_writes: false,
+        pool_bytes: 16 << 20,
+    }
+}
+
+fn payload(key: &str, len: usize) -> Vec<u8> {
+    let seed = kv_common::page::key_hash(key.as_bytes());
+    (0..len).map(|i| (seed.rotate_left((i % 64) as u32) as u8) ^ (i as u8)).collect()
+}
+
+fn put(store: &Store, key: &str, len: usize) -> Result<PutOutcome, StoreError> {
+    let rec = build_record(geo(), key.as_bytes(), &payload(key, len));
+    store.put(store.pool().copy_of(&rec))
+}
+
+/// The payload a get returns, or None on miss/mismatch.
+fn get(store: &Store, key: &str) -> Option<Vec<u8>> {
+    match store.get(key.as_bytes(), Some(&geo())) {
+        GetOutcome::Hit(b) => {
+            let rec = b.as_slice();
+            let (h, k) = kv_common::page::parse_record(rec).expect("served record validates");
+            assert_eq!(k, key.as_bytes());
+            let p = &rec[64 + k.len()..];
+            assert_eq!(crc32fast::hash(p), h.payload_crc, "served payload is whole");
+            Some(p.to_vec())
+        }
+        _ => None,
+    }
+}
+
+fn dirs(t: &tempfile::TempDir, n: usize) -> Vec<PathBuf> {
+    (0..n).map(|i| t.path().join(format!("d{i}"))).collect()
+}
+
+#[test]
+fn round_trip_write_once_and_delete() {
+    let t = tempfile::tempdir().unwrap();
+    let (s, _) = Store::open(&cfg(&dirs(&t, 2), 64 << 20, 0)).unwrap();
+    for i in 0..50 {
+        assert_eq!(put(&s, &format!("k{i}"), 10_000 + i).unwrap(), PutOutcome::Stored);
+    }
+    for i in 0..50 {
+        assert_eq!(get(&s, &format!("k{i}")).unwrap(), payload(&format!("k{i}"), 10_000 + i));
+    }
+    // Write-once: a second put of a key is acknowledged and changes nothing.
+    let other = build_record(geo(), b"k3", b"different bytes");
+    assert_eq!(s.put(s.pool().copy_of(&other)).unwrap(), PutOutcome::Duplicate);
+    assert_eq!(get(&s, "k3").unwrap(), payload("k3", 10_003));
+    assert!(get(&s, "absent").is_none());
+    // Geometry: exist and get both refuse another model's page.
+    let mut g2 = geo();
+    g2.model_hash += 1;
+    assert_eq!(s.exist(b"k1", Some(&geo())), Presence::Present);
+    assert_eq!(s.exist(b"k1", Some(&g2)), Presence::Mismatch);
+    assert!(matches!(s.get(b"k1", Some(&g2)), GetOutcome::Mismatch));
+    assert!(s.delete(b"k1"));
+    assert_eq!(s.exist(b"k1", None), Presence::Absent);
+    let st = s.stats();
+    assert_eq!(st.objects, 49);
+    assert!(st.disks.iter().all(|d| d.objects > 0), "both disks used: {st:?}");
+    // Placement follows DESIGN §3 among disk0, disk1.
+    let ring = kv_common::Ring::new(vec![
+        kv_common::ring::RingMember { id: "disk0".into(), weight: 1 },
+        kv_common::ring::RingMember { id: "disk1".into(), weight: 1 },
+    ]);
+    for i in 0..50 {
+        let k = format!("k{i}");
+        assert_eq!(s.owner(k.as_bytes()), ring.owner(k.as_bytes()));
+    }
+}
+
+#[test]
+fn invalid_records_are_refused() {
+    let t = tempfile::tempdir().unwrap();
+    let (s, _) = Store::open(&cfg(&dirs(&t, 1), 8 << 20, 0)).unwrap();
+    let mut rec = build_record(geo(), b"key", b"payload");
+    rec[10] ^= 1;
+    assert!(matches!(s.put(s.pool().copy_of(&rec)), Err(StoreError::BadRecord(_))));
+    let rec = build_record(geo(), b"key", &vec![1u8; 9 << 20]);
+    assert!(matches!(s.put(s.pool().copy_of(&rec)), Err(StoreError::TooLarge(_))));
+    assert_eq!(s.stats().objects, 0);
+}
+
+#[test]
+fn eviction_is_lru_under_the_byte_cap() {
+    let t = tempfile::tempdir().unwrap();
+    // Each 12000-byte payload takes a 12 KiB extent: 10 fit in 120 KiB.
+    let (s, _) = Store::open(&cfg(&dirs(&t, 1), 120 << 10, 0)).unwrap();
+    for i in 0..10 {
+        put(&s, &format!("k{i}"), 12_000).unwrap();
+    }
+    // Touch k0 so that k1 is now the least recently used.
+    assert!(get(&s, "k0").is_some());
+    for i in 10..13 {
+        put(&s, &format!("k{i}"), 12_000).unwrap();
+        let st = s.stats();
+        assert!(st.used_bytes <= st.capacity_bytes, "cap held: {st:?}");
+    }
+    assert!(get(&s, "k0").is_some(), "recently read survives");
+    for gone in ["k1", "k2", "k3"] {
+        assert!(get(&s, gone).is_none(), "{gone} should be evicted first");
+    }
+    for kept in 4..13 {
+        assert!(get(&s, &format!("k{kept}")).is_some());
+    }
+    assert_eq!(s.stats().evictions, 3);
+}
+
+#[test]
+fn readers_during_eviction_get_whole_records() {
+    let t = tempfile::tempdir().unwrap();
+    let (s, _) = Store::open(&cfg(&dirs(&t, 1), 2 << 20, 0)).unwrap();
+    let s = Arc::new(s);
+    let len = 60_000;
+    // Writers cycle far more bytes than the cap while readers read hot and
+    // just-evicted keys; every hit must be the exact page.
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let bad = Arc::new(Mutex::new(Vec::new()));
+    let start = Arc::new(Barrier::new(4));
+    let mut hs = Vec::new();
+    for r in 0..3 {
+        let (s, stop, bad, start) = (s.clone(), stop.clone(), bad.clone(), start.clone());
+        hs.push(std::thread::spawn(move || {
+            start.wait();
+            let mut hits = 0;
+            let mut i = 0u64;
+            while !stop.load(Ordering::Relaxed) {
+                i += 1;
+                let k = format!("k{}", (i * 7 + r) % 400);
+                if let Some(p) = get(&s, &k) {
+                    hits += 1;
+                    if p != payload(&k, len) {
+                        bad.lock().unwrap().push(k);
+                    }
+                }
+            }
+            hits
+        }));
+    }
+    start.wait();
+    for i in 0..400 {
+        put(&s, &format!("k{i}"), len).unwrap();
+    }
+    stop.store(true, Ordering::Relaxed);
+    let hits: u64 = hs.into_iter().map(|h| h.join().unwrap()).sum();
+    assert!(bad.lock().unwrap().is_empty(), "torn reads: {:?}", bad.lock().unwrap());
+    let st = s.stats();
+    assert!(st.evictions > 300, "the test must evict under readers: {st:?}");
+    assert!(st.used_bytes <= st.capacity_bytes);
+    assert!(hits > 0);
+}
+
+#[test]
+fn clean_restart_recovers_index_and_recency() {
+    let t = tempfile::tempdir().unwrap();
+    let d = dirs(&t, 2);
+    {
+        let (s, _) = Store::open(&cfg(&d, 200 << 10, 0)).unwrap();
+        for i in 0..10 {
+            put(&s, &format!("k{i}"), 12_000).unwrap();
+        }
+        assert!(get(&s, "k0").is_some());
+        s.close().unwrap();
+    }
+    let (s, reports) = Store::open(&cfg(&d, 200 << 10, 0)).unwrap();
+    assert!(reports.iter().all(|r| r.clean));
+    assert_eq!(reports.iter().map(|r| r.records).sum::<u64>(), 10);
+    // Recency survived: fill k0's disk until it evicts once. The victim is
+    // the oldest key written on that disk, never k0 (read last before stop).
+    let disk = s.owner(b"k0").unwrap();
+    let oldest = (1..10).map(|i| format!("k{i}")).find(|k| s.owner(k.as_bytes()) == Some(disk));
+    let mut n = 0;
+    while s.stats().disks[disk].evictions == 0 {
+        put(&s, &format!("fill{n}"), 12_000).unwrap();
+        n += 1;
+    }
+    assert_eq!(s.exist(b"k0", None), Presence::Present, "most recently read record survives");
+    if let Some(oldest) = oldest {
+        assert_eq!(s.exist(oldest.as_bytes(), None), Presence::Absent, "{oldest} was the LRU");
+    }
+    for i in 0..10 {
+        let k = format!("k{i}");
+        if let Some(p) = get(&s, &k) {
+            assert_eq!(p, payload(&k, 12_000));
+        }
+    }
+}
+
+fn corrupt_at(dir: &Path, off: u64, bytes: &[u8]) {
+    let f = std::fs::OpenOptions::new().write(true).open(dir.join("data.kvc")).unwrap();
+    f.write_all_at(bytes, off).unwrap();
+}
+
+#[test]
+fn crash_recovery_serves_no_damaged_record() {
+    let t = tempfile::tempdir().unwrap();
+    let d = dirs(&t, 1);
+    let c = cfg(&d, 4 << 20, 0);
+    let (victim_trunc, victim_header, victim_payload);
+    {
+        let (s, _) = Store::open(&c).unwrap();
+        for i in 0..20 {
+            put(&s, &format!("k{i}"), 50_000).unwrap();
+        }
+        let disk = &s.disks()[0];
+        // The record at the highest offset gets cut short by a truncation.
+        let mut locs: Vec<(u64, u64, String)> =
+            (0..20).map(|i| format!("k{i}")).map(|k| {
+                let (o, l) = disk.locate(k.as_bytes()).unwrap();
+                (o, l, k)
+            }).collect();
+        locs.sort();
+        victim_trunc = locs[19].clone();
+        victim_header = locs[3].clone();
+        victim_payload = locs[7].clone();
+        // Simulated crash: no close(); the store is simply dropped.
+    }
+    let dir = &d[0];
+    let f = std::fs::OpenOptions::new().write(true).open(dir.join("data.kvc")).unwrap();
+    f.set_len(victim_trunc.0 + 30_000).unwrap();
+    corrupt_at(dir, victim_header.0 + 20, &[0xEE]);
+    corrupt_at(dir, victim_payload.0 + 40_000, b"garbage!");
+    std::fs::write(dir.join("index.log.tmp"), b"half-written checkpoint").unwrap();
+    std::fs::write(dir.join("stray.tmp"), b"x").unwrap();
+
+    let (s, reports) = Store::open(&c).unwrap();
+    let r = &reports[0];
+    assert!(!r.clean);
+    assert_eq!(r.stray_temp_files, 2);
+    assert_eq!(r.reclaimed, 1, "the truncated record is reclaimed at open: {r:?}");
+    assert!(!dir.join("stray.tmp").exists());
+    for (_, _, k) in [&victim_trunc, &victim_header, &victim_payload] {
+        assert!(get(&s, k).is_none(), "damaged {k} must not be served");
+    }
+    // The rest is intact; a scrub checks every unverified record.
+    s.scrub(usize::MAX);
+    let mut served = 0;
+    for i in 0..20 {
+        let k = format!("k{i}");
+        if let Some(p) = get(&s, &k) {
+            assert_eq!(p, payload(&k, 50_000));
+            served += 1;
+        }
+    }
+    assert_eq!(served, 17);
+    assert_eq!(s.stats().objects, 17, "damaged records are gone from the index");
+    assert_eq!(s.stats().corrupt_dropped, 2);
+}
+
+#[test]
+fn torn_journal_tail_keeps_earlier_records() {
+    let t = tempfile::tempdir().unwrap();
+    let d = dirs(&t, 1);
+    let c = cfg(&d, 4 << 20, 0);
+    {
+        let (s, _) = Store::open(&c).unwrap();
+        for i in 0..5 {
+            put(&s, &format!("k{i}"), 5_000).unwrap();
+        }
+    }
+    let j = d[0].join("index.log");
+    let len = std::fs::metadata(&j).unwrap().len();
+    std::fs::OpenOptions::new().write(true).open(&j).unwrap().set_len(len - 7).unwrap();
+    let (s, reports) = Store::open(&c).unwrap();
+    assert!(reports[0].torn_journal_bytes > 0);
+    for i in 0..4 {
+        assert!(get(&s, &format!("k{i}")).is_some());
+    }
+    assert!(get(&s, "k4").is_none());
+    // The store keeps working after recovery and a second restart.
+    put(&s, "after", 5_000).unwrap();
+    s.close().unwrap();
+    drop(s);
+    let (s, _) = Store::open(&c).unwrap();
+    assert!(get(&s, "after").is_some());
+}
+
+type Switches = Arc<Mutex<Vec<(PathBuf, Arc<AtomicI32>)>>>;
+
+fn open_faulty(c: &StoreConfig) -> (Store, Switches) {
+    let switches: Switches = Arc::new(Mutex::new(Vec::new()));
+    let sw = switches.clone();
+    let make = move |p: &Path, sync: bool| -> std::io::Result<Box<dyn kv_server::store::Device>> {
+        let (dev, switch) = FaultyDevice::wrap(Box::new(FileDevice::open(p, sync)?));
+        sw.lock().unwrap().push((p.parent().unwrap().to_path_buf(), switch));
+        Ok(Box::new(dev) as Box<dyn kv_server::store::Device>)
+    };
+    let (s, _) = Store::open_with(c, &make).unwrap();
+    (s, switches)
+}
+
+fn switch_of(sw: &Switches, dir: &Path) -> Arc<AtomicI32> {
+    sw.lock().unwrap().iter().find(|(d, _)| d == dir).unwrap().1.clone()
+}
+
+#[test]
+fn a_failed_disk_leaves_the_others_serving() {
+    let t = tempfile::tempdir().unwrap();
+    let d = dirs(&t, 3);
+    let (s, switches) = open_faulty(&cfg(&d, 16 << 20, 0));
+    for i in 0..60 {
+        put(&s, &format!("k{i}"), 4_000).unwrap();
+    }
+    let on_disk1: Vec<String> =
+        (0..60).map(|i| format!("k{i}")).filter(|k| s.owner(k.as_bytes()) == Some(1)).collect();
+    assert!(!on_disk1.is_empty());
+    // disk1's device starts returning EIO: the first read takes it out.
+    switch_of(&switches, &d[1]).store(libc::EIO, Ordering::Relaxed);
+    assert!(get(&s, &on_disk1[0]).is_none(), "a failed read is a clean miss");
+    let st = s.stats();
+    assert_eq!(st.failed_disks, 1, "{st:?}");
+    assert!(st.disks[1].failed && st.disks[1].failure.as_deref().unwrap().contains("data read"));
+    // Other disks' records are still served; new puts go to healthy disks.
+    for i in 0..60 {
+        let k = format!("k{i}");
+        if !on_disk1.contains(&k) {
+            assert!(get(&s, &k).is_some(), "{k} on a healthy disk");
+        }
+    }
+    for i in 0..30 {
+        let k = format!("new{i}");
+        assert_eq!(put(&s, &k, 4_000).unwrap(), PutOutcome::Stored);
+        assert_ne!(s.owner(k.as_bytes()), Some(1));
+        assert!(get(&s, &k).is_some());
+    }
+}
+
+#[test]
+fn a_full_device_rejects_without_failing() {
+    let t = tempfile::tempdir().unwrap();
+    let (s, switches) = open_faulty(&cfg(&dirs(&t, 1), 16 << 20, 0));
+    put(&s, "before", 4_000).unwrap();
+    let sw = switch_of(&switches, &dirs(&t, 1)[0]);
+    sw.store(libc::ENOSPC, Ordering::Relaxed);
+    assert!(matches!(put(&s, "during", 4_000), Err(StoreError::Full(_))));
+    sw.store(0, Ordering::Relaxed);
+    let st = s.stats();
+    assert_eq!(st.failed_disks, 0);
+    assert_eq!(st.put_rejected, 1);
+    assert_eq!(st.objects, 1);
+    assert_eq!(put(&s, "after", 4_000).unwrap(), PutOutcome::Stored);
+    assert!(get(&s, "before").is_some() && get(&s, "after").is_some());
+}
+
+#[test]
+fn a_vanished_dir_fails_its_disk() {
+    let t = tempfile::tempdir().unwrap();
+    let d = dirs(&t, 2);
+    let (s, _) = Store::open(&cfg(&d, 16 << 20, 0)).unwrap();
+    std::fs::remove_file(d[0].join("KVCELLAR_DISK")).unwrap();
+    s.maintain();
+    let st = s.stats();
+    assert!(st.disks[0].failed && !st.disks[1].failed);
+    for i in 0..10 {
+        let k = format!("k{i}");
+        put(&s, &k, 1000).unwrap();
+        assert_eq!(s.owner(k.as_bytes()), Some(1));
+    }
+}
+
+#[test]
+fn memory_tier_is_bounded_and_serves() {
+    let t = tempfile::tempdir().unwrap();
+    // 5 buffers of 12 KiB fit in 60 KiB of memory tier.
+    let (s, _) = Store::open(&cfg(&dirs(&t, 1), 16 << 20, 60 << 10)).unwrap();
+    for i in 0..8 {
+        put(&s, &format!("k{i}"), 12_000).unwrap();
+        assert!(s.stats().mem_used_bytes <= 60 << 10);
+    }
+    assert_eq!(s.stats().mem_used_bytes, 60 << 10);
+    let before = s.stats().mem_hits;
+    assert!(get(&s, "k7").is_some());
+    assert_eq!(s.stats().mem_hits, before + 1);
+    // A rejected put never enters the memory tier.
+    let big = build_record(geo(), b"huge", &vec![0u8; 17 << 20]);
+    assert!(s.put(s.pool().copy_of(&big)).is_err());
+    assert!(get(&s, "huge").is_none());
+}
+
+#[test]
+fn a_second_server_on_the_same_dir_is_refused() {
+    let t = tempfile::tempdir().unwrap();
+    let c = cfg(&dirs(&t, 1), 1 << 20, 0);
+    let (_s, _) = Store::open(&c).unwrap();
+    let err = Store::open(&c).err().unwrap();
+    assert!(err.contains("in use by another kv-server"), "{err}");
+}
