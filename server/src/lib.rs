@@ -1,8 +1,14 @@
 //! `kv-server`: the kvcellar cache node.
 //!
-//! It owns the multi-disk page store ([`store`]), the data-plane listener and
-//! per-connection handlers ([`server`], [`conn`]), configuration ([`config`])
-//! and shutdown ([`shutdown`]). It speaks the wire protocol of `kv-common`
-//! and never rewrites a page record: it validates, stores and returns bytes.
+//! It owns the multi-disk page store ([`store`]), the data-plane listener
+//! ([`server`]) and per-connection handler ([`conn`]), configuration
+//! ([`config`]) and the metrics endpoint ([`metrics`]). It speaks the wire
+//! protocol of `kv-common` and never rewrites a page record: it validates,
+//! stores and returns the client's bytes. Membership (`--mds`) arrives with
+//! the MDS issue.
 
+pub mod config;
+pub mod conn;
+pub mod metrics;
+pub mod server;
 pub mod store;

@@ -1,1 +1,106 @@
-fn main(){}
+//! `kv-server` binary: flags, logging, store recovery, serve until SIGTERM.
+
+use std::process::ExitCode;
+use std::sync::Arc;
+
+use clap::Parser;
+use kv_server::config::{Cli, ServerConfig};
+use kv_server::server::{self, Shared};
+use kv_server::store::Store;
+
+fn main() -> ExitCode {
+    let cli = match Cli::try_parse() {
+        Ok(c) => c,
+        Err(e) => {
+            // --help and --version print and exit 0; usage errors exit 2.
+            let _ = e.print();
+            return if e.use_stderr() { ExitCode::from(2) } else { ExitCode::SUCCESS };
+        }
+    };
+    let cfg = match ServerConfig::resolve(cli) {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("kv-server: error: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    tracing_subscriber::fmt()
+        .with_max_level(cfg.log_level)
+        .with_target(false)
+        .with_writer(std::io::stderr)
+        .init();
+    match run(cfg) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("kv-server: error: {e}");
+            ExitCode::from(1)
+        }
+    }
+}
+
+fn run(cfg: ServerConfig) -> Result<(), String> {
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .thread_name("kv-server")
+        .build()
+        .map_err(|e| format!("cannot start the runtime: {e}"))?;
+    // Bind first: a port in use is reported before any disk work.
+    let listener = rt
+        .block_on(tokio::net::TcpListener::bind(cfg.listen))
+        .map_err(|e| format!("cannot listen on {}: {e}", cfg.listen))?;
+    let metrics = match cfg.metrics_listen {
+        Some(a) => Some(
+            rt.block_on(tokio::net::TcpListener::bind(a))
+                .map_err(|e| format!("cannot listen on {a} (--metrics-listen): {e}"))?,
+        ),
+        None => None,
+    };
+    let started = std::time::Instant::now();
+    let (store, reports) = Store::open(&cfg.store)?;
+    for (d, r) in store.disks().iter().zip(&reports) {
+        tracing::info!(
+            disk = %d.id, dir = %d.dir.display(), records = r.records, clean = r.clean,
+            reclaimed = r.reclaimed, stray_temp_files = r.stray_temp_files,
+            torn_journal_bytes = r.torn_journal_bytes, "disk recovered"
+        );
+    }
+    let shared = Arc::new(Shared::new(Arc::new(store), cfg.max_record, cfg.max_inflight));
+    let addr = listener.local_addr().map_err(|e| e.to_string())?;
+    let (tx, rx) = tokio::sync::watch::channel(false);
+    rt.block_on(async move {
+        if let Some(m) = metrics {
+            if let Ok(a) = m.local_addr() {
+                tracing::info!(addr = %a, "metrics listening");
+            }
+            tokio::spawn(kv_server::metrics::serve(m, shared.clone(), rx.clone()));
+        }
+        tokio::spawn(async move {
+            wait_for_signal().await;
+            tracing::info!("signal received: shutting down");
+            let _ = tx.send(true);
+        });
+        // A line tools and tests can wait for (the real port when --listen used port 0).
+        println!("kv-server listening on {addr}");
+        tracing::info!(%addr, recovery_ms = started.elapsed().as_millis() as u64, version = env!("CARGO_PKG_VERSION"), "serving");
+        server::run(listener, shared, cfg.max_conns, rx)
+            .await
+            .map_err(|e| format!("checkpoint at shutdown failed: {e}"))
+    })?;
+    tracing::info!("stopped cleanly");
+    Ok(())
+}
+
+async fn wait_for_signal() {
+    use tokio::signal::unix::{signal, SignalKind};
+    match (signal(SignalKind::terminate()), signal(SignalKind::interrupt())) {
+        (Ok(mut term), Ok(mut int)) => {
+            tokio::select! {
+                _ = term.recv() => {}
+                _ = int.recv() => {}
+            }
+        }
+        _ => {
+            let _ = tokio::signal::ctrl_c().await;
+        }
+    }
+}

@@ -1,0 +1,219 @@
+//! Flags and the TOML file alternative. Flags win over the file; sizes are
+//! written like `512G` or `2T`. Every problem becomes one line for the user.
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+
+use clap::Parser;
+use kv_common::size::parse_size;
+use serde::Deserialize;
+
+use crate::store::{DiskSpec, StoreConfig};
+
+/// kvcellar cache node: serves KV-cache pages from local NVMe disks.
+#[derive(Debug, Parser, Default)]
+#[command(name = "kv-server", version, about, long_about = None)]
+pub struct Cli {
+    /// Address to serve the data plane on, e.g. 127.0.0.1:7700 (port 0 picks one).
+    #[arg(long)]
+    pub listen: Option<String>,
+    /// Disk directories, comma separated; `DIR:SIZE` gives that disk its own cap.
+    #[arg(long, value_delimiter = ',')]
+    pub dir: Vec<String>,
+    /// Byte cap of each disk (e.g. 512G, 2T) unless given per dir.
+    #[arg(long)]
+    pub cap: Option<String>,
+    /// Bytes of DRAM tier for hot pages (0: off).
+    #[arg(long)]
+    pub mem_cap: Option<String>,
+    /// TOML file with the same settings (flags override it).
+    #[arg(long)]
+    pub config: Option<PathBuf>,
+    /// error, warn, info, debug or trace.
+    #[arg(long)]
+    pub log_level: Option<String>,
+    /// Most client connections served at once.
+    #[arg(long)]
+    pub max_conns: Option<usize>,
+    /// Largest record a put may carry (e.g. 256M).
+    #[arg(long)]
+    pub max_record: Option<String>,
+    /// Bytes of put bodies being received or written at once, all connections together.
+    #[arg(long)]
+    pub max_inflight: Option<String>,
+    /// Address for /metrics and /healthz (HTTP), e.g. 127.0.0.1:9700.
+    #[arg(long)]
+    pub metrics_listen: Option<String>,
+    /// Acknowledge writes without O_DSYNC (faster, not crash-durable; tests only).
+    #[arg(long)]
+    pub no_sync: bool,
+}
+
+/// The file form (every key optional).
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FileConfig {
+    pub listen: Option<String>,
+    pub dirs: Option<Vec<String>>,
+    pub cap: Option<String>,
+    pub mem_cap: Option<String>,
+    pub log_level: Option<String>,
+    pub max_conns: Option<usize>,
+    pub max_record: Option<String>,
+    pub max_inflight: Option<String>,
+    pub metrics_listen: Option<String>,
+    pub no_sync: Option<bool>,
+}
+
+/// Everything resolved and checked.
+#[derive(Debug, Clone)]
+pub struct ServerConfig {
+    pub listen: SocketAddr,
+    pub store: StoreConfig,
+    pub log_level: tracing::Level,
+    pub max_conns: usize,
+    pub max_record: u64,
+    pub max_inflight: u64,
+    pub metrics_listen: Option<SocketAddr>,
+}
+
+fn size(what: &str, s: &str) -> Result<u64, String> {
+    parse_size(s).map_err(|e| format!("--{what}: {e}"))
+}
+
+fn addr(what: &str, s: &str) -> Result<SocketAddr, String> {
+    s.parse().map_err(|_| format!("--{what}: {s:?} is not an IP:PORT address"))
+}
+
+impl ServerConfig {
+    pub fn resolve(cli: Cli) -> Result<ServerConfig, String> {
+        let file = match &cli.config {
+            Some(p) => load_file(p)?,
+            None => FileConfig::default(),
+        };
+        let listen = cli.listen.or(file.listen).ok_or("--listen is required (e.g. 127.0.0.1:7700)")?;
+        let listen = addr("listen", &listen)?;
+        let dirs = if cli.dir.is_empty() { file.dirs.unwrap_or_default() } else { cli.dir };
+        if dirs.is_empty() {
+            return Err("--dir is required (one or more disk directories)".into());
+        }
+        let cap = cli.cap.or(file.cap);
+        let mut disks = Vec::new();
+        for d in &dirs {
+            let (path, own) = match d.rsplit_once(':') {
+                Some((p, s)) if !p.is_empty() => (p, Some(size("dir", s)?)),
+                _ => (d.as_str(), None),
+            };
+            let cap = match (own, &cap) {
+                (Some(c), _) => c,
+                (None, Some(c)) => size("cap", c)?,
+                (None, None) => return Err(format!("no cap for {path}: give --cap SIZE or --dir {path}:SIZE")),
+            };
+            if cap < 1 << 20 {
+                return Err(format!("cap of {path} is below 1M"));
+            }
+            if path.is_empty() {
+                return Err("--dir: empty directory name".into());
+            }
+            disks.push(DiskSpec { dir: PathBuf::from(path), cap });
+        }
+        for (i, a) in disks.iter().enumerate() {
+            if disks[..i].iter().any(|b| b.dir == a.dir) {
+                return Err(format!("--dir: {} is given twice", a.dir.display()));
+            }
+        }
+        let mem_cap = match cli.mem_cap.or(file.mem_cap) {
+            Some(s) => size("mem-cap", &s)?,
+            None => 0,
+        };
+        let max_record = size("max-record", &cli.max_record.or(file.max_record).unwrap_or("256M".into()))?;
+        if !(4096..=(u32::MAX as u64)).contains(&max_record) {
+            return Err("--max-record must be between 4K and 4G".into());
+        }
+        let max_inflight = size("max-inflight", &cli.max_inflight.or(file.max_inflight).unwrap_or("1G".into()))?;
+        if max_inflight < max_record {
+            return Err("--max-inflight must be at least --max-record".into());
+        }
+        let log_level = cli.log_level.or(file.log_level).unwrap_or("info".into());
+        let log_level = log_level
+            .parse()
+            .map_err(|_| format!("--log-level: {log_level:?} is not one of error, warn, info, debug, trace"))?;
+        let metrics_listen = match cli.metrics_listen.or(file.metrics_listen) {
+            Some(s) => Some(addr("metrics-listen", &s)?),
+            None => None,
+        };
+        let max_conns = cli.max_conns.or(file.max_conns).unwrap_or(1024);
+        if max_conns == 0 {
+            return Err("--max-conns must be at least 1".into());
+        }
+        Ok(ServerConfig {
+            listen,
+            store: StoreConfig {
+                disks,
+                mem_cap,
+                sync_writes: !(cli.no_sync || file.no_sync.unwrap_or(false)),
+                pool_bytes: 256 << 20,
+            },
+            log_level,
+            max_conns,
+            max_record,
+            max_inflight,
+            metrics_listen,
+        })
+    }
+}
+
+fn load_file(p: &Path) -> Result<FileConfig, String> {
+    let text = std::fs::read_to_string(p).map_err(|e| format!("--config {}: {e}", p.display()))?;
+    toml::from_str(&text).map_err(|e| format!("--config {}: {}", p.display(), e.message()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cli(args: &[&str]) -> Result<ServerConfig, String> {
+        let mut v = vec!["kv-server"];
+        v.extend_from_slice(args);
+        ServerConfig::resolve(Cli::try_parse_from(v).map_err(|e| e.to_string())?)
+    }
+
+    #[test]
+    fn flags_with_per_dir_caps() {
+        let c = cli(&["--listen", "127.0.0.1:0", "--dir", "/a,/b:2T", "--cap", "512G"]).unwrap();
+        assert_eq!(c.store.disks[0].cap, 512 << 30);
+        assert_eq!(c.store.disks[1].cap, 2 << 40);
+        assert_eq!(c.store.disks[1].dir, PathBuf::from("/b"));
+        assert!(c.store.sync_writes);
+    }
+
+    #[test]
+    fn clear_errors() {
+        let e = cli(&["--dir", "/a", "--cap", "1G"]).unwrap_err();
+        assert!(e.contains("--listen is required"), "{e}");
+        let e = cli(&["--listen", "x", "--dir", "/a", "--cap", "1G"]).unwrap_err();
+        assert!(e.contains("not an IP:PORT"), "{e}");
+        let e = cli(&["--listen", "127.0.0.1:1", "--dir", "/a"]).unwrap_err();
+        assert!(e.contains("no cap for /a"), "{e}");
+        let e = cli(&["--listen", "127.0.0.1:1", "--dir", "/a", "--cap", "12Q"]).unwrap_err();
+        assert!(e.contains("--cap: invalid size"), "{e}");
+        let e = cli(&["--listen", "127.0.0.1:1", "--dir", "/a,/a", "--cap", "1G"]).unwrap_err();
+        assert!(e.contains("given twice"), "{e}");
+    }
+
+    #[test]
+    fn toml_file_and_override() {
+        let d = tempfile::tempdir().unwrap();
+        let p = d.path().join("kv.toml");
+        std::fs::write(&p, "listen = \"127.0.0.1:7000\"\ndirs = [\"/x\", \"/y:1G\"]\ncap = \"2G\"\nmem_cap = \"64M\"\n").unwrap();
+        let c = cli(&["--config", p.to_str().unwrap(), "--listen", "127.0.0.1:7001"]).unwrap();
+        assert_eq!(c.listen.port(), 7001);
+        assert_eq!(c.store.disks.len(), 2);
+        assert_eq!(c.store.disks[0].cap, 2 << 30);
+        assert_eq!(c.store.mem_cap, 64 << 20);
+        std::fs::write(&p, "listen = 5\n").unwrap();
+        assert!(cli(&["--config", p.to_str().unwrap()]).unwrap_err().contains("--config"));
+        std::fs::write(&p, "lisen = \"x\"\n").unwrap();
+        assert!(cli(&["--config", p.to_str().unwrap()]).unwrap_err().contains("unknown field"));
+    }
+}

@@ -1,0 +1,356 @@
+//! One client connection: the hello, then a loop that reads frames and runs
+//! each request as its own task, so one connection can carry several
+//! requests at once (the responses carry the request id and may come back in
+//! any order). A writer task owns the socket's write half.
+//!
+//! Framing errors (bad hello, unknown op, an oversized length) close the
+//! connection with a logged reason; a well-framed but invalid request gets a
+//! BAD_REQUEST answer and the connection carries on.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use kv_common::page::{PageHeader, HEADER_LEN};
+use kv_common::status::Status;
+use kv_common::wire::{self, Hello, KeyRequest, Op, ReqHeader, RspHeader, WireError};
+use kv_common::wire::{FLAG_CHECK_GEOMETRY, FRAME_HEADER_LEN, HELLO_LEN, RSP_FLAG_DUPLICATE, WIRE_VERSION};
+use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader, BufWriter};
+use tokio::net::tcp::OwnedReadHalf;
+use tokio::net::TcpStream;
+use tokio::sync::{mpsc, watch, OwnedSemaphorePermit};
+
+use crate::server::Shared;
+use crate::store::{GetOutcome, PooledBuf, Presence, PutOutcome, StoreError};
+
+/// Time allowed for the hello and for the rest of a frame once it started.
+const FRAME_TIMEOUT: Duration = Duration::from_secs(30);
+/// Requests one connection may have in flight.
+const MAX_INFLIGHT_PER_CONN: usize = 64;
+/// At shutdown: longest wait for the next frame the peer already sent.
+const DRAIN_GAP: Duration = Duration::from_millis(200);
+/// At shutdown: longest time a connection keeps taking frames.
+const DRAIN_MAX: Duration = Duration::from_secs(5);
+
+enum Body {
+    Empty,
+    Bytes(Vec<u8>),
+    Record(Arc<PooledBuf>),
+}
+
+struct Response {
+    header: [u8; FRAME_HEADER_LEN],
+    body: Body,
+}
+
+fn respond(req: &ReqHeader, status: Status, flags: u16, body: Body) -> Response {
+    let len = match &body {
+        Body::Empty => 0,
+        Body::Bytes(b) => b.len(),
+        Body::Record(r) => r.len(),
+    };
+    let h = RspHeader { status, op: req.op as u8, flags, body_len: len as u32, req_id: req.req_id };
+    Response { header: h.encode(), body }
+}
+
+fn error_response(req: &ReqHeader, status: Status, msg: &str) -> Response {
+    respond(req, status, 0, Body::Bytes(msg.as_bytes().to_vec()))
+}
+
+/// The one place internal store errors become wire statuses.
+fn store_error_status(e: &StoreError) -> Status {
+    match e {
+        StoreError::BadRecord(_) => Status::BadRequest,
+        StoreError::NoDisk => Status::Unavailable,
+        StoreError::Full(_) | StoreError::TooLarge(_) => Status::Rejected,
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+enum ConnError {
+    #[error("{0}")]
+    Wire(#[from] WireError),
+    #[error("i/o: {0}")]
+    Io(#[from] std::io::Error),
+    #[error("timed out inside a frame")]
+    Timeout,
+}
+
+async fn read_exact_timed(rd: &mut BufReader<OwnedReadHalf>, buf: &mut [u8]) -> Result<(), ConnError> {
+    match tokio::time::timeout(FRAME_TIMEOUT, rd.read_exact(buf)).await {
+        Ok(r) => r.map(|_| ()).map_err(ConnError::from),
+        Err(_) => Err(ConnError::Timeout),
+    }
+}
+
+async fn writer(mut w: BufWriter<tokio::net::tcp::OwnedWriteHalf>, mut rx: mpsc::Receiver<Response>) {
+    while let Some(r) = rx.recv().await {
+        let res = async {
+            w.write_all(&r.header).await?;
+            match &r.body {
+                Body::Empty => {}
+                Body::Bytes(b) => w.write_all(b).await?,
+                Body::Record(rec) => w.write_all(rec.as_slice()).await?,
+            }
+            if rx.is_empty() {
+                w.flush().await?;
+            }
+            Ok::<_, std::io::Error>(())
+        }
+        .await;
+        if res.is_err() {
+            return; // peer gone; the reader notices too
+        }
+    }
+    let _ = w.flush().await;
+    let _ = w.shutdown().await;
+}
+
+/// Serves one connection until the peer closes, it misbehaves, or shutdown.
+pub async fn serve(stream: TcpStream, peer: SocketAddr, shared: Arc<Shared>, mut shutdown: watch::Receiver<bool>) {
+    let _ = stream.set_nodelay(true);
+    let (rd, wr) = stream.into_split();
+    let mut rd = BufReader::with_capacity(64 * 1024, rd);
+    let mut wr = BufWriter::with_capacity(64 * 1024, wr);
+    match handshake(&mut rd, &mut wr, &shared).await {
+        Ok(true) => {}
+        Ok(false) => return,
+        Err(e) => {
+            tracing::warn!(%peer, reason = %e, "closing connection: bad hello");
+            return;
+        }
+    }
+    let (tx, rx) = mpsc::channel::<Response>(MAX_INFLIGHT_PER_CONN);
+    let writer_task = tokio::spawn(writer(wr, rx));
+    let inflight = Arc::new(tokio::sync::Semaphore::new(MAX_INFLIGHT_PER_CONN));
+    let mut draining_until: Option<tokio::time::Instant> = None;
+    loop {
+        // Waiting for the next frame is the only point where shutdown cuts in:
+        // a frame that has begun is read and answered. After the signal, the
+        // frames the peer already sent are still taken (each must start
+        // within DRAIN_GAP, all within DRAIN_MAX), so a pipelining client
+        // gets an answer for everything it sent before the node stopped.
+        let next = async {
+            match draining_until {
+                None => tokio::select! {
+                    biased;
+                    _ = crate::server::stopped(&mut shutdown) => None,
+                    r = rd.fill_buf() => Some(r.map(|b| b.is_empty())),
+                },
+                Some(deadline) => {
+                    let gap = DRAIN_GAP.min(deadline.saturating_duration_since(tokio::time::Instant::now()));
+                    match tokio::time::timeout(gap, rd.fill_buf()).await {
+                        Ok(r) => Some(r.map(|b| b.is_empty())),
+                        Err(_) => Some(Ok(true)),
+                    }
+                }
+            }
+        };
+        match next.await {
+            None => {
+                draining_until = Some(tokio::time::Instant::now() + DRAIN_MAX);
+                continue;
+            }
+            Some(Ok(true)) => break,
+            Some(Ok(false)) => {}
+            Some(Err(e)) => {
+                tracing::debug!(%peer, error = %e, "read failed");
+                break;
+            }
+        }
+        let Ok(permit) = inflight.clone().acquire_owned().await else { break };
+        if let Err(e) = read_request(&mut rd, &tx, &shared, permit).await {
+            match e {
+                ConnError::Io(ref io) if io.kind() == std::io::ErrorKind::UnexpectedEof => {
+                    tracing::debug!(%peer, "peer closed inside a frame")
+                }
+                e => tracing::warn!(%peer, reason = %e, "closing connection"),
+            }
+            break;
+        }
+    }
+    // Let requests in flight finish and their answers go out, then close.
+    let _ = inflight.acquire_many(MAX_INFLIGHT_PER_CONN as u32).await;
+    drop(tx);
+    let _ = writer_task.await;
+}
+
+async fn handshake(
+    rd: &mut BufReader<OwnedReadHalf>,
+    wr: &mut BufWriter<tokio::net::tcp::OwnedWriteHalf>,
+    shared: &Shared,
+) -> Result<bool, ConnError> {
+    let mut h = [0u8; HELLO_LEN];
+    read_exact_timed(rd, &mut h).await?;
+    let hello = Hello::decode(&h)?;
+    let ok = hello.version == WIRE_VERSION;
+    let reply = Hello { version: WIRE_VERSION, status: u16::from(!ok), max_record: shared.limits.max_record };
+    wr.write_all(&reply.encode()).await?;
+    wr.flush().await?;
+    if !ok {
+        return Err(WireError::Version(hello.version).into());
+    }
+    Ok(true)
+}
+
+async fn read_request(
+    rd: &mut BufReader<OwnedReadHalf>,
+    tx: &mpsc::Sender<Response>,
+    shared: &Arc<Shared>,
+    permit: OwnedSemaphorePermit,
+) -> Result<(), ConnError> {
+    let mut hb = [0u8; FRAME_HEADER_LEN];
+    read_exact_timed(rd, &mut hb).await?;
+    let req = ReqHeader::decode(&hb, &shared.limits)?;
+    if req.op == Op::Put {
+        return read_put(rd, tx, shared, req, permit).await;
+    }
+    let mut body = vec![0u8; req.body_len as usize];
+    read_exact_timed(rd, &mut body).await?;
+    let shared = shared.clone();
+    let tx = tx.clone();
+    match req.op {
+        Op::Get => {
+            tokio::spawn(async move {
+                let r = handle_get(&shared, &req, &body).await;
+                let _ = tx.send(r).await;
+                drop(permit);
+            });
+        }
+        _ => {
+            let r = handle_small(&shared, &req, &body);
+            let _ = tx.send(r).await;
+            drop(permit);
+        }
+    }
+    Ok(())
+}
+
+async fn read_put(
+    rd: &mut BufReader<OwnedReadHalf>,
+    tx: &mpsc::Sender<Response>,
+    shared: &Arc<Shared>,
+    req: ReqHeader,
+    permit: OwnedSemaphorePermit,
+) -> Result<(), ConnError> {
+    let len = req.body_len as usize;
+    // Validate the page header before taking memory for the body.
+    let mut head = [0u8; HEADER_LEN];
+    let n = len.min(HEADER_LEN);
+    read_exact_timed(rd, &mut head[..n]).await?;
+    let verdict = match PageHeader::decode(&head[..n]) {
+        Ok(h) if h.record_len() == len as u64 => Ok(()),
+        Ok(_) => Err("record length disagrees with the frame length".to_string()),
+        Err(e) => Err(e.to_string()),
+    };
+    if let Err(msg) = verdict {
+        // Skip the rest of the frame; the connection stays usable.
+        let mut rest = (len - n) as u64;
+        let mut sink = [0u8; 8192];
+        while rest > 0 {
+            let k = rest.min(sink.len() as u64) as usize;
+            read_exact_timed(rd, &mut sink[..k]).await?;
+            rest -= k as u64;
+        }
+        let _ = tx.send(error_response(&req, Status::BadRequest, &format!("invalid record: {msg}"))).await;
+        return Ok(());
+    }
+    let units = (len as u64).div_ceil(4096).max(1) as u32;
+    let mem = shared.inflight_bytes.clone().acquire_many_owned(units).await.expect("semaphore open");
+    let mut buf = shared.store.pool().get(len);
+    buf.full_mut()[..HEADER_LEN].copy_from_slice(&head);
+    read_exact_timed(rd, &mut buf.full_mut()[HEADER_LEN..len]).await?;
+    buf.set_len(len);
+    let shared = shared.clone();
+    let tx = tx.clone();
+    tokio::spawn(async move {
+        let store = shared.store.clone();
+        let res = {
+            let _io = shared.io_slots.acquire().await.expect("semaphore open");
+            tokio::task::spawn_blocking(move || store.put(buf)).await
+        };
+        drop(mem);
+        let r = match res {
+            Ok(Ok(PutOutcome::Stored)) => respond(&req, Status::Ok, 0, Body::Empty),
+            Ok(Ok(PutOutcome::Duplicate)) => respond(&req, Status::Ok, RSP_FLAG_DUPLICATE, Body::Empty),
+            Ok(Err(e)) => error_response(&req, store_error_status(&e), &e.to_string()),
+            Err(e) => {
+                tracing::error!(error = %e, "put task failed");
+                error_response(&req, Status::Internal, "internal error")
+            }
+        };
+        let _ = tx.send(r).await;
+        drop(permit);
+    });
+    Ok(())
+}
+
+async fn handle_get(shared: &Arc<Shared>, req: &ReqHeader, body: &[u8]) -> Response {
+    let kr = match KeyRequest::decode(body) {
+        Ok(k) => k,
+        Err(e) => return error_response(req, Status::BadRequest, &e.to_string()),
+    };
+    let check = req.flags & FLAG_CHECK_GEOMETRY != 0;
+    let geo = kr.geometry;
+    let key = kr.key.to_vec();
+    let store = shared.store.clone();
+    let res = {
+        let _io = shared.io_slots.acquire().await.expect("semaphore open");
+        tokio::task::spawn_blocking(move || store.get(&key, check.then_some(&geo))).await
+    };
+    match res {
+        Ok(GetOutcome::Hit(rec)) => respond(req, Status::Ok, 0, Body::Record(rec)),
+        Ok(GetOutcome::Mismatch) => respond(req, Status::Mismatch, 0, Body::Empty),
+        Ok(GetOutcome::Miss) => respond(req, Status::Miss, 0, Body::Empty),
+        Err(e) => {
+            tracing::error!(error = %e, "get task failed");
+            error_response(req, Status::Internal, "internal error")
+        }
+    }
+}
+
+fn presence_status(p: Presence) -> Status {
+    match p {
+        Presence::Present => Status::Ok,
+        Presence::Mismatch => Status::Mismatch,
+        Presence::Absent => Status::Miss,
+    }
+}
+
+/// Requests answered from memory (no data I/O): run inline.
+fn handle_small(shared: &Shared, req: &ReqHeader, body: &[u8]) -> Response {
+    let store = &shared.store;
+    match req.op {
+        Op::Exist => match KeyRequest::decode(body) {
+            Ok(kr) => {
+                let geo = (req.flags & FLAG_CHECK_GEOMETRY != 0).then_some(&kr.geometry);
+                respond(req, presence_status(store.exist(kr.key, geo)), 0, Body::Empty)
+            }
+            Err(e) => error_response(req, Status::BadRequest, &e.to_string()),
+        },
+        Op::BatchExist => match wire::decode_batch_exist(body) {
+            Ok((geo, keys)) => {
+                let check = req.flags & FLAG_CHECK_GEOMETRY != 0;
+                let st: Vec<Status> = keys
+                    .iter()
+                    .map(|k| presence_status(store.exist(k, check.then_some(&geo))))
+                    .collect();
+                respond(req, Status::Ok, 0, Body::Bytes(wire::encode_batch_status(&st)))
+            }
+            Err(e) => error_response(req, Status::BadRequest, &e.to_string()),
+        },
+        Op::Delete => match wire::decode_key(body) {
+            Ok(k) => {
+                let st = if store.delete(k) { Status::Ok } else { Status::Miss };
+                respond(req, st, 0, Body::Empty)
+            }
+            Err(e) => error_response(req, Status::BadRequest, &e.to_string()),
+        },
+        Op::Stats => {
+            let json = serde_json::to_vec(&shared.stats()).unwrap_or_default();
+            respond(req, Status::Ok, 0, Body::Bytes(json))
+        }
+        Op::Ping => respond(req, Status::Ok, 0, Body::Bytes(body.to_vec())),
+        Op::Put | Op::Get => error_response(req, Status::Internal, "misrouted op"),
+    }
+}

@@ -1,0 +1,122 @@
+//! The listener: accepts connections under a cap, hands each to
+//! [`crate::conn::serve`], runs periodic store upkeep, and on shutdown stops
+//! accepting, lets connections finish what they started, then checkpoints
+//! the store so the next start trusts it.
+
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use kv_common::stats::NodeStats;
+use kv_common::wire::Limits;
+use tokio::net::TcpListener;
+use tokio::sync::{watch, Semaphore};
+
+use crate::store::Store;
+
+/// State every connection shares.
+pub struct Shared {
+    pub store: Arc<Store>,
+    pub limits: Limits,
+    /// Bytes of put bodies held at once, in 4 KiB units.
+    pub inflight_bytes: Arc<Semaphore>,
+    /// Store operations running in the blocking pool at once.
+    pub io_slots: Semaphore,
+    pub connections: AtomicU64,
+}
+
+impl Shared {
+    pub fn new(store: Arc<Store>, max_record: u64, max_inflight: u64) -> Shared {
+        let units = (max_inflight / 4096).min(Semaphore::MAX_PERMITS as u64) as usize;
+        Shared {
+            store,
+            limits: Limits { max_record },
+            inflight_bytes: Arc::new(Semaphore::new(units)),
+            io_slots: Semaphore::new(64),
+            connections: AtomicU64::new(0),
+        }
+    }
+
+    pub fn stats(&self) -> NodeStats {
+        let mut s = self.store.stats();
+        s.connections = self.connections.load(Ordering::Relaxed);
+        s
+    }
+}
+
+/// Serves on `listener` until `shutdown` turns true, then drains and
+/// checkpoints. Returns the checkpoint's result.
+pub async fn run(
+    listener: TcpListener,
+    shared: Arc<Shared>,
+    max_conns: usize,
+    mut shutdown: watch::Receiver<bool>,
+) -> std::io::Result<()> {
+    let conns = Arc::new(Semaphore::new(max_conns));
+    let mut tasks = tokio::task::JoinSet::new();
+    let upkeep = tokio::spawn(upkeep(shared.store.clone(), shutdown.clone()));
+    let mut backoff = Duration::from_millis(5);
+    loop {
+        let permit = tokio::select! {
+            biased;
+            _ = crate::server::stopped(&mut shutdown) => break,
+            p = conns.clone().acquire_owned() => p.expect("semaphore open"),
+        };
+        let accepted = tokio::select! {
+            biased;
+            _ = crate::server::stopped(&mut shutdown) => break,
+            a = listener.accept() => a,
+        };
+        let (stream, peer): (_, SocketAddr) = match accepted {
+            Ok(a) => {
+                backoff = Duration::from_millis(5);
+                a
+            }
+            Err(e) => {
+                // EMFILE and friends: wait and retry rather than spin or die.
+                tracing::warn!(error = %e, "accept failed; retrying");
+                tokio::time::sleep(backoff).await;
+                backoff = (backoff * 2).min(Duration::from_secs(1));
+                continue;
+            }
+        };
+        while tasks.try_join_next().is_some() {}
+        let shared = shared.clone();
+        let rx = shutdown.clone();
+        tasks.spawn(async move {
+            shared.connections.fetch_add(1, Ordering::Relaxed);
+            crate::conn::serve(stream, peer, shared.clone(), rx).await;
+            shared.connections.fetch_sub(1, Ordering::Relaxed);
+            drop(permit);
+        });
+    }
+    drop(listener);
+    tracing::info!(connections = tasks.len(), "shutting down: finishing requests in flight");
+    while tasks.join_next().await.is_some() {}
+    let _ = upkeep.await;
+    let store = shared.store.clone();
+    let r = tokio::task::spawn_blocking(move || store.close()).await;
+    r.unwrap_or_else(|e| Err(std::io::Error::other(e.to_string())))
+}
+
+async fn upkeep(store: Arc<Store>, mut shutdown: watch::Receiver<bool>) {
+    let mut tick = tokio::time::interval(Duration::from_secs(1));
+    loop {
+        tokio::select! {
+            _ = crate::server::stopped(&mut shutdown) => return,
+            _ = tick.tick() => {}
+        }
+        let s = store.clone();
+        let _ = tokio::task::spawn_blocking(move || {
+            s.maintain();
+            s.scrub(64);
+        })
+        .await;
+    }
+}
+
+/// Resolves once shutdown has been signalled (or its sender is gone).
+pub async fn stopped(rx: &mut watch::Receiver<bool>) {
+    let _ = rx.wait_for(|s| *s).await.map(|_| ());
+}

@@ -1,0 +1,252 @@
+//! An in-process server on port 0 answering real TCP clients.
+
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use kv_common::page::{build_record, Geometry};
+use kv_common::status::Status;
+use kv_common::wire::{Hello, Op, ReqHeader, HELLO_LEN, WIRE_VERSION};
+use kv_server::server::{self, Shared};
+use kv_server::store::{DiskSpec, Store, StoreConfig};
+use kvclient::conn::GetResult;
+use kvclient::Conn;
+
+struct TestServer {
+    addr: SocketAddr,
+    stop: tokio::sync::watch::Sender<bool>,
+    thread: Option<std::thread::JoinHandle<std::io::Result<()>>>,
+    dirs: Vec<PathBuf>,
+    tmp: Option<tempfile::TempDir>,
+}
+
+impl TestServer {
+    fn start() -> TestServer {
+        let tmp = tempfile::tempdir().unwrap();
+        let dirs: Vec<PathBuf> = (0..2).map(|i| tmp.path().join(format!("d{i}"))).collect();
+        let cfg = StoreConfig {
+            disks: dirs.iter().map(|d| DiskSpec { dir: d.clone(), cap: 64 << 20 }).collect(),
+            mem_cap: 0,
+            sync_writes: false,
+            pool_bytes: 16 << 20,
+        };
+        let (store, _) = Store::open(&cfg).unwrap();
+        let shared = Arc::new(Shared::new(Arc::new(store), 8 << 20, 64 << 20));
+        let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+        let listener = rt.block_on(tokio::net::TcpListener::bind("127.0.0.1:0")).unwrap();
+        let addr = listener.local_addr().unwrap();
+        let (stop, rx) = tokio::sync::watch::channel(false);
+        let thread = std::thread::spawn(move || rt.block_on(server::run(listener, shared, 16, rx)));
+        TestServer { addr, stop, thread: Some(thread), dirs, tmp: Some(tmp) }
+    }
+
+    fn conn(&self) -> Conn {
+        Conn::connect(&self.addr.to_string(), Duration::from_secs(10)).unwrap()
+    }
+
+    /// Stops the server; returns how `run` ended and the (kept) temp dir.
+    fn shutdown(mut self) -> (std::io::Result<()>, tempfile::TempDir) {
+        self.stop.send(true).unwrap();
+        let r = self.thread.take().unwrap().join().unwrap();
+        (r, self.tmp.take().unwrap())
+    }
+}
+
+impl Drop for TestServer {
+    fn drop(&mut self) {
+        let _ = self.stop.send(true);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+fn geo() -> Geometry {
+    Geometry { model_hash: 9, page_size: 16, dtype_tag: 2, tp_size: 4, tp_rank: 1, layer_num: 8, head_num: 2, head_dim: 64, flags: 0 }
+}
+
+#[test]
+fn every_op_round_trips() {
+    let s = TestServer::start();
+    let mut c = s.conn();
+    let g = geo();
+    let payload: Vec<u8> = (0..300_000u32).map(|i| (i * 31 % 251) as u8).collect();
+    assert!(c.put(&g, b"page-1", &payload).unwrap(), "newly stored");
+    assert!(!c.put(&g, b"page-1", b"other").unwrap(), "write-once: duplicate flagged");
+    assert_eq!(c.get(&g, b"page-1").unwrap(), GetResult::Hit(payload.clone()));
+    assert_eq!(c.get(&g, b"nope").unwrap(), GetResult::NotServed(Status::Miss));
+    let mut other = g;
+    other.tp_rank = 2;
+    assert_eq!(c.get(&other, b"page-1").unwrap(), GetResult::NotServed(Status::Mismatch));
+    assert_eq!(c.exist(Some(&g), b"page-1").unwrap(), Status::Ok);
+    assert_eq!(c.exist(Some(&other), b"page-1").unwrap(), Status::Mismatch);
+    assert_eq!(c.exist(None, b"page-1").unwrap(), Status::Ok);
+    let keys: Vec<String> = (0..128).map(|i| format!("b{i}")).collect();
+    for k in keys.iter().step_by(2) {
+        c.put(&g, k.as_bytes(), b"x").unwrap();
+    }
+    let st = c.batch_exist(&g, &keys).unwrap();
+    for (i, s) in st.iter().enumerate() {
+        assert_eq!(*s, if i % 2 == 0 { Status::Ok } else { Status::Miss }, "key {i}");
+    }
+    assert_eq!(c.delete(b"page-1").unwrap(), Status::Ok);
+    assert_eq!(c.delete(b"page-1").unwrap(), Status::Miss);
+    assert_eq!(c.ping(b"hello").unwrap(), b"hello");
+    let stats = c.stats().unwrap();
+    assert_eq!(stats.objects, 64);
+    assert_eq!(stats.hits, 1);
+    assert_eq!(stats.put_duplicates, 1);
+    assert_eq!(stats.disks.len(), 2);
+    assert!(stats.bytes_written >= payload.len() as u64);
+    assert_eq!(stats.connections, 1);
+}
+
+#[test]
+fn requests_pipeline_on_one_connection() {
+    let s = TestServer::start();
+    let mut c = s.conn();
+    let g = geo();
+    let recs: Vec<Vec<u8>> = (0..20).map(|i| build_record(g, format!("p{i}").as_bytes(), &vec![i as u8; 100_000])).collect();
+    let ids: Vec<u64> = recs.iter().map(|r| c.send(Op::Put, 0, &[r]).unwrap()).collect();
+    let mut got: Vec<u64> = (0..20).map(|_| {
+        let r = c.recv().unwrap();
+        assert_eq!(r.header.status, Status::Ok);
+        r.header.req_id
+    }).collect();
+    got.sort();
+    assert_eq!(got, ids);
+    // Gets in flight together all come back, matched by id.
+    let ids: Vec<(u64, usize)> = (0..20)
+        .map(|i| {
+            let body = kv_common::wire::KeyRequest::encode(&g, format!("p{i}").as_bytes());
+            (c.send(Op::Get, kv_common::wire::FLAG_CHECK_GEOMETRY, &[&body]).unwrap(), i)
+        })
+        .collect();
+    for _ in 0..20 {
+        let r = c.recv().unwrap();
+        let i = ids.iter().find(|(id, _)| *id == r.header.req_id).unwrap().1;
+        assert_eq!(r.body, recs[i]);
+    }
+}
+
+fn raw_hello(addr: SocketAddr) -> TcpStream {
+    let mut t = TcpStream::connect(addr).unwrap();
+    t.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    t.write_all(&Hello { version: WIRE_VERSION, status: 0, max_record: 0 }.encode()).unwrap();
+    let mut h = [0u8; HELLO_LEN];
+    t.read_exact(&mut h).unwrap();
+    t
+}
+
+/// True when the server closed the connection (EOF or reset).
+fn closed_by_server(t: &mut TcpStream) -> bool {
+    let mut b = [0u8; 64];
+    loop {
+        match t.read(&mut b) {
+            Ok(0) => return true,
+            Ok(_) => continue,
+            Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => return true,
+            Err(_) => return false,
+        }
+    }
+}
+
+#[test]
+fn garbage_closes_only_its_own_connection() {
+    let s = TestServer::start();
+    let mut good = s.conn();
+    let g = geo();
+    good.put(&g, b"steady", b"value").unwrap();
+
+    // 1. Not a kvcellar peer at all.
+    let mut t = TcpStream::connect(s.addr).unwrap();
+    t.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    t.write_all(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n").unwrap();
+    assert!(closed_by_server(&mut t));
+    // 2. Unknown op after a good hello.
+    let mut t = raw_hello(s.addr);
+    let mut h = ReqHeader { op: Op::Ping, flags: 0, body_len: 0, req_id: 1 }.encode();
+    h[0] = 99;
+    t.write_all(&h).unwrap();
+    assert!(closed_by_server(&mut t));
+    // 3. A put claiming 4 GiB: refused from the header, nothing allocated.
+    let mut t = raw_hello(s.addr);
+    let mut h = ReqHeader { op: Op::Put, flags: 0, body_len: 0, req_id: 1 }.encode();
+    h[4..8].copy_from_slice(&u32::MAX.to_le_bytes());
+    t.write_all(&h).unwrap();
+    assert!(closed_by_server(&mut t));
+    // 4. A frame cut short, then the peer vanishes.
+    let mut t = raw_hello(s.addr);
+    t.write_all(&h[..7]).unwrap();
+    drop(t);
+    // 5. Unsupported version: refused with the server's version, then closed.
+    let mut t = TcpStream::connect(s.addr).unwrap();
+    t.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    t.write_all(&Hello { version: 77, status: 0, max_record: 0 }.encode()).unwrap();
+    let mut hb = [0u8; HELLO_LEN];
+    t.read_exact(&mut hb).unwrap();
+    let reply = Hello::decode(&hb).unwrap();
+    assert_eq!((reply.version, reply.status), (WIRE_VERSION, 1));
+    assert!(closed_by_server(&mut t));
+
+    // Through all of it the good connection kept working.
+    assert_eq!(good.get(&g, b"steady").unwrap(), GetResult::Hit(b"value".to_vec()));
+    assert_eq!(good.stats().unwrap().objects, 1);
+}
+
+#[test]
+fn an_invalid_record_is_refused_and_the_connection_carries_on() {
+    let s = TestServer::start();
+    let mut c = s.conn();
+    let g = geo();
+    let mut rec = build_record(g, b"k", b"payload");
+    rec[12] ^= 0xFF; // header CRC no longer holds
+    let err = c.put_parts(&[&rec]).unwrap_err();
+    assert!(err.to_string().contains("checksum"), "{err}");
+    let mut rec = build_record(g, b"k", b"payload");
+    rec[64] = b'X'; // key differs from its hash
+    let err = c.put_parts(&[&rec]).unwrap_err();
+    assert!(matches!(err, kvclient::ClientError::Refused { status: Status::BadRequest, .. }), "{err}");
+    // A record over the node's max_record (8 MiB here) is refused up front.
+    let err = c.put(&g, b"big", &vec![0u8; 9 << 20]).unwrap_err();
+    assert!(matches!(err, kvclient::ClientError::Refused { status: Status::Rejected, .. }), "{err}");
+    assert!(c.put(&g, b"ok", b"fine").unwrap());
+    assert_eq!(c.exist(None, b"k").unwrap(), Status::Miss);
+    // Malformed small bodies: BAD_REQUEST, connection stays.
+    let id = c.send(Op::Get, 0, &[b"short"]).unwrap();
+    let r = c.recv().unwrap();
+    assert_eq!((r.header.req_id, r.header.status), (id, Status::BadRequest));
+    let id = c.send(Op::BatchExist, 0, &[&[0u8; 40]]).unwrap();
+    let r = c.recv().unwrap();
+    assert_eq!((r.header.req_id, r.header.status), (id, Status::BadRequest));
+    assert_eq!(c.ping(b"still here").unwrap(), b"still here");
+}
+
+#[test]
+fn shutdown_finishes_requests_in_flight_and_checkpoints() {
+    let s = TestServer::start();
+    let mut c = s.conn();
+    let g = geo();
+    let recs: Vec<Vec<u8>> = (0..8).map(|i| build_record(g, format!("s{i}").as_bytes(), &vec![7u8; 500_000])).collect();
+    for r in &recs {
+        c.send(Op::Put, 0, &[r]).unwrap();
+    }
+    // Wait until the first answer arrives so the requests are in flight.
+    let first = c.recv().unwrap();
+    assert_eq!(first.header.status, Status::Ok);
+    let dirs = s.dirs.clone();
+    let stop = s.stop.clone();
+    stop.send(true).unwrap();
+    for _ in 1..8 {
+        let r = c.recv().unwrap();
+        assert_eq!(r.header.status, Status::Ok, "every request sent before shutdown is answered");
+    }
+    assert!(closed_by_server(c.stream()));
+    let (r, _keep) = s.shutdown();
+    r.unwrap();
+    for d in &dirs {
+        assert!(d.join("clean").exists(), "clean marker written at shutdown");
+    }
+}
