@@ -1,0 +1,143 @@
+//! Harness for end-to-end tests: starts the real binaries, waits for them
+//! with deadlines (never a bare sleep), and reaps every child it started.
+//! Binaries come from the same target directory as the test executable;
+//! `cargo test --workspace` (or `cargo build --workspace`) builds them.
+
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+/// Path of a workspace binary next to the running test.
+pub fn bin(name: &str) -> PathBuf {
+    let exe = std::env::current_exe().expect("test executable path");
+    let dir = exe.parent().and_then(Path::parent).expect("target dir");
+    let p = dir.join(name);
+    assert!(p.exists(), "{} not built: run `cargo build --workspace` first", p.display());
+    p
+}
+
+/// A running `kv-server`.
+pub struct Node {
+    child: Option<Child>,
+    pub addr: String,
+    pub stderr_lines: mpsc::Receiver<String>,
+}
+
+impl Node {
+    /// Starts `kv-server --listen 127.0.0.1:0 ARGS...` and waits (up to 30 s)
+    /// for the line announcing its address.
+    pub fn start(args: &[&str]) -> Node {
+        let mut child = Command::new(bin("kv-server"))
+            .args(["--listen", "127.0.0.1:0"])
+            .args(args)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("spawn kv-server");
+        let stdout = child.stdout.take().expect("stdout");
+        let stderr = child.stderr.take().expect("stderr");
+        let (tx, rx) = mpsc::channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+                let _ = tx.send(line);
+            }
+        });
+        let (etx, erx) = mpsc::channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+                let _ = etx.send(line);
+            }
+        });
+        let deadline = Instant::now() + Duration::from_secs(30);
+        let mut node = Node { child: Some(child), addr: String::new(), stderr_lines: erx };
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            match rx.recv_timeout(left) {
+                Ok(line) => {
+                    if let Some(a) = line.strip_prefix("kv-server listening on ") {
+                        node.addr = a.trim().to_string();
+                        return node;
+                    }
+                }
+                Err(_) => {
+                    let log: Vec<String> = node.stderr_lines.try_iter().collect();
+                    panic!("kv-server did not come up within 30 s; stderr:\n{}", log.join("\n"));
+                }
+            }
+        }
+    }
+
+    pub fn pid(&self) -> i32 {
+        self.child.as_ref().map(|c| c.id() as i32).unwrap_or(0)
+    }
+
+    /// Sends a signal to this node (only to the process we started).
+    pub fn signal(&self, sig: i32) {
+        // SAFETY: kill(2) on the pid of a child we spawned and have not reaped.
+        unsafe { libc::kill(self.pid(), sig) };
+    }
+
+    /// SIGKILL and reap.
+    pub fn kill9(mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    /// SIGTERM, then wait up to `limit` for the exit status.
+    pub fn terminate(mut self, limit: Duration) -> ExitStatus {
+        self.signal(libc::SIGTERM);
+        let mut c = self.child.take().expect("running");
+        wait_deadline(&mut c, limit)
+    }
+}
+
+impl Drop for Node {
+    fn drop(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+/// Waits for a child to exit; kills it and panics after `limit`.
+pub fn wait_deadline(c: &mut Child, limit: Duration) -> ExitStatus {
+    let deadline = Instant::now() + limit;
+    loop {
+        if let Some(st) = c.try_wait().expect("wait") {
+            return st;
+        }
+        if Instant::now() >= deadline {
+            let _ = c.kill();
+            let _ = c.wait();
+            panic!("process did not exit within {limit:?}");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// Runs a binary to completion (30 s limit): (exit code, stdout, stderr).
+pub fn run(name: &str, args: &[&str]) -> (i32, String, String) {
+    let mut c = Command::new(bin(name))
+        .args(args)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn");
+    let st = wait_deadline(&mut c, Duration::from_secs(30));
+    let mut out = String::new();
+    let mut err = String::new();
+    use std::io::Read;
+    if let Some(mut s) = c.stdout.take() {
+        let _ = s.read_to_string(&mut out);
+    }
+    if let Some(mut s) = c.stderr.take() {
+        let _ = s.read_to_string(&mut err);
+    }
+    (st.code().unwrap_or(-1), out, err)
+}
