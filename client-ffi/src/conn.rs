@@ -47,11 +47,7 @@ impl Conn {
     /// Connects and exchanges hellos. `timeout` bounds connect and each I/O.
     pub fn connect(addr: &str, timeout: Duration) -> Result<Conn, ClientError> {
         let err = |source| ClientError::Connect { addr: addr.to_string(), source };
-        let sa = addr
-            .to_socket_addrs()
-            .map_err(err)?
-            .next()
-            .ok_or_else(|| err(std::io::Error::other("no address")))?;
+        let sa = addr.to_socket_addrs().map_err(err)?.next().ok_or_else(|| err(std::io::Error::other("no address")))?;
         let stream = TcpStream::connect_timeout(&sa, timeout).map_err(err)?;
         stream.set_nodelay(true)?;
         stream.set_read_timeout(Some(timeout))?;
@@ -62,7 +58,10 @@ impl Conn {
         c.stream.read_exact(&mut h)?;
         let reply = Hello::decode(&h).map_err(|e| ClientError::Protocol(e.to_string()))?;
         if reply.status != 0 {
-            return Err(ClientError::Protocol(format!("node refused protocol v{WIRE_VERSION} (speaks v{})", reply.version)));
+            return Err(ClientError::Protocol(format!(
+                "node refused protocol v{WIRE_VERSION} (speaks v{})",
+                reply.version
+            )));
         }
         c.max_record = reply.max_record;
         Ok(c)

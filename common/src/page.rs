@@ -52,7 +52,9 @@ impl Geometry {
         base && (self.is_mla() || (g.tp_size == self.tp_size && g.tp_rank == self.tp_rank))
     }
 
-    /// Wire form: the header's geometry fields in header order, zero padded.
+    /// Wire form (32 bytes): model_hash, page_size, dtype_tag, tp_size, tp_rank,
+    /// layer_num, head_num, head_dim, flags, then 4 zero bytes (flags sits last
+    /// here, unlike in the page header).
     pub fn encode(&self) -> [u8; GEOMETRY_WIRE_LEN] {
         let mut b = [0u8; GEOMETRY_WIRE_LEN];
         b[0..8].copy_from_slice(&self.model_hash.to_le_bytes());
@@ -118,13 +120,7 @@ pub enum HeaderError {
 impl PageHeader {
     /// A header for `key` and `payload_crc`/`payload_len` under `geometry`.
     pub fn new(geometry: Geometry, key: &[u8], payload_len: u64, payload_crc: u32) -> PageHeader {
-        PageHeader {
-            geometry,
-            key_len: key.len() as u16,
-            payload_crc,
-            payload_len,
-            key_hash: key_hash(key),
-        }
+        PageHeader { geometry, key_len: key.len() as u16, payload_crc, payload_len, key_hash: key_hash(key) }
     }
 
     /// Total record bytes: header, key and payload.

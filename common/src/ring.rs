@@ -44,12 +44,7 @@ impl Ring {
             }
         }
         points.sort_by(|a, b| {
-            a.0.cmp(&b.0).then_with(|| {
-                members[a.1 as usize]
-                    .id
-                    .as_bytes()
-                    .cmp(members[b.1 as usize].id.as_bytes())
-            })
+            a.0.cmp(&b.0).then_with(|| members[a.1 as usize].id.as_bytes().cmp(members[b.1 as usize].id.as_bytes()))
         });
         Ring { members, points }
     }
@@ -85,11 +80,7 @@ impl Ring {
             let (p, m) = self.points[k];
             // A point owns the arc from its predecessor (exclusive) to itself.
             let prev = if k == 0 { self.points[n - 1].0 } else { self.points[k - 1].0 };
-            let arc = if k == 0 {
-                (u64::MAX - prev) as u128 + p as u128 + 1
-            } else {
-                (p - prev) as u128
-            };
+            let arc = if k == 0 { (u64::MAX - prev) as u128 + p as u128 + 1 } else { (p - prev) as u128 };
             owned[m as usize] += arc;
         }
         let total = (u64::MAX as f64) + 1.0;
@@ -119,10 +110,22 @@ mod tests {
         assert_eq!(key_point(b"key-3"), 12615923472555598550);
         let ring = reference_ring();
         let owners = [
-            ("key-0", "n2"), ("key-1", "n3"), ("key-2", "n3"), ("key-3", "n3"),
-            ("key-4", "n2"), ("key-5", "n2"), ("key-6", "n2"), ("key-7", "n2"),
-            ("key-8", "n2"), ("key-9", "n2"), ("key-10", "n3"), ("key-11", "n2"),
-            ("key-12", "n3"), ("key-13", "n1"), ("key-14", "n2"), ("key-15", "n2"),
+            ("key-0", "n2"),
+            ("key-1", "n3"),
+            ("key-2", "n3"),
+            ("key-3", "n3"),
+            ("key-4", "n2"),
+            ("key-5", "n2"),
+            ("key-6", "n2"),
+            ("key-7", "n2"),
+            ("key-8", "n2"),
+            ("key-9", "n2"),
+            ("key-10", "n3"),
+            ("key-11", "n2"),
+            ("key-12", "n3"),
+            ("key-13", "n1"),
+            ("key-14", "n2"),
+            ("key-15", "n2"),
             ("a3f9a3f9a3f9a3f9a3f9a3f9a3f9a3f9a3f9a3f9a3f9a3f9a3f9a3f9a3f9a3f9_k", "n2"),
             ("meta-llama/Llama-3.1-8B@8@0@-1a2b3c@bfloat16", "n2"),
         ];

@@ -5,9 +5,7 @@
 /// case). Units are powers of 1024; a bare number is bytes.
 pub fn parse_size(s: &str) -> Result<u64, String> {
     let t = s.trim();
-    let split = t
-        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
-        .unwrap_or(t.len());
+    let split = t.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(t.len());
     let (num, unit) = t.split_at(split);
     if num.is_empty() {
         return Err(format!("invalid size {s:?}: expected a number such as 512G"));
@@ -23,9 +21,7 @@ pub fn parse_size(s: &str) -> Result<u64, String> {
         "p" => 1 << 50,
         _ => return Err(format!("invalid size {s:?}: unknown unit (use K, M, G, T or P)")),
     };
-    let value: f64 = num
-        .parse()
-        .map_err(|_| format!("invalid size {s:?}: bad number"))?;
+    let value: f64 = num.parse().map_err(|_| format!("invalid size {s:?}: bad number"))?;
     let bytes = value * mult as f64;
     if !bytes.is_finite() || bytes >= u64::MAX as f64 {
         return Err(format!("invalid size {s:?}: too large"));

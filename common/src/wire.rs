@@ -6,8 +6,8 @@
 //! may come back in any order. Decoders here check every claimed length
 //! against [`Limits`] before a caller allocates anything.
 
-use crate::page::{Geometry, GEOMETRY_WIRE_LEN, MAX_KEY_LEN};
 use crate::page::{le_u16, le_u32, le_u64};
+use crate::page::{Geometry, GEOMETRY_WIRE_LEN, MAX_KEY_LEN};
 use crate::status::Status;
 
 /// `"KVCW"` as a little-endian u32: opens the client hello and server reply.
@@ -23,9 +23,8 @@ pub const MAX_BATCH_KEYS: usize = 4096;
 /// Largest body of a request other than PUT and BATCH_EXIST.
 pub const MAX_SMALL_BODY: u32 = 64 * 1024;
 /// Largest BATCH_EXIST body: geometry, count and 4096 maximal keys.
-pub const MAX_BATCH_BODY: u32 =
-    (GEOMETRY_WIRE_LEN + 4 + MAX_BATCH_KEYS * (2 + MAX_KEY_LEN)) as u32;
-/// Request flag: compare the stored geometry with the request's (GET, EXIST).
+pub const MAX_BATCH_BODY: u32 = (GEOMETRY_WIRE_LEN + 4 + MAX_BATCH_KEYS * (2 + MAX_KEY_LEN)) as u32;
+/// Request flag: compare the stored geometry with the request's (GET, EXIST, BATCH_EXIST).
 pub const FLAG_CHECK_GEOMETRY: u8 = 1;
 /// Response flag on PUT: the key was already stored (write-once; not rewritten).
 pub const RSP_FLAG_DUPLICATE: u16 = 1;

@@ -165,7 +165,10 @@ fn run(cli: &Cli) -> Result<u8, String> {
             match c.put(&geo.geometry(), key.as_bytes(), &data) {
                 Ok(fresh) => {
                     if cli.json {
-                        println!("{}", serde_json::json!({"key": key, "status": "ok", "bytes": data.len(), "duplicate": !fresh}));
+                        println!(
+                            "{}",
+                            serde_json::json!({"key": key, "status": "ok", "bytes": data.len(), "duplicate": !fresh})
+                        );
                     } else {
                         println!("ok{}", if fresh { "" } else { " (already stored)" });
                     }
@@ -184,7 +187,9 @@ fn run(cli: &Cli) -> Result<u8, String> {
                 GetResult::Hit(v) => {
                     match out {
                         Some(p) => std::fs::write(p, &v).map_err(|e| format!("{}: {e}", p.display()))?,
-                        None if cli.json => println!("{}", serde_json::json!({"key": key, "status": "ok", "bytes": v.len()})),
+                        None if cli.json => {
+                            println!("{}", serde_json::json!({"key": key, "status": "ok", "bytes": v.len()}))
+                        }
                         None => std::io::stdout().write_all(&v).map_err(|e| e.to_string())?,
                     }
                     Ok(0)
@@ -224,14 +229,28 @@ fn run(cli: &Cli) -> Result<u8, String> {
                 format_size(s.bytes_read), format_size(s.bytes_written), s.evictions, s.failed_disks
             );
             if s.mem_capacity_bytes > 0 {
-                println!("memory tier {} of {}  hits {}", format_size(s.mem_used_bytes), format_size(s.mem_capacity_bytes), s.mem_hits);
+                println!(
+                    "memory tier {} of {}  hits {}",
+                    format_size(s.mem_used_bytes),
+                    format_size(s.mem_capacity_bytes),
+                    s.mem_hits
+                );
             }
-            println!("{:<7} {:>10} {:>10} {:>9} {:>9}  {:<8} dir", "disk", "used", "cap", "objects", "evicted", "state");
+            println!(
+                "{:<7} {:>10} {:>10} {:>9} {:>9}  {:<8} dir",
+                "disk", "used", "cap", "objects", "evicted", "state"
+            );
             for d in &s.disks {
                 let state = if d.failed { "FAILED" } else { "ok" };
                 println!(
                     "{:<7} {:>10} {:>10} {:>9} {:>9}  {:<8} {}{}",
-                    d.id, format_size(d.used_bytes), format_size(d.capacity_bytes), d.objects, d.evictions, state, d.dir,
+                    d.id,
+                    format_size(d.used_bytes),
+                    format_size(d.capacity_bytes),
+                    d.objects,
+                    d.evictions,
+                    state,
+                    d.dir,
                     d.failure.as_ref().map(|f| format!("  ({f})")).unwrap_or_default()
                 );
             }
@@ -245,7 +264,10 @@ fn run(cli: &Cli) -> Result<u8, String> {
             c.ping(b"kvctl").map_err(|e| e.to_string())?;
             let rtt = t.elapsed();
             if cli.json {
-                println!("{}", serde_json::json!({"addr": addr, "connect_us": connected.as_micros() as u64, "rtt_us": rtt.as_micros() as u64}));
+                println!(
+                    "{}",
+                    serde_json::json!({"addr": addr, "connect_us": connected.as_micros() as u64, "rtt_us": rtt.as_micros() as u64})
+                );
             } else {
                 println!("{addr}: connect {:?}, round trip {:?}", connected, rtt);
             }

@@ -205,7 +205,11 @@ mod tests {
     fn toml_file_and_override() {
         let d = tempfile::tempdir().unwrap();
         let p = d.path().join("kv.toml");
-        std::fs::write(&p, "listen = \"127.0.0.1:7000\"\ndirs = [\"/x\", \"/y:1G\"]\ncap = \"2G\"\nmem_cap = \"64M\"\n").unwrap();
+        std::fs::write(
+            &p,
+            "listen = \"127.0.0.1:7000\"\ndirs = [\"/x\", \"/y:1G\"]\ncap = \"2G\"\nmem_cap = \"64M\"\n",
+        )
+        .unwrap();
         let c = cli(&["--config", p.to_str().unwrap(), "--listen", "127.0.0.1:7001"]).unwrap();
         assert_eq!(c.listen.port(), 7001);
         assert_eq!(c.store.disks.len(), 2);

@@ -19,12 +19,20 @@ use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader, BufWrit
 use tokio::net::tcp::OwnedReadHalf;
 use tokio::net::TcpStream;
 use tokio::sync::{mpsc, watch, OwnedSemaphorePermit};
+use tokio::time::Instant;
 
 use crate::server::Shared;
 use crate::store::{GetOutcome, PooledBuf, Presence, PutOutcome, StoreError};
 
-/// Time allowed for the hello and for the rest of a frame once it started.
+/// Time allowed for the hello, and for a frame once its first byte arrived
+/// (plus [`frame_allowance`] for its body).
 const FRAME_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// Extra time a frame's body may take: one second per MiB (a peer slower
+/// than 1 MiB/s is treated as stuck).
+fn frame_allowance(body_len: u32) -> Duration {
+    Duration::from_secs(u64::from(body_len) >> 20)
+}
 /// Requests one connection may have in flight.
 const MAX_INFLIGHT_PER_CONN: usize = 64;
 /// At shutdown: longest wait for the next frame the peer already sent.
@@ -60,7 +68,7 @@ fn error_response(req: &ReqHeader, status: Status, msg: &str) -> Response {
 /// The one place internal store errors become wire statuses.
 fn store_error_status(e: &StoreError) -> Status {
     match e {
-        StoreError::BadRecord(_) => Status::BadRequest,
+        StoreError::BadRecord(_) | StoreError::BadPayload => Status::BadRequest,
         StoreError::NoDisk => Status::Unavailable,
         StoreError::Full(_) | StoreError::TooLarge(_) => Status::Rejected,
     }
@@ -76,8 +84,8 @@ enum ConnError {
     Timeout,
 }
 
-async fn read_exact_timed(rd: &mut BufReader<OwnedReadHalf>, buf: &mut [u8]) -> Result<(), ConnError> {
-    match tokio::time::timeout(FRAME_TIMEOUT, rd.read_exact(buf)).await {
+async fn read_exact_by(rd: &mut BufReader<OwnedReadHalf>, buf: &mut [u8], deadline: Instant) -> Result<(), ConnError> {
+    match tokio::time::timeout_at(deadline, rd.read_exact(buf)).await {
         Ok(r) => r.map(|_| ()).map_err(ConnError::from),
         Err(_) => Err(ConnError::Timeout),
     }
@@ -123,7 +131,7 @@ pub async fn serve(stream: TcpStream, peer: SocketAddr, shared: Arc<Shared>, mut
     let (tx, rx) = mpsc::channel::<Response>(MAX_INFLIGHT_PER_CONN);
     let writer_task = tokio::spawn(writer(wr, rx));
     let inflight = Arc::new(tokio::sync::Semaphore::new(MAX_INFLIGHT_PER_CONN));
-    let mut draining_until: Option<tokio::time::Instant> = None;
+    let mut draining_until: Option<Instant> = None;
     loop {
         // Waiting for the next frame is the only point where shutdown cuts in:
         // a frame that has begun is read and answered. After the signal, the
@@ -137,8 +145,9 @@ pub async fn serve(stream: TcpStream, peer: SocketAddr, shared: Arc<Shared>, mut
                     _ = crate::server::stopped(&mut shutdown) => None,
                     r = rd.fill_buf() => Some(r.map(|b| b.is_empty())),
                 },
+                Some(deadline) if Instant::now() >= deadline => Some(Ok(true)),
                 Some(deadline) => {
-                    let gap = DRAIN_GAP.min(deadline.saturating_duration_since(tokio::time::Instant::now()));
+                    let gap = DRAIN_GAP.min(deadline.saturating_duration_since(Instant::now()));
                     match tokio::time::timeout(gap, rd.fill_buf()).await {
                         Ok(r) => Some(r.map(|b| b.is_empty())),
                         Err(_) => Some(Ok(true)),
@@ -148,7 +157,7 @@ pub async fn serve(stream: TcpStream, peer: SocketAddr, shared: Arc<Shared>, mut
         };
         match next.await {
             None => {
-                draining_until = Some(tokio::time::Instant::now() + DRAIN_MAX);
+                draining_until = Some(Instant::now() + DRAIN_MAX);
                 continue;
             }
             Some(Ok(true)) => break,
@@ -181,7 +190,7 @@ async fn handshake(
     shared: &Shared,
 ) -> Result<bool, ConnError> {
     let mut h = [0u8; HELLO_LEN];
-    read_exact_timed(rd, &mut h).await?;
+    read_exact_by(rd, &mut h, Instant::now() + FRAME_TIMEOUT).await?;
     let hello = Hello::decode(&h)?;
     let ok = hello.version == WIRE_VERSION;
     let reply = Hello { version: WIRE_VERSION, status: u16::from(!ok), max_record: shared.limits.max_record };
@@ -200,13 +209,15 @@ async fn read_request(
     permit: OwnedSemaphorePermit,
 ) -> Result<(), ConnError> {
     let mut hb = [0u8; FRAME_HEADER_LEN];
-    read_exact_timed(rd, &mut hb).await?;
+    let started = Instant::now();
+    read_exact_by(rd, &mut hb, started + FRAME_TIMEOUT).await?;
     let req = ReqHeader::decode(&hb, &shared.limits)?;
+    let deadline = started + FRAME_TIMEOUT + frame_allowance(req.body_len);
     if req.op == Op::Put {
-        return read_put(rd, tx, shared, req, permit).await;
+        return read_put(rd, tx, shared, req, permit, deadline).await;
     }
     let mut body = vec![0u8; req.body_len as usize];
-    read_exact_timed(rd, &mut body).await?;
+    read_exact_by(rd, &mut body, deadline).await?;
     let shared = shared.clone();
     let tx = tx.clone();
     match req.op {
@@ -232,12 +243,13 @@ async fn read_put(
     shared: &Arc<Shared>,
     req: ReqHeader,
     permit: OwnedSemaphorePermit,
+    deadline: Instant,
 ) -> Result<(), ConnError> {
     let len = req.body_len as usize;
     // Validate the page header before taking memory for the body.
     let mut head = [0u8; HEADER_LEN];
     let n = len.min(HEADER_LEN);
-    read_exact_timed(rd, &mut head[..n]).await?;
+    read_exact_by(rd, &mut head[..n], deadline).await?;
     let verdict = match PageHeader::decode(&head[..n]) {
         Ok(h) if h.record_len() == len as u64 => Ok(()),
         Ok(_) => Err("record length disagrees with the frame length".to_string()),
@@ -249,7 +261,7 @@ async fn read_put(
         let mut sink = [0u8; 8192];
         while rest > 0 {
             let k = rest.min(sink.len() as u64) as usize;
-            read_exact_timed(rd, &mut sink[..k]).await?;
+            read_exact_by(rd, &mut sink[..k], deadline).await?;
             rest -= k as u64;
         }
         let _ = tx.send(error_response(&req, Status::BadRequest, &format!("invalid record: {msg}"))).await;
@@ -259,7 +271,7 @@ async fn read_put(
     let mem = shared.inflight_bytes.clone().acquire_many_owned(units).await.expect("semaphore open");
     let mut buf = shared.store.pool().get(len);
     buf.full_mut()[..HEADER_LEN].copy_from_slice(&head);
-    read_exact_timed(rd, &mut buf.full_mut()[HEADER_LEN..len]).await?;
+    read_exact_by(rd, &mut buf.full_mut()[HEADER_LEN..len], deadline).await?;
     buf.set_len(len);
     let shared = shared.clone();
     let tx = tx.clone();
@@ -331,10 +343,8 @@ fn handle_small(shared: &Shared, req: &ReqHeader, body: &[u8]) -> Response {
         Op::BatchExist => match wire::decode_batch_exist(body) {
             Ok((geo, keys)) => {
                 let check = req.flags & FLAG_CHECK_GEOMETRY != 0;
-                let st: Vec<Status> = keys
-                    .iter()
-                    .map(|k| presence_status(store.exist(k, check.then_some(&geo))))
-                    .collect();
+                let st: Vec<Status> =
+                    keys.iter().map(|k| presence_status(store.exist(k, check.then_some(&geo)))).collect();
                 respond(req, Status::Ok, 0, Body::Bytes(wire::encode_batch_status(&st)))
             }
             Err(e) => error_response(req, Status::BadRequest, &e.to_string()),

@@ -24,11 +24,7 @@ fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
-    tracing_subscriber::fmt()
-        .with_max_level(cfg.log_level)
-        .with_target(false)
-        .with_writer(std::io::stderr)
-        .init();
+    tracing_subscriber::fmt().with_max_level(cfg.log_level).with_target(false).with_writer(std::io::stderr).init();
     match run(cfg) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {

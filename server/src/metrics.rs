@@ -35,15 +35,28 @@ pub fn render(s: &NodeStats) -> String {
     metric("failed_disks", "gauge", "Disks out of service.", s.failed_disks);
     metric("corrupt_dropped_total", "counter", "Damaged records found and dropped.", s.corrupt_dropped);
     metric("mem_used_bytes", "gauge", "Bytes held by the memory tier.", s.mem_used_bytes);
+    metric("mem_capacity_bytes", "gauge", "Byte cap of the memory tier (0: off).", s.mem_capacity_bytes);
     metric("mem_hits_total", "counter", "Gets served from the memory tier.", s.mem_hits);
     metric("connections", "gauge", "Client connections open.", s.connections);
-    let _ = writeln!(o, "# HELP kvcellar_disk_used_bytes Bytes of records per disk.\n# TYPE kvcellar_disk_used_bytes gauge");
-    for d in &s.disks {
-        let _ = writeln!(o, "kvcellar_disk_used_bytes{{disk=\"{}\"}} {}", d.id, d.used_bytes);
-    }
-    let _ = writeln!(o, "# HELP kvcellar_disk_failed Whether a disk is out of service.\n# TYPE kvcellar_disk_failed gauge");
-    for d in &s.disks {
-        let _ = writeln!(o, "kvcellar_disk_failed{{disk=\"{}\"}} {}", d.id, u8::from(d.failed));
+    type PerDisk = (&'static str, &'static str, &'static str, fn(&kv_common::stats::DiskStats) -> u64);
+    let per_disk: [PerDisk; 5] = [
+        ("disk_used_bytes", "gauge", "Bytes of records per disk.", |d| d.used_bytes),
+        ("disk_capacity_bytes", "gauge", "Byte cap per disk.", |d| d.capacity_bytes),
+        ("disk_objects", "gauge", "Records per disk.", |d| d.objects),
+        ("disk_evictions_total", "counter", "Evictions per disk.", |d| d.evictions),
+        ("disk_failed", "gauge", "1 when a disk is out of service.", |d| u64::from(d.failed)),
+    ];
+    for (name, kind, help, get) in per_disk {
+        let _ = writeln!(o, "# HELP kvcellar_{name} {help}\n# TYPE kvcellar_{name} {kind}");
+        for d in &s.disks {
+            let _ = writeln!(
+                o,
+                "kvcellar_{name}{{disk=\"{}\",dir=\"{}\"}} {}",
+                d.id,
+                d.dir.replace('\\', "\\\\").replace('"', "\\\""),
+                get(d)
+            );
+        }
     }
     o
 }
@@ -89,7 +102,10 @@ pub async fn serve(listener: TcpListener, shared: Arc<Shared>, mut shutdown: wat
                 }
                 _ => ("404 Not Found", "text/plain", "not found\n".to_string()),
             };
-            let head = format!("HTTP/1.1 {code}\r\nContent-Type: {ctype}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n", body.len());
+            let head = format!(
+                "HTTP/1.1 {code}\r\nContent-Type: {ctype}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
+                body.len()
+            );
             let _ = s.write_all(head.as_bytes()).await;
             let _ = s.write_all(body.as_bytes()).await;
             let _ = s.shutdown().await;

@@ -28,7 +28,7 @@ pub struct Shared {
 
 impl Shared {
     pub fn new(store: Arc<Store>, max_record: u64, max_inflight: u64) -> Shared {
-        let units = (max_inflight / 4096).min(Semaphore::MAX_PERMITS as u64) as usize;
+        let units = max_inflight.div_ceil(4096).min(Semaphore::MAX_PERMITS as u64) as usize;
         Shared {
             store,
             limits: Limits { max_record },

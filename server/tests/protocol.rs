@@ -64,7 +64,17 @@ impl Drop for TestServer {
 }
 
 fn geo() -> Geometry {
-    Geometry { model_hash: 9, page_size: 16, dtype_tag: 2, tp_size: 4, tp_rank: 1, layer_num: 8, head_num: 2, head_dim: 64, flags: 0 }
+    Geometry {
+        model_hash: 9,
+        page_size: 16,
+        dtype_tag: 2,
+        tp_size: 4,
+        tp_rank: 1,
+        layer_num: 8,
+        head_num: 2,
+        head_dim: 64,
+        flags: 0,
+    }
 }
 
 #[test]
@@ -108,13 +118,16 @@ fn requests_pipeline_on_one_connection() {
     let s = TestServer::start();
     let mut c = s.conn();
     let g = geo();
-    let recs: Vec<Vec<u8>> = (0..20).map(|i| build_record(g, format!("p{i}").as_bytes(), &vec![i as u8; 100_000])).collect();
+    let recs: Vec<Vec<u8>> =
+        (0..20).map(|i| build_record(g, format!("p{i}").as_bytes(), &vec![i as u8; 100_000])).collect();
     let ids: Vec<u64> = recs.iter().map(|r| c.send(Op::Put, 0, &[r]).unwrap()).collect();
-    let mut got: Vec<u64> = (0..20).map(|_| {
-        let r = c.recv().unwrap();
-        assert_eq!(r.header.status, Status::Ok);
-        r.header.req_id
-    }).collect();
+    let mut got: Vec<u64> = (0..20)
+        .map(|_| {
+            let r = c.recv().unwrap();
+            assert_eq!(r.header.status, Status::Ok);
+            r.header.req_id
+        })
+        .collect();
     got.sort();
     assert_eq!(got, ids);
     // Gets in flight together all come back, matched by id.
@@ -209,6 +222,11 @@ fn an_invalid_record_is_refused_and_the_connection_carries_on() {
     rec[64] = b'X'; // key differs from its hash
     let err = c.put_parts(&[&rec]).unwrap_err();
     assert!(matches!(err, kvclient::ClientError::Refused { status: Status::BadRequest, .. }), "{err}");
+    let mut rec = build_record(g, b"k", b"payload");
+    let last = rec.len() - 1;
+    rec[last] ^= 1; // payload no longer matches its CRC
+    let err = c.put_parts(&[&rec]).unwrap_err();
+    assert!(err.to_string().contains("payload checksum"), "{err}");
     // A record over the node's max_record (8 MiB here) is refused up front.
     let err = c.put(&g, b"big", &vec![0u8; 9 << 20]).unwrap_err();
     assert!(matches!(err, kvclient::ClientError::Refused { status: Status::Rejected, .. }), "{err}");

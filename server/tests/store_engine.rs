@@ -7,12 +7,19 @@ use std::sync::{Arc, Barrier, Mutex};
 
 use kv_common::page::{build_record, Geometry};
 use kv_server::store::device::FaultyDevice;
-use kv_server::store::{
-    DiskSpec, FileDevice, GetOutcome, Presence, PutOutcome, Store, StoreConfig, StoreError,
-};
+use kv_server::store::{DiskSpec, FileDevice, GetOutcome, Presence, PutOutcome, Store, StoreConfig, StoreError};
 
 fn geo() -> Geometry {
-    Geometry { model_hash: 42, page_size: 64, dtype_tag: 1, tp_size: 1, layer_num: 2, head_num: 4, head_dim: 8, ..Default::default() }
+    Geometry {
+        model_hash: 42,
+        page_size: 64,
+        dtype_tag: 1,
+        tp_size: 1,
+        layer_num: 2,
+        head_num: 4,
+        head_dim: 8,
+        ..Default::default()
+    }
 }
 
 fn cfg(dirs: &[PathBuf], cap: u64, mem_cap: u64) -> StoreConfig {
@@ -225,11 +232,13 @@ fn crash_recovery_serves_no_damaged_record() {
         }
         let disk = &s.disks()[0];
         // The record at the highest offset gets cut short by a truncation.
-        let mut locs: Vec<(u64, u64, String)> =
-            (0..20).map(|i| format!("k{i}")).map(|k| {
+        let mut locs: Vec<(u64, u64, String)> = (0..20)
+            .map(|i| format!("k{i}"))
+            .map(|k| {
                 let (o, l) = disk.locate(k.as_bytes()).unwrap();
                 (o, l, k)
-            }).collect();
+            })
+            .collect();
         locs.sort();
         victim_trunc = locs[19].clone();
         victim_header = locs[3].clone();
@@ -322,8 +331,7 @@ fn a_failed_disk_leaves_the_others_serving() {
     for i in 0..60 {
         put(&s, &format!("k{i}"), 4_000).unwrap();
     }
-    let on_disk1: Vec<String> =
-        (0..60).map(|i| format!("k{i}")).filter(|k| s.owner(k.as_bytes()) == Some(1)).collect();
+    let on_disk1: Vec<String> = (0..60).map(|i| format!("k{i}")).filter(|k| s.owner(k.as_bytes()) == Some(1)).collect();
     assert!(!on_disk1.is_empty());
     // disk1's device starts returning EIO: the first read takes it out.
     switch_of(&switches, &d[1]).store(libc::EIO, Ordering::Relaxed);

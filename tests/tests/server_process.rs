@@ -10,7 +10,16 @@ use kvclient::conn::GetResult;
 use kvclient::Conn;
 
 fn geo() -> Geometry {
-    Geometry { model_hash: 77, page_size: 32, dtype_tag: 3, tp_size: 1, layer_num: 4, head_num: 8, head_dim: 128, ..Default::default() }
+    Geometry {
+        model_hash: 77,
+        page_size: 32,
+        dtype_tag: 3,
+        tp_size: 1,
+        layer_num: 4,
+        head_num: 8,
+        head_dim: 128,
+        ..Default::default()
+    }
 }
 
 fn payload(i: usize) -> Vec<u8> {

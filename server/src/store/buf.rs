@@ -149,9 +149,7 @@ pub struct BufPool {
 
 impl BufPool {
     pub fn new(max_bytes: usize) -> BufPool {
-        BufPool {
-            inner: Arc::new(PoolInner { max_bytes, free: Mutex::new((0, HashMap::new())) }),
-        }
+        BufPool { inner: Arc::new(PoolInner { max_bytes, free: Mutex::new((0, HashMap::new())) }) }
     }
 
     /// A buffer with capacity `align_up(cap)` and length 0.

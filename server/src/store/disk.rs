@@ -173,7 +173,7 @@ impl Disk {
         report.torn_journal_bytes = replay.torn_bytes;
         let released = Arc::new(Mutex::new(Vec::new()));
         let mut index: LruCache<Box<[u8]>, Entry> = LruCache::unbounded();
-        let file_len = dev.len()?;
+        let file_len = dev.file_len()?;
         for e in replay.entries {
             match e {
                 Replayed::Put { off, alloc_len, header, key } => {
@@ -347,30 +347,17 @@ impl Disk {
         }
         let mut header_bytes = [0u8; HEADER_LEN];
         header_bytes.copy_from_slice(&rec.as_slice()[..HEADER_LEN]);
-        let ext = Arc::new(Extent {
-            off,
-            len: alloc_len,
-            verified: AtomicBool::new(true),
-            released: self.released.clone(),
-        });
+        let ext =
+            Arc::new(Extent { off, len: alloc_len, verified: AtomicBool::new(true), released: self.released.clone() });
         let mut st = lock(&self.state);
         if st.index.contains(key) || self.is_failed() {
             // A concurrent put of the same key won (write-once), or the disk
             // failed meanwhile; our extent goes back when `ext` drops.
             drop(ext);
             self.drain_released(&mut st);
-            return if self.is_failed() {
-                Err(DiskError::Failed(self.id.clone()))
-            } else {
-                Ok(PutResult::Duplicate)
-            };
+            return if self.is_failed() { Err(DiskError::Failed(self.id.clone())) } else { Ok(PutResult::Duplicate) };
         }
-        let appended = lock(&self.journal).append(journal::Entry::Put {
-            off,
-            alloc_len,
-            header: &header_bytes,
-            key,
-        });
+        let appended = lock(&self.journal).append(journal::Entry::Put { off, alloc_len, header: &header_bytes, key });
         if let Err(e) = appended {
             drop(ext);
             self.drain_released(&mut st);

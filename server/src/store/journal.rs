@@ -102,9 +102,7 @@ impl Journal {
             Ok(mut f) => {
                 f.read_to_end(&mut data)?;
             }
-            Err(e) if e.kind() == io::ErrorKind::NotFound => {
-                return Ok(Replay { entries: Vec::new(), torn_bytes: 0 })
-            }
+            Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(Replay { entries: Vec::new(), torn_bytes: 0 }),
             Err(e) => return Err(e),
         }
         if data.len() < FILE_HEADER_LEN as usize {
@@ -211,7 +209,8 @@ mod tests {
     fn append_replay_and_torn_tail() {
         let dir = tempfile::tempdir().unwrap();
         let h = [7u8; HEADER_LEN];
-        let mut j = Journal::rewrite(dir.path(), [Entry::Put { off: 0, alloc_len: 4096, header: &h, key: b"a" }]).unwrap();
+        let mut j =
+            Journal::rewrite(dir.path(), [Entry::Put { off: 0, alloc_len: 4096, header: &h, key: b"a" }]).unwrap();
         j.append(Entry::Put { off: 4096, alloc_len: 8192, header: &h, key: b"b" }).unwrap();
         j.append(Entry::Del { key: b"a" }).unwrap();
         let r = Journal::replay(dir.path()).unwrap();

@@ -51,10 +51,20 @@ impl MemTier {
         self.lock().lru.get(key).cloned()
     }
 
-    pub fn remove(&self, key: &[u8]) {
+    /// Looks without refreshing recency.
+    pub fn peek(&self, key: &[u8]) -> Option<Arc<PooledBuf>> {
+        self.lock().lru.peek(key).cloned()
+    }
+
+    /// True when the key was held.
+    pub fn remove(&self, key: &[u8]) -> bool {
         let mut g = self.lock();
-        if let Some(old) = g.lru.pop(key) {
-            g.used -= old.capacity() as u64;
+        match g.lru.pop(key) {
+            Some(old) => {
+                g.used -= old.capacity() as u64;
+                true
+            }
+            None => false,
         }
     }
 

@@ -50,6 +50,8 @@ pub struct StoreConfig {
 pub enum StoreError {
     #[error("invalid record: {0}")]
     BadRecord(#[from] HeaderError),
+    #[error("invalid record: payload checksum does not match the header")]
+    BadPayload,
     #[error("no disk in service")]
     NoDisk,
     #[error("store full: {0}")]
@@ -142,10 +144,7 @@ impl Store {
                     })
                 })
                 .collect();
-            handles
-                .into_iter()
-                .map(|h| h.join().unwrap_or_else(|_| Err("disk recovery panicked".into())))
-                .collect()
+            handles.into_iter().map(|h| h.join().unwrap_or_else(|_| Err("disk recovery panicked".into()))).collect()
         });
         let mut disks = Vec::new();
         let mut reports = Vec::new();
@@ -209,6 +208,12 @@ impl Store {
     /// Stores a whole record held in `rec`. Blocking.
     pub fn put(&self, mut rec: PooledBuf) -> Result<PutOutcome, StoreError> {
         let (header, key) = parse_record(rec.as_slice())?;
+        // The node refuses a page whose payload does not match its CRC, so
+        // nothing it stores can fail the reader's check through its writer.
+        let payload = &rec.as_slice()[kv_common::page::HEADER_LEN + key.len()..];
+        if crc32fast::hash(payload) != header.payload_crc {
+            return Err(StoreError::BadPayload);
+        }
         let key = key.to_vec();
         if self.disks.iter().any(|d| d.contains(&key)) {
             self.c.put_duplicates.fetch_add(1, Ordering::Relaxed);
@@ -304,15 +309,19 @@ impl Store {
                 None => {}
             }
         }
+        // A page still in the memory tier after its disk evicted it is served.
+        if let Some(rec) = self.mem.as_ref().and_then(|m| m.peek(key)) {
+            return match (geo, PageHeader::decode(rec.as_slice())) {
+                (Some(g), Ok(h)) if !g.matches(&h) => Presence::Mismatch,
+                _ => Presence::Present,
+            };
+        }
         Presence::Absent
     }
 
     /// Removes a key from every tier. True when something was removed.
     pub fn delete(&self, key: &[u8]) -> bool {
-        if let Some(m) = &self.mem {
-            m.remove(key);
-        }
-        let mut any = false;
+        let mut any = self.mem.as_ref().is_some_and(|m| m.remove(key));
         for d in &self.disks {
             any |= d.delete(key);
         }
