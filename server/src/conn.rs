@@ -228,6 +228,24 @@ async fn read_request(
                 drop(permit);
             });
         }
+        Op::Delete => {
+            // Delete appends to the index journal: a syscall, so off the reactor.
+            tokio::spawn(async move {
+                let r = match wire::decode_key(&body) {
+                    Ok(k) => {
+                        let (store, k) = (shared.store.clone(), k.to_vec());
+                        match tokio::task::spawn_blocking(move || store.delete(&k)).await {
+                            Ok(true) => respond(&req, Status::Ok, 0, Body::Empty),
+                            Ok(false) => respond(&req, Status::Miss, 0, Body::Empty),
+                            Err(_) => error_response(&req, Status::Internal, "internal error"),
+                        }
+                    }
+                    Err(e) => error_response(&req, Status::BadRequest, &e.to_string()),
+                };
+                let _ = tx.send(r).await;
+                drop(permit);
+            });
+        }
         _ => {
             let r = handle_small(&shared, &req, &body);
             let _ = tx.send(r).await;
@@ -329,7 +347,7 @@ fn presence_status(p: Presence) -> Status {
     }
 }
 
-/// Requests answered from memory (no data I/O): run inline.
+/// Requests answered from memory alone (no syscalls): run inline.
 fn handle_small(shared: &Shared, req: &ReqHeader, body: &[u8]) -> Response {
     let store = &shared.store;
     match req.op {
@@ -349,18 +367,11 @@ fn handle_small(shared: &Shared, req: &ReqHeader, body: &[u8]) -> Response {
             }
             Err(e) => error_response(req, Status::BadRequest, &e.to_string()),
         },
-        Op::Delete => match wire::decode_key(body) {
-            Ok(k) => {
-                let st = if store.delete(k) { Status::Ok } else { Status::Miss };
-                respond(req, st, 0, Body::Empty)
-            }
-            Err(e) => error_response(req, Status::BadRequest, &e.to_string()),
-        },
         Op::Stats => {
             let json = serde_json::to_vec(&shared.stats()).unwrap_or_default();
             respond(req, Status::Ok, 0, Body::Bytes(json))
         }
         Op::Ping => respond(req, Status::Ok, 0, Body::Bytes(body.to_vec())),
-        Op::Put | Op::Get => error_response(req, Status::Internal, "misrouted op"),
+        Op::Put | Op::Get | Op::Delete => error_response(req, Status::Internal, "misrouted op"),
     }
 }

@@ -24,6 +24,10 @@ struct TestServer {
 
 impl TestServer {
     fn start() -> TestServer {
+        TestServer::start_with(16)
+    }
+
+    fn start_with(max_conns: usize) -> TestServer {
         let tmp = tempfile::tempdir().unwrap();
         let dirs: Vec<PathBuf> = (0..2).map(|i| tmp.path().join(format!("d{i}"))).collect();
         let cfg = StoreConfig {
@@ -38,7 +42,7 @@ impl TestServer {
         let listener = rt.block_on(tokio::net::TcpListener::bind("127.0.0.1:0")).unwrap();
         let addr = listener.local_addr().unwrap();
         let (stop, rx) = tokio::sync::watch::channel(false);
-        let thread = std::thread::spawn(move || rt.block_on(server::run(listener, shared, 16, rx)));
+        let thread = std::thread::spawn(move || rt.block_on(server::run(listener, shared, max_conns, rx)));
         TestServer { addr, stop, thread: Some(thread), dirs, tmp: Some(tmp) }
     }
 
@@ -267,4 +271,25 @@ fn shutdown_finishes_requests_in_flight_and_checkpoints() {
     for d in &dirs {
         assert!(d.join("clean").exists(), "clean marker written at shutdown");
     }
+}
+
+#[test]
+fn connections_beyond_the_cap_wait_for_a_free_slot() {
+    let s = TestServer::start_with(2);
+    let mut a = s.conn();
+    let _b = s.conn();
+    // The third connection is not served (its hello gets no answer) while
+    // two are open...
+    let mut t = TcpStream::connect(s.addr).unwrap();
+    t.set_read_timeout(Some(Duration::from_millis(300))).unwrap();
+    t.write_all(&Hello { version: WIRE_VERSION, status: 0, max_record: 0 }.encode()).unwrap();
+    let mut hb = [0u8; HELLO_LEN];
+    let e = t.read_exact(&mut hb).unwrap_err();
+    assert!(matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut), "{e}");
+    assert_eq!(a.stats().unwrap().connections, 2);
+    // ...and is served as soon as one closes.
+    drop(a);
+    t.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    t.read_exact(&mut hb).unwrap();
+    assert_eq!(Hello::decode(&hb).unwrap().status, 0);
 }

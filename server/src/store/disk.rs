@@ -113,6 +113,8 @@ pub struct Disk {
     evictions: AtomicU64,
     corrupt_dropped: AtomicU64,
     appends_since_sync: AtomicU64,
+    /// Keys recovered after an unclean stop, waiting for a payload check.
+    scrub_queue: Mutex<Vec<Box<[u8]>>>,
     _lock: File,
 }
 
@@ -225,6 +227,7 @@ impl Disk {
             dev.set_len(limit)?;
         }
         report.records = index.len() as u64;
+        let scrub_queue = if report.clean { Vec::new() } else { index.iter().map(|(k, _)| k.clone()).collect() };
         let journal = Journal::rewrite(
             dir,
             index.iter().rev().map(|(k, e)| journal::Entry::Put {
@@ -247,6 +250,7 @@ impl Disk {
             evictions: AtomicU64::new(0),
             corrupt_dropped: AtomicU64::new(0),
             appends_since_sync: AtomicU64::new(0),
+            scrub_queue: Mutex::new(scrub_queue),
             _lock: lockf,
         };
         Ok((disk, report))
@@ -456,15 +460,14 @@ impl Disk {
         true
     }
 
-    /// Keys recovered after an unclean stop whose payload is not yet checked.
-    pub fn unverified(&self, max: usize) -> Vec<Box<[u8]>> {
-        let st = lock(&self.state);
-        st.index
-            .iter()
-            .filter(|(_, e)| !e.ext.verified.load(Ordering::Relaxed))
-            .take(max)
-            .map(|(k, _)| k.clone())
-            .collect()
+    /// Up to `max` keys recovered after an unclean stop and not yet scrubbed
+    /// (some may have been read, evicted or deleted since: checking them again
+    /// is harmless).
+    pub fn take_unscrubbed(&self, max: usize) -> Vec<Box<[u8]>> {
+        let mut q = lock(&self.scrub_queue);
+        let n = q.len().min(max);
+        let at = q.len() - n;
+        q.split_off(at)
     }
 
     /// Flushes the journal; rewrites it when superseded entries dominate.

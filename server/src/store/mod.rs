@@ -333,7 +333,7 @@ impl Store {
     pub fn scrub(&self, max: usize) -> usize {
         let mut n = 0;
         for d in &self.disks {
-            for k in d.unverified(max.saturating_sub(n)) {
+            for k in d.take_unscrubbed(max.saturating_sub(n)) {
                 if d.get(&k, None, &self.pool, false).is_err() {
                     self.rebuild_ring();
                 }
