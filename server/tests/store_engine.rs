@@ -414,3 +414,48 @@ fn a_second_server_on_the_same_dir_is_refused() {
     let err = Store::open(&c).err().unwrap();
     assert!(err.contains("in use by another kv-server"), "{err}");
 }
+
+#[test]
+fn checkpoints_during_puts_lose_nothing_across_a_crash() {
+    let t = tempfile::tempdir().unwrap();
+    let d = dirs(&t, 2);
+    let c = cfg(&d, 64 << 20, 0);
+    let acked = {
+        let (s, _) = Store::open(&c).unwrap();
+        let s = Arc::new(s);
+        let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let checkpointer = {
+            let (s, stop) = (s.clone(), stop.clone());
+            std::thread::spawn(move || {
+                let mut n = 0;
+                while !stop.load(Ordering::Relaxed) {
+                    for disk in s.disks() {
+                        disk.checkpoint().unwrap();
+                    }
+                    n += 1;
+                }
+                n
+            })
+        };
+        let mut acked = Vec::new();
+        for i in 0..600 {
+            let k = format!("k{i}");
+            put(&s, &k, 3_000 + i).unwrap();
+            acked.push((k, 3_000 + i));
+            if i % 50 == 0 {
+                assert!(s.delete(format!("k{}", i / 2).as_bytes()) || i == 0);
+                acked.retain(|(k, _)| *k != format!("k{}", i / 2));
+            }
+        }
+        stop.store(true, Ordering::Relaxed);
+        assert!(checkpointer.join().unwrap() > 1, "checkpoints ran during the puts");
+        acked
+        // Dropped without close(): a crash.
+    };
+    let (s, reports) = Store::open(&c).unwrap();
+    assert!(reports.iter().all(|r| !r.clean && r.reclaimed == 0));
+    assert_eq!(s.stats().objects as usize, acked.len());
+    for (k, len) in &acked {
+        assert_eq!(get(&s, k).as_deref(), Some(&payload(k, *len)[..]), "{k}");
+    }
+}

@@ -80,7 +80,7 @@ struct Entry {
 }
 
 struct State {
-    index: LruCache<Box<[u8]>, Entry>,
+    index: LruCache<Arc<[u8]>, Entry>,
     alloc: Allocator,
     /// Bytes of allocated extents, pinned-but-evicted ones included.
     used: u64,
@@ -113,8 +113,10 @@ pub struct Disk {
     evictions: AtomicU64,
     corrupt_dropped: AtomicU64,
     appends_since_sync: AtomicU64,
+    /// One checkpoint at a time.
+    checkpointing: Mutex<()>,
     /// Keys recovered after an unclean stop, waiting for a payload check.
-    scrub_queue: Mutex<Vec<Box<[u8]>>>,
+    scrub_queue: Mutex<Vec<Arc<[u8]>>>,
     _lock: File,
 }
 
@@ -173,8 +175,9 @@ impl Disk {
         let limit = cap / ALIGN as u64 * ALIGN as u64;
         let replay = Journal::replay(dir)?;
         report.torn_journal_bytes = replay.torn_bytes;
+        let (replay_len, replay_entries) = (replay.valid_len, replay.entries.len() as u64);
         let released = Arc::new(Mutex::new(Vec::new()));
-        let mut index: LruCache<Box<[u8]>, Entry> = LruCache::unbounded();
+        let mut index: LruCache<Arc<[u8]>, Entry> = LruCache::unbounded();
         let file_len = dev.file_len()?;
         for e in replay.entries {
             match e {
@@ -196,7 +199,7 @@ impl Disk {
                         verified: AtomicBool::new(report.clean),
                         released: released.clone(),
                     });
-                    index.put(key.into_boxed_slice(), Entry { ext, header: h, header_bytes: header });
+                    index.put(Arc::from(key), Entry { ext, header: h, header_bytes: header });
                 }
                 Replayed::Del { key } => {
                     index.pop(&key[..]);
@@ -206,7 +209,7 @@ impl Disk {
         // Carve the live extents out of free space; an overlap (only possible
         // after a lost DEL) keeps the newer record.
         let mut alloc = Allocator::new(limit);
-        let mut by_age: Vec<(Box<[u8]>, u64, u64)> =
+        let mut by_age: Vec<(Arc<[u8]>, u64, u64)> =
             index.iter().map(|(k, e)| (k.clone(), e.ext.off, e.ext.len)).collect();
         by_age.reverse(); // oldest first
         let mut used = 0;
@@ -228,15 +231,23 @@ impl Disk {
         }
         report.records = index.len() as u64;
         let scrub_queue = if report.clean { Vec::new() } else { index.iter().map(|(k, _)| k.clone()).collect() };
-        let journal = Journal::rewrite(
-            dir,
-            index.iter().rev().map(|(k, e)| journal::Entry::Put {
-                off: e.ext.off,
-                alloc_len: e.ext.len,
-                header: &e.header_bytes,
-                key: k,
-            }),
-        )?;
+        // The journal is reused as it is (a torn tail cut) unless recovery
+        // dropped records it still names, or it is mostly superseded entries:
+        // then it is rewritten from the recovered index.
+        let reusable = report.reclaimed == 0 && replay_len > 0 && replay_entries <= 2 * report.records + 4096;
+        let journal = if reusable {
+            Journal::reopen(dir, replay_len, replay_entries)?
+        } else {
+            Journal::rewrite(
+                dir,
+                index.iter().rev().map(|(k, e)| journal::Entry::Put {
+                    off: e.ext.off,
+                    alloc_len: e.ext.len,
+                    header: &e.header_bytes,
+                    key: k,
+                }),
+            )?
+        };
         let disk = Disk {
             id,
             dir: dir.to_path_buf(),
@@ -250,6 +261,7 @@ impl Disk {
             evictions: AtomicU64::new(0),
             corrupt_dropped: AtomicU64::new(0),
             appends_since_sync: AtomicU64::new(0),
+            checkpointing: Mutex::new(()),
             scrub_queue: Mutex::new(scrub_queue),
             _lock: lockf,
         };
@@ -463,7 +475,7 @@ impl Disk {
     /// Up to `max` keys recovered after an unclean stop and not yet scrubbed
     /// (some may have been read, evicted or deleted since: checking them again
     /// is harmless).
-    pub fn take_unscrubbed(&self, max: usize) -> Vec<Box<[u8]>> {
+    pub fn take_unscrubbed(&self, max: usize) -> Vec<Arc<[u8]>> {
         let mut q = lock(&self.scrub_queue);
         let n = q.len().min(max);
         let at = q.len() - n;
@@ -485,7 +497,9 @@ impl Disk {
             return self.checkpoint();
         }
         if self.appends_since_sync.swap(0, Ordering::Relaxed) > 0 {
-            let r = lock(&self.journal).sync();
+            // fdatasync outside the journal lock: appends carry on meanwhile.
+            let file = lock(&self.journal).file();
+            let r = file.sync_data();
             if let Err(e) = &r {
                 self.fail(&format!("index journal sync: {e}"));
             }
@@ -494,20 +508,29 @@ impl Disk {
         Ok(())
     }
 
-    /// Rewrites the journal from the live index, oldest first.
+    /// Rewrites the journal from the live index, oldest first. The index is
+    /// only copied under the lock (keys are shared, not cloned); the file is
+    /// written and synced with no lock held, and entries appended meanwhile
+    /// are carried over before the new file replaces the old one.
     pub fn checkpoint(&self) -> io::Result<()> {
-        let st = lock(&self.state);
-        let mut j = lock(&self.journal);
-        let fresh = Journal::rewrite(
+        let _one = lock(&self.checkpointing);
+        let live: Vec<(Arc<[u8]>, [u8; HEADER_LEN], u64, u64)> = {
+            let st = lock(&self.state);
+            lock(&self.journal).begin_snapshot();
+            st.index.iter().rev().map(|(k, e)| (k.clone(), e.header_bytes, e.ext.off, e.ext.len)).collect()
+        };
+        let snap = Journal::write_snapshot(
             &self.dir,
-            st.index.iter().rev().map(|(k, e)| journal::Entry::Put {
-                off: e.ext.off,
-                alloc_len: e.ext.len,
-                header: &e.header_bytes,
-                key: k,
-            }),
-        )?;
-        *j = fresh;
+            live.iter().map(|(k, h, off, len)| journal::Entry::Put { off: *off, alloc_len: *len, header: h, key: k }),
+        );
+        let mut j = lock(&self.journal);
+        match snap {
+            Ok(snap) => j.install(snap, &self.dir)?,
+            Err(e) => {
+                j.abort_snapshot(None);
+                return Err(e);
+            }
+        }
         self.appends_since_sync.store(0, Ordering::Relaxed);
         Ok(())
     }

@@ -10,10 +10,11 @@
 //! recency) at start, at clean shutdown and whenever it grows to twice the
 //! live set; the rewrite goes to a temp file that is renamed into place.
 
-use std::fs::{File, OpenOptions};
+use std::fs::File;
 use std::io::{self, BufWriter, Read, Write};
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use kv_common::page::HEADER_LEN;
 
@@ -82,15 +83,28 @@ pub struct Replay {
     pub entries: Vec<Replayed>,
     /// Bytes after the last valid entry (a torn tail), dropped.
     pub torn_bytes: u64,
+    /// Length of the valid prefix of the file.
+    pub valid_len: u64,
 }
 
 /// An open journal, appended to at its tail.
 pub struct Journal {
     path: PathBuf,
-    file: File,
+    file: Arc<File>,
     tail: u64,
     entries: u64,
     scratch: Vec<u8>,
+    /// While a rewrite is under way: a copy of every entry appended since its
+    /// snapshot, added to the new file before it replaces this one.
+    since_snapshot: Option<(Vec<u8>, u64)>,
+}
+
+/// A rewritten journal in its temp file, not yet in place.
+pub struct Snapshot {
+    tmp: PathBuf,
+    file: File,
+    len: u64,
+    entries: u64,
 }
 
 impl Journal {
@@ -102,11 +116,13 @@ impl Journal {
             Ok(mut f) => {
                 f.read_to_end(&mut data)?;
             }
-            Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(Replay { entries: Vec::new(), torn_bytes: 0 }),
+            Err(e) if e.kind() == io::ErrorKind::NotFound => {
+                return Ok(Replay { entries: Vec::new(), torn_bytes: 0, valid_len: 0 })
+            }
             Err(e) => return Err(e),
         }
         if data.len() < FILE_HEADER_LEN as usize {
-            return Ok(Replay { entries: Vec::new(), torn_bytes: data.len() as u64 });
+            return Ok(Replay { entries: Vec::new(), torn_bytes: data.len() as u64, valid_len: 0 });
         }
         let magic = u32::from_le_bytes(data[0..4].try_into().expect("4 bytes"));
         let version = u32::from_le_bytes(data[4..8].try_into().expect("4 bytes"));
@@ -134,16 +150,15 @@ impl Journal {
             }
             at += 8 + len;
         }
-        Ok(Replay { entries, torn_bytes: (data.len() - at) as u64 })
+        Ok(Replay { entries, torn_bytes: (data.len() - at) as u64, valid_len: at as u64 })
     }
 
-    /// Writes a fresh journal holding `live` (oldest first) via a temp file
-    /// renamed into place, and opens it for appending.
-    pub fn rewrite<'a, I>(dir: &Path, live: I) -> io::Result<Journal>
+    /// Writes `live` (oldest first) to `dir/index.log.tmp` and syncs it. Needs
+    /// no lock: the caller installs it with [`Journal::install`].
+    pub fn write_snapshot<'a, I>(dir: &Path, live: I) -> io::Result<Snapshot>
     where
         I: IntoIterator<Item = Entry<'a>>,
     {
-        let path = dir.join(JOURNAL_FILE);
         let tmp = dir.join(format!("{JOURNAL_FILE}.tmp"));
         let f = File::create(&tmp)?;
         let mut w = BufWriter::with_capacity(1 << 20, f);
@@ -151,39 +166,112 @@ impl Journal {
         head[0..4].copy_from_slice(&MAGIC.to_le_bytes());
         head[4..8].copy_from_slice(&VERSION.to_le_bytes());
         w.write_all(&head)?;
-        let mut tail = FILE_HEADER_LEN;
+        let mut len = FILE_HEADER_LEN;
         let mut entries = 0;
         let mut buf = Vec::with_capacity(MAX_ENTRY + 8);
         for e in live {
             buf.clear();
             encode(&e, &mut buf);
             w.write_all(&buf)?;
-            tail += buf.len() as u64;
+            len += buf.len() as u64;
             entries += 1;
         }
-        let f = w.into_inner().map_err(|e| e.into_error())?;
-        f.sync_data()?;
-        drop(f);
-        std::fs::rename(&tmp, &path)?;
+        let file = w.into_inner().map_err(|e| e.into_error())?;
+        file.sync_data()?;
+        Ok(Snapshot { tmp, file, len, entries })
+    }
+
+    /// Reopens an existing journal for appending after its first `valid_len`
+    /// bytes (holding `entries` entries); a torn tail beyond them is cut.
+    pub fn reopen(dir: &Path, valid_len: u64, entries: u64) -> io::Result<Journal> {
+        let path = dir.join(JOURNAL_FILE);
+        let file = std::fs::OpenOptions::new().read(true).write(true).open(&path)?;
+        if file.metadata()?.len() != valid_len {
+            file.set_len(valid_len)?;
+            file.sync_all()?;
+        }
+        Ok(Journal {
+            path,
+            file: Arc::new(file),
+            tail: valid_len,
+            entries,
+            scratch: Vec::with_capacity(MAX_ENTRY + 8),
+            since_snapshot: None,
+        })
+    }
+
+    /// A fresh journal holding `live`, in place (used at open).
+    pub fn rewrite<'a, I>(dir: &Path, live: I) -> io::Result<Journal>
+    where
+        I: IntoIterator<Item = Entry<'a>>,
+    {
+        let snap = Journal::write_snapshot(dir, live)?;
+        let path = dir.join(JOURNAL_FILE);
+        std::fs::rename(&snap.tmp, &path)?;
         sync_dir(dir)?;
-        let file = OpenOptions::new().read(true).write(true).open(&path)?;
-        Ok(Journal { path, file, tail, entries, scratch: Vec::with_capacity(MAX_ENTRY + 8) })
+        Ok(Journal {
+            path,
+            file: Arc::new(snap.file),
+            tail: snap.len,
+            entries: snap.entries,
+            scratch: Vec::with_capacity(MAX_ENTRY + 8),
+            since_snapshot: None,
+        })
+    }
+
+    /// Marks the point a snapshot is taken at: entries appended from now on
+    /// are also kept for [`Journal::install`].
+    pub fn begin_snapshot(&mut self) {
+        self.since_snapshot = Some((Vec::new(), 0));
+    }
+
+    /// Gives up a snapshot (its temp file is removed).
+    pub fn abort_snapshot(&mut self, snap: Option<Snapshot>) {
+        self.since_snapshot = None;
+        if let Some(s) = snap {
+            let _ = std::fs::remove_file(&s.tmp);
+        }
+    }
+
+    /// Adds the entries appended since the snapshot to it, syncs, and renames
+    /// it over the journal. On error the old journal stays in use, complete.
+    pub fn install(&mut self, mut snap: Snapshot, dir: &Path) -> io::Result<()> {
+        let (extra, n) = self.since_snapshot.take().unwrap_or_default();
+        let r = (|| {
+            snap.file.write_all_at(&extra, snap.len)?;
+            snap.file.sync_data()?;
+            std::fs::rename(&snap.tmp, &self.path)?;
+            sync_dir(dir)
+        })();
+        if let Err(e) = r {
+            let _ = std::fs::remove_file(&snap.tmp);
+            return Err(e);
+        }
+        snap.len += extra.len() as u64;
+        self.file = Arc::new(snap.file);
+        self.tail = snap.len;
+        self.entries = snap.entries + n;
+        Ok(())
     }
 
     /// Appends one entry (buffered: survives a process crash at once, the
-    /// device after the next [`Journal::sync`]).
+    /// device after the next sync of [`Journal::file`]).
     pub fn append(&mut self, e: Entry<'_>) -> io::Result<()> {
         self.scratch.clear();
         encode(&e, &mut self.scratch);
         self.file.write_all_at(&self.scratch, self.tail)?;
         self.tail += self.scratch.len() as u64;
         self.entries += 1;
+        if let Some((copy, n)) = &mut self.since_snapshot {
+            copy.extend_from_slice(&self.scratch);
+            *n += 1;
+        }
         Ok(())
     }
 
-    /// Flushes appended entries to the device.
-    pub fn sync(&self) -> io::Result<()> {
-        self.file.sync_data()
+    /// The open file, for an `fdatasync` taken outside the journal's lock.
+    pub fn file(&self) -> Arc<File> {
+        self.file.clone()
     }
 
     /// Entries in the file (live and superseded).
@@ -204,6 +292,36 @@ pub fn sync_dir(dir: &Path) -> io::Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    use std::fs::OpenOptions;
+
+    #[test]
+    fn snapshot_keeps_entries_appended_meanwhile() {
+        let dir = tempfile::tempdir().unwrap();
+        let h = [3u8; HEADER_LEN];
+        let mut j =
+            Journal::rewrite(dir.path(), [Entry::Put { off: 0, alloc_len: 4096, header: &h, key: b"a" }]).unwrap();
+        j.begin_snapshot();
+        let snap = Journal::write_snapshot(dir.path(), [Entry::Put { off: 0, alloc_len: 4096, header: &h, key: b"a" }])
+            .unwrap();
+        // Appended while the snapshot was being written: must survive install.
+        j.append(Entry::Put { off: 4096, alloc_len: 4096, header: &h, key: b"b" }).unwrap();
+        j.append(Entry::Del { key: b"a" }).unwrap();
+        j.install(snap, dir.path()).unwrap();
+        j.append(Entry::Put { off: 8192, alloc_len: 4096, header: &h, key: b"c" }).unwrap();
+        let r = Journal::replay(dir.path()).unwrap();
+        let keys: Vec<_> = r
+            .entries
+            .iter()
+            .map(|e| match e {
+                Replayed::Put { key, .. } => format!("put {}", String::from_utf8_lossy(key)),
+                Replayed::Del { key } => format!("del {}", String::from_utf8_lossy(key)),
+            })
+            .collect();
+        assert_eq!(keys, ["put a", "put b", "del a", "put c"]);
+        assert_eq!(j.entries(), 4);
+        assert!(!dir.path().join("index.log.tmp").exists());
+    }
 
     #[test]
     fn append_replay_and_torn_tail() {

@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Installs what building and testing kvcellar needs, only when it is missing.
+# Safe to run repeatedly; used by scripts/quickstart.sh and scripts/test.sh.
+set -euo pipefail
+
+have() { command -v "$1" >/dev/null 2>&1; }
+
+apt_updated=0
+need_deb() { # need_deb PACKAGE COMMAND
+  local pkg=$1 cmd=$2
+  have "$cmd" && return 0
+  local sudo=""
+  [ "$(id -u)" -eq 0 ] || sudo="sudo"
+  if ! have apt-get; then
+    echo "deps: '$cmd' is missing and this is not a Debian-like system: install '$pkg' by hand" >&2
+    exit 1
+  fi
+  if [ $apt_updated -eq 0 ]; then
+    echo "deps: apt-get update" >&2
+    $sudo apt-get update -qq
+    apt_updated=1
+  fi
+  echo "deps: installing $pkg" >&2
+  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq "$pkg" >/dev/null
+}
+
+if ! have cargo; then
+  echo "deps: cargo not found: install a Rust toolchain (https://rustup.rs), 1.85 or newer" >&2
+  exit 1
+fi
+need_deb gcc cc
+need_deb python3 python3
