@@ -79,6 +79,9 @@ struct Entry {
     header_bytes: [u8; HEADER_LEN],
 }
 
+/// A live record as a checkpoint copies it: key, header, offset, extent length.
+type LiveRecord = (Arc<[u8]>, [u8; HEADER_LEN], u64, u64);
+
 struct State {
     index: LruCache<Arc<[u8]>, Entry>,
     alloc: Allocator,
@@ -514,7 +517,7 @@ impl Disk {
     /// are carried over before the new file replaces the old one.
     pub fn checkpoint(&self) -> io::Result<()> {
         let _one = lock(&self.checkpointing);
-        let live: Vec<(Arc<[u8]>, [u8; HEADER_LEN], u64, u64)> = {
+        let live: Vec<LiveRecord> = {
             let st = lock(&self.state);
             lock(&self.journal).begin_snapshot();
             st.index.iter().rev().map(|(k, e)| (k.clone(), e.header_bytes, e.ext.off, e.ext.len)).collect()
