@@ -117,9 +117,19 @@ enum Cmd {
 fn main() -> ExitCode {
     let cli = match Cli::try_parse() {
         Ok(c) => c,
-        Err(e) => {
+        Err(e) if !e.use_stderr() => {
+            // --help and --version.
             let _ = e.print();
-            return if e.use_stderr() { ExitCode::from(2) } else { ExitCode::SUCCESS };
+            return ExitCode::SUCCESS;
+        }
+        Err(e) => {
+            // One line: clap's first line, without its usage block.
+            let text = e.to_string();
+            let para: Vec<&str> = text.lines().take_while(|l| !l.trim().is_empty()).map(str::trim).collect();
+            let joined = para.join(" ");
+            let first = joined.trim_start_matches("error: ");
+            eprintln!("kvctl: error: {first} (see kvctl --help)");
+            return ExitCode::from(2);
         }
     };
     match run(&cli) {

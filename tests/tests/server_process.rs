@@ -96,6 +96,8 @@ fn sigkill_then_restart_serves_every_acknowledged_record() {
 
 fn one_clear_line(code: i32, err: &str, want: &str) {
     assert_ne!(code, 0);
+    let err = err.trim_end();
+    assert!(!err.contains('\n'), "exactly one line: {err}");
     assert!(err.contains(want), "stderr should say {want:?}: {err}");
     assert!(!err.contains("panicked") && !err.contains("RUST_BACKTRACE"), "no panic trace: {err}");
 }
@@ -112,6 +114,7 @@ fn bad_flags_and_unusable_resources_give_one_clear_line() {
     one_clear_line(code, &err, "--listen is required");
     let (code, _, err) = run("kv-server", &["--bogus"]);
     one_clear_line(code, &err, "--bogus");
+    assert_eq!(code, 2);
     // A regular file where a directory should be.
     let file = t.path().join("file");
     std::fs::write(&file, b"x").unwrap();
