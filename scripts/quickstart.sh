@@ -41,18 +41,26 @@ done
 echo "== kv-server (pid $pid) serving on $addr, disks under $work"
 
 geo=(--model-hash 20817 --page-size 64 --layer-num 61 --head-num 1 --head-dim 576 --mla)
+key="quickstart-$(date +%s%N)"   # a new key each run: pages are write-once
 head -c $((4 << 20)) /dev/urandom >"$work/page.bin"
-echo "== kvctl put a 4 MiB page"
-"$bin/kvctl" put --node "$addr" "${geo[@]}" --file "$work/page.bin" "quickstart-page-0"
+echo "== kvctl put a 4 MiB page as $key"
+"$bin/kvctl" put --node "$addr" "${geo[@]}" --file "$work/page.bin" "$key"
 echo "== kvctl get it back and compare"
-"$bin/kvctl" get --node "$addr" "${geo[@]}" --out "$work/page.out" "quickstart-page-0"
-cmp "$work/page.bin" "$work/page.out" && echo "round trip: 4194304 bytes identical"
+"$bin/kvctl" get --node "$addr" "${geo[@]}" --out "$work/page.out" "$key"
+if cmp -s "$work/page.bin" "$work/page.out"; then
+  echo "round trip: 4194304 bytes identical (header, key, geometry and CRC verified)"
+else
+  echo "round trip FAILED: the page read back differs"; exit 1
+fi
 echo "== kvctl exist with another model's geometry (a guarded miss)"
-"$bin/kvctl" exist --node "$addr" --model-hash 1 "quickstart-page-0" || true
+"$bin/kvctl" exist --node "$addr" --model-hash 1 "$key" || true
 echo "== kvctl stat"
 "$bin/kvctl" stat "$addr"
 maddr=$(grep -o 'metrics listening.*addr=[0-9.:]*' "$log" | sed 's/.*addr=//' || true)
-[ -n "$maddr" ] && echo "== metrics at http://$maddr/metrics"
+if [ -n "$maddr" ]; then
+  echo "== metrics at http://$maddr/metrics (excerpt)"
+  curl -s "http://$maddr/metrics" 2>/dev/null | grep -E "^kvcellar_(objects|hits_total|used_bytes) " || true
+fi
 if [ $keep -eq 1 ]; then
   echo "== left running (pid $pid); stop with: kill \$(cat $work/kv-server.pid)"
 fi

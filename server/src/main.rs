@@ -33,7 +33,13 @@ fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
-    tracing_subscriber::fmt().with_max_level(cfg.log_level).with_target(false).with_writer(std::io::stderr).init();
+    let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr());
+    tracing_subscriber::fmt()
+        .with_max_level(cfg.log_level)
+        .with_target(false)
+        .with_ansi(ansi)
+        .with_writer(std::io::stderr)
+        .init();
     match run(cfg) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
