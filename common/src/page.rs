@@ -15,6 +15,9 @@ pub const PAGE_VERSION: u16 = 1;
 pub const FLAG_MLA: u16 = 1;
 /// Longest key a record may carry.
 pub const MAX_KEY_LEN: usize = 1024;
+/// Largest payload a header may claim (1 TiB): far above any page, far below
+/// where `64 + key_len + payload_len` could overflow.
+pub const MAX_PAYLOAD_LEN: u64 = 1 << 40;
 
 /// The caller's model geometry: every field must match on get (§2).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
@@ -171,6 +174,11 @@ impl PageHeader {
         if key_len == 0 || key_len as usize > MAX_KEY_LEN {
             return Err(HeaderError::KeyLen(key_len as usize));
         }
+        // A payload length whose record length cannot be represented is a lie
+        // (and would overflow every length computation after this point).
+        if le_u64(b, 40) > MAX_PAYLOAD_LEN {
+            return Err(HeaderError::Length);
+        }
         Ok(PageHeader {
             geometry: Geometry {
                 flags: le_u16(b, 6),
@@ -314,6 +322,15 @@ mod tests {
         other_model.model_hash += 1;
         assert!(!other_model.matches(&h));
         assert_eq!(Geometry::decode(&g.encode()), Some(g));
+    }
+
+    #[test]
+    fn an_absurd_payload_length_is_refused_not_overflowed() {
+        let mut h = PageHeader::new(reference_geometry(), b"key", 0, 0);
+        h.payload_len = u64::MAX - 10;
+        assert_eq!(PageHeader::decode(&h.encode()).unwrap_err(), HeaderError::Length);
+        h.payload_len = MAX_PAYLOAD_LEN;
+        assert!(PageHeader::decode(&h.encode()).is_ok());
     }
 
     #[test]

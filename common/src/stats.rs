@@ -15,6 +15,9 @@ pub struct DiskStats {
     pub failed: bool,
     #[serde(default)]
     pub failure: Option<String>,
+    /// Records recovered after a crash whose payload is not yet checked.
+    #[serde(default)]
+    pub unverified: u64,
 }
 
 /// What an operator needs about one node.
@@ -36,6 +39,9 @@ pub struct NodeStats {
     pub evictions: u64,
     pub failed_disks: u64,
     pub corrupt_dropped: u64,
+    /// Records recovered after a crash whose payload is not yet checked.
+    #[serde(default)]
+    pub unverified: u64,
     pub mem_used_bytes: u64,
     pub mem_capacity_bytes: u64,
     pub mem_hits: u64,

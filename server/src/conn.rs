@@ -49,6 +49,8 @@ enum Body {
 struct Response {
     header: [u8; FRAME_HEADER_LEN],
     body: Body,
+    /// The share of `--max-inflight` this response's body holds until written.
+    budget: Option<OwnedSemaphorePermit>,
 }
 
 fn respond(req: &ReqHeader, status: Status, flags: u16, body: Body) -> Response {
@@ -58,7 +60,7 @@ fn respond(req: &ReqHeader, status: Status, flags: u16, body: Body) -> Response 
         Body::Record(r) => r.len(),
     };
     let h = RspHeader { status, op: req.op as u8, flags, body_len: len as u32, req_id: req.req_id };
-    Response { header: h.encode(), body }
+    Response { header: h.encode(), body, budget: None }
 }
 
 fn error_response(req: &ReqHeader, status: Status, msg: &str) -> Response {
@@ -91,9 +93,18 @@ async fn read_exact_by(rd: &mut BufReader<OwnedReadHalf>, buf: &mut [u8], deadli
     }
 }
 
-async fn writer(mut w: BufWriter<tokio::net::tcp::OwnedWriteHalf>, mut rx: mpsc::Receiver<Response>) {
+/// Owns the write half. Each response must be written within 30 s plus 1 s
+/// per MiB; a peer that stops reading is cut off (its responses' memory freed)
+/// instead of holding the connection, and a shutdown, forever.
+async fn writer(mut w: BufWriter<tokio::net::tcp::OwnedWriteHalf>, mut rx: mpsc::Receiver<Response>, peer: SocketAddr) {
     while let Some(r) = rx.recv().await {
-        let res = async {
+        let len = match &r.body {
+            Body::Empty => 0,
+            Body::Bytes(b) => b.len(),
+            Body::Record(rec) => rec.len(),
+        };
+        let deadline = Instant::now() + FRAME_TIMEOUT + frame_allowance(len as u32);
+        let res = tokio::time::timeout_at(deadline, async {
             w.write_all(&r.header).await?;
             match &r.body {
                 Body::Empty => {}
@@ -104,10 +115,18 @@ async fn writer(mut w: BufWriter<tokio::net::tcp::OwnedWriteHalf>, mut rx: mpsc:
                 w.flush().await?;
             }
             Ok::<_, std::io::Error>(())
-        }
+        })
         .await;
-        if res.is_err() {
-            return; // peer gone; the reader notices too
+        match res {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => {
+                tracing::debug!(%peer, error = %e, "write failed");
+                return; // peer gone; the reader sees the channel close
+            }
+            Err(_) => {
+                tracing::warn!(%peer, "closing connection: peer stopped reading responses");
+                return;
+            }
         }
     }
     let _ = w.flush().await;
@@ -129,7 +148,7 @@ pub async fn serve(stream: TcpStream, peer: SocketAddr, shared: Arc<Shared>, mut
         }
     }
     let (tx, rx) = mpsc::channel::<Response>(MAX_INFLIGHT_PER_CONN);
-    let writer_task = tokio::spawn(writer(wr, rx));
+    let writer_task = tokio::spawn(writer(wr, rx, peer));
     let inflight = Arc::new(tokio::sync::Semaphore::new(MAX_INFLIGHT_PER_CONN));
     let mut draining_until: Option<Instant> = None;
     loop {
@@ -143,6 +162,8 @@ pub async fn serve(stream: TcpStream, peer: SocketAddr, shared: Arc<Shared>, mut
                 None => tokio::select! {
                     biased;
                     _ = crate::server::stopped(&mut shutdown) => None,
+                    // The writer gave up on this peer: stop reading too.
+                    _ = tx.closed() => Some(Ok(true)),
                     r = rd.fill_buf() => Some(r.map(|b| b.is_empty())),
                 },
                 Some(deadline) if Instant::now() >= deadline => Some(Ok(true)),
@@ -246,11 +267,25 @@ async fn read_request(
                 drop(permit);
             });
         }
-        _ => {
-            let r = handle_small(&shared, &req, &body);
-            let _ = tx.send(r).await;
-            drop(permit);
-        }
+        _ => match handle_small(&shared, &req, &body) {
+            Some(r) => {
+                let _ = tx.send(r).await;
+                drop(permit);
+            }
+            None => {
+                // An index lock was busy (a put, a checkpoint copy) or the op
+                // must take locks: answer from the blocking pool instead of
+                // making the reactor wait.
+                tokio::spawn(async move {
+                    let s2 = shared.clone();
+                    let r = tokio::task::spawn_blocking(move || handle_blocking(&s2, &req, &body))
+                        .await
+                        .unwrap_or_else(|_| error_response(&req, Status::Internal, "internal error"));
+                    let _ = tx.send(r).await;
+                    drop(permit);
+                });
+            }
+        },
     }
     Ok(())
 }
@@ -287,6 +322,9 @@ async fn read_put(
     }
     let units = (len as u64).div_ceil(4096).max(1) as u32;
     let mem = shared.inflight_bytes.clone().acquire_many_owned(units).await.expect("semaphore open");
+    // Waiting for memory is the node's doing, not the peer's: the body's
+    // time starts now.
+    let deadline = deadline.max(Instant::now() + FRAME_TIMEOUT + frame_allowance(req.body_len));
     let mut buf = shared.store.pool().get(len);
     buf.full_mut()[..HEADER_LEN].copy_from_slice(&head);
     read_exact_by(rd, &mut buf.full_mut()[HEADER_LEN..len], deadline).await?;
@@ -322,6 +360,13 @@ async fn handle_get(shared: &Arc<Shared>, req: &ReqHeader, body: &[u8]) -> Respo
     };
     let check = req.flags & FLAG_CHECK_GEOMETRY != 0;
     let geo = kr.geometry;
+    // The record's bytes count against --max-inflight until written out.
+    let Some(size) = shared.store.record_size(kr.key) else {
+        shared.store.count_miss();
+        return respond(req, Status::Miss, 0, Body::Empty);
+    };
+    let units = size.div_ceil(4096).clamp(1, shared.limits.max_record.div_ceil(4096)) as u32;
+    let budget = shared.inflight_bytes.clone().acquire_many_owned(units).await.expect("semaphore open");
     let key = kr.key.to_vec();
     let store = shared.store.clone();
     let res = {
@@ -329,7 +374,11 @@ async fn handle_get(shared: &Arc<Shared>, req: &ReqHeader, body: &[u8]) -> Respo
         tokio::task::spawn_blocking(move || store.get(&key, check.then_some(&geo))).await
     };
     match res {
-        Ok(GetOutcome::Hit(rec)) => respond(req, Status::Ok, 0, Body::Record(rec)),
+        Ok(GetOutcome::Hit(rec)) => {
+            let mut r = respond(req, Status::Ok, 0, Body::Record(rec));
+            r.budget = Some(budget);
+            r
+        }
         Ok(GetOutcome::Mismatch) => respond(req, Status::Mismatch, 0, Body::Empty),
         Ok(GetOutcome::Miss) => respond(req, Status::Miss, 0, Body::Empty),
         Err(e) => {
@@ -347,20 +396,46 @@ fn presence_status(p: Presence) -> Status {
     }
 }
 
-/// Requests answered from memory alone (no syscalls): run inline.
-fn handle_small(shared: &Shared, req: &ReqHeader, body: &[u8]) -> Response {
+/// Requests answered from memory alone, inline on the reactor; None when
+/// that would mean waiting for a lock (then [`handle_blocking`] answers).
+fn handle_small(shared: &Shared, req: &ReqHeader, body: &[u8]) -> Option<Response> {
     let store = &shared.store;
-    match req.op {
+    let check = req.flags & FLAG_CHECK_GEOMETRY != 0;
+    Some(match req.op {
         Op::Exist => match KeyRequest::decode(body) {
             Ok(kr) => {
-                let geo = (req.flags & FLAG_CHECK_GEOMETRY != 0).then_some(&kr.geometry);
-                respond(req, presence_status(store.exist(kr.key, geo)), 0, Body::Empty)
+                let p = store.try_exist(kr.key, check.then_some(&kr.geometry))?;
+                respond(req, presence_status(p), 0, Body::Empty)
             }
             Err(e) => error_response(req, Status::BadRequest, &e.to_string()),
         },
         Op::BatchExist => match wire::decode_batch_exist(body) {
             Ok((geo, keys)) => {
-                let check = req.flags & FLAG_CHECK_GEOMETRY != 0;
+                let mut st = Vec::with_capacity(keys.len());
+                for k in &keys {
+                    st.push(presence_status(store.try_exist(k, check.then_some(&geo))?));
+                }
+                respond(req, Status::Ok, 0, Body::Bytes(wire::encode_batch_status(&st)))
+            }
+            Err(e) => error_response(req, Status::BadRequest, &e.to_string()),
+        },
+        Op::Ping => respond(req, Status::Ok, 0, Body::Bytes(body.to_vec())),
+        Op::Stats => return None,
+        Op::Put | Op::Get | Op::Delete => error_response(req, Status::Internal, "misrouted op"),
+    })
+}
+
+/// The same requests, allowed to wait for locks (blocking pool only).
+fn handle_blocking(shared: &Shared, req: &ReqHeader, body: &[u8]) -> Response {
+    let store = &shared.store;
+    let check = req.flags & FLAG_CHECK_GEOMETRY != 0;
+    match req.op {
+        Op::Exist => match KeyRequest::decode(body) {
+            Ok(kr) => respond(req, presence_status(store.exist(kr.key, check.then_some(&kr.geometry))), 0, Body::Empty),
+            Err(e) => error_response(req, Status::BadRequest, &e.to_string()),
+        },
+        Op::BatchExist => match wire::decode_batch_exist(body) {
+            Ok((geo, keys)) => {
                 let st: Vec<Status> =
                     keys.iter().map(|k| presence_status(store.exist(k, check.then_some(&geo)))).collect();
                 respond(req, Status::Ok, 0, Body::Bytes(wire::encode_batch_status(&st)))
@@ -371,7 +446,6 @@ fn handle_small(shared: &Shared, req: &ReqHeader, body: &[u8]) -> Response {
             let json = serde_json::to_vec(&shared.stats()).unwrap_or_default();
             respond(req, Status::Ok, 0, Body::Bytes(json))
         }
-        Op::Ping => respond(req, Status::Ok, 0, Body::Bytes(body.to_vec())),
-        Op::Put | Op::Get | Op::Delete => error_response(req, Status::Internal, "misrouted op"),
+        _ => handle_small(shared, req, body).unwrap_or_else(|| error_response(req, Status::Internal, "misrouted op")),
     }
 }

@@ -34,6 +34,7 @@ pub fn render(s: &NodeStats) -> String {
     metric("evictions_total", "counter", "Records evicted under the cap.", s.evictions);
     metric("failed_disks", "gauge", "Disks out of service.", s.failed_disks);
     metric("corrupt_dropped_total", "counter", "Damaged records found and dropped.", s.corrupt_dropped);
+    metric("unverified_records", "gauge", "Records recovered after a crash awaiting a payload check.", s.unverified);
     metric("mem_used_bytes", "gauge", "Bytes held by the memory tier.", s.mem_used_bytes);
     metric("mem_capacity_bytes", "gauge", "Byte cap of the memory tier (0: off).", s.mem_capacity_bytes);
     metric("mem_hits_total", "counter", "Gets served from the memory tier.", s.mem_hits);
@@ -90,15 +91,26 @@ pub async fn serve(listener: TcpListener, shared: Arc<Shared>, mut shutdown: wat
             }
             let line = String::from_utf8_lossy(req.split(|&b| b == b'\r').next().unwrap_or(&[])).to_string();
             let path = line.split_whitespace().nth(1).unwrap_or("");
-            let (code, ctype, body) = match path {
-                "/metrics" => ("200 OK", "text/plain; version=0.0.4", render(&shared.stats())),
-                "/healthz" => {
-                    let st = shared.stats();
+            let path = path.split('?').next().unwrap_or("");
+            // Gathering stats takes each disk's index lock: off the reactor.
+            let stats = match path {
+                "/metrics" | "/healthz" => {
+                    let sh = shared.clone();
+                    tokio::task::spawn_blocking(move || sh.stats()).await.ok()
+                }
+                _ => None,
+            };
+            let (code, ctype, body) = match (path, stats) {
+                ("/metrics", Some(st)) => ("200 OK", "text/plain; version=0.0.4", render(&st)),
+                ("/healthz", Some(st)) => {
                     if st.failed_disks as usize == st.disks.len() {
                         ("503 Service Unavailable", "text/plain", "no disk in service\n".to_string())
                     } else {
                         ("200 OK", "text/plain", "ok\n".to_string())
                     }
+                }
+                ("/metrics" | "/healthz", None) => {
+                    ("500 Internal Server Error", "text/plain", "stats unavailable\n".to_string())
                 }
                 _ => ("404 Not Found", "text/plain", "not found\n".to_string()),
             };

@@ -110,7 +110,8 @@ async fn upkeep(store: Arc<Store>, mut shutdown: watch::Receiver<bool>) {
         let s = store.clone();
         let _ = tokio::task::spawn_blocking(move || {
             s.maintain();
-            s.scrub(64);
+            // After a crash: check recovered payloads at up to 256 MiB/s.
+            s.scrub(256 << 20);
         })
         .await;
     }

@@ -226,6 +226,14 @@ fn an_invalid_record_is_refused_and_the_connection_carries_on() {
     rec[64] = b'X'; // key differs from its hash
     let err = c.put_parts(&[&rec]).unwrap_err();
     assert!(matches!(err, kvclient::ClientError::Refused { status: Status::BadRequest, .. }), "{err}");
+    // A header claiming an absurd payload length (its CRC valid): refused,
+    // nothing overflows, the connection carries on.
+    let mut h = kv_common::page::PageHeader::new(g, b"k", 0, 0);
+    h.payload_len = u64::MAX - 900;
+    let mut rec = h.encode().to_vec();
+    rec.extend_from_slice(&[b'k'; 36]);
+    let err = c.put_parts(&[&rec]).unwrap_err();
+    assert!(matches!(err, kvclient::ClientError::Refused { status: Status::BadRequest, .. }), "{err}");
     let mut rec = build_record(g, b"k", b"payload");
     let last = rec.len() - 1;
     rec[last] ^= 1; // payload no longer matches its CRC
@@ -270,6 +278,21 @@ fn shutdown_finishes_requests_in_flight_and_checkpoints() {
     r.unwrap();
     for d in &dirs {
         assert!(d.join("clean").exists(), "clean marker written at shutdown");
+    }
+    // Everything answered before the stop is there after it.
+    let cfg = StoreConfig {
+        disks: dirs.iter().map(|d| DiskSpec { dir: d.clone(), cap: 64 << 20 }).collect(),
+        mem_cap: 0,
+        sync_writes: false,
+        pool_bytes: 16 << 20,
+    };
+    let (store, reports) = Store::open(&cfg).unwrap();
+    assert!(reports.iter().all(|r| r.clean));
+    for (i, want) in recs.iter().enumerate() {
+        match store.get(format!("s{i}").as_bytes(), Some(&g)) {
+            kv_server::store::GetOutcome::Hit(rec) => assert_eq!(rec.as_slice(), &want[..]),
+            _ => panic!("s{i} missing after a clean stop"),
+        }
     }
 }
 

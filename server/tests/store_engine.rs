@@ -263,7 +263,8 @@ fn crash_recovery_serves_no_damaged_record() {
         assert!(get(&s, k).is_none(), "damaged {k} must not be served");
     }
     // The rest is intact; a scrub checks every unverified record.
-    s.scrub(usize::MAX);
+    s.scrub(u64::MAX);
+    assert_eq!(s.stats().unverified, 0);
     let mut served = 0;
     for i in 0..20 {
         let k = format!("k{i}");
@@ -297,11 +298,14 @@ fn torn_journal_tail_keeps_earlier_records() {
         assert!(get(&s, &format!("k{i}")).is_some());
     }
     assert!(get(&s, "k4").is_none());
-    // The store keeps working after recovery and a second restart.
+    // The store keeps appending to the cut journal; a second crash keeps it all.
     put(&s, "after", 5_000).unwrap();
-    s.close().unwrap();
     drop(s);
-    let (s, _) = Store::open(&c).unwrap();
+    let (s, reports) = Store::open(&c).unwrap();
+    assert_eq!(reports[0].torn_journal_bytes, 0, "the torn tail was cut, not appended after");
+    for i in 0..4 {
+        assert!(get(&s, &format!("k{i}")).is_some());
+    }
     assert!(get(&s, "after").is_some());
 }
 
@@ -400,10 +404,20 @@ fn memory_tier_is_bounded_and_serves() {
     let before = s.stats().mem_hits;
     assert!(get(&s, "k7").is_some());
     assert_eq!(s.stats().mem_hits, before + 1);
-    // A rejected put never enters the memory tier.
-    let big = build_record(geo(), b"huge", &vec![0u8; 17 << 20]);
-    assert!(s.put(s.pool().copy_of(&big)).is_err());
-    assert!(get(&s, "huge").is_none());
+}
+
+#[test]
+fn a_put_the_disk_rejects_never_enters_the_memory_tier() {
+    let t = tempfile::tempdir().unwrap();
+    let d = dirs(&t, 1);
+    let (s, switches) = open_faulty(&cfg(&d, 16 << 20, 1 << 20));
+    let sw = switch_of(&switches, &d[0]);
+    sw.store(libc::ENOSPC, Ordering::Relaxed);
+    assert!(matches!(put(&s, "refused", 4_000), Err(StoreError::Full(_))));
+    sw.store(0, Ordering::Relaxed);
+    assert_eq!(s.stats().mem_used_bytes, 0);
+    assert!(get(&s, "refused").is_none(), "not served from memory either");
+    assert_eq!(s.exist(b"refused", None), Presence::Absent);
 }
 
 #[test]
@@ -416,11 +430,13 @@ fn a_second_server_on_the_same_dir_is_refused() {
 }
 
 #[test]
-fn checkpoints_during_puts_lose_nothing_across_a_crash() {
+fn checkpoints_during_puts_and_evictions_lose_nothing_across_a_crash() {
     let t = tempfile::tempdir().unwrap();
-    let d = dirs(&t, 2);
-    let c = cfg(&d, 64 << 20, 0);
-    let acked = {
+    let d = dirs(&t, 1);
+    // 600 KiB: about 100 records of ~6 KiB fit; 800 are written, so extents
+    // are evicted and reused while checkpoints copy and install the journal.
+    let c = cfg(&d, 600 << 10, 0);
+    let s = {
         let (s, _) = Store::open(&c).unwrap();
         let s = Arc::new(s);
         let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
@@ -429,33 +445,83 @@ fn checkpoints_during_puts_lose_nothing_across_a_crash() {
             std::thread::spawn(move || {
                 let mut n = 0;
                 while !stop.load(Ordering::Relaxed) {
-                    for disk in s.disks() {
-                        disk.checkpoint().unwrap();
-                    }
+                    s.disks()[0].checkpoint().unwrap();
                     n += 1;
                 }
                 n
             })
         };
-        let mut acked = Vec::new();
-        for i in 0..600 {
-            let k = format!("k{i}");
-            put(&s, &k, 3_000 + i).unwrap();
-            acked.push((k, 3_000 + i));
-            if i % 50 == 0 {
-                assert!(s.delete(format!("k{}", i / 2).as_bytes()) || i == 0);
-                acked.retain(|(k, _)| *k != format!("k{}", i / 2));
-            }
+        let writers: Vec<_> = (0..2)
+            .map(|w| {
+                let s = s.clone();
+                std::thread::spawn(move || {
+                    for i in 0..400 {
+                        let k = format!("w{w}-{i}");
+                        put(&s, &k, 5_000 + i).unwrap();
+                        if i % 40 == 0 {
+                            s.delete(format!("w{w}-{}", i / 2).as_bytes());
+                        }
+                    }
+                })
+            })
+            .collect();
+        for w in writers {
+            w.join().unwrap();
         }
         stop.store(true, Ordering::Relaxed);
         assert!(checkpointer.join().unwrap() > 1, "checkpoints ran during the puts");
-        acked
-        // Dropped without close(): a crash.
+        assert!(s.stats().evictions > 500);
+        s
     };
+    // What the index held at the crash is exactly what must come back.
+    let before: Vec<String> = (0..2)
+        .flat_map(|w| (0..400).map(move |i| format!("w{w}-{i}")))
+        .filter(|k| s.exist(k.as_bytes(), None) == Presence::Present)
+        .collect();
+    drop(s); // a crash: no close()
     let (s, reports) = Store::open(&c).unwrap();
-    assert!(reports.iter().all(|r| !r.clean && r.reclaimed == 0));
-    assert_eq!(s.stats().objects as usize, acked.len());
-    for (k, len) in &acked {
-        assert_eq!(get(&s, k).as_deref(), Some(&payload(k, *len)[..]), "{k}");
+    assert!(!reports[0].clean);
+    assert_eq!(reports[0].reclaimed, 0);
+    assert_eq!(s.stats().objects as usize, before.len());
+    for k in &before {
+        let len = 5_000 + k.rsplit('-').next().unwrap().parse::<usize>().unwrap();
+        assert_eq!(get(&s, k).as_deref(), Some(&payload(k, len)[..]), "{k}");
     }
+    let st = s.stats();
+    assert!(st.used_bytes <= st.capacity_bytes);
+}
+
+#[test]
+fn a_failing_journal_fails_the_disk_without_hanging() {
+    let t = tempfile::tempdir().unwrap();
+    let d = dirs(&t, 2);
+    let (s, _) = Store::open(&cfg(&d, 64 << 10, 0)).unwrap();
+    let s = Arc::new(s);
+    for i in 0..40 {
+        put(&s, &format!("k{i}"), 6_000).unwrap();
+    }
+    // Journal appends on disk0 fail from now on (the device is full, say).
+    s.disks()[0].inject_journal_errno(libc::ENOSPC);
+    let (tx, rx) = std::sync::mpsc::channel();
+    let s2 = s.clone();
+    std::thread::spawn(move || {
+        // These evict on disk0, whose DEL append fails mid-put.
+        for i in 40..80 {
+            let _ = put(&s2, &format!("k{i}"), 6_000);
+            let _ = s2.exist(b"k1", None);
+            let _ = s2.delete(format!("k{}", i - 40).as_bytes());
+        }
+        tx.send(s2.stats()).unwrap();
+    });
+    let st = rx.recv_timeout(std::time::Duration::from_secs(30)).expect("no deadlock");
+    assert!(st.disks[0].failed, "{st:?}");
+    assert!(st.disks[0].failure.as_deref().unwrap().contains("index journal"));
+    assert!(!st.disks[1].failed);
+    // The node still serves and stores through its other disk.
+    for i in 100..110 {
+        assert_eq!(put(&s, &format!("k{i}"), 6_000).unwrap(), PutOutcome::Stored);
+        assert!(get(&s, &format!("k{i}")).is_some());
+    }
+    s.maintain();
+    assert_eq!(s.stats().disks[0].objects, 0);
 }

@@ -15,7 +15,41 @@ pub fn bin(name: &str) -> PathBuf {
     let dir = exe.parent().and_then(Path::parent).expect("target dir");
     let p = dir.join(name);
     assert!(p.exists(), "{} not built: run `cargo build --workspace` first", p.display());
+    // `cargo test -p kv-e2e` does not rebuild other packages' binaries: refuse
+    // to test a binary older than the sources it is built from.
+    let built = std::fs::metadata(&p).and_then(|m| m.modified()).expect("binary mtime");
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).parent().expect("workspace root");
+    // The crates each binary is built from (DESIGN.md §1 dependency order).
+    let sources: &[&str] = match name {
+        "kv-server" => &["common", "server"],
+        "kvctl" => &["common", "client-ffi", "ctl"],
+        "kv-mds" => &["common", "mds"],
+        _ => &[],
+    };
+    for crate_dir in sources {
+        if let Some(newer) = newest_source(&root.join(crate_dir).join("src")).filter(|(t, _)| *t > built) {
+            panic!("{} is older than {}: run `cargo build --workspace` first", p.display(), newer.1.display());
+        }
+    }
     p
+}
+
+fn newest_source(dir: &Path) -> Option<(std::time::SystemTime, PathBuf)> {
+    let mut newest: Option<(std::time::SystemTime, PathBuf)> = None;
+    for e in std::fs::read_dir(dir).ok()?.flatten() {
+        let path = e.path();
+        let found = if path.is_dir() {
+            newest_source(&path)
+        } else {
+            e.metadata().and_then(|m| m.modified()).ok().map(|t| (t, path))
+        };
+        if let Some(f) = found {
+            if newest.as_ref().is_none_or(|n| f.0 > n.0) {
+                newest = Some(f);
+            }
+        }
+    }
+    newest
 }
 
 /// A running `kv-server`.

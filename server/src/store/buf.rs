@@ -5,7 +5,7 @@
 //! that alone. The pool keeps released buffers (bounded in bytes) so the hot
 //! path reuses warm memory.
 
-use std::alloc::{alloc, dealloc, Layout};
+use std::alloc::{alloc_zeroed, dealloc, Layout};
 use std::collections::HashMap;
 use std::ptr::NonNull;
 use std::sync::{Arc, Mutex};
@@ -35,8 +35,11 @@ impl AlignedBuf {
     pub fn new(cap: usize) -> AlignedBuf {
         let cap = align_up(cap.max(1) as u64) as usize;
         let layout = Layout::from_size_align(cap, ALIGN).expect("aligned layout");
+        // Zeroed, so every byte of the capacity is initialised and the safe
+        // accessors below never expose uninitialised memory. (The pool makes
+        // this a one-time cost per buffer.)
         // SAFETY: the layout has a non-zero size.
-        let raw = unsafe { alloc(layout) };
+        let raw = unsafe { alloc_zeroed(layout) };
         let ptr = NonNull::new(raw).unwrap_or_else(|| std::alloc::handle_alloc_error(layout));
         AlignedBuf { ptr, cap, len: 0 }
     }
@@ -61,24 +64,23 @@ impl AlignedBuf {
 
     /// The valid bytes.
     pub fn as_slice(&self) -> &[u8] {
-        // SAFETY: ptr is valid for cap >= len bytes; bytes up to len were written
-        // by the owner (set_len is only called after filling them).
+        // SAFETY: ptr is valid for cap >= len bytes, all initialised (zeroed at
+        // allocation, written since), and shared borrows of self forbid writes.
         unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.len) }
     }
 
     /// The whole capacity, for filling.
     pub fn full_mut(&mut self) -> &mut [u8] {
-        // SAFETY: ptr is valid for cap bytes and uniquely borrowed through &mut self.
-        // The memory may be uninitialised; callers only write into it or read
-        // after writing (u8 has no invalid bit patterns).
+        // SAFETY: ptr is valid for cap initialised bytes (zeroed at allocation)
+        // and uniquely borrowed through &mut self.
         unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), self.cap) }
     }
 
     /// The first `n` bytes of the capacity (aligned I/O length).
     pub fn prefix(&self, n: usize) -> &[u8] {
         assert!(n <= self.cap);
-        // SAFETY: as in as_slice; n <= cap. Bytes past len were zero-filled by
-        // `pad_to_align` before any I/O that reads them out.
+        // SAFETY: ptr is valid for cap >= n initialised bytes (zeroed at
+        // allocation); shared borrows of self forbid writes.
         unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), n) }
     }
 

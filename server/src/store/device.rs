@@ -20,6 +20,8 @@ pub trait Device: Send + Sync {
     fn file_len(&self) -> io::Result<u64>;
     /// Sets the length of the data file (sparse growth).
     fn set_len(&self, len: u64) -> io::Result<()>;
+    /// Makes every completed write durable.
+    fn sync(&self) -> io::Result<()>;
 }
 
 /// The real device: one file, O_DIRECT when the filesystem supports it.
@@ -48,7 +50,9 @@ struct SyncState {
     issued: u64,
     synced: u64,
     running: bool,
-    failed: Option<i32>,
+    /// The last failed flush: tickets up to `.0` get errno `.1`; later
+    /// writers start a fresh flush.
+    failed: Option<(u64, i32)>,
 }
 
 impl GroupSync {
@@ -57,11 +61,13 @@ impl GroupSync {
         st.issued += 1;
         let ticket = st.issued;
         loop {
-            if let Some(errno) = st.failed {
-                return Err(io::Error::from_raw_os_error(errno));
-            }
             if st.synced >= ticket {
                 return Ok(());
+            }
+            if let Some((upto, errno)) = st.failed {
+                if ticket <= upto {
+                    return Err(io::Error::from_raw_os_error(errno));
+                }
             }
             if !st.running {
                 st.running = true;
@@ -72,7 +78,7 @@ impl GroupSync {
                 st.running = false;
                 match r {
                     Ok(()) => st.synced = st.synced.max(target),
-                    Err(e) => st.failed = Some(e.raw_os_error().unwrap_or(libc::EIO)),
+                    Err(e) => st.failed = Some((target, e.raw_os_error().unwrap_or(libc::EIO))),
                 }
                 self.done.notify_all();
                 continue;
@@ -127,6 +133,10 @@ impl Device for FileDevice {
     fn set_len(&self, len: u64) -> io::Result<()> {
         self.file.set_len(len)
     }
+
+    fn sync(&self) -> io::Result<()> {
+        self.file.sync_data()
+    }
 }
 
 /// A device wrapper whose I/O can be made to fail (tests, fault drills).
@@ -168,5 +178,10 @@ impl Device for FaultyDevice {
 
     fn set_len(&self, len: u64) -> io::Result<()> {
         self.inner.set_len(len)
+    }
+
+    fn sync(&self) -> io::Result<()> {
+        self.check()?;
+        self.inner.sync()
     }
 }

@@ -43,6 +43,10 @@ pub enum DiskError {
     TooLarge(u64),
 }
 
+/// A lock was held by someone else (see [`Disk::try_exist`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Busy;
+
 /// Result of a put on one disk.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum PutResult {
@@ -57,6 +61,15 @@ pub enum Lookup {
     Miss,
 }
 
+/// What every extent of a disk shares with the disk.
+#[derive(Default)]
+struct Shared {
+    /// Extents whose last pin dropped, for the allocator to take back.
+    released: Mutex<Vec<(u64, u64)>>,
+    /// Records recovered after an unclean stop whose payload is unchecked.
+    unverified: AtomicU64,
+}
+
 /// Space a record occupies; returned to the allocator when the last pin drops.
 struct Extent {
     off: u64,
@@ -64,12 +77,26 @@ struct Extent {
     /// False for records recovered after an unclean stop until their payload
     /// CRC has been checked once.
     verified: AtomicBool,
-    released: Arc<Mutex<Vec<(u64, u64)>>>,
+    shared: Arc<Shared>,
+}
+
+impl Extent {
+    /// Marks the payload checked; true the first time.
+    fn mark_verified(&self) -> bool {
+        let first = !self.verified.swap(true, Ordering::AcqRel);
+        if first {
+            self.shared.unverified.fetch_sub(1, Ordering::Relaxed);
+        }
+        first
+    }
 }
 
 impl Drop for Extent {
     fn drop(&mut self) {
-        lock(&self.released).push((self.off, self.len));
+        if !*self.verified.get_mut() {
+            self.shared.unverified.fetch_sub(1, Ordering::Relaxed);
+        }
+        lock(&self.shared.released).push((self.off, self.len));
     }
 }
 
@@ -109,13 +136,14 @@ pub struct Disk {
     cap: u64,
     dev: Box<dyn Device>,
     state: Mutex<State>,
-    released: Arc<Mutex<Vec<(u64, u64)>>>,
+    shared: Arc<Shared>,
     journal: Mutex<Journal>,
     failed: AtomicBool,
     failure: Mutex<Option<String>>,
     evictions: AtomicU64,
     corrupt_dropped: AtomicU64,
     appends_since_sync: AtomicU64,
+    journal_errno: std::sync::atomic::AtomicI32,
     /// One checkpoint at a time.
     checkpointing: Mutex<()>,
     /// Keys recovered after an unclean stop, waiting for a payload check.
@@ -179,7 +207,7 @@ impl Disk {
         let replay = Journal::replay(dir)?;
         report.torn_journal_bytes = replay.torn_bytes;
         let (replay_len, replay_entries) = (replay.valid_len, replay.entries.len() as u64);
-        let released = Arc::new(Mutex::new(Vec::new()));
+        let shared = Arc::new(Shared::default());
         let mut index: LruCache<Arc<[u8]>, Entry> = LruCache::unbounded();
         let file_len = dev.file_len()?;
         for e in replay.entries {
@@ -199,8 +227,8 @@ impl Disk {
                     let ext = Arc::new(Extent {
                         off,
                         len: alloc_len,
-                        verified: AtomicBool::new(report.clean),
-                        released: released.clone(),
+                        verified: AtomicBool::new(true),
+                        shared: shared.clone(),
                     });
                     index.put(Arc::from(key), Entry { ext, header: h, header_bytes: header });
                 }
@@ -228,7 +256,14 @@ impl Disk {
             }
         }
         // The extents just dropped were never reserved; forget their releases.
-        lock(&released).clear();
+        lock(&shared.released).clear();
+        // After an unclean stop every survivor awaits a payload check.
+        if !report.clean {
+            for (_, e) in index.iter() {
+                e.ext.verified.store(false, Ordering::Relaxed);
+            }
+            shared.unverified.store(index.len() as u64, Ordering::Relaxed);
+        }
         if file_len != limit {
             dev.set_len(limit)?;
         }
@@ -257,13 +292,14 @@ impl Disk {
             cap: limit,
             dev,
             state: Mutex::new(State { index, alloc, used }),
-            released,
+            shared,
             journal: Mutex::new(journal),
             failed: AtomicBool::new(false),
             failure: Mutex::new(None),
             evictions: AtomicU64::new(0),
             corrupt_dropped: AtomicU64::new(0),
             appends_since_sync: AtomicU64::new(0),
+            journal_errno: std::sync::atomic::AtomicI32::new(0),
             checkpointing: Mutex::new(()),
             scrub_queue: Mutex::new(scrub_queue),
             _lock: lockf,
@@ -280,15 +316,31 @@ impl Disk {
     }
 
     /// Takes the disk out of service (idempotent). Returns true the first time.
+    ///
+    /// Takes no lock but `failure`, so it may be called with `state` or
+    /// `journal` held. Every operation checks the flag first; the index's
+    /// memory is released by the next [`Disk::maintain`].
     pub fn fail(&self, reason: &str) -> bool {
         if self.failed.swap(true, Ordering::AcqRel) {
             return false;
         }
         tracing::error!(disk = %self.id, dir = %self.dir.display(), reason, "disk taken out of service");
         *lock(&self.failure) = Some(reason.to_string());
-        let mut st = lock(&self.state);
-        st.index.clear();
         true
+    }
+
+    /// Appends to the journal; the journal lock is released before returning.
+    fn journal_append(&self, e: journal::Entry<'_>) -> io::Result<()> {
+        match self.journal_errno.load(Ordering::Relaxed) {
+            0 => lock(&self.journal).append(e),
+            errno => Err(io::Error::from_raw_os_error(errno)),
+        }
+    }
+
+    /// Test hook: journal appends fail with `errno` while it is non-zero.
+    #[doc(hidden)]
+    pub fn inject_journal_errno(&self, errno: i32) {
+        self.journal_errno.store(errno, Ordering::Relaxed);
     }
 
     fn io_failed(&self, what: &str, e: &io::Error) -> DiskError {
@@ -297,7 +349,7 @@ impl Disk {
     }
 
     fn drain_released(&self, st: &mut State) {
-        let mut r = lock(&self.released);
+        let mut r = lock(&self.shared.released);
         for (off, len) in r.drain(..) {
             st.alloc.free(off, len);
             st.used -= len;
@@ -310,7 +362,7 @@ impl Disk {
             return false;
         };
         self.evictions.fetch_add(1, Ordering::Relaxed);
-        if let Err(e) = lock(&self.journal).append(journal::Entry::Del { key: &key }) {
+        if let Err(e) = self.journal_append(journal::Entry::Del { key: &key }) {
             self.fail(&format!("index journal write: {e}"));
         }
         drop(entry);
@@ -367,7 +419,7 @@ impl Disk {
         let mut header_bytes = [0u8; HEADER_LEN];
         header_bytes.copy_from_slice(&rec.as_slice()[..HEADER_LEN]);
         let ext =
-            Arc::new(Extent { off, len: alloc_len, verified: AtomicBool::new(true), released: self.released.clone() });
+            Arc::new(Extent { off, len: alloc_len, verified: AtomicBool::new(true), shared: self.shared.clone() });
         let mut st = lock(&self.state);
         if st.index.contains(key) || self.is_failed() {
             // A concurrent put of the same key won (write-once), or the disk
@@ -376,7 +428,7 @@ impl Disk {
             self.drain_released(&mut st);
             return if self.is_failed() { Err(DiskError::Failed(self.id.clone())) } else { Ok(PutResult::Duplicate) };
         }
-        let appended = lock(&self.journal).append(journal::Entry::Put { off, alloc_len, header: &header_bytes, key });
+        let appended = self.journal_append(journal::Entry::Put { off, alloc_len, header: &header_bytes, key });
         if let Err(e) = appended {
             drop(ext);
             self.drain_released(&mut st);
@@ -425,7 +477,7 @@ impl Disk {
                 self.drop_damaged(key, &ext, "payload checksum failed");
                 return Ok(Lookup::Miss);
             }
-            ext.verified.store(true, Ordering::Release);
+            ext.mark_verified();
         }
         Ok(Lookup::Hit(buf))
     }
@@ -437,19 +489,42 @@ impl Disk {
             st.index.pop(key);
             self.corrupt_dropped.fetch_add(1, Ordering::Relaxed);
             tracing::warn!(disk = %self.id, key = %String::from_utf8_lossy(key), why, "damaged record dropped");
-            if let Err(e) = lock(&self.journal).append(journal::Entry::Del { key }) {
+            if let Err(e) = self.journal_append(journal::Entry::Del { key }) {
                 self.fail(&format!("index journal write: {e}"));
             }
         }
     }
 
-    /// KV_OK / KV_MISS / KV_MISMATCH for a key, from memory only.
+    /// Some(true) present, Some(false) another geometry, None absent.
+    /// From memory only.
     pub fn exist(&self, key: &[u8], geo: Option<&Geometry>) -> Option<bool> {
         if self.is_failed() {
             return None;
         }
         let st = lock(&self.state);
         st.index.peek(key).map(|e| geo.is_none_or(|g| g.matches(&e.header)))
+    }
+
+    /// As [`Disk::exist`], but gives up instead of waiting for the lock, so
+    /// async code can fall back to the blocking pool.
+    pub fn try_exist(&self, key: &[u8], geo: Option<&Geometry>) -> Result<Option<bool>, Busy> {
+        if self.is_failed() {
+            return Ok(None);
+        }
+        let st = match self.state.try_lock() {
+            Ok(g) => g,
+            Err(std::sync::TryLockError::Poisoned(p)) => p.into_inner(),
+            Err(std::sync::TryLockError::WouldBlock) => return Err(Busy),
+        };
+        Ok(st.index.peek(key).map(|e| geo.is_none_or(|g| g.matches(&e.header))))
+    }
+
+    /// Length of the stored record for `key` (memory only).
+    pub fn record_len(&self, key: &[u8]) -> Option<u64> {
+        if self.is_failed() {
+            return None;
+        }
+        lock(&self.state).index.peek(key).map(|e| e.header.record_len())
     }
 
     pub fn contains(&self, key: &[u8]) -> bool {
@@ -465,8 +540,7 @@ impl Disk {
         let Some(entry) = st.index.pop(key) else {
             return false;
         };
-        if let Err(e) = lock(&self.journal).append(journal::Entry::Del { key }) {
-            drop(st);
+        if let Err(e) = self.journal_append(journal::Entry::Del { key }) {
             self.fail(&format!("index journal write: {e}"));
             return true;
         }
@@ -485,9 +559,15 @@ impl Disk {
         q.split_off(at)
     }
 
-    /// Flushes the journal; rewrites it when superseded entries dominate.
+    /// Flushes the journal; rewrites it when superseded entries dominate;
+    /// notices a vanished directory; frees a failed disk's index.
     pub fn maintain(&self) -> io::Result<()> {
         if self.is_failed() {
+            let mut st = lock(&self.state);
+            if !st.index.is_empty() {
+                st.index.clear();
+                self.drain_released(&mut st);
+            }
             return Ok(());
         }
         if !self.dir.join(MARKER_FILE).exists() {
@@ -496,25 +576,23 @@ impl Disk {
         }
         let live = lock(&self.state).index.len() as u64;
         let entries = lock(&self.journal).entries();
-        if entries > 2 * live + 4096 {
-            return self.checkpoint();
-        }
+        let compacted = if entries > 2 * live + 4096 { self.checkpoint() } else { Ok(()) };
         if self.appends_since_sync.swap(0, Ordering::Relaxed) > 0 {
             // fdatasync outside the journal lock: appends carry on meanwhile.
             let file = lock(&self.journal).file();
-            let r = file.sync_data();
-            if let Err(e) = &r {
+            if let Err(e) = file.sync_data() {
                 self.fail(&format!("index journal sync: {e}"));
+                return Err(e);
             }
-            return r;
         }
-        Ok(())
+        compacted
     }
 
-    /// Rewrites the journal from the live index, oldest first. The index is
-    /// only copied under the lock (keys are shared, not cloned); the file is
-    /// written and synced with no lock held, and entries appended meanwhile
-    /// are carried over before the new file replaces the old one.
+    /// Rewrites the journal from the live index, oldest first, with no file
+    /// I/O under a lock: the index is copied under `state` (keys are shared
+    /// `Arc`s), the snapshot written and synced with no lock, the entries
+    /// appended meanwhile carried over in a synced round, and only the last
+    /// few written (buffered) and the rename done under the journal lock.
     pub fn checkpoint(&self) -> io::Result<()> {
         let _one = lock(&self.checkpointing);
         let live: Vec<LiveRecord> = {
@@ -522,29 +600,50 @@ impl Disk {
             lock(&self.journal).begin_snapshot();
             st.index.iter().rev().map(|(k, e)| (k.clone(), e.header_bytes, e.ext.off, e.ext.len)).collect()
         };
-        let snap = Journal::write_snapshot(
+        let written = Journal::write_snapshot(
             &self.dir,
             live.iter().map(|(k, h, off, len)| journal::Entry::Put { off: *off, alloc_len: *len, header: h, key: k }),
         );
-        let mut j = lock(&self.journal);
-        match snap {
-            Ok(snap) => j.install(snap, &self.dir)?,
+        let live_count = live.len();
+        drop(live);
+        let mut snap = match written {
+            Ok(s) => s,
             Err(e) => {
-                j.abort_snapshot(None);
+                lock(&self.journal).abort_snapshot();
                 return Err(e);
             }
+        };
+        let (extra, n) = lock(&self.journal).drain_since_snapshot();
+        if let Err(e) = snap.append_raw(&extra, n).and_then(|()| snap.sync()) {
+            lock(&self.journal).abort_snapshot();
+            snap.discard();
+            return Err(e);
         }
+        let file = lock(&self.journal).install(snap)?;
         self.appends_since_sync.store(0, Ordering::Relaxed);
+        tracing::info!(disk = %self.id, records = live_count, "index journal compacted");
+        // The new journal is in place; make its tail and the rename durable.
+        if let Err(e) = file.sync_data().and_then(|()| journal::sync_dir(&self.dir)) {
+            self.fail(&format!("index journal sync after compaction: {e}"));
+            return Err(e);
+        }
         Ok(())
     }
 
-    /// Clean stop: checkpoint, then the marker that lets the next start trust
-    /// every record without re-checking payloads.
+    /// Clean stop: data and journal on media, then the marker that lets the
+    /// next start trust every record without re-checking payloads. The marker
+    /// is withheld while records recovered after a crash await their check.
     pub fn close(&self) -> io::Result<()> {
         if self.is_failed() {
             return Ok(());
         }
+        self.dev.sync()?;
         self.checkpoint()?;
+        let unchecked = self.unverified();
+        if unchecked > 0 {
+            tracing::info!(disk = %self.id, unchecked, "records recovered after a crash not yet checked: next start checks them");
+            return Ok(());
+        }
         std::fs::write(self.dir.join(CLEAN_FILE), b"clean\n")?;
         journal::sync_dir(&self.dir)
     }
@@ -557,10 +656,20 @@ impl Disk {
             dir: self.dir.display().to_string(),
             used_bytes: st.used,
             capacity_bytes: self.cap,
-            objects: st.index.len() as u64,
+            objects: if self.is_failed() { 0 } else { st.index.len() as u64 },
             evictions: self.evictions.load(Ordering::Relaxed),
             failed: self.is_failed(),
             failure: lock(&self.failure).clone(),
+            unverified: self.unverified(),
+        }
+    }
+
+    /// Records recovered after an unclean stop whose payload is unchecked.
+    pub fn unverified(&self) -> u64 {
+        if self.is_failed() {
+            0
+        } else {
+            self.shared.unverified.load(Ordering::Relaxed)
         }
     }
 

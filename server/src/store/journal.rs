@@ -107,6 +107,25 @@ pub struct Snapshot {
     entries: u64,
 }
 
+impl Snapshot {
+    /// Appends already-encoded entries (carried over from the live journal).
+    pub fn append_raw(&mut self, bytes: &[u8], n: u64) -> io::Result<()> {
+        self.file.write_all_at(bytes, self.len)?;
+        self.len += bytes.len() as u64;
+        self.entries += n;
+        Ok(())
+    }
+
+    pub fn sync(&self) -> io::Result<()> {
+        self.file.sync_data()
+    }
+
+    /// Removes the temp file.
+    pub fn discard(self) {
+        let _ = std::fs::remove_file(&self.tmp);
+    }
+}
+
 impl Journal {
     /// Reads `dir/index.log` (missing: empty). Does not modify it.
     pub fn replay(dir: &Path) -> io::Result<Replay> {
@@ -154,31 +173,40 @@ impl Journal {
     }
 
     /// Writes `live` (oldest first) to `dir/index.log.tmp` and syncs it. Needs
-    /// no lock: the caller installs it with [`Journal::install`].
+    /// no lock. On error the temp file is removed.
     pub fn write_snapshot<'a, I>(dir: &Path, live: I) -> io::Result<Snapshot>
     where
         I: IntoIterator<Item = Entry<'a>>,
     {
         let tmp = dir.join(format!("{JOURNAL_FILE}.tmp"));
-        let f = File::create(&tmp)?;
-        let mut w = BufWriter::with_capacity(1 << 20, f);
-        let mut head = [0u8; FILE_HEADER_LEN as usize];
-        head[0..4].copy_from_slice(&MAGIC.to_le_bytes());
-        head[4..8].copy_from_slice(&VERSION.to_le_bytes());
-        w.write_all(&head)?;
-        let mut len = FILE_HEADER_LEN;
-        let mut entries = 0;
-        let mut buf = Vec::with_capacity(MAX_ENTRY + 8);
-        for e in live {
-            buf.clear();
-            encode(&e, &mut buf);
-            w.write_all(&buf)?;
-            len += buf.len() as u64;
-            entries += 1;
+        let r = (|| {
+            let f = File::create(&tmp)?;
+            let mut w = BufWriter::with_capacity(1 << 20, f);
+            let mut head = [0u8; FILE_HEADER_LEN as usize];
+            head[0..4].copy_from_slice(&MAGIC.to_le_bytes());
+            head[4..8].copy_from_slice(&VERSION.to_le_bytes());
+            w.write_all(&head)?;
+            let mut len = FILE_HEADER_LEN;
+            let mut entries = 0;
+            let mut buf = Vec::with_capacity(MAX_ENTRY + 8);
+            for e in live {
+                buf.clear();
+                encode(&e, &mut buf);
+                w.write_all(&buf)?;
+                len += buf.len() as u64;
+                entries += 1;
+            }
+            let file = w.into_inner().map_err(|e| e.into_error())?;
+            file.sync_data()?;
+            Ok((file, len, entries))
+        })();
+        match r {
+            Ok((file, len, entries)) => Ok(Snapshot { tmp, file, len, entries }),
+            Err(e) => {
+                let _ = std::fs::remove_file(&tmp);
+                Err(e)
+            }
         }
-        let file = w.into_inner().map_err(|e| e.into_error())?;
-        file.sync_data()?;
-        Ok(Snapshot { tmp, file, len, entries })
     }
 
     /// Reopens an existing journal for appending after its first `valid_len`
@@ -207,7 +235,10 @@ impl Journal {
     {
         let snap = Journal::write_snapshot(dir, live)?;
         let path = dir.join(JOURNAL_FILE);
-        std::fs::rename(&snap.tmp, &path)?;
+        if let Err(e) = std::fs::rename(&snap.tmp, &path) {
+            snap.discard();
+            return Err(e);
+        }
         sync_dir(dir)?;
         Ok(Journal {
             path,
@@ -220,38 +251,41 @@ impl Journal {
     }
 
     /// Marks the point a snapshot is taken at: entries appended from now on
-    /// are also kept for [`Journal::install`].
+    /// are also kept, to be carried into the snapshot before it is installed.
     pub fn begin_snapshot(&mut self) {
         self.since_snapshot = Some((Vec::new(), 0));
     }
 
-    /// Gives up a snapshot (its temp file is removed).
-    pub fn abort_snapshot(&mut self, snap: Option<Snapshot>) {
-        self.since_snapshot = None;
-        if let Some(s) = snap {
-            let _ = std::fs::remove_file(&s.tmp);
+    /// Takes the entries kept since the snapshot (or the last drain).
+    pub fn drain_since_snapshot(&mut self) -> (Vec<u8>, u64) {
+        match &mut self.since_snapshot {
+            Some((bytes, n)) => (std::mem::take(bytes), std::mem::take(n)),
+            None => (Vec::new(), 0),
         }
     }
 
-    /// Adds the entries appended since the snapshot to it, syncs, and renames
-    /// it over the journal. On error the old journal stays in use, complete.
-    pub fn install(&mut self, mut snap: Snapshot, dir: &Path) -> io::Result<()> {
-        let (extra, n) = self.since_snapshot.take().unwrap_or_default();
-        let r = (|| {
-            snap.file.write_all_at(&extra, snap.len)?;
-            snap.file.sync_data()?;
-            std::fs::rename(&snap.tmp, &self.path)?;
-            sync_dir(dir)
-        })();
+    /// Stops keeping entries for a snapshot that will not be installed.
+    pub fn abort_snapshot(&mut self) {
+        self.since_snapshot = None;
+    }
+
+    /// Carries the last kept entries into `snap` and renames it over the
+    /// journal, which it then appends to. Only buffered writes and a rename
+    /// happen here (under the caller's lock); the caller syncs the returned
+    /// file and the directory afterwards. On error the old journal, which
+    /// received every entry, stays in use and the temp file is removed.
+    pub fn install(&mut self, mut snap: Snapshot) -> io::Result<Arc<File>> {
+        let (extra, n) = self.drain_since_snapshot();
+        self.since_snapshot = None;
+        let r = snap.append_raw(&extra, n).and_then(|()| std::fs::rename(&snap.tmp, &self.path));
         if let Err(e) = r {
-            let _ = std::fs::remove_file(&snap.tmp);
+            snap.discard();
             return Err(e);
         }
-        snap.len += extra.len() as u64;
         self.file = Arc::new(snap.file);
         self.tail = snap.len;
-        self.entries = snap.entries + n;
-        Ok(())
+        self.entries = snap.entries;
+        Ok(self.file.clone())
     }
 
     /// Appends one entry (buffered: survives a process crash at once, the
@@ -307,7 +341,7 @@ mod tests {
         // Appended while the snapshot was being written: must survive install.
         j.append(Entry::Put { off: 4096, alloc_len: 4096, header: &h, key: b"b" }).unwrap();
         j.append(Entry::Del { key: b"a" }).unwrap();
-        j.install(snap, dir.path()).unwrap();
+        j.install(snap).unwrap();
         j.append(Entry::Put { off: 8192, alloc_len: 4096, header: &h, key: b"c" }).unwrap();
         let r = Journal::replay(dir.path()).unwrap();
         let keys: Vec<_> = r

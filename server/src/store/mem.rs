@@ -16,25 +16,36 @@ pub struct MemTier {
 struct Inner {
     lru: LruCache<Box<[u8]>, Arc<PooledBuf>>,
     used: u64,
+    /// Bumped by every removal. A reader that fetched a record from disk
+    /// inserts it only if no removal happened since it started, so a delete
+    /// racing with a get or put cannot be undone by the memory tier.
+    removals: u64,
 }
 
 impl MemTier {
     pub fn new(cap: u64) -> MemTier {
-        MemTier { cap, inner: Mutex::new(Inner { lru: LruCache::unbounded(), used: 0 }) }
+        MemTier { cap, inner: Mutex::new(Inner { lru: LruCache::unbounded(), used: 0, removals: 0 }) }
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
         self.inner.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Keeps `rec` under `key`, evicting the least recent to stay within cap.
-    pub fn insert(&self, key: &[u8], rec: Arc<PooledBuf>) {
+    /// The removal count to pass to [`MemTier::insert`], taken before the
+    /// disk operation whose result will be inserted.
+    pub fn generation(&self) -> u64 {
+        self.lock().removals
+    }
+
+    /// Keeps `rec` under `key`, evicting the least recent to stay within cap;
+    /// skipped when a removal happened since `generation` was taken.
+    pub fn insert(&self, key: &[u8], rec: Arc<PooledBuf>, generation: u64) {
         let size = rec.capacity() as u64;
         if size > self.cap {
             return;
         }
         let mut g = self.lock();
-        if g.lru.contains(key) {
+        if g.lru.contains(key) || g.removals != generation {
             return;
         }
         while g.used + size > self.cap {
@@ -59,6 +70,7 @@ impl MemTier {
     /// True when the key was held.
     pub fn remove(&self, key: &[u8]) -> bool {
         let mut g = self.lock();
+        g.removals += 1;
         match g.lru.pop(key) {
             Some(old) => {
                 g.used -= old.capacity() as u64;

@@ -219,6 +219,7 @@ impl Store {
             self.c.put_duplicates.fetch_add(1, Ordering::Relaxed);
             return Ok(PutOutcome::Duplicate);
         }
+        let generation = self.mem.as_ref().map_or(0, |m| m.generation());
         for _attempt in 0..2 {
             let Some(i) = self.owner(&key) else {
                 self.c.put_rejected.fetch_add(1, Ordering::Relaxed);
@@ -233,7 +234,7 @@ impl Store {
                     self.c.puts.fetch_add(1, Ordering::Relaxed);
                     self.c.bytes_written.fetch_add(rec.len() as u64, Ordering::Relaxed);
                     if let Some(m) = &self.mem {
-                        m.insert(&key, Arc::new(rec));
+                        m.insert(&key, Arc::new(rec), generation);
                     }
                     return Ok(PutOutcome::Stored);
                 }
@@ -270,6 +271,11 @@ impl Store {
         out
     }
 
+    /// Counts a get answered as a miss without calling [`Store::get`].
+    pub fn count_miss(&self) {
+        self.c.misses.fetch_add(1, Ordering::Relaxed);
+    }
+
     fn lookup(&self, key: &[u8], geo: Option<&Geometry>) -> GetOutcome {
         if let Some(m) = &self.mem {
             if let Some(rec) = m.get(key) {
@@ -283,12 +289,13 @@ impl Store {
                 return GetOutcome::Hit(rec);
             }
         }
+        let generation = self.mem.as_ref().map_or(0, |m| m.generation());
         for i in self.search_order(key) {
             match self.disks[i].get(key, geo, &self.pool, true) {
                 Ok(Lookup::Hit(buf)) => {
                     let rec = Arc::new(buf);
                     if let Some(m) = &self.mem {
-                        m.insert(key, rec.clone());
+                        m.insert(key, rec.clone(), generation);
                     }
                     return GetOutcome::Hit(rec);
                 }
@@ -300,23 +307,47 @@ impl Store {
         GetOutcome::Miss
     }
 
-    /// Whether a get with `geo` would hit (memory only, no disk I/O).
+    /// Whether a get with `geo` would hit (memory only, no disk I/O; may
+    /// wait for a disk's index lock).
     pub fn exist(&self, key: &[u8], geo: Option<&Geometry>) -> Presence {
+        self.exist_with(key, geo, |d, k, g| Ok(d.exist(k, g))).unwrap_or(Presence::Absent)
+    }
+
+    /// As [`Store::exist`] without waiting: None when a disk's index lock is
+    /// busy (a put or a checkpoint copy), so async code can retry off the reactor.
+    pub fn try_exist(&self, key: &[u8], geo: Option<&Geometry>) -> Option<Presence> {
+        self.exist_with(key, geo, |d, k, g| d.try_exist(k, g)).ok()
+    }
+
+    fn exist_with(
+        &self,
+        key: &[u8],
+        geo: Option<&Geometry>,
+        probe: impl Fn(&Disk, &[u8], Option<&Geometry>) -> Result<Option<bool>, disk::Busy>,
+    ) -> Result<Presence, disk::Busy> {
         for i in self.search_order(key) {
-            match self.disks[i].exist(key, geo) {
-                Some(true) => return Presence::Present,
-                Some(false) => return Presence::Mismatch,
+            match probe(&self.disks[i], key, geo)? {
+                Some(true) => return Ok(Presence::Present),
+                Some(false) => return Ok(Presence::Mismatch),
                 None => {}
             }
         }
         // A page still in the memory tier after its disk evicted it is served.
         if let Some(rec) = self.mem.as_ref().and_then(|m| m.peek(key)) {
-            return match (geo, PageHeader::decode(rec.as_slice())) {
+            return Ok(match (geo, PageHeader::decode(rec.as_slice())) {
                 (Some(g), Ok(h)) if !g.matches(&h) => Presence::Mismatch,
                 _ => Presence::Present,
-            };
+            });
         }
-        Presence::Absent
+        Ok(Presence::Absent)
+    }
+
+    /// Bytes a get of `key` would return, if it is stored (memory only).
+    pub fn record_size(&self, key: &[u8]) -> Option<u64> {
+        if let Some(rec) = self.mem.as_ref().and_then(|m| m.peek(key)) {
+            return Some(rec.len() as u64);
+        }
+        self.search_order(key).find_map(|i| self.disks[i].record_len(key))
     }
 
     /// Removes a key from every tier. True when something was removed.
@@ -328,16 +359,25 @@ impl Store {
         any
     }
 
-    /// Checks up to `max` records recovered after an unclean stop; drops the
-    /// damaged ones. Returns how many were checked.
-    pub fn scrub(&self, max: usize) -> usize {
+    /// Checks records recovered after an unclean stop, reading about
+    /// `max_bytes` in all; drops the damaged ones. Returns how many were checked.
+    pub fn scrub(&self, max_bytes: u64) -> usize {
         let mut n = 0;
+        let mut left = max_bytes;
         for d in &self.disks {
-            for k in d.take_unscrubbed(max.saturating_sub(n)) {
-                if d.get(&k, None, &self.pool, false).is_err() {
-                    self.rebuild_ring();
+            while left > 0 {
+                let keys = d.take_unscrubbed(16);
+                if keys.is_empty() {
+                    break;
                 }
-                n += 1;
+                for k in keys {
+                    let Some(len) = d.record_len(&k) else { continue };
+                    if d.get(&k, None, &self.pool, false).is_err() {
+                        self.rebuild_ring();
+                    }
+                    left = left.saturating_sub(len);
+                    n += 1;
+                }
             }
         }
         n
@@ -382,6 +422,7 @@ impl Store {
             evictions: disks.iter().map(|d| d.evictions).sum(),
             failed_disks: disks.iter().filter(|d| d.failed).count() as u64,
             corrupt_dropped: self.disks.iter().map(|d| d.corrupt_dropped()).sum(),
+            unverified: disks.iter().map(|d| d.unverified).sum(),
             hits: ld(&self.c.hits),
             misses: ld(&self.c.misses),
             mismatches: ld(&self.c.mismatches),
