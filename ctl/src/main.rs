@@ -123,12 +123,7 @@ fn main() -> ExitCode {
             return ExitCode::SUCCESS;
         }
         Err(e) => {
-            // One line: clap's first line, without its usage block.
-            let text = e.to_string();
-            let para: Vec<&str> = text.lines().take_while(|l| !l.trim().is_empty()).map(str::trim).collect();
-            let joined = para.join(" ");
-            let first = joined.trim_start_matches("error: ");
-            eprintln!("kvctl: error: {first} (see kvctl --help)");
+            eprintln!("{}", kv_common::cli::usage_error_line("kvctl", &e.to_string()));
             return ExitCode::from(2);
         }
     };

@@ -17,12 +17,7 @@ fn main() -> ExitCode {
             return ExitCode::SUCCESS;
         }
         Err(e) => {
-            // One line: clap's first line, without its usage block.
-            let text = e.to_string();
-            let para: Vec<&str> = text.lines().take_while(|l| !l.trim().is_empty()).map(str::trim).collect();
-            let joined = para.join(" ");
-            let first = joined.trim_start_matches("error: ");
-            eprintln!("kv-server: error: {first} (see kv-server --help)");
+            eprintln!("{}", kv_common::cli::usage_error_line("kv-server", &e.to_string()));
             return ExitCode::from(2);
         }
     };

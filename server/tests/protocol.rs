@@ -14,6 +14,16 @@ use kv_server::store::{DiskSpec, Store, StoreConfig};
 use kvclient::conn::GetResult;
 use kvclient::Conn;
 
+/// Two 64 MiB disks, writes not synced (tests only).
+fn store_config(dirs: &[PathBuf]) -> StoreConfig {
+    StoreConfig {
+        disks: dirs.iter().map(|d| DiskSpec { dir: d.clone(), cap: 64 << 20 }).collect(),
+        mem_cap: 0,
+        sync_writes: false,
+        pool_bytes: 16 << 20,
+    }
+}
+
 struct TestServer {
     addr: SocketAddr,
     stop: tokio::sync::watch::Sender<bool>,
@@ -30,13 +40,7 @@ impl TestServer {
     fn start_with(max_conns: usize) -> TestServer {
         let tmp = tempfile::tempdir().unwrap();
         let dirs: Vec<PathBuf> = (0..2).map(|i| tmp.path().join(format!("d{i}"))).collect();
-        let cfg = StoreConfig {
-            disks: dirs.iter().map(|d| DiskSpec { dir: d.clone(), cap: 64 << 20 }).collect(),
-            mem_cap: 0,
-            sync_writes: false,
-            pool_bytes: 16 << 20,
-        };
-        let (store, _) = Store::open(&cfg).unwrap();
+        let (store, _) = Store::open(&store_config(&dirs)).unwrap();
         let shared = Arc::new(Shared::new(Arc::new(store), 8 << 20, 64 << 20));
         let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
         let listener = rt.block_on(tokio::net::TcpListener::bind("127.0.0.1:0")).unwrap();
@@ -280,13 +284,7 @@ fn shutdown_finishes_requests_in_flight_and_checkpoints() {
         assert!(d.join("clean").exists(), "clean marker written at shutdown");
     }
     // Everything answered before the stop is there after it.
-    let cfg = StoreConfig {
-        disks: dirs.iter().map(|d| DiskSpec { dir: d.clone(), cap: 64 << 20 }).collect(),
-        mem_cap: 0,
-        sync_writes: false,
-        pool_bytes: 16 << 20,
-    };
-    let (store, reports) = Store::open(&cfg).unwrap();
+    let (store, reports) = Store::open(&store_config(&dirs)).unwrap();
     assert!(reports.iter().all(|r| r.clean));
     for (i, want) in recs.iter().enumerate() {
         match store.get(format!("s{i}").as_bytes(), Some(&g)) {

@@ -27,6 +27,13 @@ fn payload(i: usize) -> Vec<u8> {
     (0..len).map(|j| ((i * 131 + j * 7) % 256) as u8).collect()
 }
 
+/// Two disk dirs in `t`, and the `--dir` value naming both.
+fn two_dirs(t: &tempfile::TempDir) -> (std::path::PathBuf, std::path::PathBuf, String) {
+    let (d0, d1) = (t.path().join("d0"), t.path().join("d1"));
+    let arg = format!("{},{}", d0.display(), d1.display());
+    (d0, d1, arg)
+}
+
 fn conn(addr: &str) -> Conn {
     Conn::connect(addr, Duration::from_secs(20)).expect("connect")
 }
@@ -34,9 +41,7 @@ fn conn(addr: &str) -> Conn {
 #[test]
 fn sigkill_then_restart_serves_every_acknowledged_record() {
     let t = tempfile::tempdir().unwrap();
-    let d0 = t.path().join("d0");
-    let d1 = t.path().join("d1");
-    let dirs = format!("{},{}", d0.display(), d1.display());
+    let (d0, d1, dirs) = two_dirs(&t);
     let args = ["--dir", dirs.as_str(), "--cap", "256M", "--log-level", "warn"];
     let node = Node::start(&args);
 
@@ -113,9 +118,7 @@ fn extent_len(key: &str, payload: usize) -> u64 {
 #[test]
 fn sigkill_during_eviction_and_compaction_keeps_the_newest_records() {
     let t = tempfile::tempdir().unwrap();
-    let d0 = t.path().join("d0");
-    let d1 = t.path().join("d1");
-    let dirs = format!("{},{}", d0.display(), d1.display());
+    let (_, _, dirs) = two_dirs(&t);
     // 4 MiB per disk and ~40 KiB pages: about 100 live records per disk, so
     // thousands of puts evict constantly and the journal is compacted
     // (more than 2 x live + 4096 entries) while they run.

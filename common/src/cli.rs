@@ -1,0 +1,22 @@
+//! Small helpers the binaries share for what users see on the command line.
+
+/// Turns a multi-line argument-parser error (message, tips, usage block) into
+/// the single line a daemon or tool prints: `PROG: error: MESSAGE (see PROG --help)`.
+pub fn usage_error_line(prog: &str, parser_text: &str) -> String {
+    let para: Vec<&str> = parser_text.lines().take_while(|l| !l.trim().is_empty()).map(str::trim).collect();
+    let joined = para.join(" ");
+    let msg = joined.trim_start_matches("error: ");
+    format!("{prog}: error: {msg} (see {prog} --help)")
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn one_line() {
+        let text = "error: the following required arguments were not provided:\n  --node <NODE>\n  <KEY>\n\nUsage: kvctl get\n\nFor more information, try '--help'.\n";
+        assert_eq!(
+            super::usage_error_line("kvctl", text),
+            "kvctl: error: the following required arguments were not provided: --node <NODE> <KEY> (see kvctl --help)"
+        );
+    }
+}
