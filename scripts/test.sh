@@ -10,8 +10,8 @@ echo "== cargo fmt --check"
 cargo fmt --all -- --check
 echo "== cargo clippy (-D warnings)"
 cargo clippy --workspace --all-targets --locked -- -D warnings
-echo "== build binaries (end-to-end tests start them)"
-cargo build --workspace --bins --locked
+echo "== build binaries and libkvclient.so (end-to-end tests use them)"
+cargo build --workspace --locked
 echo "== cargo test"
 cargo test --workspace --locked 2>&1 | tee target/test-output.log
 # One closing line for the whole run (cargo prints one per test binary).

@@ -1,12 +1,26 @@
-//! `kvclient`: the kvcellar client.
+//! `kvclient`: the kvcellar client library.
 //!
-//! Status: partial. This issue delivers the blocking single-connection core
-//! ([`conn::Conn`]) used by tools and tests: the hello, every data-plane op,
-//! and the page-header checks of DESIGN.md §2 on get. The pooled multi-node
-//! client, the weighted ring routing and the C ABI (`libkvclient.so`,
-//! `include/kvclient.h`) arrive with the client issue and wrap this core.
-//! This crate must not depend on the server or on etcd.
+//! Layers: [`options`] and [`members`] (parsing), [`node`] (a node's
+//! connection pool and health), [`exchange`] (one request on one connection,
+//! zero-copy scatter/gather, streaming CRC), [`client`] (the async core:
+//! ring routing, retries, batches), [`blocking`] (the facade for
+//! synchronous callers), and the C ABI over it (`libkvclient.so`,
+//! `include/kvclient.h`). [`conn`] is a minimal blocking single-connection
+//! client for tools and tests. This crate must not depend on the server or
+//! on etcd.
 
+pub mod blocking;
+pub mod client;
 pub mod conn;
+pub mod error;
+pub mod exchange;
+pub mod ffi;
+pub mod members;
+pub mod metrics;
+pub mod node;
+pub mod options;
 
+pub use blocking::BlockingClient;
+pub use client::Client;
 pub use conn::{ClientError, Conn};
+pub use options::Options;

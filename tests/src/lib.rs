@@ -9,7 +9,12 @@ use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
-/// Path of a workspace binary next to the running test.
+/// Root of the workspace.
+pub fn workspace_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).parent().expect("workspace root").to_path_buf()
+}
+
+/// Path of a workspace binary (or `libkvclient.so`) next to the running test.
 pub fn bin(name: &str) -> PathBuf {
     let exe = std::env::current_exe().expect("test executable path");
     let dir = exe.parent().and_then(Path::parent).expect("target dir");
@@ -24,6 +29,7 @@ pub fn bin(name: &str) -> PathBuf {
         "kv-server" => &["common", "server"],
         "kvctl" => &["common", "client-ffi", "ctl"],
         "kv-mds" => &["common", "mds"],
+        "libkvclient.so" => &["common", "client-ffi"],
         _ => &[],
     };
     for crate_dir in sources {

@@ -1,0 +1,93 @@
+/* kvclient.h: the C ABI of libkvclient.so (kvcellar DESIGN.md §4).
+ *
+ * Conventions:
+ * - Every function returns a status code (int) unless noted. Positive codes
+ *   mean "not served: recompute"; negative codes mean the caller erred
+ *   (KV_EINVAL) or the library has a bug (KV_EINTERNAL). Codes are never
+ *   reused.
+ * - Every pointer argument is checked: NULL where a value is required is
+ *   KV_EINVAL, never a crash. Output pointers documented as optional may be NULL.
+ * - Panics never cross this boundary: they become KV_EINTERNAL.
+ * - kv_last_error() describes the calling thread's last failure.
+ * - One kv_client handle is safe to share between threads.
+ * - Keys are NUL-terminated strings of 1..=1024 bytes.
+ * - Checked against the Rust definitions by the test suite (tests/tests/c_abi.rs).
+ */
+#ifndef KVCLIENT_H
+#define KVCLIENT_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define KV_OK 0
+#define KV_MISS 1
+#define KV_MISMATCH 2
+#define KV_CORRUPT 3
+#define KV_TOO_SMALL 4
+#define KV_UNAVAILABLE 5
+#define KV_TIMEOUT 6
+#define KV_REJECTED 7
+#define KV_EINVAL -1
+#define KV_EINTERNAL -2
+
+/* Header flag bit 0: an MLA page, replicated across TP ranks (tp_size and
+   tp_rank are then not compared). */
+#define KV_FLAG_MLA 1
+
+typedef struct kv_client kv_client;
+typedef struct kv_iovec { void *base; size_t len; } kv_iovec;
+typedef struct kv_geometry {
+  uint64_t model_hash; uint32_t page_size; uint32_t dtype_tag;
+  uint16_t tp_size, tp_rank, layer_num, head_num, head_dim, flags;
+} kv_geometry;
+
+/* members: "id=host:port[@weight],..." or "" (discovery only);
+   options: NULL or "key=value,..." e.g. "io_timeout_ms=10000,batch_concurrency=8";
+   keys (defaults): connect_timeout_ms (3000), io_timeout_ms (10000),
+   max_conns_per_node (16), batch_concurrency (8), peer_cooldown_ms (2000).
+   Unknown keys are an error. Returns NULL on error (see kv_last_error). */
+kv_client *kv_open(const char *members, const kv_geometry *geo, const char *options);
+void kv_close(kv_client *c); /* NULL is a no-op */
+/* Replaces the member set; safe while other threads issue requests. */
+int kv_set_members(kv_client *c, const char *members);
+/* Membership through kv-mds (not available in this build yet: KV_EINVAL). */
+int kv_start_mds_discovery(kv_client *c, const char *mds_endpoints_csv, const char *group, int poll_ms);
+uint64_t kv_epoch(const kv_client *c); /* ring epoch in use; 0 for NULL */
+
+/* Write-once: a put of a key already stored succeeds without rewriting it. */
+int kv_put(kv_client *c, const char *key, const void *buf, size_t len);
+int kv_putv(kv_client *c, const char *key, const kv_iovec *iov, size_t iovcnt);
+/* On KV_OK *out_len is the payload length; on KV_TOO_SMALL the size needed.
+   out_len is optional. On any code but KV_OK the buffer contents are
+   unspecified. */
+int kv_get(kv_client *c, const char *key, void *buf, size_t cap, size_t *out_len);
+int kv_getv(kv_client *c, const char *key, const kv_iovec *iov, size_t iovcnt, size_t *out_len);
+/* KV_OK only where a get by this client would hit (geometry compared). */
+int kv_exist(kv_client *c, const char *key);
+
+/* Batches: item i uses iovcnt[i] consecutive entries of iov. Items fan out to
+   their owners concurrently. Return the number of items with KV_OK (>= 0) or a
+   negative code; per-item codes go to out_status (required); out_lens is
+   optional. */
+int kv_batch_putv(kv_client *c, size_t n, const char *const *keys, const kv_iovec *iov,
+                  const size_t *iovcnt, int *out_status);
+int kv_batch_getv(kv_client *c, size_t n, const char *const *keys, const kv_iovec *iov,
+                  const size_t *iovcnt, size_t *out_lens, int *out_status);
+int kv_batch_exist(kv_client *c, size_t n, const char *const *keys, int *out_status);
+
+int kv_register_memory(kv_client *c, void *base, size_t len); /* RDMA MR; no-op on TCP */
+/* Prometheus text into buf (NUL-terminated, truncated to cap); returns the
+   full length without the NUL, so a caller can size its buffer. */
+size_t kv_stats_snapshot(kv_client *c, char *buf, size_t cap);
+const char *kv_last_error(void); /* thread-local, never NULL */
+const char *kv_version(void);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* KVCLIENT_H */

@@ -1,0 +1,379 @@
+//! The async client core: routing over a weighted Ketama ring (DESIGN §3),
+//! one exclusive pooled connection per request, zero-copy scatter/gather
+//! with the payload CRC computed as bytes stream, batches fanned out to
+//! their owners, and peer cool-downs.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, RwLock};
+
+use futures_util::future::{join_all, BoxFuture};
+use futures_util::stream::{self, StreamExt};
+use kv_common::page::{Geometry, PageHeader};
+use kv_common::ring::{Ring, RingMember};
+use kv_common::status::Status;
+use kv_common::wire::MAX_BATCH_KEYS;
+
+use crate::error::OpError;
+use crate::exchange::{self, GetReply};
+use crate::members::Member;
+use crate::metrics::Metrics;
+use crate::node::{AsyncConn, Node};
+use crate::options::Options;
+
+/// One item of a batch get: the key and the buffers its payload fills.
+pub type GetItem<'k, 'b> = (&'k [u8], Vec<&'b mut [u8]>);
+
+/// The member set in use: the ring and the node behind each ring member.
+pub struct Topology {
+    pub ring: Ring,
+    pub nodes: Vec<Arc<Node>>,
+    pub epoch: u64,
+}
+
+pub struct Client {
+    pub opts: Options,
+    pub geo: Geometry,
+    topo: RwLock<Arc<Topology>>,
+    epochs: AtomicU64,
+    pub metrics: Metrics,
+}
+
+/// One request exchange on a connection, re-runnable for a retry.
+trait Exchange {
+    type Out;
+    fn run<'a>(&'a mut self, conn: &'a mut AsyncConn, geo: &'a Geometry) -> BoxFuture<'a, Result<Self::Out, OpError>>;
+    /// Whether the connection may be reused after this output.
+    fn reusable(_out: &Self::Out) -> bool {
+        true
+    }
+}
+
+struct PutX<'b> {
+    header: [u8; 64],
+    key: &'b [u8],
+    bufs: &'b [&'b [u8]],
+}
+
+impl Exchange for PutX<'_> {
+    type Out = ();
+    fn run<'a>(&'a mut self, conn: &'a mut AsyncConn, _geo: &'a Geometry) -> BoxFuture<'a, Result<(), OpError>> {
+        Box::pin(exchange::put(conn, &self.header, self.key, self.bufs))
+    }
+}
+
+struct GetX<'b, 'c> {
+    key: &'b [u8],
+    bufs: &'b mut [&'c mut [u8]],
+}
+
+impl Exchange for GetX<'_, '_> {
+    type Out = GetReply;
+    fn run<'a>(&'a mut self, conn: &'a mut AsyncConn, geo: &'a Geometry) -> BoxFuture<'a, Result<GetReply, OpError>> {
+        Box::pin(exchange::get(conn, geo, self.key, self.bufs))
+    }
+    fn reusable(out: &GetReply) -> bool {
+        out.conn_ok
+    }
+}
+
+struct ExistX<'b> {
+    key: &'b [u8],
+}
+
+impl Exchange for ExistX<'_> {
+    type Out = Status;
+    fn run<'a>(&'a mut self, conn: &'a mut AsyncConn, geo: &'a Geometry) -> BoxFuture<'a, Result<Status, OpError>> {
+        Box::pin(exchange::exist(conn, geo, self.key))
+    }
+}
+
+struct BatchExistX<'b> {
+    keys: Vec<&'b [u8]>,
+}
+
+impl Exchange for BatchExistX<'_> {
+    type Out = Vec<Status>;
+    fn run<'a>(
+        &'a mut self,
+        conn: &'a mut AsyncConn,
+        geo: &'a Geometry,
+    ) -> BoxFuture<'a, Result<Vec<Status>, OpError>> {
+        Box::pin(exchange::batch_exist(conn, geo, &self.keys))
+    }
+}
+
+fn is_stale(e: &OpError) -> bool {
+    matches!(e, OpError::Io(io) if matches!(io.kind(),
+        std::io::ErrorKind::UnexpectedEof | std::io::ErrorKind::ConnectionReset
+        | std::io::ErrorKind::BrokenPipe | std::io::ErrorKind::ConnectionAborted))
+}
+
+impl Client {
+    pub fn new(members: Vec<Member>, geo: Geometry, opts: Options) -> Client {
+        let c = Client {
+            opts,
+            geo,
+            topo: RwLock::new(Arc::new(Topology { ring: Ring::default(), nodes: vec![], epoch: 0 })),
+            epochs: AtomicU64::new(0),
+            metrics: Metrics::default(),
+        };
+        if !members.is_empty() {
+            c.set_members(members);
+        }
+        c
+    }
+
+    pub fn topology(&self) -> Arc<Topology> {
+        self.topo.read().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    /// Replaces the member set. Safe while requests run: they finish on the
+    /// topology they started with. Nodes whose id, address and weight are
+    /// unchanged keep their connection pools and health.
+    pub fn set_members(&self, members: Vec<Member>) -> u64 {
+        let old = self.topology();
+        let nodes: Vec<Arc<Node>> = members
+            .iter()
+            .map(|m| {
+                old.nodes
+                    .iter()
+                    .find(|n| n.id == m.id && n.addr == m.addr && n.weight == m.weight)
+                    .cloned()
+                    .unwrap_or_else(|| {
+                        Arc::new(Node::new(m.id.clone(), m.addr, m.weight, self.opts.max_conns_per_node))
+                    })
+            })
+            .collect();
+        let ring = Ring::new(members.iter().map(|m| RingMember { id: m.id.clone(), weight: m.weight }).collect());
+        let epoch = self.epochs.fetch_add(1, Ordering::AcqRel) + 1;
+        *self.topo.write().unwrap_or_else(|e| e.into_inner()) = Arc::new(Topology { ring, nodes, epoch });
+        self.metrics.ring_rebuilds.fetch_add(1, Ordering::Relaxed);
+        epoch
+    }
+
+    pub fn epoch(&self) -> u64 {
+        self.topology().epoch
+    }
+
+    /// The node owning `key`, or the status to answer without the network.
+    fn route(&self, topo: &Topology, key: &[u8]) -> Result<Arc<Node>, Status> {
+        let Some(i) = topo.ring.owner(key) else {
+            return Err(Status::Unavailable);
+        };
+        let node = &topo.nodes[i];
+        if node.cooling() {
+            self.metrics.fast_unavailable.fetch_add(1, Ordering::Relaxed);
+            return Err(Status::Unavailable);
+        }
+        Ok(node.clone())
+    }
+
+    /// Runs an exchange on a connection to `node` within the I/O timeout,
+    /// retrying once on a fresh connection when a pooled one was stale, and
+    /// keeping the node's health.
+    async fn run_on<X: Exchange>(&self, node: &Arc<Node>, x: &mut X) -> Result<X::Out, OpError> {
+        let deadline = tokio::time::Instant::now() + self.opts.io_timeout;
+        let mut retried = false;
+        loop {
+            let r = tokio::time::timeout_at(deadline, self.attempt(node, x))
+                .await
+                .unwrap_or(Err((OpError::Timeout, false)));
+            match r {
+                Ok(out) => {
+                    node.mark_ok();
+                    return Ok(out);
+                }
+                Err((e, reused)) if reused && !retried && is_stale(&e) => {
+                    // The node closed an idle pooled connection (restart,
+                    // idle reaping): one transparent retry on a new one.
+                    self.metrics.stale_retries.fetch_add(1, Ordering::Relaxed);
+                    retried = true;
+                }
+                Err((e, _)) => return Err(self.failed(node, e)),
+            }
+        }
+    }
+
+    /// One try: (error, whether the connection came from the pool).
+    async fn attempt<X: Exchange>(&self, node: &Arc<Node>, x: &mut X) -> Result<X::Out, (OpError, bool)> {
+        let mut co = node.checkout(self.opts.connect_timeout).await.map_err(|e| (e, false))?;
+        let reused = co.reused;
+        match x.run(co.conn(), &self.geo).await {
+            Ok(out) => {
+                if X::reusable(&out) {
+                    co.release();
+                }
+                Ok(out)
+            }
+            Err(e) => Err((e, reused)),
+        }
+    }
+
+    fn failed(&self, node: &Node, e: OpError) -> OpError {
+        if e.is_peer_failure() {
+            self.metrics.peer_failures.fetch_add(1, Ordering::Relaxed);
+            node.mark_failed(self.opts.peer_cooldown);
+        }
+        e
+    }
+
+    /// Stores the payload gathered from `bufs` under `key`.
+    pub async fn putv(&self, key: &[u8], bufs: &[&[u8]]) -> Status {
+        let topo = self.topology();
+        let node = match self.route(&topo, key) {
+            Ok(n) => n,
+            Err(s) => return self.metrics.count_put(s, 0),
+        };
+        let len: u64 = bufs.iter().map(|b| b.len() as u64).sum();
+        let mut h = crc32fast::Hasher::new();
+        for b in bufs {
+            h.update(b);
+        }
+        let header = PageHeader::new(self.geo, key, len, h.finalize()).encode();
+        let mut x = PutX { header, key, bufs };
+        let s = match self.run_on(&node, &mut x).await {
+            Ok(()) => Status::Ok,
+            Err(e) => e.status(),
+        };
+        self.metrics.count_put(s, len)
+    }
+
+    /// Reads the page for `key` into `bufs` in order. Ok(len) on a hit;
+    /// Err((status, needed)) otherwise (`needed` is set for KV_TOO_SMALL).
+    pub async fn getv(&self, key: &[u8], bufs: &mut [&mut [u8]]) -> Result<usize, (Status, usize)> {
+        let topo = self.topology();
+        let node = match self.route(&topo, key) {
+            Ok(n) => n,
+            Err(s) => return Err(self.metrics.count_get(s, 0, 0)),
+        };
+        let mut x = GetX { key, bufs };
+        match self.run_on(&node, &mut x).await {
+            Ok(GetReply { status: Status::Ok, len, .. }) => {
+                self.metrics.count_get(Status::Ok, len as u64, 0);
+                Ok(len)
+            }
+            Ok(GetReply { status, len, .. }) => Err(self.metrics.count_get(status, 0, len)),
+            Err(e) => Err(self.metrics.count_get(e.status(), 0, 0)),
+        }
+    }
+
+    /// KV_OK only where a get by this client would hit.
+    pub async fn exist(&self, key: &[u8]) -> Status {
+        let topo = self.topology();
+        let node = match self.route(&topo, key) {
+            Ok(n) => n,
+            Err(s) => return s,
+        };
+        let s = match self.run_on(&node, &mut ExistX { key }).await {
+            Ok(s) => s,
+            Err(e) => e.status(),
+        };
+        self.metrics.count_exist(s, 1)
+    }
+
+    /// Per-key statuses: one BATCH_EXIST frame per owner (chunked at 4096
+    /// keys), owners asked concurrently.
+    pub async fn batch_exist(&self, keys: &[&[u8]]) -> Vec<Status> {
+        let topo = self.topology();
+        let mut out = vec![Status::Unavailable; keys.len()];
+        let groups = self.group(&topo, keys.iter().copied(), &mut out);
+        let jobs = groups
+            .into_iter()
+            .flat_map(|(node, idx)| idx.chunks(MAX_BATCH_KEYS).map(|c| (node.clone(), c.to_vec())).collect::<Vec<_>>());
+        let results = join_all(jobs.map(|(node, idx)| async move {
+            let mut x = BatchExistX { keys: idx.iter().map(|&i| keys[i]).collect() };
+            let r = self.run_on(&node, &mut x).await;
+            (idx, r)
+        }))
+        .await;
+        for (idx, r) in results {
+            match r {
+                Ok(st) => {
+                    for (i, s) in idx.into_iter().zip(st) {
+                        out[i] = s;
+                    }
+                }
+                Err(e) => {
+                    for i in idx {
+                        out[i] = e.status();
+                    }
+                }
+            }
+        }
+        for s in &out {
+            self.metrics.count_exist(*s, 1);
+        }
+        out
+    }
+
+    /// Groups item indices by owner; items with no usable owner get their
+    /// status in `out` now.
+    fn group<'k>(
+        &self,
+        topo: &Topology,
+        keys: impl Iterator<Item = &'k [u8]>,
+        out: &mut [Status],
+    ) -> Vec<(Arc<Node>, Vec<usize>)> {
+        let mut groups: Vec<(Arc<Node>, Vec<usize>)> = Vec::new();
+        for (i, key) in keys.enumerate() {
+            match self.route(topo, key) {
+                Ok(node) => match groups.iter_mut().find(|(n, _)| Arc::ptr_eq(n, &node)) {
+                    Some(g) => g.1.push(i),
+                    None => groups.push((node, vec![i])),
+                },
+                Err(s) => out[i] = s,
+            }
+        }
+        groups
+    }
+
+    /// Puts many pages: items fan out to their owners, at most
+    /// `batch_concurrency` at once per owner. Per-item statuses.
+    pub async fn batch_putv(&self, items: &[(&[u8], Vec<&[u8]>)]) -> Vec<Status> {
+        let limit = self.opts.batch_concurrency;
+        let topo = self.topology();
+        let mut out = vec![Status::Unavailable; items.len()];
+        let groups = self.group(&topo, items.iter().map(|(k, _)| *k), &mut out);
+        let per_owner = groups.into_iter().map(|(_, idx)| {
+            stream::iter(idx)
+                .map(|i| async move { (i, self.putv(items[i].0, &items[i].1).await) })
+                .buffer_unordered(limit)
+                .collect::<Vec<_>>()
+        });
+        for (i, s) in join_all(per_owner).await.into_iter().flatten() {
+            out[i] = s;
+        }
+        out
+    }
+
+    /// Gets many pages into their buffers; per-item (status, length).
+    pub async fn batch_getv(&self, items: &mut [GetItem<'_, '_>]) -> Vec<(Status, usize)> {
+        let limit = self.opts.batch_concurrency;
+        let topo = self.topology();
+        let mut early = vec![Status::Ok; items.len()];
+        let groups = self.group(&topo, items.iter().map(|(k, _)| *k), &mut early);
+        let mut out: Vec<(Status, usize)> = early.iter().map(|&s| (s, 0)).collect();
+        // Hand each owner's group its own items (disjoint &mut borrows).
+        let mut slots: Vec<Option<&mut GetItem<'_, '_>>> = items.iter_mut().map(Some).collect();
+        let per_owner: Vec<Vec<(usize, &mut GetItem<'_, '_>)>> = groups
+            .into_iter()
+            .map(|(_, idx)| idx.into_iter().map(|i| (i, slots[i].take().expect("each item in one group"))).collect())
+            .collect();
+        let futs = per_owner.into_iter().map(|group| {
+            stream::iter(group)
+                .map(|(i, item)| async move {
+                    let r = self.getv(item.0, &mut item.1).await;
+                    (i, r)
+                })
+                .buffer_unordered(limit)
+                .collect::<Vec<_>>()
+        });
+        for (i, r) in join_all(futs).await.into_iter().flatten() {
+            out[i] = match r {
+                Ok(len) => (Status::Ok, len),
+                Err((s, needed)) => (s, needed),
+            };
+        }
+        out
+    }
+}

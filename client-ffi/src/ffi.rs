@@ -1,0 +1,646 @@
+//! The C ABI of DESIGN.md §4 (`include/kvclient.h`). All raw-pointer
+//! handling of the library lives here: every export checks its pointers
+//! (NULL is `KV_EINVAL`, never a crash), catches panics at the boundary
+//! (`KV_EINTERNAL`, message in `kv_last_error`), and converts C views into
+//! Rust slices for the blocking client. Status codes are never reused.
+
+#![allow(non_camel_case_types)]
+
+use std::cell::RefCell;
+use std::ffi::{c_char, c_int, c_void, CStr, CString};
+use std::panic::{catch_unwind, AssertUnwindSafe};
+
+use kv_common::page::{Geometry, MAX_KEY_LEN};
+use kv_common::status::Status;
+
+use crate::blocking::BlockingClient;
+use crate::members::parse_members;
+use crate::options::Options;
+
+/// Done / hit.
+pub const KV_OK: c_int = 0;
+/// Not stored.
+pub const KV_MISS: c_int = 1;
+/// Stored page has another geometry or key.
+pub const KV_MISMATCH: c_int = 2;
+/// Checksum failed.
+pub const KV_CORRUPT: c_int = 3;
+/// Caller buffer too small; `*out_len` holds the size needed.
+pub const KV_TOO_SMALL: c_int = 4;
+/// Owner unreachable, cooling down, or no members.
+pub const KV_UNAVAILABLE: c_int = 5;
+/// The operation timed out.
+pub const KV_TIMEOUT: c_int = 6;
+/// The node refused the write (full, too large, shutting down).
+pub const KV_REJECTED: c_int = 7;
+/// Bad argument (null pointer, bad string, bad options).
+pub const KV_EINVAL: c_int = -1;
+/// Bug; message in `kv_last_error()`.
+pub const KV_EINTERNAL: c_int = -2;
+
+/// A caller buffer segment.
+#[repr(C)]
+pub struct kv_iovec {
+    pub base: *mut c_void,
+    pub len: usize,
+}
+
+/// The model geometry stamped on put and required on get.
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct kv_geometry {
+    pub model_hash: u64,
+    pub page_size: u32,
+    pub dtype_tag: u32,
+    pub tp_size: u16,
+    pub tp_rank: u16,
+    pub layer_num: u16,
+    pub head_num: u16,
+    pub head_dim: u16,
+    pub flags: u16,
+}
+
+/// The client handle (opaque to C). Safe to share between threads.
+pub struct kv_client {
+    inner: BlockingClient,
+}
+
+thread_local! {
+    static LAST_ERROR: RefCell<CString> = RefCell::new(CString::default());
+}
+
+fn set_error(msg: impl Into<String>) {
+    let s = msg.into().replace('\0', " ");
+    LAST_ERROR.with(|e| *e.borrow_mut() = CString::new(s).unwrap_or_default());
+}
+
+fn code(s: Status) -> c_int {
+    match s {
+        Status::BadRequest => KV_EINVAL,
+        Status::Internal => KV_EINTERNAL,
+        s => s.code(),
+    }
+}
+
+/// Runs `f` behind the panic boundary.
+fn guard<T>(fallback: T, f: impl FnOnce() -> T) -> T {
+    match catch_unwind(AssertUnwindSafe(f)) {
+        Ok(v) => v,
+        Err(p) => {
+            let msg = p
+                .downcast_ref::<&str>()
+                .map(|s| s.to_string())
+                .or_else(|| p.downcast_ref::<String>().cloned())
+                .unwrap_or_else(|| "unknown panic".into());
+            set_error(format!("internal error (panic): {msg}"));
+            fallback
+        }
+    }
+}
+
+fn einval(msg: impl Into<String>) -> c_int {
+    set_error(msg);
+    KV_EINVAL
+}
+
+/// A C string argument as text; NULL or invalid UTF-8 is an error.
+///
+/// # Safety
+/// `p` must be NULL or point to a NUL-terminated string valid for the call.
+unsafe fn text<'a>(p: *const c_char, what: &str) -> Result<&'a str, c_int> {
+    if p.is_null() {
+        return Err(einval(format!("{what} is NULL")));
+    }
+    // SAFETY: non-NULL, NUL-terminated and valid for the call (caller's contract).
+    let s = unsafe { CStr::from_ptr(p) };
+    s.to_str().map_err(|_| einval(format!("{what} is not valid UTF-8")))
+}
+
+/// A key argument: 1..=1024 bytes.
+///
+/// # Safety
+/// As [`text`].
+unsafe fn key<'a>(p: *const c_char) -> Result<&'a [u8], c_int> {
+    if p.is_null() {
+        return Err(einval("key is NULL"));
+    }
+    // SAFETY: non-NULL, NUL-terminated and valid for the call (caller's contract).
+    let k = unsafe { CStr::from_ptr(p) }.to_bytes();
+    if k.is_empty() || k.len() > MAX_KEY_LEN {
+        return Err(einval(format!("key length {} outside 1..=1024", k.len())));
+    }
+    Ok(k)
+}
+
+/// The client behind a handle.
+///
+/// # Safety
+/// `c` must be NULL or a handle from `kv_open` not yet closed.
+unsafe fn client<'a>(c: *const kv_client) -> Result<&'a BlockingClient, c_int> {
+    if c.is_null() {
+        return Err(einval("client handle is NULL"));
+    }
+    // SAFETY: a live handle from kv_open (caller's contract); shared use is
+    // safe because BlockingClient is Sync.
+    Ok(unsafe { &(*c).inner })
+}
+
+/// Read-only views of `n` iovecs.
+///
+/// # Safety
+/// `iov` must be NULL (then `n` must be 0) or point to `n` iovecs whose
+/// `base` is valid for reads of `len` bytes for the call.
+unsafe fn read_views<'a>(iov: *const kv_iovec, n: usize) -> Result<Vec<&'a [u8]>, c_int> {
+    if n == 0 {
+        return Ok(Vec::new());
+    }
+    if iov.is_null() {
+        return Err(einval("iov is NULL"));
+    }
+    // SAFETY: iov points to n iovecs (caller's contract).
+    let v = unsafe { std::slice::from_raw_parts(iov, n) };
+    v.iter()
+        .map(|s| match (s.base.is_null(), s.len) {
+            (_, 0) => Ok(&[][..]),
+            (true, _) => Err(einval("iov segment base is NULL")),
+            // SAFETY: base is valid for len readable bytes (caller's contract).
+            (false, len) => Ok(unsafe { std::slice::from_raw_parts(s.base as *const u8, len) }),
+        })
+        .collect()
+}
+
+/// Writable views of `n` iovecs.
+///
+/// # Safety
+/// As [`read_views`], for writes; the segments must not overlap.
+unsafe fn write_views<'a>(iov: *const kv_iovec, n: usize) -> Result<Vec<&'a mut [u8]>, c_int> {
+    if n == 0 {
+        return Ok(Vec::new());
+    }
+    if iov.is_null() {
+        return Err(einval("iov is NULL"));
+    }
+    // SAFETY: iov points to n iovecs (caller's contract).
+    let v = unsafe { std::slice::from_raw_parts(iov, n) };
+    v.iter()
+        .map(|s| match (s.base.is_null(), s.len) {
+            (_, 0) => Ok(&mut [][..]),
+            (true, _) => Err(einval("iov segment base is NULL")),
+            // SAFETY: base is valid for len writable bytes, not aliased by
+            // another segment (caller's contract).
+            (false, len) => Ok(unsafe { std::slice::from_raw_parts_mut(s.base as *mut u8, len) }),
+        })
+        .collect()
+}
+
+fn done(s: Status) -> c_int {
+    if s != Status::Ok {
+        set_error(format!("not served: {}", s.name()));
+    }
+    code(s)
+}
+
+/// Opens a client. See DESIGN.md §4 and the header.
+///
+/// # Safety
+/// `members` and `options` are NULL (options only) or NUL-terminated
+/// strings; `geo` points to a `kv_geometry`.
+#[no_mangle]
+pub unsafe extern "C" fn kv_open(
+    members: *const c_char,
+    geo: *const kv_geometry,
+    options: *const c_char,
+) -> *mut kv_client {
+    guard(std::ptr::null_mut(), || {
+        // SAFETY: forwarded caller contract.
+        let open = || -> Result<*mut kv_client, c_int> {
+            // SAFETY: the caller's contract, stated in this function's # Safety, covers this argument.
+            let members = unsafe { text(members, "members") }?;
+            if geo.is_null() {
+                return Err(einval("geometry is NULL"));
+            }
+            // SAFETY: non-NULL and pointing to a kv_geometry (caller's contract).
+            let g = unsafe { *geo };
+            // SAFETY: the caller's contract, stated in this function's # Safety, covers this argument.
+            let opts = if options.is_null() { "" } else { unsafe { text(options, "options") }? };
+            let members = parse_members(members).map_err(einval)?;
+            let opts = Options::parse(opts).map_err(einval)?;
+            let geometry = Geometry {
+                model_hash: g.model_hash,
+                page_size: g.page_size,
+                dtype_tag: g.dtype_tag,
+                tp_size: g.tp_size,
+                tp_rank: g.tp_rank,
+                layer_num: g.layer_num,
+                head_num: g.head_num,
+                head_dim: g.head_dim,
+                flags: g.flags,
+            };
+            let inner = BlockingClient::new(members, geometry, opts).map_err(|e| {
+                set_error(format!("cannot start the client runtime: {e}"));
+                KV_EINTERNAL
+            })?;
+            Ok(Box::into_raw(Box::new(kv_client { inner })))
+        };
+        open().unwrap_or(std::ptr::null_mut())
+    })
+}
+
+/// Closes a client; NULL is a no-op.
+///
+/// # Safety
+/// `c` is NULL or a handle from `kv_open`, not used again afterwards.
+#[no_mangle]
+pub unsafe extern "C" fn kv_close(c: *mut kv_client) {
+    guard((), || {
+        if !c.is_null() {
+            // SAFETY: a handle from kv_open (Box::into_raw), closed once.
+            drop(unsafe { Box::from_raw(c) });
+        }
+    })
+}
+
+/// Replaces the static member set (hot swap).
+///
+/// # Safety
+/// `c` a live handle; `members` a NUL-terminated string.
+#[no_mangle]
+pub unsafe extern "C" fn kv_set_members(c: *mut kv_client, members: *const c_char) -> c_int {
+    guard(KV_EINTERNAL, || {
+        let r = || -> Result<c_int, c_int> {
+            // SAFETY: forwarded caller contract.
+            let cl = unsafe { client(c) }?;
+            // SAFETY: the caller's contract, stated in this function's # Safety, covers this argument.
+            let m = parse_members(unsafe { text(members, "members") }?).map_err(einval)?;
+            cl.set_members(m);
+            Ok(KV_OK)
+        };
+        r().unwrap_or_else(|e| e)
+    })
+}
+
+/// Membership discovery through kv-mds: arrives with the membership issue.
+///
+/// # Safety
+/// `c` a live handle; strings NUL-terminated.
+#[no_mangle]
+pub unsafe extern "C" fn kv_start_mds_discovery(
+    c: *mut kv_client,
+    mds_endpoints_csv: *const c_char,
+    group: *const c_char,
+    poll_ms: c_int,
+) -> c_int {
+    guard(KV_EINTERNAL, || {
+        let r = || -> Result<c_int, c_int> {
+            // SAFETY: forwarded caller contract.
+            unsafe { client(c) }?;
+            // SAFETY: the caller's contract, stated in this function's # Safety, covers this argument.
+            unsafe { text(mds_endpoints_csv, "mds_endpoints_csv") }?;
+            // SAFETY: the caller's contract, stated in this function's # Safety, covers this argument.
+            unsafe { text(group, "group") }?;
+            if poll_ms <= 0 {
+                return Err(einval("poll_ms must be positive"));
+            }
+            Err(einval("MDS discovery is not available in this build yet: use static members"))
+        };
+        r().unwrap_or_else(|e| e)
+    })
+}
+
+/// The ring epoch in use (0 for NULL or no members yet).
+///
+/// # Safety
+/// `c` is NULL or a live handle.
+#[no_mangle]
+pub unsafe extern "C" fn kv_epoch(c: *const kv_client) -> u64 {
+    guard(0, || {
+        // SAFETY: forwarded caller contract.
+        unsafe { client(c) }.map(|cl| cl.core.epoch()).unwrap_or(0)
+    })
+}
+
+/// Stores `len` bytes from `buf` under `key`.
+///
+/// # Safety
+/// `c` a live handle; `key` NUL-terminated; `buf` readable for `len` bytes
+/// (may be NULL when `len` is 0).
+#[no_mangle]
+pub unsafe extern "C" fn kv_put(c: *mut kv_client, key: *const c_char, buf: *const c_void, len: usize) -> c_int {
+    let iov = kv_iovec { base: buf as *mut c_void, len };
+    // SAFETY: forwarded caller contract (one segment).
+    unsafe { kv_putv(c, key, &iov, 1) }
+}
+
+/// Stores the concatenation of `iovcnt` segments under `key`.
+///
+/// # Safety
+/// `c` a live handle; `key` NUL-terminated; `iov` as `read_views`.
+#[no_mangle]
+pub unsafe extern "C" fn kv_putv(c: *mut kv_client, key: *const c_char, iov: *const kv_iovec, iovcnt: usize) -> c_int {
+    guard(KV_EINTERNAL, || {
+        let r = || -> Result<c_int, c_int> {
+            // SAFETY: forwarded caller contract.
+            let cl = unsafe { client(c) }?;
+            // SAFETY: the caller's contract, stated in this function's # Safety, covers this argument.
+            let k = unsafe { key_arg(key) }?;
+            // SAFETY: the caller's contract, stated in this function's # Safety, covers this argument.
+            let views = unsafe { read_views(iov, iovcnt) }?;
+            Ok(done(cl.putv(k, &views)))
+        };
+        r().unwrap_or_else(|e| e)
+    })
+}
+
+/// # Safety
+/// As [`key`].
+unsafe fn key_arg<'a>(p: *const c_char) -> Result<&'a [u8], c_int> {
+    // SAFETY: forwarded caller contract.
+    unsafe { key(p) }
+}
+
+/// Reads the page for `key` into `buf` (capacity `cap`).
+///
+/// # Safety
+/// `c` a live handle; `key` NUL-terminated; `buf` writable for `cap` bytes;
+/// `out_len` NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn kv_get(
+    c: *mut kv_client,
+    key: *const c_char,
+    buf: *mut c_void,
+    cap: usize,
+    out_len: *mut usize,
+) -> c_int {
+    let iov = kv_iovec { base: buf, len: cap };
+    // SAFETY: forwarded caller contract (one segment).
+    unsafe { kv_getv(c, key, &iov, 1, out_len) }
+}
+
+/// Reads the page for `key` scattered over `iovcnt` segments in order.
+///
+/// # Safety
+/// `c` a live handle; `key` NUL-terminated; `iov` as `write_views`;
+/// `out_len` NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn kv_getv(
+    c: *mut kv_client,
+    key: *const c_char,
+    iov: *const kv_iovec,
+    iovcnt: usize,
+    out_len: *mut usize,
+) -> c_int {
+    guard(KV_EINTERNAL, || {
+        let r = || -> Result<c_int, c_int> {
+            // SAFETY: forwarded caller contract.
+            let cl = unsafe { client(c) }?;
+            // SAFETY: the caller's contract, stated in this function's # Safety, covers this argument.
+            let k = unsafe { key_arg(key) }?;
+            // SAFETY: the caller's contract, stated in this function's # Safety, covers this argument.
+            let mut views = unsafe { write_views(iov, iovcnt) }?;
+            let (st, n) = match cl.getv(k, &mut views) {
+                Ok(n) => (Status::Ok, n),
+                Err((s, needed)) => (s, needed),
+            };
+            if !out_len.is_null() {
+                // SAFETY: non-NULL and writable (caller's contract).
+                unsafe { *out_len = if st == Status::Ok || st == Status::TooSmall { n } else { 0 } };
+            }
+            Ok(done(st))
+        };
+        r().unwrap_or_else(|e| e)
+    })
+}
+
+/// KV_OK only where a get by this client would hit.
+///
+/// # Safety
+/// `c` a live handle; `key` NUL-terminated.
+#[no_mangle]
+pub unsafe extern "C" fn kv_exist(c: *mut kv_client, key: *const c_char) -> c_int {
+    guard(KV_EINTERNAL, || {
+        let r = || -> Result<c_int, c_int> {
+            // SAFETY: forwarded caller contract.
+            let cl = unsafe { client(c) }?;
+            // SAFETY: the caller's contract, stated in this function's # Safety, covers this argument.
+            let k = unsafe { key_arg(key) }?;
+            Ok(done(cl.exist(k)))
+        };
+        r().unwrap_or_else(|e| e)
+    })
+}
+
+/// The keys of a batch.
+///
+/// # Safety
+/// `keys` NULL (n = 0) or `n` NUL-terminated strings.
+unsafe fn batch_keys<'a>(keys: *const *const c_char, n: usize) -> Result<Vec<&'a [u8]>, c_int> {
+    if n == 0 {
+        return Ok(Vec::new());
+    }
+    if keys.is_null() {
+        return Err(einval("keys is NULL"));
+    }
+    // SAFETY: keys points to n pointers (caller's contract).
+    let ptrs = unsafe { std::slice::from_raw_parts(keys, n) };
+    // SAFETY: each pointer NULL or NUL-terminated (checked by key()).
+    ptrs.iter().map(|&p| unsafe { key(p) }).collect()
+}
+
+/// Splits `iov` into per-item groups by `iovcnt`.
+///
+/// # Safety
+/// `iovcnt` NULL (n = 0) or `n` counts; `iov` holds their sum.
+unsafe fn iov_groups(iov: *const kv_iovec, iovcnt: *const usize, n: usize) -> Result<Vec<(usize, usize)>, c_int> {
+    if n == 0 {
+        return Ok(Vec::new());
+    }
+    if iovcnt.is_null() {
+        return Err(einval("iovcnt is NULL"));
+    }
+    // SAFETY: iovcnt points to n counts (caller's contract).
+    let counts = unsafe { std::slice::from_raw_parts(iovcnt, n) };
+    let mut at = 0usize;
+    let mut out = Vec::with_capacity(n);
+    for &k in counts {
+        out.push((at, k));
+        at = at.checked_add(k).ok_or_else(|| einval("iovcnt overflows"))?;
+    }
+    if at > 0 && iov.is_null() {
+        return Err(einval("iov is NULL"));
+    }
+    Ok(out)
+}
+
+fn write_statuses(out: *mut c_int, st: &[Status]) -> c_int {
+    for (i, s) in st.iter().enumerate() {
+        // SAFETY: out points to st.len() writable ints (checked non-NULL by callers).
+        unsafe { *out.add(i) = code(*s) };
+    }
+    st.iter().filter(|&&s| s == Status::Ok).count() as c_int
+}
+
+/// Puts `n` items; item i gathers `iovcnt[i]` consecutive iovecs.
+///
+/// # Safety
+/// Pointers as documented in the header; `out_status` writable for `n` ints.
+#[no_mangle]
+pub unsafe extern "C" fn kv_batch_putv(
+    c: *mut kv_client,
+    n: usize,
+    keys: *const *const c_char,
+    iov: *const kv_iovec,
+    iovcnt: *const usize,
+    out_status: *mut c_int,
+) -> c_int {
+    guard(KV_EINTERNAL, || {
+        let r = || -> Result<c_int, c_int> {
+            // SAFETY: forwarded caller contract.
+            let cl = unsafe { client(c) }?;
+            if n > 0 && out_status.is_null() {
+                return Err(einval("out_status is NULL"));
+            }
+            // SAFETY: the caller's contract, stated in this function's # Safety, covers this argument.
+            let ks = unsafe { batch_keys(keys, n) }?;
+            // SAFETY: the caller's contract, stated in this function's # Safety, covers this argument.
+            let groups = unsafe { iov_groups(iov, iovcnt, n) }?;
+            let mut items = Vec::with_capacity(n);
+            for (k, (at, cnt)) in ks.into_iter().zip(groups) {
+                // SAFETY: the item's iovecs lie inside the caller's array.
+                let views = unsafe { read_views(iov.wrapping_add(at), cnt) }?;
+                items.push((k, views));
+            }
+            let st = cl.batch_putv(&items);
+            Ok(write_statuses(out_status, &st))
+        };
+        r().unwrap_or_else(|e| e)
+    })
+}
+
+/// Gets `n` items; item i scatters into `iovcnt[i]` consecutive iovecs.
+///
+/// # Safety
+/// Pointers as documented in the header; `out_status` writable for `n`
+/// ints; `out_lens` NULL or writable for `n` sizes.
+#[no_mangle]
+pub unsafe extern "C" fn kv_batch_getv(
+    c: *mut kv_client,
+    n: usize,
+    keys: *const *const c_char,
+    iov: *const kv_iovec,
+    iovcnt: *const usize,
+    out_lens: *mut usize,
+    out_status: *mut c_int,
+) -> c_int {
+    guard(KV_EINTERNAL, || {
+        let r = || -> Result<c_int, c_int> {
+            // SAFETY: forwarded caller contract.
+            let cl = unsafe { client(c) }?;
+            if n > 0 && out_status.is_null() {
+                return Err(einval("out_status is NULL"));
+            }
+            // SAFETY: the caller's contract, stated in this function's # Safety, covers this argument.
+            let ks = unsafe { batch_keys(keys, n) }?;
+            // SAFETY: the caller's contract, stated in this function's # Safety, covers this argument.
+            let groups = unsafe { iov_groups(iov, iovcnt, n) }?;
+            let mut items = Vec::with_capacity(n);
+            for (k, (at, cnt)) in ks.into_iter().zip(groups) {
+                // SAFETY: the item's iovecs lie inside the caller's array and
+                // do not overlap another item's (caller's contract).
+                let views = unsafe { write_views(iov.wrapping_add(at), cnt) }?;
+                items.push((k, views));
+            }
+            let res = cl.batch_getv(&mut items);
+            let st: Vec<Status> = res.iter().map(|r| r.0).collect();
+            if !out_lens.is_null() {
+                for (i, (s, len)) in res.iter().enumerate() {
+                    let v = if *s == Status::Ok || *s == Status::TooSmall { *len } else { 0 };
+                    // SAFETY: out_lens writable for n sizes (caller's contract).
+                    unsafe { *out_lens.add(i) = v };
+                }
+            }
+            Ok(write_statuses(out_status, &st))
+        };
+        r().unwrap_or_else(|e| e)
+    })
+}
+
+/// Per-key exist statuses; one BATCH_EXIST frame per owner.
+///
+/// # Safety
+/// `keys` holds `n` NUL-terminated strings; `out_status` writable for `n` ints.
+#[no_mangle]
+pub unsafe extern "C" fn kv_batch_exist(
+    c: *mut kv_client,
+    n: usize,
+    keys: *const *const c_char,
+    out_status: *mut c_int,
+) -> c_int {
+    guard(KV_EINTERNAL, || {
+        let r = || -> Result<c_int, c_int> {
+            // SAFETY: forwarded caller contract.
+            let cl = unsafe { client(c) }?;
+            if n > 0 && out_status.is_null() {
+                return Err(einval("out_status is NULL"));
+            }
+            // SAFETY: the caller's contract, stated in this function's # Safety, covers this argument.
+            let ks = unsafe { batch_keys(keys, n) }?;
+            let st = cl.batch_exist(&ks);
+            Ok(write_statuses(out_status, &st))
+        };
+        r().unwrap_or_else(|e| e)
+    })
+}
+
+/// Registers memory for RDMA; a checked no-op on TCP.
+///
+/// # Safety
+/// `c` a live handle; `base` NULL only with `len` 0.
+#[no_mangle]
+pub unsafe extern "C" fn kv_register_memory(c: *mut kv_client, base: *mut c_void, len: usize) -> c_int {
+    guard(KV_EINTERNAL, || {
+        // SAFETY: forwarded caller contract.
+        if let Err(e) = unsafe { client(c) } {
+            return e;
+        }
+        if base.is_null() && len > 0 {
+            return einval("base is NULL");
+        }
+        KV_OK
+    })
+}
+
+/// Writes Prometheus text into `buf` (NUL-terminated, truncated to `cap`);
+/// returns the full length (without NUL) so a caller can size its buffer.
+///
+/// # Safety
+/// `c` a live handle; `buf` NULL or writable for `cap` bytes.
+#[no_mangle]
+pub unsafe extern "C" fn kv_stats_snapshot(c: *mut kv_client, buf: *mut c_char, cap: usize) -> usize {
+    guard(0, || {
+        // SAFETY: forwarded caller contract.
+        let Ok(cl) = (unsafe { client(c) }) else { return 0 };
+        let text = cl.stats_text();
+        if !buf.is_null() && cap > 0 {
+            let n = text.len().min(cap - 1);
+            // SAFETY: buf writable for cap > n bytes; the regions do not overlap.
+            unsafe {
+                std::ptr::copy_nonoverlapping(text.as_ptr(), buf as *mut u8, n);
+                *buf.add(n) = 0;
+            }
+        }
+        text.len()
+    })
+}
+
+/// The calling thread's last error message (never NULL; valid until the
+/// thread's next call into the library).
+#[no_mangle]
+pub extern "C" fn kv_last_error() -> *const c_char {
+    LAST_ERROR.with(|e| e.borrow().as_ptr())
+}
+
+/// The library version.
+#[no_mangle]
+pub extern "C" fn kv_version() -> *const c_char {
+    concat!(env!("CARGO_PKG_VERSION"), "\0").as_ptr() as *const c_char
+}

@@ -1,0 +1,151 @@
+//! One cache node as the client sees it: an address, a pool of idle
+//! connections (at most `max_conns_per_node` in use at once), and health (a
+//! cool-down after an I/O failure, during which its keys answer
+//! KV_UNAVAILABLE at once without touching the network).
+
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use kv_common::wire::{Hello, HELLO_LEN, WIRE_VERSION};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+
+use crate::error::OpError;
+
+/// An open connection after the hello.
+pub struct AsyncConn {
+    pub stream: TcpStream,
+    pub next_id: u64,
+    pub max_record: u64,
+}
+
+pub struct Node {
+    pub id: String,
+    pub addr: SocketAddr,
+    pub weight: u32,
+    idle: Mutex<Vec<AsyncConn>>,
+    slots: Arc<Semaphore>,
+    /// Nanoseconds since `epoch` until which the node is avoided (0: healthy).
+    cool_until: AtomicU64,
+    epoch: Instant,
+    pub failures: AtomicU64,
+}
+
+/// A connection checked out of a node's pool. It goes back to the pool only
+/// through [`Checkout::release`], after a request completed cleanly; dropped
+/// any other way (an error, a timeout cancelling the request mid-frame) it is
+/// closed, so a connection whose framing is in doubt is never reused.
+pub struct Checkout {
+    node: Arc<Node>,
+    pub conn: Option<AsyncConn>,
+    /// True when the connection came from the pool (it may be stale).
+    pub reused: bool,
+    _slot: OwnedSemaphorePermit,
+}
+
+impl Checkout {
+    pub fn conn(&mut self) -> &mut AsyncConn {
+        self.conn.as_mut().expect("connection present until discarded")
+    }
+
+    /// The request completed and the connection is between frames: pool it.
+    pub fn release(mut self) {
+        if let Some(c) = self.conn.take() {
+            self.node.idle.lock().unwrap_or_else(|e| e.into_inner()).push(c);
+        }
+    }
+}
+
+impl Node {
+    pub fn new(id: String, addr: SocketAddr, weight: u32, max_conns: usize) -> Node {
+        Node {
+            id,
+            addr,
+            weight,
+            idle: Mutex::new(Vec::new()),
+            slots: Arc::new(Semaphore::new(max_conns)),
+            cool_until: AtomicU64::new(0),
+            epoch: Instant::now(),
+            failures: AtomicU64::new(0),
+        }
+    }
+
+    /// Whether the node is in its cool-down now.
+    pub fn cooling(&self) -> bool {
+        let until = self.cool_until.load(Ordering::Relaxed);
+        until != 0 && (self.epoch.elapsed().as_nanos() as u64) < until
+    }
+
+    /// Starts (or extends) the cool-down after an I/O failure.
+    pub fn mark_failed(&self, cooldown: Duration) {
+        self.failures.fetch_add(1, Ordering::Relaxed);
+        let until = (self.epoch.elapsed() + cooldown).as_nanos() as u64;
+        self.cool_until.store(until.max(1), Ordering::Relaxed);
+        // Idle connections to a failing node are suspect too.
+        self.idle.lock().unwrap_or_else(|e| e.into_inner()).clear();
+    }
+
+    pub fn mark_ok(&self) {
+        if self.cool_until.load(Ordering::Relaxed) != 0 {
+            self.cool_until.store(0, Ordering::Relaxed);
+        }
+    }
+
+    pub fn idle_conns(&self) -> usize {
+        self.idle.lock().unwrap_or_else(|e| e.into_inner()).len()
+    }
+
+    pub fn in_use(&self, max: usize) -> usize {
+        max - self.slots.available_permits()
+    }
+
+    /// A connection: an idle one if any, else a new one (hello exchanged).
+    pub async fn checkout(self: &Arc<Node>, connect_timeout: Duration) -> Result<Checkout, OpError> {
+        let slot = self.slots.clone().acquire_owned().await.map_err(|_| OpError::Unavailable)?;
+        let idle = self.idle.lock().unwrap_or_else(|e| e.into_inner()).pop();
+        if let Some(conn) = idle {
+            return Ok(Checkout { node: self.clone(), conn: Some(conn), reused: true, _slot: slot });
+        }
+        let conn = tokio::time::timeout(connect_timeout, connect(self.addr)).await.map_err(|_| OpError::Timeout)??;
+        Ok(Checkout { node: self.clone(), conn: Some(conn), reused: false, _slot: slot })
+    }
+}
+
+async fn connect(addr: SocketAddr) -> Result<AsyncConn, OpError> {
+    let mut stream = TcpStream::connect(addr).await.map_err(OpError::Io)?;
+    stream.set_nodelay(true).map_err(OpError::Io)?;
+    // Keep-alive probes notice a peer that vanished without a FIN.
+    set_keepalive(&stream);
+    stream.write_all(&Hello { version: WIRE_VERSION, status: 0, max_record: 0 }.encode()).await.map_err(OpError::Io)?;
+    let mut h = [0u8; HELLO_LEN];
+    stream.read_exact(&mut h).await.map_err(OpError::Io)?;
+    let reply = Hello::decode(&h).map_err(|e| OpError::Protocol(e.to_string()))?;
+    if reply.status != 0 {
+        return Err(OpError::Protocol(format!("node speaks protocol v{}, not v{WIRE_VERSION}", reply.version)));
+    }
+    Ok(AsyncConn { stream, next_id: 1, max_record: reply.max_record })
+}
+
+/// Turns on TCP keep-alive (idle 30 s) on the socket.
+fn set_keepalive(stream: &TcpStream) -> bool {
+    use std::os::fd::AsRawFd;
+    let fd = stream.as_raw_fd();
+    let on: libc::c_int = 1;
+    let idle: libc::c_int = 30;
+    let len = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
+    // SAFETY: setsockopt on a valid socket descriptor owned by `stream`, with
+    // pointers to live c_ints and their exact size.
+    unsafe {
+        libc::setsockopt(fd, libc::SOL_SOCKET, libc::SO_KEEPALIVE, &on as *const _ as *const libc::c_void, len) == 0
+            && libc::setsockopt(
+                fd,
+                libc::IPPROTO_TCP,
+                libc::TCP_KEEPIDLE,
+                &idle as *const _ as *const libc::c_void,
+                len,
+            ) == 0
+    }
+}

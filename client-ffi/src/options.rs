@@ -1,0 +1,70 @@
+//! The `kv_open` options string: `key=value,...` (DESIGN.md §4). Unknown keys
+//! are an error, so a typo never silently runs with a default.
+
+use std::time::Duration;
+
+/// Client options with their defaults.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Options {
+    pub connect_timeout: Duration,
+    pub io_timeout: Duration,
+    pub max_conns_per_node: usize,
+    pub batch_concurrency: usize,
+    pub peer_cooldown: Duration,
+}
+
+impl Default for Options {
+    fn default() -> Self {
+        Options {
+            connect_timeout: Duration::from_millis(3000),
+            io_timeout: Duration::from_millis(10_000),
+            max_conns_per_node: 16,
+            batch_concurrency: 8,
+            peer_cooldown: Duration::from_millis(2000),
+        }
+    }
+}
+
+/// The option keys, for messages and docs.
+pub const KEYS: &[&str] =
+    &["connect_timeout_ms", "io_timeout_ms", "max_conns_per_node", "batch_concurrency", "peer_cooldown_ms"];
+
+impl Options {
+    /// Parses `key=value,...`; empty means all defaults.
+    pub fn parse(s: &str) -> Result<Options, String> {
+        let mut o = Options::default();
+        for item in s.split(',').map(str::trim).filter(|i| !i.is_empty()) {
+            let (k, v) = item.split_once('=').ok_or_else(|| format!("option {item:?} is not key=value"))?;
+            let (k, v) = (k.trim(), v.trim());
+            let n: u64 = v.parse().map_err(|_| format!("option {k}: {v:?} is not a whole number"))?;
+            let positive = |n: u64| if n == 0 { Err(format!("option {k} must be at least 1")) } else { Ok(n) };
+            match k {
+                "connect_timeout_ms" => o.connect_timeout = Duration::from_millis(positive(n)?),
+                "io_timeout_ms" => o.io_timeout = Duration::from_millis(positive(n)?),
+                "max_conns_per_node" => o.max_conns_per_node = positive(n)?.min(1024) as usize,
+                "batch_concurrency" => o.batch_concurrency = positive(n)?.min(1024) as usize,
+                "peer_cooldown_ms" => o.peer_cooldown = Duration::from_millis(n),
+                _ => return Err(format!("unknown option {k:?} (known: {})", KEYS.join(", "))),
+            }
+        }
+        Ok(o)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_and_refuses() {
+        assert_eq!(Options::parse("").unwrap(), Options::default());
+        let o = Options::parse("io_timeout_ms=250, batch_concurrency=4,peer_cooldown_ms=0").unwrap();
+        assert_eq!(o.io_timeout, Duration::from_millis(250));
+        assert_eq!(o.batch_concurrency, 4);
+        assert_eq!(o.peer_cooldown, Duration::ZERO);
+        assert!(Options::parse("io_timeout=5").unwrap_err().contains("unknown option"));
+        assert!(Options::parse("io_timeout_ms").unwrap_err().contains("key=value"));
+        assert!(Options::parse("io_timeout_ms=-1").unwrap_err().contains("whole number"));
+        assert!(Options::parse("max_conns_per_node=0").unwrap_err().contains("at least 1"));
+    }
+}

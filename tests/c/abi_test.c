@@ -1,0 +1,192 @@
+/* The C ABI against real kv-server processes (driven by tests/tests/c_abi.rs).
+ *
+ * usage: abi_test put  MEMBERS DEAD_MEMBER   -> phase 1: all checks, stores "corrupt-me"
+ *        abi_test corrupt MEMBERS            -> phase 2: "corrupt-me" must be KV_CORRUPT
+ * Prints "ok: ..." per check; exits 0 when all hold, 1 on the first failure.
+ */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "kvclient.h"
+
+static int failures = 0;
+#define CHECK(cond, ...)                                                   \
+  do {                                                                     \
+    if (cond) {                                                            \
+      printf("ok: " __VA_ARGS__);                                          \
+      printf("\n");                                                        \
+    } else {                                                               \
+      printf("FAIL (%s:%d): ", __FILE__, __LINE__);                        \
+      printf(__VA_ARGS__);                                                 \
+      printf(" [last error: %s]\n", kv_last_error());                      \
+      failures++;                                                          \
+    }                                                                      \
+  } while (0)
+
+static kv_geometry geometry(uint64_t model) {
+  kv_geometry g;
+  memset(&g, 0, sizeof g);
+  g.model_hash = model;
+  g.page_size = 64;
+  g.dtype_tag = 7;
+  g.tp_size = 2;
+  g.tp_rank = 1;
+  g.layer_num = 4;
+  g.head_num = 8;
+  g.head_dim = 128;
+  return g;
+}
+
+static void fill(unsigned char *p, size_t n, unsigned seed) {
+  for (size_t i = 0; i < n; i++) p[i] = (unsigned char)((i * 31u + seed * 7u) & 0xff);
+}
+
+static int phase_put(const char *members, const char *dead) {
+  kv_geometry g = geometry(42);
+  kv_client *c = kv_open(members, &g, "io_timeout_ms=5000,peer_cooldown_ms=2000");
+  CHECK(c != NULL, "kv_open");
+  if (!c) return 1;
+  CHECK(kv_epoch(c) >= 1, "epoch %llu", (unsigned long long)kv_epoch(c));
+
+  /* Round trip of a 1 MiB page. */
+  size_t n = 1 << 20;
+  unsigned char *src = malloc(n), *dst = malloc(n);
+  fill(src, n, 1);
+  CHECK(kv_put(c, "page-1", src, n) == KV_OK, "put");
+  CHECK(kv_put(c, "page-1", src, n) == KV_OK, "second put of a key is ok (write-once)");
+  size_t got = 0;
+  memset(dst, 0, n);
+  CHECK(kv_get(c, "page-1", dst, n, &got) == KV_OK && got == n && memcmp(src, dst, n) == 0, "get round trip");
+  CHECK(kv_exist(c, "page-1") == KV_OK, "exist");
+  CHECK(kv_exist(c, "never-stored") == KV_MISS, "exist miss");
+  CHECK(kv_get(c, "never-stored", dst, n, &got) == KV_MISS, "get miss");
+
+  /* Scatter/gather: put from 3 segments, get into 2 of other sizes. */
+  unsigned char a[1000], b[3000], d[500], x[2500], y[2000];
+  fill(a, sizeof a, 2); fill(b, sizeof b, 3); fill(d, sizeof d, 4);
+  kv_iovec in[3] = {{a, sizeof a}, {b, sizeof b}, {d, sizeof d}};
+  CHECK(kv_putv(c, "sg-1", in, 3) == KV_OK, "putv of 3 segments");
+  kv_iovec out[2] = {{x, sizeof x}, {y, sizeof y}};
+  CHECK(kv_getv(c, "sg-1", out, 2, &got) == KV_OK && got == 4500, "getv into 2 segments (%zu)", got);
+  unsigned char whole[4500];
+  memcpy(whole, x, 2500); memcpy(whole + 2500, y, 2000);
+  CHECK(memcmp(whole, a, 1000) == 0 && memcmp(whole + 1000, b, 3000) == 0 && memcmp(whole + 4000, d, 500) == 0,
+        "scattered bytes in order");
+
+  /* Too small: the size needed comes back. */
+  got = 0;
+  CHECK(kv_get(c, "page-1", dst, 100, &got) == KV_TOO_SMALL && got == n, "too small reports %zu", got);
+
+  /* Another geometry: exist and get both say mismatch. */
+  kv_geometry other = geometry(43);
+  kv_client *c2 = kv_open(members, &other, NULL);
+  CHECK(kv_exist(c2, "page-1") == KV_MISMATCH, "exist with another model");
+  CHECK(kv_get(c2, "page-1", dst, n, &got) == KV_MISMATCH, "get with another model");
+  kv_close(c2);
+
+  /* Batch with one dead node among the members. */
+  char with_dead[1024];
+  snprintf(with_dead, sizeof with_dead, "%s,%s", members, dead);
+  kv_client *cb = kv_open(with_dead, &g, "connect_timeout_ms=500,peer_cooldown_ms=60000");
+  enum { N = 32 };
+  char names[N][32];
+  const char *keys[N];
+  unsigned char bufs[N][256];
+  kv_iovec iov[N];
+  size_t cnt[N], lens[N];
+  int st[N];
+  for (int i = 0; i < N; i++) {
+    snprintf(names[i], sizeof names[i], "batch-%d", i);
+    keys[i] = names[i];
+    fill(bufs[i], sizeof bufs[i], (unsigned)i);
+    iov[i].base = bufs[i];
+    iov[i].len = sizeof bufs[i];
+    cnt[i] = 1;
+  }
+  int ok = kv_batch_putv(cb, N, keys, iov, cnt, st);
+  int dead_items = 0;
+  for (int i = 0; i < N; i++) dead_items += st[i] == KV_UNAVAILABLE;
+  CHECK(ok > 0 && dead_items > 0 && ok + dead_items == N, "batch put: %d ok, %d on the dead node", ok, dead_items);
+  for (int i = 0; i < N; i++) memset(bufs[i], 0, sizeof bufs[i]);
+  int gst[N];
+  int gok = kv_batch_getv(cb, N, keys, iov, cnt, lens, gst);
+  int same = 1;
+  for (int i = 0; i < N; i++) {
+    if (st[i] == KV_OK) {
+      unsigned char want[256];
+      fill(want, sizeof want, (unsigned)i);
+      same &= gst[i] == KV_OK && lens[i] == 256 && memcmp(bufs[i], want, 256) == 0;
+    } else {
+      same &= gst[i] == KV_UNAVAILABLE;
+    }
+  }
+  CHECK(gok == ok && same, "batch get matches the batch put (%d ok)", gok);
+  int est[N];
+  int eok = kv_batch_exist(cb, N, keys, est);
+  CHECK(eok == ok, "batch exist: %d ok", eok);
+  kv_close(cb);
+
+  /* No member at all: unavailable, not a crash. */
+  kv_client *none = kv_open("", &g, NULL);
+  CHECK(none != NULL && kv_put(none, "k", src, 10) == KV_UNAVAILABLE, "no node -> KV_UNAVAILABLE");
+  kv_close(none);
+
+  /* NULL and bad arguments. */
+  CHECK(kv_open(NULL, &g, NULL) == NULL, "kv_open(NULL members)");
+  CHECK(kv_open(members, NULL, NULL) == NULL, "kv_open(NULL geometry)");
+  CHECK(kv_open(members, &g, "no_such_option=1") == NULL && strstr(kv_last_error(), "unknown option"),
+        "unknown option refused: %s", kv_last_error());
+  CHECK(kv_put(NULL, "k", src, 1) == KV_EINVAL, "put(NULL client)");
+  CHECK(kv_put(c, NULL, src, 1) == KV_EINVAL, "put(NULL key)");
+  CHECK(kv_put(c, "k", NULL, 5) == KV_EINVAL, "put(NULL buffer)");
+  CHECK(kv_put(c, "", src, 1) == KV_EINVAL, "put(empty key)");
+  CHECK(kv_get(c, "page-1", NULL, 10, &got) == KV_EINVAL, "get(NULL buffer)");
+  CHECK(kv_getv(c, "page-1", NULL, 2, &got) == KV_EINVAL, "getv(NULL iov)");
+  CHECK(kv_batch_exist(c, 2, NULL, st) == KV_EINVAL, "batch_exist(NULL keys)");
+  CHECK(kv_batch_exist(c, 2, keys, NULL) == KV_EINVAL, "batch_exist(NULL out_status)");
+  CHECK(kv_set_members(c, NULL) == KV_EINVAL, "set_members(NULL)");
+  CHECK(kv_set_members(c, "garbage") == KV_EINVAL, "set_members(garbage)");
+  CHECK(kv_exist(NULL, "k") == KV_EINVAL, "exist(NULL client)");
+  CHECK(kv_epoch(NULL) == 0, "epoch(NULL)");
+  CHECK(kv_register_memory(c, src, n) == KV_OK, "register_memory is a no-op on TCP");
+  CHECK(kv_register_memory(c, NULL, 10) == KV_EINVAL, "register_memory(NULL)");
+  CHECK(kv_stats_snapshot(NULL, NULL, 0) == 0, "stats(NULL)");
+  size_t need = kv_stats_snapshot(c, NULL, 0);
+  char *text = malloc(need + 1);
+  CHECK(need > 0 && kv_stats_snapshot(c, text, need + 1) == need && strstr(text, "kvclient_ops_total"),
+        "stats snapshot (%zu bytes)", need);
+  free(text);
+  CHECK(kv_last_error() != NULL && kv_version() != NULL && strlen(kv_version()) > 0, "version %s", kv_version());
+  kv_close(NULL);
+
+  /* The page phase 2 finds damaged. */
+  memset(src, 'Z', n);
+  memcpy(src, "CORRUPT-ME-MARKER", 17);
+  CHECK(kv_put(c, "corrupt-me", src, 64 * 1024) == KV_OK, "put corrupt-me");
+
+  kv_close(c);
+  free(src);
+  free(dst);
+  return failures ? 1 : 0;
+}
+
+static int phase_corrupt(const char *members) {
+  kv_geometry g = geometry(42);
+  kv_client *c = kv_open(members, &g, NULL);
+  unsigned char *dst = malloc(64 * 1024);
+  size_t got = 0;
+  int s = kv_get(c, "corrupt-me", dst, 64 * 1024, &got);
+  CHECK(s == KV_CORRUPT, "a flipped payload byte on disk -> KV_CORRUPT (got %d)", s);
+  CHECK(kv_get(c, "page-1", dst, 64 * 1024, &got) == KV_TOO_SMALL, "the other pages still serve");
+  kv_close(c);
+  free(dst);
+  return failures ? 1 : 0;
+}
+
+int main(int argc, char **argv) {
+  if (argc >= 4 && strcmp(argv[1], "put") == 0) return phase_put(argv[2], argv[3]);
+  if (argc >= 3 && strcmp(argv[1], "corrupt") == 0) return phase_corrupt(argv[2]);
+  fprintf(stderr, "usage: abi_test put MEMBERS DEAD_MEMBER | abi_test corrupt MEMBERS\n");
+  return 2;
+}
