@@ -69,8 +69,13 @@ impl Node {
     /// Starts `kv-server --listen 127.0.0.1:0 ARGS...` and waits (up to 30 s)
     /// for the line announcing its address.
     pub fn start(args: &[&str]) -> Node {
+        Node::start_at("127.0.0.1:0", args)
+    }
+
+    /// As [`Node::start`] on a given `--listen` address.
+    pub fn start_at(listen: &str, args: &[&str]) -> Node {
         let mut child = Command::new(bin("kv-server"))
-            .args(["--listen", "127.0.0.1:0"])
+            .args(["--listen", listen])
             .args(args)
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())

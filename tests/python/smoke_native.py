@@ -1,0 +1,56 @@
+"""Round trip through libkvclient.so from Python (ctypes), against a real node.
+
+usage: python3 smoke_native.py LIBPATH MEMBERS
+"""
+
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "plugins"))
+
+from kvcellar import _native as kv  # noqa: E402
+
+
+def main():
+    lib, members = sys.argv[1], sys.argv[2]
+    geo = dict(model_hash=20817, page_size=64, dtype_tag=3, tp_size=8, tp_rank=0,
+               layer_num=61, head_num=1, head_dim=576, flags=kv.KV_FLAG_MLA)
+    checks = 0
+
+    def check(cond, what):
+        nonlocal checks
+        if not cond:
+            raise SystemExit(f"FAIL: {what}")
+        checks += 1
+        print(f"ok: {what}")
+
+    with kv.Client(members, geo, "io_timeout_ms=5000", lib_path=lib) as c:
+        page = bytes((i * 13) & 0xFF for i in range(3 << 20))
+        check(c.put("py-page", page) == kv.KV_OK, "put 3 MiB")
+        buf = bytearray(4 << 20)
+        s, n = c.get("py-page", buf)
+        check(s == kv.KV_OK and n == len(page) and buf[:n] == page, "get into a bytearray, no copy")
+        check(c.exist("py-page") == kv.KV_OK, "exist")
+        check(c.exist("py-absent") == kv.KV_MISS, "exist miss")
+        small = bytearray(10)
+        check(c.get("py-page", small) == (kv.KV_TOO_SMALL, len(page)), "too small reports the size needed")
+        check(c.batch_exist(["py-page", "py-absent"]) == [kv.KV_OK, kv.KV_MISS], "batch exist")
+        check("kvclient_ops_total" in c.stats(), "stats snapshot")
+        check(c.epoch() == 1, "epoch")
+        # An MLA page is served to every TP rank.
+        other_rank = dict(geo, tp_rank=3)
+        with kv.Client(members, other_rank, lib_path=lib) as c2:
+            s, n = c2.get("py-page", buf)
+            check(s == kv.KV_OK and n == len(page), "MLA page served to another tp_rank")
+        with kv.Client(members, dict(geo, model_hash=1), lib_path=lib) as c3:
+            check(c3.get("py-page", buf)[0] == kv.KV_MISMATCH, "another model: mismatch")
+    try:
+        kv.Client(members, geo, "bogus=1", lib_path=lib)
+        check(False, "bad option refused")
+    except kv.KvError as e:
+        check("unknown option" in str(e), f"bad option refused: {e}")
+    print(f"{checks} passed, 0 failed")
+
+
+if __name__ == "__main__":
+    main()

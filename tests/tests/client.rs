@@ -1,0 +1,147 @@
+//! The Rust client against real kv-server processes: stale pooled
+//! connections, timeouts, peer cool-downs, member swaps under traffic.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use kv_common::page::Geometry;
+use kv_common::status::Status;
+use kv_e2e::Node;
+use kvclient::members::parse_members;
+use kvclient::{BlockingClient, Options};
+
+fn geo() -> Geometry {
+    Geometry {
+        model_hash: 5,
+        page_size: 16,
+        dtype_tag: 1,
+        tp_size: 1,
+        layer_num: 2,
+        head_num: 2,
+        head_dim: 64,
+        ..Default::default()
+    }
+}
+
+fn client(members: &str, opts: &str) -> BlockingClient {
+    BlockingClient::new(parse_members(members).unwrap(), geo(), Options::parse(opts).unwrap()).unwrap()
+}
+
+fn get(c: &BlockingClient, key: &str, cap: usize) -> Result<Vec<u8>, Status> {
+    let mut buf = vec![0u8; cap];
+    match c.getv(key.as_bytes(), &mut [&mut buf[..]]) {
+        Ok(n) => {
+            buf.truncate(n);
+            Ok(buf)
+        }
+        Err((s, _)) => Err(s),
+    }
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+}
+
+#[test]
+fn a_stale_pooled_connection_is_retried_once_transparently() {
+    let t = tempfile::tempdir().unwrap();
+    let dir = t.path().join("d");
+    let addr = format!("127.0.0.1:{}", free_port());
+    let args = ["--dir", dir.to_str().unwrap(), "--cap", "64M"];
+    let node = Node::start_at(&addr, &args);
+    let c = client(&format!("n1={addr}"), "");
+    assert_eq!(c.putv(b"k", &[b"value"]), Status::Ok);
+    // Restart the node: the pooled connection is now dead.
+    assert!(node.terminate(Duration::from_secs(30)).success());
+    let _node = Node::start_at(&addr, &args);
+    assert_eq!(get(&c, "k", 64).unwrap(), b"value");
+    let stats = c.stats_text();
+    assert!(stats.contains("kvclient_stale_retries_total 1"), "{stats}");
+    assert!(stats.contains("kvclient_peer_up{peer=\"n1\""), "{stats}");
+}
+
+#[test]
+fn a_node_that_never_answers_times_out() {
+    // Accepts connections and reads nothing: the hello never comes back.
+    let silent = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = silent.local_addr().unwrap();
+    let c = client(&format!("n1={addr}"), "io_timeout_ms=300,connect_timeout_ms=300");
+    let t0 = Instant::now();
+    assert_eq!(c.putv(b"k", &[b"v"]), Status::Timeout);
+    let took = t0.elapsed();
+    assert!(took >= Duration::from_millis(250) && took < Duration::from_secs(3), "{took:?}");
+    drop(silent);
+}
+
+#[test]
+fn a_failing_peer_cools_down_then_is_tried_again() {
+    let dead = free_port();
+    let c = client(&format!("n1=127.0.0.1:{dead}"), "peer_cooldown_ms=400,connect_timeout_ms=500");
+    assert_eq!(c.exist(b"k"), Status::Unavailable, "connection refused");
+    // During the cool-down: answered at once, without the network.
+    let mut times = Vec::new();
+    for _ in 0..200 {
+        let t0 = Instant::now();
+        assert_eq!(c.exist(b"k"), Status::Unavailable);
+        times.push(t0.elapsed());
+    }
+    times.sort();
+    assert!(times[100] < Duration::from_micros(500), "median fast miss {:?}", times[100]);
+    assert!(c.stats_text().contains("kvclient_fast_unavailable_total 200"));
+    // After it, the node is tried again (and is now up).
+    let t = tempfile::tempdir().unwrap();
+    let dir = t.path().join("d");
+    let _node = Node::start_at(&format!("127.0.0.1:{dead}"), &["--dir", dir.to_str().unwrap(), "--cap", "64M"]);
+    std::thread::sleep(Duration::from_millis(450));
+    assert_eq!(c.putv(b"k", &[b"back"]), Status::Ok);
+    assert_eq!(get(&c, "k", 16).unwrap(), b"back");
+}
+
+#[test]
+fn member_swaps_under_traffic_keep_every_answer_correct() {
+    let t = tempfile::tempdir().unwrap();
+    let nodes: Vec<Node> = (0..3)
+        .map(|i| {
+            let d = t.path().join(format!("n{i}"));
+            Node::start(&["--dir", d.to_str().unwrap(), "--cap", "64M", "--log-level", "warn"])
+        })
+        .collect();
+    let two = format!("n0={},n1={}", nodes[0].addr, nodes[1].addr);
+    let three = format!("{two},n2={}", nodes[2].addr);
+    let c = Arc::new(client(&two, ""));
+    let stop = Arc::new(AtomicBool::new(false));
+    let workers: Vec<_> = (0..4)
+        .map(|w| {
+            let (c, stop) = (c.clone(), stop.clone());
+            std::thread::spawn(move || {
+                let mut n = 0u64;
+                while !stop.load(Ordering::Relaxed) {
+                    let key = format!("w{w}-{}", n % 50);
+                    let val = key.repeat(20);
+                    let s = c.putv(key.as_bytes(), &[val.as_bytes()]);
+                    assert!(matches!(s, Status::Ok), "put {key}: {s:?}");
+                    match get(&c, &key, 4096) {
+                        Ok(v) => assert_eq!(v, val.as_bytes(), "{key} served wrong bytes"),
+                        // After a swap the key may live on a node that never saw it.
+                        Err(s) => assert_eq!(s, Status::Miss, "{key}"),
+                    }
+                    n += 1;
+                }
+                n
+            })
+        })
+        .collect();
+    let mut swaps = 0;
+    let until = Instant::now() + Duration::from_secs(3);
+    while Instant::now() < until {
+        c.set_members(parse_members(if swaps % 2 == 0 { &three } else { &two }).unwrap());
+        swaps += 1;
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    stop.store(true, Ordering::Relaxed);
+    let ops: u64 = workers.into_iter().map(|w| w.join().unwrap()).sum();
+    assert!(ops > 100 && swaps > 20, "{ops} ops, {swaps} swaps");
+    assert_eq!(c.core.epoch(), swaps + 1);
+    assert!(c.stats_text().contains(&format!("kvclient_ring_rebuilds_total {}", swaps + 1)));
+}
