@@ -30,3 +30,6 @@ if ! have cargo; then
 fi
 need_deb gcc cc
 need_deb python3 python3
+need_deb binutils nm
+# The C ABI test runs under valgrind (it runs without, with a note, if this fails).
+(need_deb valgrind valgrind) || echo "deps: valgrind unavailable: the C ABI test runs without it" >&2

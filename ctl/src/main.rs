@@ -1,22 +1,25 @@
 //! `kvctl`: the kvcellar operator CLI.
 //!
-//! Status: partial. This issue delivers the single-node data commands
-//! (`put`, `get`, `exist`, `delete`) and `stat`/`ping` against one node
-//! (`--node`); `--members` routing, `bench`, `ring` and `stat --all` arrive
-//! with the client and membership issues.
+//! Data commands (`put`, `get`, `exist`) go through the client library, so
+//! they route by the weighted ring (`--members`) or to one node (`--node`)
+//! and verify pages exactly as an engine's get does. `delete`, `stat` and
+//! `ping` talk to one node. `bench` measures a cluster beside the limits of
+//! this host. `ring` and `stat --all` arrive with the membership issue.
 //!
 //! Exit codes: 0 hit/ok, 1 miss (or not served), 2 usage or error.
+
+mod bench;
+mod target;
 
 use std::io::{Read, Write};
 use std::process::ExitCode;
 use std::time::Duration;
 
-use clap::{Args, Parser, Subcommand};
-use kv_common::page::{Geometry, FLAG_MLA};
+use clap::{Parser, Subcommand};
 use kv_common::size::format_size;
 use kv_common::status::Status;
-use kvclient::conn::GetResult;
 use kvclient::Conn;
+use target::{GeoArgs, Target};
 
 #[derive(Parser)]
 #[command(name = "kvctl", version, about = "kvcellar operator CLI")]
@@ -24,59 +27,19 @@ struct Cli {
     /// Print machine-readable JSON.
     #[arg(long, global = true)]
     json: bool,
-    /// I/O timeout in milliseconds.
+    /// I/O timeout in milliseconds (stat, ping, delete).
     #[arg(long, global = true, default_value_t = 10_000)]
     timeout_ms: u64,
     #[command(subcommand)]
     cmd: Cmd,
 }
 
-/// Page geometry stamped on put and required on get (defaults: all zero, tp_size 1).
-#[derive(Args, Clone)]
-struct GeoArgs {
-    #[arg(long, default_value_t = 0)]
-    model_hash: u64,
-    #[arg(long, default_value_t = 0)]
-    page_size: u32,
-    #[arg(long, default_value_t = 0)]
-    dtype_tag: u32,
-    #[arg(long, default_value_t = 1)]
-    tp_size: u16,
-    #[arg(long, default_value_t = 0)]
-    tp_rank: u16,
-    #[arg(long, default_value_t = 0)]
-    layer_num: u16,
-    #[arg(long, default_value_t = 0)]
-    head_num: u16,
-    #[arg(long, default_value_t = 0)]
-    head_dim: u16,
-    /// MLA page (tp_size/tp_rank not compared).
-    #[arg(long)]
-    mla: bool,
-}
-
-impl GeoArgs {
-    fn geometry(&self) -> Geometry {
-        Geometry {
-            model_hash: self.model_hash,
-            page_size: self.page_size,
-            dtype_tag: self.dtype_tag,
-            tp_size: self.tp_size,
-            tp_rank: self.tp_rank,
-            layer_num: self.layer_num,
-            head_num: self.head_num,
-            head_dim: self.head_dim,
-            flags: if self.mla { FLAG_MLA } else { 0 },
-        }
-    }
-}
-
 #[derive(Subcommand)]
 enum Cmd {
     /// Store a value: from the argument, --file, or standard input.
     Put {
-        #[arg(long)]
-        node: String,
+        #[command(flatten)]
+        target: Target,
         key: String,
         value: Option<String>,
         #[arg(long)]
@@ -86,8 +49,8 @@ enum Cmd {
     },
     /// Fetch and verify a value; writes it to standard output or --out.
     Get {
-        #[arg(long)]
-        node: String,
+        #[command(flatten)]
+        target: Target,
         key: String,
         #[arg(long)]
         out: Option<std::path::PathBuf>,
@@ -96,13 +59,13 @@ enum Cmd {
     },
     /// Whether a get with this geometry would hit.
     Exist {
-        #[arg(long)]
-        node: String,
+        #[command(flatten)]
+        target: Target,
         key: String,
         #[command(flatten)]
         geo: GeoArgs,
     },
-    /// Remove a key.
+    /// Remove a key from one node.
     Delete {
         #[arg(long)]
         node: String,
@@ -112,6 +75,8 @@ enum Cmd {
     Stat { addr: String },
     /// Round-trip time to a node.
     Ping { addr: String },
+    /// Measure put/get/exist throughput and latency against a cluster.
+    Bench(bench::BenchArgs),
 }
 
 fn main() -> ExitCode {
@@ -140,6 +105,16 @@ fn connect(cli: &Cli, addr: &str) -> Result<Conn, String> {
     Conn::connect(addr, Duration::from_millis(cli.timeout_ms)).map_err(|e| e.to_string())
 }
 
+fn last_reason(c: &kvclient::BlockingClient) -> String {
+    let text = c.stats_text();
+    let failures = text.lines().filter(|l| l.starts_with("kvclient_peer_up") && l.ends_with(" 0")).count();
+    if failures > 0 {
+        format!("{failures} node(s) unreachable")
+    } else {
+        "see the node's log".into()
+    }
+}
+
 fn status_exit(cli: &Cli, key: &str, st: Status) -> u8 {
     if cli.json {
         println!("{}", serde_json::json!({"key": key, "status": st.name()}));
@@ -155,7 +130,7 @@ fn status_exit(cli: &Cli, key: &str, st: Status) -> u8 {
 
 fn run(cli: &Cli) -> Result<u8, String> {
     match &cli.cmd {
-        Cmd::Put { node, key, value, file, geo } => {
+        Cmd::Put { target, key, value, file, geo } => {
             let data = match (value, file) {
                 (Some(v), None) => v.clone().into_bytes(),
                 (None, Some(f)) => std::fs::read(f).map_err(|e| format!("{}: {e}", f.display()))?,
@@ -166,40 +141,38 @@ fn run(cli: &Cli) -> Result<u8, String> {
                 }
                 (Some(_), Some(_)) => return Err("give a value or --file, not both".into()),
             };
-            let mut c = connect(cli, node)?;
-            match c.put(&geo.geometry(), key.as_bytes(), &data) {
-                Ok(fresh) => {
-                    if cli.json {
-                        println!(
-                            "{}",
-                            serde_json::json!({"key": key, "status": "ok", "bytes": data.len(), "duplicate": !fresh})
-                        );
-                    } else {
-                        println!("ok{}", if fresh { "" } else { " (already stored)" });
-                    }
-                    Ok(0)
-                }
-                Err(kvclient::ClientError::Refused { status, msg }) => {
-                    eprintln!("kvctl: put refused ({}): {msg}", status.name());
-                    Ok(1)
-                }
-                Err(e) => Err(e.to_string()),
+            let c = target.client(geo.geometry())?;
+            let st = c.putv(key.as_bytes(), &[&data]);
+            if st != Status::Ok {
+                eprintln!("kvctl: put not done ({}): {}", st.name(), last_reason(&c));
             }
+            if cli.json {
+                println!("{}", serde_json::json!({"key": key, "status": st.name(), "bytes": data.len()}));
+            } else if st == Status::Ok {
+                println!("ok");
+            }
+            Ok(u8::from(st != Status::Ok))
         }
-        Cmd::Get { node, key, out, geo } => {
-            let mut c = connect(cli, node)?;
-            match c.get(&geo.geometry(), key.as_bytes()).map_err(|e| e.to_string())? {
-                GetResult::Hit(v) => {
+        Cmd::Get { target, key, out, geo } => {
+            let c = target.client(geo.geometry())?;
+            // Try a 4 MiB buffer; on KV_TOO_SMALL the node said how much is needed.
+            let mut buf = vec![0u8; 4 << 20];
+            let mut r = c.getv(key.as_bytes(), &mut [&mut buf[..]]);
+            if let Err((Status::TooSmall, need)) = r {
+                buf = vec![0u8; need];
+                r = c.getv(key.as_bytes(), &mut [&mut buf[..]]);
+            }
+            match r {
+                Ok(n) => {
+                    let v = &buf[..n];
                     match out {
-                        Some(p) => std::fs::write(p, &v).map_err(|e| format!("{}: {e}", p.display()))?,
-                        None if cli.json => {
-                            println!("{}", serde_json::json!({"key": key, "status": "ok", "bytes": v.len()}))
-                        }
-                        None => std::io::stdout().write_all(&v).map_err(|e| e.to_string())?,
+                        Some(p) => std::fs::write(p, v).map_err(|e| format!("{}: {e}", p.display()))?,
+                        None if cli.json => println!("{}", serde_json::json!({"key": key, "status": "ok", "bytes": n})),
+                        None => std::io::stdout().write_all(v).map_err(|e| e.to_string())?,
                     }
                     Ok(0)
                 }
-                GetResult::NotServed(st) => {
+                Err((st, _)) => {
                     if cli.json {
                         println!("{}", serde_json::json!({"key": key, "status": st.name()}));
                     } else {
@@ -209,10 +182,9 @@ fn run(cli: &Cli) -> Result<u8, String> {
                 }
             }
         }
-        Cmd::Exist { node, key, geo } => {
-            let mut c = connect(cli, node)?;
-            let st = c.exist(Some(&geo.geometry()), key.as_bytes()).map_err(|e| e.to_string())?;
-            Ok(status_exit(cli, key, st))
+        Cmd::Exist { target, key, geo } => {
+            let c = target.client(geo.geometry())?;
+            Ok(status_exit(cli, key, c.exist(key.as_bytes())))
         }
         Cmd::Delete { node, key } => {
             let mut c = connect(cli, node)?;
@@ -261,6 +233,7 @@ fn run(cli: &Cli) -> Result<u8, String> {
             }
             Ok(0)
         }
+        Cmd::Bench(a) => bench::run(a, cli.json),
         Cmd::Ping { addr } => {
             let t = std::time::Instant::now();
             let mut c = connect(cli, addr)?;

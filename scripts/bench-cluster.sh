@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# The client benchmarks of issue 3: three kv-server nodes on loopback (memory
+# tier on, disks under a temp dir), kvctl bench with 8 threads, each workload
+# run RUNS times (default 3); every line is printed with the limit measured in
+# the same run. Nodes are stopped (by PID) at the end.
+#
+# Usage: scripts/bench-cluster.sh [RUNS] [WORK_DIR]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+runs=${1:-3}
+work=${2:-$(mktemp -d)}
+mkdir -p "$work"
+cargo build --release --bins -q
+bin=target/release
+pids=()
+cleanup() { for p in "${pids[@]}"; do kill -TERM "$p" 2>/dev/null || true; done; wait 2>/dev/null || true; }
+trap cleanup EXIT INT TERM
+members=""
+for i in 0 1 2; do
+  "$bin/kv-server" --listen 127.0.0.1:0 --dir "$work/n$i" --cap 8G --mem-cap 2G --log-level warn >"$work/n$i.out" 2>"$work/n$i.log" &
+  pids+=($!)
+done
+for i in 0 1 2; do
+  for _ in $(seq 300); do
+    a=$(sed -n 's/^kv-server listening on //p' "$work/n$i.out" 2>/dev/null || true)
+    [ -n "$a" ] && break
+    sleep 0.1
+  done
+  [ -n "$a" ] || { echo "node $i did not start"; cat "$work/n$i.log"; exit 1; }
+  members="${members}n$i=$a,"
+done
+echo "members: $members  (work dir $work)"
+run() { # label, kvctl bench args...
+  local label=$1; shift
+  for r in $(seq "$runs"); do
+    echo "== $label (run $r)"
+    "$bin/kvctl" bench --members "$members" "$@"
+  done
+}
+run "get 4 MiB, pages in the nodes' memory tier" --threads 8 --op get --size 4M --count 400 --keys 64
+run "put 4 MiB" --threads 8 --op put --size 4M --count 200 --raw-disk "$work"
+run "batch exist, 128 keys" --threads 8 --op batch-exist --batch 128 --size 4K --count 3000 --keys 1024
+run "batch exist, 128 keys, one thread" --op batch-exist --batch 128 --size 4K --count 3000 --keys 1024 --threads 1
+run "get 64 KiB" --threads 8 --op get --size 64K --count 40000 --keys 1024
