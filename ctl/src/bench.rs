@@ -252,6 +252,8 @@ pub fn run(a: &BenchArgs, json: bool) -> Result<u8, String> {
         }
     }
     let keys = a.keys.max(a.batch) as u64;
+    // Key names made once: the loop measures the store, not string formatting.
+    let names: Vec<String> = (0..keys).map(key).collect();
     let bufs: Vec<std::sync::Mutex<Vec<u8>>> = (0..a.threads).map(|_| std::sync::Mutex::new(vec![0u8; size])).collect();
     let op: Box<dyn Fn(usize, u64) -> (Status, u64) + Sync> = match a.op {
         Workload::Put if a.batch == 1 => Box::new(|_, i| {
@@ -265,16 +267,16 @@ pub fn run(a: &BenchArgs, json: bool) -> Result<u8, String> {
         }),
         Workload::Get if a.batch == 1 => Box::new(|t, i| {
             let mut b = bufs[t].lock().expect("buf");
-            match client.getv(key(i % keys).as_bytes(), &mut [&mut b[..]]) {
+            match client.getv(names[(i % keys) as usize].as_bytes(), &mut [&mut b[..]]) {
                 Ok(n) => (Status::Ok, n as u64),
                 Err((s, _)) => (s, 0),
             }
         }),
-        Workload::Get => Box::new(|_, i| get_batch(&client, &key, i, a.batch, keys, size)),
-        Workload::Exist => Box::new(|_, i| (client.exist(key(i % keys).as_bytes()), 0)),
+        Workload::Get => Box::new(|_, i| get_batch(&client, &names, i, a.batch, size)),
+        Workload::Exist => Box::new(|_, i| (client.exist(names[(i % keys) as usize].as_bytes()), 0)),
         Workload::BatchExist => Box::new(|_, i| {
-            let names: Vec<String> = (0..a.batch as u64).map(|j| key((i * a.batch as u64 + j) % keys)).collect();
-            let refs: Vec<&[u8]> = names.iter().map(|k| k.as_bytes()).collect();
+            let refs: Vec<&[u8]> =
+                (0..a.batch as u64).map(|j| names[((i * a.batch as u64 + j) % keys) as usize].as_bytes()).collect();
             let st = client.batch_exist(&refs);
             let worst = st.iter().copied().find(|s| *s != Status::Ok).unwrap_or(Status::Ok);
             (worst, 0)
@@ -364,17 +366,12 @@ fn batch_outcome(res: &[(Status, usize)]) -> (Status, u64) {
     (worst, bytes)
 }
 
-fn get_batch(
-    c: &BlockingClient,
-    key: &dyn Fn(u64) -> String,
-    i: u64,
-    batch: usize,
-    keys: u64,
-    size: usize,
-) -> (Status, u64) {
-    let names: Vec<String> = (0..batch as u64).map(|j| key((i * batch as u64 + j) % keys)).collect();
+fn get_batch(c: &BlockingClient, names: &[String], i: u64, batch: usize, size: usize) -> (Status, u64) {
+    let keys = names.len() as u64;
     let mut store: Vec<Vec<u8>> = (0..batch).map(|_| vec![0u8; size]).collect();
-    let mut items: Vec<(&[u8], Vec<&mut [u8]>)> =
-        names.iter().zip(store.iter_mut()).map(|(k, b)| (k.as_bytes(), vec![&mut b[..]])).collect();
+    let mut items: Vec<(&[u8], Vec<&mut [u8]>)> = (0..batch as u64)
+        .zip(store.iter_mut())
+        .map(|(j, b)| (names[((i * batch as u64 + j) % keys) as usize].as_bytes(), vec![&mut b[..]]))
+        .collect();
     batch_outcome(&c.batch_getv(&mut items))
 }

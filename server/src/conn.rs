@@ -1,7 +1,8 @@
 //! One client connection: the hello, then a loop that reads frames and runs
 //! each request as its own task, so one connection can carry several
 //! requests at once (the responses carry the request id and may come back in
-//! any order). A writer task owns the socket's write half.
+//! any order). Each request's task writes its own response under the
+//! connection's write lock.
 //!
 //! Framing errors (bad hello, unknown op, an oversized length) close the
 //! connection with a logged reason; a well-framed but invalid request gets a
@@ -18,7 +19,7 @@ use kv_common::wire::{FLAG_CHECK_GEOMETRY, FRAME_HEADER_LEN, HELLO_LEN, RSP_FLAG
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader, BufWriter};
 use tokio::net::tcp::OwnedReadHalf;
 use tokio::net::TcpStream;
-use tokio::sync::{mpsc, watch, OwnedSemaphorePermit};
+use tokio::sync::{watch, OwnedSemaphorePermit};
 use tokio::time::Instant;
 
 use crate::server::Shared;
@@ -93,11 +94,22 @@ async fn read_exact_by(rd: &mut BufReader<OwnedReadHalf>, buf: &mut [u8], deadli
     }
 }
 
-/// Owns the write half. Each response must be written within 30 s plus 1 s
-/// per MiB; a peer that stops reading is cut off (its responses' memory freed)
-/// instead of holding the connection, and a shutdown, forever.
-async fn writer(mut w: BufWriter<tokio::net::tcp::OwnedWriteHalf>, mut rx: mpsc::Receiver<Response>, peer: SocketAddr) {
-    while let Some(r) = rx.recv().await {
+/// The write half, shared by the tasks answering this connection's requests:
+/// each writes its own response (no hand-off to a writer task, so an answer
+/// costs no extra task wake-up). Each response must be written within 30 s
+/// plus 1 s per MiB; a peer that stops reading is cut off (its responses'
+/// memory freed) instead of holding the connection, and a shutdown, forever.
+struct Out {
+    w: tokio::sync::Mutex<BufWriter<tokio::net::tcp::OwnedWriteHalf>>,
+    dead: watch::Sender<bool>,
+    peer: SocketAddr,
+}
+
+impl Out {
+    async fn send(&self, r: Response) {
+        if *self.dead.borrow() {
+            return;
+        }
         let len = match &r.body {
             Body::Empty => 0,
             Body::Bytes(b) => b.len(),
@@ -105,32 +117,38 @@ async fn writer(mut w: BufWriter<tokio::net::tcp::OwnedWriteHalf>, mut rx: mpsc:
         };
         let deadline = Instant::now() + FRAME_TIMEOUT + frame_allowance(len as u32);
         let res = tokio::time::timeout_at(deadline, async {
+            let mut w = self.w.lock().await;
             w.write_all(&r.header).await?;
             match &r.body {
                 Body::Empty => {}
                 Body::Bytes(b) => w.write_all(b).await?,
                 Body::Record(rec) => w.write_all(rec.as_slice()).await?,
             }
-            if rx.is_empty() {
-                w.flush().await?;
-            }
-            Ok::<_, std::io::Error>(())
+            w.flush().await
         })
         .await;
-        match res {
-            Ok(Ok(())) => {}
+        let failed = match res {
+            Ok(Ok(())) => false,
             Ok(Err(e)) => {
-                tracing::debug!(%peer, error = %e, "write failed");
-                return; // peer gone; the reader sees the channel close
+                tracing::debug!(peer = %self.peer, error = %e, "write failed");
+                true
             }
             Err(_) => {
-                tracing::warn!(%peer, "closing connection: peer stopped reading responses");
-                return;
+                tracing::warn!(peer = %self.peer, "closing connection: peer stopped reading responses");
+                true
             }
+        };
+        if failed {
+            // The reader stops too; later responses are dropped unsent.
+            self.dead.send_replace(true);
         }
     }
-    let _ = w.flush().await;
-    let _ = w.shutdown().await;
+
+    async fn close(&self) {
+        let mut w = self.w.lock().await;
+        let _ = w.flush().await;
+        let _ = w.shutdown().await;
+    }
 }
 
 /// Serves one connection until the peer closes, it misbehaves, or shutdown.
@@ -147,8 +165,8 @@ pub async fn serve(stream: TcpStream, peer: SocketAddr, shared: Arc<Shared>, mut
             return;
         }
     }
-    let (tx, rx) = mpsc::channel::<Response>(MAX_INFLIGHT_PER_CONN);
-    let writer_task = tokio::spawn(writer(wr, rx, peer));
+    let (dead, mut dead_rx) = watch::channel(false);
+    let tx = Arc::new(Out { w: tokio::sync::Mutex::new(wr), dead, peer });
     let inflight = Arc::new(tokio::sync::Semaphore::new(MAX_INFLIGHT_PER_CONN));
     let mut draining_until: Option<Instant> = None;
     loop {
@@ -162,8 +180,8 @@ pub async fn serve(stream: TcpStream, peer: SocketAddr, shared: Arc<Shared>, mut
                 None => tokio::select! {
                     biased;
                     _ = crate::server::stopped(&mut shutdown) => None,
-                    // The writer gave up on this peer: stop reading too.
-                    _ = tx.closed() => Some(Ok(true)),
+                    // A response could not be written: stop reading too.
+                    _ = crate::server::stopped(&mut dead_rx) => Some(Ok(true)),
                     r = rd.fill_buf() => Some(r.map(|b| b.is_empty())),
                 },
                 Some(deadline) if Instant::now() >= deadline => Some(Ok(true)),
@@ -201,8 +219,7 @@ pub async fn serve(stream: TcpStream, peer: SocketAddr, shared: Arc<Shared>, mut
     }
     // Let requests in flight finish and their answers go out, then close.
     let _ = inflight.acquire_many(MAX_INFLIGHT_PER_CONN as u32).await;
-    drop(tx);
-    let _ = writer_task.await;
+    tx.close().await;
 }
 
 async fn handshake(
@@ -225,7 +242,7 @@ async fn handshake(
 
 async fn read_request(
     rd: &mut BufReader<OwnedReadHalf>,
-    tx: &mpsc::Sender<Response>,
+    tx: &Arc<Out>,
     shared: &Arc<Shared>,
     permit: OwnedSemaphorePermit,
 ) -> Result<(), ConnError> {
@@ -292,7 +309,7 @@ async fn read_request(
 
 async fn read_put(
     rd: &mut BufReader<OwnedReadHalf>,
-    tx: &mpsc::Sender<Response>,
+    tx: &Arc<Out>,
     shared: &Arc<Shared>,
     req: ReqHeader,
     permit: OwnedSemaphorePermit,
@@ -360,6 +377,14 @@ async fn handle_get(shared: &Arc<Shared>, req: &ReqHeader, body: &[u8]) -> Respo
     };
     let check = req.flags & FLAG_CHECK_GEOMETRY != 0;
     let geo = kr.geometry;
+    // A page in the memory tier is answered here, without a hop to the
+    // blocking pool (its buffer is shared, not copied; it is bounded by
+    // --mem-cap, not by the in-flight budget).
+    match shared.store.get_cached(kr.key, check.then_some(&geo)) {
+        Some(GetOutcome::Hit(rec)) => return respond(req, Status::Ok, 0, Body::Record(rec)),
+        Some(GetOutcome::Mismatch) => return respond(req, Status::Mismatch, 0, Body::Empty),
+        _ => {}
+    }
     // The record's bytes count against --max-inflight until written out.
     let Some(size) = shared.store.record_size(kr.key) else {
         shared.store.count_miss();

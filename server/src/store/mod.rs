@@ -189,12 +189,13 @@ impl Store {
         r.ring.owner(key).map(|m| r.disk_of[m])
     }
 
-    /// Disk indices to search for `key`: its owner first, then the others
-    /// (records stay findable after a disk failure or a cap change moved
-    /// placement).
-    fn search_order(&self, key: &[u8]) -> impl Iterator<Item = usize> + '_ {
-        let first = self.owner(key);
-        first.into_iter().chain((0..self.disks.len()).filter(move |&i| Some(i) != first))
+    /// Disk indices to search for `key`: every disk, in order. A probe is an
+    /// in-memory hash lookup, cheaper than computing placement (an xxh3 hash
+    /// and a ring search), and searching all disks keeps records findable
+    /// after a disk failure or a cap change moved placement. Placement only
+    /// decides where a put goes.
+    fn search_order(&self, _key: &[u8]) -> std::ops::Range<usize> {
+        0..self.disks.len()
     }
 
     pub fn pool(&self) -> &BufPool {
@@ -269,6 +270,22 @@ impl Store {
             }
         }
         out
+    }
+
+    /// A get served from the memory tier alone (no I/O, never blocks on a
+    /// disk): None when the record is not held in memory.
+    pub fn get_cached(&self, key: &[u8], geo: Option<&Geometry>) -> Option<GetOutcome> {
+        let rec = self.mem.as_ref()?.get(key)?;
+        if let (Some(g), Ok(h)) = (geo, PageHeader::decode(rec.as_slice())) {
+            if !g.matches(&h) {
+                self.c.mismatches.fetch_add(1, Ordering::Relaxed);
+                return Some(GetOutcome::Mismatch);
+            }
+        }
+        self.c.mem_hits.fetch_add(1, Ordering::Relaxed);
+        self.c.hits.fetch_add(1, Ordering::Relaxed);
+        self.c.bytes_read.fetch_add(rec.len() as u64, Ordering::Relaxed);
+        Some(GetOutcome::Hit(rec))
     }
 
     /// Counts a get answered as a miss without calling [`Store::get`].
