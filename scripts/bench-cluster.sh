@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The client benchmarks of issue 3: three kv-server nodes on loopback (memory
+# The client benchmarks of issue 3: three kv-server nodes on loopback (512 MiB memory
 # tier on, disks under a temp dir), kvctl bench with 8 threads, each workload
 # run RUNS times (default 3); every line is printed with the limit measured in
 # the same run. Nodes are stopped (by PID) at the end.
@@ -17,7 +17,7 @@ cleanup() { for p in "${pids[@]}"; do kill -TERM "$p" 2>/dev/null || true; done;
 trap cleanup EXIT INT TERM
 members=""
 for i in 0 1 2; do
-  "$bin/kv-server" --listen 127.0.0.1:0 --dir "$work/n$i" --cap 8G --mem-cap 2G --log-level warn >"$work/n$i.out" 2>"$work/n$i.log" &
+  "$bin/kv-server" --listen 127.0.0.1:0 --dir "$work/n$i" --cap 8G --mem-cap 512M --log-level warn >"$work/n$i.out" 2>"$work/n$i.log" &
   pids+=($!)
 done
 for i in 0 1 2; do
