@@ -38,12 +38,14 @@ impl BlockingClient {
         self.rt.block_on(self.core.getv(key, bufs))
     }
 
+    /// On the caller's thread (no runtime hop): see `small.rs`.
     pub fn exist(&self, key: &[u8]) -> Status {
-        self.rt.block_on(self.core.exist(key))
+        self.core.exist_blocking(key)
     }
 
+    /// On the caller's thread (no runtime hop): see `small.rs`.
     pub fn batch_exist(&self, keys: &[&[u8]]) -> Vec<Status> {
-        self.rt.block_on(self.core.batch_exist(keys))
+        self.core.batch_exist_blocking(keys)
     }
 
     pub fn batch_putv(&self, items: &[(&[u8], Vec<&[u8]>)]) -> Vec<Status> {

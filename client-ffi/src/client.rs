@@ -209,6 +209,11 @@ impl Client {
         }
     }
 
+    /// Records a failed request to `node`; the status its items get.
+    pub(crate) fn failed_node(&self, node: &Node, e: OpError) -> Status {
+        self.failed(node, e).status()
+    }
+
     fn failed(&self, node: &Node, e: OpError) -> OpError {
         if e.is_peer_failure() {
             self.metrics.peer_failures.fetch_add(1, Ordering::Relaxed);
@@ -308,20 +313,32 @@ impl Client {
 
     /// Groups item indices by owner; items with no usable owner get their
     /// status in `out` now.
-    fn group<'k>(
+    pub(crate) fn group<'k>(
         &self,
         topo: &Topology,
         keys: impl Iterator<Item = &'k [u8]>,
         out: &mut [Status],
     ) -> Vec<(Arc<Node>, Vec<usize>)> {
-        let mut groups: Vec<(Arc<Node>, Vec<usize>)> = Vec::new();
+        // Group by ring member index; a node's Arc is cloned once per group,
+        // not per key (that refcount would bounce between cores).
+        let mut by_member: Vec<Vec<usize>> = vec![Vec::new(); topo.nodes.len()];
         for (i, key) in keys.enumerate() {
-            match self.route(topo, key) {
-                Ok(node) => match groups.iter_mut().find(|(n, _)| Arc::ptr_eq(n, &node)) {
-                    Some(g) => g.1.push(i),
-                    None => groups.push((node, vec![i])),
-                },
-                Err(s) => out[i] = s,
+            match topo.ring.owner(key) {
+                Some(m) => by_member[m].push(i),
+                None => out[i] = Status::Unavailable,
+            }
+        }
+        let mut groups = Vec::new();
+        for (m, idx) in by_member.into_iter().enumerate() {
+            if idx.is_empty() {
+                continue;
+            }
+            let node = &topo.nodes[m];
+            if node.cooling() {
+                self.metrics.fast_unavailable.fetch_add(idx.len() as u64, Ordering::Relaxed);
+                idx.iter().for_each(|&i| out[i] = Status::Unavailable);
+            } else {
+                groups.push((node.clone(), idx));
             }
         }
         groups

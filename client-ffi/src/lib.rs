@@ -19,6 +19,7 @@ pub mod members;
 pub mod metrics;
 pub mod node;
 pub mod options;
+pub mod small;
 
 pub use blocking::BlockingClient;
 pub use client::Client;

@@ -27,6 +27,8 @@ pub struct Node {
     pub addr: SocketAddr,
     pub weight: u32,
     idle: Mutex<Vec<AsyncConn>>,
+    /// Blocking connections for small requests driven on the caller's thread.
+    sync_idle: Mutex<Vec<crate::small::SyncConn>>,
     slots: Arc<Semaphore>,
     /// Nanoseconds since `epoch` until which the node is avoided (0: healthy).
     cool_until: AtomicU64,
@@ -66,6 +68,7 @@ impl Node {
             addr,
             weight,
             idle: Mutex::new(Vec::new()),
+            sync_idle: Mutex::new(Vec::new()),
             slots: Arc::new(Semaphore::new(max_conns)),
             cool_until: AtomicU64::new(0),
             epoch: Instant::now(),
@@ -86,11 +89,24 @@ impl Node {
         self.cool_until.store(until.max(1), Ordering::Relaxed);
         // Idle connections to a failing node are suspect too.
         self.idle.lock().unwrap_or_else(|e| e.into_inner()).clear();
+        self.sync_idle.lock().unwrap_or_else(|e| e.into_inner()).clear();
     }
 
     pub fn mark_ok(&self) {
         if self.cool_until.load(Ordering::Relaxed) != 0 {
             self.cool_until.store(0, Ordering::Relaxed);
+        }
+    }
+
+    pub fn take_sync_conn(&self) -> Option<crate::small::SyncConn> {
+        self.sync_idle.lock().unwrap_or_else(|e| e.into_inner()).pop()
+    }
+
+    /// Pools a blocking connection (at most `max` kept; extra ones close).
+    pub fn put_sync_conn(&self, c: crate::small::SyncConn, max: usize) {
+        let mut g = self.sync_idle.lock().unwrap_or_else(|e| e.into_inner());
+        if g.len() < max {
+            g.push(c);
         }
     }
 

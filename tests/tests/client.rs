@@ -52,12 +52,14 @@ fn a_stale_pooled_connection_is_retried_once_transparently() {
     let node = Node::start_at(&addr, &args);
     let c = client(&format!("n1={addr}"), "");
     assert_eq!(c.putv(b"k", &[b"value"]), Status::Ok);
-    // Restart the node: the pooled connection is now dead.
+    assert_eq!(c.exist(b"k"), Status::Ok, "pools a connection for small requests too");
+    // Restart the node: the pooled connections are now dead.
     assert!(node.terminate(Duration::from_secs(30)).success());
     let _node = Node::start_at(&addr, &args);
     assert_eq!(get(&c, "k", 64).unwrap(), b"value");
+    assert_eq!(c.exist(b"k"), Status::Ok);
     let stats = c.stats_text();
-    assert!(stats.contains("kvclient_stale_retries_total 1"), "{stats}");
+    assert!(stats.contains("kvclient_stale_retries_total 2"), "{stats}");
     assert!(stats.contains("kvclient_peer_up{peer=\"n1\""), "{stats}");
 }
 
