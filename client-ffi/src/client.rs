@@ -76,6 +76,24 @@ impl Exchange for GetX<'_, '_> {
     }
 }
 
+/// Gets in flight on one connection at once within a batch lane.
+pub const PIPELINE_WINDOW: usize = 16;
+
+struct GetManyX<'b, 'c> {
+    items: Vec<(&'b [u8], &'b mut [&'c mut [u8]])>,
+}
+
+impl Exchange for GetManyX<'_, '_> {
+    type Out = Vec<GetReply>;
+    fn run<'a>(
+        &'a mut self,
+        conn: &'a mut AsyncConn,
+        geo: &'a Geometry,
+    ) -> BoxFuture<'a, Result<Vec<GetReply>, OpError>> {
+        Box::pin(exchange::get_pipelined(conn, geo, &mut self.items))
+    }
+}
+
 struct ExistX<'b> {
     key: &'b [u8],
 }
@@ -363,7 +381,10 @@ impl Client {
         out
     }
 
-    /// Gets many pages into their buffers; per-item (status, length).
+    /// Gets many pages into their buffers; per-item (status, length). Per
+    /// owner, items are spread over up to `batch_concurrency` connections
+    /// (lanes); each lane pipelines its items, [`PIPELINE_WINDOW`] requests in
+    /// flight on its connection at once.
     pub async fn batch_getv(&self, items: &mut [GetItem<'_, '_>]) -> Vec<(Status, usize)> {
         let limit = self.opts.batch_concurrency;
         let topo = self.topology();
@@ -372,24 +393,48 @@ impl Client {
         let mut out: Vec<(Status, usize)> = early.iter().map(|&s| (s, 0)).collect();
         // Hand each owner's group its own items (disjoint &mut borrows).
         let mut slots: Vec<Option<&mut GetItem<'_, '_>>> = items.iter_mut().map(Some).collect();
-        let per_owner: Vec<Vec<(usize, &mut GetItem<'_, '_>)>> = groups
-            .into_iter()
-            .map(|(_, idx)| idx.into_iter().map(|i| (i, slots[i].take().expect("each item in one group"))).collect())
-            .collect();
-        let futs = per_owner.into_iter().map(|group| {
-            stream::iter(group)
-                .map(|(i, item)| async move {
-                    let r = self.getv(item.0, &mut item.1).await;
-                    (i, r)
-                })
-                .buffer_unordered(limit)
-                .collect::<Vec<_>>()
-        });
-        for (i, r) in join_all(futs).await.into_iter().flatten() {
-            out[i] = match r {
-                Ok(len) => (Status::Ok, len),
-                Err((s, needed)) => (s, needed),
-            };
+        let mut lanes_all = Vec::new();
+        for (node, idx) in groups {
+            let lanes = limit.min(idx.len()).max(1);
+            let mut lanes_of_node: Vec<Vec<(usize, &mut GetItem<'_, '_>)>> = (0..lanes).map(|_| Vec::new()).collect();
+            for (n, i) in idx.into_iter().enumerate() {
+                lanes_of_node[n % lanes].push((i, slots[i].take().expect("each item in one group")));
+            }
+            lanes_all.extend(lanes_of_node.into_iter().map(|lane| (node.clone(), lane)));
+        }
+        let results = join_all(lanes_all.into_iter().map(|(node, lane)| self.get_lane(node, lane))).await;
+        for (i, r) in results.into_iter().flatten() {
+            out[i] = r;
+        }
+        out
+    }
+
+    /// One lane of a batch get: its items, pipelined on one connection.
+    async fn get_lane(
+        &self,
+        node: Arc<Node>,
+        mut lane: Vec<(usize, &mut GetItem<'_, '_>)>,
+    ) -> Vec<(usize, (Status, usize))> {
+        let mut out = Vec::with_capacity(lane.len());
+        for window in lane.chunks_mut(PIPELINE_WINDOW) {
+            let idx: Vec<usize> = window.iter().map(|(i, _)| *i).collect();
+            let mut x = GetManyX { items: window.iter_mut().map(|(_, item)| (item.0, &mut item.1[..])).collect() };
+            match self.run_on(&node, &mut x).await {
+                Ok(replies) => {
+                    for (i, r) in idx.into_iter().zip(replies) {
+                        let bytes = if r.status == Status::Ok { r.len as u64 } else { 0 };
+                        self.metrics.count_get(r.status, bytes, r.len);
+                        out.push((i, (r.status, r.len)));
+                    }
+                }
+                Err(e) => {
+                    let s = e.status();
+                    for i in idx {
+                        self.metrics.count_get(s, 0, 0);
+                        out.push((i, (s, 0)));
+                    }
+                }
+            }
         }
         out
     }

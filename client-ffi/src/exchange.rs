@@ -187,3 +187,124 @@ pub async fn batch_exist(conn: &mut AsyncConn, geo: &Geometry, keys: &[&[u8]]) -
     }
     Ok(st)
 }
+
+/// Reads and discards `n` bytes (to keep a pipelined connection in step).
+async fn drain(conn: &mut AsyncConn, mut n: u64) -> Result<(), OpError> {
+    let mut sink = [0u8; 8192];
+    while n > 0 {
+        let k = n.min(sink.len() as u64) as usize;
+        conn.stream.read_exact(&mut sink[..k]).await?;
+        n -= k as u64;
+    }
+    Ok(())
+}
+
+/// Several gets on one connection: all requests are written, then the
+/// answers read in whatever order the node sends them, each scattered into
+/// its own item's buffers (matched by request id) with its CRC checked as
+/// it lands. Answers that are not served have their bodies drained, so the
+/// connection stays usable. Returns one reply per item, in item order.
+pub async fn get_pipelined(
+    conn: &mut AsyncConn,
+    geo: &Geometry,
+    items: &mut [(&[u8], &mut [&mut [u8]])],
+) -> Result<Vec<GetReply>, OpError> {
+    let mut ids = Vec::with_capacity(items.len());
+    let mut frames = Vec::new();
+    for (key, _) in items.iter() {
+        let body = KeyRequest::encode(geo, key);
+        let req_id = conn.next_id;
+        conn.next_id += 1;
+        frames.extend_from_slice(
+            &ReqHeader { op: Op::Get, flags: FLAG_CHECK_GEOMETRY, body_len: body.len() as u32, req_id }.encode(),
+        );
+        frames.extend_from_slice(&body);
+        ids.push(req_id);
+    }
+    conn.stream.write_all(&frames).await?;
+    let mut replies: Vec<Option<GetReply>> = (0..items.len()).map(|_| None).collect();
+    for _ in 0..items.len() {
+        let mut hb = [0u8; FRAME_HEADER_LEN];
+        conn.stream.read_exact(&mut hb).await?;
+        let h = RspHeader::decode(&hb);
+        let Some(i) = ids.iter().position(|&id| id == h.req_id).filter(|&i| replies[i].is_none()) else {
+            return Err(OpError::Protocol(format!("unexpected answer id {}", h.req_id)));
+        };
+        let (key, bufs) = &mut items[i];
+        replies[i] = Some(read_get_body(conn, geo, key, bufs, &h).await?);
+    }
+    Ok(replies.into_iter().map(|r| r.expect("every id answered")).collect())
+}
+
+/// The body of one GET answer, leaving the connection at the next frame.
+async fn read_get_body(
+    conn: &mut AsyncConn,
+    geo: &Geometry,
+    key: &[u8],
+    bufs: &mut [&mut [u8]],
+    h: &RspHeader,
+) -> Result<GetReply, OpError> {
+    let done = |status, len| Ok(GetReply { status, len, conn_ok: true });
+    if h.status != Status::Ok {
+        let body = recv_small(conn, h).await?;
+        return match h.status {
+            Status::Miss | Status::Mismatch => done(h.status, 0),
+            s => Err(refused(s, &body)),
+        };
+    }
+    let body_len = h.body_len as u64;
+    if body_len < (HEADER_LEN + key.len()) as u64 {
+        drain(conn, body_len).await?;
+        return done(Status::Corrupt, 0);
+    }
+    let mut hb = [0u8; HEADER_LEN];
+    conn.stream.read_exact(&mut hb).await?;
+    let rest = body_len - HEADER_LEN as u64;
+    let ph = match PageHeader::decode(&hb) {
+        Ok(ph) if ph.record_len() == body_len => ph,
+        _ => {
+            drain(conn, rest).await?;
+            return done(Status::Corrupt, 0);
+        }
+    };
+    if ph.key_len as usize != key.len() || ph.check_key(key).is_err() || !geo.matches(&ph) {
+        drain(conn, rest).await?;
+        return done(Status::Mismatch, 0);
+    }
+    let need = ph.payload_len as usize;
+    let cap: usize = bufs.iter().map(|b| b.len()).sum();
+    if need > cap {
+        drain(conn, rest).await?;
+        return done(Status::TooSmall, need);
+    }
+    let mut kb = [0u8; kv_common::page::MAX_KEY_LEN];
+    let kb = &mut kb[..key.len()];
+    conn.stream.read_exact(kb).await?;
+    if kb != key {
+        drain(conn, need as u64).await?;
+        return done(Status::Mismatch, 0);
+    }
+    let mut crc = crc32fast::Hasher::new();
+    let mut left = need;
+    for seg in bufs.iter_mut() {
+        if left == 0 {
+            break;
+        }
+        let take = seg.len().min(left);
+        let dst = &mut seg[..take];
+        let mut filled = 0;
+        while filled < take {
+            let n = conn.stream.read(&mut dst[filled..]).await?;
+            if n == 0 {
+                return Err(OpError::Io(std::io::ErrorKind::UnexpectedEof.into()));
+            }
+            crc.update(&dst[filled..filled + n]);
+            filled += n;
+        }
+        left -= take;
+    }
+    if crc.finalize() != ph.payload_crc {
+        return done(Status::Corrupt, 0);
+    }
+    done(Status::Ok, need)
+}

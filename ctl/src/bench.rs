@@ -255,6 +255,17 @@ pub fn run(a: &BenchArgs, json: bool) -> Result<u8, String> {
     // Key names made once: the loop measures the store, not string formatting.
     let names: Vec<String> = (0..keys).map(key).collect();
     let bufs: Vec<std::sync::Mutex<Vec<u8>>> = (0..a.threads).map(|_| std::sync::Mutex::new(vec![0u8; size])).collect();
+    // Per-thread buffers for batch gets, reused so the loop measures the
+    // store rather than page faults.
+    let batch_bufs: Vec<std::sync::Mutex<Vec<Vec<u8>>>> = (0..a.threads)
+        .map(|_| {
+            std::sync::Mutex::new(if a.batch > 1 {
+                (0..a.batch).map(|_| vec![0u8; size]).collect()
+            } else {
+                Vec::new()
+            })
+        })
+        .collect();
     let op: Box<dyn Fn(usize, u64) -> (Status, u64) + Sync> = match a.op {
         Workload::Put if a.batch == 1 => Box::new(|_, i| {
             let s = client.putv(key(i + 1_000_000_000).as_bytes(), &[&page]);
@@ -272,7 +283,9 @@ pub fn run(a: &BenchArgs, json: bool) -> Result<u8, String> {
                 Err((s, _)) => (s, 0),
             }
         }),
-        Workload::Get => Box::new(|_, i| get_batch(&client, &names, i, a.batch, size)),
+        Workload::Get => {
+            Box::new(|t, i| get_batch(&client, &names, i, a.batch, &mut batch_bufs[t].lock().expect("bufs")))
+        }
         Workload::Exist => Box::new(|_, i| (client.exist(names[(i % keys) as usize].as_bytes()), 0)),
         Workload::BatchExist => Box::new(|_, i| {
             let refs: Vec<&[u8]> =
@@ -366,9 +379,8 @@ fn batch_outcome(res: &[(Status, usize)]) -> (Status, u64) {
     (worst, bytes)
 }
 
-fn get_batch(c: &BlockingClient, names: &[String], i: u64, batch: usize, size: usize) -> (Status, u64) {
+fn get_batch(c: &BlockingClient, names: &[String], i: u64, batch: usize, store: &mut [Vec<u8>]) -> (Status, u64) {
     let keys = names.len() as u64;
-    let mut store: Vec<Vec<u8>> = (0..batch).map(|_| vec![0u8; size]).collect();
     let mut items: Vec<(&[u8], Vec<&mut [u8]>)> = (0..batch as u64)
         .zip(store.iter_mut())
         .map(|(j, b)| (names[((i * batch as u64 + j) % keys) as usize].as_bytes(), vec![&mut b[..]]))

@@ -147,3 +147,59 @@ fn member_swaps_under_traffic_keep_every_answer_correct() {
     assert_eq!(c.core.epoch(), swaps + 1);
     assert!(c.stats_text().contains(&format!("kvclient_ring_rebuilds_total {}", swaps + 1)));
 }
+
+#[test]
+fn pipelined_batch_gets_fill_every_item_correctly() {
+    let t = tempfile::tempdir().unwrap();
+    let nodes: Vec<Node> = (0..2)
+        .map(|i| {
+            let d = t.path().join(format!("n{i}"));
+            Node::start(&["--dir", d.to_str().unwrap(), "--cap", "64M", "--log-level", "warn"])
+        })
+        .collect();
+    let members = format!("n0={},n1={}", nodes[0].addr, nodes[1].addr);
+    let c = client(&members, "batch_concurrency=3");
+    let page = |i: usize| -> Vec<u8> { (0..(1000 + i * 517) % 70_000).map(|j| ((i * 7 + j) % 253) as u8).collect() };
+    let keys: Vec<String> = (0..100).map(|i| format!("pipe-{i}")).collect();
+    let pages: Vec<Vec<u8>> = (0..100).map(page).collect();
+    let put_items: Vec<(&[u8], Vec<&[u8]>)> =
+        keys.iter().zip(&pages).filter(|(k, _)| *k != "pipe-13").map(|(k, p)| (k.as_bytes(), vec![&p[..]])).collect();
+    assert!(c.batch_putv(&put_items).iter().all(|s| *s == Status::Ok));
+    // Another model's page under one key: a mismatch mid-pipeline.
+    let other = BlockingClient::new(
+        parse_members(&members).unwrap(),
+        Geometry { model_hash: 999, ..geo() },
+        Options::default(),
+    )
+    .unwrap();
+    assert_eq!(other.putv(b"pipe-foreign", &[b"not yours"]), Status::Ok);
+    let mut all_keys: Vec<String> = keys.clone();
+    all_keys.push("pipe-foreign".into());
+    let mut bufs: Vec<Vec<u8>> = all_keys.iter().map(|_| vec![0u8; 70_000]).collect();
+    bufs[20] = vec![0u8; 10]; // too small for its page
+    let mut items: Vec<(&[u8], Vec<&mut [u8]>)> =
+        all_keys.iter().zip(bufs.iter_mut()).map(|(k, b)| (k.as_bytes(), vec![&mut b[..]])).collect();
+    let res = c.batch_getv(&mut items);
+    drop(items);
+    for (i, (s, n)) in res.iter().enumerate() {
+        match i {
+            13 => assert_eq!(*s, Status::Miss, "never stored"),
+            20 => assert_eq!((*s, *n), (Status::TooSmall, pages[20].len()), "size needed reported"),
+            100 => assert_eq!(*s, Status::Mismatch, "another model's page"),
+            _ => {
+                assert_eq!((*s, *n), (Status::Ok, pages[i].len()), "item {i}");
+                assert!(bufs[i][..*n] == pages[i][..], "item {i} bytes");
+            }
+        }
+    }
+    // The connections stayed in step: a second batch on them works too.
+    let mut again: Vec<Vec<u8>> = (0..10).map(|_| vec![0u8; 70_000]).collect();
+    let mut items: Vec<(&[u8], Vec<&mut [u8]>)> =
+        keys[..10].iter().zip(again.iter_mut()).map(|(k, b)| (k.as_bytes(), vec![&mut b[..]])).collect();
+    let res = c.batch_getv(&mut items);
+    drop(items);
+    for (i, (s, n)) in res.iter().enumerate() {
+        assert_eq!(*s, Status::Ok);
+        assert!(again[i][..*n] == pages[i][..]);
+    }
+}
