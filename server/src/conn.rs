@@ -436,10 +436,8 @@ fn handle_small(shared: &Shared, req: &ReqHeader, body: &[u8]) -> Option<Respons
         },
         Op::BatchExist => match wire::decode_batch_exist(body) {
             Ok((geo, keys)) => {
-                let mut st = Vec::with_capacity(keys.len());
-                for k in &keys {
-                    st.push(presence_status(store.try_exist(k, check.then_some(&geo))?));
-                }
+                let st: Vec<Status> =
+                    store.try_exist_batch(&keys, check.then_some(&geo))?.into_iter().map(presence_status).collect();
                 respond(req, Status::Ok, 0, Body::Bytes(wire::encode_batch_status(&st)))
             }
             Err(e) => error_response(req, Status::BadRequest, &e.to_string()),

@@ -519,6 +519,25 @@ impl Disk {
         Ok(st.index.peek(key).map(|e| geo.is_none_or(|g| g.matches(&e.header))))
     }
 
+    /// [`Disk::try_exist`] for many keys under one lock acquisition: fills
+    /// `out[i]` for every key still `None` there. Err when the lock is busy.
+    pub fn try_exist_many(&self, keys: &[&[u8]], geo: Option<&Geometry>, out: &mut [Option<bool>]) -> Result<(), Busy> {
+        if self.is_failed() {
+            return Ok(());
+        }
+        let st = match self.state.try_lock() {
+            Ok(g) => g,
+            Err(std::sync::TryLockError::Poisoned(p)) => p.into_inner(),
+            Err(std::sync::TryLockError::WouldBlock) => return Err(Busy),
+        };
+        for (k, o) in keys.iter().zip(out.iter_mut()) {
+            if o.is_none() {
+                *o = st.index.peek(*k).map(|e| geo.is_none_or(|g| g.matches(&e.header)));
+            }
+        }
+        Ok(())
+    }
+
     /// Length of the stored record for `key` (memory only).
     pub fn record_len(&self, key: &[u8]) -> Option<u64> {
         if self.is_failed() {

@@ -359,6 +359,31 @@ impl Store {
         Ok(Presence::Absent)
     }
 
+    /// [`Store::try_exist`] for a batch: each disk's index lock is taken once
+    /// for all keys. None when a lock is busy.
+    pub fn try_exist_batch(&self, keys: &[&[u8]], geo: Option<&Geometry>) -> Option<Vec<Presence>> {
+        let mut found: Vec<Option<bool>> = vec![None; keys.len()];
+        for d in &self.disks {
+            d.try_exist_many(keys, geo, &mut found).ok()?;
+        }
+        Some(
+            keys.iter()
+                .zip(found)
+                .map(|(k, f)| match f {
+                    Some(true) => Presence::Present,
+                    Some(false) => Presence::Mismatch,
+                    None => match self.mem.as_ref().and_then(|m| m.peek(k)) {
+                        Some(rec) => match (geo, PageHeader::decode(rec.as_slice())) {
+                            (Some(g), Ok(h)) if !g.matches(&h) => Presence::Mismatch,
+                            _ => Presence::Present,
+                        },
+                        None => Presence::Absent,
+                    },
+                })
+                .collect(),
+        )
+    }
+
     /// Bytes a get of `key` would return, if it is stored (memory only).
     pub fn record_size(&self, key: &[u8]) -> Option<u64> {
         if let Some(rec) = self.mem.as_ref().and_then(|m| m.peek(key)) {
