@@ -23,6 +23,7 @@ pub struct GetReply {
     /// Payload bytes written (Ok), or the size needed (TooSmall).
     pub len: usize,
     /// False when the rest of the frame was not read: close the connection.
+    /// (Every path reads or drains the whole answer today, so it is true.)
     pub conn_ok: bool,
 }
 
@@ -102,64 +103,7 @@ pub async fn get(
     let req = KeyRequest::encode(geo, key);
     let id = send(conn, Op::Get, FLAG_CHECK_GEOMETRY, &[&req]).await?;
     let h = recv_header(conn, id).await?;
-    let done = |status, len, conn_ok| Ok(GetReply { status, len, conn_ok });
-    if h.status != Status::Ok {
-        let body = recv_small(conn, &h).await?;
-        return match h.status {
-            Status::Miss | Status::Mismatch => done(h.status, 0, true),
-            s => Err(refused(s, &body)),
-        };
-    }
-    let body_len = h.body_len as u64;
-    if body_len < (HEADER_LEN + key.len()) as u64 {
-        return done(Status::Corrupt, 0, false);
-    }
-    let mut hb = [0u8; HEADER_LEN];
-    conn.stream.read_exact(&mut hb).await?;
-    let Ok(ph) = PageHeader::decode(&hb) else {
-        return done(Status::Corrupt, 0, false);
-    };
-    if ph.record_len() != body_len {
-        return done(Status::Corrupt, 0, false);
-    }
-    if ph.key_len as usize != key.len() || ph.check_key(key).is_err() || !geo.matches(&ph) {
-        return done(Status::Mismatch, 0, false);
-    }
-    let cap: usize = bufs.iter().map(|b| b.len()).sum();
-    let need = ph.payload_len as usize;
-    if need > cap {
-        return done(Status::TooSmall, need, false);
-    }
-    let mut kb = [0u8; kv_common::page::MAX_KEY_LEN];
-    let kb = &mut kb[..key.len()];
-    conn.stream.read_exact(kb).await?;
-    if kb != key {
-        return done(Status::Mismatch, 0, false);
-    }
-    // Scatter the payload into the caller's buffers, CRC as it lands.
-    let mut crc = crc32fast::Hasher::new();
-    let mut left = need;
-    for seg in bufs.iter_mut() {
-        if left == 0 {
-            break;
-        }
-        let take = seg.len().min(left);
-        let dst = &mut seg[..take];
-        let mut filled = 0;
-        while filled < take {
-            let n = conn.stream.read(&mut dst[filled..]).await?;
-            if n == 0 {
-                return Err(OpError::Io(std::io::ErrorKind::UnexpectedEof.into()));
-            }
-            crc.update(&dst[filled..filled + n]);
-            filled += n;
-        }
-        left -= take;
-    }
-    if crc.finalize() != ph.payload_crc {
-        return done(Status::Corrupt, 0, true);
-    }
-    done(Status::Ok, need, true)
+    read_get_body(conn, geo, key, bufs, &h).await
 }
 
 pub async fn exist(conn: &mut AsyncConn, geo: &Geometry, key: &[u8]) -> Result<Status, OpError> {

@@ -471,6 +471,36 @@ unsafe fn iov_groups(iov: *const kv_iovec, iovcnt: *const usize, n: usize) -> Re
     Ok(out)
 }
 
+/// The items of a batch: key `i` with its `iovcnt[i]` consecutive iovecs
+/// turned into views by `views` (read or write).
+///
+/// # Safety
+/// As [`batch_keys`] and [`iov_groups`]; each item's iovecs satisfy `views`'
+/// contract.
+unsafe fn batch_items<'a, V>(
+    n: usize,
+    keys: *const *const c_char,
+    iov: *const kv_iovec,
+    iovcnt: *const usize,
+    out_status: *mut c_int,
+    views: unsafe fn(*const kv_iovec, usize) -> Result<V, c_int>,
+) -> Result<Vec<(&'a [u8], V)>, c_int> {
+    if n > 0 && out_status.is_null() {
+        return Err(einval("out_status is NULL"));
+    }
+    // SAFETY: forwarded caller contract.
+    let ks = unsafe { batch_keys(keys, n) }?;
+    // SAFETY: forwarded caller contract.
+    let groups = unsafe { iov_groups(iov, iovcnt, n) }?;
+    let mut items = Vec::with_capacity(n);
+    for (k, (at, cnt)) in ks.into_iter().zip(groups) {
+        // SAFETY: the item's iovecs lie inside the caller's array (caller's contract).
+        let v = unsafe { views(iov.wrapping_add(at), cnt) }?;
+        items.push((k, v));
+    }
+    Ok(items)
+}
+
 fn write_statuses(out: *mut c_int, st: &[Status]) -> c_int {
     for (i, s) in st.iter().enumerate() {
         // SAFETY: out points to st.len() writable ints (checked non-NULL by callers).
@@ -496,19 +526,8 @@ pub unsafe extern "C" fn kv_batch_putv(
         let r = || -> Result<c_int, c_int> {
             // SAFETY: forwarded caller contract.
             let cl = unsafe { client(c) }?;
-            if n > 0 && out_status.is_null() {
-                return Err(einval("out_status is NULL"));
-            }
-            // SAFETY: the caller's contract, stated in this function's # Safety, covers this argument.
-            let ks = unsafe { batch_keys(keys, n) }?;
-            // SAFETY: the caller's contract, stated in this function's # Safety, covers this argument.
-            let groups = unsafe { iov_groups(iov, iovcnt, n) }?;
-            let mut items = Vec::with_capacity(n);
-            for (k, (at, cnt)) in ks.into_iter().zip(groups) {
-                // SAFETY: the item's iovecs lie inside the caller's array.
-                let views = unsafe { read_views(iov.wrapping_add(at), cnt) }?;
-                items.push((k, views));
-            }
+            // SAFETY: the caller's contract, stated in this function's # Safety, covers these arguments.
+            let items = unsafe { batch_items(n, keys, iov, iovcnt, out_status, read_views) }?;
             let st = cl.batch_putv(&items);
             Ok(write_statuses(out_status, &st))
         };
@@ -535,20 +554,9 @@ pub unsafe extern "C" fn kv_batch_getv(
         let r = || -> Result<c_int, c_int> {
             // SAFETY: forwarded caller contract.
             let cl = unsafe { client(c) }?;
-            if n > 0 && out_status.is_null() {
-                return Err(einval("out_status is NULL"));
-            }
-            // SAFETY: the caller's contract, stated in this function's # Safety, covers this argument.
-            let ks = unsafe { batch_keys(keys, n) }?;
-            // SAFETY: the caller's contract, stated in this function's # Safety, covers this argument.
-            let groups = unsafe { iov_groups(iov, iovcnt, n) }?;
-            let mut items = Vec::with_capacity(n);
-            for (k, (at, cnt)) in ks.into_iter().zip(groups) {
-                // SAFETY: the item's iovecs lie inside the caller's array and
-                // do not overlap another item's (caller's contract).
-                let views = unsafe { write_views(iov.wrapping_add(at), cnt) }?;
-                items.push((k, views));
-            }
+            // SAFETY: the caller's contract, stated in this function's # Safety, covers these
+            // arguments; items' segments do not overlap (the header's contract).
+            let mut items = unsafe { batch_items(n, keys, iov, iovcnt, out_status, write_views) }?;
             let res = cl.batch_getv(&mut items);
             let st: Vec<Status> = res.iter().map(|r| r.0).collect();
             if !out_lens.is_null() {

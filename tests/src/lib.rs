@@ -114,6 +114,23 @@ impl Node {
         }
     }
 
+    /// `n` nodes, each with one disk dir `t/n{i}` (64 MiB cap) and `extra` flags.
+    pub fn cluster(t: &tempfile::TempDir, n: usize, extra: &[&str]) -> Vec<Node> {
+        (0..n)
+            .map(|i| {
+                let d = t.path().join(format!("n{i}"));
+                let mut args = vec!["--dir", d.to_str().expect("utf-8 path"), "--cap", "64M", "--log-level", "warn"];
+                args.extend_from_slice(extra);
+                Node::start(&args)
+            })
+            .collect()
+    }
+
+    /// `n{i}=ADDR,...` for a set of nodes.
+    pub fn members(nodes: &[Node]) -> String {
+        nodes.iter().enumerate().map(|(i, n)| format!("n{i}={}", n.addr)).collect::<Vec<_>>().join(",")
+    }
+
     pub fn pid(&self) -> i32 {
         self.child.as_ref().map(|c| c.id() as i32).unwrap_or(0)
     }

@@ -246,14 +246,8 @@ fn run_c(exe: &Path, lib_dir: &Path, args: &[&str]) -> String {
 #[test]
 fn a_c_program_against_real_nodes() {
     let t = tempfile::tempdir().unwrap();
-    let nodes: Vec<Node> = (0..3)
-        .map(|i| {
-            let d = t.path().join(format!("n{i}"));
-            Node::start(&["--dir", d.to_str().unwrap(), "--cap", "64M", "--log-level", "warn"])
-        })
-        .collect();
-    let members: Vec<String> = nodes.iter().enumerate().map(|(i, n)| format!("n{i}={}", n.addr)).collect();
-    let members = members.join(",");
+    let nodes = Node::cluster(&t, 3, &[]);
+    let members = Node::members(&nodes);
     let dead = {
         let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         format!("dead=127.0.0.1:{}", l.local_addr().unwrap().port())

@@ -103,12 +103,7 @@ fn a_failing_peer_cools_down_then_is_tried_again() {
 #[test]
 fn member_swaps_under_traffic_keep_every_answer_correct() {
     let t = tempfile::tempdir().unwrap();
-    let nodes: Vec<Node> = (0..3)
-        .map(|i| {
-            let d = t.path().join(format!("n{i}"));
-            Node::start(&["--dir", d.to_str().unwrap(), "--cap", "64M", "--log-level", "warn"])
-        })
-        .collect();
+    let nodes = Node::cluster(&t, 3, &[]);
     let two = format!("n0={},n1={}", nodes[0].addr, nodes[1].addr);
     let three = format!("{two},n2={}", nodes[2].addr);
     let c = Arc::new(client(&two, ""));
@@ -151,13 +146,8 @@ fn member_swaps_under_traffic_keep_every_answer_correct() {
 #[test]
 fn pipelined_batch_gets_fill_every_item_correctly() {
     let t = tempfile::tempdir().unwrap();
-    let nodes: Vec<Node> = (0..2)
-        .map(|i| {
-            let d = t.path().join(format!("n{i}"));
-            Node::start(&["--dir", d.to_str().unwrap(), "--cap", "64M", "--log-level", "warn"])
-        })
-        .collect();
-    let members = format!("n0={},n1={}", nodes[0].addr, nodes[1].addr);
+    let nodes = Node::cluster(&t, 2, &[]);
+    let members = Node::members(&nodes);
     let c = client(&members, "batch_concurrency=3");
     let page = |i: usize| -> Vec<u8> { (0..(1000 + i * 517) % 70_000).map(|j| ((i * 7 + j) % 253) as u8).collect() };
     let keys: Vec<String> = (0..100).map(|i| format!("pipe-{i}")).collect();
