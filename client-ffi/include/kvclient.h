@@ -11,6 +11,8 @@
  * - kv_last_error() describes the calling thread's last failure.
  * - One kv_client handle is safe to share between threads.
  * - Keys are NUL-terminated strings of 1..=1024 bytes.
+ * - Output segments (kv_getv, kv_batch_getv) must not overlap, within an item
+ *   or across a batch's items: overlapping ones are refused with KV_EINVAL.
  * - Checked against the Rust definitions by the test suite (tests/tests/c_abi.rs).
  */
 #ifndef KVCLIENT_H

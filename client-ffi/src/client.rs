@@ -35,6 +35,8 @@ pub struct Client {
     pub geo: Geometry,
     topo: RwLock<Arc<Topology>>,
     epochs: AtomicU64,
+    /// Serialises member-set swaps (read old, build, install, as one step).
+    swapping: std::sync::Mutex<()>,
     pub metrics: Metrics,
 }
 
@@ -133,6 +135,7 @@ impl Client {
             geo,
             topo: RwLock::new(Arc::new(Topology { ring: Ring::default(), nodes: vec![], epoch: 0 })),
             epochs: AtomicU64::new(0),
+            swapping: std::sync::Mutex::new(()),
             metrics: Metrics::default(),
         };
         if !members.is_empty() {
@@ -149,6 +152,7 @@ impl Client {
     /// topology they started with. Nodes whose id, address and weight are
     /// unchanged keep their connection pools and health.
     pub fn set_members(&self, members: Vec<Member>) -> u64 {
+        let _one = self.swapping.lock().unwrap_or_else(|e| e.into_inner());
         let old = self.topology();
         let nodes: Vec<Arc<Node>> = members
             .iter()
@@ -193,7 +197,10 @@ impl Client {
         let deadline = tokio::time::Instant::now() + self.opts.io_timeout;
         let mut retried = false;
         loop {
-            let r = tokio::time::timeout_at(deadline, self.attempt(node, x))
+            // Waiting for a local slot is not the peer's doing: a timeout
+            // there does not start its cool-down.
+            let slot = tokio::time::timeout_at(deadline, node.slot()).await.map_err(|_| OpError::LocalTimeout)??;
+            let r = tokio::time::timeout_at(deadline, self.attempt(node, x, slot, retried))
                 .await
                 .unwrap_or(Err((OpError::Timeout, false)));
             match r {
@@ -202,9 +209,11 @@ impl Client {
                     return Ok(out);
                 }
                 Err((e, reused)) if reused && !retried && is_stale(&e) => {
-                    // The node closed an idle pooled connection (restart,
-                    // idle reaping): one transparent retry on a new one.
+                    // The node closed a pooled connection (restart, idle
+                    // reaping): the other idle ones are as dead. One
+                    // transparent retry, on a new connection.
                     self.metrics.stale_retries.fetch_add(1, Ordering::Relaxed);
+                    node.drop_idle();
                     retried = true;
                 }
                 Err((e, _)) => return Err(self.failed(node, e)),
@@ -213,8 +222,14 @@ impl Client {
     }
 
     /// One try: (error, whether the connection came from the pool).
-    async fn attempt<X: Exchange>(&self, node: &Arc<Node>, x: &mut X) -> Result<X::Out, (OpError, bool)> {
-        let mut co = node.checkout(self.opts.connect_timeout).await.map_err(|e| (e, false))?;
+    async fn attempt<X: Exchange>(
+        &self,
+        node: &Arc<Node>,
+        x: &mut X,
+        slot: tokio::sync::OwnedSemaphorePermit,
+        fresh: bool,
+    ) -> Result<X::Out, (OpError, bool)> {
+        let mut co = node.checkout(slot, self.opts.connect_timeout, fresh).await.map_err(|e| (e, false))?;
         let reused = co.reused;
         match x.run(co.conn(), &self.geo).await {
             Ok(out) => {

@@ -8,6 +8,11 @@ pub enum OpError {
     Io(std::io::Error),
     #[error("timed out")]
     Timeout,
+    /// Timed out before any byte went to the peer (waiting for a local
+    /// connection slot, or the call's time spent on other owners): not the
+    /// peer's fault, so no cool-down.
+    #[error("timed out waiting locally")]
+    LocalTimeout,
     #[error("node unavailable")]
     Unavailable,
     #[error("protocol: {0}")]
@@ -21,8 +26,11 @@ impl OpError {
     pub fn status(&self) -> Status {
         match self {
             OpError::Io(_) | OpError::Unavailable | OpError::Protocol(_) => Status::Unavailable,
-            OpError::Timeout => Status::Timeout,
+            OpError::Timeout | OpError::LocalTimeout => Status::Timeout,
             OpError::Node(Status::BadRequest, _) => Status::Einval,
+            // A node's internal failure (or a status this client does not
+            // know) is "not served" for the caller, never a negative code.
+            OpError::Node(Status::Internal | Status::Einternal | Status::Einval, _) => Status::Unavailable,
             OpError::Node(s, _) => *s,
         }
     }

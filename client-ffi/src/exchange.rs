@@ -193,7 +193,9 @@ async fn read_get_body(
         let body = recv_small(conn, h).await?;
         return match h.status {
             Status::Miss | Status::Mismatch => done(h.status, 0),
-            s => Err(refused(s, &body)),
+            // The answer was read whole: this item alone is not served (a
+            // node's internal failure reads as unavailable, never negative).
+            s => done(refused(s, &body).status(), 0),
         };
     }
     let body_len = h.body_len as u64;

@@ -71,7 +71,22 @@ thread_local! {
 
 fn set_error(msg: impl Into<String>) {
     let s = msg.into().replace('\0', " ");
-    LAST_ERROR.with(|e| *e.borrow_mut() = CString::new(s).unwrap_or_default());
+    // try_with: during thread teardown the slot may be gone; the message is
+    // then dropped rather than panicking across the boundary.
+    let _ = LAST_ERROR.try_with(|e| *e.borrow_mut() = CString::new(s).unwrap_or_default());
+}
+
+/// Refuses output segments that overlap (within an item or across a
+/// batch): two answers landing in the same bytes would make one of them a
+/// hit over the other's data.
+fn no_overlap(views: &[&mut [u8]]) -> Result<(), c_int> {
+    let mut ranges: Vec<(usize, usize)> =
+        views.iter().filter(|v| !v.is_empty()).map(|v| (v.as_ptr() as usize, v.len())).collect();
+    ranges.sort_unstable();
+    if ranges.windows(2).any(|w| w[0].0 + w[0].1 > w[1].0) {
+        return Err(einval("output buffers overlap"));
+    }
+    Ok(())
 }
 
 fn code(s: Status) -> c_int {
@@ -397,6 +412,7 @@ pub unsafe extern "C" fn kv_getv(
             let k = unsafe { key_arg(key) }?;
             // SAFETY: the caller's contract, stated in this function's # Safety, covers this argument.
             let mut views = unsafe { write_views(iov, iovcnt) }?;
+            no_overlap(&views)?;
             let (st, n) = match cl.getv(k, &mut views) {
                 Ok(n) => (Status::Ok, n),
                 Err((s, needed)) => (s, needed),
@@ -506,7 +522,7 @@ fn write_statuses(out: *mut c_int, st: &[Status]) -> c_int {
         // SAFETY: out points to st.len() writable ints (checked non-NULL by callers).
         unsafe { *out.add(i) = code(*s) };
     }
-    st.iter().filter(|&&s| s == Status::Ok).count() as c_int
+    st.iter().filter(|&&s| s == Status::Ok).count().min(c_int::MAX as usize) as c_int
 }
 
 /// Puts `n` items; item i gathers `iovcnt[i]` consecutive iovecs.
@@ -557,6 +573,10 @@ pub unsafe extern "C" fn kv_batch_getv(
             // SAFETY: the caller's contract, stated in this function's # Safety, covers these
             // arguments; items' segments do not overlap (the header's contract).
             let mut items = unsafe { batch_items(n, keys, iov, iovcnt, out_status, write_views) }?;
+            {
+                let all: Vec<&mut [u8]> = items.iter_mut().flat_map(|(_, v)| v.iter_mut().map(|s| &mut **s)).collect();
+                no_overlap(&all)?;
+            }
             let res = cl.batch_getv(&mut items);
             let st: Vec<Status> = res.iter().map(|r| r.0).collect();
             if !out_lens.is_null() {
@@ -644,7 +664,8 @@ pub unsafe extern "C" fn kv_stats_snapshot(c: *mut kv_client, buf: *mut c_char, 
 /// thread's next call into the library).
 #[no_mangle]
 pub extern "C" fn kv_last_error() -> *const c_char {
-    LAST_ERROR.with(|e| e.borrow().as_ptr())
+    static EMPTY: &[u8] = b"\0";
+    LAST_ERROR.try_with(|e| e.borrow().as_ptr()).unwrap_or(EMPTY.as_ptr() as *const c_char)
 }
 
 /// The library version.

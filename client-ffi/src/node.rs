@@ -118,15 +118,34 @@ impl Node {
         max - self.slots.available_permits()
     }
 
-    /// A connection: an idle one if any, else a new one (hello exchanged).
-    pub async fn checkout(self: &Arc<Node>, connect_timeout: Duration) -> Result<Checkout, OpError> {
-        let slot = self.slots.clone().acquire_owned().await.map_err(|_| OpError::Unavailable)?;
-        let idle = self.idle.lock().unwrap_or_else(|e| e.into_inner()).pop();
-        if let Some(conn) = idle {
-            return Ok(Checkout { node: self.clone(), conn: Some(conn), reused: true, _slot: slot });
+    /// Waits for a connection slot (local: no network involved).
+    pub async fn slot(&self) -> Result<OwnedSemaphorePermit, OpError> {
+        self.slots.clone().acquire_owned().await.map_err(|_| OpError::Unavailable)
+    }
+
+    /// A connection for a held slot: an idle one if any (unless `fresh`),
+    /// else a new one (hello exchanged).
+    pub async fn checkout(
+        self: &Arc<Node>,
+        slot: OwnedSemaphorePermit,
+        connect_timeout: Duration,
+        fresh: bool,
+    ) -> Result<Checkout, OpError> {
+        if !fresh {
+            let idle = self.idle.lock().unwrap_or_else(|e| e.into_inner()).pop();
+            if let Some(conn) = idle {
+                return Ok(Checkout { node: self.clone(), conn: Some(conn), reused: true, _slot: slot });
+            }
         }
         let conn = tokio::time::timeout(connect_timeout, connect(self.addr)).await.map_err(|_| OpError::Timeout)??;
         Ok(Checkout { node: self.clone(), conn: Some(conn), reused: false, _slot: slot })
+    }
+
+    /// A pooled connection turned out stale (the node restarted or closed
+    /// idle connections): the other idle ones share its fate.
+    pub fn drop_idle(&self) {
+        self.idle.lock().unwrap_or_else(|e| e.into_inner()).clear();
+        self.sync_idle.lock().unwrap_or_else(|e| e.into_inner()).clear();
     }
 }
 

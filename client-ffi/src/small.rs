@@ -67,11 +67,14 @@ struct Pending {
     body: Vec<u8>,
     /// Item indices answered by this request.
     idx: Vec<usize>,
+    /// Its answer is due by then (the I/O timeout from when it was sent, so
+    /// a slow connect to another owner does not eat into this one's time).
+    deadline: Instant,
 }
 
-fn send(p: &mut Pending, deadline: Instant) -> Result<(), OpError> {
-    let left = deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(1));
-    p.conn.stream.set_write_timeout(Some(left))?;
+fn send(p: &mut Pending, io_timeout: Duration) -> Result<(), OpError> {
+    p.deadline = Instant::now() + io_timeout;
+    p.conn.stream.set_write_timeout(Some(io_timeout))?;
     p.req_id = p.conn.next_id;
     p.conn.next_id += 1;
     let flags = FLAG_CHECK_GEOMETRY;
@@ -82,8 +85,8 @@ fn send(p: &mut Pending, deadline: Instant) -> Result<(), OpError> {
     p.conn.stream.write_all(&frame).map_err(timeout_or_io)
 }
 
-fn recv(p: &mut Pending, deadline: Instant) -> Result<Vec<Status>, OpError> {
-    let left = deadline.saturating_duration_since(Instant::now());
+fn recv(p: &mut Pending) -> Result<Vec<Status>, OpError> {
+    let left = p.deadline.saturating_duration_since(Instant::now());
     if left.is_zero() {
         return Err(OpError::Timeout);
     }
@@ -119,11 +122,29 @@ fn is_stale(e: &OpError) -> bool {
 }
 
 impl Client {
-    fn sync_checkout(&self, node: &Arc<Node>) -> Result<(SyncConn, bool), OpError> {
-        if let Some(c) = node.take_sync_conn() {
-            return Ok((c, true));
+    fn sync_checkout(&self, node: &Arc<Node>, fresh: bool) -> Result<(SyncConn, bool), OpError> {
+        if !fresh {
+            if let Some(c) = node.take_sync_conn() {
+                return Ok((c, true));
+            }
         }
-        Ok((connect(node, self.opts.connect_timeout)?, false))
+        Ok((connect(node, self.opts.connect_timeout.min(self.opts.io_timeout))?, false))
+    }
+
+    /// Sends `p`'s request, once more on a fresh connection when a pooled one
+    /// turns out stale.
+    fn send_retrying(&self, p: &mut Pending) -> Result<(), OpError> {
+        match send(p, self.opts.io_timeout) {
+            Err(e) if p.reused && is_stale(&e) => {
+                self.metrics.stale_retries.fetch_add(1, Ordering::Relaxed);
+                p.node.drop_idle();
+                let (conn, _) = self.sync_checkout(&p.node, true)?;
+                p.conn = conn;
+                p.reused = false;
+                send(p, self.opts.io_timeout)
+            }
+            r => r,
+        }
     }
 
     /// Per-key exist statuses on the caller's thread (see the module docs).
@@ -131,7 +152,6 @@ impl Client {
         let topo = self.topology();
         let mut out = vec![Status::Unavailable; keys.len()];
         let groups = self.group(&topo, keys.iter().copied(), &mut out);
-        let deadline = Instant::now() + self.opts.io_timeout;
         let geo: Geometry = self.geo;
         // Write every owner's request first...
         let mut pending: Vec<Pending> = Vec::new();
@@ -143,9 +163,18 @@ impl Client {
                     let ks: Vec<&[u8]> = chunk.iter().map(|&i| keys[i]).collect();
                     (Op::BatchExist, wire::encode_batch_exist(&geo, &ks))
                 };
-                let started = self.sync_checkout(&node).and_then(|(conn, reused)| {
-                    let mut p = Pending { node: node.clone(), conn, reused, req_id: 0, op, body, idx: chunk.to_vec() };
-                    send(&mut p, deadline).map(|()| p)
+                let started = self.sync_checkout(&node, false).and_then(|(conn, reused)| {
+                    let mut p = Pending {
+                        node: node.clone(),
+                        conn,
+                        reused,
+                        req_id: 0,
+                        op,
+                        body,
+                        idx: chunk.to_vec(),
+                        deadline: Instant::now(),
+                    };
+                    self.send_retrying(&mut p).map(|()| p)
                 });
                 match started {
                     Ok(p) => pending.push(p),
@@ -158,16 +187,17 @@ impl Client {
         }
         // ...then read every answer.
         for mut p in pending {
-            let mut r = recv(&mut p, deadline);
+            let mut r = recv(&mut p);
             if let Err(e) = &r {
                 if p.reused && is_stale(e) {
                     // The pooled connection was stale: once more on a new one.
                     self.metrics.stale_retries.fetch_add(1, Ordering::Relaxed);
-                    r = connect(&p.node, self.opts.connect_timeout).and_then(|conn| {
+                    p.node.drop_idle();
+                    r = self.sync_checkout(&p.node, true).and_then(|(conn, _)| {
                         p.conn = conn;
                         p.reused = false;
-                        send(&mut p, deadline)?;
-                        recv(&mut p, deadline)
+                        send(&mut p, self.opts.io_timeout)?;
+                        recv(&mut p)
                     });
                 }
             }

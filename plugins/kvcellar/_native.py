@@ -68,6 +68,12 @@ def load(path=None):
         "kv_getv": (c.c_int, [p_client, c.c_char_p, c.POINTER(IoVec), c.c_size_t, c.POINTER(c.c_size_t)]),
         "kv_exist": (c.c_int, [p_client, c.c_char_p]),
         "kv_batch_exist": (c.c_int, [p_client, c.c_size_t, c.POINTER(c.c_char_p), c.POINTER(c.c_int)]),
+        "kv_batch_putv": (c.c_int, [p_client, c.c_size_t, c.POINTER(c.c_char_p), c.POINTER(IoVec),
+                                    c.POINTER(c.c_size_t), c.POINTER(c.c_int)]),
+        "kv_batch_getv": (c.c_int, [p_client, c.c_size_t, c.POINTER(c.c_char_p), c.POINTER(IoVec),
+                                    c.POINTER(c.c_size_t), c.POINTER(c.c_size_t), c.POINTER(c.c_int)]),
+        "kv_register_memory": (c.c_int, [p_client, c.c_void_p, c.c_size_t]),
+        "kv_start_mds_discovery": (c.c_int, [p_client, c.c_char_p, c.c_char_p, c.c_int]),
         "kv_stats_snapshot": (c.c_size_t, [p_client, c.c_char_p, c.c_size_t]),
         "kv_last_error": (c.c_char_p, []),
         "kv_version": (c.c_char_p, []),
@@ -81,22 +87,35 @@ def load(path=None):
 
 
 def _addr(buf, writable):
-    """(address, length) of a buffer-protocol object, without copying."""
+    """(address, length, keepalive) of a buffer-protocol object.
+
+    Writable buffers are passed without copying. A read-only buffer that is
+    not ``bytes`` (a memoryview slice, a read-only numpy array) is copied
+    once; the copy is returned as ``keepalive`` and must outlive the call.
+    """
     mv = memoryview(buf)
     if not mv.contiguous:
         raise ValueError("buffer must be contiguous")
     mv = mv.cast("B")
+    if mv.nbytes == 0:
+        return None, 0, mv
     if writable:
         if mv.readonly:
             raise ValueError("buffer must be writable")
         return ctypes.addressof(ctypes.c_char.from_buffer(mv)), mv.nbytes, mv
-    if mv.nbytes == 0:
-        return None, 0, mv
-    if mv.readonly:
-        # ctypes cannot take the address of read-only memory (bytes) safely
-        # through from_buffer; c_char_p shares the bytes object's storage.
-        return ctypes.cast(ctypes.c_char_p(bytes(mv) if not isinstance(buf, bytes) else buf), ctypes.c_void_p).value, mv.nbytes, buf
-    return ctypes.addressof(ctypes.c_char.from_buffer(mv)), mv.nbytes, mv
+    if not mv.readonly:
+        return ctypes.addressof(ctypes.c_char.from_buffer(mv)), mv.nbytes, mv
+    data = buf if isinstance(buf, bytes) else mv.tobytes()
+    # c_char_p over a bytes object points at its own storage (no copy); the
+    # bytes object (kept alive by the caller through `data`) owns it.
+    return ctypes.cast(ctypes.c_char_p(data), ctypes.c_void_p).value, len(data), data
+
+
+def _key(key):
+    k = key.encode() if isinstance(key, str) else bytes(key)
+    if not k or len(k) > 1024 or b"\0" in k:
+        raise ValueError("a key is 1..1024 bytes without NUL")
+    return k
 
 
 class Client:
@@ -131,22 +150,25 @@ class Client:
         return (self._lib.kv_last_error() or b"").decode(errors="replace")
 
     def put(self, key, data):
-        addr, n, _keep = _addr(data, writable=False)
-        return self._lib.kv_put(self._c, key.encode(), addr, n)
+        addr, n, keep = _addr(data, writable=False)
+        r = self._lib.kv_put(self._c, _key(key), addr, n)
+        del keep  # alive until the call returned
+        return r
 
     def get(self, key, buf):
         """Fills ``buf``; returns (status, length). On KV_TOO_SMALL the length
         is the size needed."""
-        addr, n, _keep = _addr(buf, writable=True)
+        addr, n, keep = _addr(buf, writable=True)
         out = ctypes.c_size_t(0)
-        s = self._lib.kv_get(self._c, key.encode(), addr, n, ctypes.byref(out))
+        s = self._lib.kv_get(self._c, _key(key), addr, n, ctypes.byref(out))
+        del keep
         return s, out.value
 
     def exist(self, key):
-        return self._lib.kv_exist(self._c, key.encode())
+        return self._lib.kv_exist(self._c, _key(key))
 
     def batch_exist(self, keys):
-        arr = (ctypes.c_char_p * len(keys))(*[k.encode() for k in keys])
+        arr = (ctypes.c_char_p * len(keys))(*[_key(k) for k in keys])
         st = (ctypes.c_int * len(keys))()
         r = self._lib.kv_batch_exist(self._c, len(keys), arr, st)
         if r < 0:

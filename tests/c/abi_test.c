@@ -54,10 +54,16 @@ static int phase_put(const char *members, const char *dead) {
   unsigned char *src = malloc(n), *dst = malloc(n);
   fill(src, n, 1);
   CHECK(kv_put(c, "page-1", src, n) == KV_OK, "put");
-  CHECK(kv_put(c, "page-1", src, n) == KV_OK, "second put of a key is ok (write-once)");
+  {
+    unsigned char *other = malloc(n);
+    fill(other, n, 9);
+    CHECK(kv_put(c, "page-1", other, n) == KV_OK, "second put of a key is ok (write-once)");
+    free(other);
+  }
   size_t got = 0;
   memset(dst, 0, n);
-  CHECK(kv_get(c, "page-1", dst, n, &got) == KV_OK && got == n && memcmp(src, dst, n) == 0, "get round trip");
+  CHECK(kv_get(c, "page-1", dst, n, &got) == KV_OK && got == n && memcmp(src, dst, n) == 0,
+        "get round trip: the first write's bytes");
   CHECK(kv_exist(c, "page-1") == KV_OK, "exist");
   CHECK(kv_exist(c, "never-stored") == KV_MISS, "exist miss");
   CHECK(kv_get(c, "never-stored", dst, n, &got) == KV_MISS, "get miss");
@@ -124,7 +130,12 @@ static int phase_put(const char *members, const char *dead) {
   CHECK(gok == ok && same, "batch get matches the batch put (%d ok)", gok);
   int est[N];
   int eok = kv_batch_exist(cb, N, keys, est);
-  CHECK(eok == ok, "batch exist: %d ok", eok);
+  int same_st = 1;
+  for (int i = 0; i < N; i++) same_st &= est[i] == st[i];
+  CHECK(eok == ok && same_st, "batch exist: %d ok, each status as the batch put's", eok);
+  /* Overlapping output buffers are refused before any I/O. */
+  kv_iovec ov[2] = {{bufs[0], 256}, {bufs[0] + 100, 256}};
+  CHECK(kv_getv(cb, keys[0], ov, 2, lens) == KV_EINVAL && strstr(kv_last_error(), "overlap"), "overlapping iovecs refused");
   kv_close(cb);
 
   /* No member at all: unavailable, not a crash. */

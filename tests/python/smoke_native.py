@@ -37,11 +37,23 @@ def main():
         check(c.batch_exist(["py-page", "py-absent"]) == [kv.KV_OK, kv.KV_MISS], "batch exist")
         check("kvclient_ops_total" in c.stats(), "stats snapshot")
         check(c.epoch() == 1, "epoch")
+        # A read-only view that is not bytes (copied once, kept alive).
+        view = memoryview(page)[1000:5096]
+        check(c.put("py-view", view) == kv.KV_OK, "put a memoryview slice")
+        got = bytearray(4096)
+        check(c.get("py-view", got) == (kv.KV_OK, 4096) and got == page[1000:5096], "the slice's bytes, exactly")
+        check(c.get("py-view", bytearray()) == (kv.KV_TOO_SMALL, 4096), "empty buffer: a size probe")
+        try:
+            c.put("a\0b", b"x")
+            check(False, "a key with NUL refused")
+        except ValueError:
+            check(True, "a key with NUL refused")
         # An MLA page is served to every TP rank.
         other_rank = dict(geo, tp_rank=3)
         with kv.Client(members, other_rank, lib_path=lib) as c2:
-            s, n = c2.get("py-page", buf)
-            check(s == kv.KV_OK and n == len(page), "MLA page served to another tp_rank")
+            buf2 = bytearray(4 << 20)
+            s, n = c2.get("py-page", buf2)
+            check(s == kv.KV_OK and n == len(page) and buf2[:n] == page, "MLA page served to another tp_rank")
         with kv.Client(members, dict(geo, model_hash=1), lib_path=lib) as c3:
             check(c3.get("py-page", buf)[0] == kv.KV_MISMATCH, "another model: mismatch")
     try:
