@@ -43,11 +43,9 @@ pub struct Client {
 /// One request exchange on a connection, re-runnable for a retry.
 trait Exchange {
     type Out;
+    /// Runs on `conn`; on Ok the whole answer was read, so the connection
+    /// is between frames and goes back to the pool.
     fn run<'a>(&'a mut self, conn: &'a mut AsyncConn, geo: &'a Geometry) -> BoxFuture<'a, Result<Self::Out, OpError>>;
-    /// Whether the connection may be reused after this output.
-    fn reusable(_out: &Self::Out) -> bool {
-        true
-    }
 }
 
 struct PutX<'b> {
@@ -72,9 +70,6 @@ impl Exchange for GetX<'_, '_> {
     type Out = GetReply;
     fn run<'a>(&'a mut self, conn: &'a mut AsyncConn, geo: &'a Geometry) -> BoxFuture<'a, Result<GetReply, OpError>> {
         Box::pin(exchange::get(conn, geo, self.key, self.bufs))
-    }
-    fn reusable(out: &GetReply) -> bool {
-        out.conn_ok
     }
 }
 
@@ -233,9 +228,7 @@ impl Client {
         let reused = co.reused;
         match x.run(co.conn(), &self.geo).await {
             Ok(out) => {
-                if X::reusable(&out) {
-                    co.release();
-                }
+                co.release();
                 Ok(out)
             }
             Err(e) => Err((e, reused)),

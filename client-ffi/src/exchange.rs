@@ -22,9 +22,6 @@ pub struct GetReply {
     pub status: Status,
     /// Payload bytes written (Ok), or the size needed (TooSmall).
     pub len: usize,
-    /// False when the rest of the frame was not read: close the connection.
-    /// (Every path reads or drains the whole answer today, so it is true.)
-    pub conn_ok: bool,
 }
 
 async fn write_all_vectored(conn: &mut AsyncConn, parts: &[&[u8]]) -> Result<(), OpError> {
@@ -188,7 +185,7 @@ async fn read_get_body(
     bufs: &mut [&mut [u8]],
     h: &RspHeader,
 ) -> Result<GetReply, OpError> {
-    let done = |status, len| Ok(GetReply { status, len, conn_ok: true });
+    let done = |status, len| Ok(GetReply { status, len });
     if h.status != Status::Ok {
         let body = recv_small(conn, h).await?;
         return match h.status {
