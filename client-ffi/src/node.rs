@@ -29,6 +29,10 @@ pub struct Node {
     idle: Mutex<Vec<AsyncConn>>,
     /// Blocking connections for small requests driven on the caller's thread.
     sync_idle: Mutex<Vec<crate::small::SyncConn>>,
+    /// Blocking connections in use, capped like the async ones.
+    sync_in_use: Mutex<usize>,
+    sync_freed: std::sync::Condvar,
+    max_conns: usize,
     slots: Arc<Semaphore>,
     /// Nanoseconds since `epoch` until which the node is avoided (0: healthy).
     cool_until: AtomicU64,
@@ -61,6 +65,19 @@ impl Checkout {
     }
 }
 
+/// A blocking-connection slot; freed on drop.
+pub struct SyncSlot {
+    node: Arc<Node>,
+}
+
+impl Drop for SyncSlot {
+    fn drop(&mut self) {
+        let mut n = self.node.sync_in_use.lock().unwrap_or_else(|e| e.into_inner());
+        *n -= 1;
+        self.node.sync_freed.notify_one();
+    }
+}
+
 impl Node {
     pub fn new(id: String, addr: SocketAddr, weight: u32, max_conns: usize) -> Node {
         Node {
@@ -69,6 +86,9 @@ impl Node {
             weight,
             idle: Mutex::new(Vec::new()),
             sync_idle: Mutex::new(Vec::new()),
+            sync_in_use: Mutex::new(0),
+            sync_freed: std::sync::Condvar::new(),
+            max_conns,
             slots: Arc::new(Semaphore::new(max_conns)),
             cool_until: AtomicU64::new(0),
             epoch: Instant::now(),
@@ -96,6 +116,22 @@ impl Node {
         if self.cool_until.load(Ordering::Relaxed) != 0 {
             self.cool_until.store(0, Ordering::Relaxed);
         }
+    }
+
+    /// Takes one of the node's blocking-connection slots, waiting up to
+    /// `wait` for one to free (None then: a local timeout).
+    pub fn sync_slot(self: &Arc<Node>, wait: Duration) -> Option<SyncSlot> {
+        let deadline = std::time::Instant::now() + wait;
+        let mut n = self.sync_in_use.lock().unwrap_or_else(|e| e.into_inner());
+        while *n >= self.max_conns {
+            let left = deadline.saturating_duration_since(std::time::Instant::now());
+            if left.is_zero() {
+                return None;
+            }
+            n = self.sync_freed.wait_timeout(n, left).unwrap_or_else(|e| e.into_inner()).0;
+        }
+        *n += 1;
+        Some(SyncSlot { node: self.clone() })
     }
 
     pub fn take_sync_conn(&self) -> Option<crate::small::SyncConn> {

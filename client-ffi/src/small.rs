@@ -59,6 +59,8 @@ fn timeout_or_io(e: std::io::Error) -> OpError {
 
 /// One request in flight on one connection.
 struct Pending {
+    /// Holds one of the node's blocking-connection slots until dropped.
+    _slot: crate::node::SyncSlot,
     node: Arc<Node>,
     conn: SyncConn,
     reused: bool,
@@ -163,8 +165,14 @@ impl Client {
                     let ks: Vec<&[u8]> = chunk.iter().map(|&i| keys[i]).collect();
                     (Op::BatchExist, wire::encode_batch_exist(&geo, &ks))
                 };
+                let Some(slot) = node.sync_slot(self.opts.io_timeout) else {
+                    // Every slot busy for the whole I/O timeout: local, not the node's fault.
+                    chunk.iter().for_each(|&i| out[i] = Status::Timeout);
+                    continue;
+                };
                 let started = self.sync_checkout(&node, false).and_then(|(conn, reused)| {
                     let mut p = Pending {
+                        _slot: slot,
                         node: node.clone(),
                         conn,
                         reused,

@@ -280,3 +280,43 @@ fn a_node_serving_wrong_pages_is_caught_and_the_pipeline_stays_in_step() {
     assert_eq!(accepted.load(Ordering::Relaxed), 1);
     assert!(c.stats_text().contains("kvclient_ops_total{op=\"get\",status=\"corrupt\"} 2"));
 }
+
+#[test]
+fn small_requests_respect_the_per_node_connection_cap() {
+    let t = tempfile::tempdir().unwrap();
+    let nodes = Node::cluster(&t, 1, &[]);
+    let c = Arc::new(client(&Node::members(&nodes), "max_conns_per_node=1"));
+    assert_eq!(c.putv(b"k", &[b"v"]), Status::Ok);
+    // Sample the node's open connections while 4 threads hammer it.
+    let stop = Arc::new(AtomicBool::new(false));
+    let monitor = {
+        let (addr, stop) = (nodes[0].addr.clone(), stop.clone());
+        std::thread::spawn(move || {
+            let mut conn = kvclient::Conn::connect(&addr, Duration::from_secs(5)).unwrap();
+            let mut max = 0;
+            while !stop.load(Ordering::Relaxed) {
+                max = max.max(conn.stats().unwrap().connections);
+            }
+            max
+        })
+    };
+    let workers: Vec<_> = (0..4)
+        .map(|_| {
+            let c = c.clone();
+            std::thread::spawn(move || {
+                for _ in 0..300 {
+                    assert_eq!(c.exist(b"k"), Status::Ok);
+                    assert_eq!(c.batch_exist(&[b"k", b"absent"]), [Status::Ok, Status::Miss]);
+                }
+            })
+        })
+        .collect();
+    for w in workers {
+        w.join().unwrap();
+    }
+    stop.store(true, Ordering::Relaxed);
+    let max = monitor.join().unwrap();
+    // The monitor's own, the put's pooled async one, and at most one blocking
+    // one in use (4 threads would open 4 without the cap).
+    assert!(max <= 3, "{max} connections open at once");
+}
