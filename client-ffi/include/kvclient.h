@@ -8,7 +8,8 @@
  * - Every pointer argument is checked: NULL where a value is required is
  *   KV_EINVAL, never a crash. Output pointers documented as optional may be NULL.
  * - Panics never cross this boundary: they become KV_EINTERNAL.
- * - kv_last_error() describes the calling thread's last failure.
+ * - kv_last_error() describes the calling thread's last failure, for positive
+ *   codes too (which node, and what it or the network said).
  * - One kv_client handle is safe to share between threads.
  * - Keys are NUL-terminated strings of 1..=1024 bytes.
  * - Output segments (kv_getv, kv_batch_getv) must not overlap, within an item

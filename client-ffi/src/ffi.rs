@@ -113,6 +113,12 @@ fn guard<T>(fallback: T, f: impl FnOnce() -> T) -> T {
     }
 }
 
+/// The body of an export returning a status: panics caught, `Err(code)`
+/// returned as it is.
+fn entry(f: impl FnOnce() -> Result<c_int, c_int>) -> c_int {
+    guard(KV_EINTERNAL, || f().unwrap_or_else(|e| e))
+}
+
 fn einval(msg: impl Into<String>) -> c_int {
     set_error(msg);
     KV_EINVAL
@@ -209,8 +215,12 @@ unsafe fn write_views<'a>(iov: *const kv_iovec, n: usize) -> Result<Vec<&'a mut 
 }
 
 fn done(s: Status) -> c_int {
+    let why = crate::client::take_last_failure();
     if s != Status::Ok {
-        set_error(format!("not served: {}", s.name()));
+        set_error(match why {
+            Some(w) => format!("not served: {}: {w}", s.name()),
+            None => format!("not served: {}", s.name()),
+        });
     }
     code(s)
 }
@@ -227,7 +237,6 @@ pub unsafe extern "C" fn kv_open(
     options: *const c_char,
 ) -> *mut kv_client {
     guard(std::ptr::null_mut(), || {
-        // SAFETY: forwarded caller contract.
         let open = || -> Result<*mut kv_client, c_int> {
             // SAFETY: the caller's contract, stated in this function's # Safety, covers this argument.
             let members = unsafe { text(members, "members") }?;
@@ -281,16 +290,13 @@ pub unsafe extern "C" fn kv_close(c: *mut kv_client) {
 /// `c` a live handle; `members` a NUL-terminated string.
 #[no_mangle]
 pub unsafe extern "C" fn kv_set_members(c: *mut kv_client, members: *const c_char) -> c_int {
-    guard(KV_EINTERNAL, || {
-        let r = || -> Result<c_int, c_int> {
-            // SAFETY: forwarded caller contract.
-            let cl = unsafe { client(c) }?;
-            // SAFETY: the caller's contract, stated in this function's # Safety, covers this argument.
-            let m = parse_members(unsafe { text(members, "members") }?).map_err(einval)?;
-            cl.set_members(m);
-            Ok(KV_OK)
-        };
-        r().unwrap_or_else(|e| e)
+    entry(|| {
+        // SAFETY: forwarded caller contract.
+        let cl = unsafe { client(c) }?;
+        // SAFETY: the caller's contract, stated in this function's # Safety, covers this argument.
+        let m = parse_members(unsafe { text(members, "members") }?).map_err(einval)?;
+        cl.set_members(m);
+        Ok(KV_OK)
     })
 }
 
@@ -305,20 +311,17 @@ pub unsafe extern "C" fn kv_start_mds_discovery(
     group: *const c_char,
     poll_ms: c_int,
 ) -> c_int {
-    guard(KV_EINTERNAL, || {
-        let r = || -> Result<c_int, c_int> {
-            // SAFETY: forwarded caller contract.
-            unsafe { client(c) }?;
-            // SAFETY: the caller's contract, stated in this function's # Safety, covers this argument.
-            unsafe { text(mds_endpoints_csv, "mds_endpoints_csv") }?;
-            // SAFETY: the caller's contract, stated in this function's # Safety, covers this argument.
-            unsafe { text(group, "group") }?;
-            if poll_ms <= 0 {
-                return Err(einval("poll_ms must be positive"));
-            }
-            Err(einval("MDS discovery is not available in this build yet: use static members"))
-        };
-        r().unwrap_or_else(|e| e)
+    entry(|| {
+        // SAFETY: forwarded caller contract.
+        unsafe { client(c) }?;
+        // SAFETY: the caller's contract, stated in this function's # Safety, covers this argument.
+        unsafe { text(mds_endpoints_csv, "mds_endpoints_csv") }?;
+        // SAFETY: the caller's contract, stated in this function's # Safety, covers this argument.
+        unsafe { text(group, "group") }?;
+        if poll_ms <= 0 {
+            return Err(einval("poll_ms must be positive"));
+        }
+        Err(einval("MDS discovery is not available in this build yet: use static members"))
     })
 }
 
@@ -352,17 +355,14 @@ pub unsafe extern "C" fn kv_put(c: *mut kv_client, key: *const c_char, buf: *con
 /// `c` a live handle; `key` NUL-terminated; `iov` as `read_views`.
 #[no_mangle]
 pub unsafe extern "C" fn kv_putv(c: *mut kv_client, key: *const c_char, iov: *const kv_iovec, iovcnt: usize) -> c_int {
-    guard(KV_EINTERNAL, || {
-        let r = || -> Result<c_int, c_int> {
-            // SAFETY: forwarded caller contract.
-            let cl = unsafe { client(c) }?;
-            // SAFETY: the caller's contract, stated in this function's # Safety, covers this argument.
-            let k = unsafe { key_arg(key) }?;
-            // SAFETY: the caller's contract, stated in this function's # Safety, covers this argument.
-            let views = unsafe { read_views(iov, iovcnt) }?;
-            Ok(done(cl.putv(k, &views)))
-        };
-        r().unwrap_or_else(|e| e)
+    entry(|| {
+        // SAFETY: forwarded caller contract.
+        let cl = unsafe { client(c) }?;
+        // SAFETY: the caller's contract, stated in this function's # Safety, covers this argument.
+        let k = unsafe { key_arg(key) }?;
+        // SAFETY: the caller's contract, stated in this function's # Safety, covers this argument.
+        let views = unsafe { read_views(iov, iovcnt) }?;
+        Ok(done(cl.putv(k, &views)))
     })
 }
 
@@ -404,26 +404,23 @@ pub unsafe extern "C" fn kv_getv(
     iovcnt: usize,
     out_len: *mut usize,
 ) -> c_int {
-    guard(KV_EINTERNAL, || {
-        let r = || -> Result<c_int, c_int> {
-            // SAFETY: forwarded caller contract.
-            let cl = unsafe { client(c) }?;
-            // SAFETY: the caller's contract, stated in this function's # Safety, covers this argument.
-            let k = unsafe { key_arg(key) }?;
-            // SAFETY: the caller's contract, stated in this function's # Safety, covers this argument.
-            let mut views = unsafe { write_views(iov, iovcnt) }?;
-            no_overlap(&views)?;
-            let (st, n) = match cl.getv(k, &mut views) {
-                Ok(n) => (Status::Ok, n),
-                Err((s, needed)) => (s, needed),
-            };
-            if !out_len.is_null() {
-                // SAFETY: non-NULL and writable (caller's contract).
-                unsafe { *out_len = if st == Status::Ok || st == Status::TooSmall { n } else { 0 } };
-            }
-            Ok(done(st))
+    entry(|| {
+        // SAFETY: forwarded caller contract.
+        let cl = unsafe { client(c) }?;
+        // SAFETY: the caller's contract, stated in this function's # Safety, covers this argument.
+        let k = unsafe { key_arg(key) }?;
+        // SAFETY: the caller's contract, stated in this function's # Safety, covers this argument.
+        let mut views = unsafe { write_views(iov, iovcnt) }?;
+        no_overlap(&views)?;
+        let (st, n) = match cl.getv(k, &mut views) {
+            Ok(n) => (Status::Ok, n),
+            Err((s, needed)) => (s, needed),
         };
-        r().unwrap_or_else(|e| e)
+        if !out_len.is_null() {
+            // SAFETY: non-NULL and writable (caller's contract).
+            unsafe { *out_len = if st == Status::Ok || st == Status::TooSmall { n } else { 0 } };
+        }
+        Ok(done(st))
     })
 }
 
@@ -433,15 +430,12 @@ pub unsafe extern "C" fn kv_getv(
 /// `c` a live handle; `key` NUL-terminated.
 #[no_mangle]
 pub unsafe extern "C" fn kv_exist(c: *mut kv_client, key: *const c_char) -> c_int {
-    guard(KV_EINTERNAL, || {
-        let r = || -> Result<c_int, c_int> {
-            // SAFETY: forwarded caller contract.
-            let cl = unsafe { client(c) }?;
-            // SAFETY: the caller's contract, stated in this function's # Safety, covers this argument.
-            let k = unsafe { key_arg(key) }?;
-            Ok(done(cl.exist(k)))
-        };
-        r().unwrap_or_else(|e| e)
+    entry(|| {
+        // SAFETY: forwarded caller contract.
+        let cl = unsafe { client(c) }?;
+        // SAFETY: the caller's contract, stated in this function's # Safety, covers this argument.
+        let k = unsafe { key_arg(key) }?;
+        Ok(done(cl.exist(k)))
     })
 }
 
@@ -518,6 +512,15 @@ unsafe fn batch_items<'a, V>(
 }
 
 fn write_statuses(out: *mut c_int, st: &[Status]) -> c_int {
+    let why = crate::client::take_last_failure();
+    let failed = st.iter().filter(|&&s| s != Status::Ok && s != Status::Miss).count();
+    if failed > 0 {
+        set_error(format!(
+            "{failed} of {} items not served{}",
+            st.len(),
+            why.map(|w| format!("; last: {w}")).unwrap_or_default()
+        ));
+    }
     for (i, s) in st.iter().enumerate() {
         // SAFETY: out points to st.len() writable ints (checked non-NULL by callers).
         unsafe { *out.add(i) = code(*s) };
@@ -538,16 +541,13 @@ pub unsafe extern "C" fn kv_batch_putv(
     iovcnt: *const usize,
     out_status: *mut c_int,
 ) -> c_int {
-    guard(KV_EINTERNAL, || {
-        let r = || -> Result<c_int, c_int> {
-            // SAFETY: forwarded caller contract.
-            let cl = unsafe { client(c) }?;
-            // SAFETY: the caller's contract, stated in this function's # Safety, covers these arguments.
-            let items = unsafe { batch_items(n, keys, iov, iovcnt, out_status, read_views) }?;
-            let st = cl.batch_putv(&items);
-            Ok(write_statuses(out_status, &st))
-        };
-        r().unwrap_or_else(|e| e)
+    entry(|| {
+        // SAFETY: forwarded caller contract.
+        let cl = unsafe { client(c) }?;
+        // SAFETY: the caller's contract, stated in this function's # Safety, covers these arguments.
+        let items = unsafe { batch_items(n, keys, iov, iovcnt, out_status, read_views) }?;
+        let st = cl.batch_putv(&items);
+        Ok(write_statuses(out_status, &st))
     })
 }
 
@@ -566,29 +566,26 @@ pub unsafe extern "C" fn kv_batch_getv(
     out_lens: *mut usize,
     out_status: *mut c_int,
 ) -> c_int {
-    guard(KV_EINTERNAL, || {
-        let r = || -> Result<c_int, c_int> {
-            // SAFETY: forwarded caller contract.
-            let cl = unsafe { client(c) }?;
-            // SAFETY: the caller's contract, stated in this function's # Safety, covers these
-            // arguments; items' segments do not overlap (the header's contract).
-            let mut items = unsafe { batch_items(n, keys, iov, iovcnt, out_status, write_views) }?;
-            {
-                let all: Vec<&mut [u8]> = items.iter_mut().flat_map(|(_, v)| v.iter_mut().map(|s| &mut **s)).collect();
-                no_overlap(&all)?;
+    entry(|| {
+        // SAFETY: forwarded caller contract.
+        let cl = unsafe { client(c) }?;
+        // SAFETY: the caller's contract, stated in this function's # Safety, covers these
+        // arguments; items' segments do not overlap (the header's contract).
+        let mut items = unsafe { batch_items(n, keys, iov, iovcnt, out_status, write_views) }?;
+        {
+            let all: Vec<&mut [u8]> = items.iter_mut().flat_map(|(_, v)| v.iter_mut().map(|s| &mut **s)).collect();
+            no_overlap(&all)?;
+        }
+        let res = cl.batch_getv(&mut items);
+        let st: Vec<Status> = res.iter().map(|r| r.0).collect();
+        if !out_lens.is_null() {
+            for (i, (s, len)) in res.iter().enumerate() {
+                let v = if *s == Status::Ok || *s == Status::TooSmall { *len } else { 0 };
+                // SAFETY: out_lens writable for n sizes (caller's contract).
+                unsafe { *out_lens.add(i) = v };
             }
-            let res = cl.batch_getv(&mut items);
-            let st: Vec<Status> = res.iter().map(|r| r.0).collect();
-            if !out_lens.is_null() {
-                for (i, (s, len)) in res.iter().enumerate() {
-                    let v = if *s == Status::Ok || *s == Status::TooSmall { *len } else { 0 };
-                    // SAFETY: out_lens writable for n sizes (caller's contract).
-                    unsafe { *out_lens.add(i) = v };
-                }
-            }
-            Ok(write_statuses(out_status, &st))
-        };
-        r().unwrap_or_else(|e| e)
+        }
+        Ok(write_statuses(out_status, &st))
     })
 }
 
@@ -603,19 +600,16 @@ pub unsafe extern "C" fn kv_batch_exist(
     keys: *const *const c_char,
     out_status: *mut c_int,
 ) -> c_int {
-    guard(KV_EINTERNAL, || {
-        let r = || -> Result<c_int, c_int> {
-            // SAFETY: forwarded caller contract.
-            let cl = unsafe { client(c) }?;
-            if n > 0 && out_status.is_null() {
-                return Err(einval("out_status is NULL"));
-            }
-            // SAFETY: the caller's contract, stated in this function's # Safety, covers this argument.
-            let ks = unsafe { batch_keys(keys, n) }?;
-            let st = cl.batch_exist(&ks);
-            Ok(write_statuses(out_status, &st))
-        };
-        r().unwrap_or_else(|e| e)
+    entry(|| {
+        // SAFETY: forwarded caller contract.
+        let cl = unsafe { client(c) }?;
+        if n > 0 && out_status.is_null() {
+            return Err(einval("out_status is NULL"));
+        }
+        // SAFETY: the caller's contract, stated in this function's # Safety, covers this argument.
+        let ks = unsafe { batch_keys(keys, n) }?;
+        let st = cl.batch_exist(&ks);
+        Ok(write_statuses(out_status, &st))
     })
 }
 

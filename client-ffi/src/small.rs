@@ -166,6 +166,10 @@ impl Client {
                     (Op::BatchExist, wire::encode_batch_exist(&geo, &ks))
                 };
                 let Some(slot) = node.sync_slot(self.opts.io_timeout) else {
+                    crate::client::note_local(format!(
+                        "node {}: all {} connections busy for the whole I/O timeout",
+                        node.id, self.opts.max_conns_per_node
+                    ));
                     // Every slot busy for the whole I/O timeout: local, not the node's fault.
                     chunk.iter().for_each(|&i| out[i] = Status::Timeout);
                     continue;

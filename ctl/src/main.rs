@@ -105,16 +105,6 @@ fn connect(cli: &Cli, addr: &str) -> Result<Conn, String> {
     Conn::connect(addr, Duration::from_millis(cli.timeout_ms)).map_err(|e| e.to_string())
 }
 
-fn last_reason(c: &kvclient::BlockingClient) -> String {
-    let text = c.stats_text();
-    let failures = text.lines().filter(|l| l.starts_with("kvclient_peer_up") && l.ends_with(" 0")).count();
-    if failures > 0 {
-        format!("{failures} node(s) unreachable")
-    } else {
-        "see the node's log".into()
-    }
-}
-
 fn status_exit(cli: &Cli, key: &str, st: Status) -> u8 {
     if cli.json {
         println!("{}", serde_json::json!({"key": key, "status": st.name()}));
@@ -144,7 +134,8 @@ fn run(cli: &Cli) -> Result<u8, String> {
             let c = target.client(geo.geometry())?;
             let st = c.putv(key.as_bytes(), &[&data]);
             if st != Status::Ok {
-                eprintln!("kvctl: put not done ({}): {}", st.name(), last_reason(&c));
+                let why = kvclient::client::take_last_failure().unwrap_or_else(|| "no further detail".into());
+                eprintln!("kvctl: put not done ({}): {why}", st.name());
             }
             if cli.json {
                 println!("{}", serde_json::json!({"key": key, "status": st.name(), "bytes": data.len()}));
@@ -173,10 +164,11 @@ fn run(cli: &Cli) -> Result<u8, String> {
                     Ok(0)
                 }
                 Err((st, _)) => {
+                    let why = kvclient::client::take_last_failure();
                     if cli.json {
-                        println!("{}", serde_json::json!({"key": key, "status": st.name()}));
+                        println!("{}", serde_json::json!({"key": key, "status": st.name(), "reason": why}));
                     } else {
-                        eprintln!("{}", st.name());
+                        eprintln!("{}{}", st.name(), why.map(|w| format!(": {w}")).unwrap_or_default());
                     }
                     Ok(1)
                 }

@@ -114,6 +114,8 @@ static int phase_put(const char *members, const char *dead) {
   int dead_items = 0;
   for (int i = 0; i < N; i++) dead_items += st[i] == KV_UNAVAILABLE;
   CHECK(ok > 0 && dead_items > 0 && ok + dead_items == N, "batch put: %d ok, %d on the dead node", ok, dead_items);
+  CHECK(strstr(kv_last_error(), "items not served") && strstr(kv_last_error(), "dead"),
+        "the last error names the dead node: %s", kv_last_error());
   for (int i = 0; i < N; i++) memset(bufs[i], 0, sizeof bufs[i]);
   int gst[N];
   int gok = kv_batch_getv(cb, N, keys, iov, cnt, lens, gst);
@@ -140,7 +142,8 @@ static int phase_put(const char *members, const char *dead) {
 
   /* No member at all: unavailable, not a crash. */
   kv_client *none = kv_open("", &g, NULL);
-  CHECK(none != NULL && kv_put(none, "k", src, 10) == KV_UNAVAILABLE, "no node -> KV_UNAVAILABLE");
+  CHECK(none != NULL && kv_put(none, "k", src, 10) == KV_UNAVAILABLE && strstr(kv_last_error(), "no members"),
+        "no node -> KV_UNAVAILABLE: %s", kv_last_error());
   kv_close(none);
 
   /* NULL and bad arguments. */

@@ -255,6 +255,9 @@ fn kvctl_round_trip_and_exit_codes() {
     let (code, out, _) = run("kvctl", &["stat", a, "--json"]);
     assert_eq!(code, 0);
     assert!(out.contains("\"objects\": 1"), "{out}");
+    let (code, _, err) = run("kvctl", &["get", "--node", "127.0.0.1:1", "greeting"]);
+    assert_eq!(code, 1, "not served is a miss-like exit");
+    assert!(err.contains("unavailable: node n1 (127.0.0.1:1)"), "the reason names the node: {err}");
     let (code, _, err) = run("kvctl", &["stat", "127.0.0.1:1"]);
     assert_eq!(code, 2);
     assert!(err.contains("cannot connect"), "{err}");
