@@ -235,7 +235,7 @@ pub fn run(a: &BenchArgs, json: bool) -> Result<u8, String> {
         return Err("--threads, --batch and --keys must be at least 1".into());
     }
     let client = a.target.client(a.geo.geometry())?;
-    let run_id = format!("{}-{}-{}", a.prefix, std::process::id(), Instant::now().elapsed().as_nanos() ^ now_nanos());
+    let run_id = format!("{}-{}-{}", a.prefix, std::process::id(), now_nanos());
     let key = |i: u64| format!("{run_id}-{i}");
     let duration = a.duration.map(Duration::from_secs_f64);
     let page: Vec<u8> = (0..size).map(|i| (i * 131 % 251) as u8).collect();
