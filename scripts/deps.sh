@@ -32,4 +32,8 @@ need_deb gcc cc
 need_deb python3 python3
 need_deb binutils nm
 # The C ABI test runs under valgrind (it runs without, with a note, if this fails).
+# etcd is the membership store: kv-mds talks to it; tests and the quickstart
+# start their own etcd on free loopback ports. protoc builds etcd's gRPC client.
+need_deb etcd-server etcd
+need_deb protobuf-compiler protoc
 (need_deb valgrind valgrind) || echo "deps: valgrind unavailable: the C ABI test runs without it" >&2

@@ -57,9 +57,13 @@ kv_client *kv_open(const char *members, const kv_geometry *geo, const char *opti
 void kv_close(kv_client *c); /* NULL is a no-op */
 /* Replaces the member set; safe while other threads issue requests. */
 int kv_set_members(kv_client *c, const char *members);
-/* Membership through kv-mds (not available in this build yet: KV_EINVAL). */
+/* Membership through kv-mds: long-polls group's view (each poll waits up to
+   poll_ms) on "host:port,..." with failover, rebuilding the ring when the
+   epoch changes. KV_OK once the first view is applied; KV_UNAVAILABLE if no
+   MDS answered yet (discovery keeps trying in the background). Calling it
+   again replaces the previous discovery. */
 int kv_start_mds_discovery(kv_client *c, const char *mds_endpoints_csv, const char *group, int poll_ms);
-uint64_t kv_epoch(const kv_client *c); /* ring epoch in use; 0 for NULL */
+uint64_t kv_epoch(const kv_client *c); /* ring epoch in use (the MDS epoch under discovery); 0 for NULL */
 
 /* Write-once: a put of a key already stored succeeds without rewriting it. */
 int kv_put(kv_client *c, const char *key, const void *buf, size_t len);

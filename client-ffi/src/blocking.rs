@@ -12,6 +12,8 @@ use crate::members::Member;
 use crate::options::Options;
 
 pub struct BlockingClient {
+    /// Dropped (stopped) before the runtime and the core.
+    discovery: std::sync::Mutex<Option<crate::discovery::Discovery>>,
     rt: tokio::runtime::Runtime,
     pub core: Arc<Client>,
 }
@@ -23,7 +25,29 @@ impl BlockingClient {
             .thread_name("kvclient-io")
             .enable_all()
             .build()?;
-        Ok(BlockingClient { rt, core: Arc::new(Client::new(members, geo, opts)) })
+        Ok(BlockingClient {
+            discovery: std::sync::Mutex::new(None),
+            rt,
+            core: Arc::new(Client::new(members, geo, opts)),
+        })
+    }
+
+    /// Starts (or restarts) MDS discovery; see `kv_start_mds_discovery`.
+    /// `Ok(Ok(epoch))`: the first view is applied; `Ok(Err(why))`: no MDS
+    /// answered yet, discovery keeps trying in the background.
+    pub fn start_discovery(
+        &self,
+        endpoints: Vec<String>,
+        group: String,
+        poll: std::time::Duration,
+    ) -> std::io::Result<Result<u64, String>> {
+        let mut slot = self.discovery.lock().unwrap_or_else(|e| e.into_inner());
+        // Stop the previous discovery before the new one applies views.
+        drop(slot.take());
+        let first_wait = self.core.opts.connect_timeout * 2 + std::time::Duration::from_secs(1);
+        let (d, first) = crate::discovery::start(self.core.clone(), endpoints, group, poll, first_wait)?;
+        *slot = Some(d);
+        Ok(first)
     }
 
     pub fn set_members(&self, members: Vec<Member>) -> u64 {
@@ -64,6 +88,14 @@ impl BlockingClient {
         use std::fmt::Write as _;
         let _ = writeln!(out, "# HELP kvclient_ring_epoch Epoch of the ring in use.\n# TYPE kvclient_ring_epoch gauge");
         let _ = writeln!(out, "kvclient_ring_epoch {}", topo.epoch);
+        if let Some(e) = self.core.discovery_error() {
+            let e = e.replace('\\', "\\\\").replace('"', "\\\"").replace('\n', " ");
+            let _ = writeln!(
+                out,
+                "# HELP kvclient_mds_last_error_info The last discovery failure.\n# TYPE kvclient_mds_last_error_info gauge"
+            );
+            let _ = writeln!(out, "kvclient_mds_last_error_info{{error=\"{e}\"}} 1");
+        }
         let _ =
             writeln!(out, "# HELP kvclient_peer_up 0 while a peer is in its cool-down.\n# TYPE kvclient_peer_up gauge");
         for n in &topo.nodes {

@@ -58,6 +58,7 @@ pub struct Client {
     epochs: AtomicU64,
     /// Serialises member-set swaps (read old, build, install, as one step).
     swapping: std::sync::Mutex<()>,
+    discovery_error: std::sync::Mutex<Option<String>>,
     pub metrics: Metrics,
 }
 
@@ -152,6 +153,7 @@ impl Client {
             topo: RwLock::new(Arc::new(Topology { ring: Ring::default(), nodes: vec![], epoch: 0 })),
             epochs: AtomicU64::new(0),
             swapping: std::sync::Mutex::new(()),
+            discovery_error: std::sync::Mutex::new(None),
             metrics: Metrics::default(),
         };
         if !members.is_empty() {
@@ -168,6 +170,12 @@ impl Client {
     /// topology they started with. Nodes whose id, address and weight are
     /// unchanged keep their connection pools and health.
     pub fn set_members(&self, members: Vec<Member>) -> u64 {
+        self.set_members_at(members, None)
+    }
+
+    /// As [`Client::set_members`]; `epoch` is the MDS epoch of the view the
+    /// members come from (None: a local swap, numbered by this client).
+    pub fn set_members_at(&self, members: Vec<Member>, epoch: Option<u64>) -> u64 {
         let _one = self.swapping.lock().unwrap_or_else(|e| e.into_inner());
         let old = self.topology();
         let nodes: Vec<Arc<Node>> = members
@@ -183,10 +191,20 @@ impl Client {
             })
             .collect();
         let ring = Ring::new(members.iter().map(|m| RingMember { id: m.id.clone(), weight: m.weight }).collect());
-        let epoch = self.epochs.fetch_add(1, Ordering::AcqRel) + 1;
+        let local = self.epochs.fetch_add(1, Ordering::AcqRel) + 1;
+        let epoch = epoch.unwrap_or(local);
         *self.topo.write().unwrap_or_else(|e| e.into_inner()) = Arc::new(Topology { ring, nodes, epoch });
         self.metrics.ring_rebuilds.fetch_add(1, Ordering::Relaxed);
         epoch
+    }
+
+    /// Records why discovery last failed (read by `kv_stats_snapshot`).
+    pub fn set_discovery_error(&self, msg: String) {
+        *self.discovery_error.lock().unwrap_or_else(|e| e.into_inner()) = Some(msg);
+    }
+
+    pub fn discovery_error(&self) -> Option<String> {
+        self.discovery_error.lock().unwrap_or_else(|e| e.into_inner()).clone()
     }
 
     pub fn epoch(&self) -> u64 {

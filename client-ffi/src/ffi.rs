@@ -300,7 +300,13 @@ pub unsafe extern "C" fn kv_set_members(c: *mut kv_client, members: *const c_cha
     })
 }
 
-/// Membership discovery through kv-mds: arrives with the membership issue.
+/// Starts membership discovery through kv-mds: long-polls `group`'s view
+/// on the first answering replica of `mds_endpoints_csv` (`host:port,...`),
+/// each poll waiting up to `poll_ms`, and rebuilds the ring whenever the
+/// epoch changes. KV_OK once the first view is applied; KV_UNAVAILABLE when
+/// no replica answered within about twice the connect timeout (discovery
+/// keeps trying in the background; `kv_last_error` says why). A second call
+/// replaces the first. While every replica is down the ring in use stays.
 ///
 /// # Safety
 /// `c` a live handle; strings NUL-terminated.
@@ -313,15 +319,30 @@ pub unsafe extern "C" fn kv_start_mds_discovery(
 ) -> c_int {
     entry(|| {
         // SAFETY: forwarded caller contract.
-        unsafe { client(c) }?;
+        let cl = unsafe { client(c) }?;
         // SAFETY: the caller's contract, stated in this function's # Safety, covers this argument.
-        unsafe { text(mds_endpoints_csv, "mds_endpoints_csv") }?;
+        let eps = unsafe { text(mds_endpoints_csv, "mds_endpoints_csv") }?;
         // SAFETY: the caller's contract, stated in this function's # Safety, covers this argument.
-        unsafe { text(group, "group") }?;
+        let group = unsafe { text(group, "group") }?;
         if poll_ms <= 0 {
             return Err(einval("poll_ms must be positive"));
         }
-        Err(einval("MDS discovery is not available in this build yet: use static members"))
+        let eps = kv_common::mds::parse_endpoints(eps).map_err(einval)?;
+        if !kv_common::mds::valid_name(group) {
+            return Err(einval(format!("group {group:?} must be 1-64 of A-Z a-z 0-9 . _ -")));
+        }
+        let poll = std::time::Duration::from_millis(poll_ms as u64);
+        match cl.start_discovery(eps, group.to_string(), poll) {
+            Ok(Ok(_)) => Ok(KV_OK),
+            Ok(Err(why)) => {
+                set_error(format!("{why} (discovery keeps trying in the background)"));
+                Err(KV_UNAVAILABLE)
+            }
+            Err(e) => {
+                set_error(format!("cannot start the discovery thread: {e}"));
+                Err(KV_EINTERNAL)
+            }
+        }
     })
 }
 

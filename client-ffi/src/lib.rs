@@ -12,6 +12,7 @@
 pub mod blocking;
 pub mod client;
 pub mod conn;
+pub mod discovery;
 pub mod error;
 pub mod exchange;
 pub mod ffi;

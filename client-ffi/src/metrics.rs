@@ -35,6 +35,12 @@ pub struct Metrics {
     pub stale_retries: AtomicU64,
     pub peer_failures: AtomicU64,
     pub fast_unavailable: AtomicU64,
+    /// Views received from kv-mds (answers to polls and long-polls).
+    pub mds_views: AtomicU64,
+    /// Discovery rounds in which no MDS replica answered.
+    pub mds_errors: AtomicU64,
+    /// 1 while the last discovery round got an answer.
+    pub mds_up: AtomicU64,
 }
 
 impl Metrics {
@@ -94,5 +100,8 @@ impl Metrics {
             "Requests answered unavailable at once (peer cooling down).",
             &self.fast_unavailable,
         );
+        one("mds_views_total", "counter", "Views received from kv-mds (discovery).", &self.mds_views);
+        one("mds_errors_total", "counter", "Discovery rounds in which no kv-mds replica answered.", &self.mds_errors);
+        one("mds_up", "gauge", "1 while the last discovery round got an answer from kv-mds.", &self.mds_up);
     }
 }

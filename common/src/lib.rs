@@ -9,6 +9,7 @@
 //! uses the same checked code.
 
 pub mod cli;
+pub mod mds;
 pub mod page;
 pub mod ring;
 pub mod size;

@@ -2,13 +2,16 @@
 //!
 //! Data commands (`put`, `get`, `exist`) go through the client library, so
 //! they route by the weighted ring (`--members`) or to one node (`--node`)
-//! and verify pages exactly as an engine's get does. `delete`, `stat` and
-//! `ping` talk to one node. `bench` measures a cluster beside the limits of
-//! this host. `ring` and `stat --all` arrive with the membership issue.
+//! and verify pages exactly as an engine's get does; they, and `bench`, take
+//! `--mds EPS --group G` to use a group's current members. `delete`, `stat`
+//! and `ping` talk to one node. `ring` shows a group's view from kv-mds and
+//! `stat --all` every member's statistics. `bench` measures a cluster beside
+//! the limits of this host.
 //!
 //! Exit codes: 0 hit/ok, 1 miss (or not served), 2 usage or error.
 
 mod bench;
+mod cluster;
 mod target;
 
 use std::io::{Read, Write};
@@ -71,8 +74,32 @@ enum Cmd {
         node: String,
         key: String,
     },
-    /// One node's statistics.
-    Stat { addr: String },
+    /// One node's statistics, or with --all every member's and a total.
+    Stat {
+        /// The node's address (without --all).
+        #[arg(required_unless_present = "all")]
+        addr: Option<String>,
+        /// Every member of the group (--mds) or of --members, then a TOTAL row.
+        #[arg(long, conflicts_with = "addr")]
+        all: bool,
+        /// kv-mds endpoints `host:port,...` (with --all).
+        #[arg(long, requires = "all")]
+        mds: Option<String>,
+        /// Group (with --mds).
+        #[arg(long, default_value = "default")]
+        group: String,
+        /// Member list instead of --mds (with --all).
+        #[arg(long, requires = "all", conflicts_with = "mds")]
+        members: Option<String>,
+    },
+    /// A group's view from kv-mds: epoch, then each member's weight, vnodes and share of keys.
+    Ring {
+        /// kv-mds endpoints `host:port,...`.
+        #[arg(long)]
+        mds: String,
+        #[arg(long, default_value = "default")]
+        group: String,
+    },
     /// Round-trip time to a node.
     Ping { addr: String },
     /// Measure put/get/exist throughput and latency against a cluster.
@@ -183,7 +210,30 @@ fn run(cli: &Cli) -> Result<u8, String> {
             let st = c.delete(key.as_bytes()).map_err(|e| e.to_string())?;
             Ok(status_exit(cli, key, st))
         }
-        Cmd::Stat { addr } => {
+        Cmd::Ring { mds, group } => {
+            let view = cluster::fetch_view(mds, group, Duration::from_millis(cli.timeout_ms))?;
+            cluster::ring(&view, cli.json)
+        }
+        Cmd::Stat { all: true, mds, group, members, .. } => {
+            let timeout = Duration::from_millis(cli.timeout_ms);
+            let (epoch, list) = match (mds, members) {
+                (Some(m), _) => {
+                    let v = cluster::fetch_view(m, group, timeout)?;
+                    (Some(v.epoch), v.members)
+                }
+                (None, Some(m)) => {
+                    let list = kvclient::members::parse_members(m)?
+                        .into_iter()
+                        .map(|m| kv_common::mds::MemberRecord { id: m.id, addr: m.addr.to_string(), weight: m.weight })
+                        .collect();
+                    (None, list)
+                }
+                (None, None) => return Err("stat --all needs --mds host:port,... or --members".into()),
+            };
+            Ok(cluster::stat_all(group, epoch, &list, timeout, cli.json))
+        }
+        Cmd::Stat { addr, .. } => {
+            let addr = addr.as_deref().ok_or("give a node address or --all")?;
             let mut c = connect(cli, addr)?;
             let s = c.stats().map_err(|e| e.to_string())?;
             if cli.json {

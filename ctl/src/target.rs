@@ -5,15 +5,21 @@ use kv_common::page::{Geometry, FLAG_MLA};
 use kvclient::members::parse_members;
 use kvclient::{BlockingClient, Options};
 
-/// The nodes to use: a member list, or one node.
+/// The nodes to use: a member list, one node, or a group found through kv-mds.
 #[derive(Args, Clone, Debug)]
 pub struct Target {
     /// Member list `id=host:port[@weight],...` (keys are placed by the weighted ring).
-    #[arg(long)]
+    #[arg(long, conflicts_with = "mds")]
     pub members: Option<String>,
     /// One node's address (shorthand for `--members n1=ADDR`).
-    #[arg(long, conflicts_with = "members")]
+    #[arg(long, conflicts_with_all = ["members", "mds"])]
     pub node: Option<String>,
+    /// kv-mds endpoints `host:port,...`: use the group's current members.
+    #[arg(long)]
+    pub mds: Option<String>,
+    /// Group to use with --mds.
+    #[arg(long, default_value = "default")]
+    pub group: String,
     /// Client options `key=value,...` (e.g. io_timeout_ms=10000,batch_concurrency=8).
     #[arg(long, default_value = "")]
     pub options: String,
@@ -24,16 +30,28 @@ impl Target {
         match (&self.members, &self.node) {
             (Some(m), _) => Ok(m.clone()),
             (None, Some(n)) => Ok(format!("n1={n}")),
-            (None, None) => Err("give --members id=host:port,... or --node host:port".into()),
+            (None, None) => Err("give --members id=host:port,..., --node host:port or --mds host:port".into()),
         }
     }
 
     pub fn client(&self, geo: Geometry) -> Result<BlockingClient, String> {
+        let opts = Options::parse(&self.options)?;
+        if let Some(mds) = &self.mds {
+            let eps = kv_common::mds::parse_endpoints(mds).map_err(|e| format!("--mds: {e}"))?;
+            let c = BlockingClient::new(Vec::new(), geo, opts).map_err(|e| format!("cannot start the client: {e}"))?;
+            let first = c
+                .start_discovery(eps, self.group.clone(), std::time::Duration::from_secs(5))
+                .map_err(|e| format!("cannot start discovery: {e}"))?;
+            first.map_err(|e| format!("no view of group {:?}: {e}", self.group))?;
+            if c.core.topology().nodes.is_empty() {
+                return Err(format!("group {:?} has no members", self.group));
+            }
+            return Ok(c);
+        }
         let members = parse_members(&self.members()?)?;
         if members.is_empty() {
             return Err("the member list is empty".into());
         }
-        let opts = Options::parse(&self.options)?;
         BlockingClient::new(members, geo, opts).map_err(|e| format!("cannot start the client: {e}"))
     }
 }

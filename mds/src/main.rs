@@ -1,10 +1,115 @@
-//! `kv-mds` placeholder binary (see the crate docs).
+//! `kv-mds` binary: flags, logging, the etcd client, the API until SIGTERM.
 
-fn main() -> std::process::ExitCode {
-    if std::env::args().any(|a| a == "--version" || a == "-V") {
-        println!("kv-mds {}", env!("CARGO_PKG_VERSION"));
-        return std::process::ExitCode::SUCCESS;
+use std::net::SocketAddr;
+use std::process::ExitCode;
+use std::time::Duration;
+
+use clap::Parser;
+
+/// kvcellar membership service: node leases in etcd, group views with an
+/// epoch, long-poll for clients. Stateless: run as many replicas as you like.
+#[derive(Parser, Debug)]
+#[command(name = "kv-mds", version, about)]
+struct Cli {
+    /// Address the HTTP/JSON API listens on.
+    #[arg(long, default_value = "127.0.0.1:7480")]
+    listen: SocketAddr,
+    /// etcd endpoints, comma separated (host:port or http://host:port).
+    #[arg(long, default_value = "127.0.0.1:2379")]
+    etcd: String,
+    /// Time to live of the lease held for each node (e.g. 30s, 3s); nodes
+    /// heartbeat every third of it. etcd rounds TTLs below about 2 s up.
+    #[arg(long, default_value = "30s", value_parser = kv_mds::parse_duration)]
+    lease_ttl: Duration,
+    /// error, warn, info, debug or trace.
+    #[arg(long, default_value = "info")]
+    log_level: tracing::Level,
+}
+
+fn main() -> ExitCode {
+    let cli = match Cli::try_parse() {
+        Ok(c) => c,
+        Err(e) if !e.use_stderr() => {
+            let _ = e.print();
+            return ExitCode::SUCCESS;
+        }
+        Err(e) => {
+            eprintln!("{}", kv_common::cli::usage_error_line("kv-mds", &e.to_string()));
+            return ExitCode::from(2);
+        }
+    };
+    if cli.lease_ttl < Duration::from_secs(1) {
+        eprintln!("kv-mds: error: --lease-ttl must be at least 1s");
+        return ExitCode::from(2);
     }
-    eprintln!("kv-mds: not implemented yet (membership arrives with the MDS issue)");
-    std::process::ExitCode::from(2)
+    let endpoints: Vec<String> =
+        cli.etcd.split(',').map(str::trim).filter(|e| !e.is_empty()).map(String::from).collect();
+    if endpoints.is_empty() {
+        eprintln!("kv-mds: error: --etcd names no endpoint");
+        return ExitCode::from(2);
+    }
+    let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr());
+    tracing_subscriber::fmt()
+        .with_max_level(cli.log_level)
+        .with_target(false)
+        .with_ansi(ansi)
+        .with_writer(std::io::stderr)
+        .init();
+    match run(cli, endpoints) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("kv-mds: error: {e}");
+            ExitCode::from(1)
+        }
+    }
+}
+
+fn run(cli: Cli, endpoints: Vec<String>) -> Result<(), String> {
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .thread_name("kv-mds")
+        .build()
+        .map_err(|e| format!("cannot start the runtime: {e}"))?;
+    rt.block_on(async move {
+        let listener = tokio::net::TcpListener::bind(cli.listen)
+            .await
+            .map_err(|e| format!("cannot listen on {}: {e}", cli.listen))?;
+        let addr = listener.local_addr().map_err(|e| e.to_string())?;
+        let mds = kv_mds::connect(&endpoints, cli.lease_ttl).await?;
+        // Say at start whether etcd answers; the service runs either way.
+        match mds.reg.view("_probe").await {
+            Ok(_) => tracing::info!(etcd = %endpoints.join(","), "etcd reachable"),
+            Err(e) => tracing::error!(error = %e, "etcd does not answer yet: calls fail until it does"),
+        }
+        tokio::spawn(mds.clone().watch_loop());
+        let (tx, rx) = tokio::sync::watch::channel(false);
+        tokio::spawn(async move {
+            wait_for_signal().await;
+            tracing::info!("signal received: shutting down");
+            let _ = tx.send(true);
+        });
+        println!("kv-mds listening on {addr}");
+        tracing::info!(%addr, lease_ttl_ms = cli.lease_ttl.as_millis() as u64, version = env!("CARGO_PKG_VERSION"), "serving");
+        kv_mds::http::serve(listener, mds, rx).await;
+        Ok::<(), String>(())
+    })?;
+    // Leases stay in etcd: nodes heartbeat to another replica, which takes them over.
+    tracing::info!("stopped");
+    Ok(())
+}
+
+async fn wait_for_signal() {
+    use tokio::signal::unix::{signal, SignalKind};
+    match (signal(SignalKind::terminate()), signal(SignalKind::interrupt())) {
+        (Ok(mut term), Ok(mut int)) => {
+            tokio::select! {
+                _ = term.recv() => {}
+                _ = int.recv() => {}
+            }
+        }
+        _ => {
+            let _ = tokio::signal::ctrl_c().await;
+        }
+    }
 }

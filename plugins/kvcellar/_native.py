@@ -178,6 +178,14 @@ class Client:
     def set_members(self, members):
         return self._lib.kv_set_members(self._c, members.encode())
 
+    def start_mds_discovery(self, mds_endpoints, group="default", poll_ms=1000):
+        """Follow a group's members through kv-mds (``"host:port,..."``).
+
+        Returns the status: 0 once the first view is applied, KV_UNAVAILABLE
+        (5) while no MDS answered yet (discovery keeps trying meanwhile).
+        """
+        return self._lib.kv_start_mds_discovery(self._c, mds_endpoints.encode(), group.encode(), int(poll_ms))
+
     def epoch(self):
         return self._lib.kv_epoch(self._c)
 

@@ -47,6 +47,21 @@ pub struct Cli {
     /// Acknowledge writes without O_DSYNC (faster, not crash-durable; tests only).
     #[arg(long)]
     pub no_sync: bool,
+    /// kv-mds endpoints, comma separated: register and heartbeat there.
+    #[arg(long)]
+    pub mds: Option<String>,
+    /// Group to join (with --mds).
+    #[arg(long)]
+    pub group: Option<String>,
+    /// This node's id in its group (required with --mds).
+    #[arg(long)]
+    pub id: Option<String>,
+    /// HOST:PORT clients dial (required with --mds); port 0 means the listen port.
+    #[arg(long)]
+    pub advertise: Option<String>,
+    /// Ring weight (share of keys relative to other nodes), 1..=10000.
+    #[arg(long)]
+    pub weight: Option<u32>,
 }
 
 /// The file form (every key optional).
@@ -63,6 +78,22 @@ pub struct FileConfig {
     pub max_inflight: Option<String>,
     pub metrics_listen: Option<String>,
     pub no_sync: Option<bool>,
+    pub mds: Option<String>,
+    pub group: Option<String>,
+    pub id: Option<String>,
+    pub advertise: Option<String>,
+    pub weight: Option<u32>,
+}
+
+/// Membership through kv-mds (`--mds`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MembershipConfig {
+    pub endpoints: Vec<String>,
+    pub group: String,
+    pub id: String,
+    /// `host:port`; port 0 is replaced by the port actually listened on.
+    pub advertise: String,
+    pub weight: u32,
 }
 
 /// Everything resolved and checked.
@@ -75,6 +106,7 @@ pub struct ServerConfig {
     pub max_record: u64,
     pub max_inflight: u64,
     pub metrics_listen: Option<SocketAddr>,
+    pub membership: Option<MembershipConfig>,
 }
 
 fn size(what: &str, s: &str) -> Result<u64, String> {
@@ -91,6 +123,7 @@ impl ServerConfig {
             Some(p) => load_file(p)?,
             None => FileConfig::default(),
         };
+        let membership = membership(&cli.mds, &cli.group, &cli.id, &cli.advertise, cli.weight, &file)?;
         let listen = cli.listen.or(file.listen).ok_or("--listen is required (e.g. 127.0.0.1:7700)")?;
         let listen = addr("listen", &listen)?;
         let dirs = if cli.dir.is_empty() { file.dirs.unwrap_or_default() } else { cli.dir };
@@ -147,6 +180,7 @@ impl ServerConfig {
             return Err("--max-conns must be at least 1".into());
         }
         Ok(ServerConfig {
+            membership,
             listen,
             store: StoreConfig {
                 disks,
@@ -161,6 +195,45 @@ impl ServerConfig {
             metrics_listen,
         })
     }
+}
+
+fn membership(
+    mds: &Option<String>,
+    group: &Option<String>,
+    id: &Option<String>,
+    advertise: &Option<String>,
+    weight: Option<u32>,
+    file: &FileConfig,
+) -> Result<Option<MembershipConfig>, String> {
+    use kv_common::mds::{parse_endpoints, valid_name};
+    let group = group.clone().or(file.group.clone());
+    let id = id.clone().or(file.id.clone());
+    let advertise = advertise.clone().or(file.advertise.clone());
+    let weight = weight.or(file.weight);
+    let Some(mds) = mds.clone().or(file.mds.clone()) else {
+        if group.is_some() || id.is_some() || advertise.is_some() || weight.is_some() {
+            return Err("--group, --id, --advertise and --weight need --mds".into());
+        }
+        return Ok(None);
+    };
+    let endpoints = parse_endpoints(&mds).map_err(|e| format!("--mds: {e}"))?;
+    let id = id.ok_or("--id is required with --mds (this node's name in its group)")?;
+    let advertise = advertise.ok_or("--advertise HOST:PORT is required with --mds (the address clients dial)")?;
+    let group = group.unwrap_or_else(|| "default".into());
+    for (what, v) in [("id", &id), ("group", &group)] {
+        if !valid_name(v) {
+            return Err(format!("--{what}: {v:?} must be 1-64 of A-Z a-z 0-9 . _ -"));
+        }
+    }
+    match advertise.rsplit_once(':') {
+        Some((h, p)) if !h.is_empty() && p.parse::<u16>().is_ok() => {}
+        _ => return Err(format!("--advertise: {advertise:?} is not HOST:PORT")),
+    }
+    let weight = weight.unwrap_or(1);
+    if !(1..=10_000).contains(&weight) {
+        return Err(format!("--weight: {weight} is outside 1..=10000"));
+    }
+    Ok(Some(MembershipConfig { endpoints, group, id, advertise, weight }))
 }
 
 fn load_file(p: &Path) -> Result<FileConfig, String> {
@@ -199,6 +272,30 @@ mod tests {
         assert!(e.contains("--cap: invalid size"), "{e}");
         let e = cli(&["--listen", "127.0.0.1:1", "--dir", "/a,/a", "--cap", "1G"]).unwrap_err();
         assert!(e.contains("given twice"), "{e}");
+    }
+
+    #[test]
+    fn membership_flags() {
+        let base = ["--listen", "127.0.0.1:1", "--dir", "/a", "--cap", "1G"];
+        let with = |more: &[&str]| cli(&[&base[..], more].concat());
+        assert_eq!(with(&[]).unwrap().membership, None);
+        let m = with(&["--mds", "h:1,h:2", "--id", "n1", "--advertise", "10.0.0.1:0", "--weight", "3"])
+            .unwrap()
+            .membership
+            .unwrap();
+        assert_eq!((m.endpoints.len(), m.group.as_str(), m.weight), (2, "default", 3));
+        let e = with(&["--mds", "h:1", "--advertise", "h:1"]).unwrap_err();
+        assert!(e.contains("--id is required"), "{e}");
+        let e = with(&["--mds", "h:1", "--id", "n1"]).unwrap_err();
+        assert!(e.contains("--advertise"), "{e}");
+        let e = with(&["--mds", "h:1", "--id", "n/1", "--advertise", "h:1"]).unwrap_err();
+        assert!(e.contains("--id"), "{e}");
+        let e = with(&["--mds", "h:1", "--id", "n1", "--advertise", "h:1", "--weight", "0"]).unwrap_err();
+        assert!(e.contains("--weight"), "{e}");
+        let e = with(&["--group", "g"]).unwrap_err();
+        assert!(e.contains("need --mds"), "{e}");
+        let e = with(&["--mds", "nope", "--id", "n1", "--advertise", "h:1"]).unwrap_err();
+        assert!(e.contains("--mds"), "{e}");
     }
 
     #[test]

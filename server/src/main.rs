@@ -80,9 +80,28 @@ fn run(cfg: ServerConfig) -> Result<(), String> {
             }
             tokio::spawn(kv_server::metrics::serve(m, shared.clone(), rx.clone()));
         }
+        // Join the group only now: the node can serve what clients send.
+        let membership = match cfg.membership.clone() {
+            Some(m) => {
+                let advertise = match m.advertise.rsplit_once(':') {
+                    Some((host, "0")) => format!("{host}:{}", addr.port()),
+                    _ => m.advertise.clone(),
+                };
+                Some(
+                    kv_server::membership::Membership::start(m, advertise)
+                        .map_err(|e| format!("cannot start the membership thread: {e}"))?,
+                )
+            }
+            None => None,
+        };
         tokio::spawn(async move {
             wait_for_signal().await;
             tracing::info!("signal received: shutting down");
+            // Leave the group first, so clients stop routing here while
+            // the node still answers what is in flight.
+            if let Some(m) = membership {
+                let _ = tokio::task::spawn_blocking(move || m.leave(std::time::Duration::from_secs(3))).await;
+            }
             let _ = tx.send(true);
         });
         // A line tools and tests can wait for (the real port when --listen used port 0).

@@ -3,6 +3,8 @@
 //! Binaries come from the same target directory as the test executable;
 //! `cargo test --workspace` (or `cargo build --workspace`) builds them.
 
+pub mod cluster;
+
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
@@ -74,44 +76,10 @@ impl Node {
 
     /// As [`Node::start`] on a given `--listen` address.
     pub fn start_at(listen: &str, args: &[&str]) -> Node {
-        let mut child = Command::new(bin("kv-server"))
-            .args(["--listen", listen])
-            .args(args)
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .expect("spawn kv-server");
-        let stdout = child.stdout.take().expect("stdout");
-        let stderr = child.stderr.take().expect("stderr");
-        let (tx, rx) = mpsc::channel();
-        std::thread::spawn(move || {
-            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-                let _ = tx.send(line);
-            }
-        });
-        let (etx, erx) = mpsc::channel();
-        std::thread::spawn(move || {
-            for line in BufReader::new(stderr).lines().map_while(Result::ok) {
-                let _ = etx.send(line);
-            }
-        });
-        let deadline = Instant::now() + Duration::from_secs(30);
-        let mut node = Node { child: Some(child), addr: String::new(), stderr_lines: erx };
-        loop {
-            let left = deadline.saturating_duration_since(Instant::now());
-            match rx.recv_timeout(left) {
-                Ok(line) => {
-                    if let Some(a) = line.strip_prefix("kv-server listening on ") {
-                        node.addr = a.trim().to_string();
-                        return node;
-                    }
-                }
-                Err(_) => {
-                    let log: Vec<String> = node.stderr_lines.try_iter().collect();
-                    panic!("kv-server did not come up within 30 s; stderr:\n{}", log.join("\n"));
-                }
-            }
-        }
+        let mut full = vec!["--listen", listen];
+        full.extend_from_slice(args);
+        let (child, addr, stderr_lines) = spawn_daemon("kv-server", &full, "kv-server listening on ");
+        Node { child: Some(child), addr, stderr_lines }
     }
 
     /// `n` nodes, each with one disk dir `t/n{i}` (64 MiB cap) and `extra` flags.
@@ -162,6 +130,49 @@ impl Drop for Node {
         if let Some(mut c) = self.child.take() {
             let _ = c.kill();
             let _ = c.wait();
+        }
+    }
+}
+
+/// Starts a daemon and waits (up to 30 s) for the stdout line
+/// `announce` + address; returns the child, that address and its stderr
+/// lines. Panics with the daemon's stderr if it does not come up.
+pub fn spawn_daemon(name: &str, args: &[&str], announce: &str) -> (Child, String, mpsc::Receiver<String>) {
+    let mut child = Command::new(bin(name))
+        .args(args)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap_or_else(|e| panic!("spawn {name}: {e}"));
+    let stdout = child.stdout.take().expect("stdout");
+    let stderr = child.stderr.take().expect("stderr");
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+            let _ = tx.send(line);
+        }
+    });
+    let (etx, erx) = mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+            let _ = etx.send(line);
+        }
+    });
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        match rx.recv_timeout(left) {
+            Ok(line) => {
+                if let Some(a) = line.strip_prefix(announce) {
+                    return (child, a.trim().to_string(), erx);
+                }
+            }
+            Err(_) => {
+                let _ = child.kill();
+                let _ = child.wait();
+                let log: Vec<String> = erx.try_iter().collect();
+                panic!("{name} did not come up within 30 s; stderr:\n{}", log.join("\n"));
+            }
         }
     }
 }

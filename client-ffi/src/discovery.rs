@@ -1,0 +1,127 @@
+//! Membership discovery through kv-mds (`kv_start_mds_discovery`).
+//!
+//! One thread per client long-polls a group's view ("answer when the epoch
+//! passes N, or after poll_ms") on one MDS replica, failing over to the
+//! next when a replica does not answer. The ring is rebuilt only when the
+//! epoch changes; while every replica is down the client keeps serving on
+//! the ring it has, and retries the replicas every second at most.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc;
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use kv_common::mds::{AbortHandle, MdsClient, MdsError, View};
+
+use crate::client::Client;
+use crate::members::{parse_members, Member};
+
+/// The running discovery of one client; dropping it stops the thread.
+pub struct Discovery {
+    stop: Arc<AtomicBool>,
+    abort: AbortHandle,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl Drop for Discovery {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::SeqCst);
+        // Cuts a long-poll in progress short.
+        self.abort.abort();
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+/// The members of a view as the client routes to them. An address that
+/// does not resolve drops that member (logged in the error text).
+fn members_of(v: &View) -> (Vec<Member>, Vec<String>) {
+    let mut out = Vec::new();
+    let mut bad = Vec::new();
+    for m in &v.members {
+        match parse_members(&format!("{}={}@{}", m.id, m.addr, m.weight)) {
+            Ok(mut one) if one.len() == 1 => out.push(one.remove(0)),
+            Ok(_) => bad.push(format!("member {}: empty", m.id)),
+            Err(e) => bad.push(e),
+        }
+    }
+    (out, bad)
+}
+
+/// Starts discovery; returns once the first view is applied (`Ok(epoch)`)
+/// or `first_wait` has passed without one (`Err(why)`; discovery goes on).
+pub fn start(
+    core: Arc<Client>,
+    endpoints: Vec<String>,
+    group: String,
+    poll: Duration,
+    first_wait: Duration,
+) -> std::io::Result<(Discovery, Result<u64, String>)> {
+    let stop = Arc::new(AtomicBool::new(false));
+    let timeout = core.opts.connect_timeout.clamp(Duration::from_millis(200), Duration::from_secs(5));
+    let mds = MdsClient::new(endpoints, timeout);
+    let abort = mds.abort_handle();
+    let (tx, rx) = mpsc::channel::<Result<u64, String>>();
+    let s = stop.clone();
+    let thread =
+        std::thread::Builder::new().name("kvclient-mds".into()).spawn(move || run(core, mds, group, poll, &s, tx))?;
+    let first = rx.recv_timeout(first_wait).unwrap_or_else(|_| Err("no MDS answered in time".into()));
+    Ok((Discovery { stop, abort, thread: Some(thread) }, first))
+}
+
+fn run(
+    core: Arc<Client>,
+    mut mds: MdsClient,
+    group: String,
+    poll: Duration,
+    stop: &AtomicBool,
+    tx: mpsc::Sender<Result<u64, String>>,
+) {
+    let m = &core.metrics;
+    // The epoch of the view applied; None before the first.
+    let mut applied: Option<u64> = None;
+    let mut first = Some(tx);
+    while !stop.load(Ordering::SeqCst) {
+        let answer = match applied {
+            None => mds.view(&group),
+            Some(e) => mds.wait_view(&group, e, poll),
+        };
+        match answer {
+            Ok(v) => {
+                m.mds_views.fetch_add(1, Ordering::Relaxed);
+                m.mds_up.store(1, Ordering::Relaxed);
+                if applied != Some(v.epoch) {
+                    let (members, bad) = members_of(&v);
+                    if !bad.is_empty() {
+                        core.set_discovery_error(format!("view {} of {group}: {}", v.epoch, bad.join("; ")));
+                    }
+                    core.set_members_at(members, Some(v.epoch));
+                    applied = Some(v.epoch);
+                }
+                if let Some(tx) = first.take() {
+                    let _ = tx.send(Ok(v.epoch));
+                }
+            }
+            Err(MdsError::Aborted) => break,
+            Err(e) => {
+                m.mds_errors.fetch_add(1, Ordering::Relaxed);
+                m.mds_up.store(0, Ordering::Relaxed);
+                let msg = format!("MDS discovery of group {group}: {e}");
+                core.set_discovery_error(msg.clone());
+                if let Some(tx) = first.as_ref() {
+                    // Tell the starter at once; keep trying behind it.
+                    let _ = tx.send(Err(msg));
+                    first = None;
+                }
+                // Every replica failed: keep the ring, try again shortly.
+                let pause = poll.min(Duration::from_secs(1));
+                let until = std::time::Instant::now() + pause;
+                while !stop.load(Ordering::SeqCst) && std::time::Instant::now() < until {
+                    std::thread::sleep(Duration::from_millis(20));
+                }
+            }
+        }
+    }
+}

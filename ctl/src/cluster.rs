@@ -1,0 +1,160 @@
+//! Commands over a whole group: `ring` (the view and each member's share of
+//! the keys) and `stat --all` (every member's statistics and a total).
+
+use std::time::Duration;
+
+use kv_common::mds::{MdsClient, MemberRecord, View};
+use kv_common::ring::{Ring, RingMember, VNODES_PER_WEIGHT};
+use kv_common::size::format_size;
+use kv_common::stats::NodeStats;
+use kvclient::Conn;
+
+/// The group's current view from the first MDS replica that answers.
+pub fn fetch_view(mds: &str, group: &str, timeout: Duration) -> Result<View, String> {
+    let mut c = MdsClient::from_csv(mds, timeout).map_err(|e| format!("--mds: {e}"))?;
+    if !kv_common::mds::valid_name(group) {
+        return Err(format!("--group: {group:?} must be 1-64 of A-Z a-z 0-9 . _ -"));
+    }
+    c.view(group).map_err(|e| e.to_string())
+}
+
+pub fn ring(view: &View, json: bool) -> Result<u8, String> {
+    let ring = Ring::new(view.members.iter().map(|m| RingMember { id: m.id.clone(), weight: m.weight }).collect());
+    let shares = if view.members.is_empty() { Vec::new() } else { ring.shares() };
+    if json {
+        let members: Vec<_> = view
+            .members
+            .iter()
+            .zip(&shares)
+            .map(|(m, s)| {
+                serde_json::json!({
+                    "id": m.id, "addr": m.addr, "weight": m.weight,
+                    "vnodes": VNODES_PER_WEIGHT * u64::from(m.weight), "share": s,
+                })
+            })
+            .collect();
+        println!("{}", serde_json::json!({"group": view.group, "epoch": view.epoch, "members": members}));
+        return Ok(0);
+    }
+    println!("group {}  epoch {}  members {}", view.group, view.epoch, view.members.len());
+    println!("{:<16} {:<22} {:>6} {:>7} {:>7}", "ID", "ADDRESS", "WEIGHT", "VNODES", "SHARE");
+    for (m, s) in view.members.iter().zip(&shares) {
+        println!(
+            "{:<16} {:<22} {:>6} {:>7} {:>6.1}%",
+            m.id,
+            m.addr,
+            m.weight,
+            VNODES_PER_WEIGHT * u64::from(m.weight),
+            s * 100.0
+        );
+    }
+    Ok(0)
+}
+
+/// Each member's statistics, asked of all members at once.
+fn gather(members: &[MemberRecord], timeout: Duration) -> Vec<Result<NodeStats, String>> {
+    std::thread::scope(|s| {
+        let handles: Vec<_> = members
+            .iter()
+            .map(|m| {
+                s.spawn(move || {
+                    let mut c = Conn::connect(&m.addr, timeout).map_err(|e| e.to_string())?;
+                    c.stats().map_err(|e| e.to_string())
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap_or_else(|_| Err("stats thread failed".into()))).collect()
+    })
+}
+
+fn hit_pct(hits: u64, misses: u64) -> f64 {
+    if hits + misses == 0 {
+        0.0
+    } else {
+        100.0 * hits as f64 / (hits + misses) as f64
+    }
+}
+
+/// Exit 0 when every member answered, 1 when some did not.
+pub fn stat_all(group: &str, epoch: Option<u64>, members: &[MemberRecord], timeout: Duration, json: bool) -> u8 {
+    let stats = gather(members, timeout);
+    let mut total = NodeStats::default();
+    let mut down = 0;
+    for s in stats.iter().flatten() {
+        total.used_bytes += s.used_bytes;
+        total.capacity_bytes += s.capacity_bytes;
+        total.objects += s.objects;
+        total.hits += s.hits;
+        total.misses += s.misses;
+        total.bytes_read += s.bytes_read;
+        total.bytes_written += s.bytes_written;
+        total.evictions += s.evictions;
+        total.failed_disks += s.failed_disks;
+    }
+    for s in &stats {
+        down += usize::from(s.is_err());
+    }
+    if json {
+        let rows: Vec<_> = members
+            .iter()
+            .zip(&stats)
+            .map(|(m, s)| match s {
+                Ok(s) => serde_json::json!({"id": m.id, "addr": m.addr, "reachable": true, "stats": s}),
+                Err(e) => serde_json::json!({"id": m.id, "addr": m.addr, "reachable": false, "error": e}),
+            })
+            .collect();
+        let t = serde_json::json!({
+            "used_bytes": total.used_bytes, "capacity_bytes": total.capacity_bytes, "objects": total.objects,
+            "hits": total.hits, "misses": total.misses, "hit_pct": hit_pct(total.hits, total.misses),
+            "bytes_read": total.bytes_read, "bytes_written": total.bytes_written,
+            "evictions": total.evictions, "failed_disks": total.failed_disks,
+            "nodes": members.len(), "unreachable": down,
+        });
+        println!("{}", serde_json::json!({"group": group, "epoch": epoch, "nodes": rows, "total": t}));
+        return u8::from(down > 0);
+    }
+    if let Some(e) = epoch {
+        println!("group {group}  epoch {e}  members {}  unreachable {down}", members.len());
+    }
+    println!(
+        "{:<14} {:<22} {:>10} {:>10} {:>9} {:>9} {:>9} {:>6} {:>10} {:>10} {:>9} {:>6}",
+        "ID",
+        "ADDRESS",
+        "USED",
+        "CAPACITY",
+        "OBJECTS",
+        "HITS",
+        "MISSES",
+        "HIT%",
+        "READ",
+        "WRITTEN",
+        "EVICTED",
+        "FAILED"
+    );
+    let row = |id: &str, addr: &str, s: &NodeStats| {
+        println!(
+            "{:<14} {:<22} {:>10} {:>10} {:>9} {:>9} {:>9} {:>5.1}% {:>10} {:>10} {:>9} {:>6}",
+            id,
+            addr,
+            format_size(s.used_bytes),
+            format_size(s.capacity_bytes),
+            s.objects,
+            s.hits,
+            s.misses,
+            hit_pct(s.hits, s.misses),
+            format_size(s.bytes_read),
+            format_size(s.bytes_written),
+            s.evictions,
+            s.failed_disks
+        );
+    };
+    for (m, s) in members.iter().zip(&stats) {
+        match s {
+            Ok(s) => row(&m.id, &m.addr, s),
+            Err(e) => println!("{:<14} {:<22} UNREACHABLE ({e})", m.id, m.addr),
+        }
+    }
+    let label = if down > 0 { format!("{} of {} nodes", members.len() - down, members.len()) } else { String::new() };
+    row("TOTAL", &label, &total);
+    u8::from(down > 0)
+}

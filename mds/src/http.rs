@@ -1,0 +1,232 @@
+//! The MDS HTTP/JSON API (docs/PROTOCOL.md, "MDS API").
+//!
+//! | method | path                                      | does                         |
+//! |--------|-------------------------------------------|------------------------------|
+//! | POST   | /v1/groups/{g}/members/{id}               | register (body: addr, weight) |
+//! | POST   | /v1/groups/{g}/members/{id}/heartbeat     | keep the lease alive          |
+//! | DELETE | /v1/groups/{g}/members/{id}               | deregister                    |
+//! | GET    | /v1/groups/{g}/view[?after=N&wait_ms=T]   | the view, or a long-poll      |
+//! | GET    | /healthz, /metrics                        | probes                        |
+
+use std::convert::Infallible;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Duration;
+
+use http_body_util::{BodyExt, Full, Limited};
+use hyper::body::{Bytes, Incoming};
+use hyper::{Method, Request, Response, StatusCode};
+use kv_common::mds::{valid_name, ErrorReply, LeaseReply, MemberRecord, RegisterRequest, MAX_WAIT_MS};
+use tokio::net::TcpListener;
+
+use crate::{Mds, RegError};
+
+/// The largest request body accepted.
+const MAX_BODY: usize = 64 << 10;
+
+type Reply = Response<Full<Bytes>>;
+
+fn json<T: serde::Serialize>(code: StatusCode, v: &T) -> Reply {
+    let body = serde_json::to_vec(v).unwrap_or_default();
+    Response::builder()
+        .status(code)
+        .header("content-type", "application/json")
+        .body(Full::new(Bytes::from(body)))
+        .unwrap_or_else(|_| Response::new(Full::new(Bytes::new())))
+}
+
+fn error(code: StatusCode, msg: impl Into<String>) -> Reply {
+    json(code, &ErrorReply { error: msg.into() })
+}
+
+fn reg_error(e: RegError) -> Reply {
+    match e {
+        RegError::Etcd { .. } => error(StatusCode::SERVICE_UNAVAILABLE, e.to_string()),
+        RegError::NotRegistered(m) => error(StatusCode::NOT_FOUND, m),
+        RegError::Conflict(m) => error(StatusCode::CONFLICT, m),
+    }
+}
+
+fn text(code: StatusCode, body: String) -> Reply {
+    Response::builder()
+        .status(code)
+        .header("content-type", "text/plain; version=0.0.4")
+        .body(Full::new(Bytes::from(body)))
+        .unwrap_or_else(|_| Response::new(Full::new(Bytes::new())))
+}
+
+fn query_u64(query: &str, key: &str) -> Result<Option<u64>, String> {
+    for pair in query.split('&') {
+        if let Some((k, v)) = pair.split_once('=') {
+            if k == key {
+                return v.parse().map(Some).map_err(|_| format!("query {key}={v:?} is not a whole number"));
+            }
+        }
+    }
+    Ok(None)
+}
+
+/// Serves the API until `shutdown` turns true.
+pub async fn serve(listener: TcpListener, mds: Arc<Mds>, mut shutdown: tokio::sync::watch::Receiver<bool>) {
+    loop {
+        let (stream, peer) = tokio::select! {
+            r = listener.accept() => match r {
+                Ok(x) => x,
+                Err(e) => {
+                    // EMFILE and the like: wait a little rather than spin.
+                    tracing::warn!(error = %e, "accept failed");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    continue;
+                }
+            },
+            _ = shutdown.changed() => return,
+        };
+        let mds = mds.clone();
+        tokio::spawn(async move {
+            let svc = hyper::service::service_fn(move |req| {
+                let mds = mds.clone();
+                async move { Ok::<_, Infallible>(handle(&mds, req).await) }
+            });
+            let conn = hyper::server::conn::http1::Builder::new()
+                .timer(hyper_util::rt::TokioTimer::new())
+                .header_read_timeout(Duration::from_secs(10))
+                .serve_connection(hyper_util::rt::TokioIo::new(stream), svc);
+            if let Err(e) = conn.await {
+                tracing::debug!(%peer, error = %e, "connection ended with an error");
+            }
+        });
+    }
+}
+
+async fn handle(mds: &Mds, req: Request<Incoming>) -> Reply {
+    let path = req.uri().path().to_string();
+    let query = req.uri().query().unwrap_or("").to_string();
+    let method = req.method().clone();
+    let parts: Vec<&str> = path.trim_matches('/').split('/').collect();
+    match (&method, parts.as_slice()) {
+        (&Method::GET, ["healthz"]) => health(mds).await,
+        (&Method::GET, ["metrics"]) => text(StatusCode::OK, metrics(mds)),
+        (_, ["v1", "groups", g, rest @ ..]) => {
+            if !valid_name(g) {
+                return error(StatusCode::BAD_REQUEST, format!("group {g:?} is not a name of 1-64 [A-Za-z0-9._-]"));
+            }
+            match (&method, rest) {
+                (&Method::GET, ["view"]) => view(mds, g, &query).await,
+                (&Method::POST, ["members", id]) => register(mds, g, id, req).await,
+                (&Method::POST, ["members", id, "heartbeat"]) => heartbeat(mds, g, id).await,
+                (&Method::DELETE, ["members", id]) => deregister(mds, g, id).await,
+                _ => error(StatusCode::NOT_FOUND, format!("no such call: {method} {path}")),
+            }
+        }
+        _ => error(StatusCode::NOT_FOUND, format!("no such call: {method} {path}")),
+    }
+}
+
+async fn health(mds: &Mds) -> Reply {
+    let mut etcd = mds.reg.etcd();
+    let probe = tokio::time::timeout(Duration::from_secs(2), etcd.get("/kvcellar/v1/health", None)).await;
+    match probe {
+        Ok(Ok(_)) => text(StatusCode::OK, "ok\n".into()),
+        Ok(Err(e)) => text(StatusCode::SERVICE_UNAVAILABLE, format!("etcd unavailable: {e}\n")),
+        Err(_) => text(StatusCode::SERVICE_UNAVAILABLE, "etcd unavailable: no answer within 2 s\n".into()),
+    }
+}
+
+async fn view(mds: &Mds, group: &str, query: &str) -> Reply {
+    let (after, wait) = match (query_u64(query, "after"), query_u64(query, "wait_ms")) {
+        (Ok(a), Ok(w)) => (a, w.unwrap_or(0).min(MAX_WAIT_MS)),
+        (Err(e), _) | (_, Err(e)) => return error(StatusCode::BAD_REQUEST, e),
+    };
+    let r = match after {
+        Some(a) if wait > 0 => mds.wait_view(group, a, Duration::from_millis(wait)).await,
+        _ => mds.reg.view(group).await,
+    };
+    match r {
+        Ok(v) => json(StatusCode::OK, &v),
+        Err(e) => reg_error(e),
+    }
+}
+
+/// The answer to a malformed node id, if it is one.
+fn bad_id(id: &str) -> Option<Reply> {
+    (!valid_name(id))
+        .then(|| error(StatusCode::BAD_REQUEST, format!("node id {id:?} is not a name of 1-64 [A-Za-z0-9._-]")))
+}
+
+async fn register(mds: &Mds, group: &str, id: &str, req: Request<Incoming>) -> Reply {
+    if let Some(r) = bad_id(id) {
+        return r;
+    }
+    let body = match Limited::new(req.into_body(), MAX_BODY).collect().await {
+        Ok(b) => b.to_bytes(),
+        Err(e) => return error(StatusCode::BAD_REQUEST, format!("cannot read the body: {e}")),
+    };
+    let r: RegisterRequest = match serde_json::from_slice(&body) {
+        Ok(r) => r,
+        Err(e) => return error(StatusCode::BAD_REQUEST, format!("body is not {{\"addr\":..,\"weight\":..}}: {e}")),
+    };
+    if r.weight == 0 || r.weight > 10_000 {
+        return error(StatusCode::BAD_REQUEST, format!("weight {} is outside 1..=10000", r.weight));
+    }
+    if r.addr.rsplit_once(':').is_none_or(|(h, p)| h.is_empty() || p.parse::<u16>().is_err()) {
+        return error(StatusCode::BAD_REQUEST, format!("addr {:?} is not host:port", r.addr));
+    }
+    let rec = MemberRecord { id: id.to_string(), addr: r.addr, weight: r.weight };
+    match mds.reg.register(group, &rec).await {
+        Ok(epoch) => {
+            tracing::info!(group, id, addr = %rec.addr, weight = rec.weight, epoch, "node registered");
+            json(StatusCode::OK, &LeaseReply { ttl_ms: mds.reg.ttl.as_millis() as u64, took_over: false, epoch })
+        }
+        Err(e) => reg_error(e),
+    }
+}
+
+async fn heartbeat(mds: &Mds, group: &str, id: &str) -> Reply {
+    if let Some(r) = bad_id(id) {
+        return r;
+    }
+    match mds.reg.heartbeat(group, id).await {
+        Ok(took_over) => {
+            json(StatusCode::OK, &LeaseReply { ttl_ms: mds.reg.ttl.as_millis() as u64, took_over, epoch: 0 })
+        }
+        Err(e) => reg_error(e),
+    }
+}
+
+async fn deregister(mds: &Mds, group: &str, id: &str) -> Reply {
+    if let Some(r) = bad_id(id) {
+        return r;
+    }
+    match mds.reg.deregister(group, id).await {
+        Ok(epoch) => {
+            tracing::info!(group, id, epoch, "node deregistered");
+            json(StatusCode::OK, &LeaseReply { ttl_ms: 0, took_over: false, epoch })
+        }
+        Err(e) => reg_error(e),
+    }
+}
+
+fn metrics(mds: &Mds) -> String {
+    let c = &mds.reg.counters;
+    let mut out = String::new();
+    let rows: [(&str, &str, &std::sync::atomic::AtomicU64); 7] = [
+        ("registrations_total", "Node registrations served.", &c.registrations),
+        ("heartbeats_total", "Node heartbeats served.", &c.heartbeats),
+        ("takeovers_total", "Heartbeats that took a node's lease over from another replica.", &c.takeovers),
+        ("deregistrations_total", "Graceful node leaves served.", &c.deregistrations),
+        ("epoch_bumps_total", "Epochs this replica advanced (member set changes it wrote).", &c.epoch_bumps),
+        ("etcd_errors_total", "etcd calls that failed.", &c.etcd_errors),
+        ("view_reads_total", "Views read from etcd.", &c.views),
+    ];
+    for (name, help, v) in rows {
+        out.push_str(&format!(
+            "# HELP kvmds_{name} {help}\n# TYPE kvmds_{name} counter\nkvmds_{name} {}\n",
+            v.load(Ordering::Relaxed)
+        ));
+    }
+    out.push_str(&format!(
+        "# HELP kvmds_etcd_up 1 while the last etcd call succeeded.\n# TYPE kvmds_etcd_up gauge\nkvmds_etcd_up {}\n",
+        u8::from(mds.reg.etcd_healthy())
+    ));
+    out
+}

@@ -1,0 +1,328 @@
+//! The membership logic over etcd: node records bound to leases, and views
+//! whose epoch is an etcd revision.
+//!
+//! Keys (DESIGN.md §5), for a group `G`:
+//! - `/kvcellar/v1/groups/G/members/ID`: a node record (JSON `MemberRecord`),
+//!   bound to a lease this service granted for the node.
+//! - `/kvcellar/v1/groups/G/epoch`: a digest of the member set it names.
+//!
+//! **Epoch.** A group's epoch is the `mod_revision` of its epoch key. The
+//! key's value is a digest of the member set (sorted ids, addresses,
+//! weights). Whoever reads a view compares the digest of the members it
+//! read with the stored one; when they differ (a node joined, left, changed
+//! weight or address, or its lease expired), it rewrites the epoch key in a
+//! transaction guarded by the key's `mod_revision` and re-reads the members
+//! inside that same transaction. So:
+//! - the epoch advances when, and only when, the member set changes
+//!   (a heartbeat, or a replica taking a node over, rewrites the record with
+//!   the same content: the digest, hence the epoch, stays);
+//! - of several replicas noticing the same change, one transaction wins and
+//!   the others re-read: one change, one new epoch;
+//! - a view is only ever served with the epoch whose digest matches its
+//!   members, so the same epoch means the same view on every replica.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Mutex;
+use std::time::Duration;
+
+use etcd_client::{Client, Compare, CompareOp, GetOptions, PutOptions, Txn, TxnOp, TxnOpResponse};
+use kv_common::mds::{MemberRecord, View, ETCD_ROOT};
+
+/// Why a registry call failed.
+#[derive(Debug, thiserror::Error)]
+pub enum RegError {
+    #[error("etcd unavailable ({endpoints}): {source}")]
+    Etcd { endpoints: String, source: etcd_client::Error },
+    #[error("{0}")]
+    NotRegistered(String),
+    #[error("{0}")]
+    Conflict(String),
+}
+
+#[derive(Default)]
+pub struct Counters {
+    pub registrations: AtomicU64,
+    pub heartbeats: AtomicU64,
+    pub takeovers: AtomicU64,
+    pub deregistrations: AtomicU64,
+    pub epoch_bumps: AtomicU64,
+    pub etcd_errors: AtomicU64,
+    pub views: AtomicU64,
+}
+
+pub struct Registry {
+    etcd: Client,
+    endpoints: String,
+    pub ttl: Duration,
+    /// Leases this replica holds: (group, id) -> lease id.
+    leases: Mutex<HashMap<(String, String), i64>>,
+    etcd_ok: AtomicBool,
+    pub counters: Counters,
+}
+
+fn group_prefix(group: &str) -> String {
+    format!("{ETCD_ROOT}{group}/")
+}
+
+fn members_prefix(group: &str) -> String {
+    format!("{ETCD_ROOT}{group}/members/")
+}
+
+fn member_key(group: &str, id: &str) -> String {
+    format!("{ETCD_ROOT}{group}/members/{id}")
+}
+
+fn epoch_key(group: &str) -> String {
+    format!("{ETCD_ROOT}{group}/epoch")
+}
+
+/// The group a key under [`ETCD_ROOT`] belongs to.
+pub fn group_of_key(key: &[u8]) -> Option<&str> {
+    let rest = key.strip_prefix(ETCD_ROOT.as_bytes())?;
+    let end = rest.iter().position(|&b| b == b'/')?;
+    std::str::from_utf8(&rest[..end]).ok()
+}
+
+/// The digest an epoch key holds: the member set in a canonical text form
+/// (sorted by id), hashed. Any change of id, address or weight changes it.
+pub fn digest(members: &[MemberRecord]) -> String {
+    let mut text = String::new();
+    for m in members {
+        text.push_str(&format!("{}\t{}\t{}\n", m.id, m.addr, m.weight));
+    }
+    format!("{:016x}{:08x}", xxhash_rust::xxh3::xxh3_64(text.as_bytes()), members.len())
+}
+
+fn parse_members(kvs: &[etcd_client::KeyValue]) -> Vec<MemberRecord> {
+    let mut out: Vec<MemberRecord> = kvs
+        .iter()
+        .filter(|kv| kv.key().split(|&b| b == b'/').rev().nth(1) == Some(b"members"))
+        .filter_map(|kv| match serde_json::from_slice::<MemberRecord>(kv.value()) {
+            Ok(m) => Some(m),
+            Err(e) => {
+                tracing::warn!(key = %String::from_utf8_lossy(kv.key()), error = %e, "ignoring a malformed member record");
+                None
+            }
+        })
+        .collect();
+    out.sort_by(|a, b| a.id.cmp(&b.id));
+    out
+}
+
+impl Registry {
+    pub fn new(etcd: Client, endpoints: String, ttl: Duration) -> Registry {
+        Registry {
+            etcd,
+            endpoints,
+            ttl,
+            leases: Mutex::default(),
+            etcd_ok: AtomicBool::new(true),
+            counters: Counters::default(),
+        }
+    }
+
+    pub fn etcd(&self) -> Client {
+        self.etcd.clone()
+    }
+
+    /// Records an etcd outcome: logs once when etcd goes away and once when
+    /// it comes back, instead of a line per failed call.
+    fn track<T>(&self, r: Result<T, etcd_client::Error>) -> Result<T, RegError> {
+        match r {
+            Ok(v) => {
+                if !self.etcd_ok.swap(true, Ordering::SeqCst) {
+                    tracing::info!(endpoints = %self.endpoints, "etcd reachable again");
+                }
+                Ok(v)
+            }
+            Err(e) => {
+                self.counters.etcd_errors.fetch_add(1, Ordering::Relaxed);
+                if self.etcd_ok.swap(false, Ordering::SeqCst) {
+                    tracing::error!(endpoints = %self.endpoints, error = %e, "etcd unavailable: membership calls fail until it is back");
+                }
+                Err(RegError::Etcd { endpoints: self.endpoints.clone(), source: e })
+            }
+        }
+    }
+
+    pub fn etcd_healthy(&self) -> bool {
+        self.etcd_ok.load(Ordering::SeqCst)
+    }
+
+    fn ttl_secs(&self) -> i64 {
+        self.ttl.as_secs().max(1) as i64
+    }
+
+    fn lease_of(&self, group: &str, id: &str) -> Option<i64> {
+        self.leases.lock().unwrap_or_else(|e| e.into_inner()).get(&(group.to_string(), id.to_string())).copied()
+    }
+
+    fn set_lease(&self, group: &str, id: &str, lease: Option<i64>) -> Option<i64> {
+        let mut l = self.leases.lock().unwrap_or_else(|e| e.into_inner());
+        let k = (group.to_string(), id.to_string());
+        match lease {
+            Some(v) => l.insert(k, v),
+            None => l.remove(&k),
+        }
+    }
+
+    /// Registers (or re-registers) a node: a new lease, the record bound to
+    /// it, and the group's epoch brought up to date.
+    pub async fn register(&self, group: &str, rec: &MemberRecord) -> Result<u64, RegError> {
+        let mut etcd = self.etcd.clone();
+        let lease = self.track(etcd.lease_grant(self.ttl_secs(), None).await)?.id();
+        let value = serde_json::to_vec(rec).expect("a record serializes");
+        self.track(etcd.put(member_key(group, &rec.id), value, Some(PutOptions::new().with_lease(lease))).await)?;
+        if let Some(old) = self.set_lease(group, &rec.id, Some(lease)) {
+            if old != lease {
+                // The record no longer uses it; let it go now rather than at expiry.
+                let _ = etcd.lease_revoke(old).await;
+            }
+        }
+        self.counters.registrations.fetch_add(1, Ordering::Relaxed);
+        Ok(self.view(group).await?.epoch)
+    }
+
+    /// Keeps a node's lease alive. A replica that does not hold the lease
+    /// the record is bound to takes the node over: a new lease, the same
+    /// record rewritten onto it. A node with no record is told to register.
+    pub async fn heartbeat(&self, group: &str, id: &str) -> Result<bool, RegError> {
+        let mut etcd = self.etcd.clone();
+        let key = member_key(group, id);
+        self.counters.heartbeats.fetch_add(1, Ordering::Relaxed);
+        if let Some(lease) = self.lease_of(group, id) {
+            if self.keep_alive(lease).await? {
+                let got = self.track(etcd.get(key.clone(), None).await)?;
+                if got.kvs().first().is_some_and(|kv| kv.lease() == lease) {
+                    return Ok(false);
+                }
+            }
+            self.set_lease(group, id, None);
+        }
+        // Take over: the record as it is, on a lease of ours.
+        let got = self.track(etcd.get(key.clone(), None).await)?;
+        let Some(kv) = got.kvs().first() else {
+            return Err(RegError::NotRegistered(format!(
+                "node {id} of group {group} has no record (its lease expired or it never registered): register again"
+            )));
+        };
+        let lease = self.track(etcd.lease_grant(self.ttl_secs(), None).await)?.id();
+        let txn = Txn::new()
+            .when([Compare::mod_revision(key.clone(), CompareOp::Equal, kv.mod_revision())])
+            .and_then([TxnOp::put(key, kv.value().to_vec(), Some(PutOptions::new().with_lease(lease)))]);
+        let done = self.track(etcd.txn(txn).await)?;
+        if !done.succeeded() {
+            let _ = etcd.lease_revoke(lease).await;
+            return Err(RegError::Conflict(format!("node {id}'s record changed during the heartbeat: retry")));
+        }
+        self.set_lease(group, id, Some(lease));
+        self.counters.takeovers.fetch_add(1, Ordering::Relaxed);
+        tracing::info!(group, id, lease = format!("{lease:x}"), "took the node over (its lease was not held here)");
+        Ok(true)
+    }
+
+    /// One keep-alive round trip; false when the lease no longer exists.
+    async fn keep_alive(&self, lease: i64) -> Result<bool, RegError> {
+        let mut etcd = self.etcd.clone();
+        // Opening the keep-alive stream sends one keep-alive and reads its
+        // answer: that is the whole round trip.
+        let answer = tokio::time::timeout(Duration::from_secs(5), etcd.lease_keep_alive(lease)).await;
+        match answer {
+            Ok(Ok(_)) => self.track(Ok(true)),
+            // etcd answers an unknown lease (expired, or etcd's state lost)
+            // with TTL 0, which the client reports as "lease not found".
+            Ok(Err(etcd_client::Error::LeaseKeepAliveError(m))) if m.contains("not found") => Ok(false),
+            Ok(Err(etcd_client::Error::GRpcStatus(st))) if st.message().contains("not found") => Ok(false),
+            Ok(Err(e)) => self.track(Err(e)),
+            Err(_) => {
+                self.track(Err(etcd_client::Error::LeaseKeepAliveError("no keep-alive answer within 5 s".into())))
+            }
+        }
+    }
+
+    /// Removes a node at once (graceful leave).
+    pub async fn deregister(&self, group: &str, id: &str) -> Result<u64, RegError> {
+        let mut etcd = self.etcd.clone();
+        self.track(etcd.delete(member_key(group, id), None).await)?;
+        if let Some(lease) = self.set_lease(group, id, None) {
+            let _ = etcd.lease_revoke(lease).await;
+        }
+        self.counters.deregistrations.fetch_add(1, Ordering::Relaxed);
+        Ok(self.view(group).await?.epoch)
+    }
+
+    /// The group's view, its epoch brought up to date first (module docs).
+    pub async fn view(&self, group: &str) -> Result<View, RegError> {
+        let mut etcd = self.etcd.clone();
+        let ekey = epoch_key(group);
+        self.counters.views.fetch_add(1, Ordering::Relaxed);
+        for _ in 0..16 {
+            let got = self.track(etcd.get(group_prefix(group), Some(GetOptions::new().with_prefix())).await)?;
+            let members = parse_members(got.kvs());
+            let want = digest(&members);
+            let epoch_kv = got.kvs().iter().find(|kv| kv.key() == ekey.as_bytes());
+            match epoch_kv {
+                Some(e) if e.value() == want.as_bytes() => {
+                    return Ok(View { group: group.to_string(), epoch: e.mod_revision() as u64, members });
+                }
+                None if members.is_empty() => {
+                    return Ok(View { group: group.to_string(), epoch: 0, members });
+                }
+                _ => {}
+            }
+            let seen = epoch_kv.map(|e| e.mod_revision()).unwrap_or(0);
+            let txn = Txn::new().when([Compare::mod_revision(ekey.clone(), CompareOp::Equal, seen)]).and_then([
+                TxnOp::put(ekey.clone(), want.clone(), None),
+                TxnOp::get(members_prefix(group), Some(GetOptions::new().with_prefix())),
+            ]);
+            let done = self.track(etcd.txn(txn).await)?;
+            if !done.succeeded() {
+                continue; // another replica moved the epoch: read again
+            }
+            let rev = done.header().map(|h| h.revision()).unwrap_or(0) as u64;
+            let now = done
+                .op_responses()
+                .into_iter()
+                .find_map(|r| match r {
+                    TxnOpResponse::Get(g) => Some(parse_members(g.kvs())),
+                    _ => None,
+                })
+                .unwrap_or_default();
+            if digest(&now) == want {
+                self.counters.epoch_bumps.fetch_add(1, Ordering::Relaxed);
+                tracing::info!(group, epoch = rev, members = now.len(), "member set changed: new epoch");
+                return Ok(View { group: group.to_string(), epoch: rev, members: now });
+            }
+            // The members changed between the read and the transaction:
+            // the next round writes their digest.
+        }
+        Err(RegError::Conflict(format!("group {group} changes too fast to settle an epoch: retry")))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn m(id: &str, addr: &str, w: u32) -> MemberRecord {
+        MemberRecord { id: id.into(), addr: addr.into(), weight: w }
+    }
+
+    #[test]
+    fn digest_tracks_the_member_set_only() {
+        let a = vec![m("n1", "h:1", 1), m("n2", "h:2", 1)];
+        assert_eq!(digest(&a), digest(&a.clone()));
+        assert_ne!(digest(&a), digest(&[m("n1", "h:1", 1), m("n2", "h:2", 2)]));
+        assert_ne!(digest(&a), digest(&[m("n1", "h:1", 1)]));
+        assert_ne!(digest(&a), digest(&[m("n1", "h:1", 1), m("n2", "h:3", 1)]));
+        assert_ne!(digest(&[]), digest(&[m("n1", "h:1", 1)]));
+    }
+
+    #[test]
+    fn keys_name_their_group() {
+        assert_eq!(group_of_key(member_key("g1", "n").as_bytes()), Some("g1"));
+        assert_eq!(group_of_key(epoch_key("g2").as_bytes()), Some("g2"));
+        assert_eq!(group_of_key(b"/other"), None);
+    }
+}

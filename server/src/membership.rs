@@ -1,0 +1,147 @@
+//! Joining a group through kv-mds (`--mds`): register once the node can
+//! serve, heartbeat every third of the lease TTL to any reachable replica,
+//! register again when told the lease is gone, deregister on shutdown.
+//!
+//! It runs on its own thread with blocking HTTP calls: membership traffic is
+//! a request every few seconds, and keeping it off the data-plane runtime
+//! means a slow or dead MDS can never delay a page.
+
+use std::sync::{Arc, Condvar, Mutex};
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use kv_common::mds::{AbortHandle, MdsClient, MdsError, RegisterRequest};
+
+use crate::config::MembershipConfig;
+
+/// Timeout of one MDS call (connect, then each read).
+const CALL_TIMEOUT: Duration = Duration::from_secs(2);
+/// Longest pause between registration attempts while no MDS answers.
+const MAX_BACKOFF: Duration = Duration::from_secs(5);
+
+pub struct Membership {
+    stop: Arc<(Mutex<bool>, Condvar)>,
+    abort: AbortHandle,
+    thread: Option<JoinHandle<()>>,
+}
+
+/// Sleeps up to `d`; true when asked to stop meanwhile.
+fn pause(stop: &(Mutex<bool>, Condvar), d: Duration) -> bool {
+    let (lock, cv) = stop;
+    let guard = lock.lock().unwrap_or_else(|e| e.into_inner());
+    let (guard, _) = cv.wait_timeout_while(guard, d, |s| !*s).unwrap_or_else(|e| e.into_inner());
+    *guard
+}
+
+impl Membership {
+    /// Starts registering `cfg.id` with `addr` as its address.
+    pub fn start(cfg: MembershipConfig, addr: String) -> std::io::Result<Membership> {
+        let stop = Arc::new((Mutex::new(false), Condvar::new()));
+        let client = MdsClient::new(cfg.endpoints.clone(), CALL_TIMEOUT);
+        let abort = client.abort_handle();
+        let s = stop.clone();
+        let thread =
+            std::thread::Builder::new().name("kv-membership".into()).spawn(move || run(cfg, addr, client, &s))?;
+        Ok(Membership { stop, abort, thread: Some(thread) })
+    }
+
+    /// Deregisters (at most `limit` spent on it) and ends the thread.
+    pub fn leave(mut self, limit: Duration) {
+        {
+            let (lock, cv) = &*self.stop;
+            *lock.lock().unwrap_or_else(|e| e.into_inner()) = true;
+            cv.notify_all();
+        }
+        let Some(t) = self.thread.take() else { return };
+        let deadline = std::time::Instant::now() + limit;
+        while !t.is_finished() && std::time::Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        if t.is_finished() {
+            let _ = t.join();
+        } else {
+            tracing::warn!("deregistration did not finish in time: the lease will expire instead");
+            self.abort.abort();
+        }
+    }
+}
+
+fn run(cfg: MembershipConfig, addr: String, mut mds: MdsClient, stop: &(Mutex<bool>, Condvar)) {
+    let req = RegisterRequest { addr: addr.clone(), weight: cfg.weight };
+    let (group, id) = (cfg.group.as_str(), cfg.id.as_str());
+    let mut ttl: Option<Duration> = None;
+    let mut backoff = Duration::from_millis(100);
+    // The last failure logged, so a long outage is one line, not one per try.
+    let mut last_failure: Option<String> = None;
+    loop {
+        if *stop.0.lock().unwrap_or_else(|e| e.into_inner()) {
+            break;
+        }
+        let wait = match ttl {
+            None => match mds.register(group, id, &req) {
+                Ok(r) => {
+                    let t = Duration::from_millis(r.ttl_ms.max(1000));
+                    if last_failure.is_some() {
+                        tracing::info!("an MDS answers again");
+                    }
+                    tracing::info!(mds = mds.current(), group, id, %addr, weight = cfg.weight, epoch = r.epoch,
+                        lease_ttl_ms = r.ttl_ms, "registered");
+                    ttl = Some(t);
+                    last_failure = None;
+                    backoff = Duration::from_millis(100);
+                    t / 3
+                }
+                Err(MdsError::Aborted) => break,
+                Err(e) => {
+                    let msg = e.to_string();
+                    if last_failure.is_none() {
+                        tracing::warn!(error = %msg, "cannot register yet (serving meanwhile; retrying)");
+                    } else {
+                        tracing::debug!(error = %msg, "registration retry failed");
+                    }
+                    last_failure = Some(msg);
+                    let w = backoff;
+                    backoff = (backoff * 2).min(MAX_BACKOFF);
+                    w
+                }
+            },
+            Some(t) => match mds.heartbeat(group, id) {
+                Ok(r) => {
+                    if r.took_over {
+                        tracing::info!(mds = mds.current(), "heartbeat: this MDS replica took the lease over");
+                    }
+                    if last_failure.take().is_some() {
+                        tracing::info!(mds = mds.current(), "heartbeats answered again");
+                    }
+                    t / 3
+                }
+                Err(MdsError::NotRegistered(m)) => {
+                    tracing::warn!(reason = %m, "the MDS no longer has this node: registering again");
+                    ttl = None;
+                    continue;
+                }
+                Err(MdsError::Aborted) => break,
+                Err(e) => {
+                    let msg = e.to_string();
+                    if last_failure.is_none() {
+                        tracing::warn!(error = %msg, "heartbeat failed (retrying; the lease lasts {} ms)", t.as_millis());
+                    } else {
+                        tracing::debug!(error = %msg, "heartbeat retry failed");
+                    }
+                    last_failure = Some(msg);
+                    // Retry sooner than the regular period: the lease is running out.
+                    (t / 6).max(Duration::from_millis(200))
+                }
+            },
+        };
+        if pause(stop, wait) {
+            break;
+        }
+    }
+    // Leave at once rather than at lease expiry (also when registration
+    // never got an answer: a request may have landed without its reply).
+    match mds.deregister(group, id) {
+        Ok(r) => tracing::info!(mds = mds.current(), group, id, epoch = r.epoch, "deregistered"),
+        Err(e) => tracing::warn!(error = %e, "could not deregister: the lease will expire instead"),
+    }
+}

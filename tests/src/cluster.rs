@@ -1,0 +1,169 @@
+//! The membership tier for end-to-end tests: a real etcd (Debian's
+//! etcd-server) on free loopback ports and real `kv-mds` replicas.
+
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use crate::spawn_daemon;
+
+/// A port nobody listens on right now (the OS picks it).
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).map(|a| a.port()).expect("a free port")
+}
+
+/// Polls `f` every 20 ms until it returns Some, or panics with `what`
+/// after `limit`.
+pub fn wait_until<T>(limit: Duration, what: &str, mut f: impl FnMut() -> Option<T>) -> T {
+    let deadline = Instant::now() + limit;
+    loop {
+        if let Some(v) = f() {
+            return v;
+        }
+        assert!(Instant::now() < deadline, "timed out after {limit:?} waiting for {what}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// The etcd binary: `etcd` on PATH (scripts/deps.sh installs etcd-server).
+fn etcd_bin() -> PathBuf {
+    for dir in std::env::var("PATH").unwrap_or_default().split(':').chain(["/usr/bin", "/usr/local/bin"]) {
+        let p = PathBuf::from(dir).join("etcd");
+        if p.is_file() {
+            return p;
+        }
+    }
+    panic!("etcd not found: install Debian's etcd-server (scripts/deps.sh does)");
+}
+
+/// A single-member etcd on loopback, with its own data dir.
+pub struct Etcd {
+    child: Option<Child>,
+    dir: PathBuf,
+    client_port: u16,
+    peer_port: u16,
+}
+
+impl Etcd {
+    /// Starts etcd in `dir` on two free ports and waits until it is healthy.
+    pub fn start(dir: PathBuf) -> Etcd {
+        // A port found free can be taken before etcd binds it: try again.
+        for _ in 0..3 {
+            let mut e = Etcd { child: None, dir: dir.clone(), client_port: free_port(), peer_port: free_port() };
+            if e.spawn() {
+                return e;
+            }
+        }
+        panic!("etcd did not come up in three attempts");
+    }
+
+    /// `127.0.0.1:PORT` for kv-mds `--etcd`.
+    pub fn endpoint(&self) -> String {
+        format!("127.0.0.1:{}", self.client_port)
+    }
+
+    fn spawn(&mut self) -> bool {
+        let client = format!("http://127.0.0.1:{}", self.client_port);
+        let peer = format!("http://127.0.0.1:{}", self.peer_port);
+        let child = Command::new(etcd_bin())
+            .args(["--name", "t", "--data-dir"])
+            .arg(self.dir.join("etcd"))
+            .args(["--listen-client-urls", &client, "--advertise-client-urls", &client])
+            .args(["--listen-peer-urls", &peer, "--initial-advertise-peer-urls", &peer])
+            .args(["--initial-cluster", &format!("t={peer}"), "--initial-cluster-state", "new"])
+            .args(["--log-level", "error", "--logger", "zap"])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("spawn etcd");
+        self.child = Some(child);
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while Instant::now() < deadline {
+            if let Some(st) = self.child.as_mut().and_then(|c| c.try_wait().ok().flatten()) {
+                let _ = st;
+                self.child = None;
+                return false;
+            }
+            if self.healthy() {
+                return true;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        self.stop();
+        false
+    }
+
+    /// etcd's /health says true.
+    pub fn healthy(&self) -> bool {
+        let mut c = kv_common::mds::MdsClient::new(vec![self.endpoint()], Duration::from_millis(500));
+        matches!(c.call("GET", "/health", None, Duration::ZERO), Ok((200, b)) if String::from_utf8_lossy(&b).contains("true"))
+    }
+
+    /// SIGKILL and reap (the data dir stays).
+    pub fn stop(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    /// Starts again on the same ports; `wipe` starts from an empty data dir
+    /// (etcd's state lost), else from the data it had.
+    pub fn restart(&mut self, wipe: bool) {
+        self.stop();
+        if wipe {
+            std::fs::remove_dir_all(self.dir.join("etcd")).expect("remove etcd's data dir");
+        }
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while !self.spawn() {
+            assert!(Instant::now() < deadline, "etcd did not restart on its ports");
+            std::thread::sleep(Duration::from_millis(200));
+        }
+    }
+}
+
+impl Drop for Etcd {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+/// A running `kv-mds` replica.
+pub struct Mds {
+    child: Option<Child>,
+    pub addr: String,
+    pub stderr_lines: mpsc::Receiver<String>,
+}
+
+impl Mds {
+    /// `kv-mds --listen LISTEN --etcd ETCD --lease-ttl TTL`.
+    pub fn start_at(listen: &str, etcd: &str, ttl: &str) -> Mds {
+        let args = ["--listen", listen, "--etcd", etcd, "--lease-ttl", ttl, "--log-level", "info"];
+        let (child, addr, stderr_lines) = spawn_daemon("kv-mds", &args, "kv-mds listening on ");
+        Mds { child: Some(child), addr, stderr_lines }
+    }
+
+    pub fn start(etcd: &str, ttl: &str) -> Mds {
+        Mds::start_at("127.0.0.1:0", etcd, ttl)
+    }
+
+    /// SIGKILL and reap.
+    pub fn kill9(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    /// Everything it logged so far (drains the channel).
+    pub fn log(&self) -> Vec<String> {
+        self.stderr_lines.try_iter().collect()
+    }
+}
+
+impl Drop for Mds {
+    fn drop(&mut self) {
+        self.kill9();
+    }
+}

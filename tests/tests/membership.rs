@@ -1,0 +1,358 @@
+//! Membership end to end: a real etcd, real kv-mds replicas, real kv-server
+//! nodes, and the client library's discovery, with a 3 s lease TTL.
+//!
+//! Timings printed with `membership timing:` are the figures recorded in
+//! docs/BENCHMARKS.md (run with `--nocapture` to see them).
+
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+use kv_common::mds::{MdsClient, View};
+use kv_common::page::Geometry;
+use kv_common::status::Status;
+use kv_e2e::cluster::{wait_until, Etcd, Mds};
+use kv_e2e::{run, Node};
+use kvclient::{BlockingClient, Options};
+
+const TTL: &str = "3s";
+const TTL_D: Duration = Duration::from_secs(3);
+const POLL: Duration = Duration::from_millis(1000);
+
+fn geo() -> Geometry {
+    Geometry { model_hash: 7, page_size: 16, dtype_tag: 1, tp_size: 1, ..Geometry::default() }
+}
+
+struct Tier {
+    t: tempfile::TempDir,
+    etcd: Etcd,
+    mds: Vec<Mds>,
+}
+
+impl Tier {
+    fn new(replicas: usize) -> Tier {
+        let t = tempfile::tempdir().expect("tempdir");
+        let etcd = Etcd::start(t.path().to_path_buf());
+        let mds = (0..replicas).map(|_| Mds::start(&etcd.endpoint(), TTL)).collect();
+        Tier { t, etcd, mds }
+    }
+
+    /// The live replicas as a `--mds` list (the first one first).
+    fn eps(&self) -> String {
+        self.mds.iter().filter(|m| !m.addr.is_empty()).map(|m| m.addr.clone()).collect::<Vec<_>>().join(",")
+    }
+
+    fn node(&self, id: &str, weight: u32) -> Node {
+        self.node_at("127.0.0.1:0", id, weight)
+    }
+
+    fn node_at(&self, listen: &str, id: &str, weight: u32) -> Node {
+        let a = self.t.path().join(format!("{id}-a"));
+        let b = self.t.path().join(format!("{id}-b"));
+        let dirs = format!("{},{}", a.display(), b.display());
+        let w = weight.to_string();
+        let eps = self.eps();
+        Node::start_at(
+            listen,
+            &[
+                "--dir",
+                &dirs,
+                "--cap",
+                "64M",
+                "--no-sync",
+                "--log-level",
+                "info",
+                "--mds",
+                &eps,
+                "--group",
+                "g",
+                "--id",
+                id,
+                "--advertise",
+                "127.0.0.1:0",
+                "--weight",
+                &w,
+            ],
+        )
+    }
+
+    /// The view as replica `i` gives it.
+    fn view(&self, i: usize) -> Option<View> {
+        MdsClient::new(vec![self.mds[i].addr.clone()], Duration::from_secs(2)).view("g").ok()
+    }
+
+    /// Waits until replica `i` lists exactly `ids`; returns that view.
+    fn await_members(&self, i: usize, ids: &[&str], limit: Duration) -> View {
+        wait_until(limit, &format!("members {ids:?} on replica {i}"), || {
+            self.view(i).filter(|v| v.members.iter().map(|m| m.id.as_str()).eq(ids.iter().copied()))
+        })
+    }
+
+    fn client(&self, eps: &str) -> BlockingClient {
+        let c = BlockingClient::new(
+            Vec::new(),
+            geo(),
+            Options::parse("io_timeout_ms=2000,connect_timeout_ms=500").unwrap(),
+        )
+        .expect("client");
+        let eps = kv_common::mds::parse_endpoints(eps).unwrap();
+        let first = c.start_discovery(eps, "g".into(), POLL).expect("discovery thread");
+        assert!(first.is_ok(), "first view: {first:?}");
+        c
+    }
+}
+
+fn rebuilds(c: &BlockingClient) -> u64 {
+    c.core.metrics.ring_rebuilds.load(Ordering::Relaxed)
+}
+
+fn ids(c: &BlockingClient) -> Vec<String> {
+    let mut v: Vec<String> = c.core.topology().nodes.iter().map(|n| n.id.clone()).collect();
+    v.sort();
+    v
+}
+
+fn page(i: usize) -> Vec<u8> {
+    (0..4096).map(|j| (i * 31 + j) as u8).collect()
+}
+
+#[test]
+fn join_same_epoch_everywhere_and_weight_change_shows_in_shares() {
+    let tier = Tier::new(2);
+    let _n1 = tier.node("n1", 1);
+    let _n2 = tier.node("n2", 1);
+    let n3 = tier.node("n3", 2);
+    let v0 = tier.await_members(0, &["n1", "n2", "n3"], Duration::from_secs(20));
+    let v1 = tier.await_members(1, &["n1", "n2", "n3"], Duration::from_secs(20));
+    assert_eq!(v0, v1, "both replicas give the same view with the same epoch");
+    assert!(v0.epoch > 0);
+
+    let (code, out, err) = run("kvctl", &["ring", "--mds", &tier.eps(), "--group", "g", "--json"]);
+    assert_eq!(code, 0, "{err}");
+    let ring: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(ring["epoch"].as_u64(), Some(v0.epoch));
+    let share = |r: &serde_json::Value, id: &str| {
+        r["members"].as_array().unwrap().iter().find(|m| m["id"] == id).unwrap()["share"].as_f64().unwrap()
+    };
+    assert!((share(&ring, "n3") - 0.5).abs() < 0.06, "weight 2 of 4: {out}");
+    assert_eq!(ring["members"][2]["vnodes"].as_u64(), Some(320));
+    let (code, text, _) = run("kvctl", &["ring", "--mds", &tier.eps(), "--group", "g"]);
+    assert_eq!(code, 0);
+    assert!(text.starts_with(&format!("group g  epoch {}", v0.epoch)), "{text}");
+
+    // Heartbeats (every TTL/3) for two TTLs: the epoch stays.
+    std::thread::sleep(TTL_D * 2);
+    assert_eq!(tier.view(1).unwrap().epoch, v0.epoch, "heartbeats must not advance the epoch");
+
+    // n3 comes back with weight 1: a new epoch, and its share drops to a third.
+    let addr = n3.addr.clone();
+    assert!(n3.terminate(Duration::from_secs(20)).success());
+    let _n3 = tier.node_at(&addr, "n3", 1);
+    let v = wait_until(Duration::from_secs(20), "n3 at weight 1", || {
+        tier.view(0).filter(|v| v.members.len() == 3 && v.members.iter().all(|m| m.weight == 1))
+    });
+    assert!(v.epoch > v0.epoch);
+    let (_, out, _) = run("kvctl", &["ring", "--mds", &tier.eps(), "--group", "g", "--json"]);
+    let ring: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert!((share(&ring, "n3") - 1.0 / 3.0).abs() < 0.06, "{out}");
+}
+
+#[test]
+fn kill_and_leave_change_the_view_and_clients_reroute() {
+    let tier = Tier::new(2);
+    let n1 = tier.node("n1", 1);
+    let n2 = tier.node("n2", 1);
+    let _n3 = tier.node("n3", 1);
+    tier.await_members(0, &["n1", "n2", "n3"], Duration::from_secs(20));
+    let c = tier.client(&tier.eps());
+    assert_eq!(ids(&c), ["n1", "n2", "n3"]);
+    assert_eq!(rebuilds(&c), 1, "the first view builds the ring once");
+    for i in 0..60 {
+        assert_eq!(c.putv(format!("k{i}").as_bytes(), &[&page(i)]), Status::Ok);
+    }
+
+    // SIGKILL: gone from the view within TTL + one poll (plus etcd's expiry tick).
+    let t = Instant::now();
+    n1.kill9();
+    wait_until(TTL_D + POLL + Duration::from_secs(3), "n1 gone from the client's ring", || {
+        (ids(&c) == ["n2", "n3"]).then_some(())
+    });
+    let kill_seen = t.elapsed();
+    eprintln!("membership timing: SIGKILL of a node seen by a client after {kill_seen:?} (TTL 3 s, poll 1 s)");
+    assert_eq!(rebuilds(&c), 2, "one rebuild for one change");
+    // Every key routes to a live node: n1's keys miss (recompute), the rest hit.
+    let mut hits = 0;
+    for i in 0..60 {
+        let mut buf = vec![0u8; 4096];
+        match c.getv(format!("k{i}").as_bytes(), &mut [&mut buf[..]]) {
+            Ok(_) => hits += 1,
+            Err((Status::Miss, _)) => {}
+            Err(other) => panic!("key k{i}: {other:?} after the view dropped n1"),
+        }
+        assert_eq!(c.putv(format!("k{i}").as_bytes(), &[&page(i)]), Status::Ok);
+    }
+    assert!(hits > 20 && hits < 60, "n1's keys miss, the others hit: {hits}");
+
+    // SIGTERM: deregistered at once.
+    let t = Instant::now();
+    assert!(n2.terminate(Duration::from_secs(20)).success());
+    let stopped = t.elapsed();
+    wait_until(Duration::from_secs(2), "n2 gone after a graceful stop", || (ids(&c) == ["n3"]).then_some(()));
+    eprintln!(
+        "membership timing: graceful leave seen by a client {:?} after SIGTERM (the node took {stopped:?} to stop)",
+        t.elapsed()
+    );
+    assert_eq!(rebuilds(&c), 3);
+    // Quiet period: heartbeats only, no rebuild.
+    std::thread::sleep(TTL_D);
+    assert_eq!(rebuilds(&c), 3, "heartbeats must not rebuild the ring");
+    let (code, _, err) = run("kvctl", &["stat", "--all", "--mds", &tier.eps(), "--group", "g"]);
+    assert_eq!(code, 0, "{err}");
+}
+
+#[test]
+fn a_long_poll_sees_a_join_within_a_second() {
+    let tier = Tier::new(1);
+    let _n1 = tier.node("n1", 1);
+    tier.await_members(0, &["n1"], Duration::from_secs(20));
+    // Long polls of 5 s: only the long-poll can make the join visible early.
+    let c = BlockingClient::new(Vec::new(), geo(), Options::default()).unwrap();
+    let eps = kv_common::mds::parse_endpoints(&tier.eps()).unwrap();
+    assert!(c.start_discovery(eps, "g".into(), Duration::from_secs(5)).unwrap().is_ok());
+    let c = std::sync::Arc::new(c);
+    let watcher = {
+        let c = c.clone();
+        std::thread::spawn(move || {
+            let deadline = Instant::now() + Duration::from_secs(30);
+            while Instant::now() < deadline {
+                if ids(&c) == ["n1", "n2"] {
+                    return Some(Instant::now());
+                }
+                std::thread::sleep(Duration::from_millis(2));
+            }
+            None
+        })
+    };
+    let spawned = Instant::now();
+    let n2 = tier.node("n2", 1);
+    let registered = wait_until(Duration::from_secs(20), "n2's registered line", || {
+        n2.stderr_lines.try_iter().find(|l| l.contains("registered")).map(|_| Instant::now())
+    });
+    let seen = watcher.join().unwrap().expect("the client sees n2 within 30 s");
+    // The node logs "registered" once the MDS answered, and the MDS answers
+    // after the epoch moved: the client may see the join before the line.
+    let lag = seen.saturating_duration_since(registered);
+    eprintln!(
+        "membership timing: join seen by a long-polling client {:?} after the node was started, {lag:?} after its registered line was read",
+        seen - spawned
+    );
+    assert!(lag < Duration::from_secs(1), "join seen {lag:?} after registration");
+}
+
+#[test]
+fn killing_the_replica_holding_the_leases_keeps_nodes_and_clients() {
+    let mut tier = Tier::new(2);
+    // Nodes try the first replica first: it holds every lease.
+    let _n1 = tier.node("n1", 1);
+    let _n2 = tier.node("n2", 1);
+    let v = tier.await_members(1, &["n1", "n2"], Duration::from_secs(20));
+    let c = tier.client(&tier.eps());
+    tier.mds[0].kill9();
+    // Past two TTLs, with traffic all along: nothing expires, nothing changes.
+    let until = Instant::now() + TTL_D * 2 + Duration::from_secs(1);
+    let mut i = 0;
+    while Instant::now() < until {
+        assert_eq!(c.putv(format!("x{i}").as_bytes(), &[&page(i)]), Status::Ok);
+        let mut buf = vec![0u8; 4096];
+        assert!(c.getv(format!("x{i}").as_bytes(), &mut [&mut buf[..]]).is_ok());
+        i += 1;
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let now = tier.view(1).expect("the surviving replica answers");
+    assert_eq!(now, v, "the other replica took the leases over: same members, same epoch");
+    assert_eq!(rebuilds(&c), 1);
+    let log = tier.mds[1].log().join("\n");
+    assert!(log.contains("took the node over"), "{log}");
+}
+
+#[test]
+fn with_every_mds_down_clients_keep_their_ring_then_resume() {
+    let mut tier = Tier::new(2);
+    let _n1 = tier.node("n1", 1);
+    let _n2 = tier.node("n2", 1);
+    tier.await_members(0, &["n1", "n2"], Duration::from_secs(20));
+    let eps = tier.eps();
+    let addr0 = tier.mds[0].addr.clone();
+    let c = tier.client(&eps);
+    tier.mds[0].kill9();
+    tier.mds[1].kill9();
+    // Longer than a TTL without any MDS: the client serves on its last ring.
+    let until = Instant::now() + TTL_D + Duration::from_secs(1);
+    let mut i = 0;
+    while Instant::now() < until {
+        assert_eq!(c.putv(format!("y{i}").as_bytes(), &[&page(i)]), Status::Ok);
+        i += 1;
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert_eq!(ids(&c), ["n1", "n2"]);
+    wait_until(Duration::from_secs(5), "the client to report the MDS down", || {
+        (c.core.metrics.mds_up.load(Ordering::Relaxed) == 0).then_some(())
+    });
+    assert!(c.stats_text().contains("kvclient_mds_last_error_info"));
+
+    // One replica back on its address: nodes re-register, a new node joins,
+    // and the client's discovery picks it all up.
+    tier.mds[0] = Mds::start_at(&addr0, &tier.etcd.endpoint(), TTL);
+    tier.mds[1].addr.clear();
+    let _n3 = tier.node("n3", 1);
+    wait_until(Duration::from_secs(20), "the client to see n1, n2 and n3", || {
+        (ids(&c) == ["n1", "n2", "n3"]).then_some(())
+    });
+    assert_eq!(c.core.metrics.mds_up.load(Ordering::Relaxed), 1);
+}
+
+#[test]
+fn etcd_restart_is_reported_and_recovered_from() {
+    let mut tier = Tier::new(1);
+    let n1 = tier.node("n1", 1);
+    let n2 = tier.node("n2", 1);
+    let v = tier.await_members(0, &["n1", "n2"], Duration::from_secs(20));
+    let c = tier.client(&tier.eps());
+    tier.etcd.stop();
+    // The MDS answers with a clear error, and logs it once.
+    let m = MdsClient::new(vec![tier.mds[0].addr.clone()], Duration::from_secs(10));
+    let ep = tier.mds[0].addr.clone();
+    let (status, body) = m.request(&ep, "GET", "/v1/groups/g/view", None, Duration::ZERO).expect("the MDS answers");
+    assert_eq!(status, 503);
+    assert!(String::from_utf8_lossy(&body).contains("etcd unavailable"), "{}", String::from_utf8_lossy(&body));
+    let (hc, _) = m.request(&ep, "GET", "/healthz", None, Duration::ZERO).unwrap();
+    assert_eq!(hc, 503);
+    // Clients keep serving meanwhile.
+    assert_eq!(c.putv(b"during-outage", &[&page(1)]), Status::Ok);
+
+    tier.etcd.restart(false);
+    let after = tier.await_members(0, &["n1", "n2"], Duration::from_secs(30));
+    assert_eq!(after, v, "leases survive an etcd restart: same members, same epoch");
+    wait_until(Duration::from_secs(10), "healthz ok", || {
+        matches!(m.request(&ep, "GET", "/healthz", None, Duration::ZERO), Ok((200, _))).then_some(())
+    });
+    let log = tier.mds[0].log().join("\n");
+    assert!(log.contains("etcd unavailable"), "{log}");
+    assert!(log.contains("etcd reachable again"), "{log}");
+    assert_eq!(ids(&c), ["n1", "n2"]);
+
+    // etcd's state lost: the next heartbeats are told the node is unknown,
+    // and the nodes register again.
+    tier.etcd.restart(true);
+    eprintln!("etcd wiped and restarted");
+    tier.await_members(0, &["n1", "n2"], Duration::from_secs(30));
+    for n in [&n1, &n2] {
+        wait_until(Duration::from_secs(10), "a node logging its re-registration", || {
+            n.stderr_lines.try_iter().any(|l| l.contains("registering again")).then_some(())
+        });
+    }
+    // The client follows the new etcd's (lower) epoch within a poll.
+    wait_until(Duration::from_secs(10), "the client on the new epoch", || {
+        (c.core.epoch() == tier.view(0).map(|v| v.epoch).unwrap_or(0)).then_some(())
+    });
+    assert_eq!(c.putv(b"after-wipe", &[&page(2)]), Status::Ok);
+}
