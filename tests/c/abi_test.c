@@ -163,6 +163,22 @@ static int phase_put(const char *members, const char *dead) {
   CHECK(kv_set_members(c, "garbage") == KV_EINVAL, "set_members(garbage)");
   CHECK(kv_exist(NULL, "k") == KV_EINVAL, "exist(NULL client)");
   CHECK(kv_epoch(NULL) == 0, "epoch(NULL)");
+  CHECK(kv_start_mds_discovery(NULL, "127.0.0.1:1", "g", 100) == KV_EINVAL, "discovery(NULL client)");
+  CHECK(kv_start_mds_discovery(c, NULL, "g", 100) == KV_EINVAL, "discovery(NULL endpoints)");
+  CHECK(kv_start_mds_discovery(c, "127.0.0.1:1", NULL, 100) == KV_EINVAL, "discovery(NULL group)");
+  CHECK(kv_start_mds_discovery(c, "127.0.0.1:1", "g", 0) == KV_EINVAL, "discovery(poll_ms 0)");
+  CHECK(kv_start_mds_discovery(c, "not-an-endpoint", "g", 100) == KV_EINVAL, "discovery(bad endpoint)");
+  CHECK(kv_start_mds_discovery(c, "127.0.0.1:1", "bad/group", 100) == KV_EINVAL, "discovery(bad group)");
+  {
+    /* No MDS listening: unavailable now, retried in the background; the
+       static ring in use stays, and kv_close stops the discovery thread. */
+    kv_client *d = kv_open(members, &g, NULL);
+    uint64_t before = kv_epoch(d);
+    CHECK(kv_start_mds_discovery(d, "127.0.0.1:1", "g", 100) == KV_UNAVAILABLE && strstr(kv_last_error(), "127.0.0.1:1"),
+          "discovery with no MDS -> KV_UNAVAILABLE: %s", kv_last_error());
+    CHECK(kv_epoch(d) == before && kv_exist(d, "page-1") == KV_OK, "the ring in use stays while no MDS answers");
+    kv_close(d);
+  }
   CHECK(kv_register_memory(c, src, n) == KV_OK, "register_memory is a no-op on TCP");
   CHECK(kv_register_memory(c, NULL, 10) == KV_EINVAL, "register_memory(NULL)");
   CHECK(kv_stats_snapshot(NULL, NULL, 0) == 0, "stats(NULL)");
