@@ -36,6 +36,9 @@ def main():
         check(c.get("py-page", small) == (kv.KV_TOO_SMALL, len(page)), "too small reports the size needed")
         check(c.batch_exist(["py-page", "py-absent"]) == [kv.KV_OK, kv.KV_MISS], "batch exist")
         check("kvclient_ops_total" in c.stats(), "stats snapshot")
+        # No MDS listens on port 1: unavailable, and the static ring stays in use.
+        check(c.start_mds_discovery("127.0.0.1:1", "g", 100) == kv.KV_UNAVAILABLE, "discovery without an MDS")
+        check(c.exist("py-page") == kv.KV_OK, "static ring still in use")
         check(c.epoch() == 1, "epoch")
         # A read-only view that is not bytes (copied once, kept alive).
         view = memoryview(page)[1000:5096]

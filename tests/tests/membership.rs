@@ -242,7 +242,8 @@ fn a_long_poll_sees_a_join_within_a_second() {
     // after the epoch moved: the client may see the join before the line.
     let lag = seen.saturating_duration_since(registered);
     eprintln!(
-        "membership timing: join seen by a long-polling client {:?} after the node was started, {lag:?} after its registered line was read",
+        "membership timing: join seen by a long-polling client {:?} after the node process was started \
+         (start, recovery, registration and propagation included)",
         seen - spawned
     );
     assert!(lag < Duration::from_secs(1), "join seen {lag:?} after registration");
