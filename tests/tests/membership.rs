@@ -357,3 +357,83 @@ fn etcd_restart_is_reported_and_recovered_from() {
     });
     assert_eq!(c.putv(b"after-wipe", &[&page(2)]), Status::Ok);
 }
+
+#[test]
+fn a_node_started_before_any_mds_serves_and_registers_when_one_comes() {
+    let t = tempfile::tempdir().unwrap();
+    let etcd = Etcd::start(t.path().to_path_buf());
+    let mds_addr = format!("127.0.0.1:{}", kv_e2e::cluster::free_port());
+    let dir = t.path().join("n1");
+    let node = Node::start(&[
+        "--dir",
+        dir.to_str().unwrap(),
+        "--cap",
+        "64M",
+        "--no-sync",
+        "--mds",
+        &mds_addr,
+        "--group",
+        "g",
+        "--id",
+        "n1",
+        "--advertise",
+        "127.0.0.1:0",
+    ]);
+    // Serving already, through a static member list.
+    let c = BlockingClient::new(
+        kvclient::members::parse_members(&format!("n1={}", node.addr)).unwrap(),
+        geo(),
+        Options::default(),
+    )
+    .unwrap();
+    assert_eq!(c.putv(b"early", &[&page(0)]), Status::Ok);
+    let mds = Mds::start_at(&mds_addr, &etcd.endpoint(), TTL);
+    let v = wait_until(Duration::from_secs(15), "n1 registered once the MDS is up", || {
+        MdsClient::new(vec![mds.addr.clone()], Duration::from_secs(2)).view("g").ok().filter(|v| v.members.len() == 1)
+    });
+    assert_eq!(v.members[0].addr, node.addr, "port 0 in --advertise means the listen port");
+}
+
+#[test]
+fn bad_requests_and_bad_flags_get_one_clear_error() {
+    let tier = Tier::new(1);
+    let addr = tier.mds[0].addr.clone();
+    let m = MdsClient::new(vec![addr.clone()], Duration::from_secs(5));
+    let cases: [(&str, &str, Option<&[u8]>, u16, &str); 7] = [
+        ("POST", "/v1/groups/g/members/n1", Some(b"not json"), 400, "body is not"),
+        ("POST", "/v1/groups/g/members/n1", Some(br#"{"addr":"h:1","weight":0}"#), 400, "weight"),
+        ("POST", "/v1/groups/g/members/n1", Some(br#"{"addr":"nohostport","weight":1}"#), 400, "host:port"),
+        ("POST", "/v1/groups/bad%2Fname/members/n1", Some(b"{}"), 400, "group"),
+        ("GET", "/v1/groups/g/view?after=x&wait_ms=1", None, 400, "not a whole number"),
+        ("POST", "/v1/groups/g/members/ghost/heartbeat", Some(b"{}"), 404, "register again"),
+        ("GET", "/nowhere", None, 404, "no such call"),
+    ];
+    for (method, path, body, want, text) in cases {
+        let (status, reply) = m.request(&addr, method, path, body, Duration::ZERO).expect("an answer");
+        let reply = String::from_utf8_lossy(&reply);
+        assert_eq!(status, want, "{method} {path}: {reply}");
+        assert!(reply.contains(text), "{method} {path}: {reply}");
+    }
+    // Garbage on the port: that connection ends, the replica serves on.
+    {
+        use std::io::{Read, Write};
+        let mut s = std::net::TcpStream::connect(&addr).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+        let _ = s.write_all(b"\x00\x01garbage\r\n\r\n\xff\xfe");
+        let mut sink = Vec::new();
+        let _ = s.read_to_end(&mut sink);
+    }
+    assert!(tier.view(0).is_some(), "the replica still answers");
+
+    // The daemon's own flags.
+    let (code, _, err) = run("kv-mds", &["--lease-ttl", "soon"]);
+    assert_eq!(code, 2);
+    assert!(err.contains("not a duration") && err.lines().count() <= 2, "{err}");
+    let (code, _, err) = run("kv-mds", &["--listen", &addr, "--etcd", &tier.etcd.endpoint()]);
+    assert_eq!(code, 1);
+    assert!(err.contains("cannot listen"), "{err}");
+    let (code, _, err) =
+        run("kv-server", &["--listen", "127.0.0.1:0", "--dir", "unused-dir", "--cap", "1G", "--mds", "h:1"]);
+    assert_eq!(code, 2);
+    assert!(err.contains("--id is required"), "{err}");
+}
