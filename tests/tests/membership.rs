@@ -399,7 +399,9 @@ fn bad_requests_and_bad_flags_get_one_clear_error() {
     let tier = Tier::new(1);
     let addr = tier.mds[0].addr.clone();
     let m = MdsClient::new(vec![addr.clone()], Duration::from_secs(5));
-    let cases: [(&str, &str, Option<&[u8]>, u16, &str); 7] = [
+    /// method, path, body, expected status, text the error must contain
+    type Case<'a> = (&'a str, &'a str, Option<&'a [u8]>, u16, &'a str);
+    let cases: [Case; 7] = [
         ("POST", "/v1/groups/g/members/n1", Some(b"not json"), 400, "body is not"),
         ("POST", "/v1/groups/g/members/n1", Some(br#"{"addr":"h:1","weight":0}"#), 400, "weight"),
         ("POST", "/v1/groups/g/members/n1", Some(br#"{"addr":"nohostport","weight":1}"#), 400, "host:port"),
