@@ -135,6 +135,15 @@ fn join_same_epoch_everywhere_and_weight_change_shows_in_shares() {
     };
     assert!((share(&ring, "n3") - 0.5).abs() < 0.06, "weight 2 of 4: {out}");
     assert_eq!(ring["members"][2]["vnodes"].as_u64(), Some(320));
+    // stat --all: a row per node and a TOTAL; an unreachable node is marked (exit 1).
+    let (code, out, err) = run("kvctl", &["stat", "--all", "--mds", &tier.eps(), "--group", "g", "--json"]);
+    assert_eq!(code, 0, "{err}");
+    let st: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!((st["nodes"].as_array().unwrap().len(), st["total"]["unreachable"].as_u64()), (3, Some(0)), "{out}");
+    let dead = format!("n1={},gone=127.0.0.1:1", v0.members[0].addr);
+    let (code, text, _) = run("kvctl", &["stat", "--all", "--members", &dead]);
+    assert_eq!(code, 1, "{text}");
+    assert!(text.contains("UNREACHABLE") && text.contains("TOTAL"), "{text}");
     let (code, text, _) = run("kvctl", &["ring", "--mds", &tier.eps(), "--group", "g"]);
     assert_eq!(code, 0);
     assert!(text.starts_with(&format!("group g  epoch {}", v0.epoch)), "{text}");
