@@ -60,14 +60,19 @@ pub fn start(
     first_wait: Duration,
 ) -> std::io::Result<(Discovery, Result<u64, String>)> {
     let stop = Arc::new(AtomicBool::new(false));
-    let timeout = core.opts.connect_timeout.clamp(Duration::from_millis(200), Duration::from_secs(5));
+    // Above the MDS's 2.5 s budget for etcd (a slow etcd is then a 503 to
+    // fail over on, not a timeout).
+    let timeout = core.opts.connect_timeout.clamp(Duration::from_secs(3), Duration::from_secs(10));
+    let named = endpoints.join(",");
     let mds = MdsClient::new(endpoints, timeout);
     let abort = mds.abort_handle();
     let (tx, rx) = mpsc::channel::<Result<u64, String>>();
     let s = stop.clone();
     let thread =
         std::thread::Builder::new().name("kvclient-mds".into()).spawn(move || run(core, mds, group, poll, &s, tx))?;
-    let first = rx.recv_timeout(first_wait).unwrap_or_else(|_| Err("no MDS answered in time".into()));
+    let first = rx
+        .recv_timeout(first_wait)
+        .unwrap_or_else(|_| Err(format!("no MDS of {named} answered within {} ms", first_wait.as_millis())));
     Ok((Discovery { stop, abort, thread: Some(thread) }, first))
 }
 
@@ -94,10 +99,27 @@ fn run(
                 m.mds_up.store(1, Ordering::Relaxed);
                 if applied != Some(v.epoch) {
                     let (members, bad) = members_of(&v);
+                    let had = !core.topology().nodes.is_empty();
                     if !bad.is_empty() {
-                        core.set_discovery_error(format!("view {} of {group}: {}", v.epoch, bad.join("; ")));
+                        // Every client must build the same ring for an epoch:
+                        // rather than a ring without this member, keep the
+                        // one in use and try again.
+                        fail(&core, &mut first, format!("view {} of {group}: {}", v.epoch, bad.join("; ")));
+                        pause(stop, poll.min(Duration::from_secs(1)));
+                        continue;
                     }
-                    core.set_members_at(members, Some(v.epoch));
+                    if members.is_empty() && had {
+                        // An empty view after an MDS or etcd outage (leases
+                        // lapsed, nodes not yet back) would drop every page
+                        // route at once: keep the ring; cool-downs handle
+                        // nodes that are really gone.
+                        core.set_discovery_error(format!(
+                            "view {} of {group} has no members: keeping the ring in use",
+                            v.epoch
+                        ));
+                    } else {
+                        core.set_members_at(members, Some(v.epoch));
+                    }
                     applied = Some(v.epoch);
                 }
                 if let Some(tx) = first.take() {
@@ -108,20 +130,26 @@ fn run(
             Err(e) => {
                 m.mds_errors.fetch_add(1, Ordering::Relaxed);
                 m.mds_up.store(0, Ordering::Relaxed);
-                let msg = format!("MDS discovery of group {group}: {e}");
-                core.set_discovery_error(msg.clone());
-                if let Some(tx) = first.as_ref() {
-                    // Tell the starter at once; keep trying behind it.
-                    let _ = tx.send(Err(msg));
-                    first = None;
-                }
+                fail(&core, &mut first, format!("MDS discovery of group {group}: {e}"));
                 // Every replica failed: keep the ring, try again shortly.
-                let pause = poll.min(Duration::from_secs(1));
-                let until = std::time::Instant::now() + pause;
-                while !stop.load(Ordering::SeqCst) && std::time::Instant::now() < until {
-                    std::thread::sleep(Duration::from_millis(20));
-                }
+                pause(stop, poll.min(Duration::from_secs(1)));
             }
         }
+    }
+}
+
+/// Records a failed round; the first one also answers the starter (who
+/// returns KV_UNAVAILABLE while discovery keeps trying behind it).
+fn fail(core: &Client, first: &mut Option<mpsc::Sender<Result<u64, String>>>, msg: String) {
+    core.set_discovery_error(msg.clone());
+    if let Some(tx) = first.take() {
+        let _ = tx.send(Err(msg));
+    }
+}
+
+fn pause(stop: &AtomicBool, d: Duration) {
+    let until = std::time::Instant::now() + d;
+    while !stop.load(Ordering::SeqCst) && std::time::Instant::now() < until {
+        std::thread::sleep(Duration::from_millis(20));
     }
 }

@@ -144,8 +144,11 @@ pub struct AbortHandle {
 impl AbortHandle {
     /// Fails the call in progress and every later call with `Aborted`.
     pub fn abort(&self) {
+        // Under the lock: a call either sees the flag when it registers its
+        // socket, or has registered it and has it shut down here.
+        let g = self.in_flight.lock().unwrap_or_else(|e| e.into_inner());
         self.aborted.store(true, std::sync::atomic::Ordering::SeqCst);
-        if let Some(s) = self.in_flight.lock().unwrap_or_else(|e| e.into_inner()).as_ref() {
+        if let Some(s) = g.as_ref() {
             let _ = s.shutdown(Shutdown::Both);
         }
     }
@@ -270,7 +273,13 @@ impl MdsClient {
         s.set_nodelay(true)?;
         s.set_read_timeout(Some(self.timeout + extra))?;
         s.set_write_timeout(Some(self.timeout))?;
-        *self.in_flight.lock().unwrap_or_else(|e| e.into_inner()) = Some(s.try_clone()?);
+        {
+            let mut g = self.in_flight.lock().unwrap_or_else(|e| e.into_inner());
+            if self.aborted.load(std::sync::atomic::Ordering::SeqCst) {
+                return Err(std::io::Error::new(std::io::ErrorKind::Interrupted, "aborted"));
+            }
+            *g = Some(s.try_clone()?);
+        }
         let result = exchange(&mut s, ep, method, path, body);
         *self.in_flight.lock().unwrap_or_else(|e| e.into_inner()) = None;
         result

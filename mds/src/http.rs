@@ -24,6 +24,16 @@ use crate::{Mds, RegError};
 /// The largest request body accepted.
 const MAX_BODY: usize = 64 << 10;
 
+/// The longest a call may spend on etcd (a long-poll: on top of its wait).
+/// Below the callers' own timeouts (nodes: 3 s), so a slow etcd gives them
+/// a 503 to fail over on rather than a timeout and a retried request.
+const ETCD_BUDGET: Duration = Duration::from_millis(2500);
+
+async fn limited<T>(extra: Duration, f: impl std::future::Future<Output = Result<T, RegError>>) -> Result<T, RegError> {
+    let limit = ETCD_BUDGET + extra;
+    tokio::time::timeout(limit, f).await.unwrap_or(Err(RegError::Slow(limit.as_millis() as u64)))
+}
+
 type Reply = Response<Full<Bytes>>;
 
 fn json<T: serde::Serialize>(code: StatusCode, v: &T) -> Reply {
@@ -41,7 +51,7 @@ fn error(code: StatusCode, msg: impl Into<String>) -> Reply {
 
 fn reg_error(e: RegError) -> Reply {
     match e {
-        RegError::Etcd { .. } => error(StatusCode::SERVICE_UNAVAILABLE, e.to_string()),
+        RegError::Etcd { .. } | RegError::Slow(_) => error(StatusCode::SERVICE_UNAVAILABLE, e.to_string()),
         RegError::NotRegistered(m) => error(StatusCode::NOT_FOUND, m),
         RegError::Conflict(m) => error(StatusCode::CONFLICT, m),
     }
@@ -138,8 +148,11 @@ async fn view(mds: &Mds, group: &str, query: &str) -> Reply {
         (Err(e), _) | (_, Err(e)) => return error(StatusCode::BAD_REQUEST, e),
     };
     let r = match after {
-        Some(a) if wait > 0 => mds.wait_view(group, a, Duration::from_millis(wait)).await,
-        _ => mds.reg.view(group).await,
+        Some(a) if wait > 0 => {
+            let wait = Duration::from_millis(wait);
+            limited(wait, mds.wait_view(group, a, wait)).await
+        }
+        _ => limited(Duration::ZERO, mds.reg.view(group)).await,
     };
     match r {
         Ok(v) => json(StatusCode::OK, &v),
@@ -172,10 +185,10 @@ async fn register(mds: &Mds, group: &str, id: &str, req: Request<Incoming>) -> R
         return error(StatusCode::BAD_REQUEST, format!("addr {:?} is not host:port", r.addr));
     }
     let rec = MemberRecord { id: id.to_string(), addr: r.addr, weight: r.weight };
-    match mds.reg.register(group, &rec).await {
+    match limited(Duration::ZERO, mds.reg.register(group, &rec)).await {
         Ok(epoch) => {
             tracing::info!(group, id, addr = %rec.addr, weight = rec.weight, epoch, "node registered");
-            json(StatusCode::OK, &LeaseReply { ttl_ms: mds.reg.ttl.as_millis() as u64, took_over: false, epoch })
+            json(StatusCode::OK, &LeaseReply { ttl_ms: mds.reg.ttl_ms(), took_over: false, epoch })
         }
         Err(e) => reg_error(e),
     }
@@ -185,10 +198,8 @@ async fn heartbeat(mds: &Mds, group: &str, id: &str) -> Reply {
     if let Some(r) = bad_id(id) {
         return r;
     }
-    match mds.reg.heartbeat(group, id).await {
-        Ok(took_over) => {
-            json(StatusCode::OK, &LeaseReply { ttl_ms: mds.reg.ttl.as_millis() as u64, took_over, epoch: 0 })
-        }
+    match limited(Duration::ZERO, mds.reg.heartbeat(group, id)).await {
+        Ok(took_over) => json(StatusCode::OK, &LeaseReply { ttl_ms: mds.reg.ttl_ms(), took_over, epoch: 0 }),
         Err(e) => reg_error(e),
     }
 }
@@ -197,7 +208,7 @@ async fn deregister(mds: &Mds, group: &str, id: &str) -> Reply {
     if let Some(r) = bad_id(id) {
         return r;
     }
-    match mds.reg.deregister(group, id).await {
+    match limited(Duration::ZERO, mds.reg.deregister(group, id)).await {
         Ok(epoch) => {
             tracing::info!(group, id, epoch, "node deregistered");
             json(StatusCode::OK, &LeaseReply { ttl_ms: 0, took_over: false, epoch })

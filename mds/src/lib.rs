@@ -42,8 +42,8 @@ pub async fn connect(endpoints: &[String], ttl: Duration) -> Result<Arc<Mds>, St
         endpoints.iter().map(|e| if e.contains("://") { e.clone() } else { format!("http://{e}") }).collect();
     let joined = endpoints.join(",");
     let unary = ConnectOptions::new()
-        .with_connect_timeout(Duration::from_secs(2))
-        .with_timeout(Duration::from_secs(5))
+        .with_connect_timeout(Duration::from_secs(1))
+        .with_timeout(Duration::from_millis(1500))
         .with_keep_alive(Duration::from_secs(10), Duration::from_secs(5));
     let streaming = ConnectOptions::new()
         .with_connect_timeout(Duration::from_secs(2))
@@ -74,63 +74,84 @@ impl Mds {
             return Some(tx.subscribe());
         }
         if g.len() >= MAX_GROUPS {
-            return None;
+            // Groups nobody waits on any more make room.
+            g.retain(|_, tx| tx.receiver_count() > 0);
+            if g.len() >= MAX_GROUPS {
+                return None;
+            }
         }
         let (tx, rx) = watch::channel(None);
         g.insert(group.to_string(), tx);
         Some(rx)
     }
 
-    /// Re-reads a followed group's view and publishes it if the epoch moved.
+    /// Re-reads a followed group's view and publishes it if the epoch
+    /// changed (retrying a few times: a lost refresh would leave waiters
+    /// asleep until their deadline).
     async fn refresh(&self, group: &str) {
-        let followed = self.groups.lock().unwrap_or_else(|e| e.into_inner()).contains_key(group);
+        let followed =
+            self.groups.lock().unwrap_or_else(|e| e.into_inner()).get(group).is_some_and(|tx| tx.receiver_count() > 0);
         if !followed {
             return;
         }
-        let Ok(view) = self.reg.view(group).await else { return };
+        let mut backoff = Duration::from_millis(50);
+        let view = loop {
+            match self.reg.view(group).await {
+                Ok(v) => break v,
+                Err(e) if backoff > Duration::from_millis(800) => {
+                    tracing::warn!(group, error = %e, "cannot refresh a view after a change: long-polls re-read at their deadline");
+                    return;
+                }
+                Err(_) => {
+                    tokio::time::sleep(backoff).await;
+                    backoff *= 2;
+                }
+            }
+        };
         if let Some(tx) = self.groups.lock().unwrap_or_else(|e| e.into_inner()).get(group) {
+            // `!=`, not `>`: after etcd lost its data, revisions restart lower.
             tx.send_if_modified(|cur| {
-                let newer = cur.as_ref().is_none_or(|c| view.epoch > c.epoch);
-                if newer {
+                let changed = cur.as_ref().is_none_or(|c| view.epoch != c.epoch);
+                if changed {
                     *cur = Some(view);
                 }
-                newer
+                changed
             });
         }
     }
 
-    /// The view once its epoch passes `after`, or at `wait`'s end.
+    /// The view once its epoch differs from `after`, or at `wait`'s end
+    /// (then read afresh).
     pub async fn wait_view(&self, group: &str, after: u64, wait: Duration) -> Result<View, RegError> {
         let deadline = tokio::time::Instant::now() + wait;
         let mut rx = self.subscribe(group);
         let mut v = self.reg.view(group).await?;
         loop {
-            if v.epoch > after || tokio::time::Instant::now() >= deadline {
+            if v.epoch != after || tokio::time::Instant::now() >= deadline {
                 return Ok(v);
             }
             // Without a working watch, fall back to re-reading twice a second.
             let polling = !self.watching.load(Ordering::SeqCst) || rx.is_none();
             let slice = if polling { Duration::from_millis(500) } else { Duration::from_secs(3600) };
             let until = deadline.min(tokio::time::Instant::now() + slice);
+            let timer = async {
+                tokio::time::sleep_until(until).await;
+            };
             match rx.as_mut() {
                 Some(r) => {
                     tokio::select! {
                         changed = r.changed() => {
                             if changed.is_ok() {
                                 if let Some(nv) = r.borrow_and_update().clone() {
-                                    if nv.epoch > v.epoch {
-                                        v = nv;
-                                    }
+                                    v = nv;
                                 }
                             }
                         }
-                        _ = tokio::time::sleep_until(until) => {
-                            if polling { v = self.reg.view(group).await?; }
-                        }
+                        _ = timer => v = self.reg.view(group).await?,
                     }
                 }
                 None => {
-                    tokio::time::sleep_until(until).await;
+                    timer.await;
                     v = self.reg.view(group).await?;
                 }
             }
@@ -184,9 +205,22 @@ impl Mds {
     }
 
     async fn refresh_all(&self) {
-        let groups: Vec<String> = self.groups.lock().unwrap_or_else(|e| e.into_inner()).keys().cloned().collect();
+        let groups: Vec<String> = {
+            let mut g = self.groups.lock().unwrap_or_else(|e| e.into_inner());
+            g.retain(|_, tx| tx.receiver_count() > 0);
+            g.keys().cloned().collect()
+        };
         for g in groups {
             self.refresh(&g).await;
+        }
+    }
+
+    /// Drops per-group and per-node state nobody uses any more, every TTL.
+    pub async fn sweep_loop(self: Arc<Self>) {
+        loop {
+            tokio::time::sleep(self.reg.ttl.max(Duration::from_secs(1))).await;
+            self.reg.sweep();
+            self.groups.lock().unwrap_or_else(|e| e.into_inner()).retain(|_, tx| tx.receiver_count() > 0);
         }
     }
 }

@@ -83,6 +83,7 @@ fn run(cli: Cli, endpoints: Vec<String>) -> Result<(), String> {
             Err(e) => tracing::error!(error = %e, "etcd does not answer yet: calls fail until it does"),
         }
         tokio::spawn(mds.clone().watch_loop());
+        tokio::spawn(mds.clone().sweep_loop());
         let (tx, rx) = tokio::sync::watch::channel(false);
         tokio::spawn(async move {
             wait_for_signal().await;

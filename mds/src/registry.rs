@@ -23,8 +23,8 @@
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::Mutex;
-use std::time::Duration;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use etcd_client::{Client, Compare, CompareOp, GetOptions, PutOptions, Txn, TxnOp, TxnOpResponse};
 use kv_common::mds::{MemberRecord, View, ETCD_ROOT};
@@ -38,6 +38,8 @@ pub enum RegError {
     NotRegistered(String),
     #[error("{0}")]
     Conflict(String),
+    #[error("etcd did not answer within {0} ms")]
+    Slow(u64),
 }
 
 #[derive(Default)]
@@ -51,12 +53,19 @@ pub struct Counters {
     pub views: AtomicU64,
 }
 
+/// (group, node id).
+type NodeKey = (String, String);
+
 pub struct Registry {
     etcd: Client,
     endpoints: String,
     pub ttl: Duration,
-    /// Leases this replica holds: (group, id) -> lease id.
-    leases: Mutex<HashMap<(String, String), i64>>,
+    /// Leases this replica holds: (group, id) -> (lease id, last refreshed).
+    leases: Mutex<HashMap<NodeKey, (i64, Instant)>>,
+    /// One register/heartbeat/deregister at a time per node, so a retried
+    /// request racing the original cannot bind the record to one lease and
+    /// revoke it as another's.
+    node_locks: Mutex<HashMap<NodeKey, Arc<tokio::sync::Mutex<()>>>>,
     etcd_ok: AtomicBool,
     pub counters: Counters,
 }
@@ -117,6 +126,7 @@ impl Registry {
             endpoints,
             ttl,
             leases: Mutex::default(),
+            node_locks: Mutex::default(),
             etcd_ok: AtomicBool::new(true),
             counters: Counters::default(),
         }
@@ -150,26 +160,56 @@ impl Registry {
         self.etcd_ok.load(Ordering::SeqCst)
     }
 
+    /// The TTL in whole seconds, rounded up (etcd leases have 1 s resolution).
     fn ttl_secs(&self) -> i64 {
-        self.ttl.as_secs().max(1) as i64
+        self.ttl.as_millis().div_ceil(1000).max(1) as i64
+    }
+
+    /// The TTL the lease really has, for the nodes' heartbeat period.
+    pub fn ttl_ms(&self) -> u64 {
+        self.ttl_secs() as u64 * 1000
     }
 
     fn lease_of(&self, group: &str, id: &str) -> Option<i64> {
-        self.leases.lock().unwrap_or_else(|e| e.into_inner()).get(&(group.to_string(), id.to_string())).copied()
+        self.leases.lock().unwrap_or_else(|e| e.into_inner()).get(&(group.to_string(), id.to_string())).map(|l| l.0)
     }
 
     fn set_lease(&self, group: &str, id: &str, lease: Option<i64>) -> Option<i64> {
         let mut l = self.leases.lock().unwrap_or_else(|e| e.into_inner());
         let k = (group.to_string(), id.to_string());
         match lease {
-            Some(v) => l.insert(k, v),
+            Some(v) => l.insert(k, (v, Instant::now())),
             None => l.remove(&k),
         }
+        .map(|old| old.0)
+    }
+
+    /// Serialises the calls about one node.
+    async fn node_lock(&self, group: &str, id: &str) -> tokio::sync::OwnedMutexGuard<()> {
+        let m = self
+            .node_locks
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .entry((group.to_string(), id.to_string()))
+            .or_default()
+            .clone();
+        m.lock_owned().await
+    }
+
+    /// Forgets leases not refreshed for two TTLs (their nodes died or moved
+    /// to another replica; etcd expires the leases themselves) and idle
+    /// per-node locks. Called periodically.
+    pub fn sweep(&self) {
+        let stale = self.ttl * 2;
+        self.leases.lock().unwrap_or_else(|e| e.into_inner()).retain(|_, (_, seen)| seen.elapsed() < stale);
+        // A lock only this map holds is idle.
+        self.node_locks.lock().unwrap_or_else(|e| e.into_inner()).retain(|_, m| Arc::strong_count(m) > 1);
     }
 
     /// Registers (or re-registers) a node: a new lease, the record bound to
     /// it, and the group's epoch brought up to date.
     pub async fn register(&self, group: &str, rec: &MemberRecord) -> Result<u64, RegError> {
+        let _one = self.node_lock(group, &rec.id).await;
         let mut etcd = self.etcd.clone();
         let lease = self.track(etcd.lease_grant(self.ttl_secs(), None).await)?.id();
         let value = serde_json::to_vec(rec).expect("a record serializes");
@@ -188,6 +228,7 @@ impl Registry {
     /// the record is bound to takes the node over: a new lease, the same
     /// record rewritten onto it. A node with no record is told to register.
     pub async fn heartbeat(&self, group: &str, id: &str) -> Result<bool, RegError> {
+        let _one = self.node_lock(group, id).await;
         let mut etcd = self.etcd.clone();
         let key = member_key(group, id);
         self.counters.heartbeats.fetch_add(1, Ordering::Relaxed);
@@ -195,6 +236,7 @@ impl Registry {
             if self.keep_alive(lease).await? {
                 let got = self.track(etcd.get(key.clone(), None).await)?;
                 if got.kvs().first().is_some_and(|kv| kv.lease() == lease) {
+                    self.set_lease(group, id, Some(lease));
                     return Ok(false);
                 }
             }
@@ -243,6 +285,7 @@ impl Registry {
 
     /// Removes a node at once (graceful leave).
     pub async fn deregister(&self, group: &str, id: &str) -> Result<u64, RegError> {
+        let _one = self.node_lock(group, id).await;
         let mut etcd = self.etcd.clone();
         self.track(etcd.delete(member_key(group, id), None).await)?;
         if let Some(lease) = self.set_lease(group, id, None) {

@@ -14,8 +14,10 @@ use kv_common::mds::{AbortHandle, MdsClient, MdsError, RegisterRequest};
 
 use crate::config::MembershipConfig;
 
-/// Timeout of one MDS call (connect, then each read).
-const CALL_TIMEOUT: Duration = Duration::from_secs(2);
+/// Timeout of one MDS call (connect, then each read); above the MDS's own
+/// 2.5 s budget for etcd, so a slow etcd is a 503 (fail over), not a retry
+/// racing the first request.
+const CALL_TIMEOUT: Duration = Duration::from_secs(3);
 /// Longest pause between registration attempts while no MDS answers.
 const MAX_BACKOFF: Duration = Duration::from_secs(5);
 

@@ -144,6 +144,21 @@ impl Mds {
         Mds { child: Some(child), addr, stderr_lines }
     }
 
+    /// As [`Mds::start_at`], trying `attempts` times (the address may be
+    /// taken for a moment by another socket after its previous owner died).
+    pub fn try_start_at(listen: &str, etcd: &str, ttl: &str, attempts: usize) -> Result<Mds, String> {
+        let args = ["--listen", listen, "--etcd", etcd, "--lease-ttl", ttl, "--log-level", "info"];
+        let mut last = String::new();
+        for _ in 0..attempts {
+            match crate::try_spawn_daemon("kv-mds", &args, "kv-mds listening on ") {
+                Ok((child, addr, stderr_lines)) => return Ok(Mds { child: Some(child), addr, stderr_lines }),
+                Err(e) => last = e,
+            }
+            std::thread::sleep(Duration::from_millis(300));
+        }
+        Err(last)
+    }
+
     pub fn start(etcd: &str, ttl: &str) -> Mds {
         Mds::start_at("127.0.0.1:0", etcd, ttl)
     }

@@ -138,6 +138,15 @@ impl Drop for Node {
 /// `announce` + address; returns the child, that address and its stderr
 /// lines. Panics with the daemon's stderr if it does not come up.
 pub fn spawn_daemon(name: &str, args: &[&str], announce: &str) -> (Child, String, mpsc::Receiver<String>) {
+    try_spawn_daemon(name, args, announce).unwrap_or_else(|e| panic!("{e}"))
+}
+
+/// As [`spawn_daemon`], with the failure (and the daemon's stderr) as an error.
+pub fn try_spawn_daemon(
+    name: &str,
+    args: &[&str],
+    announce: &str,
+) -> Result<(Child, String, mpsc::Receiver<String>), String> {
     let mut child = Command::new(bin(name))
         .args(args)
         .stdout(Stdio::piped())
@@ -164,14 +173,16 @@ pub fn spawn_daemon(name: &str, args: &[&str], announce: &str) -> (Child, String
         match rx.recv_timeout(left) {
             Ok(line) => {
                 if let Some(a) = line.strip_prefix(announce) {
-                    return (child, a.trim().to_string(), erx);
+                    return Ok((child, a.trim().to_string(), erx));
                 }
             }
             Err(_) => {
                 let _ = child.kill();
                 let _ = child.wait();
+                // The stderr reader may still be draining the pipe.
+                std::thread::sleep(Duration::from_millis(100));
                 let log: Vec<String> = erx.try_iter().collect();
-                panic!("{name} did not come up within 30 s; stderr:\n{}", log.join("\n"));
+                return Err(format!("{name} did not come up within 30 s; stderr:\n{}", log.join("\n")));
             }
         }
     }
