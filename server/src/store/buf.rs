@@ -10,6 +10,8 @@ use std::collections::HashMap;
 use std::ptr::NonNull;
 use std::sync::{Arc, Mutex};
 
+use super::arena::Arena;
+
 /// Alignment (and length granularity) of direct I/O.
 pub const ALIGN: usize = 4096;
 
@@ -18,11 +20,13 @@ pub fn align_up(n: u64) -> u64 {
     n.div_ceil(ALIGN as u64) * ALIGN as u64
 }
 
-/// An owned, 4 KiB-aligned byte buffer of fixed capacity with a length.
+/// An owned, 4 KiB-aligned byte buffer of fixed capacity with a length,
+/// from the heap or from an [`Arena`].
 pub struct AlignedBuf {
     ptr: NonNull<u8>,
     cap: usize,
     len: usize,
+    arena: Option<Arc<Arena>>,
 }
 
 // SAFETY: AlignedBuf uniquely owns its allocation, like Vec<u8>.
@@ -41,7 +45,16 @@ impl AlignedBuf {
         // SAFETY: the layout has a non-zero size.
         let raw = unsafe { alloc_zeroed(layout) };
         let ptr = NonNull::new(raw).unwrap_or_else(|| std::alloc::handle_alloc_error(layout));
-        AlignedBuf { ptr, cap, len: 0 }
+        AlignedBuf { ptr, cap, len: 0, arena: None }
+    }
+
+    /// A buffer of `align_up(cap)` bytes carved from `arena`, if it has room.
+    /// Its bytes are initialised (the mapping starts zeroed and is only ever
+    /// written through buffers) but hold whatever an earlier buffer left.
+    pub fn in_arena(arena: &Arc<Arena>, cap: usize) -> Option<AlignedBuf> {
+        let cap = align_up(cap.max(1) as u64) as usize;
+        let ptr = arena.alloc(cap)?;
+        Some(AlignedBuf { ptr, cap, len: 0, arena: Some(arena.clone()) })
     }
 
     pub fn capacity(&self) -> usize {
@@ -95,6 +108,10 @@ impl AlignedBuf {
 
 impl Drop for AlignedBuf {
     fn drop(&mut self) {
+        if let Some(a) = self.arena.take() {
+            a.release(self.ptr, self.cap);
+            return;
+        }
         let layout = Layout::from_size_align(self.cap, ALIGN).expect("aligned layout");
         // SAFETY: allocated in `new` with this same layout.
         unsafe { dealloc(self.ptr.as_ptr(), layout) };
@@ -143,15 +160,26 @@ impl PoolInner {
     }
 }
 
-/// A pool of aligned buffers keyed by capacity, bounded in total bytes kept.
+/// A pool of aligned buffers keyed by capacity, bounded in total bytes kept;
+/// new buffers come from its arena while that has room, else the heap.
 #[derive(Clone)]
 pub struct BufPool {
     inner: Arc<PoolInner>,
+    arena: Option<Arc<Arena>>,
 }
 
 impl BufPool {
     pub fn new(max_bytes: usize) -> BufPool {
-        BufPool { inner: Arc::new(PoolInner { max_bytes, free: Mutex::new((0, HashMap::new())) }) }
+        BufPool { inner: Arc::new(PoolInner { max_bytes, free: Mutex::new((0, HashMap::new())) }), arena: None }
+    }
+
+    /// As [`BufPool::new`], carving new buffers from `arena` first.
+    pub fn with_arena(max_bytes: usize, arena: Option<Arc<Arena>>) -> BufPool {
+        BufPool { arena, ..BufPool::new(max_bytes) }
+    }
+
+    pub fn arena(&self) -> Option<&Arc<Arena>> {
+        self.arena.as_ref()
     }
 
     /// A buffer with capacity `align_up(cap)` and length 0.
@@ -165,7 +193,9 @@ impl BufPool {
             }
             b
         };
-        let mut buf = reused.unwrap_or_else(|| AlignedBuf::new(cap));
+        let mut buf = reused
+            .or_else(|| self.arena.as_ref().and_then(|a| AlignedBuf::in_arena(a, cap)))
+            .unwrap_or_else(|| AlignedBuf::new(cap));
         buf.set_len(0);
         PooledBuf { buf: Some(buf), pool: self.inner.clone() }
     }

@@ -7,6 +7,7 @@
 //! [`disk::Disk`] (one disk: index, eviction, recovery), [`mem::MemTier`].
 
 pub mod alloc;
+pub mod arena;
 pub mod buf;
 pub mod device;
 pub mod disk;
@@ -157,7 +158,12 @@ impl Store {
             disks,
             ring: RwLock::new(Arc::new(DiskRing { ring: Ring::default(), disk_of: vec![] })),
             mem: (cfg.mem_cap > 0).then(|| mem::MemTier::new(cfg.mem_cap)),
-            pool: BufPool::new(cfg.pool_bytes),
+            // With a memory tier, buffers come from an arena of its size
+            // (plus the pool's) faulted in ahead of use.
+            pool: BufPool::with_arena(
+                cfg.pool_bytes,
+                if cfg.mem_cap > 0 { arena::Arena::new(cfg.mem_cap as usize + cfg.pool_bytes) } else { None },
+            ),
             c: Counters::default(),
             started: Instant::now(),
         };
