@@ -27,6 +27,31 @@ use crate::node::Node;
 pub struct SyncConn {
     stream: TcpStream,
     next_id: u64,
+    /// The socket's read and write timeouts as last set (each setsockopt is
+    /// a syscall; they are set only when they must change).
+    read_timeout: Duration,
+    write_timeout: Duration,
+}
+
+impl SyncConn {
+    fn set_write_timeout(&mut self, t: Duration) -> std::io::Result<()> {
+        if t != self.write_timeout {
+            self.stream.set_write_timeout(Some(t))?;
+            self.write_timeout = t;
+        }
+        Ok(())
+    }
+
+    /// Makes a read give up after at most `left` and no earlier than
+    /// `left - slack`: the timeout is only lowered when it would overshoot
+    /// by more than the slack, and raised whenever it is too short.
+    fn set_read_timeout(&mut self, left: Duration, slack: Duration) -> std::io::Result<()> {
+        if left > self.read_timeout || left + slack < self.read_timeout {
+            self.stream.set_read_timeout(Some(left))?;
+            self.read_timeout = left;
+        }
+        Ok(())
+    }
 }
 
 fn connect(node: &Node, timeout: Duration) -> Result<SyncConn, OpError> {
@@ -47,7 +72,7 @@ fn connect(node: &Node, timeout: Duration) -> Result<SyncConn, OpError> {
     if reply.status != 0 {
         return Err(OpError::Protocol(format!("node speaks protocol v{}", reply.version)));
     }
-    Ok(SyncConn { stream, next_id: 1 })
+    Ok(SyncConn { stream, next_id: 1, read_timeout: timeout, write_timeout: timeout })
 }
 
 fn timeout_or_io(e: std::io::Error) -> OpError {
@@ -72,11 +97,13 @@ struct Pending {
     /// Its answer is due by then (the I/O timeout from when it was sent, so
     /// a slow connect to another owner does not eat into this one's time).
     deadline: Instant,
+    io_timeout: Duration,
 }
 
 fn send(p: &mut Pending, io_timeout: Duration) -> Result<(), OpError> {
     p.deadline = Instant::now() + io_timeout;
-    p.conn.stream.set_write_timeout(Some(io_timeout))?;
+    p.io_timeout = io_timeout;
+    p.conn.set_write_timeout(io_timeout)?;
     p.req_id = p.conn.next_id;
     p.conn.next_id += 1;
     let flags = FLAG_CHECK_GEOMETRY;
@@ -92,18 +119,34 @@ fn recv(p: &mut Pending) -> Result<Vec<Status>, OpError> {
     if left.is_zero() {
         return Err(OpError::Timeout);
     }
-    p.conn.stream.set_read_timeout(Some(left))?;
+    // A read may end up to 1/16 of the I/O timeout past the deadline rather
+    // than pay a setsockopt per answer.
+    p.conn.set_read_timeout(left, p.io_timeout / 16)?;
+    // One request is in flight on this connection, so whatever arrives is
+    // this answer: read header and (usually) body with one call.
+    let mut first = [0u8; 1024];
+    let mut got = 0;
+    while got < FRAME_HEADER_LEN {
+        match p.conn.stream.read(&mut first[got..]) {
+            Ok(0) => return Err(OpError::Io(std::io::ErrorKind::UnexpectedEof.into())),
+            Ok(n) => got += n,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(timeout_or_io(e)),
+        }
+    }
     let mut hb = [0u8; FRAME_HEADER_LEN];
-    p.conn.stream.read_exact(&mut hb).map_err(timeout_or_io)?;
+    hb.copy_from_slice(&first[..FRAME_HEADER_LEN]);
     let h = RspHeader::decode(&hb);
     if h.req_id != p.req_id {
         return Err(OpError::Protocol(format!("answer to request {} while waiting for {}", h.req_id, p.req_id)));
     }
-    if h.body_len > 1 << 20 {
-        return Err(OpError::Protocol(format!("unexpected {}-byte answer", h.body_len)));
+    let body_len = h.body_len as usize;
+    if body_len > 1 << 20 || got > FRAME_HEADER_LEN + body_len {
+        return Err(OpError::Protocol(format!("unexpected {}-byte answer", got.max(body_len))));
     }
-    let mut body = vec![0u8; h.body_len as usize];
-    p.conn.stream.read_exact(&mut body).map_err(timeout_or_io)?;
+    let mut body = vec![0u8; body_len];
+    body[..got - FRAME_HEADER_LEN].copy_from_slice(&first[FRAME_HEADER_LEN..got]);
+    p.conn.stream.read_exact(&mut body[got - FRAME_HEADER_LEN..]).map_err(timeout_or_io)?;
     match (p.op, h.status) {
         (Op::Exist, s @ (Status::Ok | Status::Miss | Status::Mismatch)) => Ok(vec![s]),
         (Op::BatchExist, Status::Ok) => {
@@ -185,6 +228,7 @@ impl Client {
                         body,
                         idx: chunk.to_vec(),
                         deadline: Instant::now(),
+                        io_timeout: self.opts.io_timeout,
                     };
                     self.send_retrying(&mut p).map(|()| p)
                 });
