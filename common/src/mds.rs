@@ -380,6 +380,21 @@ mod tests {
         assert!(parse_reply(b"HTTP/1.1 200").is_err());
     }
 
+    proptest::proptest! {
+        /// Whatever a peer sends back, parsing returns, never panics.
+        #[test]
+        fn any_reply_parses_or_errs(bytes in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..512),
+                                    head in 0usize..3) {
+            let mut reply = match head {
+                0 => b"HTTP/1.1 200 OK\r\ncontent-length: 7\r\n\r\n".to_vec(),
+                1 => b"HTTP/1.1 ".to_vec(),
+                _ => Vec::new(),
+            };
+            reply.extend_from_slice(&bytes);
+            let _ = parse_reply(&reply);
+        }
+    }
+
     #[test]
     fn dead_endpoints_fail_over_and_report_each() {
         // Two ports nobody listens on (bound, then closed).
