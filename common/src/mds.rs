@@ -43,6 +43,17 @@ pub struct View {
 pub struct RegisterRequest {
     pub addr: String,
     pub weight: u32,
+    /// A token naming this run of the node (new at every start), so the MDS
+    /// can tell two nodes given the same id apart. Empty: not checked.
+    #[serde(default)]
+    pub instance: String,
+}
+
+/// The body of a heartbeat.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct HeartbeatRequest {
+    #[serde(default)]
+    pub instance: String,
 }
 
 /// The answer to register and heartbeat.
@@ -79,6 +90,8 @@ pub enum MdsError {
     NotRegistered(String),
     /// The request itself is wrong (4xx); no replica will accept it.
     Rejected(String),
+    /// The node id is held by another node (409): two nodes share an id.
+    Taken(String),
     /// No replica answered usefully; each reason is listed.
     Unavailable(String),
     /// The call was aborted by [`MdsClient::abort`].
@@ -90,6 +103,7 @@ impl std::fmt::Display for MdsError {
         match self {
             MdsError::NotRegistered(m) => write!(f, "not registered: {m}"),
             MdsError::Rejected(m) => write!(f, "rejected: {m}"),
+            MdsError::Taken(m) => write!(f, "id taken: {m}"),
             MdsError::Unavailable(m) => write!(f, "no MDS answered: {m}"),
             MdsError::Aborted => write!(f, "aborted"),
         }
@@ -195,12 +209,16 @@ impl MdsClient {
         self.call_json("POST", &format!("/v1/groups/{group}/members/{id}"), Some(&body), Duration::ZERO)
     }
 
-    pub fn heartbeat(&mut self, group: &str, id: &str) -> Result<LeaseReply, MdsError> {
-        self.call_json("POST", &format!("/v1/groups/{group}/members/{id}/heartbeat"), Some(b"{}"), Duration::ZERO)
+    pub fn heartbeat(&mut self, group: &str, id: &str, instance: &str) -> Result<LeaseReply, MdsError> {
+        let body = serde_json::to_vec(&HeartbeatRequest { instance: instance.to_string() })
+            .map_err(|e| MdsError::Rejected(e.to_string()))?;
+        self.call_json("POST", &format!("/v1/groups/{group}/members/{id}/heartbeat"), Some(&body), Duration::ZERO)
     }
 
-    pub fn deregister(&mut self, group: &str, id: &str) -> Result<LeaseReply, MdsError> {
-        self.call_json("DELETE", &format!("/v1/groups/{group}/members/{id}"), None, Duration::ZERO)
+    /// Removes the node's record, if `instance` (when not empty) holds it.
+    pub fn deregister(&mut self, group: &str, id: &str, instance: &str) -> Result<LeaseReply, MdsError> {
+        let q = if instance.is_empty() { String::new() } else { format!("?instance={instance}") };
+        self.call_json("DELETE", &format!("/v1/groups/{group}/members/{id}{q}"), None, Duration::ZERO)
     }
 
     fn call_json<T: serde::de::DeserializeOwned>(
@@ -220,6 +238,8 @@ impl MdsClient {
             .unwrap_or_else(|_| String::from_utf8_lossy(&body).into_owned());
         if status == 404 {
             Err(MdsError::NotRegistered(msg))
+        } else if status == 409 {
+            Err(MdsError::Taken(msg))
         } else {
             Err(MdsError::Rejected(format!("{} answered {status}: {msg}", self.current())))
         }

@@ -16,7 +16,9 @@ use std::time::Duration;
 use http_body_util::{BodyExt, Full, Limited};
 use hyper::body::{Bytes, Incoming};
 use hyper::{Method, Request, Response, StatusCode};
-use kv_common::mds::{valid_name, ErrorReply, LeaseReply, MemberRecord, RegisterRequest, MAX_WAIT_MS};
+use kv_common::mds::{
+    valid_name, ErrorReply, HeartbeatRequest, LeaseReply, MemberRecord, RegisterRequest, MAX_WAIT_MS,
+};
 use tokio::net::TcpListener;
 
 use crate::{Mds, RegError};
@@ -51,9 +53,12 @@ fn error(code: StatusCode, msg: impl Into<String>) -> Reply {
 
 fn reg_error(e: RegError) -> Reply {
     match e {
-        RegError::Etcd { .. } | RegError::Slow(_) => error(StatusCode::SERVICE_UNAVAILABLE, e.to_string()),
+        // Transient failures are 503: the caller retries or fails over.
+        RegError::Etcd { .. } | RegError::Slow(_) | RegError::Conflict(_) => {
+            error(StatusCode::SERVICE_UNAVAILABLE, e.to_string())
+        }
         RegError::NotRegistered(m) => error(StatusCode::NOT_FOUND, m),
-        RegError::Conflict(m) => error(StatusCode::CONFLICT, m),
+        RegError::Taken(m) => error(StatusCode::CONFLICT, m),
     }
 }
 
@@ -63,6 +68,27 @@ fn text(code: StatusCode, body: String) -> Reply {
         .header("content-type", "text/plain; version=0.0.4")
         .body(Full::new(Bytes::from(body)))
         .unwrap_or_else(|_| Response::new(Full::new(Bytes::new())))
+}
+
+fn query_str<'q>(query: &'q str, key: &str) -> Option<&'q str> {
+    query.split('&').filter_map(|p| p.split_once('=')).find(|(k, _)| *k == key).map(|(_, v)| v)
+}
+
+/// An instance token: empty, or 1-64 of `[A-Za-z0-9._-]`.
+fn bad_instance(instance: &str) -> Option<Reply> {
+    (!instance.is_empty() && !valid_name(instance))
+        .then(|| error(StatusCode::BAD_REQUEST, format!("instance {instance:?} is not a name of 1-64 [A-Za-z0-9._-]")))
+}
+
+async fn read_json<T: serde::de::DeserializeOwned>(req: Request<Incoming>, what: &str) -> Result<T, Reply> {
+    let body = Limited::new(req.into_body(), MAX_BODY)
+        .collect()
+        .await
+        .map_err(|e| error(StatusCode::BAD_REQUEST, format!("cannot read the body: {e}")))?
+        .to_bytes();
+    // An empty body reads as `{}` (a heartbeat needs no fields).
+    let body: &[u8] = if body.is_empty() { b"{}" } else { &body };
+    serde_json::from_slice(body).map_err(|e| error(StatusCode::BAD_REQUEST, format!("body is not {what}: {e}")))
 }
 
 fn query_u64(query: &str, key: &str) -> Result<Option<u64>, String> {
@@ -123,8 +149,8 @@ async fn handle(mds: &Mds, req: Request<Incoming>) -> Reply {
             match (&method, rest) {
                 (&Method::GET, ["view"]) => view(mds, g, &query).await,
                 (&Method::POST, ["members", id]) => register(mds, g, id, req).await,
-                (&Method::POST, ["members", id, "heartbeat"]) => heartbeat(mds, g, id).await,
-                (&Method::DELETE, ["members", id]) => deregister(mds, g, id).await,
+                (&Method::POST, ["members", id, "heartbeat"]) => heartbeat(mds, g, id, req).await,
+                (&Method::DELETE, ["members", id]) => deregister(mds, g, id, query_str(&query, "instance")).await,
                 _ => error(StatusCode::NOT_FOUND, format!("no such call: {method} {path}")),
             }
         }
@@ -170,14 +196,13 @@ async fn register(mds: &Mds, group: &str, id: &str, req: Request<Incoming>) -> R
     if let Some(r) = bad_id(id) {
         return r;
     }
-    let body = match Limited::new(req.into_body(), MAX_BODY).collect().await {
-        Ok(b) => b.to_bytes(),
-        Err(e) => return error(StatusCode::BAD_REQUEST, format!("cannot read the body: {e}")),
-    };
-    let r: RegisterRequest = match serde_json::from_slice(&body) {
+    let r: RegisterRequest = match read_json(req, "{\"addr\":..,\"weight\":..}").await {
         Ok(r) => r,
-        Err(e) => return error(StatusCode::BAD_REQUEST, format!("body is not {{\"addr\":..,\"weight\":..}}: {e}")),
+        Err(reply) => return reply,
     };
+    if let Some(reply) = bad_instance(&r.instance) {
+        return reply;
+    }
     if r.weight == 0 || r.weight > 10_000 {
         return error(StatusCode::BAD_REQUEST, format!("weight {} is outside 1..=10000", r.weight));
     }
@@ -185,7 +210,7 @@ async fn register(mds: &Mds, group: &str, id: &str, req: Request<Incoming>) -> R
         return error(StatusCode::BAD_REQUEST, format!("addr {:?} is not host:port", r.addr));
     }
     let rec = MemberRecord { id: id.to_string(), addr: r.addr, weight: r.weight };
-    match limited(Duration::ZERO, mds.reg.register(group, &rec)).await {
+    match limited(Duration::ZERO, mds.reg.register(group, &rec, &r.instance)).await {
         Ok(epoch) => {
             tracing::info!(group, id, addr = %rec.addr, weight = rec.weight, epoch, "node registered");
             json(StatusCode::OK, &LeaseReply { ttl_ms: mds.reg.ttl_ms(), took_over: false, epoch })
@@ -194,21 +219,32 @@ async fn register(mds: &Mds, group: &str, id: &str, req: Request<Incoming>) -> R
     }
 }
 
-async fn heartbeat(mds: &Mds, group: &str, id: &str) -> Reply {
+async fn heartbeat(mds: &Mds, group: &str, id: &str, req: Request<Incoming>) -> Reply {
     if let Some(r) = bad_id(id) {
         return r;
     }
-    match limited(Duration::ZERO, mds.reg.heartbeat(group, id)).await {
+    let hb: HeartbeatRequest = match read_json(req, "{\"instance\":..}").await {
+        Ok(h) => h,
+        Err(reply) => return reply,
+    };
+    if let Some(reply) = bad_instance(&hb.instance) {
+        return reply;
+    }
+    match limited(Duration::ZERO, mds.reg.heartbeat(group, id, &hb.instance)).await {
         Ok(took_over) => json(StatusCode::OK, &LeaseReply { ttl_ms: mds.reg.ttl_ms(), took_over, epoch: 0 }),
         Err(e) => reg_error(e),
     }
 }
 
-async fn deregister(mds: &Mds, group: &str, id: &str) -> Reply {
+async fn deregister(mds: &Mds, group: &str, id: &str, instance: Option<&str>) -> Reply {
     if let Some(r) = bad_id(id) {
         return r;
     }
-    match limited(Duration::ZERO, mds.reg.deregister(group, id)).await {
+    let instance = instance.unwrap_or("");
+    if let Some(reply) = bad_instance(instance) {
+        return reply;
+    }
+    match limited(Duration::ZERO, mds.reg.deregister(group, id, instance)).await {
         Ok(epoch) => {
             tracing::info!(group, id, epoch, "node deregistered");
             json(StatusCode::OK, &LeaseReply { ttl_ms: 0, took_over: false, epoch })

@@ -28,6 +28,32 @@ use std::time::{Duration, Instant};
 
 use etcd_client::{Client, Compare, CompareOp, GetOptions, PutOptions, Txn, TxnOp, TxnOpResponse};
 use kv_common::mds::{MemberRecord, View, ETCD_ROOT};
+use serde::{Deserialize, Serialize};
+
+/// A member record as stored: what views show, plus the registering
+/// process's instance token (so two nodes given the same id are told
+/// apart). Views parse it as a `MemberRecord` (the token is ignored).
+#[derive(Serialize, Deserialize)]
+struct Stored<'a> {
+    id: &'a str,
+    addr: &'a str,
+    weight: u32,
+    #[serde(default)]
+    instance: &'a str,
+}
+
+/// Err when the stored record was registered by another instance than the
+/// caller's (an empty token on either side matches anything).
+fn check_instance(group: &str, id: &str, value: &[u8], instance: &str) -> Result<(), RegError> {
+    let Ok(st) = serde_json::from_slice::<Stored>(value) else { return Ok(()) };
+    if instance.is_empty() || st.instance.is_empty() || st.instance == instance {
+        return Ok(());
+    }
+    Err(RegError::Taken(format!(
+        "node id {id} of group {group} is registered by another node (at {}, instance {}): two nodes share this id",
+        st.addr, st.instance
+    )))
+}
 
 /// Why a registry call failed.
 #[derive(Debug, thiserror::Error)]
@@ -36,8 +62,12 @@ pub enum RegError {
     Etcd { endpoints: String, source: etcd_client::Error },
     #[error("{0}")]
     NotRegistered(String),
+    /// Transient: retry.
     #[error("{0}")]
     Conflict(String),
+    /// The id is held by another instance of a node (two nodes share an id).
+    #[error("{0}")]
+    Taken(String),
     #[error("etcd did not answer within {0} ms")]
     Slow(u64),
 }
@@ -208,11 +238,15 @@ impl Registry {
 
     /// Registers (or re-registers) a node: a new lease, the record bound to
     /// it, and the group's epoch brought up to date.
-    pub async fn register(&self, group: &str, rec: &MemberRecord) -> Result<u64, RegError> {
+    /// The latest registration wins: a restarted node (a new instance) must
+    /// not wait for its old lease to expire. The instance it replaced is
+    /// told so at its next heartbeat.
+    pub async fn register(&self, group: &str, rec: &MemberRecord, instance: &str) -> Result<u64, RegError> {
         let _one = self.node_lock(group, &rec.id).await;
         let mut etcd = self.etcd.clone();
         let lease = self.track(etcd.lease_grant(self.ttl_secs(), None).await)?.id();
-        let value = serde_json::to_vec(rec).expect("a record serializes");
+        let stored = Stored { id: &rec.id, addr: &rec.addr, weight: rec.weight, instance };
+        let value = serde_json::to_vec(&stored).unwrap_or_default();
         self.track(etcd.put(member_key(group, &rec.id), value, Some(PutOptions::new().with_lease(lease))).await)?;
         if let Some(old) = self.set_lease(group, &rec.id, Some(lease)) {
             if old != lease {
@@ -227,7 +261,7 @@ impl Registry {
     /// Keeps a node's lease alive. A replica that does not hold the lease
     /// the record is bound to takes the node over: a new lease, the same
     /// record rewritten onto it. A node with no record is told to register.
-    pub async fn heartbeat(&self, group: &str, id: &str) -> Result<bool, RegError> {
+    pub async fn heartbeat(&self, group: &str, id: &str, instance: &str) -> Result<bool, RegError> {
         let _one = self.node_lock(group, id).await;
         let mut etcd = self.etcd.clone();
         let key = member_key(group, id);
@@ -235,7 +269,8 @@ impl Registry {
         if let Some(lease) = self.lease_of(group, id) {
             if self.keep_alive(lease).await? {
                 let got = self.track(etcd.get(key.clone(), None).await)?;
-                if got.kvs().first().is_some_and(|kv| kv.lease() == lease) {
+                if let Some(kv) = got.kvs().first().filter(|kv| kv.lease() == lease) {
+                    check_instance(group, id, kv.value(), instance)?;
                     self.set_lease(group, id, Some(lease));
                     return Ok(false);
                 }
@@ -249,6 +284,7 @@ impl Registry {
                 "node {id} of group {group} has no record (its lease expired or it never registered): register again"
             )));
         };
+        check_instance(group, id, kv.value(), instance)?;
         let lease = self.track(etcd.lease_grant(self.ttl_secs(), None).await)?.id();
         let txn = Txn::new()
             .when([Compare::mod_revision(key.clone(), CompareOp::Equal, kv.mod_revision())])
@@ -284,10 +320,22 @@ impl Registry {
     }
 
     /// Removes a node at once (graceful leave).
-    pub async fn deregister(&self, group: &str, id: &str) -> Result<u64, RegError> {
+    /// Only the instance that holds the record removes it: a node replaced
+    /// by another with the same id does not delete the other's record.
+    pub async fn deregister(&self, group: &str, id: &str, instance: &str) -> Result<u64, RegError> {
         let _one = self.node_lock(group, id).await;
         let mut etcd = self.etcd.clone();
-        self.track(etcd.delete(member_key(group, id), None).await)?;
+        let key = member_key(group, id);
+        let got = self.track(etcd.get(key.clone(), None).await)?;
+        if let Some(kv) = got.kvs().first() {
+            check_instance(group, id, kv.value(), instance)?;
+            let txn = Txn::new()
+                .when([Compare::mod_revision(key.clone(), CompareOp::Equal, kv.mod_revision())])
+                .and_then([TxnOp::delete(key, None)]);
+            if !self.track(etcd.txn(txn).await)?.succeeded() {
+                return Err(RegError::Conflict(format!("node {id}'s record changed during the leave: retry")));
+            }
+        }
         if let Some(lease) = self.set_lease(group, id, None) {
             let _ = etcd.lease_revoke(lease).await;
         }

@@ -68,8 +68,17 @@ impl Membership {
     }
 }
 
+/// A token new at every start of the process: the MDS uses it to tell a
+/// restart (same id, new instance: it replaces the record) from two nodes
+/// configured with the same id (the one replaced is told at its heartbeat).
+fn instance_token() -> String {
+    let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos());
+    format!("{}-{:x}", std::process::id(), nanos)
+}
+
 fn run(cfg: MembershipConfig, addr: String, mut mds: MdsClient, stop: &(Mutex<bool>, Condvar)) {
-    let req = RegisterRequest { addr: addr.clone(), weight: cfg.weight };
+    let instance = instance_token();
+    let req = RegisterRequest { addr: addr.clone(), weight: cfg.weight, instance: instance.clone() };
     let (group, id) = (cfg.group.as_str(), cfg.id.as_str());
     let mut ttl: Option<Duration> = None;
     let mut backoff = Duration::from_millis(100);
@@ -107,7 +116,7 @@ fn run(cfg: MembershipConfig, addr: String, mut mds: MdsClient, stop: &(Mutex<bo
                     w
                 }
             },
-            Some(t) => match mds.heartbeat(group, id) {
+            Some(t) => match mds.heartbeat(group, id, &instance) {
                 Ok(r) => {
                     if r.took_over {
                         tracing::info!(mds = mds.current(), "heartbeat: this MDS replica took the lease over");
@@ -121,6 +130,17 @@ fn run(cfg: MembershipConfig, addr: String, mut mds: MdsClient, stop: &(Mutex<bo
                     tracing::warn!(reason = %m, "the MDS no longer has this node: registering again");
                     ttl = None;
                     continue;
+                }
+                Err(MdsError::Taken(m)) => {
+                    // Another node registered with this id after us. Do not
+                    // take it back (two nodes would flap); keep asking: once
+                    // the other leaves, the heartbeat says "not registered"
+                    // and this node registers again.
+                    if last_failure.as_deref() != Some("taken") {
+                        tracing::error!(reason = %m, "this node's id is taken by another node: out of the group until it leaves (check --id)");
+                        last_failure = Some("taken".into());
+                    }
+                    t / 3
                 }
                 Err(MdsError::Aborted) => break,
                 Err(e) => {
@@ -142,8 +162,9 @@ fn run(cfg: MembershipConfig, addr: String, mut mds: MdsClient, stop: &(Mutex<bo
     }
     // Leave at once rather than at lease expiry (also when registration
     // never got an answer: a request may have landed without its reply).
-    match mds.deregister(group, id) {
+    match mds.deregister(group, id, &instance) {
         Ok(r) => tracing::info!(mds = mds.current(), group, id, epoch = r.epoch, "deregistered"),
+        Err(MdsError::Taken(_)) => tracing::info!("not deregistering: another node holds this id now"),
         Err(e) => tracing::warn!(error = %e, "could not deregister: the lease will expire instead"),
     }
 }

@@ -55,8 +55,13 @@ impl Tier {
     }
 
     fn node_at(&self, listen: &str, id: &str, weight: u32) -> Node {
-        let a = self.t.path().join(format!("{id}-a"));
-        let b = self.t.path().join(format!("{id}-b"));
+        self.node_in(id, listen, id, weight)
+    }
+
+    /// A node whose disk dirs are named after `dirs` rather than its id.
+    fn node_in(&self, dirs: &str, listen: &str, id: &str, weight: u32) -> Node {
+        let a = self.t.path().join(format!("{dirs}-a"));
+        let b = self.t.path().join(format!("{dirs}-b"));
         let dirs = format!("{},{}", a.display(), b.display());
         let w = weight.to_string();
         let eps = self.eps();
@@ -476,4 +481,33 @@ fn bad_requests_and_bad_flags_get_one_clear_error() {
         run("kv-server", &["--listen", "127.0.0.1:0", "--dir", "unused-dir", "--cap", "1G", "--mds", "h:1"]);
     assert_eq!(code, 2);
     assert!(err.contains("--id is required"), "{err}");
+}
+
+#[test]
+fn two_nodes_given_one_id_the_later_holds_it_and_the_other_is_told() {
+    let _serial = serial();
+    let tier = Tier::new(1);
+    let first = tier.node_in("first", "127.0.0.1:0", "dup", 1);
+    let v = tier.await_members(0, &["dup"], Duration::from_secs(20));
+    assert_eq!(v.members[0].addr, first.addr);
+    // A second node with the same id (a configuration mistake, or a restart
+    // elsewhere): the latest registration holds the id...
+    let second = tier.node_in("second", "127.0.0.1:0", "dup", 1);
+    wait_until(Duration::from_secs(10), "the id to move to the second node", || {
+        tier.view(0).filter(|v| v.members.len() == 1 && v.members[0].addr == second.addr)
+    });
+    // ...and the first is told at its next heartbeat, once, and does not
+    // take the id back (no flapping).
+    wait_until(Duration::from_secs(10), "the first node told its id is taken", || {
+        first.stderr_lines.try_iter().any(|l| l.contains("id is taken by another node")).then_some(())
+    });
+    std::thread::sleep(TTL_D);
+    let now = tier.view(0).unwrap();
+    assert_eq!(now.members[0].addr, second.addr, "the first node must not take the id back");
+    // The first one stopping does not remove the second's record.
+    assert!(first.terminate(Duration::from_secs(20)).success());
+    assert_eq!(tier.view(0).unwrap(), now);
+    // The holder leaving frees the id.
+    assert!(second.terminate(Duration::from_secs(20)).success());
+    tier.await_members(0, &[], Duration::from_secs(10));
 }
