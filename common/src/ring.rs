@@ -20,7 +20,15 @@ pub struct Ring {
     members: Vec<RingMember>,
     /// (point, member index), sorted by point then by member id.
     points: Vec<(u64, u32)>,
+    /// `index[b]`: the first position in `points` whose point's top
+    /// [`INDEX_BITS`] bits are >= b (length 2^INDEX_BITS + 1), so a lookup
+    /// searches only its bucket instead of the whole ring.
+    index: Vec<u32>,
 }
+
+/// Buckets of the lookup index (4096: a few points each for rings of
+/// hundreds to thousands of points).
+const INDEX_BITS: u32 = 12;
 
 /// The point of member `id` number `j`.
 pub fn vnode_point(id: &str, j: u64) -> u64 {
@@ -46,7 +54,17 @@ impl Ring {
         points.sort_by(|a, b| {
             a.0.cmp(&b.0).then_with(|| members[a.1 as usize].id.as_bytes().cmp(members[b.1 as usize].id.as_bytes()))
         });
-        Ring { members, points }
+        let buckets = 1usize << INDEX_BITS;
+        let mut index = Vec::with_capacity(buckets + 1);
+        let mut pos = 0usize;
+        for b in 0..buckets {
+            while pos < points.len() && ((points[pos].0 >> (64 - INDEX_BITS)) as usize) < b {
+                pos += 1;
+            }
+            index.push(pos as u32);
+        }
+        index.push(points.len() as u32);
+        Ring { members, points, index }
     }
 
     pub fn members(&self) -> &[RingMember] {
@@ -67,7 +85,11 @@ impl Ring {
         if self.points.is_empty() {
             return None;
         }
-        let i = self.points.partition_point(|&(q, _)| q < p);
+        // Points before the bucket are below p and points after it above:
+        // the first point >= p is within the bucket or is its end.
+        let b = (p >> (64 - INDEX_BITS)) as usize;
+        let (lo, hi) = (self.index[b] as usize, self.index[b + 1] as usize);
+        let i = lo + self.points[lo..hi].partition_point(|&(q, _)| q < p);
         let i = if i == self.points.len() { 0 } else { i };
         Some(self.points[i].1 as usize)
     }
@@ -147,5 +169,28 @@ mod tests {
         assert_eq!(Ring::default().owner(b"x"), None);
         let ring = reference_ring();
         assert!(ring.owner_of_point(u64::MAX).is_some());
+    }
+
+    #[test]
+    fn bucket_index_agrees_with_a_full_search() {
+        for n in [1u32, 2, 3, 7] {
+            let r = Ring::new((0..n).map(|i| RingMember { id: format!("m{i}"), weight: i % 3 + 1 }).collect());
+            let full = |p: u64| {
+                let i = r.points.partition_point(|&(q, _)| q < p);
+                r.points[if i == r.points.len() { 0 } else { i }].1 as usize
+            };
+            let mut x = 0x9e37_79b9_7f4a_7c15u64;
+            let mut probes: Vec<u64> = vec![0, 1, u64::MAX, u64::MAX - 1];
+            probes.extend(r.points.iter().flat_map(|&(q, _)| [q, q.wrapping_add(1), q.wrapping_sub(1)]));
+            for _ in 0..20_000 {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                probes.push(x);
+            }
+            for p in probes {
+                assert_eq!(r.owner_of_point(p), Some(full(p)), "point {p:#x}, {n} members");
+            }
+        }
     }
 }
