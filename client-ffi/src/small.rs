@@ -42,13 +42,35 @@ impl SyncConn {
         Ok(())
     }
 
-    /// Makes a read give up after at most `left` and no earlier than
-    /// `left - slack`: the timeout is only lowered when it would overshoot
-    /// by more than the slack, and raised whenever it is too short.
-    fn set_read_timeout(&mut self, left: Duration, slack: Duration) -> std::io::Result<()> {
+    /// Makes a read give up no earlier than `left` and at most `slack`
+    /// after it. The timeout set is `left + slack/2` (at most `cap`), so the
+    /// microseconds by which `left` differs between requests do not cost a
+    /// setsockopt each.
+    fn set_read_timeout(&mut self, left: Duration, slack: Duration, cap: Duration) -> std::io::Result<()> {
         if left > self.read_timeout || left + slack < self.read_timeout {
-            self.stream.set_read_timeout(Some(left))?;
-            self.read_timeout = left;
+            let t = (left + slack / 2).min(cap).max(left).max(Duration::from_micros(1));
+            self.stream.set_read_timeout(Some(t))?;
+            self.read_timeout = t;
+        }
+        Ok(())
+    }
+
+    /// Fills `buf` by `deadline` (each read's timeout recomputed, so a peer
+    /// trickling bytes cannot hold the caller past it).
+    fn read_full(&mut self, buf: &mut [u8], deadline: Instant, slack: Duration, cap: Duration) -> Result<(), OpError> {
+        let mut got = 0;
+        while got < buf.len() {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return Err(OpError::Timeout);
+            }
+            self.set_read_timeout(left, slack, cap)?;
+            match self.stream.read(&mut buf[got..]) {
+                Ok(0) => return Err(OpError::Io(std::io::ErrorKind::UnexpectedEof.into())),
+                Ok(n) => got += n,
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(timeout_or_io(e)),
+            }
         }
         Ok(())
     }
@@ -115,18 +137,19 @@ fn send(p: &mut Pending, io_timeout: Duration) -> Result<(), OpError> {
 }
 
 fn recv(p: &mut Pending) -> Result<Vec<Status>, OpError> {
-    let left = p.deadline.saturating_duration_since(Instant::now());
-    if left.is_zero() {
-        return Err(OpError::Timeout);
-    }
     // A read may end up to 1/16 of the I/O timeout past the deadline rather
     // than pay a setsockopt per answer.
-    p.conn.set_read_timeout(left, p.io_timeout / 16)?;
+    let (slack, cap) = (p.io_timeout / 16, p.io_timeout);
     // One request is in flight on this connection, so whatever arrives is
     // this answer: read header and (usually) body with one call.
     let mut first = [0u8; 1024];
     let mut got = 0;
     while got < FRAME_HEADER_LEN {
+        let left = p.deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(OpError::Timeout);
+        }
+        p.conn.set_read_timeout(left, slack, cap)?;
         match p.conn.stream.read(&mut first[got..]) {
             Ok(0) => return Err(OpError::Io(std::io::ErrorKind::UnexpectedEof.into())),
             Ok(n) => got += n,
@@ -146,7 +169,8 @@ fn recv(p: &mut Pending) -> Result<Vec<Status>, OpError> {
     }
     let mut body = vec![0u8; body_len];
     body[..got - FRAME_HEADER_LEN].copy_from_slice(&first[FRAME_HEADER_LEN..got]);
-    p.conn.stream.read_exact(&mut body[got - FRAME_HEADER_LEN..]).map_err(timeout_or_io)?;
+    let deadline = p.deadline;
+    p.conn.read_full(&mut body[got - FRAME_HEADER_LEN..], deadline, slack, cap)?;
     match (p.op, h.status) {
         (Op::Exist, s @ (Status::Ok | Status::Miss | Status::Mismatch)) => Ok(vec![s]),
         (Op::BatchExist, Status::Ok) => {

@@ -267,10 +267,12 @@ impl Registry {
         let key = member_key(group, id);
         self.counters.heartbeats.fetch_add(1, Ordering::Relaxed);
         if let Some(lease) = self.lease_of(group, id) {
-            if self.keep_alive(lease).await? {
-                let got = self.track(etcd.get(key.clone(), None).await)?;
-                if let Some(kv) = got.kvs().first().filter(|kv| kv.lease() == lease) {
-                    check_instance(group, id, kv.value(), instance)?;
+            // The record first: a replaced instance's heartbeat must not
+            // keep the holder's lease alive (a dead holder would linger).
+            let got = self.track(etcd.get(key.clone(), None).await)?;
+            if let Some(kv) = got.kvs().first().filter(|kv| kv.lease() == lease) {
+                check_instance(group, id, kv.value(), instance)?;
+                if self.keep_alive(lease).await? {
                     self.set_lease(group, id, Some(lease));
                     return Ok(false);
                 }

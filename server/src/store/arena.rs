@@ -24,6 +24,8 @@ pub struct Arena {
     /// Bytes faulted in so far by the warm-up thread.
     warmed: AtomicUsize,
     stop: AtomicBool,
+    /// The kernel does not know MADV_POPULATE_WRITE.
+    no_populate: AtomicBool,
 }
 
 // SAFETY: the arena hands out disjoint ranges (under its lock); the mapping
@@ -60,6 +62,8 @@ impl FreeList {
     }
 
     fn give(&mut self, mut off: usize, mut len: usize) {
+        debug_assert!(self.by_off.range(..off).next_back().is_none_or(|(&o, &l)| o + l <= off), "double release");
+        debug_assert!(self.by_off.range(off..).next().is_none_or(|(&o, _)| o >= off + len), "double release");
         // Merge with the free range just before and just after.
         if let Some((&p_off, &p_len)) = self.by_off.range(..off).next_back() {
             if p_off + p_len == off {
@@ -85,10 +89,23 @@ impl Arena {
     /// in on a background thread. None when the mapping fails (the caller
     /// then uses the heap only).
     pub fn new(len: usize) -> Option<Arc<Arena>> {
-        let len = len.div_ceil(ALIGN) * ALIGN;
+        let len = len.div_ceil(ALIGN).checked_mul(ALIGN)?;
         if len == 0 {
             return None;
         }
+        // Faulting in more than the machine has would get the node killed
+        // at start; then the tier faults in as it fills, as without an arena.
+        let warm = match available_memory() {
+            Some(avail) if len as u64 > avail / 10 * 9 => {
+                tracing::warn!(
+                    arena_bytes = len,
+                    available_bytes = avail,
+                    "the memory tier is larger than the memory available: not faulting it in ahead"
+                );
+                false
+            }
+            _ => true,
+        };
         // SAFETY: a fresh private anonymous mapping; no existing memory is
         // touched. The result is checked against MAP_FAILED.
         let p = unsafe {
@@ -116,7 +133,11 @@ impl Arena {
             free: Mutex::new(free),
             warmed: AtomicUsize::new(0),
             stop: AtomicBool::new(false),
+            no_populate: AtomicBool::new(false),
         });
+        if !warm {
+            return Some(a);
+        }
         let w = Arc::downgrade(&a);
         let started = std::time::Instant::now();
         let spawned = std::thread::Builder::new().name("kv-arena-warm".into()).spawn(move || {
@@ -130,7 +151,10 @@ impl Arena {
                     return;
                 }
                 let end = (off + step).min(len);
-                a.populate(off, end);
+                if let Err(e) = a.populate(off, end) {
+                    tracing::warn!(error = %e, faulted_in = off, "stopped faulting in the memory arena");
+                    return;
+                }
                 a.warmed.store(end, Ordering::Release);
                 off = end;
             }
@@ -148,35 +172,54 @@ impl Arena {
 
     /// Faults in [off, end). MADV_POPULATE_WRITE (Linux 5.14+) maps the
     /// pages writable without changing their contents, so it is safe over
-    /// buffers in use; on older kernels each free page's first byte is
-    /// written under the free-list lock instead.
-    fn populate(&self, off: usize, end: usize) {
-        // SAFETY: the range lies inside the mapping; the advice changes no
-        // byte of it.
-        let r = unsafe {
-            libc::madvise(self.base.as_ptr().add(off) as *mut libc::c_void, end - off, libc::MADV_POPULATE_WRITE)
-        };
-        if r == 0 {
-            return;
-        }
-        let free = self.free.lock().unwrap_or_else(|e| e.into_inner());
-        for (&f_off, &f_len) in free.by_off.range(..end) {
-            let (a, b) = (f_off.max(off), (f_off + f_len).min(end));
-            let mut p = a;
-            while p < b {
-                // SAFETY: p is inside the mapping and inside a free range,
-                // which nobody reads or writes while the lock is held (ranges
-                // are handed out under this lock). A volatile write of 0 is
-                // not elided, and free memory's contents do not matter.
-                unsafe { std::ptr::write_volatile(self.base.as_ptr().add(p), 0) };
-                p += 4096;
+    /// buffers in use; where the kernel does not know it (EINVAL), each free
+    /// page's first byte is written under the free-list lock instead. Any
+    /// other failure (ENOMEM: the memory is not there) ends the warm-up.
+    fn populate(&self, off: usize, end: usize) -> std::io::Result<()> {
+        if !self.no_populate.load(Ordering::Relaxed) {
+            // SAFETY: the range lies inside the mapping; the advice changes
+            // no byte of it.
+            let r = unsafe {
+                libc::madvise(self.base.as_ptr().add(off) as *mut libc::c_void, end - off, libc::MADV_POPULATE_WRITE)
+            };
+            if r == 0 {
+                return Ok(());
             }
+            let e = std::io::Error::last_os_error();
+            if e.raw_os_error() != Some(libc::EINVAL) {
+                return Err(e);
+            }
+            self.no_populate.store(true, Ordering::Relaxed);
         }
+        // Old kernels: 1 MiB under the lock at a time, so allocations wait
+        // briefly at most.
+        let mut at = off;
+        while at < end {
+            let to = (at + (1 << 20)).min(end);
+            let free = self.free.lock().unwrap_or_else(|e| e.into_inner());
+            for (&f_off, &f_len) in free.by_off.range(..to) {
+                let (a, b) = (f_off.max(at), (f_off + f_len).min(to));
+                let mut p = a;
+                while p < b {
+                    // SAFETY: p is inside the mapping and inside a free
+                    // range, which nobody reads or writes while the lock is
+                    // held (ranges are handed out under this lock). A
+                    // volatile write of 0 is not elided, and free memory's
+                    // contents do not matter.
+                    unsafe { std::ptr::write_volatile(self.base.as_ptr().add(p), 0) };
+                    p += 4096;
+                }
+            }
+            drop(free);
+            at = to;
+        }
+        Ok(())
     }
 
     /// A range of `len` bytes (a multiple of [`ALIGN`]), or None when the
     /// arena has no free range that large.
-    pub fn alloc(&self, len: usize) -> Option<NonNull<u8>> {
+    pub(super) fn alloc(&self, len: usize) -> Option<NonNull<u8>> {
+        debug_assert!(len % ALIGN == 0 && len > 0);
         let off = self.free.lock().unwrap_or_else(|e| e.into_inner()).take(len)?;
         // SAFETY: off + len <= self.len (the free list only holds ranges of
         // the mapping), so the pointer is inside the mapping and non-null.
@@ -184,7 +227,11 @@ impl Arena {
     }
 
     /// Returns a range from [`Arena::alloc`].
-    pub fn release(&self, ptr: NonNull<u8>, len: usize) {
+    ///
+    /// # Safety
+    /// `ptr` and `len` are exactly a range [`Arena::alloc`] of this arena
+    /// returned and not yet released, and nothing uses it any more.
+    pub(super) unsafe fn release(&self, ptr: NonNull<u8>, len: usize) {
         let off = ptr.as_ptr() as usize - self.base.as_ptr() as usize;
         debug_assert!(off + len <= self.len);
         self.free.lock().unwrap_or_else(|e| e.into_inner()).give(off, len);
@@ -198,6 +245,26 @@ impl Arena {
     pub fn free_bytes(&self) -> usize {
         self.free.lock().unwrap_or_else(|e| e.into_inner()).free_bytes()
     }
+}
+
+/// Bytes of memory this process may still use: MemAvailable, or the
+/// cgroup's limit less its usage when that is lower. None when unknown.
+fn available_memory() -> Option<u64> {
+    let meminfo = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let kib: u64 = meminfo
+        .lines()
+        .find_map(|l| l.strip_prefix("MemAvailable:"))?
+        .trim()
+        .trim_end_matches("kB")
+        .trim()
+        .parse()
+        .ok()?;
+    let mut avail = kib.saturating_mul(1024);
+    let read = |p: &str| std::fs::read_to_string(p).ok().and_then(|s| s.trim().parse::<u64>().ok());
+    if let (Some(max), Some(cur)) = (read("/sys/fs/cgroup/memory.max"), read("/sys/fs/cgroup/memory.current")) {
+        avail = avail.min(max.saturating_sub(cur));
+    }
+    Some(avail)
 }
 
 impl Drop for Arena {
@@ -220,22 +287,27 @@ mod tests {
         let y = a.alloc(4 * ALIGN).unwrap();
         let z = a.alloc(8 * ALIGN).unwrap();
         assert!(a.alloc(ALIGN).is_none(), "full");
-        a.release(y, 4 * ALIGN);
+        // SAFETY: a range from alloc, released once (likewise below).
+        unsafe { a.release(y, 4 * ALIGN) };
         assert_eq!(a.free_bytes(), 4 * ALIGN);
         assert!(a.alloc(8 * ALIGN).is_none(), "no 8-page hole yet");
-        a.release(x, 4 * ALIGN);
+        // SAFETY: as above.
+        unsafe { a.release(x, 4 * ALIGN) };
         // x and y merged: an 8-page range at the start.
         let w = a.alloc(8 * ALIGN).unwrap();
         assert_eq!(w, x);
-        a.release(w, 8 * ALIGN);
-        a.release(z, 8 * ALIGN);
+        // SAFETY: as above.
+        unsafe { a.release(w, 8 * ALIGN) };
+        // SAFETY: as above.
+        unsafe { a.release(z, 8 * ALIGN) };
         assert_eq!(a.free_bytes(), 16 * ALIGN);
         assert_eq!(a.free.lock().unwrap().by_off.len(), 1, "all merged into one range");
         // Writable memory.
         let p = a.alloc(ALIGN).unwrap();
         // SAFETY: p is a fresh ALIGN-byte range of the arena.
         unsafe { std::ptr::write_bytes(p.as_ptr(), 7, ALIGN) };
-        a.release(p, ALIGN);
+        // SAFETY: as above.
+        unsafe { a.release(p, ALIGN) };
     }
 
     #[test]

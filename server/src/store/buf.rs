@@ -109,7 +109,9 @@ impl AlignedBuf {
 impl Drop for AlignedBuf {
     fn drop(&mut self) {
         if let Some(a) = self.arena.take() {
-            a.release(self.ptr, self.cap);
+            // SAFETY: ptr/cap are the range `in_arena` took from this arena,
+            // released once (here), and the buffer is being dropped.
+            unsafe { a.release(self.ptr, self.cap) };
             return;
         }
         let layout = Layout::from_size_align(self.cap, ALIGN).expect("aligned layout");
@@ -176,10 +178,6 @@ impl BufPool {
     /// As [`BufPool::new`], carving new buffers from `arena` first.
     pub fn with_arena(max_bytes: usize, arena: Option<Arc<Arena>>) -> BufPool {
         BufPool { arena, ..BufPool::new(max_bytes) }
-    }
-
-    pub fn arena(&self) -> Option<&Arc<Arena>> {
-        self.arena.as_ref()
     }
 
     /// A buffer with capacity `align_up(cap)` and length 0.

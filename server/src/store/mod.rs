@@ -162,7 +162,10 @@ impl Store {
             // (plus the pool's) faulted in ahead of use.
             pool: BufPool::with_arena(
                 cfg.pool_bytes,
-                if cfg.mem_cap > 0 { arena::Arena::new(cfg.mem_cap as usize + cfg.pool_bytes) } else { None },
+                match (cfg.mem_cap > 0).then(|| (cfg.mem_cap as usize).checked_add(cfg.pool_bytes)).flatten() {
+                    Some(len) => arena::Arena::new(len),
+                    None => None,
+                },
             ),
             c: Counters::default(),
             started: Instant::now(),
