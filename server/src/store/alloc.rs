@@ -1,4 +1,5 @@
-//! Best-fit extent allocator over one disk's data file `[0, limit)`.
+//! Best-fit extent allocator over `[0, limit)`: one disk's data file, or
+//! the memory arena (`arena.rs`).
 //!
 //! Free space is kept twice: by offset (to coalesce neighbours on free) and
 //! by (size, offset) (to find the smallest extent that fits). With the uniform
@@ -67,6 +68,11 @@ impl Allocator {
             self.insert(off + len, foff + flen - off - len);
         }
         true
+    }
+
+    /// The free extents (offset, length) that start before `end`, in order.
+    pub fn free_extents_before(&self, end: u64) -> impl Iterator<Item = (u64, u64)> + '_ {
+        self.by_off.range(..end).map(|(&o, &l)| (o, l))
     }
 
     /// Returns an extent, merging it with free neighbours.

@@ -10,17 +10,18 @@
 //! granularity, free neighbours merged) and fall back to the heap when it has
 //! no room.
 
-use std::collections::{BTreeMap, BTreeSet};
 use std::ptr::NonNull;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
+use super::alloc::Allocator;
 use super::buf::ALIGN;
 
 pub struct Arena {
     base: NonNull<u8>,
     len: usize,
-    free: Mutex<FreeList>,
+    /// Free ranges: the disks' best-fit extent allocator, over the mapping.
+    free: Mutex<Allocator>,
     /// Bytes faulted in so far by the warm-up thread.
     warmed: AtomicUsize,
     stop: AtomicBool,
@@ -33,56 +34,6 @@ pub struct Arena {
 unsafe impl Send for Arena {}
 // SAFETY: as above; all shared state is behind a Mutex or atomics.
 unsafe impl Sync for Arena {}
-
-/// Free ranges by offset (for merging) and by (length, offset) (best fit).
-#[derive(Default)]
-struct FreeList {
-    by_off: BTreeMap<usize, usize>,
-    by_len: BTreeSet<(usize, usize)>,
-}
-
-impl FreeList {
-    fn insert(&mut self, off: usize, len: usize) {
-        self.by_off.insert(off, len);
-        self.by_len.insert((len, off));
-    }
-
-    fn remove(&mut self, off: usize, len: usize) {
-        self.by_off.remove(&off);
-        self.by_len.remove(&(len, off));
-    }
-
-    fn take(&mut self, want: usize) -> Option<usize> {
-        let &(len, off) = self.by_len.range((want, 0)..).next()?;
-        self.remove(off, len);
-        if len > want {
-            self.insert(off + want, len - want);
-        }
-        Some(off)
-    }
-
-    fn give(&mut self, mut off: usize, mut len: usize) {
-        debug_assert!(self.by_off.range(..off).next_back().is_none_or(|(&o, &l)| o + l <= off), "double release");
-        debug_assert!(self.by_off.range(off..).next().is_none_or(|(&o, _)| o >= off + len), "double release");
-        // Merge with the free range just before and just after.
-        if let Some((&p_off, &p_len)) = self.by_off.range(..off).next_back() {
-            if p_off + p_len == off {
-                self.remove(p_off, p_len);
-                off = p_off;
-                len += p_len;
-            }
-        }
-        if let Some(&n_len) = self.by_off.get(&(off + len)) {
-            self.remove(off + len, n_len);
-            len += n_len;
-        }
-        self.insert(off, len);
-    }
-
-    fn free_bytes(&self) -> usize {
-        self.by_off.values().sum()
-    }
-}
 
 impl Arena {
     /// Maps `len` bytes (rounded up to [`ALIGN`]) and starts faulting them
@@ -125,8 +76,7 @@ impl Arena {
         // SAFETY: the range is the mapping just made.
         unsafe { libc::madvise(p, len, libc::MADV_HUGEPAGE) };
         let base = NonNull::new(p as *mut u8)?;
-        let mut free = FreeList::default();
-        free.insert(0, len);
+        let free = Allocator::new(len as u64);
         let a = Arc::new(Arena {
             base,
             len,
@@ -197,7 +147,8 @@ impl Arena {
         while at < end {
             let to = (at + (1 << 20)).min(end);
             let free = self.free.lock().unwrap_or_else(|e| e.into_inner());
-            for (&f_off, &f_len) in free.by_off.range(..to) {
+            for (f_off, f_len) in free.free_extents_before(to as u64) {
+                let (f_off, f_len) = (f_off as usize, f_len as usize);
                 let (a, b) = (f_off.max(at), (f_off + f_len).min(to));
                 let mut p = a;
                 while p < b {
@@ -220,7 +171,7 @@ impl Arena {
     /// arena has no free range that large.
     pub(super) fn alloc(&self, len: usize) -> Option<NonNull<u8>> {
         debug_assert!(len % ALIGN == 0 && len > 0);
-        let off = self.free.lock().unwrap_or_else(|e| e.into_inner()).take(len)?;
+        let off = self.free.lock().unwrap_or_else(|e| e.into_inner()).alloc(len as u64)? as usize;
         // SAFETY: off + len <= self.len (the free list only holds ranges of
         // the mapping), so the pointer is inside the mapping and non-null.
         Some(unsafe { NonNull::new_unchecked(self.base.as_ptr().add(off)) })
@@ -234,7 +185,7 @@ impl Arena {
     pub(super) unsafe fn release(&self, ptr: NonNull<u8>, len: usize) {
         let off = ptr.as_ptr() as usize - self.base.as_ptr() as usize;
         debug_assert!(off + len <= self.len);
-        self.free.lock().unwrap_or_else(|e| e.into_inner()).give(off, len);
+        self.free.lock().unwrap_or_else(|e| e.into_inner()).free(off as u64, len as u64);
     }
 
     /// Bytes faulted in by the warm-up so far, and in all.
@@ -243,7 +194,7 @@ impl Arena {
     }
 
     pub fn free_bytes(&self) -> usize {
-        self.free.lock().unwrap_or_else(|e| e.into_inner()).free_bytes()
+        self.free.lock().unwrap_or_else(|e| e.into_inner()).free_bytes() as usize
     }
 }
 
@@ -301,7 +252,7 @@ mod tests {
         // SAFETY: as above.
         unsafe { a.release(z, 8 * ALIGN) };
         assert_eq!(a.free_bytes(), 16 * ALIGN);
-        assert_eq!(a.free.lock().unwrap().by_off.len(), 1, "all merged into one range");
+        assert_eq!(a.free.lock().unwrap().free_extents_before(u64::MAX).count(), 1, "all merged into one range");
         // Writable memory.
         let p = a.alloc(ALIGN).unwrap();
         // SAFETY: p is a fresh ALIGN-byte range of the arena.
