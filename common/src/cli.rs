@@ -9,6 +9,24 @@ pub fn usage_error_line(prog: &str, parser_text: &str) -> String {
     format!("{prog}: error: {msg} (see {prog} --help)")
 }
 
+/// Parses the command line: Ok with the arguments, or Err with the exit
+/// code after printing what was asked (`--help`, `--version`: exit 0) or the
+/// one-line usage error (exit 2).
+#[cfg(feature = "clap")]
+pub fn parse_args<T: clap::Parser>(prog: &str) -> Result<T, std::process::ExitCode> {
+    match T::try_parse() {
+        Ok(c) => Ok(c),
+        Err(e) if !e.use_stderr() => {
+            let _ = e.print();
+            Err(std::process::ExitCode::SUCCESS)
+        }
+        Err(e) => {
+            eprintln!("{}", usage_error_line(prog, &e.to_string()));
+            Err(std::process::ExitCode::from(2))
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     #[test]

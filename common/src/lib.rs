@@ -9,6 +9,8 @@
 //! uses the same checked code.
 
 pub mod cli;
+#[cfg(feature = "daemon")]
+pub mod daemon;
 pub mod mds;
 pub mod page;
 pub mod ring;

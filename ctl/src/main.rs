@@ -107,17 +107,9 @@ enum Cmd {
 }
 
 fn main() -> ExitCode {
-    let cli = match Cli::try_parse() {
+    let cli: Cli = match kv_common::cli::parse_args("kvctl") {
         Ok(c) => c,
-        Err(e) if !e.use_stderr() => {
-            // --help and --version.
-            let _ = e.print();
-            return ExitCode::SUCCESS;
-        }
-        Err(e) => {
-            eprintln!("{}", kv_common::cli::usage_error_line("kvctl", &e.to_string()));
-            return ExitCode::from(2);
-        }
+        Err(code) => return code,
     };
     match run(&cli) {
         Ok(code) => ExitCode::from(code),

@@ -27,16 +27,9 @@ struct Cli {
 }
 
 fn main() -> ExitCode {
-    let cli = match Cli::try_parse() {
+    let cli: Cli = match kv_common::cli::parse_args("kv-mds") {
         Ok(c) => c,
-        Err(e) if !e.use_stderr() => {
-            let _ = e.print();
-            return ExitCode::SUCCESS;
-        }
-        Err(e) => {
-            eprintln!("{}", kv_common::cli::usage_error_line("kv-mds", &e.to_string()));
-            return ExitCode::from(2);
-        }
+        Err(code) => return code,
     };
     if cli.lease_ttl < Duration::from_secs(1) {
         eprintln!("kv-mds: error: --lease-ttl must be at least 1s");
@@ -48,13 +41,7 @@ fn main() -> ExitCode {
         eprintln!("kv-mds: error: --etcd names no endpoint");
         return ExitCode::from(2);
     }
-    let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr());
-    tracing_subscriber::fmt()
-        .with_max_level(cli.log_level)
-        .with_target(false)
-        .with_ansi(ansi)
-        .with_writer(std::io::stderr)
-        .init();
+    kv_common::daemon::init_logging(cli.log_level);
     match run(cli, endpoints) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
@@ -86,7 +73,7 @@ fn run(cli: Cli, endpoints: Vec<String>) -> Result<(), String> {
         tokio::spawn(mds.clone().sweep_loop());
         let (tx, rx) = tokio::sync::watch::channel(false);
         tokio::spawn(async move {
-            wait_for_signal().await;
+            kv_common::daemon::wait_for_signal().await;
             tracing::info!("signal received: shutting down");
             let _ = tx.send(true);
         });
@@ -98,19 +85,4 @@ fn run(cli: Cli, endpoints: Vec<String>) -> Result<(), String> {
     // Leases stay in etcd: nodes heartbeat to another replica, which takes them over.
     tracing::info!("stopped");
     Ok(())
-}
-
-async fn wait_for_signal() {
-    use tokio::signal::unix::{signal, SignalKind};
-    match (signal(SignalKind::terminate()), signal(SignalKind::interrupt())) {
-        (Ok(mut term), Ok(mut int)) => {
-            tokio::select! {
-                _ = term.recv() => {}
-                _ = int.recv() => {}
-            }
-        }
-        _ => {
-            let _ = tokio::signal::ctrl_c().await;
-        }
-    }
 }

@@ -3,23 +3,14 @@
 use std::process::ExitCode;
 use std::sync::Arc;
 
-use clap::Parser;
 use kv_server::config::{Cli, ServerConfig};
 use kv_server::server::{self, Shared};
 use kv_server::store::Store;
 
 fn main() -> ExitCode {
-    let cli = match Cli::try_parse() {
+    let cli: Cli = match kv_common::cli::parse_args("kv-server") {
         Ok(c) => c,
-        Err(e) if !e.use_stderr() => {
-            // --help and --version.
-            let _ = e.print();
-            return ExitCode::SUCCESS;
-        }
-        Err(e) => {
-            eprintln!("{}", kv_common::cli::usage_error_line("kv-server", &e.to_string()));
-            return ExitCode::from(2);
-        }
+        Err(code) => return code,
     };
     let cfg = match ServerConfig::resolve(cli) {
         Ok(c) => c,
@@ -28,13 +19,7 @@ fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
-    let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr());
-    tracing_subscriber::fmt()
-        .with_max_level(cfg.log_level)
-        .with_target(false)
-        .with_ansi(ansi)
-        .with_writer(std::io::stderr)
-        .init();
+    kv_common::daemon::init_logging(cfg.log_level);
     match run(cfg) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
@@ -95,7 +80,7 @@ fn run(cfg: ServerConfig) -> Result<(), String> {
             None => None,
         };
         tokio::spawn(async move {
-            wait_for_signal().await;
+            kv_common::daemon::wait_for_signal().await;
             tracing::info!("signal received: shutting down");
             // Leave the group first, so clients stop routing here while
             // the node still answers what is in flight.
@@ -113,19 +98,4 @@ fn run(cfg: ServerConfig) -> Result<(), String> {
     })?;
     tracing::info!("stopped cleanly");
     Ok(())
-}
-
-async fn wait_for_signal() {
-    use tokio::signal::unix::{signal, SignalKind};
-    match (signal(SignalKind::terminate()), signal(SignalKind::interrupt())) {
-        (Ok(mut term), Ok(mut int)) => {
-            tokio::select! {
-                _ = term.recv() => {}
-                _ = int.recv() => {}
-            }
-        }
-        _ => {
-            let _ = tokio::signal::ctrl_c().await;
-        }
-    }
 }
