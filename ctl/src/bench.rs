@@ -150,21 +150,32 @@ fn drive(
     (all, secs)
 }
 
-/// Plain TCP: each thread sends `send` bytes and reads `recv` bytes back,
-/// `count` round trips in all (or for `duration`). Returns (bytes/s of the
-/// larger direction, round trips/s).
+/// What plain sockets do on this host, for the same message pattern.
+struct Raw {
+    bytes_per_sec: f64,
+    ops_per_sec: f64,
+    p50_us: f64,
+    p99_us: f64,
+}
+
+/// Plain TCP: each operation of each thread sends `send` bytes to each of
+/// `fanout` peers, then reads `recv` bytes back from each (the pattern of a
+/// batch spread over its owners); `count` operations in all (or for
+/// `duration`). The peers do no work but echo.
 fn raw_loopback(
     threads: usize,
+    fanout: usize,
     send: usize,
     recv: usize,
     count: u64,
     duration: Option<Duration>,
-) -> std::io::Result<(f64, f64)> {
+) -> std::io::Result<Raw> {
+    let fanout = fanout.max(1);
     let listener = TcpListener::bind("127.0.0.1:0")?;
     let addr = listener.local_addr()?;
     let server = std::thread::spawn(move || {
         let mut hs = Vec::new();
-        for _ in 0..threads {
+        for _ in 0..threads * fanout {
             let Ok((mut s, _)) = listener.accept() else { break };
             hs.push(std::thread::spawn(move || {
                 let _ = s.set_nodelay(true);
@@ -181,25 +192,36 @@ fn raw_loopback(
             let _ = h.join();
         }
     });
-    let conns: Vec<std::sync::Mutex<TcpStream>> = (0..threads)
+    let conns: Vec<std::sync::Mutex<Vec<TcpStream>>> = (0..threads)
         .map(|_| {
-            let s = TcpStream::connect(addr)?;
-            s.set_nodelay(true)?;
-            Ok(std::sync::Mutex::new(s))
+            let peers = (0..fanout)
+                .map(|_| {
+                    let s = TcpStream::connect(addr)?;
+                    s.set_nodelay(true)?;
+                    Ok(s)
+                })
+                .collect::<std::io::Result<Vec<_>>>()?;
+            Ok(std::sync::Mutex::new(peers))
         })
         .collect::<std::io::Result<_>>()?;
     let bufs: Vec<std::sync::Mutex<(Vec<u8>, Vec<u8>)>> =
         (0..threads).map(|_| std::sync::Mutex::new((vec![1u8; send.max(1)], vec![0u8; recv.max(1)]))).collect();
     let (o, secs) = drive(threads, count, duration, &|t, _| {
-        let mut s = conns[t].lock().expect("conn");
+        let mut peers = conns[t].lock().expect("conn");
         let mut b = bufs[t].lock().expect("buf");
         let (out, inb) = &mut *b;
-        let ok = s.write_all(&out[..send]).is_ok() && s.read_exact(&mut inb[..recv]).is_ok();
-        (if ok { Status::Ok } else { Status::Unavailable }, send.max(recv) as u64)
+        let mut ok = peers.iter_mut().all(|s| s.write_all(&out[..send]).is_ok());
+        ok = ok && peers.iter_mut().all(|s| s.read_exact(&mut inb[..recv]).is_ok());
+        (if ok { Status::Ok } else { Status::Unavailable }, (send.max(recv) * fanout) as u64)
     });
     drop(conns);
     let _ = server.join();
-    Ok((o.bytes as f64 / secs, o.latencies_ns.len() as f64 / secs))
+    Ok(Raw {
+        bytes_per_sec: o.bytes as f64 / secs,
+        ops_per_sec: o.latencies_ns.len() as f64 / secs,
+        p50_us: percentile(&o.latencies_ns, 0.50),
+        p99_us: percentile(&o.latencies_ns, 0.99),
+    })
 }
 
 /// Plain aligned O_DIRECT writes of `size` bytes, `threads` at once.
@@ -235,6 +257,7 @@ pub fn run(a: &BenchArgs, json: bool) -> Result<u8, String> {
         return Err("--threads, --batch and --keys must be at least 1".into());
     }
     let client = a.target.client(a.geo.geometry())?;
+    let members = client.core.topology().nodes.len();
     let run_id = format!("{}-{}-{}", a.prefix, std::process::id(), now_nanos());
     let key = |i: u64| format!("{run_id}-{i}");
     let duration = a.duration.map(Duration::from_secs_f64);
@@ -301,21 +324,27 @@ pub fn run(a: &BenchArgs, json: bool) -> Result<u8, String> {
     // The limit on this host, in the same run: the same messages through
     // plain sockets (a get or put moves `size` bytes one way).
     if !a.no_raw {
+        // A batch exist goes to every owner at once: the raw limit spreads
+        // its keys over as many plain sockets.
+        let fanout = if a.op == Workload::BatchExist { members.min(a.batch).max(1) } else { 1 };
         let (send, recv) = match a.op {
             Workload::Put => (size * a.batch + 16, 16),
             Workload::Get => (16, size * a.batch + 16),
             Workload::Exist => (80, 16),
-            Workload::BatchExist => (40 + a.batch * 40, 20 + a.batch),
+            Workload::BatchExist => (40 + a.batch.div_ceil(fanout) * 40, 20 + a.batch.div_ceil(fanout)),
         };
         let raw_count = ops.clamp(100, 20_000);
-        let (bps, rtps) =
-            raw_loopback(a.threads, send, recv, raw_count, None).map_err(|e| format!("raw loopback: {e}"))?;
+        let raw =
+            raw_loopback(a.threads, fanout, send, recv, raw_count, None).map_err(|e| format!("raw loopback: {e}"))?;
         if matches!(a.op, Workload::Put | Workload::Get) {
-            extra.insert("raw_loopback_gb_per_sec", bps / 1e9);
-            extra.insert("ratio_loopback", gbps / (bps / 1e9));
+            extra.insert("raw_loopback_gb_per_sec", raw.bytes_per_sec / 1e9);
+            extra.insert("ratio_loopback", gbps / (raw.bytes_per_sec / 1e9));
         } else {
-            extra.insert("raw_loopback_round_trips_per_sec", rtps);
-            extra.insert("ratio_loopback", ops as f64 / secs / rtps);
+            extra.insert("raw_loopback_round_trips_per_sec", raw.ops_per_sec);
+            extra.insert("raw_fanout", fanout as f64);
+            extra.insert("raw_p50_us", raw.p50_us);
+            extra.insert("raw_p99_us", raw.p99_us);
+            extra.insert("ratio_loopback", ops as f64 / secs / raw.ops_per_sec);
         }
     }
     if let (Some(dir), Workload::Put) = (&a.raw_disk, a.op) {
@@ -360,7 +389,13 @@ pub fn run(a: &BenchArgs, json: bool) -> Result<u8, String> {
             );
         }
         if let Some(r) = extra.get("raw_loopback_round_trips_per_sec") {
-            println!("raw loopback round trips: {r:.0}/s  -> ratio {:.0}%", 100.0 * extra["ratio_loopback"]);
+            println!(
+                "raw loopback, same pattern ({} peer(s) per op, plain TCP, no work): {r:.0} ops/s, p50 {:.0} us  p99 {:.0} us  -> ratio {:.0}%",
+                extra["raw_fanout"],
+                extra["raw_p50_us"],
+                extra["raw_p99_us"],
+                100.0 * extra["ratio_loopback"]
+            );
         }
         if let Some(r) = extra.get("raw_disk_gb_per_sec") {
             println!("raw disk (O_DIRECT writes): {r:.3} GB/s  -> ratio {:.0}%", 100.0 * extra["ratio_disk"]);
