@@ -15,7 +15,7 @@ use std::time::Duration;
 use kv_common::mds::{AbortHandle, MdsClient, MdsError, View};
 
 use crate::client::Client;
-use crate::members::{parse_members, Member};
+use crate::members::{member, Member};
 
 /// The running discovery of one client; dropping it stops the thread.
 pub struct Discovery {
@@ -41,9 +41,8 @@ fn members_of(v: &View) -> (Vec<Member>, Vec<String>) {
     let mut out = Vec::new();
     let mut bad = Vec::new();
     for m in &v.members {
-        match parse_members(&format!("{}={}@{}", m.id, m.addr, m.weight)) {
-            Ok(mut one) if one.len() == 1 => out.push(one.remove(0)),
-            Ok(_) => bad.push(format!("member {}: empty", m.id)),
+        match member(&m.id, &m.addr, m.weight) {
+            Ok(one) => out.push(one),
             Err(e) => bad.push(e),
         }
     }

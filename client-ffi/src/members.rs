@@ -16,27 +16,34 @@ pub fn parse_members(s: &str) -> Result<Vec<Member>, String> {
     for item in s.split(',').map(str::trim).filter(|i| !i.is_empty()) {
         let (id, rest) = item.split_once('=').ok_or_else(|| format!("member {item:?} is not id=host:port[@weight]"))?;
         let id = id.trim();
-        if id.is_empty() {
-            return Err(format!("member {item:?} has an empty id"));
-        }
         let (addr, weight) = match rest.rsplit_once('@') {
             Some((a, w)) => {
                 let w: u32 =
                     w.trim().parse().map_err(|_| format!("member {id}: weight {w:?} is not a whole number"))?;
-                if w == 0 {
-                    return Err(format!("member {id}: weight must be at least 1"));
-                }
                 (a.trim(), w)
             }
             None => (rest.trim(), 1),
         };
-        let addr = resolve(addr).map_err(|e| format!("member {id}: {e}"))?;
-        if out.iter().any(|m| m.id == id) {
+        let m = member(id, addr, weight)?;
+        if out.iter().any(|o| o.id == m.id) {
             return Err(format!("member id {id:?} given twice"));
         }
-        out.push(Member { id: id.to_string(), addr, weight });
+        out.push(m);
     }
     Ok(out)
+}
+
+/// One member from its parts (a list item, or a kv-mds view's record):
+/// the address resolved now.
+pub fn member(id: &str, addr: &str, weight: u32) -> Result<Member, String> {
+    if id.is_empty() {
+        return Err(format!("member at {addr:?} has an empty id (expected id=host:port[@weight])"));
+    }
+    if weight == 0 {
+        return Err(format!("member {id}: weight must be at least 1"));
+    }
+    let addr = resolve(addr).map_err(|e| format!("member {id}: {e}"))?;
+    Ok(Member { id: id.to_string(), addr, weight })
 }
 
 fn resolve(addr: &str) -> Result<SocketAddr, String> {

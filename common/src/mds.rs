@@ -178,10 +178,6 @@ impl MdsClient {
         Ok(MdsClient::new(parse_endpoints(csv)?, timeout))
     }
 
-    pub fn endpoints(&self) -> &[String] {
-        &self.endpoints
-    }
-
     /// The replica the next call goes to first.
     pub fn current(&self) -> &str {
         &self.endpoints[self.current]

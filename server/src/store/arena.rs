@@ -189,10 +189,12 @@ impl Arena {
     }
 
     /// Bytes faulted in by the warm-up so far, and in all.
+    #[cfg(test)]
     pub fn warmed(&self) -> (usize, usize) {
         (self.warmed.load(Ordering::Acquire), self.len)
     }
 
+    #[cfg(test)]
     pub fn free_bytes(&self) -> usize {
         self.free.lock().unwrap_or_else(|e| e.into_inner()).free_bytes() as usize
     }

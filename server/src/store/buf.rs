@@ -236,4 +236,43 @@ mod tests {
         drop(pool.get(2 << 20));
         assert_eq!(pool.parked_bytes(), 8192);
     }
+
+    #[test]
+    fn arena_buffers_are_disjoint_and_fall_back_to_the_heap() {
+        // An arena of 64 KiB, a pool that parks nothing: every buffer is new.
+        let arena = Arena::new(64 << 10);
+        assert!(arena.is_some());
+        let pool = BufPool::with_arena(0, arena.clone());
+        let arena = arena.unwrap();
+        let base = arena.alloc(ALIGN).unwrap();
+        // SAFETY: the range just taken, released at once.
+        unsafe { arena.release(base, ALIGN) };
+        let in_arena = |b: &AlignedBuf| {
+            let p = b.prefix(0).as_ptr() as usize;
+            p >= base.as_ptr() as usize && p < base.as_ptr() as usize + (64 << 10)
+        };
+        // Four 16 KiB buffers fill it; each keeps its own bytes.
+        let mut bufs: Vec<PooledBuf> = (0..4u8)
+            .map(|i| {
+                let mut b = pool.get(16 << 10);
+                b.full_mut().fill(i);
+                b.set_len(16 << 10);
+                b
+            })
+            .collect();
+        assert!(bufs.iter().all(|b| in_arena(b)));
+        assert_eq!(arena.free_bytes(), 0);
+        // A fifth comes from the heap.
+        let extra = pool.get(16 << 10);
+        assert!(!in_arena(&extra));
+        for (i, b) in bufs.iter().enumerate() {
+            assert!(b.as_slice().iter().all(|&x| x == i as u8), "buffer {i} overwritten");
+        }
+        // Released ranges are reused, and merged back into one at the end.
+        bufs.remove(1);
+        let again = pool.get(16 << 10);
+        assert!(in_arena(&again));
+        drop((bufs, again, extra));
+        assert_eq!(arena.free_bytes(), 64 << 10);
+    }
 }
