@@ -10,8 +10,12 @@
  * - Panics never cross this boundary: they become KV_EINTERNAL.
  * - kv_last_error() describes the calling thread's last failure, for positive
  *   codes too (which node, and what it or the network said).
- * - One kv_client handle is safe to share between threads.
- * - Keys are NUL-terminated strings of 1..=1024 bytes.
+ * - One kv_client handle is safe to share between threads. A handle is a
+ *   token, never dereferenced: a call on a closed handle is KV_EINVAL, and
+ *   kv_close waits for the calls in flight on other threads, then frees.
+ * - Keys are NUL-terminated strings of 1..=1024 bytes. Limits apply per item,
+ *   never to a batch's total: one item has at most KV_MAX_ITEM_IOVCNT
+ *   segments, one batch at most KV_MAX_BATCH_ITEMS items (more: KV_EINVAL).
  * - Output segments (kv_getv, kv_batch_getv) must not overlap, within an item
  *   or across a batch's items: overlapping ones are refused with KV_EINVAL.
  * - Checked against the Rust definitions by the test suite (tests/tests/c_abi.rs).
@@ -36,6 +40,10 @@ extern "C" {
 #define KV_REJECTED 7
 #define KV_EINVAL -1
 #define KV_EINTERNAL -2
+#define KV_EDENIED -3
+
+#define KV_MAX_ITEM_IOVCNT 4096
+#define KV_MAX_BATCH_ITEMS 65536
 
 /* Header flag bit 0: an MLA page, replicated across TP ranks (tp_size and
    tp_rank are then not compared). */
@@ -54,7 +62,9 @@ typedef struct kv_geometry {
    max_conns_per_node (16), batch_concurrency (8), peer_cooldown_ms (2000).
    Unknown keys are an error. Returns NULL on error (see kv_last_error). */
 kv_client *kv_open(const char *members, const kv_geometry *geo, const char *options);
-void kv_close(kv_client *c); /* NULL is a no-op */
+/* Waits for calls in flight on other threads, then frees; later calls with
+   the handle are KV_EINVAL. NULL or an already closed handle is a no-op. */
+void kv_close(kv_client *c);
 /* Replaces the member set; safe while other threads issue requests. */
 int kv_set_members(kv_client *c, const char *members);
 /* Membership through kv-mds: long-polls group's view (each poll waits up to
@@ -75,6 +85,8 @@ int kv_get(kv_client *c, const char *key, void *buf, size_t cap, size_t *out_len
 int kv_getv(kv_client *c, const char *key, const kv_iovec *iov, size_t iovcnt, size_t *out_len);
 /* KV_OK only where a get by this client would hit (geometry compared). */
 int kv_exist(kv_client *c, const char *key);
+/* Removes key at its owner: KV_OK, or KV_MISS when it was not stored. */
+int kv_delete(kv_client *c, const char *key);
 
 /* Batches: item i uses iovcnt[i] consecutive entries of iov. Items fan out to
    their owners concurrently. Return the number of items with KV_OK (>= 0) or a

@@ -62,6 +62,10 @@ impl BlockingClient {
         self.rt.block_on(self.core.getv(key, bufs))
     }
 
+    pub fn delete(&self, key: &[u8]) -> Status {
+        self.rt.block_on(self.core.delete(key))
+    }
+
     /// On the caller's thread (no runtime hop): see `small.rs`.
     pub fn exist(&self, key: &[u8]) -> Status {
         self.core.exist_blocking(key)

@@ -124,6 +124,17 @@ impl Exchange for ExistX<'_> {
     }
 }
 
+struct DeleteX<'b> {
+    key: &'b [u8],
+}
+
+impl Exchange for DeleteX<'_> {
+    type Out = Status;
+    fn run<'a>(&'a mut self, conn: &'a mut AsyncConn, _geo: &'a Geometry) -> BoxFuture<'a, Result<Status, OpError>> {
+        Box::pin(exchange::delete(conn, self.key))
+    }
+}
+
 struct BatchExistX<'b> {
     keys: Vec<&'b [u8]>,
 }
@@ -342,6 +353,20 @@ impl Client {
             Err(e) => e.status(),
         };
         self.metrics.count_exist(s, 1)
+    }
+
+    /// Removes `key` at its owner: Ok, or Miss when it was not stored.
+    pub async fn delete(&self, key: &[u8]) -> Status {
+        let topo = self.topology();
+        let node = match self.route(&topo, key) {
+            Ok(n) => n,
+            Err(s) => return self.metrics.count_delete(s),
+        };
+        let s = match self.run_on(&node, &mut DeleteX { key }).await {
+            Ok(s) => s,
+            Err(e) => e.status(),
+        };
+        self.metrics.count_delete(s)
     }
 
     /// Per-key statuses: one BATCH_EXIST frame per owner (chunked at 4096

@@ -114,6 +114,17 @@ pub async fn exist(conn: &mut AsyncConn, geo: &Geometry, key: &[u8]) -> Result<S
     }
 }
 
+/// Removes `key` at this node: Ok or Miss (absent).
+pub async fn delete(conn: &mut AsyncConn, key: &[u8]) -> Result<Status, OpError> {
+    let id = send(conn, Op::Delete, 0, &[key]).await?;
+    let h = recv_header(conn, id).await?;
+    let body = recv_small(conn, &h).await?;
+    match h.status {
+        s @ (Status::Ok | Status::Miss) => Ok(s),
+        s => Err(refused(s, &body)),
+    }
+}
+
 pub async fn batch_exist(conn: &mut AsyncConn, geo: &Geometry, keys: &[&[u8]]) -> Result<Vec<Status>, OpError> {
     let body = wire::encode_batch_exist(geo, keys);
     let id = send(conn, Op::BatchExist, FLAG_CHECK_GEOMETRY, &[&body]).await?;

@@ -37,6 +37,13 @@ pub const KV_REJECTED: c_int = 7;
 pub const KV_EINVAL: c_int = -1;
 /// Bug; message in `kv_last_error()`.
 pub const KV_EINTERNAL: c_int = -2;
+/// Refused: missing or wrong auth token (a misconfiguration, never a miss).
+pub const KV_EDENIED: c_int = -3;
+
+/// Largest number of segments one item may have (`iovcnt` of one item).
+pub const MAX_ITEM_IOVCNT: usize = 4096;
+/// Largest number of items in one batch call.
+pub const MAX_BATCH_ITEMS: usize = 65536;
 
 /// A caller buffer segment.
 #[repr(C)]
@@ -60,9 +67,10 @@ pub struct kv_geometry {
     pub flags: u16,
 }
 
-/// The client handle (opaque to C). Safe to share between threads.
+/// The client handle as C sees it: an opaque token, never dereferenced
+/// (see [`handles`]). The type exists only to give the pointer a name.
 pub struct kv_client {
-    inner: BlockingClient,
+    _opaque: [u8; 0],
 }
 
 thread_local! {
@@ -153,17 +161,28 @@ unsafe fn key<'a>(p: *const c_char) -> Result<&'a [u8], c_int> {
     Ok(k)
 }
 
-/// The client behind a handle.
-///
-/// # Safety
-/// `c` must be NULL or a handle from `kv_open` not yet closed.
-unsafe fn client<'a>(c: *const kv_client) -> Result<&'a BlockingClient, c_int> {
+/// The client behind a live handle, held for the duration of a call.
+fn client(c: *const kv_client) -> Result<handles::Call, c_int> {
     if c.is_null() {
         return Err(einval("client handle is NULL"));
     }
-    // SAFETY: a live handle from kv_open (caller's contract); shared use is
-    // safe because BlockingClient is Sync.
-    Ok(unsafe { &(*c).inner })
+    handles::enter(c as usize).ok_or_else(|| einval("client handle is closed or was never opened"))
+}
+
+/// The per-item segment limit (DESIGN §4: limits apply per item).
+fn item_iovcnt(n: usize) -> Result<(), c_int> {
+    if n > MAX_ITEM_IOVCNT {
+        return Err(einval(format!("iovcnt {n} of one item is over {MAX_ITEM_IOVCNT}")));
+    }
+    Ok(())
+}
+
+/// The per-call item limit of batches.
+fn batch_len(n: usize) -> Result<(), c_int> {
+    if n > MAX_BATCH_ITEMS {
+        return Err(einval(format!("batch of {n} items is over {MAX_BATCH_ITEMS}")));
+    }
+    Ok(())
 }
 
 /// Read-only views of `n` iovecs.
@@ -172,6 +191,7 @@ unsafe fn client<'a>(c: *const kv_client) -> Result<&'a BlockingClient, c_int> {
 /// `iov` must be NULL (then `n` must be 0) or point to `n` iovecs whose
 /// `base` is valid for reads of `len` bytes for the call.
 unsafe fn read_views<'a>(iov: *const kv_iovec, n: usize) -> Result<Vec<&'a [u8]>, c_int> {
+    item_iovcnt(n)?;
     if n == 0 {
         return Ok(Vec::new());
     }
@@ -195,6 +215,7 @@ unsafe fn read_views<'a>(iov: *const kv_iovec, n: usize) -> Result<Vec<&'a [u8]>
 /// # Safety
 /// As [`read_views`], for writes; the segments must not overlap.
 unsafe fn write_views<'a>(iov: *const kv_iovec, n: usize) -> Result<Vec<&'a mut [u8]>, c_int> {
+    item_iovcnt(n)?;
     if n == 0 {
         return Ok(Vec::new());
     }
@@ -264,22 +285,23 @@ pub unsafe extern "C" fn kv_open(
                 set_error(format!("cannot start the client runtime: {e}"));
                 KV_EINTERNAL
             })?;
-            Ok(Box::into_raw(Box::new(kv_client { inner })))
+            Ok(handles::open(inner) as *mut kv_client)
         };
         open().unwrap_or(std::ptr::null_mut())
     })
 }
 
-/// Closes a client; NULL is a no-op.
+/// Closes a client: later calls with the handle are KV_EINVAL; waits for
+/// calls in flight on other threads, then frees. NULL, or a handle already
+/// closed, is a no-op.
 ///
 /// # Safety
-/// `c` is NULL or a handle from `kv_open`, not used again afterwards.
+/// Always safe: the handle is a token, never dereferenced.
 #[no_mangle]
 pub unsafe extern "C" fn kv_close(c: *mut kv_client) {
     guard((), || {
         if !c.is_null() {
-            // SAFETY: a handle from kv_open (Box::into_raw), closed once.
-            drop(unsafe { Box::from_raw(c) });
+            handles::close(c as usize);
         }
     })
 }
@@ -291,8 +313,7 @@ pub unsafe extern "C" fn kv_close(c: *mut kv_client) {
 #[no_mangle]
 pub unsafe extern "C" fn kv_set_members(c: *mut kv_client, members: *const c_char) -> c_int {
     entry(|| {
-        // SAFETY: forwarded caller contract.
-        let cl = unsafe { client(c) }?;
+        let cl = client(c)?;
         // SAFETY: the caller's contract, stated in this function's # Safety, covers this argument.
         let m = parse_members(unsafe { text(members, "members") }?).map_err(einval)?;
         cl.set_members(m);
@@ -318,8 +339,7 @@ pub unsafe extern "C" fn kv_start_mds_discovery(
     poll_ms: c_int,
 ) -> c_int {
     entry(|| {
-        // SAFETY: forwarded caller contract.
-        let cl = unsafe { client(c) }?;
+        let cl = client(c)?;
         // SAFETY: the caller's contract, stated in this function's # Safety, covers this argument.
         let eps = unsafe { text(mds_endpoints_csv, "mds_endpoints_csv") }?;
         // SAFETY: the caller's contract, stated in this function's # Safety, covers this argument.
@@ -352,10 +372,7 @@ pub unsafe extern "C" fn kv_start_mds_discovery(
 /// `c` is NULL or a live handle.
 #[no_mangle]
 pub unsafe extern "C" fn kv_epoch(c: *const kv_client) -> u64 {
-    guard(0, || {
-        // SAFETY: forwarded caller contract.
-        unsafe { client(c) }.map(|cl| cl.core.epoch()).unwrap_or(0)
-    })
+    guard(0, || client(c).map(|cl| cl.core.epoch()).unwrap_or(0))
 }
 
 /// Stores `len` bytes from `buf` under `key`.
@@ -377,8 +394,7 @@ pub unsafe extern "C" fn kv_put(c: *mut kv_client, key: *const c_char, buf: *con
 #[no_mangle]
 pub unsafe extern "C" fn kv_putv(c: *mut kv_client, key: *const c_char, iov: *const kv_iovec, iovcnt: usize) -> c_int {
     entry(|| {
-        // SAFETY: forwarded caller contract.
-        let cl = unsafe { client(c) }?;
+        let cl = client(c)?;
         // SAFETY: the caller's contract, stated in this function's # Safety, covers this argument.
         let k = unsafe { key_arg(key) }?;
         // SAFETY: the caller's contract, stated in this function's # Safety, covers this argument.
@@ -426,8 +442,7 @@ pub unsafe extern "C" fn kv_getv(
     out_len: *mut usize,
 ) -> c_int {
     entry(|| {
-        // SAFETY: forwarded caller contract.
-        let cl = unsafe { client(c) }?;
+        let cl = client(c)?;
         // SAFETY: the caller's contract, stated in this function's # Safety, covers this argument.
         let k = unsafe { key_arg(key) }?;
         // SAFETY: the caller's contract, stated in this function's # Safety, covers this argument.
@@ -452,11 +467,24 @@ pub unsafe extern "C" fn kv_getv(
 #[no_mangle]
 pub unsafe extern "C" fn kv_exist(c: *mut kv_client, key: *const c_char) -> c_int {
     entry(|| {
-        // SAFETY: forwarded caller contract.
-        let cl = unsafe { client(c) }?;
+        let cl = client(c)?;
         // SAFETY: the caller's contract, stated in this function's # Safety, covers this argument.
         let k = unsafe { key_arg(key) }?;
         Ok(done(cl.exist(k)))
+    })
+}
+
+/// Removes `key` at its owner: KV_OK, or KV_MISS when it was not stored.
+///
+/// # Safety
+/// `c` a handle; `key` NUL-terminated.
+#[no_mangle]
+pub unsafe extern "C" fn kv_delete(c: *mut kv_client, key: *const c_char) -> c_int {
+    entry(|| {
+        let cl = client(c)?;
+        // SAFETY: the caller's contract, stated in this function's # Safety, covers this argument.
+        let k = unsafe { key_arg(key) }?;
+        Ok(done(cl.delete(k)))
     })
 }
 
@@ -516,6 +544,7 @@ unsafe fn batch_items<'a, V>(
     out_status: *mut c_int,
     views: unsafe fn(*const kv_iovec, usize) -> Result<V, c_int>,
 ) -> Result<Vec<(&'a [u8], V)>, c_int> {
+    batch_len(n)?;
     if n > 0 && out_status.is_null() {
         return Err(einval("out_status is NULL"));
     }
@@ -563,8 +592,7 @@ pub unsafe extern "C" fn kv_batch_putv(
     out_status: *mut c_int,
 ) -> c_int {
     entry(|| {
-        // SAFETY: forwarded caller contract.
-        let cl = unsafe { client(c) }?;
+        let cl = client(c)?;
         // SAFETY: the caller's contract, stated in this function's # Safety, covers these arguments.
         let items = unsafe { batch_items(n, keys, iov, iovcnt, out_status, read_views) }?;
         let st = cl.batch_putv(&items);
@@ -588,8 +616,7 @@ pub unsafe extern "C" fn kv_batch_getv(
     out_status: *mut c_int,
 ) -> c_int {
     entry(|| {
-        // SAFETY: forwarded caller contract.
-        let cl = unsafe { client(c) }?;
+        let cl = client(c)?;
         // SAFETY: the caller's contract, stated in this function's # Safety, covers these
         // arguments; items' segments do not overlap (the header's contract).
         let mut items = unsafe { batch_items(n, keys, iov, iovcnt, out_status, write_views) }?;
@@ -622,8 +649,8 @@ pub unsafe extern "C" fn kv_batch_exist(
     out_status: *mut c_int,
 ) -> c_int {
     entry(|| {
-        // SAFETY: forwarded caller contract.
-        let cl = unsafe { client(c) }?;
+        let cl = client(c)?;
+        batch_len(n)?;
         if n > 0 && out_status.is_null() {
             return Err(einval("out_status is NULL"));
         }
@@ -641,8 +668,7 @@ pub unsafe extern "C" fn kv_batch_exist(
 #[no_mangle]
 pub unsafe extern "C" fn kv_register_memory(c: *mut kv_client, base: *mut c_void, len: usize) -> c_int {
     guard(KV_EINTERNAL, || {
-        // SAFETY: forwarded caller contract.
-        if let Err(e) = unsafe { client(c) } {
+        if let Err(e) = client(c) {
             return e;
         }
         if base.is_null() && len > 0 {
@@ -660,8 +686,7 @@ pub unsafe extern "C" fn kv_register_memory(c: *mut kv_client, base: *mut c_void
 #[no_mangle]
 pub unsafe extern "C" fn kv_stats_snapshot(c: *mut kv_client, buf: *mut c_char, cap: usize) -> usize {
     guard(0, || {
-        // SAFETY: forwarded caller contract.
-        let Ok(cl) = (unsafe { client(c) }) else { return 0 };
+        let Ok(cl) = client(c) else { return 0 };
         let text = cl.stats_text();
         if !buf.is_null() && cap > 0 {
             let n = text.len().min(cap - 1);
@@ -687,4 +712,156 @@ pub extern "C" fn kv_last_error() -> *const c_char {
 #[no_mangle]
 pub extern "C" fn kv_version() -> *const c_char {
     concat!(env!("CARGO_PKG_VERSION"), "\0").as_ptr() as *const c_char
+}
+
+/// The registry of open handles. A `kv_client *` is an id in this registry,
+/// never an address: a call with a closed or made-up handle finds nothing
+/// and is KV_EINVAL instead of undefined behaviour, and ids are never
+/// reused, so a stale handle cannot reach a newer client. Each call holds
+/// the client (an `Arc`) for its duration; `kv_close` removes the id, waits
+/// for the calls in flight to finish, and drops the client itself.
+mod handles {
+    use std::collections::HashMap;
+    use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+    use std::sync::{Arc, Condvar, Mutex, OnceLock, RwLock};
+    use std::time::Duration;
+
+    use crate::blocking::BlockingClient;
+
+    struct Handle {
+        client: BlockingClient,
+        closing: AtomicBool,
+        lock: Mutex<()>,
+        done: Condvar,
+    }
+
+    fn table() -> &'static RwLock<HashMap<usize, Arc<Handle>>> {
+        static TABLE: OnceLock<RwLock<HashMap<usize, Arc<Handle>>>> = OnceLock::new();
+        TABLE.get_or_init(Default::default)
+    }
+
+    /// Ids start at 16 and step by 16, so a handle looks like an aligned
+    /// pointer to C tools, and small integers passed by mistake are refused.
+    static NEXT: AtomicUsize = AtomicUsize::new(16);
+
+    /// A call in progress on a live handle.
+    pub(super) struct Call(Arc<Handle>);
+
+    impl std::ops::Deref for Call {
+        type Target = BlockingClient;
+        fn deref(&self) -> &BlockingClient {
+            &self.0.client
+        }
+    }
+
+    impl Drop for Call {
+        fn drop(&mut self) {
+            if self.0.closing.load(Ordering::Acquire) {
+                let _g = self.0.lock.lock().unwrap_or_else(|e| e.into_inner());
+                self.0.done.notify_all();
+            }
+        }
+    }
+
+    pub(super) fn open(client: BlockingClient) -> usize {
+        let id = NEXT.fetch_add(16, Ordering::Relaxed);
+        let h =
+            Arc::new(Handle { client, closing: AtomicBool::new(false), lock: Mutex::new(()), done: Condvar::new() });
+        table().write().unwrap_or_else(|e| e.into_inner()).insert(id, h);
+        id
+    }
+
+    pub(super) fn enter(id: usize) -> Option<Call> {
+        table().read().unwrap_or_else(|e| e.into_inner()).get(&id).map(|h| Call(h.clone()))
+    }
+
+    pub(super) fn close(id: usize) {
+        let Some(mut h) = table().write().unwrap_or_else(|e| e.into_inner()).remove(&id) else { return };
+        h.closing.store(true, Ordering::Release);
+        loop {
+            // A call's Arc is released just after its notification, so the
+            // wait also wakes on a short timeout to see the count drop.
+            {
+                let g = h.lock.lock().unwrap_or_else(|e| e.into_inner());
+                if Arc::strong_count(&h) > 1 {
+                    drop(h.done.wait_timeout(g, Duration::from_millis(2)));
+                    continue;
+                }
+            }
+            match Arc::try_unwrap(h) {
+                Ok(last) => {
+                    // Stops discovery, the runtime and every connection here,
+                    // on the closing thread.
+                    drop(last);
+                    return;
+                }
+                Err(back) => h = back,
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::{Duration, Instant};
+
+    fn geo() -> kv_geometry {
+        kv_geometry {
+            model_hash: 1,
+            page_size: 1,
+            dtype_tag: 1,
+            tp_size: 1,
+            tp_rank: 0,
+            layer_num: 1,
+            head_num: 1,
+            head_dim: 1,
+            flags: 0,
+        }
+    }
+
+    /// A peer that accepts and then never answers: a call to it lasts its
+    /// whole I/O timeout.
+    fn silent_peer() -> (std::net::TcpListener, String) {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let a = l.local_addr().unwrap().to_string();
+        (l, a)
+    }
+
+    #[test]
+    fn close_waits_for_calls_in_flight_and_later_calls_are_einval() {
+        let (peer, addr) = silent_peer();
+        let members = CString::new(format!("n1={addr}")).unwrap();
+        let opts = CString::new("io_timeout_ms=400,connect_timeout_ms=400").unwrap();
+        let g = geo();
+        // SAFETY: valid strings and geometry for the call.
+        let c = unsafe { kv_open(members.as_ptr(), &g, opts.as_ptr()) };
+        assert!(!c.is_null());
+        let token = c as usize;
+        let call = std::thread::spawn(move || {
+            let key = CString::new("k").unwrap();
+            let t = Instant::now();
+            // SAFETY: a handle token and a valid key.
+            let s = unsafe { kv_exist(token as *mut kv_client, key.as_ptr()) };
+            (s, t.elapsed(), Instant::now())
+        });
+        // The peer's accept returns once the call is inside the library
+        // (it connected); close under it.
+        let (_held, _) = peer.accept().unwrap();
+        // SAFETY: a handle from kv_open.
+        unsafe { kv_close(c) };
+        let closed_at = Instant::now();
+        let (s, took, returned_at) = call.join().unwrap();
+        assert_eq!(s, KV_TIMEOUT, "the call in flight finished normally");
+        assert!(took >= Duration::from_millis(300), "it ran its course ({took:?})");
+        assert!(closed_at >= returned_at, "kv_close returned only after the call did");
+        let key = CString::new("k").unwrap();
+        // SAFETY: a closed handle is a token the registry no longer knows.
+        assert_eq!(unsafe { kv_exist(c, key.as_ptr()) }, KV_EINVAL);
+        // SAFETY: as above; closing twice is a no-op.
+        unsafe { kv_close(c) };
+        // A made-up handle is refused the same way.
+        // SAFETY: never dereferenced.
+        assert_eq!(unsafe { kv_exist(12345 as *mut kv_client, key.as_ptr()) }, KV_EINVAL);
+    }
 }

@@ -24,11 +24,11 @@ fn slot(s: Status) -> usize {
     STATUSES.iter().position(|&x| x == s).unwrap_or(STATUSES.len() - 1)
 }
 
-const OPS: [&str; 3] = ["put", "get", "exist"];
+const OPS: [&str; 4] = ["put", "get", "exist", "delete"];
 
 #[derive(Default)]
 pub struct Metrics {
-    by_status: [[AtomicU64; 12]; 3],
+    by_status: [[AtomicU64; 12]; 4],
     pub bytes_put: AtomicU64,
     pub bytes_got: AtomicU64,
     pub ring_rebuilds: AtomicU64,
@@ -68,7 +68,12 @@ impl Metrics {
         s
     }
 
-    /// How many `op` ("put", "get", "exist") ended with `s`.
+    pub fn count_delete(&self, s: Status) -> Status {
+        self.count(3, s);
+        s
+    }
+
+    /// How many `op` ("put", "get", "exist", "delete") ended with `s`.
     pub fn get_count(&self, op: &str, s: Status) -> u64 {
         let i = OPS.iter().position(|&o| o == op).unwrap_or(0);
         self.by_status[i][slot(s)].load(Ordering::Relaxed)

@@ -179,6 +179,34 @@ static int phase_put(const char *members, const char *dead) {
     CHECK(kv_epoch(d) == before && kv_exist(d, "page-1") == KV_OK, "the ring in use stays while no MDS answers");
     kv_close(d);
   }
+  /* Per-item limits: an item's segments and a batch's items. */
+  {
+    size_t big = KV_MAX_ITEM_IOVCNT + 1;
+    kv_iovec *many = calloc(big, sizeof *many);
+    for (size_t i = 0; i < big; i++) { many[i].base = src + i; many[i].len = 1; }
+    CHECK(kv_putv(c, "too-many-segments", many, big) == KV_EINVAL && strstr(kv_last_error(), "iovcnt"),
+          "an item over KV_MAX_ITEM_IOVCNT segments: %s", kv_last_error());
+    CHECK(kv_putv(c, "max-segments", many, KV_MAX_ITEM_IOVCNT) == KV_OK, "an item of exactly KV_MAX_ITEM_IOVCNT segments");
+    free(many);
+    const char *one = "k";
+    CHECK(kv_batch_exist(c, (size_t)KV_MAX_BATCH_ITEMS + 1, &one, st) == KV_EINVAL && strstr(kv_last_error(), "batch of"),
+          "a batch over KV_MAX_BATCH_ITEMS: %s", kv_last_error());
+  }
+  /* Delete at the owner; a second delete misses. */
+  CHECK(kv_put(c, "delete-me", src, 100) == KV_OK && kv_delete(c, "delete-me") == KV_OK, "delete a stored key");
+  CHECK(kv_exist(c, "delete-me") == KV_MISS && kv_delete(c, "delete-me") == KV_MISS, "deleted: exist and delete miss");
+  CHECK(kv_delete(c, NULL) == KV_EINVAL && kv_delete(NULL, "k") == KV_EINVAL, "delete(NULL)");
+  /* A closed handle is refused, never used: every call is KV_EINVAL. */
+  {
+    kv_client *gone = kv_open(members, &g, NULL);
+    kv_close(gone);
+    CHECK(kv_exist(gone, "page-1") == KV_EINVAL && strstr(kv_last_error(), "closed"), "exist on a closed handle: %s",
+          kv_last_error());
+    CHECK(kv_get(gone, "page-1", dst, n, &got) == KV_EINVAL && kv_put(gone, "k", src, 1) == KV_EINVAL &&
+              kv_epoch(gone) == 0 && kv_stats_snapshot(gone, NULL, 0) == 0,
+          "get, put, epoch and stats on a closed handle");
+    kv_close(gone); /* twice: a no-op */
+  }
   CHECK(kv_register_memory(c, src, n) == KV_OK, "register_memory is a no-op on TCP");
   CHECK(kv_register_memory(c, NULL, 10) == KV_EINVAL, "register_memory(NULL)");
   CHECK(kv_stats_snapshot(NULL, NULL, 0) == 0, "stats(NULL)");

@@ -133,7 +133,7 @@ fn the_header_matches_the_rust_definitions() {
     let from_h: BTreeMap<_, _> = header_prototypes(&h).into_iter().map(|(k, v)| (k, strip_names(&v))).collect();
     let from_rs: BTreeMap<_, _> = rust_prototypes().into_iter().map(|(k, v)| (k, strip_names(&v))).collect();
     assert_eq!(from_h, from_rs, "kvclient.h and client-ffi/src/ffi.rs disagree");
-    assert_eq!(from_rs.len(), 17);
+    assert_eq!(from_rs.len(), 18);
     // Status codes.
     for (name, v) in [
         ("KV_OK", ffi::KV_OK),
@@ -146,6 +146,9 @@ fn the_header_matches_the_rust_definitions() {
         ("KV_REJECTED", ffi::KV_REJECTED),
         ("KV_EINVAL", ffi::KV_EINVAL),
         ("KV_EINTERNAL", ffi::KV_EINTERNAL),
+        ("KV_EDENIED", ffi::KV_EDENIED),
+        ("KV_MAX_ITEM_IOVCNT", ffi::MAX_ITEM_IOVCNT as i32),
+        ("KV_MAX_BATCH_ITEMS", ffi::MAX_BATCH_ITEMS as i32),
     ] {
         assert!(h.contains(&format!("#define {name} {v}\n")), "{name} = {v} in kvclient.h");
     }
