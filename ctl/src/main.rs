@@ -3,8 +3,9 @@
 //! Data commands (`put`, `get`, `exist`) go through the client library, so
 //! they route by the weighted ring (`--members`) or to one node (`--node`)
 //! and verify pages exactly as an engine's get does; they, and `bench`, take
-//! `--mds EPS --group G` to use a group's current members. `delete`, `stat`
-//! and `ping` talk to one node. `ring` shows a group's view from kv-mds and
+//! `--mds EPS --group G` to use a group's current members, as does `delete`;
+//! without flags they use KVCELLAR_MDS / KVCELLAR_MEMBERS / KVCELLAR_GROUP.
+//! `stat` and `ping` talk to one node. `ring` shows a group's view from kv-mds and
 //! `stat --all` every member's statistics. `bench` measures a cluster beside
 //! the limits of this host.
 //!
@@ -68,10 +69,10 @@ enum Cmd {
         #[command(flatten)]
         geo: GeoArgs,
     },
-    /// Remove a key from one node.
+    /// Remove a key at its owner (or at --node).
     Delete {
-        #[arg(long)]
-        node: String,
+        #[command(flatten)]
+        target: Target,
         key: String,
     },
     /// One node's statistics, or with --all every member's and a total.
@@ -82,23 +83,24 @@ enum Cmd {
         /// Every member of the group (--mds) or of --members, then a TOTAL row.
         #[arg(long, conflicts_with = "addr")]
         all: bool,
-        /// kv-mds endpoints `host:port,...` (with --all).
+        /// kv-mds endpoints `host:port,...` (with --all; else KVCELLAR_MDS).
         #[arg(long, requires = "all")]
         mds: Option<String>,
-        /// Group (with --mds).
-        #[arg(long, default_value = "default")]
-        group: String,
-        /// Member list instead of --mds (with --all).
+        /// Group (with --mds; else KVCELLAR_GROUP, else "default").
+        #[arg(long)]
+        group: Option<String>,
+        /// Member list instead of --mds (with --all; else KVCELLAR_MEMBERS).
         #[arg(long, requires = "all", conflicts_with = "mds")]
         members: Option<String>,
     },
     /// A group's view from kv-mds: epoch, then each member's weight, vnodes and share of keys.
     Ring {
-        /// kv-mds endpoints `host:port,...`.
+        /// kv-mds endpoints `host:port,...` (else KVCELLAR_MDS).
         #[arg(long)]
-        mds: String,
-        #[arg(long, default_value = "default")]
-        group: String,
+        mds: Option<String>,
+        /// Group (else KVCELLAR_GROUP, else "default").
+        #[arg(long)]
+        group: Option<String>,
     },
     /// Round-trip time to a node.
     Ping { addr: String },
@@ -197,32 +199,37 @@ fn run(cli: &Cli) -> Result<u8, String> {
             let c = target.client(geo.geometry())?;
             Ok(status_exit(cli, key, c.exist(key.as_bytes())))
         }
-        Cmd::Delete { node, key } => {
-            let mut c = connect(cli, node)?;
-            let st = c.delete(key.as_bytes()).map_err(|e| e.to_string())?;
-            Ok(status_exit(cli, key, st))
+        Cmd::Delete { target, key } => {
+            let c = target.client(kv_common::page::Geometry::default())?;
+            Ok(status_exit(cli, key, c.delete(key.as_bytes())))
         }
         Cmd::Ring { mds, group } => {
-            let view = cluster::fetch_view(mds, group, Duration::from_millis(cli.timeout_ms))?;
+            let (mds, group) = match target::resolve(None, None, mds.as_deref(), group.as_deref())? {
+                target::Cluster::Mds { endpoints, group } => (endpoints, group),
+                target::Cluster::Members(_) => return Err("ring needs --mds host:port,... (or KVCELLAR_MDS)".into()),
+            };
+            let view = cluster::fetch_view(&mds, &group, Duration::from_millis(cli.timeout_ms))?;
             cluster::ring(&view, cli.json)
         }
         Cmd::Stat { all: true, mds, group, members, .. } => {
             let timeout = Duration::from_millis(cli.timeout_ms);
-            let (epoch, list) = match (mds, members) {
-                (Some(m), _) => {
-                    let v = cluster::fetch_view(m, group, timeout)?;
+            let cluster = target::resolve(members.as_deref(), None, mds.as_deref(), group.as_deref())
+                .map_err(|e| format!("stat --all: {e}"))?;
+            let group = target::group_or_env(group.as_deref());
+            let (epoch, list) = match cluster {
+                target::Cluster::Mds { endpoints, group } => {
+                    let v = cluster::fetch_view(&endpoints, &group, timeout)?;
                     (Some(v.epoch), v.members)
                 }
-                (None, Some(m)) => {
-                    let list = kvclient::members::parse_members(m)?
+                target::Cluster::Members(m) => {
+                    let list = kvclient::members::parse_members(&m)?
                         .into_iter()
                         .map(|m| kv_common::mds::MemberRecord { id: m.id, addr: m.addr.to_string(), weight: m.weight })
                         .collect();
                     (None, list)
                 }
-                (None, None) => return Err("stat --all needs --mds host:port,... or --members".into()),
             };
-            Ok(cluster::stat_all(group, epoch, &list, timeout, cli.json))
+            Ok(cluster::stat_all(&group, epoch, &list, timeout, cli.json))
         }
         Cmd::Stat { addr, .. } => {
             let addr = addr.as_deref().ok_or("give a node address or --all")?;

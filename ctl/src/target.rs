@@ -17,42 +17,122 @@ pub struct Target {
     /// kv-mds endpoints `host:port,...`: use the group's current members.
     #[arg(long)]
     pub mds: Option<String>,
-    /// Group to use with --mds.
-    #[arg(long, default_value = "default")]
-    pub group: String,
+    /// Group to use with --mds (else KVCELLAR_GROUP, else "default").
+    #[arg(long)]
+    pub group: Option<String>,
     /// Client options `key=value,...` (e.g. io_timeout_ms=10000,batch_concurrency=8).
     #[arg(long, default_value = "")]
     pub options: String,
 }
 
+/// Where the cluster is: a group through kv-mds, or a static member list.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Cluster {
+    Mds { endpoints: String, group: String },
+    Members(String),
+}
+
+/// The environment variables shared by kvctl, the Python `Client` and the
+/// plugins; each is used only where the command's own flags leave it out.
+pub const ENV_MDS: &str = "KVCELLAR_MDS";
+pub const ENV_GROUP: &str = "KVCELLAR_GROUP";
+pub const ENV_MEMBERS: &str = "KVCELLAR_MEMBERS";
+
+fn env(name: &str) -> Option<String> {
+    std::env::var(name).ok().map(|v| v.trim().to_string()).filter(|v| !v.is_empty())
+}
+
+/// The group: the flag, else KVCELLAR_GROUP, else "default".
+pub fn group_or_env(flag: Option<&str>) -> String {
+    flag.map(str::to_string).or_else(|| env(ENV_GROUP)).unwrap_or_else(|| "default".into())
+}
+
+/// Resolves the cluster from flags (`--members`, `--node`, `--mds`), then
+/// from KVCELLAR_MEMBERS / KVCELLAR_MDS. Both variables set is an error
+/// naming both, as in the Python client.
+pub fn resolve(
+    members: Option<&str>,
+    node: Option<&str>,
+    mds: Option<&str>,
+    group: Option<&str>,
+) -> Result<Cluster, String> {
+    let group = group_or_env(group);
+    match (members, node, mds) {
+        (Some(m), _, _) => return Ok(Cluster::Members(m.to_string())),
+        (None, Some(n), _) => return Ok(Cluster::Members(format!("n1={n}"))),
+        (None, None, Some(e)) => return Ok(Cluster::Mds { endpoints: e.to_string(), group }),
+        (None, None, None) => {}
+    }
+    match (env(ENV_MEMBERS), env(ENV_MDS)) {
+        (Some(_), Some(_)) => Err(format!("{ENV_MDS} and {ENV_MEMBERS} are both set: keep one")),
+        (Some(m), None) => Ok(Cluster::Members(m)),
+        (None, Some(e)) => Ok(Cluster::Mds { endpoints: e, group }),
+        (None, None) => Err(format!(
+            "give --members id=host:port,..., --node host:port or --mds host:port (or set {ENV_MDS} or {ENV_MEMBERS})"
+        )),
+    }
+}
+
 impl Target {
-    pub fn members(&self) -> Result<String, String> {
-        match (&self.members, &self.node) {
-            (Some(m), _) => Ok(m.clone()),
-            (None, Some(n)) => Ok(format!("n1={n}")),
-            (None, None) => Err("give --members id=host:port,..., --node host:port or --mds host:port".into()),
-        }
+    pub fn cluster(&self) -> Result<Cluster, String> {
+        resolve(self.members.as_deref(), self.node.as_deref(), self.mds.as_deref(), self.group.as_deref())
     }
 
     pub fn client(&self, geo: Geometry) -> Result<BlockingClient, String> {
         let opts = Options::parse(&self.options)?;
-        if let Some(mds) = &self.mds {
-            let eps = kv_common::mds::parse_endpoints(mds).map_err(|e| format!("--mds: {e}"))?;
-            let c = BlockingClient::new(Vec::new(), geo, opts).map_err(|e| format!("cannot start the client: {e}"))?;
-            let first = c
-                .start_discovery(eps, self.group.clone(), std::time::Duration::from_secs(5))
-                .map_err(|e| format!("cannot start discovery: {e}"))?;
-            first.map_err(|e| format!("no view of group {:?}: {e}", self.group))?;
-            if c.core.topology().nodes.is_empty() {
-                return Err(format!("group {:?} has no members", self.group));
+        let members = match self.cluster()? {
+            Cluster::Mds { endpoints, group } => {
+                let eps = kv_common::mds::parse_endpoints(&endpoints).map_err(|e| format!("--mds: {e}"))?;
+                let c =
+                    BlockingClient::new(Vec::new(), geo, opts).map_err(|e| format!("cannot start the client: {e}"))?;
+                let first = c
+                    .start_discovery(eps, group.clone(), std::time::Duration::from_secs(5))
+                    .map_err(|e| format!("cannot start discovery: {e}"))?;
+                first.map_err(|e| format!("no view of group {group:?}: {e}"))?;
+                if c.core.topology().nodes.is_empty() {
+                    return Err(format!("group {group:?} has no members"));
+                }
+                return Ok(c);
             }
-            return Ok(c);
-        }
-        let members = parse_members(&self.members()?)?;
+            Cluster::Members(m) => parse_members(&m)?,
+        };
         if members.is_empty() {
             return Err("the member list is empty".into());
         }
         BlockingClient::new(members, geo, opts).map_err(|e| format!("cannot start the client: {e}"))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    // One test: the environment is process-wide.
+    #[test]
+    fn flags_win_then_the_environment() {
+        std::env::remove_var(ENV_MDS);
+        std::env::remove_var(ENV_MEMBERS);
+        std::env::remove_var(ENV_GROUP);
+        assert!(resolve(None, None, None, None).unwrap_err().contains(ENV_MDS));
+        std::env::set_var(ENV_MDS, "127.0.0.1:7480");
+        assert_eq!(
+            resolve(None, None, None, None).unwrap(),
+            Cluster::Mds { endpoints: "127.0.0.1:7480".into(), group: "default".into() }
+        );
+        std::env::set_var(ENV_GROUP, "g2");
+        assert_eq!(
+            resolve(None, None, None, None).unwrap(),
+            Cluster::Mds { endpoints: "127.0.0.1:7480".into(), group: "g2".into() }
+        );
+        assert_eq!(resolve(Some("a=1.2.3.4:5"), None, None, None).unwrap(), Cluster::Members("a=1.2.3.4:5".into()));
+        assert_eq!(resolve(None, Some("1.2.3.4:5"), None, None).unwrap(), Cluster::Members("n1=1.2.3.4:5".into()));
+        std::env::set_var(ENV_MEMBERS, "a=1.2.3.4:5");
+        let e = resolve(None, None, None, None).unwrap_err();
+        assert!(e.contains(ENV_MDS) && e.contains(ENV_MEMBERS), "{e}");
+        std::env::remove_var(ENV_MDS);
+        assert_eq!(resolve(None, None, None, Some("x")).unwrap(), Cluster::Members("a=1.2.3.4:5".into()));
+        std::env::remove_var(ENV_MEMBERS);
+        std::env::remove_var(ENV_GROUP);
     }
 }
 
