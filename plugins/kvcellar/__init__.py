@@ -1,8 +1,39 @@
 """kvcellar: Python access to the kvcellar KV-cache store.
 
-``kvcellar._native`` is the ctypes binding of ``libkvclient.so``. The SGLang
-HiCache backend (``kvcellar.hicache``) and the LMCache connector
-(``kvcellar.lmcache``) build on it (plugin issue).
+- :class:`kvcellar.Client` — a typed, thread-safe client over ``libkvclient.so``.
+- ``kvcellar.hicache`` — the SGLang HiCache L3 backend (imported on demand).
+- ``kvcellar.lmcache`` — the LMCache remote connector (imported on demand).
+
+The package imports without torch, sglang or lmcache. The library is found
+through ``KVCELLAR_LIB``, else the copy shipped inside the package, else the
+loader's search path; it is loaded on first use and must match this
+package's version (see :func:`kvcellar.library_version`).
 """
 
-__all__ = ["_native"]
+from kvcellar._version import __version__
+from kvcellar.client import (
+    Client,
+    ClosedError,
+    ConfigError,
+    DeniedError,
+    GetResult,
+    Geometry,
+    KvcellarError,
+    LibraryError,
+    Status,
+    library_version,
+)
+
+__all__ = [
+    "Client",
+    "ClosedError",
+    "ConfigError",
+    "DeniedError",
+    "GetResult",
+    "Geometry",
+    "KvcellarError",
+    "LibraryError",
+    "Status",
+    "__version__",
+    "library_version",
+]

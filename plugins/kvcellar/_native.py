@@ -1,30 +1,41 @@
-"""ctypes binding of libkvclient.so (the C ABI in client-ffi/include/kvclient.h).
+"""ctypes binding of libkvclient.so (the C ABI of ``client-ffi/include/kvclient.h``).
 
-Nothing to install: ctypes ships with Python. The library is found through
-``KVCELLAR_LIB`` (a path), else the loader's search path (``libkvclient.so``).
+This module only finds, checks and declares the library; :mod:`kvcellar.client`
+is the API to use. Nothing to install: ctypes ships with Python.
 
-Status codes follow DESIGN.md §4: positive means "not served, recompute",
-negative means the caller erred. Buffers are passed without copies: ``get``
-fills a caller-owned writable buffer (bytearray, memoryview, numpy array).
+Where the library comes from, in order:
+
+1. ``KVCELLAR_LIB`` (a path): only that file is tried.
+2. The copy shipped inside this package (``kvcellar/libkvclient*.so``, built
+   by ``pip install``).
+3. The loader's search path: ``libkvclient.so.0`` (the ``libkvclient``
+   system package), then ``libkvclient.so``.
+
+The library must export every function declared below and report a version
+with this package's major and minor number; anything else raises
+:class:`LibraryError` naming what was looked for.
 """
 
-import ctypes
-import os
+from __future__ import annotations
 
-KV_OK = 0
-KV_MISS = 1
-KV_MISMATCH = 2
-KV_CORRUPT = 3
-KV_TOO_SMALL = 4
-KV_UNAVAILABLE = 5
-KV_TIMEOUT = 6
-KV_REJECTED = 7
-KV_EINVAL = -1
-KV_EINTERNAL = -2
-KV_FLAG_MLA = 1
+import ctypes
+import glob
+import os
+import threading
+from typing import List, Optional
+
+from kvcellar._version import __version__
+
+ENV_LIB = "KVCELLAR_LIB"
+
+
+class LibraryError(ImportError):
+    """libkvclient.so is missing, unloadable, or does not match this package."""
 
 
 class Geometry(ctypes.Structure):
+    """``kv_geometry``: the page geometry stamped on put and required on get."""
+
     _fields_ = [
         ("model_hash", ctypes.c_uint64),
         ("page_size", ctypes.c_uint32),
@@ -39,162 +50,105 @@ class Geometry(ctypes.Structure):
 
 
 class IoVec(ctypes.Structure):
+    """``kv_iovec``: one caller buffer segment."""
+
     _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
 
 
-class KvError(RuntimeError):
-    """A caller error (negative status) or a failed kv_open."""
+FLAG_MLA = 1
+MAX_KEY_LEN = 1024
+MAX_ITEM_IOVCNT = 4096
+MAX_BATCH_ITEMS = 65536
+
+_c = ctypes
+_P = ctypes.c_void_p
+_SIGNATURES = {
+    "kv_open": (_P, [_c.c_char_p, _c.POINTER(Geometry), _c.c_char_p]),
+    "kv_close": (None, [_P]),
+    "kv_set_members": (_c.c_int, [_P, _c.c_char_p]),
+    "kv_start_mds_discovery": (_c.c_int, [_P, _c.c_char_p, _c.c_char_p, _c.c_int]),
+    "kv_epoch": (_c.c_uint64, [_P]),
+    "kv_put": (_c.c_int, [_P, _c.c_char_p, _c.c_void_p, _c.c_size_t]),
+    "kv_putv": (_c.c_int, [_P, _c.c_char_p, _c.POINTER(IoVec), _c.c_size_t]),
+    "kv_get": (_c.c_int, [_P, _c.c_char_p, _c.c_void_p, _c.c_size_t, _c.POINTER(_c.c_size_t)]),
+    "kv_getv": (_c.c_int, [_P, _c.c_char_p, _c.POINTER(IoVec), _c.c_size_t, _c.POINTER(_c.c_size_t)]),
+    "kv_exist": (_c.c_int, [_P, _c.c_char_p]),
+    "kv_delete": (_c.c_int, [_P, _c.c_char_p]),
+    "kv_batch_putv": (
+        _c.c_int,
+        [_P, _c.c_size_t, _c.POINTER(_c.c_char_p), _c.POINTER(IoVec), _c.POINTER(_c.c_size_t), _c.POINTER(_c.c_int)],
+    ),
+    "kv_batch_getv": (
+        _c.c_int,
+        [
+            _P,
+            _c.c_size_t,
+            _c.POINTER(_c.c_char_p),
+            _c.POINTER(IoVec),
+            _c.POINTER(_c.c_size_t),
+            _c.POINTER(_c.c_size_t),
+            _c.POINTER(_c.c_int),
+        ],
+    ),
+    "kv_batch_exist": (_c.c_int, [_P, _c.c_size_t, _c.POINTER(_c.c_char_p), _c.POINTER(_c.c_int)]),
+    "kv_register_memory": (_c.c_int, [_P, _c.c_void_p, _c.c_size_t]),
+    "kv_stats_snapshot": (_c.c_size_t, [_P, _c.c_char_p, _c.c_size_t]),
+    "kv_last_error": (_c.c_char_p, []),
+    "kv_version": (_c.c_char_p, []),
+}
+
+_lock = threading.Lock()
+_loaded: dict = {}
 
 
-_lib = None
+def candidates() -> List[str]:
+    """The paths or names tried, in order (see the module docs)."""
+    env = os.environ.get(ENV_LIB, "").strip()
+    if env:
+        return [env]
+    here = os.path.dirname(os.path.abspath(__file__))
+    shipped = sorted(glob.glob(os.path.join(here, "libkvclient*.so")))
+    return shipped + ["libkvclient.so.0", "libkvclient.so"]
 
 
-def load(path=None):
-    """Loads libkvclient.so once and declares its functions."""
-    global _lib
-    if _lib is not None and path is None:
-        return _lib
-    lib = ctypes.CDLL(path or os.environ.get("KVCELLAR_LIB") or "libkvclient.so")
-    c = ctypes
-    p_client = c.c_void_p
-    sig = {
-        "kv_open": (p_client, [c.c_char_p, c.POINTER(Geometry), c.c_char_p]),
-        "kv_close": (None, [p_client]),
-        "kv_set_members": (c.c_int, [p_client, c.c_char_p]),
-        "kv_epoch": (c.c_uint64, [p_client]),
-        "kv_put": (c.c_int, [p_client, c.c_char_p, c.c_void_p, c.c_size_t]),
-        "kv_putv": (c.c_int, [p_client, c.c_char_p, c.POINTER(IoVec), c.c_size_t]),
-        "kv_get": (c.c_int, [p_client, c.c_char_p, c.c_void_p, c.c_size_t, c.POINTER(c.c_size_t)]),
-        "kv_getv": (c.c_int, [p_client, c.c_char_p, c.POINTER(IoVec), c.c_size_t, c.POINTER(c.c_size_t)]),
-        "kv_exist": (c.c_int, [p_client, c.c_char_p]),
-        "kv_batch_exist": (c.c_int, [p_client, c.c_size_t, c.POINTER(c.c_char_p), c.POINTER(c.c_int)]),
-        "kv_batch_putv": (c.c_int, [p_client, c.c_size_t, c.POINTER(c.c_char_p), c.POINTER(IoVec),
-                                    c.POINTER(c.c_size_t), c.POINTER(c.c_int)]),
-        "kv_batch_getv": (c.c_int, [p_client, c.c_size_t, c.POINTER(c.c_char_p), c.POINTER(IoVec),
-                                    c.POINTER(c.c_size_t), c.POINTER(c.c_size_t), c.POINTER(c.c_int)]),
-        "kv_register_memory": (c.c_int, [p_client, c.c_void_p, c.c_size_t]),
-        "kv_start_mds_discovery": (c.c_int, [p_client, c.c_char_p, c.c_char_p, c.c_int]),
-        "kv_stats_snapshot": (c.c_size_t, [p_client, c.c_char_p, c.c_size_t]),
-        "kv_last_error": (c.c_char_p, []),
-        "kv_version": (c.c_char_p, []),
-    }
-    for name, (res, args) in sig.items():
-        f = getattr(lib, name)
-        f.restype = res
-        f.argtypes = args
-    _lib = lib
-    return lib
+def _compatible(lib_version: str) -> bool:
+    want = __version__.split(".")[:2]
+    return lib_version.split(".")[:2] == want
 
 
-def _addr(buf, writable):
-    """(address, length, keepalive) of a buffer-protocol object.
-
-    Writable buffers are passed without copying. A read-only buffer that is
-    not ``bytes`` (a memoryview slice, a read-only numpy array) is copied
-    once; the copy is returned as ``keepalive`` and must outlive the call.
-    """
-    mv = memoryview(buf)
-    if not mv.contiguous:
-        raise ValueError("buffer must be contiguous")
-    mv = mv.cast("B")
-    if mv.nbytes == 0:
-        return None, 0, mv
-    if writable:
-        if mv.readonly:
-            raise ValueError("buffer must be writable")
-        return ctypes.addressof(ctypes.c_char.from_buffer(mv)), mv.nbytes, mv
-    if not mv.readonly:
-        return ctypes.addressof(ctypes.c_char.from_buffer(mv)), mv.nbytes, mv
-    data = buf if isinstance(buf, bytes) else mv.tobytes()
-    # c_char_p over a bytes object points at its own storage (no copy); the
-    # bytes object (kept alive by the caller through `data`) owns it.
-    return ctypes.cast(ctypes.c_char_p(data), ctypes.c_void_p).value, len(data), data
-
-
-def _key(key):
-    k = key.encode() if isinstance(key, str) else bytes(key)
-    if not k or len(k) > 1024 or b"\0" in k:
-        raise ValueError("a key is 1..1024 bytes without NUL")
-    return k
-
-
-class Client:
-    """One kvcellar client (thread-safe, like the handle it wraps)."""
-
-    def __init__(self, members, geometry, options=None, lib_path=None):
-        self._lib = load(lib_path)
-        self._geo = geometry if isinstance(geometry, Geometry) else Geometry(**geometry)
-        opts = options.encode() if options else None
-        self._c = self._lib.kv_open(members.encode(), ctypes.byref(self._geo), opts)
-        if not self._c:
-            raise KvError(self.last_error())
-
-    def close(self):
-        if self._c:
-            self._lib.kv_close(self._c)
-            self._c = None
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-
-    def __del__(self):
-        try:
-            self.close()
-        except Exception:  # interpreter shutdown
-            pass
-
-    def last_error(self):
-        return (self._lib.kv_last_error() or b"").decode(errors="replace")
-
-    def put(self, key, data):
-        addr, n, keep = _addr(data, writable=False)
-        r = self._lib.kv_put(self._c, _key(key), addr, n)
-        del keep  # alive until the call returned
-        return r
-
-    def get(self, key, buf):
-        """Fills ``buf``; returns (status, length). On KV_TOO_SMALL the length
-        is the size needed."""
-        addr, n, keep = _addr(buf, writable=True)
-        out = ctypes.c_size_t(0)
-        s = self._lib.kv_get(self._c, _key(key), addr, n, ctypes.byref(out))
-        del keep
-        return s, out.value
-
-    def exist(self, key):
-        return self._lib.kv_exist(self._c, _key(key))
-
-    def batch_exist(self, keys):
-        arr = (ctypes.c_char_p * len(keys))(*[_key(k) for k in keys])
-        st = (ctypes.c_int * len(keys))()
-        r = self._lib.kv_batch_exist(self._c, len(keys), arr, st)
-        if r < 0:
-            raise KvError(self.last_error())
-        return list(st)
-
-    def set_members(self, members):
-        return self._lib.kv_set_members(self._c, members.encode())
-
-    def start_mds_discovery(self, mds_endpoints, group="default", poll_ms=1000):
-        """Follow a group's members through kv-mds (``"host:port,..."``).
-
-        Returns the status: 0 once the first view is applied, KV_UNAVAILABLE
-        (5) while no MDS answered yet (discovery keeps trying meanwhile).
-        """
-        return self._lib.kv_start_mds_discovery(self._c, mds_endpoints.encode(), group.encode(), int(poll_ms))
-
-    def epoch(self):
-        return self._lib.kv_epoch(self._c)
-
-    def stats(self):
-        n = self._lib.kv_stats_snapshot(self._c, None, 0)
-        buf = ctypes.create_string_buffer(n + 1)
-        self._lib.kv_stats_snapshot(self._c, buf, n + 1)
-        return buf.value.decode()
+def load(path: Optional[str] = None) -> ctypes.CDLL:
+    """Loads, checks and declares the library once per path."""
+    tried = [path] if path else candidates()
+    key = tuple(tried)
+    with _lock:
+        if key in _loaded:
+            return _loaded[key]
+        errors = []
+        for name in tried:
+            try:
+                lib = ctypes.CDLL(name)
+            except OSError as e:
+                errors.append(f"{name}: {e}")
+                continue
+            missing = [f for f in _SIGNATURES if not hasattr(lib, f)]
+            if missing:
+                errors.append(f"{name}: too old, lacks {', '.join(missing)}")
+                continue
+            for fname, (res, args) in _SIGNATURES.items():
+                fn = getattr(lib, fname)
+                fn.restype = res
+                fn.argtypes = args
+            version = (lib.kv_version() or b"").decode()
+            if not _compatible(version):
+                errors.append(f"{name}: version {version}, this kvcellar package ({__version__}) needs {'.'.join(__version__.split('.')[:2])}.x")
+                continue
+            lib._kvcellar_path = name  # type: ignore[attr-defined]
+            _loaded[key] = lib
+            return lib
+        hint = f"set {ENV_LIB} to a libkvclient.so of version {__version__}, or reinstall the kvcellar package"
+        raise LibraryError("cannot load libkvclient: " + "; ".join(errors) + f" ({hint})")
 
 
-def version(lib_path=None):
-    return load(lib_path).kv_version().decode()
+def last_error(lib: ctypes.CDLL) -> str:
+    """The calling thread's last failure message from the library."""
+    return (lib.kv_last_error() or b"").decode(errors="replace")

@@ -1,0 +1,588 @@
+"""SGLang HiCache L3 backend over kvcellar.
+
+Load it with ``--hicache-storage-backend dynamic`` and the extra config
+``{"backend_name": "kvcellar", "module_path": "kvcellar.hicache",
+"class_name": "KvcellarStorage", "interface_v1": 1, "mds": "host:port,...",
+"group": "default"}`` (docs/plugins/sglang.md has every key).
+
+Page identity (DESIGN §2):
+
+- The KEY carries what makes ranks hold different bytes for one token hash:
+  ``{tenant/}{hash}.{tag}`` plus ``.tp{rank}-{size}`` for MHA (never for MLA,
+  whose pages every TP rank shares), ``.pp{r}-{s}`` when PP > 1,
+  ``.cp{r}-{s}`` when attention-CP > 1 and ``.dcp{r}-{s}`` when DCP > 1.
+  ``tag`` is 16 hex digits of a digest of the layout identity below plus
+  the transfer path (v1 page segments or legacy flat pages, whose byte
+  orders differ), so pages of another model or layout are misses and are
+  stored beside, not instead of, this one's.
+- ``model_hash`` in every page header folds in the model, the host pool's
+  class and layout, first layer, layer count, head count and dims
+  (v_head_dim, MLA's kv_cache_dim), dtype and page size: whatever reads a
+  page with another layout gets a mismatch, never the wrong bytes.
+
+Each page moves as ONE object: its ``get_page_buffer_meta`` segments are
+the iovec (sizes per segment, so asymmetric K/V, K-only and split MLA pools
+work). MLA ranks that are not ``is_storage_writer`` never write. Errors of
+the store are misses (``False``/``0``/``None``), never exceptions into
+SGLang; bad configuration raises at construction naming the key.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import re
+import threading
+import time
+import zlib
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+from kvcellar._sglang_api import (
+    HiCacheStorage,
+    HiCacheStorageConfig,
+    HiCacheStorageExtraInfo,
+    PoolHitPolicy,
+    PoolName,
+    PoolTransfer,
+    PoolTransferResult,
+    StorageMetrics,
+)
+from kvcellar.client import Client, ClosedError, Geometry, Status
+from kvcellar.config import ConfigError, parse_options, resolve
+
+log = logging.getLogger("kvcellar.hicache")
+
+__all__ = ["KvcellarStorage"]
+
+#: extra_config keys of this backend (besides SGLang's own).
+CLUSTER_KEYS = ("mds", "group", "members", "auth_token_file", "options")
+TIMEOUT_KEYS = ("io_timeout_ms", "connect_timeout_ms")
+OWN_KEYS = CLUSTER_KEYS + TIMEOUT_KEYS + ("model_id", "tenant", "poll_ms")
+SGLANG_KEYS = ("backend_name", "module_path", "class_name", "interface_v1")
+
+_NAME = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
+_POOL_ATTRS = (
+    "layout", "page_size", "dtype", "layer_num", "start_layer", "head_num", "head_dim", "v_head_dim",
+    "kv_lora_rank", "qk_rope_head_dim", "kv_cache_dim", "size_per_token",
+)
+
+
+def _u64(text: str) -> int:
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little")
+
+
+def pool_identity(pool: Any) -> Dict[str, str]:
+    """What changes how a pool lays out the same page's bytes."""
+    ident = {"class": type(pool).__name__}
+    for a in _POOL_ATTRS:
+        v = getattr(pool, a, None)
+        if v is not None and not callable(v):
+            ident[a] = str(v)
+    return ident
+
+
+def _nbytes(t: Any) -> int:
+    return int(t.numel()) * int(t.element_size())
+
+
+class KvcellarStorage(HiCacheStorage):
+    """SGLang ``HiCacheStorage`` over a kvcellar group (see the module docs).
+
+    Thread-safe: SGLang's prefetch, IO and backup threads call it at once;
+    ``close()`` may run while they are inside calls (they then see misses).
+    """
+
+    def __init__(self, storage_config: HiCacheStorageConfig, kwargs: Optional[dict] = None) -> None:
+        self.storage_config = storage_config
+        cfg = dict(storage_config.extra_config or {})
+        where = "hicache extra_config"
+        self.settings = resolve({k: cfg.get(k) for k in CLUSTER_KEYS}, where=where)
+        if self.settings.mds is None and self.settings.members is None:
+            raise ConfigError(
+                f"{where}: give 'mds' (kv-mds endpoints) and 'group', or 'members' "
+                "(or set KVCELLAR_MDS / KVCELLAR_MEMBERS)"
+            )
+        for k in TIMEOUT_KEYS:
+            if k in cfg:
+                v = cfg[k]
+                if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+                    raise ConfigError(f"{where} key '{k}': {v!r} must be a positive integer (milliseconds)")
+                self.settings.options[k] = str(v)
+        self.poll_ms = cfg.get("poll_ms", 1000)
+        if isinstance(self.poll_ms, bool) or not isinstance(self.poll_ms, int) or self.poll_ms <= 0:
+            raise ConfigError(f"{where} key 'poll_ms': {self.poll_ms!r} must be a positive integer")
+        model = cfg.get("model_id") or storage_config.model_name
+        if not model or not isinstance(model, str):
+            raise ConfigError(f"{where} key 'model_id': SGLang gave no model name, so set 'model_id'")
+        self.model = model
+        tenant = cfg.get("tenant")
+        if tenant is not None and (not isinstance(tenant, str) or not _NAME.match(tenant)):
+            raise ConfigError(f"{where} key 'tenant': {tenant!r} must be 1-64 of A-Z a-z 0-9 . _ -")
+        self.prefix = f"{tenant}/" if tenant else ""
+        unknown = sorted(set(cfg) - set(OWN_KEYS) - set(SGLANG_KEYS))
+        if unknown:
+            log.warning("kvcellar: ignoring unknown extra_config keys %s", unknown)
+        # Options and members are checked by the library now, not at the
+        # first page: a probe handle that is closed at once.
+        Client(settings=self._probe_settings()).close()
+
+        sc = storage_config
+        self.is_mla = bool(sc.is_mla_model)
+        self.is_writer = bool(sc.is_storage_writer)
+        suffix = ""
+        if sc.pp_size > 1:
+            suffix += f".pp{sc.pp_rank}-{sc.pp_size}"
+        if sc.attn_cp_size > 1:
+            suffix += f".cp{sc.attn_cp_rank}-{sc.attn_cp_size}"
+        if getattr(sc, "dcp_size", 1) > 1:
+            suffix += f".dcp{sc.dcp_rank}-{sc.dcp_size}"
+        self._tp_suffix = f".tp{sc.tp_rank}-{sc.tp_size}"
+        self._shard_suffix = suffix
+        self._lock = threading.Lock()
+        self._client: Optional[Client] = None
+        self._closed = False
+        self._tags: Dict[Tuple[str, str], str] = {}
+        self._metrics = StorageMetrics() if sc.enable_storage_metrics else None
+        self._metrics_lock = threading.Lock()
+        self.mem_pool_host: Any = None
+        self.registered_pools: Dict[Any, Any] = {}
+        log.info(
+            "kvcellar HiCache backend ready: %s, group %s, model %s, rank tp %d/%d%s",
+            f"mds {','.join(self.settings.mds)}" if self.settings.mds else f"members {self.settings.members}",
+            self.settings.group,
+            self.model,
+            sc.tp_rank,
+            sc.tp_size,
+            " (MLA, writer)" if self.is_mla and self.is_writer else " (MLA, reader only)" if self.is_mla else "",
+        )
+
+    def _probe_settings(self) -> Any:
+        from dataclasses import replace
+
+        return replace(self.settings, mds=None, members=self.settings.members or "probe=127.0.0.1:1")
+
+    # -- registration ----------------------------------------------------------
+
+    def register_mem_pool_host(self, mem_pool_host: Any) -> None:
+        super().register_mem_pool_host(mem_pool_host)
+        ident = pool_identity(mem_pool_host)
+        ident["model"] = self.model
+        self.model_hash = _u64("kvcellar-sglang/v1|" + json.dumps(ident, sort_keys=True))
+        p = mem_pool_host
+        if self.is_mla:
+            head_num, head_dim = 1, int(getattr(p, "kv_cache_dim", 0) or 0)
+        else:
+            head_num, head_dim = int(getattr(p, "head_num", 0) or 0), int(getattr(p, "head_dim", 0) or 0)
+        sc = self.storage_config
+        self.geometry = Geometry(
+            model_hash=self.model_hash,
+            page_size=int(getattr(p, "page_size", 0) or 0),
+            dtype_tag=zlib.crc32(str(getattr(p, "dtype", "")).encode()),
+            tp_size=sc.tp_size if not self.is_mla else 1,
+            tp_rank=sc.tp_rank if not self.is_mla else 0,
+            layer_num=int(getattr(p, "layer_num", 0) or 0) & 0xFFFF,
+            head_num=head_num & 0xFFFF,
+            head_dim=head_dim & 0xFFFF,
+            mla=self.is_mla,
+        )
+        with self._lock:
+            if self._closed:
+                return
+            old, self._client = self._client, Client(
+                settings=self.settings, geometry=self.geometry, poll_ms=self.poll_ms
+            )
+        if old is not None:
+            old.close()
+        buf = getattr(mem_pool_host, "kv_buffer", None)
+        if buf is not None:
+            try:
+                self._client.register_memory((int(buf.data_ptr()), _nbytes(buf)))
+            except Exception as e:  # noqa: BLE001 - registration is an optimisation
+                log.warning("kvcellar: cannot register the host pool's memory: %s", e)
+
+    def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
+        super().register_mem_host_pool_v2(host_pool, host_pool_name)
+        if not hasattr(self, "registered_pools") or self.registered_pools is None:
+            self.registered_pools = {}
+        self.registered_pools[host_pool_name] = host_pool
+
+    def on_host_pools_registered(self) -> None:
+        if self.mem_pool_host is None:
+            raise RuntimeError("kvcellar: no host KV pool was registered")
+
+    # -- keys ----------------------------------------------------------------
+
+    def _tag(self, pool_name: str, pool: Any, path: str) -> str:
+        k = (pool_name, path)
+        t = self._tags.get(k)
+        if t is None:
+            ident = pool_identity(pool)
+            ident.update(model=self.model, pool=pool_name, path=path)
+            t = hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
+            self._tags[k] = t
+        return t
+
+    def _key(self, key: str, tag: str, pool_name: str = "kv") -> str:
+        rank = "" if (self.is_mla and pool_name == "kv") else self._tp_suffix
+        return f"{self.prefix}{key}.{tag}{rank}{self._shard_suffix}"
+
+    def _keys(self, keys: Sequence[str], path: str, pool_name: str = "kv", pool: Any = None) -> List[str]:
+        tag = self._tag(pool_name, pool if pool is not None else self.mem_pool_host, path)
+        return [self._key(k, tag, pool_name) for k in keys]
+
+    def _c(self) -> Optional[Client]:
+        c = self._client
+        if c is None and not self._closed:
+            log.warning("kvcellar: called before register_mem_pool_host; answering misses")
+        return c
+
+    # -- metrics ---------------------------------------------------------------
+
+    def _record(self, kind: str, pages: int, nbytes: int, started: float) -> None:
+        if self._metrics is None or pages == 0:
+            return
+        secs = max(time.perf_counter() - started, 1e-9)
+        with self._metrics_lock:
+            if kind == "get":
+                self._metrics.prefetch_pgs.append(pages)
+                self._metrics.prefetch_bandwidth.append(nbytes / secs / 1e9)
+            else:
+                self._metrics.backup_pgs.append(pages)
+                self._metrics.backup_bandwidth.append(nbytes / secs / 1e9)
+
+    def get_stats(self) -> Any:
+        if self._metrics is None:
+            return None
+        with self._metrics_lock:
+            out, self._metrics = self._metrics, StorageMetrics()
+        return out
+
+    # -- v1: zero-copy page segments ----------------------------------------------
+
+    def _segments(self, pool: Any, host_indices: Any, n: int) -> Optional[Tuple[List[int], List[int], int]]:
+        ptrs, sizes = pool.get_page_buffer_meta(host_indices)
+        ptrs, sizes = list(ptrs), list(sizes)
+        if n == 0 or len(ptrs) != len(sizes) or len(ptrs) % n or not ptrs:
+            log.error("kvcellar: %d page pointers for %d keys; answering misses", len(ptrs), n)
+            return None
+        return ptrs, sizes, len(ptrs) // n
+
+    def _get_pages(self, keys: List[str], pool: Any, host_indices: Any) -> List[bool]:
+        n = len(keys)
+        c = self._c()
+        if c is None or n == 0:
+            return [False] * n
+        t0 = time.perf_counter()
+        try:
+            seg = self._segments(pool, host_indices, n)
+            if seg is None:
+                return [False] * n
+            ptrs, sizes, per = seg
+            res = c.batch_getv_raw(keys, ptrs, sizes, per)
+        except ClosedError:
+            return [False] * n
+        except Exception as e:  # noqa: BLE001 - a failure is a miss, never an error into SGLang
+            log.error("kvcellar: batch get failed: %s", e)
+            return [False] * n
+        out = []
+        moved = 0
+        for i, r in enumerate(res):
+            want = sum(sizes[i * per : (i + 1) * per])
+            ok = r.status is Status.OK and r.length == want
+            moved += want if ok else 0
+            out.append(ok)
+        self._record("get", sum(out), moved, t0)
+        return out
+
+    def _set_pages(self, keys: List[str], pool: Any, host_indices: Any) -> List[bool]:
+        n = len(keys)
+        if not self.is_writer:
+            return [True] * n
+        c = self._c()
+        if c is None or n == 0:
+            return [False] * n
+        t0 = time.perf_counter()
+        try:
+            present = c.batch_exist(keys)
+            out = [s is Status.OK for s in present]
+            # A mismatch is another writer's page under this key: it stays,
+            # and this page is not stored (False, honestly).
+            todo = [i for i, s in enumerate(present) if s not in (Status.OK, Status.MISMATCH)]
+            if not todo:
+                return out
+            seg = self._segments(pool, host_indices, n)
+            if seg is None:
+                return [False] * n
+            ptrs, sizes, per = seg
+            addrs = [a for i in todo for a in ptrs[i * per : (i + 1) * per]]
+            lens = [s for i in todo for s in sizes[i * per : (i + 1) * per]]
+            st = c.batch_putv_raw([keys[i] for i in todo], addrs, lens, per)
+        except ClosedError:
+            return [False] * n
+        except Exception as e:  # noqa: BLE001
+            log.error("kvcellar: batch set failed: %s", e)
+            return [False] * n
+        for i, s in zip(todo, st):
+            out[i] = s is Status.OK
+        self._record("set", sum(1 for i, s in zip(todo, st) if s is Status.OK), sum(lens), t0)
+        return out
+
+    def batch_get_v1(self, keys: List[str], host_indices: Any,
+                     extra_info: Optional[HiCacheStorageExtraInfo] = None) -> List[bool]:
+        if self.mem_pool_host is None:
+            return [False] * len(keys)
+        return self._get_pages(self._keys(keys, "v1"), self.mem_pool_host, host_indices)
+
+    def batch_set_v1(self, keys: List[str], host_indices: Any,
+                     extra_info: Optional[HiCacheStorageExtraInfo] = None) -> List[bool]:
+        if self.mem_pool_host is None:
+            return [False] * len(keys)
+        return self._set_pages(self._keys(keys, "v1"), self.mem_pool_host, host_indices)
+
+    def batch_exists(self, keys: List[str], extra_info: Optional[HiCacheStorageExtraInfo] = None) -> int:
+        """Leading hits: how many keys from the first a get would serve."""
+        return self._leading(self._keys(keys, self._path()))
+
+    def _path(self) -> str:
+        v1 = (self.storage_config.extra_config or {}).get("interface_v1")
+        return "v1" if v1 else "flat"
+
+    def _leading(self, full: List[str]) -> int:
+        c = self._c()
+        if c is None or not full:
+            return 0
+        try:
+            return c.leading_hits(full)
+        except ClosedError:
+            return 0
+        except Exception as e:  # noqa: BLE001
+            log.error("kvcellar: batch exists failed: %s", e)
+            return 0
+
+    def exists(self, key: str) -> bool:
+        return self._leading(self._keys([key], self._path())) == 1
+
+    # -- legacy path: flat page tensors, copied ---------------------------------------
+
+    def get(self, key: str, target_location: Optional[Any] = None, target_sizes: Optional[Any] = None) -> Any:
+        return self.batch_get([key], [target_location] if target_location is not None else None)[0]
+
+    def batch_get(self, keys: List[str], target_locations: Optional[Any] = None,
+                  target_sizes: Optional[Any] = None) -> List[Any]:
+        return self._flat_get(keys, target_locations, "kv", self.mem_pool_host)
+
+    def _flat_get(self, keys: List[str], targets: Optional[Any], pool_name: str, pool: Any) -> List[Any]:
+        n = len(keys)
+        c = self._c()
+        if c is None or pool is None or n == 0:
+            return [None] * n
+        t0 = time.perf_counter()
+        try:
+            if targets is None:
+                targets = [pool.get_dummy_flat_data_page() for _ in keys]
+            full = self._keys(keys, "flat", pool_name, pool)
+            res = c.batch_get(full, list(targets))
+        except ClosedError:
+            return [None] * n
+        except Exception as e:  # noqa: BLE001
+            log.error("kvcellar: batch get (flat pages) failed: %s", e)
+            return [None] * n
+        out = [t if r.status is Status.OK and r.length == _nbytes(t) else None for r, t in zip(res, targets)]
+        self._record("get", sum(o is not None for o in out), sum(_nbytes(o) for o in out if o is not None), t0)
+        return out
+
+    def set(self, key: str, value: Optional[Any] = None, target_location: Optional[Any] = None,
+            target_sizes: Optional[Any] = None) -> bool:
+        return self.batch_set([key], [value])
+
+    def batch_set(self, keys: List[str], values: Optional[Any] = None, target_locations: Optional[Any] = None,
+                  target_sizes: Optional[Any] = None) -> bool:
+        if values is None:
+            return False
+        return all(self._flat_set(keys, list(values), "kv", self.mem_pool_host))
+
+    def _flat_set(self, keys: List[str], values: List[Any], pool_name: str, pool: Any) -> List[bool]:
+        n = len(keys)
+        if not self.is_writer and pool_name == "kv":
+            return [True] * n
+        c = self._c()
+        if c is None or pool is None or n == 0 or len(values) != n:
+            return [False] * n
+        t0 = time.perf_counter()
+        try:
+            full = self._keys(keys, "flat", pool_name, pool)
+            present = c.batch_exist(full)
+            out = [s is Status.OK for s in present]
+            todo = [i for i, s in enumerate(present) if s not in (Status.OK, Status.MISMATCH)]
+            if todo:
+                st = c.batch_put([full[i] for i in todo], [values[i] for i in todo])
+                for i, s in zip(todo, st):
+                    out[i] = s is Status.OK
+                self._record("set", len(todo), sum(_nbytes(values[i]) for i in todo), t0)
+        except ClosedError:
+            return [False] * n
+        except Exception as e:  # noqa: BLE001
+            log.error("kvcellar: batch set (flat pages) failed: %s", e)
+            return [False] * n
+        return out
+
+    # -- v2: pools beside the KV pool (Mamba, SWA, indexer, draft, ...) ------------------
+
+    def _pool(self, name: Any) -> Any:
+        pools = getattr(self, "registered_pools", None) or {}
+        pool = pools.get(name)
+        if pool is None:
+            pool = pools.get(str(name))
+        if pool is None and str(name) == "kv":
+            pool = self.mem_pool_host
+        return pool
+
+    @staticmethod
+    def _has_meta(pool: Any) -> bool:
+        return callable(getattr(pool, "get_page_buffer_meta", None))
+
+    def _pool_keys(self, keys: Sequence[str], name: str, pool: Any) -> List[str]:
+        path = "v1" if self._has_meta(pool) else "flat"
+        base = list(keys) if name == "kv" else [f"{k}.{name}" for k in keys]
+        return self._keys(base, path, name, pool)
+
+    def _transfer_io(self, transfers: List[PoolTransfer], write: bool) -> Dict[str, List[bool]]:
+        results: Dict[str, List[bool]] = {}
+        for t in transfers:
+            name = str(getattr(t, "name", "kv"))
+            keys = list(t.keys or [])
+            pool = self._pool(t.name)
+            if pool is None:
+                log.error("kvcellar: no host pool registered under %r", name)
+                results[name] = [False] * len(keys)
+                continue
+            page_size = int(getattr(pool, "page_size", 1) or 1)
+            idx = t.host_indices
+            count = int(idx.numel()) if hasattr(idx, "numel") else (len(idx) if idx is not None else 0)
+            if idx is None or count != len(keys) * page_size:
+                log.error("kvcellar: %s indices for pool %s: %d, expected %d", "set" if write else "get",
+                          name, count, len(keys) * page_size)
+                results[name] = [False] * len(keys)
+                continue
+            full = self._pool_keys(keys, name, pool)
+            if self._has_meta(pool):
+                results[name] = (self._set_pages if write else self._get_pages)(full, pool, idx)
+                continue
+            offsets = [int(idx[i * page_size]) for i in range(len(keys))]
+            if write:
+                pages = [pool.get_data_page(o, flat=True) for o in offsets]
+                results[name] = self._flat_set_full(full, pages, name)
+            else:
+                got = self._flat_get_full(full, pool)
+                ok = []
+                for o, page in zip(offsets, got):
+                    if page is not None:
+                        pool.set_from_flat_data_page(o, page)
+                    ok.append(page is not None)
+                results[name] = ok
+        return results
+
+    def _flat_get_full(self, full: List[str], pool: Any) -> List[Any]:
+        c = self._c()
+        if c is None:
+            return [None] * len(full)
+        try:
+            targets = [pool.get_dummy_flat_data_page() for _ in full]
+            res = c.batch_get(full, targets)
+        except Exception as e:  # noqa: BLE001 - ClosedError included: a miss
+            log.debug("kvcellar: v2 flat get failed: %s", e)
+            return [None] * len(full)
+        return [t if r.status is Status.OK and r.length == _nbytes(t) else None for r, t in zip(res, targets)]
+
+    def _flat_set_full(self, full: List[str], pages: List[Any], name: str) -> List[bool]:
+        c = self._c()
+        if c is None:
+            return [False] * len(full)
+        try:
+            present = c.batch_exist(full)
+            todo = [i for i, s in enumerate(present) if s not in (Status.OK, Status.MISMATCH)]
+            out = [s is Status.OK for s in present]
+            for i, s in zip(todo, c.batch_put([full[i] for i in todo], [pages[i] for i in todo])):
+                out[i] = s is Status.OK
+            return out
+        except Exception as e:  # noqa: BLE001
+            log.debug("kvcellar: v2 flat set of %s failed: %s", name, e)
+            return [False] * len(full)
+
+    def batch_get_v2(self, transfers: List[PoolTransfer],
+                     extra_info: Optional[HiCacheStorageExtraInfo] = None) -> Dict[str, List[bool]]:
+        return self._transfer_io(transfers, write=False)
+
+    def batch_set_v2(self, transfers: List[PoolTransfer],
+                     extra_info: Optional[HiCacheStorageExtraInfo] = None) -> Dict[str, List[bool]]:
+        return self._transfer_io(transfers, write=True)
+
+    def batch_exists_v2(self, keys: List[str], pool_transfers: Optional[List[PoolTransfer]] = None,
+                        extra_info: Optional[HiCacheStorageExtraInfo] = None) -> PoolTransferResult:
+        """The usable KV prefix, shrunk by each side pool's hit policy (as
+        SGLang's own file backend computes it), in one exist round."""
+        c = self._c()
+        n = len(keys)
+        transfers = list(pool_transfers or [])
+        if c is None or n == 0:
+            return PoolTransferResult(0, {}, [])
+        groups: List[List[str]] = [self._keys(keys, self._path())]
+        for t in transfers:
+            pool = self._pool(t.name)
+            groups.append(self._pool_keys(keys, str(t.name), pool) if pool is not None else [])
+        flat = [k for g in groups for k in g]
+        try:
+            st = c.batch_exist(flat)
+        except Exception as e:  # noqa: BLE001
+            log.error("kvcellar: batch exists (v2) failed: %s", e)
+            return PoolTransferResult(0, {}, [])
+        present: List[List[bool]] = []
+        at = 0
+        for g in groups:
+            present.append([s is Status.OK for s in st[at : at + len(g)]] or [False] * n)
+            at += len(g)
+        kv_pages = next((i for i, ok in enumerate(present[0]) if not ok), n)
+        hits: Dict[str, int] = {"kv": kv_pages} if kv_pages else {}
+        restorable = list(range(1, kv_pages + 1))
+        for t, have in zip(transfers, present[1:]):
+            name = str(t.name)
+            policy = getattr(t.hit_policy, "value", t.hit_policy)
+            if policy == "trailing_pages":
+                trailing = max(1, len(t.keys) if t.keys else 1)
+                ok = {p for p in range(1, kv_pages + 1) if all(have[max(0, p - trailing) : p])}
+                boundary = max(ok, default=0)
+            elif policy == "block_groups":
+                group = max(1, int(getattr(t, "group_pages", 0) or getattr(t, "block_pages", 0) or 1))
+                lead = next((i for i, h in enumerate(have) if not h), n)
+                boundary = (lead // group) * group
+                if boundary:
+                    hits[name] = boundary
+                continue  # reported, never gates the KV hit
+            else:
+                boundary = next((i for i in range(kv_pages) if not have[i]), kv_pages)
+                ok = set(range(1, boundary + 1))
+            if boundary:
+                hits[name] = boundary
+            restorable = [p for p in restorable if p in ok]
+        final = restorable[-1] if restorable else 0
+        return PoolTransferResult(final, hits, restorable)
+
+    # -- lifecycle -------------------------------------------------------------------
+
+    def clear(self) -> None:
+        log.info(
+            "kvcellar: clear() leaves the shared L3 as it is (other engines use it); "
+            "pages age out by LRU, or an operator deletes them"
+        )
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            c, self._client = self._client, None
+        if c is not None:
+            c.close()
+
+
+# SGLang's error messages and docs name the class; keep an alias that reads well.
+KvcellarHiCacheStorage = KvcellarStorage

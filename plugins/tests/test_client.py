@@ -1,0 +1,184 @@
+"""kvcellar.Client against real kv-server processes."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+import kvcellar
+from kvcellar import Client, ClosedError, ConfigError, Geometry, Status
+
+
+def page(key: str, n: int) -> bytes:
+    """Content derived from the key, so every byte can be checked."""
+    seed = sum(key.encode()) & 0xFF
+    return bytes((i * 31 + seed) & 0xFF for i in range(256)) * (n // 256) + bytes(n % 256)
+
+
+GEO = Geometry(model_hash=7, page_size=16, dtype_tag=2, tp_size=1, layer_num=4, head_num=2, head_dim=64)
+
+
+def test_version_matches_library():
+    assert kvcellar.__version__ == kvcellar.library_version()
+
+
+def test_round_trips_over_every_buffer_kind(cluster):
+    with Client(cluster.members, geometry=GEO) as c:
+        data = page("a", 1 << 20)
+        assert c.put("a", data) is Status.OK
+        buf = bytearray(2 << 20)
+        r = c.get("a", buf)
+        assert r.status is Status.OK and r.length == len(data) and buf[: r.length] == data
+        # memoryview slice (read-only, copied once), and a raw (address, length).
+        assert c.put("mv", memoryview(data)[100:4196]) is Status.OK
+        raw = (ctypes.c_char * 4096)()
+        assert c.get("mv", (ctypes.addressof(raw), 4096)) == (Status.OK, 4096, None)
+        assert bytes(raw) == data[100:4196]
+        # scatter over segments, gather from segments
+        a, b = bytearray(3000), bytearray(2000)
+        assert c.putv("v", [data[:3000], data[3000:5000]]) is Status.OK
+        assert c.getv("v", [b, a]).status is Status.OK
+        assert bytes(b) + bytes(a)[:3000] == data[:5000]
+        # too small reports the size; get_bytes sizes itself
+        assert c.get("a", bytearray(10)) == (Status.TOO_SMALL, len(data), None)
+        assert c.get_bytes("a", size_hint=16).data == data
+        assert c.exist("a") is Status.OK and c.exist("absent") is Status.MISS
+        assert c.get("absent", buf).status is Status.MISS
+
+
+def test_batches_and_leading_hits(cluster):
+    with Client(cluster.members, geometry=GEO) as c:
+        keys = [f"b{i}" for i in range(20)]
+        vals = [page(k, 8192 + i) for i, k in enumerate(keys)]
+        # a hole at index 7
+        st = c.batch_put([k for i, k in enumerate(keys) if i != 7], [v for i, v in enumerate(vals) if i != 7])
+        assert st == [Status.OK] * 19
+        assert c.leading_hits(keys) == 7
+        ex = c.batch_exist(keys)
+        assert ex[7] is Status.MISS and ex.count(Status.OK) == 19
+        bufs = [bytearray(10000) for _ in keys]
+        res = c.batch_get(keys, bufs)
+        for i, (r, v) in enumerate(zip(res, vals)):
+            if i == 7:
+                assert r.status is Status.MISS
+            else:
+                assert r.ok and r.length == len(v) and bufs[i][: r.length] == v
+        # raw pointer form: 2 segments per item
+        segs = [(ctypes.c_char * 4096)() for _ in range(4)]
+        addrs = [ctypes.addressof(s) for s in segs]
+        for i, s in enumerate(segs):
+            ctypes.memset(s, i + 1, 4096)
+        assert c.batch_putv_raw(["r0", "r1"], addrs, [4096] * 4, 2) == [Status.OK, Status.OK]
+        for s in segs:
+            ctypes.memset(s, 0, 4096)
+        got = c.batch_getv_raw(["r0", "r1"], addrs, [4096] * 4, 2)
+        assert [g.status for g in got] == [Status.OK, Status.OK] and all(g.length == 8192 for g in got)
+        assert [bytes(s)[0] for s in segs] == [1, 2, 3, 4]
+
+
+def test_geometry_is_checked_and_delete(cluster):
+    with Client(cluster.members, geometry=GEO) as c:
+        assert c.put("g", b"x" * 100) is Status.OK
+        with Client(cluster.members, geometry=Geometry(model_hash=8)) as other:
+            assert other.get("g", bytearray(100)).status is Status.MISMATCH
+            assert other.exist("g") is Status.MISMATCH
+        assert c.delete("g") is Status.OK
+        assert c.delete("g") is Status.MISS and c.exist("g") is Status.MISS
+
+
+def test_caller_errors_raise_and_misses_do_not(cluster):
+    with Client(cluster.members, geometry=GEO) as c:
+        with pytest.raises(ValueError):
+            c.put("a\0b", b"x")
+        with pytest.raises(ValueError):
+            c.put("k" * 1025, b"x")
+        with pytest.raises(ValueError):
+            c.get("a", b"read-only bytes")
+        with pytest.raises(ValueError):
+            c.batch_put(["a"], [])
+    with pytest.raises(ConfigError, match="unknown option"):
+        Client(cluster.members, options="bogus=1")
+    with pytest.raises(ConfigError, match="'mds' and 'members'"):
+        Client(cluster.members, mds="127.0.0.1:1")
+    # A member nobody listens on: a status, not an exception.
+    with Client("n1=127.0.0.1:1", options={"connect_timeout_ms": 300}) as c:
+        assert c.put("k", b"x") is Status.UNAVAILABLE
+        assert "127.0.0.1:1" in c.last_error()
+
+
+def test_environment_opens_the_client(cluster, clean_env):
+    with pytest.raises(ConfigError, match="KVCELLAR_MDS or KVCELLAR_MEMBERS"):
+        Client()
+    clean_env.setenv("KVCELLAR_MEMBERS", cluster.members)
+    clean_env.setenv("KVCELLAR_OPTIONS", "io_timeout_ms=5000")
+    with Client(geometry=GEO) as c:
+        assert c.put("env", b"e" * 10) is Status.OK
+        assert c.settings.options == {"io_timeout_ms": "5000"}
+    clean_env.setenv("KVCELLAR_MDS", "127.0.0.1:7480")
+    with pytest.raises(ConfigError, match="KVCELLAR_MDS and KVCELLAR_MEMBERS are both set"):
+        Client()
+    # An explicit choice wins over the environment's.
+    with Client(cluster.members) as c:
+        assert c.settings.mds is None
+
+
+def test_close_while_threads_are_inside_calls(cluster):
+    c = Client(cluster.members, geometry=GEO)
+    data = page("c", 1 << 20)
+    for i in range(8):
+        assert c.put(f"c{i}", data) is Status.OK
+    stop = threading.Event()
+    errors, outcomes = [], {"ok": 0, "closed": 0}
+
+    def worker(i):
+        buf = bytearray(1 << 20)
+        while not stop.is_set():
+            try:
+                r = c.get(f"c{i % 8}", buf)
+                assert r.status is Status.OK and buf == data
+                outcomes["ok"] += 1
+            except ClosedError:
+                outcomes["closed"] += 1
+                return
+            except Exception as e:  # noqa: BLE001 - any other error fails the test
+                errors.append(e)
+                return
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(6)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 10
+    while outcomes["ok"] < 30 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    c.close()
+    stop.set()
+    for t in threads:
+        t.join(10)
+    assert not errors, errors
+    assert outcomes["ok"] >= 30 and outcomes["closed"] >= 1
+    with pytest.raises(ClosedError):
+        c.exist("c0")
+    c.close()  # twice: a no-op
+
+
+def test_imports_without_engines_and_names_a_missing_library(tmp_path):
+    code = (
+        "import sys, kvcellar, kvcellar.hicache, kvcellar.lmcache\n"
+        "assert 'torch' not in sys.modules and 'sglang' not in sys.modules and 'lmcache' not in sys.modules, "
+        "[m for m in ('torch','sglang','lmcache') if m in sys.modules]\n"
+        "print('imported')\n"
+    )
+    env = dict(os.environ, KVCELLAR_FORCE_STANDIN="1")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert out.returncode == 0 and "imported" in out.stdout, out.stderr
+    missing = str(tmp_path / "nope.so")
+    code = "import kvcellar\ntry:\n    kvcellar.Client('n1=127.0.0.1:1')\nexcept kvcellar.LibraryError as e:\n    print('ERR', e)\n"
+    out = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, KVCELLAR_LIB=missing),
+                         capture_output=True, text=True)
+    assert "ERR cannot load libkvclient" in out.stdout and missing in out.stdout, out.stdout + out.stderr

@@ -1,0 +1,388 @@
+"""kvcellar.hicache against real kv-server processes.
+
+Without SGLang, against the stand-in base class and stand-in host pools; in
+the engine venv (scripts/test-engines.sh), the backend is built through
+SGLang's own StorageBackendFactory and drives SGLang's real host pools.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+
+import pytest
+
+from kvcellar import Status
+from kvcellar._sglang_api import REAL, HiCacheStorageConfig, PoolHitPolicy, PoolTransfer
+from kvcellar.config import ConfigError
+from kvcellar.hicache import KvcellarStorage
+from pools import (
+    StandInStatePool,
+    fill_page,
+    indices_for,
+    make_pool,
+    read_page,
+    real_sglang,
+    zero_pages,
+)
+
+
+def storage_config(extra, *, tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, mla=False, model="org/model-7b",
+                   layout="page_first", metrics=False, cp=(0, 1)):
+    return HiCacheStorageConfig(
+        tp_rank=tp_rank, tp_size=tp_size, pp_rank=pp_rank, pp_size=pp_size,
+        attn_cp_rank=cp[0], attn_cp_size=cp[1], is_mla_model=mla, enable_storage_metrics=metrics,
+        is_page_first_layout=layout == "page_first", model_name=model, extra_config=dict(extra),
+    )
+
+
+def make_backend(cluster, pool, *, v1=True, extra=None, **cfg):
+    """Creates the backend as SGLang does (through its factory where it is
+    installed), then registers the pool in SGLang's attach order."""
+    ex = {"backend_name": "kvcellar", "module_path": "kvcellar.hicache", "class_name": "KvcellarStorage",
+          "members": cluster.members, "io_timeout_ms": 3000, "connect_timeout_ms": 500}
+    if v1:
+        ex["interface_v1"] = 1
+    ex.update(extra or {})
+    sc = storage_config(ex, layout=getattr(pool, "layout", "page_first"), **cfg)
+    if real_sglang():
+        from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
+
+        backend = StorageBackendFactory.create_backend("dynamic", sc, None)
+    else:
+        backend = KvcellarStorage(sc, {})
+    backend.register_mem_pool_host(pool)
+    backend.register_mem_host_pool_v2(pool, "kv")
+    backend.on_host_pools_registered()
+    return backend
+
+
+def hashes(tag, n):
+    return [f"{tag}{i:060x}"[-64:] for i in range(n)]
+
+
+POOLS = [("mha", "page_first"), ("mha", "layer_first"), ("mha-asym", "page_first"), ("mla", "page_first")]
+
+
+@pytest.mark.parametrize("kind,layout", POOLS)
+def test_v1_round_trip_every_byte(cluster, kind, layout):
+    pool = make_pool(kind, layout)
+    b = make_backend(cluster, pool, mla=kind == "mla")
+    try:
+        keys = hashes(f"rt-{kind}-{layout}-", 8)
+        want = [fill_page(pool, i, k) for i, k in enumerate(keys)]
+        assert b.batch_set_v1(keys, indices_for(pool, 0, 8)) == [True] * 8
+        assert b.batch_exists(keys) == 8
+        # Read into other slots: every byte must come back.
+        zero_pages(pool, range(20, 28))
+        assert b.batch_get_v1(keys, indices_for(pool, 20, 8)) == [True] * 8
+        assert [read_page(pool, 20 + i) for i in range(8)] == want
+    finally:
+        b.close()
+
+
+def test_leading_hits_stop_at_a_hole_and_set_skips_stored_pages(cluster):
+    pool = make_pool("mha")
+    b = make_backend(cluster, pool)
+    inner = getattr(b, "_backend", b)
+    try:
+        keys = hashes("hole-", 10)
+        for i, k in enumerate(keys):
+            fill_page(pool, i, k)
+        assert b.batch_set_v1(keys[:4], indices_for(pool, 0, 4)) == [True] * 4
+        assert b.batch_set_v1(keys[5:], indices_for(pool, 5, 5)) == [True] * 5
+        assert b.batch_exists(keys) == 4
+        got = b.batch_get_v1(keys, indices_for(pool, 30, 10))
+        assert got[:4] == [True] * 4 and got[4] is False and got[5:] == [True] * 5
+        puts = inner._client.counters().get('kvclient_ops_total{op="put",status="ok"}', 0)
+        assert b.batch_set_v1(keys, indices_for(pool, 0, 10)) == [True] * 10
+        after = inner._client.counters().get('kvclient_ops_total{op="put",status="ok"}', 0)
+        assert after - puts == 1, "only the missing page was written"
+        assert b.batch_exists(keys) == 10
+    finally:
+        b.close()
+
+
+def test_mla_only_the_writer_rank_writes_and_every_rank_reads(cluster):
+    pool1 = make_pool("mla")
+    reader = make_backend(cluster, pool1, mla=True, tp_rank=1, tp_size=2)
+    pool0 = make_pool("mla")
+    writer = make_backend(cluster, pool0, mla=True, tp_rank=0, tp_size=2)
+    try:
+        keys = hashes("mla-", 4)
+        for i, k in enumerate(keys):
+            fill_page(pool1, i, k)
+        assert reader.batch_set_v1(keys, indices_for(pool1, 0, 4)) == [True] * 4
+        assert reader.batch_exists(keys) == 0 and writer.batch_exists(keys) == 0, "a non-writer rank wrote"
+        want = [fill_page(pool0, i, k) for i, k in enumerate(keys)]
+        assert writer.batch_set_v1(keys, indices_for(pool0, 0, 4)) == [True] * 4
+        # Rank 1 (and a TP-4 deployment of the same model) read rank 0's pages.
+        assert reader.batch_exists(keys) == 4
+        assert reader.batch_get_v1(keys, indices_for(pool1, 10, 4)) == [True] * 4
+        assert [read_page(pool1, 10 + i) for i in range(4)] == want
+        pool4 = make_pool("mla")
+        tp4 = make_backend(cluster, pool4, mla=True, tp_rank=3, tp_size=4)
+        try:
+            assert tp4.batch_exists(keys) == 4
+        finally:
+            tp4.close()
+    finally:
+        reader.close()
+        writer.close()
+
+
+@pytest.mark.parametrize(
+    "what,pool_args,cfg",
+    [
+        ("page size", dict(page_size=32), {}),
+        ("model", {}, dict(model="org/other-model")),
+        ("tp size", {}, dict(tp_size=2)),
+        ("tp rank", {}, dict(tp_size=2, tp_rank=1)),
+        ("pp split", {}, dict(pp_size=2, pp_rank=0)),
+        ("attention cp", {}, dict(cp=(0, 2))),
+        ("layout", dict(layout="layer_first"), {}),
+        ("head dim", dict(head_dim=32), {}),
+    ],
+)
+def test_another_identity_misses(cluster, what, pool_args, cfg):
+    pool = make_pool("mha")
+    b = make_backend(cluster, pool)
+    keys = hashes(f"id-{what.replace(' ', '')}-", 4)
+    try:
+        for i, k in enumerate(keys):
+            fill_page(pool, i, k)
+        assert b.batch_set_v1(keys, indices_for(pool, 0, 4)) == [True] * 4
+        assert b.batch_exists(keys) == 4
+    finally:
+        b.close()
+    pool2 = make_pool("mha", **pool_args)
+    other = make_backend(cluster, pool2, **cfg)
+    try:
+        assert other.batch_exists(keys) == 0, f"another {what} must miss"
+        assert other.batch_get_v1(keys, indices_for(pool2, 0, 4)) == [False] * 4
+    finally:
+        other.close()
+
+
+def test_legacy_path_round_trip(cluster):
+    pool = make_pool("mha")
+    b = make_backend(cluster, pool, v1=False)
+    try:
+        keys = hashes("legacy-", 5)
+        want = [fill_page(pool, i * pool.page_size // pool.page_size, k) for i, k in enumerate(keys)]
+        values = [pool.get_data_page(i * pool.page_size, flat=True) for i in range(5)]
+        assert b.batch_set(keys, values) is True
+        assert b.exists(keys[0]) and b.batch_exists(keys) == 5
+        targets = [pool.get_dummy_flat_data_page() for _ in keys]
+        got = b.batch_get(keys, targets)
+        assert all(g is not None for g in got)
+        zero_pages(pool, range(5))
+        for i, g in enumerate(got):
+            pool.set_from_flat_data_page(i * pool.page_size, g)
+        assert [read_page(pool, i) for i in range(5)] == want
+        assert b.get(hashes("legacy-absent-", 1)[0], pool.get_dummy_flat_data_page()) is None
+        assert b.set(keys[0], values[0]) is True
+    finally:
+        b.close()
+
+
+def test_v2_side_pool_round_trip_and_hit_policies(cluster):
+    pool = make_pool("mha")
+    b = make_backend(cluster, pool)
+    inner = getattr(b, "_backend", b)
+    state = StandInStatePool(size=1024, page_size=pool.page_size, page_bytes=3000)
+    inner.register_mem_host_pool_v2(state, "mamba")
+    try:
+        keys = hashes("v2-", 6)
+        for i, k in enumerate(keys):
+            fill_page(pool, i, k)
+        assert b.batch_set_v1(keys, indices_for(pool, 0, 6)) == [True] * 6
+        # State only for the last two pages (a Mamba-like trailing pool).
+        for slot in (4, 5):
+            page = state.get_dummy_flat_data_page()
+            import ctypes
+
+            ctypes.memset(page.data_ptr(), 0x40 + slot, 3000)
+            state.set_from_flat_data_page(slot * pool.page_size, page)
+        t = PoolTransfer(name="mamba", host_indices=indices_for(pool, 4, 2), keys=keys[4:6],
+                         hit_policy=PoolHitPolicy.TRAILING_PAGES)
+        assert b.batch_set_v2([t]) == {"mamba": [True, True]}
+        want = [state.slot(4 * pool.page_size), state.slot(5 * pool.page_size)]
+        r = b.batch_exists_v2(keys, [PoolTransfer(name="mamba", keys=keys[4:6],
+                                                  hit_policy=PoolHitPolicy.TRAILING_PAGES)])
+        assert r.kv_hit_pages == 6 and r.extra_pool_hit_pages.get("mamba") == 6
+        r = b.batch_exists_v2(keys, [PoolTransfer(name="mamba", keys=keys,
+                                                  hit_policy=PoolHitPolicy.ALL_PAGES)])
+        assert r.kv_hit_pages == 0, "ALL_PAGES needs the state of every page"
+        t2 = PoolTransfer(name="mamba", host_indices=indices_for(pool, 40, 2), keys=keys[4:6])
+        assert b.batch_get_v2([t2]) == {"mamba": [True, True]}
+        assert [state.slot(40 * pool.page_size), state.slot(41 * pool.page_size)] == want
+    finally:
+        b.close()
+
+
+def test_a_killed_node_gives_misses_not_exceptions():
+    from conftest import Cluster
+
+    c = Cluster(2)
+    try:
+        pool = make_pool("mha")
+        b = make_backend(c, pool)
+        keys = hashes("kill-", 16)
+        for i, k in enumerate(keys):
+            fill_page(pool, i, k)
+        assert b.batch_set_v1(keys, indices_for(pool, 0, 16)) == [True] * 16
+        c.nodes[1].kill()
+        got = b.batch_get_v1(keys, indices_for(pool, 50, 16))
+        assert 0 < sum(got) < 16, "the live node's pages hit, the dead node's miss"
+        assert 0 <= b.batch_exists(keys) < 16
+        assert b.batch_set_v1(hashes("kill-new-", 16), indices_for(pool, 0, 16)).count(False) > 0
+        b.close()
+    finally:
+        c.stop()
+
+
+class FailureInjector:
+    """What SGLang's HiCacheStorageFailureInjector does, for stand-in runs:
+    each call fails (as its method's failure value) with probability p."""
+
+    def __init__(self, backend, p, seed=1):
+        self._backend, self._p, self._r = backend, p, random.Random(seed)
+
+    def _fail(self):
+        return self._r.random() < self._p
+
+    def batch_get_v1(self, keys, host_indices, extra_info=None):
+        return [False] * len(keys) if self._fail() else self._backend.batch_get_v1(keys, host_indices, extra_info)
+
+    def batch_set_v1(self, keys, host_indices, extra_info=None):
+        return [False] * len(keys) if self._fail() else self._backend.batch_set_v1(keys, host_indices, extra_info)
+
+    def batch_exists(self, keys, extra_info=None):
+        return 0 if self._fail() else self._backend.batch_exists(keys, extra_info)
+
+    def close(self):
+        self._backend.close()
+
+
+def test_random_failures_never_give_a_wrong_page(cluster, monkeypatch):
+    pool = make_pool("mha")
+    if real_sglang():
+        monkeypatch.setenv("SGLANG_TEST_HICACHE_BACKEND_RANDOM_FAILURE", "0.3")
+        monkeypatch.setenv("SGLANG_TEST_HICACHE_BACKEND_RANDOM_DELAY", "0.01")
+        b = make_backend(cluster, pool)
+        assert type(b).__name__ == "HiCacheStorageFailureInjector"
+    else:
+        b = FailureInjector(make_backend(cluster, pool), 0.3)
+    try:
+        keys = hashes("fi-", 12)
+        want = {k: fill_page(pool, i, k) for i, k in enumerate(keys)}
+        for _ in range(6):
+            b.batch_set_v1(keys, indices_for(pool, 0, 12))
+        for round_ in range(10):
+            zero_pages(pool, range(60, 72))
+            got = b.batch_get_v1(keys, indices_for(pool, 60, 12))
+            for i, ok in enumerate(got):
+                if ok:
+                    assert read_page(pool, 60 + i) == want[keys[i]], f"wrong page in round {round_}"
+            assert 0 <= b.batch_exists(keys) <= 12
+    finally:
+        b.close()
+
+
+def test_close_while_sglang_threads_are_inside_calls(cluster):
+    pool = make_pool("mha")
+    b = make_backend(cluster, pool)
+    keys = hashes("close-", 8)
+    for i, k in enumerate(keys):
+        fill_page(pool, i, k)
+    assert b.batch_set_v1(keys, indices_for(pool, 0, 8)) == [True] * 8
+    errors, calls = [], [0]
+    stop = threading.Event()
+
+    def prefetch():
+        while not stop.is_set():
+            try:
+                assert 0 <= b.batch_exists(keys) <= 8
+                calls[0] += 1
+            except Exception as e:  # noqa: BLE001
+                errors.append(e)
+                return
+
+    def io(slot):
+        while not stop.is_set():
+            try:
+                b.batch_get_v1(keys, indices_for(pool, slot, 8))
+                b.batch_set_v1(keys, indices_for(pool, 0, 8))
+                calls[0] += 1
+            except Exception as e:  # noqa: BLE001
+                errors.append(e)
+                return
+
+    threads = [threading.Thread(target=prefetch)] + [threading.Thread(target=io, args=(100 + 10 * i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    end = time.monotonic() + 10
+    while calls[0] < 20 and time.monotonic() < end:
+        time.sleep(0.01)
+    b.close()
+    time.sleep(0.05)
+    stop.set()
+    for t in threads:
+        t.join(10)
+    assert not errors, errors
+    assert b.batch_exists(keys) == 0 and b.batch_get_v1(keys, indices_for(pool, 0, 8)) == [False] * 8
+
+
+def test_bad_config_names_the_key(cluster, clean_env):
+    def build(extra, **kw):
+        KvcellarStorage(storage_config(extra, **kw), {})
+
+    with pytest.raises(ConfigError, match="'mds' and 'members'"):
+        build({"mds": "127.0.0.1:7480", "members": cluster.members})
+    with pytest.raises(ConfigError, match="key 'mds'"):
+        build({"mds": "not-an-endpoint"})
+    with pytest.raises(ConfigError, match="key 'io_timeout_ms'"):
+        build({"members": cluster.members, "io_timeout_ms": "soon"})
+    with pytest.raises(ConfigError, match="key 'tenant'"):
+        build({"members": cluster.members, "tenant": "a/b"})
+    with pytest.raises(ConfigError, match="key 'model_id'"):
+        build({"members": cluster.members}, model=None)
+    with pytest.raises(ConfigError, match="unknown option"):
+        build({"members": cluster.members, "options": "bogus=1"})
+    with pytest.raises(ConfigError, match="KVCELLAR_MDS / KVCELLAR_MEMBERS"):
+        build({})
+    # The environment fills what the extra config leaves out.
+    clean_env.setenv("KVCELLAR_MEMBERS", cluster.members)
+    KvcellarStorage(storage_config({}), {}).close()
+
+
+def test_tenants_are_apart_clear_keeps_pages_and_stats(cluster, caplog):
+    pool = make_pool("mha")
+    a = make_backend(cluster, pool, extra={"tenant": "team-a"}, metrics=True)
+    bb = make_backend(cluster, pool, extra={"tenant": "team-b"})
+    try:
+        keys = hashes("tenant-", 3)
+        for i, k in enumerate(keys):
+            fill_page(pool, i, k)
+        assert a.batch_set_v1(keys, indices_for(pool, 0, 3)) == [True] * 3
+        assert bb.batch_exists(keys) == 0
+        with caplog.at_level("INFO", logger="kvcellar.hicache"):
+            a.clear()
+        assert "leaves the shared L3" in caplog.text
+        assert a.batch_exists(keys) == 3
+        assert a.batch_get_v1(keys, indices_for(pool, 10, 3)) == [True] * 3
+        stats = a.get_stats()
+        assert stats.backup_pgs == [3] and stats.prefetch_pgs == [3] and stats.prefetch_bandwidth[0] > 0
+        assert a.get_stats().prefetch_pgs == []
+        assert bb.get_stats() is None
+    finally:
+        a.close()
+        bb.close()
+
+
+def test_mode_is_reported():
+    """Which base class this run used (shows in the test log)."""
+    print(f"SGLang classes: {'REAL' if REAL else 'stand-in'}")
+    assert Status.OK == 0
