@@ -132,6 +132,11 @@ echo "== kvctl stat --all --mds $mds --group quickstart"
 "$bin/kvctl" stat --all "${target[@]}"
 
 if [ $keep -eq 1 ]; then
-  echo "== left running; try: $bin/kvctl ring --mds $mds --group quickstart"
+  root=$(pwd)
+  envline="export KVCELLAR_MDS=$mds KVCELLAR_GROUP=quickstart KVCELLAR_LIB=$bin/libkvclient.so PYTHONPATH=$root/plugins\${PYTHONPATH:+:\$PYTHONPATH}"
+  echo "$envline" >"$work/env"
+  echo "== left running; to use it from kvctl, Python (kvcellar.Client()), SGLang or LMCache, run:"
+  echo "$envline"
+  echo "== (also in $work/env); then try: $bin/kvctl ring"
   echo "== stop it with: scripts/quickstart.sh stop"
 fi

@@ -80,7 +80,7 @@ class MemoryObj:
         assert self.ref_count > 0, "released twice"
         self.ref_count -= 1
         if self.ref_count == 0:
-            self.backend.live.discard(id(self))
+            self.backend.free(self)
 
 
 def _n(shape) -> int:
@@ -122,13 +122,24 @@ class StandInCPUBackend:
     def __init__(self, config: StandInConfig, metadata: StandInMetadata):
         self.config, self.metadata = config, metadata
         self.live: set = set()
-        self.objs: Dict[int, MemoryObj] = {}
+        self.spare: Dict[int, List[MemoryObj]] = {}
 
     def allocate(self, shapes, dtypes, fmt) -> Optional[MemoryObj]:
-        o = MemoryObj(self, shapes, dtypes, fmt)
+        """Reuses freed buffers, as LMCache's allocator hands out slices of
+        memory it reserved up front."""
+        size = sum(_n(s) * d.itemsize for s, d in zip(shapes, dtypes))
+        spare = self.spare.get(size)
+        if spare:
+            o = spare.pop()
+            o.shapes, o.dtypes, o.fmt, o.size, o.ref_count = [tuple(s) for s in shapes], dtypes, fmt, size, 1
+        else:
+            o = MemoryObj(self, shapes, dtypes, fmt)
         self.live.add(id(o))
-        self.objs[id(o)] = o
         return o
+
+    def free(self, o: "MemoryObj") -> None:
+        self.live.discard(id(o))
+        self.spare.setdefault(len(o.raw), []).append(o)
 
 
 def real_lmcache() -> bool:
@@ -139,7 +150,7 @@ class StandInHarness:
     """Connector over stand-ins, driven from a private event loop."""
 
     def __init__(self, extra: Dict[str, Any], *, worker_id=0, world_size=1, model="org/model@v1",
-                 save_chunk_meta=True, name="kvcellar"):
+                 save_chunk_meta=True, name="kvcellar", chunk_size=CHUNK):
         import asyncio
         import threading
 
@@ -149,7 +160,8 @@ class StandInHarness:
               f"remote_storage_plugin.{name}.class_name": "KvcellarConnector", "save_chunk_meta": save_chunk_meta}
         ex.update({f"remote_storage_plugin.{name}.{k}": v for k, v in extra.items()})
         self.config = StandInConfig(ex, [name])
-        self.metadata = StandInMetadata(model_name=model, world_size=world_size, worker_id=worker_id)
+        self.metadata = StandInMetadata(model_name=model, world_size=world_size, worker_id=worker_id,
+                                        chunk_size=chunk_size)
         self.backend = StandInCPUBackend(self.config, self.metadata)
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
@@ -166,7 +178,8 @@ class StandInHarness:
         h = chunk_hash.hex() if isinstance(chunk_hash, bytes) else f"{chunk_hash:x}"
         return f"{model or m.model_name}@{m.world_size}@{m.worker_id}@{h}@half"
 
-    def new_chunk(self, seed: str, tokens: int = CHUNK) -> MemoryObj:
+    def new_chunk(self, seed: str, tokens: Optional[int] = None) -> MemoryObj:
+        tokens = tokens or self.metadata.chunk_size
         shapes = [(2, LAYERS, tokens, HEADS * HEAD_DIM)]
         o = self.backend.allocate(shapes, [FLOAT16], MemoryFormat.KV_2LTD)
         pattern = bytes(((i * 7 + sum(seed.encode())) >> 1) & 0xFF for i in range(256))
