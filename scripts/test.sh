@@ -14,6 +14,14 @@ echo "== build binaries and libkvclient.so (end-to-end tests use them)"
 cargo build --workspace --locked
 echo "== cargo test"
 cargo test --workspace --locked 2>&1 | tee target/test-output.log
-# One closing line for the whole run (cargo prints one per test binary).
-awk '/^test result:/ { for (i = 1; i <= NF; i++) { if ($(i+1) ~ /^passed/) p += $i; if ($(i+1) ~ /^failed/) f += $i } }
-     END { printf "tests: %d passed, %d failed\n", p, f }' target/test-output.log
+echo "== Python package against real nodes (engine classes stood in)"
+bash scripts/test-python.sh 2>&1 | tee target/test-python.log
+echo "== Python plugins against the real SGLang and LMCache classes"
+bash scripts/test-engines.sh 2>&1 | tee target/test-engines.log
+# One closing line for the whole run (cargo prints one per test binary,
+# pytest one per run).
+cat target/test-output.log target/test-python.log target/test-engines.log | awk '
+  /^test result:/ { for (i = 1; i <= NF; i++) { if ($(i+1) ~ /^passed/) p += $i; if ($(i+1) ~ /^failed/) f += $i } }
+  /(passed|failed).* in [0-9.]+s/ && !/^test result:/ {
+    for (i = 1; i <= NF; i++) { if ($(i+1) ~ /^passed/) p += $i; if ($(i+1) ~ /^failed/) f += $i } }
+  END { printf "tests: %d passed, %d failed\n", p, f }'

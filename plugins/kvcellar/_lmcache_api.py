@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import logging
 import os
 import struct
 from dataclasses import dataclass
@@ -156,4 +157,18 @@ if not REAL:
             return False
 
 
-__all__ = ["REAL", "RemoteConnector", "RemoteMetadata"]
+
+def make_logger(name: str) -> logging.Logger:
+    """LMCache's own logger setup where LMCache runs (its loggers print with
+    its handler and do not propagate), else a plain logger."""
+    if REAL:
+        try:
+            from lmcache.logging import init_logger  # type: ignore[import-not-found]
+
+            return init_logger(name)
+        except ImportError:
+            pass
+    return logging.getLogger(name)
+
+
+__all__ = ["REAL", "RemoteConnector", "RemoteMetadata", "make_logger"]

@@ -31,16 +31,15 @@ import concurrent.futures
 import ctypes
 import hashlib
 import json
-import logging
 import threading
 import zlib
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
-from kvcellar._lmcache_api import RemoteConnector, RemoteMetadata
+from kvcellar._lmcache_api import RemoteConnector, RemoteMetadata, make_logger
 from kvcellar.client import Client, ClosedError, Geometry, GetResult, Status
 from kvcellar.config import ConfigError, resolve
 
-log = logging.getLogger("kvcellar.lmcache")
+log = make_logger("kvcellar.lmcache")
 
 __all__ = ["KvcellarConnector"]
 
