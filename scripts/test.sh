@@ -5,6 +5,11 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/deps.sh
+# The real engines' venvs (several GB on a fresh machine, made once and kept
+# outside the clone) download while cargo builds; test-engines.sh waits for them.
+mkdir -p target
+bash scripts/engine-venvs.sh >/dev/null 2>target/engine-venvs.log &
+venvs=$!
 
 echo "== cargo fmt --check"
 cargo fmt --all -- --check
@@ -17,6 +22,7 @@ cargo test --workspace --locked 2>&1 | tee target/test-output.log
 echo "== Python package against real nodes (engine classes stood in)"
 bash scripts/test-python.sh 2>&1 | tee target/test-python.log
 echo "== Python plugins against the real SGLang and LMCache classes"
+wait $venvs || echo "engine venvs: the background attempt failed (target/engine-venvs.log); trying again"
 bash scripts/test-engines.sh 2>&1 | tee target/test-engines.log
 # One closing line for the whole run (cargo prints one per test binary,
 # pytest one per run).

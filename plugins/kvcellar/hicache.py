@@ -194,10 +194,12 @@ class KvcellarStorage(HiCacheStorage):
             )
         if old is not None:
             old.close()
+        # The pool's memory, for RDMA registration: one tensor, or K and V
+        # apart (asymmetric pools: a tuple); None in DeepSeek-V4's anchor pool.
         buf = getattr(mem_pool_host, "kv_buffer", None)
-        if buf is not None:
+        for t in buf if isinstance(buf, (tuple, list)) else [buf] if buf is not None else []:
             try:
-                self._client.register_memory((int(buf.data_ptr()), _nbytes(buf)))
+                self._client.register_memory((int(t.data_ptr()), _nbytes(t)))
             except Exception as e:  # noqa: BLE001 - registration is an optimisation
                 log.warning("kvcellar: cannot register the host pool's memory: %s", e)
 

@@ -242,10 +242,6 @@ class KvcellarConnector(RemoteConnector):
                 md = RemoteMetadata.deserialize(bytes(meta))
                 if md.length != payload:
                     raise ValueError(f"stored metadata says {md.length} bytes, {payload} arrived")
-                if payload != self.full_chunk_size_bytes and [tuple(s) for s in md.shapes] == [
-                    tuple(s) for s in self.meta_shapes
-                ]:
-                    raise ValueError("a partial chunk stored with full-chunk metadata")
             if payload != self.full_chunk_size_bytes:
                 obj = self.reshape_partial_chunk(obj, payload)
             return obj

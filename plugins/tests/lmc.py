@@ -73,6 +73,9 @@ class MemoryObj:
         self.shapes = [(s[0], s[1], tokens, s[3]) for s in self.shapes]
         self.size = nbytes
 
+    def get_ref_count(self) -> int:
+        return self.ref_count
+
     def ref_count_up(self) -> None:
         self.ref_count += 1
 

@@ -28,7 +28,7 @@ def test_round_trip_every_byte(h):
     want = h.data(obj)
     assert not h.run(c.exists(key))
     h.run(c.put(key, obj))
-    assert obj.ref_count == 1, "the connector must not release what it put"
+    assert obj.get_ref_count() == 1, "the connector must not release what it put"
     assert h.run(c.exists(key)) and c.exists_sync(key)
     got = h.run(c.get(key))
     assert got is not None and h.data(got) == want
@@ -181,6 +181,37 @@ def test_loaded_line_and_geometry_separation(cluster):
             b.close()
     finally:
         a.close()
+
+
+@pytest.mark.skipif(not real_lmcache(), reason="needs LMCache's own RemoteBackend")
+def test_through_lmcache_remote_backend(h):
+    """LMCache's RemoteBackend (what its StorageManager calls) over the
+    connector it loaded: put, contains, get, batched forms, remove."""
+    import asyncio as aio
+
+    rb = h.remote
+    k = [h.cache_key(0x7100 + i) for i in range(4)]
+    objs = [h.new_chunk(f"rb{i}") for i in range(4)]
+    want = [h.data(o) for o in objs]
+    rb.submit_put_task(k[0], objs[0]).result(10)
+    assert objs[0].get_ref_count() == 1
+    assert rb.contains(k[0])
+    got = rb.get_blocking(k[0])
+    assert got is not None and h.data(got) == want[0]
+    got.ref_count_down()
+    rb.batched_submit_put_task(k[1:], objs[1:])
+    deadline = time.monotonic() + 10  # batched puts have no future: poll
+    while rb.batched_contains(k) < 4 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert rb.batched_contains(k + [h.cache_key(0x7199)]) == 4
+    assert aio.run_coroutine_threadsafe(rb.batched_async_contains("l", k), h.loop).result(10) == 4
+    res = rb.batched_get_blocking(k)
+    assert [h.data(r) for r in res] == want
+    for r in res:
+        r.ref_count_down()
+    assert rb.remove(k[0]) and not rb.contains(k[0])
+    for o in objs:
+        o.ref_count_down()
 
 
 def test_mode_is_reported():

@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# The Python package's tests against the REAL engine classes: SGLang 0.5.23
+# (its StorageBackendFactory loads kvcellar.hicache, its host pools built on
+# CPU) and LMCache 0.5.6 (its plugin loading, LocalCPUBackend and
+# RemoteBackend on CPU load kvcellar.lmcache). One venv each (they cannot
+# share one), made by scripts/engine-venvs.sh outside the clone; into each,
+# `pip install ./plugins` builds libkvclient.so (cargo, release) and ships it
+# in the package, which the tests then use. Nodes come from target/debug.
+# Usage: scripts/test-engines.sh [sglang|lmcache]...   (after cargo build --workspace)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+root=$PWD
+which=("$@")
+[ ${#which[@]} -gt 0 ] || which=(sglang lmcache)
+eval "$(bash scripts/engine-venvs.sh "${which[@]}")"
+
+install_plugins() { # PYTHON: the package as a user installs it (build backend from the registry once)
+  local py=$1
+  if ! "$py" -c 'import setuptools_rust' 2>/dev/null; then
+    "$py" -m pip install -q --disable-pip-version-check "setuptools>=68" "setuptools-rust>=1.9" wheel
+  fi
+  echo "== pip install ./plugins into $(dirname "$(dirname "$py")")"
+  # The dev profile reuses what `cargo build --workspace` compiled; a user's
+  # install builds --release (setuptools-rust's default).
+  SETUPTOOLS_RUST_CARGO_PROFILE=${SETUPTOOLS_RUST_CARGO_PROFILE:-dev} \
+    "$py" -m pip install -q --disable-pip-version-check --no-build-isolation --no-deps --force-reinstall ./plugins
+  rm -rf plugins/build
+}
+
+export KVCELLAR_BIN_DIR=$root/target/debug
+unset KVCELLAR_LIB KVCELLAR_FORCE_STANDIN PYTHONPATH
+status=0
+tmp=$(mktemp -d)
+trap 'rm -rf "$tmp"' EXIT
+for engine in "${which[@]}"; do
+  case $engine in
+    sglang) py=$SGLANG_PY; tests=(test_client.py test_hicache.py) ;;
+    lmcache) py=$LMCACHE_PY; tests=(test_lmcache.py) ;;
+    *) echo "unknown engine $engine" >&2; exit 2 ;;
+  esac
+  install_plugins "$py"
+  echo "== $engine: real classes"
+  # From a directory outside the source tree: `import kvcellar` is the installed package.
+  (cd "$tmp" && "$py" -m pytest -p no:cacheprovider -p no:warnings -q -rs --rootdir "$root/plugins" \
+      "${tests[@]/#/$root/plugins/tests/}") || status=1
+done
+exit $status
