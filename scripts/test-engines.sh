@@ -34,8 +34,8 @@ tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 for engine in "${which[@]}"; do
   case $engine in
-    sglang) py=$SGLANG_PY; tests=(test_client.py test_hicache.py) ;;
-    lmcache) py=$LMCACHE_PY; tests=(test_lmcache.py) ;;
+    sglang) py=$SGLANG_PY; tests=(test_client.py test_hicache.py test_docs_snippets.py) ;;
+    lmcache) py=$LMCACHE_PY; tests=(test_lmcache.py test_docs_snippets.py) ;;
     *) echo "unknown engine $engine" >&2; exit 2 ;;
   esac
   install_plugins "$py"

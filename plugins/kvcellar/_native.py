@@ -132,7 +132,7 @@ def load(path: Optional[str] = None) -> ctypes.CDLL:
                 continue
             missing = [f for f in _SIGNATURES if not hasattr(lib, f)]
             if missing:
-                errors.append(f"{name}: too old, lacks {', '.join(missing)}")
+                errors.append(f"{name}: lacks {', '.join(missing)} (too old, or not libkvclient)")
                 continue
             for fname, (res, args) in _SIGNATURES.items():
                 fn = getattr(lib, fname)

@@ -160,6 +160,9 @@ def _view(buf: Segment, writable: bool) -> Tuple[int, int, Any]:
             raise ValueError("a raw segment is (address, length) with a non-NULL address")
         return addr, n, None
     if hasattr(buf, "data_ptr") and hasattr(buf, "element_size") and not isinstance(buf, (bytes, bytearray)):
+        device = getattr(buf, "device", None)
+        if device is not None and getattr(device, "type", str(device)) != "cpu":
+            raise ValueError(f"tensor is on {device}: kvcellar moves pages to and from host memory only")
         contiguous = getattr(buf, "is_contiguous", None)
         if contiguous is not None and not contiguous():
             raise ValueError("tensor must be contiguous")

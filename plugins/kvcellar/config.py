@@ -21,6 +21,8 @@ same level naming both is an error that names both.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import re
 from dataclasses import dataclass, field
@@ -34,7 +36,8 @@ ENV_VARS: Dict[str, str] = {
     "options": "KVCELLAR_OPTIONS",
 }
 
-_NAME = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
+NAME = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
+_NAME = NAME
 _ENDPOINT = re.compile(r"^[^\s,:]+:\d{1,5}$|^\[[0-9A-Fa-f:.]+\]:\d{1,5}$")
 _OPTION_KEY = re.compile(r"^[a-z_]+$")
 
@@ -59,6 +62,12 @@ class Settings:
         if self.auth_token_file:
             opts["auth_token_file"] = self.auth_token_file
         return ",".join(f"{k}={v}" for k, v in opts.items())
+
+
+def identity_hash(namespace: str, identity: Mapping[str, Any]) -> int:
+    """A u64 digest of an identity (the plugins' ``model_hash``)."""
+    text = namespace + "|" + json.dumps(identity, sort_keys=True, default=str)
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little")
 
 
 def _env(name: str) -> Optional[str]:
@@ -151,9 +160,12 @@ def resolve(config: Optional[Mapping[str, Any]] = None, where: str = "config") -
         s.group = group
     token = cfg.get("auth_token_file", _env(ENV_VARS["auth_token_file"]))
     if token is not None:
-        if not isinstance(token, str) or not os.path.isfile(token):
-            raise ConfigError(f"{where} key 'auth_token_file': {token!r} is not a readable file")
-        s.auth_token_file = token
+        # Refused rather than ignored: a user who sets a token expects the
+        # cluster to be closed to others, and this release cannot do that.
+        raise ConfigError(
+            f"{where}: auth_token_file (or {ENV_VARS['auth_token_file']}) is set, but this release of "
+            "kvcellar has no access control yet; unset it (and keep the cluster's ports private)"
+        )
     opts = cfg.get("options", _env(ENV_VARS["options"]))
     if opts is not None:
         s.options = parse_options(opts, f"{where} key 'options'")

@@ -32,7 +32,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import re
 import threading
 import time
 import zlib
@@ -49,7 +48,7 @@ from kvcellar._sglang_api import (
     StorageMetrics,
 )
 from kvcellar.client import Client, ClosedError, Geometry, Status
-from kvcellar.config import ConfigError, parse_options, resolve
+from kvcellar.config import NAME, ConfigError, identity_hash, resolve
 
 log = logging.getLogger("kvcellar.hicache")
 
@@ -61,15 +60,10 @@ TIMEOUT_KEYS = ("io_timeout_ms", "connect_timeout_ms")
 OWN_KEYS = CLUSTER_KEYS + TIMEOUT_KEYS + ("model_id", "tenant", "poll_ms")
 SGLANG_KEYS = ("backend_name", "module_path", "class_name", "interface_v1")
 
-_NAME = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
 _POOL_ATTRS = (
     "layout", "page_size", "dtype", "layer_num", "start_layer", "head_num", "head_dim", "v_head_dim",
     "kv_lora_rank", "qk_rope_head_dim", "kv_cache_dim", "size_per_token",
 )
-
-
-def _u64(text: str) -> int:
-    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little")
 
 
 def pool_identity(pool: Any) -> Dict[str, str]:
@@ -117,7 +111,7 @@ class KvcellarStorage(HiCacheStorage):
             raise ConfigError(f"{where} key 'model_id': SGLang gave no model name, so set 'model_id'")
         self.model = model
         tenant = cfg.get("tenant")
-        if tenant is not None and (not isinstance(tenant, str) or not _NAME.match(tenant)):
+        if tenant is not None and (not isinstance(tenant, str) or not NAME.match(tenant)):
             raise ConfigError(f"{where} key 'tenant': {tenant!r} must be 1-64 of A-Z a-z 0-9 . _ -")
         self.prefix = f"{tenant}/" if tenant else ""
         unknown = sorted(set(cfg) - set(OWN_KEYS) - set(SGLANG_KEYS))
@@ -136,7 +130,9 @@ class KvcellarStorage(HiCacheStorage):
         if sc.attn_cp_size > 1:
             suffix += f".cp{sc.attn_cp_rank}-{sc.attn_cp_size}"
         if getattr(sc, "dcp_size", 1) > 1:
-            suffix += f".dcp{sc.dcp_rank}-{sc.dcp_size}"
+            # DCP shards a page by tokens: the TP size and logical page size
+            # decide which tokens a shard holds.
+            suffix += f".dcp{sc.dcp_rank}-{sc.dcp_size}.tp{sc.tp_size}.lp{sc.logical_page_size}"
         self._tp_suffix = f".tp{sc.tp_rank}-{sc.tp_size}"
         self._shard_suffix = suffix
         self._lock = threading.Lock()
@@ -168,7 +164,7 @@ class KvcellarStorage(HiCacheStorage):
         super().register_mem_pool_host(mem_pool_host)
         ident = pool_identity(mem_pool_host)
         ident["model"] = self.model
-        self.model_hash = _u64("kvcellar-sglang/v1|" + json.dumps(ident, sort_keys=True))
+        self.model_hash = identity_hash("kvcellar-sglang/v1", ident)
         p = mem_pool_host
         if self.is_mla:
             head_num, head_dim = 1, int(getattr(p, "kv_cache_dim", 0) or 0)
@@ -225,8 +221,18 @@ class KvcellarStorage(HiCacheStorage):
             self._tags[k] = t
         return t
 
+    def _tp_sharded(self, pool_name: str) -> bool:
+        """Whether each TP rank holds its own bytes for this pool: always
+        for MHA; under MLA only Mamba state (the KV latent and the SWA and
+        indexer pools are replicated), as SGLang's file backend keys them."""
+        return not self.is_mla or pool_name == "mamba"
+
+    def _writes(self, pool_name: str) -> bool:
+        """Replicated pools are written by the storage writer rank only."""
+        return self.is_writer or self._tp_sharded(pool_name)
+
     def _key(self, key: str, tag: str, pool_name: str = "kv") -> str:
-        rank = "" if (self.is_mla and pool_name == "kv") else self._tp_suffix
+        rank = self._tp_suffix if self._tp_sharded(pool_name) else ""
         return f"{self.prefix}{key}.{tag}{rank}{self._shard_suffix}"
 
     def _keys(self, keys: Sequence[str], path: str, pool_name: str = "kv", pool: Any = None) -> List[str]:
@@ -260,75 +266,87 @@ class KvcellarStorage(HiCacheStorage):
             out, self._metrics = self._metrics, StorageMetrics()
         return out
 
-    # -- v1: zero-copy page segments ----------------------------------------------
+    # -- shared steps ----------------------------------------------------------------
 
-    def _segments(self, pool: Any, host_indices: Any, n: int) -> Optional[Tuple[List[int], List[int], int]]:
+    def _guarded(self, what: str, default: Any, fn: Any) -> Any:
+        """Runs a store step; a closed client or any failure is `default`
+        (a miss), never an exception into SGLang."""
+        c = self._c()
+        if c is None:
+            return default
+        try:
+            return fn(c)
+        except ClosedError:
+            return default
+        except Exception as e:  # noqa: BLE001
+            log.error("kvcellar: %s failed: %s", what, e)
+            return default
+
+    @staticmethod
+    def _store_missing(c: Client, full: List[str], put: Any) -> Tuple[List[bool], List[int]]:
+        """Writes only the pages not stored yet: (per-page success, indices
+        written). A mismatch is another writer's page under the key: it
+        stays, and this page is not stored (False, honestly)."""
+        present = c.batch_exist(full)
+        out = [s is Status.OK for s in present]
+        todo = [i for i, s in enumerate(present) if s not in (Status.OK, Status.MISMATCH)]
+        if todo:
+            for i, st in zip(todo, put(todo)):
+                out[i] = st is Status.OK
+        return out, todo
+
+    # -- zero-copy page segments (v1, and v2 pools with page pointers) ----------------------
+
+    def _segments(self, pool: Any, host_indices: Any, n: int) -> Tuple[List[int], List[int], int]:
         ptrs, sizes = pool.get_page_buffer_meta(host_indices)
         ptrs, sizes = list(ptrs), list(sizes)
         if n == 0 or len(ptrs) != len(sizes) or len(ptrs) % n or not ptrs:
-            log.error("kvcellar: %d page pointers for %d keys; answering misses", len(ptrs), n)
-            return None
+            raise ValueError(f"{len(ptrs)} page pointers for {n} keys")
         return ptrs, sizes, len(ptrs) // n
 
-    def _get_pages(self, keys: List[str], pool: Any, host_indices: Any) -> List[bool]:
-        n = len(keys)
-        c = self._c()
-        if c is None or n == 0:
-            return [False] * n
-        t0 = time.perf_counter()
-        try:
-            seg = self._segments(pool, host_indices, n)
-            if seg is None:
-                return [False] * n
-            ptrs, sizes, per = seg
-            res = c.batch_getv_raw(keys, ptrs, sizes, per)
-        except ClosedError:
-            return [False] * n
-        except Exception as e:  # noqa: BLE001 - a failure is a miss, never an error into SGLang
-            log.error("kvcellar: batch get failed: %s", e)
-            return [False] * n
-        out = []
-        moved = 0
-        for i, r in enumerate(res):
-            want = sum(sizes[i * per : (i + 1) * per])
-            ok = r.status is Status.OK and r.length == want
-            moved += want if ok else 0
-            out.append(ok)
-        self._record("get", sum(out), moved, t0)
-        return out
+    def _get_pages(self, full: List[str], pool: Any, host_indices: Any) -> List[bool]:
+        n = len(full)
+        if n == 0:
+            return []
 
-    def _set_pages(self, keys: List[str], pool: Any, host_indices: Any) -> List[bool]:
-        n = len(keys)
-        if not self.is_writer:
-            return [True] * n
-        c = self._c()
-        if c is None or n == 0:
-            return [False] * n
-        t0 = time.perf_counter()
-        try:
-            present = c.batch_exist(keys)
-            out = [s is Status.OK for s in present]
-            # A mismatch is another writer's page under this key: it stays,
-            # and this page is not stored (False, honestly).
-            todo = [i for i, s in enumerate(present) if s not in (Status.OK, Status.MISMATCH)]
-            if not todo:
-                return out
-            seg = self._segments(pool, host_indices, n)
-            if seg is None:
-                return [False] * n
-            ptrs, sizes, per = seg
-            addrs = [a for i in todo for a in ptrs[i * per : (i + 1) * per]]
-            lens = [s for i in todo for s in sizes[i * per : (i + 1) * per]]
-            st = c.batch_putv_raw([keys[i] for i in todo], addrs, lens, per)
-        except ClosedError:
-            return [False] * n
-        except Exception as e:  # noqa: BLE001
-            log.error("kvcellar: batch set failed: %s", e)
-            return [False] * n
-        for i, s in zip(todo, st):
-            out[i] = s is Status.OK
-        self._record("set", sum(1 for i, s in zip(todo, st) if s is Status.OK), sum(lens), t0)
-        return out
+        def run(c: Client) -> List[bool]:
+            t0 = time.perf_counter()
+            ptrs, sizes, per = self._segments(pool, host_indices, n)
+            res = c.batch_getv_raw(full, ptrs, sizes, per)
+            out, moved = [], 0
+            for i, r in enumerate(res):
+                want = sum(sizes[i * per : (i + 1) * per])
+                ok = r.status is Status.OK and r.length == want
+                moved += want if ok else 0
+                out.append(ok)
+            self._record("get", sum(out), moved, t0)
+            return out
+
+        return self._guarded("batch get", [False] * n, run)
+
+    def _set_pages(self, full: List[str], pool: Any, host_indices: Any, pool_name: str) -> List[bool]:
+        n = len(full)
+        if not self._writes(pool_name):
+            return [True] * n  # SGLang acks the backup; the writer rank stores the page
+        if n == 0:
+            return []
+
+        def run(c: Client) -> List[bool]:
+            t0 = time.perf_counter()
+            seg: List[Any] = []
+
+            def put(todo: List[int]) -> List[Status]:
+                ptrs, sizes, per = self._segments(pool, host_indices, n)
+                addrs = [a for i in todo for a in ptrs[i * per : (i + 1) * per]]
+                lens = [x for i in todo for x in sizes[i * per : (i + 1) * per]]
+                seg.append(sum(lens))
+                return c.batch_putv_raw([full[i] for i in todo], addrs, lens, per)
+
+            out, todo = self._store_missing(c, full, put)
+            self._record("set", sum(out[i] for i in todo), sum(seg), t0)
+            return out
+
+        return self._guarded("batch set", [False] * n, run)
 
     def batch_get_v1(self, keys: List[str], host_indices: Any,
                      extra_info: Optional[HiCacheStorageExtraInfo] = None) -> List[bool]:
@@ -340,59 +358,65 @@ class KvcellarStorage(HiCacheStorage):
                      extra_info: Optional[HiCacheStorageExtraInfo] = None) -> List[bool]:
         if self.mem_pool_host is None:
             return [False] * len(keys)
-        return self._set_pages(self._keys(keys, "v1"), self.mem_pool_host, host_indices)
+        return self._set_pages(self._keys(keys, "v1"), self.mem_pool_host, host_indices, "kv")
 
     def batch_exists(self, keys: List[str], extra_info: Optional[HiCacheStorageExtraInfo] = None) -> int:
         """Leading hits: how many keys from the first a get would serve."""
-        return self._leading(self._keys(keys, self._path()))
+        if not keys:
+            return 0
+        return self._guarded("batch exists", 0, lambda c: c.leading_hits(self._keys(keys, self._path())))
 
     def _path(self) -> str:
         v1 = (self.storage_config.extra_config or {}).get("interface_v1")
         return "v1" if v1 else "flat"
 
-    def _leading(self, full: List[str]) -> int:
-        c = self._c()
-        if c is None or not full:
-            return 0
-        try:
-            return c.leading_hits(full)
-        except ClosedError:
-            return 0
-        except Exception as e:  # noqa: BLE001
-            log.error("kvcellar: batch exists failed: %s", e)
-            return 0
-
     def exists(self, key: str) -> bool:
-        return self._leading(self._keys([key], self._path())) == 1
+        return self.batch_exists([key]) == 1
 
-    # -- legacy path: flat page tensors, copied ---------------------------------------
+    # -- flat pages (the legacy path, and v2 pools without page pointers), copied ------------
+
+    def _flat_get(self, full: List[str], pool: Any, targets: Optional[List[Any]] = None) -> List[Any]:
+        n = len(full)
+        if pool is None or n == 0:
+            return [None] * n
+
+        def run(c: Client) -> List[Any]:
+            t0 = time.perf_counter()
+            tg = targets if targets is not None else [pool.get_dummy_flat_data_page() for _ in full]
+            res = c.batch_get(full, tg)
+            out = [t if r.status is Status.OK and r.length == _nbytes(t) else None for r, t in zip(res, tg)]
+            self._record("get", sum(o is not None for o in out), sum(_nbytes(o) for o in out if o is not None), t0)
+            return out
+
+        return self._guarded("batch get (flat pages)", [None] * n, run)
+
+    def _flat_set(self, full: List[str], values: List[Any], pool_name: str) -> List[bool]:
+        n = len(full)
+        if not self._writes(pool_name):
+            return [True] * n
+        if n == 0 or len(values) != n:
+            return [False] * n
+
+        def run(c: Client) -> List[bool]:
+            t0 = time.perf_counter()
+            out, todo = self._store_missing(
+                c, full, lambda todo: c.batch_put([full[i] for i in todo], [values[i] for i in todo])
+            )
+            self._record("set", sum(out[i] for i in todo), sum(_nbytes(values[i]) for i in todo), t0)
+            return out
+
+        return self._guarded("batch set (flat pages)", [False] * n, run)
 
     def get(self, key: str, target_location: Optional[Any] = None, target_sizes: Optional[Any] = None) -> Any:
         return self.batch_get([key], [target_location] if target_location is not None else None)[0]
 
     def batch_get(self, keys: List[str], target_locations: Optional[Any] = None,
                   target_sizes: Optional[Any] = None) -> List[Any]:
-        return self._flat_get(keys, target_locations, "kv", self.mem_pool_host)
-
-    def _flat_get(self, keys: List[str], targets: Optional[Any], pool_name: str, pool: Any) -> List[Any]:
-        n = len(keys)
-        c = self._c()
-        if c is None or pool is None or n == 0:
-            return [None] * n
-        t0 = time.perf_counter()
-        try:
-            if targets is None:
-                targets = [pool.get_dummy_flat_data_page() for _ in keys]
-            full = self._keys(keys, "flat", pool_name, pool)
-            res = c.batch_get(full, list(targets))
-        except ClosedError:
-            return [None] * n
-        except Exception as e:  # noqa: BLE001
-            log.error("kvcellar: batch get (flat pages) failed: %s", e)
-            return [None] * n
-        out = [t if r.status is Status.OK and r.length == _nbytes(t) else None for r, t in zip(res, targets)]
-        self._record("get", sum(o is not None for o in out), sum(_nbytes(o) for o in out if o is not None), t0)
-        return out
+        pool = self.mem_pool_host
+        if pool is None:
+            return [None] * len(keys)
+        targets = list(target_locations) if target_locations is not None else None
+        return self._flat_get(self._keys(keys, "flat", "kv", pool), pool, targets)
 
     def set(self, key: str, value: Optional[Any] = None, target_location: Optional[Any] = None,
             target_sizes: Optional[Any] = None) -> bool:
@@ -400,34 +424,9 @@ class KvcellarStorage(HiCacheStorage):
 
     def batch_set(self, keys: List[str], values: Optional[Any] = None, target_locations: Optional[Any] = None,
                   target_sizes: Optional[Any] = None) -> bool:
-        if values is None:
+        if values is None or self.mem_pool_host is None:
             return False
-        return all(self._flat_set(keys, list(values), "kv", self.mem_pool_host))
-
-    def _flat_set(self, keys: List[str], values: List[Any], pool_name: str, pool: Any) -> List[bool]:
-        n = len(keys)
-        if not self.is_writer and pool_name == "kv":
-            return [True] * n
-        c = self._c()
-        if c is None or pool is None or n == 0 or len(values) != n:
-            return [False] * n
-        t0 = time.perf_counter()
-        try:
-            full = self._keys(keys, "flat", pool_name, pool)
-            present = c.batch_exist(full)
-            out = [s is Status.OK for s in present]
-            todo = [i for i, s in enumerate(present) if s not in (Status.OK, Status.MISMATCH)]
-            if todo:
-                st = c.batch_put([full[i] for i in todo], [values[i] for i in todo])
-                for i, s in zip(todo, st):
-                    out[i] = s is Status.OK
-                self._record("set", len(todo), sum(_nbytes(values[i]) for i in todo), t0)
-        except ClosedError:
-            return [False] * n
-        except Exception as e:  # noqa: BLE001
-            log.error("kvcellar: batch set (flat pages) failed: %s", e)
-            return [False] * n
-        return out
+        return all(self._flat_set(self._keys(keys, "flat", "kv", self.mem_pool_host), list(values), "kv"))
 
     # -- v2: pools beside the KV pool (Mamba, SWA, indexer, draft, ...) ------------------
 
@@ -469,48 +468,21 @@ class KvcellarStorage(HiCacheStorage):
                 continue
             full = self._pool_keys(keys, name, pool)
             if self._has_meta(pool):
-                results[name] = (self._set_pages if write else self._get_pages)(full, pool, idx)
+                results[name] = (
+                    self._set_pages(full, pool, idx, name) if write else self._get_pages(full, pool, idx)
+                )
                 continue
             offsets = [int(idx[i * page_size]) for i in range(len(keys))]
             if write:
-                pages = [pool.get_data_page(o, flat=True) for o in offsets]
-                results[name] = self._flat_set_full(full, pages, name)
+                results[name] = self._flat_set(full, [pool.get_data_page(o, flat=True) for o in offsets], name)
             else:
-                got = self._flat_get_full(full, pool)
                 ok = []
-                for o, page in zip(offsets, got):
+                for o, page in zip(offsets, self._flat_get(full, pool)):
                     if page is not None:
                         pool.set_from_flat_data_page(o, page)
                     ok.append(page is not None)
                 results[name] = ok
         return results
-
-    def _flat_get_full(self, full: List[str], pool: Any) -> List[Any]:
-        c = self._c()
-        if c is None:
-            return [None] * len(full)
-        try:
-            targets = [pool.get_dummy_flat_data_page() for _ in full]
-            res = c.batch_get(full, targets)
-        except Exception as e:  # noqa: BLE001 - ClosedError included: a miss
-            log.debug("kvcellar: v2 flat get failed: %s", e)
-            return [None] * len(full)
-        return [t if r.status is Status.OK and r.length == _nbytes(t) else None for r, t in zip(res, targets)]
-
-    def _flat_set_full(self, full: List[str], pages: List[Any], name: str) -> List[bool]:
-        c = self._c()
-        if c is None:
-            return [False] * len(full)
-        try:
-            present = c.batch_exist(full)
-            todo = [i for i, s in enumerate(present) if s not in (Status.OK, Status.MISMATCH)]
-            out = [s is Status.OK for s in present]
-            for i, s in zip(todo, c.batch_put([full[i] for i in todo], [pages[i] for i in todo])):
-                out[i] = s is Status.OK
-            return out
-        except Exception as e:  # noqa: BLE001
-            log.debug("kvcellar: v2 flat set of %s failed: %s", name, e)
-            return [False] * len(full)
 
     def batch_get_v2(self, transfers: List[PoolTransfer],
                      extra_info: Optional[HiCacheStorageExtraInfo] = None) -> Dict[str, List[bool]]:
@@ -524,20 +496,15 @@ class KvcellarStorage(HiCacheStorage):
                         extra_info: Optional[HiCacheStorageExtraInfo] = None) -> PoolTransferResult:
         """The usable KV prefix, shrunk by each side pool's hit policy (as
         SGLang's own file backend computes it), in one exist round."""
-        c = self._c()
         n = len(keys)
         transfers = list(pool_transfers or [])
-        if c is None or n == 0:
-            return PoolTransferResult(0, {}, [])
         groups: List[List[str]] = [self._keys(keys, self._path())]
         for t in transfers:
             pool = self._pool(t.name)
             groups.append(self._pool_keys(keys, str(t.name), pool) if pool is not None else [])
         flat = [k for g in groups for k in g]
-        try:
-            st = c.batch_exist(flat)
-        except Exception as e:  # noqa: BLE001
-            log.error("kvcellar: batch exists (v2) failed: %s", e)
+        st = self._guarded("batch exists (v2)", None, lambda c: c.batch_exist(flat)) if n else None
+        if st is None:
             return PoolTransferResult(0, {}, [])
         present: List[List[bool]] = []
         at = 0

@@ -30,14 +30,14 @@ import asyncio
 import concurrent.futures
 import ctypes
 import hashlib
-import json
+import math
 import threading
 import zlib
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from kvcellar._lmcache_api import RemoteConnector, RemoteMetadata, make_logger
 from kvcellar.client import Client, ClosedError, Geometry, GetResult, Status
-from kvcellar.config import ConfigError, resolve
+from kvcellar.config import ConfigError, identity_hash, resolve
 
 log = make_logger("kvcellar.lmcache")
 
@@ -47,10 +47,6 @@ MODULE = "kvcellar.lmcache"
 CLUSTER_KEYS = ("mds", "group", "members", "auth_token_file", "options")
 OWN_KEYS = CLUSTER_KEYS + ("io_timeout_ms", "connect_timeout_ms", "tenant", "poll_ms", "max_inflight")
 MAX_KEY = 1024
-
-
-def _u64(text: str) -> int:
-    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little")
 
 
 def _plugin_prefix(config: Any) -> str:
@@ -98,9 +94,11 @@ class KvcellarConnector(RemoteConnector):
         if tenant is not None and (not isinstance(tenant, str) or not tenant or "/" in tenant or len(tenant) > 64):
             raise ConfigError(f"{where} key '{pre}tenant': {tenant!r} must be 1-64 characters without '/'")
         self.prefix = f"{tenant}/" if tenant else ""
-        # Every call returns within the library's own bounds; this is the
-        # outer bound for a call that waited for a worker thread as well.
+        # The library bounds every request; this is the outer bound of one
+        # async call, waiting for a worker thread included. A batch may take
+        # one round of requests per `batch_concurrency` items.
         self.timeout_s = (ints["io_timeout_ms"] + ints["connect_timeout_ms"]) / 1000.0 + 1.0
+        self.batch_rounds = int(self.settings.options.get("batch_concurrency", 8))
         md = local_cpu_backend.metadata
         self.geometry = self._geometry(md, config)
         self.client = Client(settings=self.settings, geometry=self.geometry, poll_ms=ints["poll_ms"])
@@ -133,7 +131,7 @@ class KvcellarConnector(RemoteConnector):
         mla = ident["use_mla"]
         dim = lambda i: int(shape[i]) & 0xFFFF if len(shape) > i else 0  # noqa: E731
         return Geometry(
-            model_hash=_u64("kvcellar-lmcache/v1|" + json.dumps(ident, sort_keys=True)),
+            model_hash=identity_hash("kvcellar-lmcache/v1", ident),
             page_size=ident["chunk_size"],
             dtype_tag=zlib.crc32(ident["kv_dtype"].encode()),
             tp_size=0 if mla else int(getattr(md, "world_size", 1)) & 0xFFFF,
@@ -161,25 +159,55 @@ class KvcellarConnector(RemoteConnector):
             self._logged.add(cause)
         (log.error if first else log.debug)("kvcellar: %s failed: %s", what, e)
 
-    async def _run(self, fn: Callable[[], Any], what: str, default: Any,
-                   abandon: Optional[Callable[[Any], None]] = None) -> Any:
-        """Runs a blocking call off the event loop, bounded by the timeout.
-        A result that arrives after the caller gave up goes to `abandon`
-        (e.g. to free memory objects nobody will take)."""
+    def _bound(self, items: int) -> float:
+        return self.timeout_s * max(1, math.ceil(items / max(1, self.batch_rounds)))
+
+    async def _run(self, fn: Callable[[], Any], what: str, default: Any, items: int = 1,
+                   abandon: Optional[Callable[[Any], None]] = None, hold: Sequence[Any] = ()) -> Any:
+        """Runs a blocking call off the event loop, bounded in time.
+
+        `hold`: memory objects the call reads; a reference is taken for as
+        long as the call runs, so a caller that gave up (timeout, cancel) and
+        released its own cannot let LMCache reuse the memory under it.
+        `abandon`: gets a result nobody took (to release memory objects)."""
+        for o in hold:
+            o.ref_count_up()
         try:
             fut = self._pool.submit(fn)
         except RuntimeError:  # closed: the pool takes no more work
+            for o in hold:
+                o.ref_count_down()
             return default
+        if hold:
+            fut.add_done_callback(lambda _f: [o.ref_count_down() for o in hold])
+        taken = False
         try:
-            return await asyncio.wait_for(asyncio.wrap_future(fut), self.timeout_s)
+            result = await asyncio.wait_for(asyncio.wrap_future(fut), self._bound(items))
+            taken = True
+            return result
         except asyncio.TimeoutError as e:
-            self._error(f"{what} (no answer within {self.timeout_s:.1f} s)", e)
-            if abandon is not None:
-                fut.add_done_callback(lambda f: not f.cancelled() and f.exception() is None and abandon(f.result()))
+            self._error(f"{what} (no answer within {self._bound(items):.1f} s)", e)
             return default
         except ClosedError:
             return default
         except Exception as e:  # noqa: BLE001 - a failure is a miss for LMCache
+            self._error(what, e)
+            return default
+        finally:
+            if not taken and abandon is not None:
+                # Also on cancellation (a BaseException): whenever the call
+                # completes, its result goes back.
+                fut.add_done_callback(
+                    lambda f: not f.cancelled() and f.exception() is None and abandon(f.result())
+                )
+
+    def _sync(self, what: str, default: Any, fn: Callable[[], Any]) -> Any:
+        """A synchronous method's body: a failure is `default`, logged."""
+        try:
+            return fn()
+        except ClosedError:
+            return default
+        except Exception as e:  # noqa: BLE001
             self._error(what, e)
             return default
 
@@ -194,31 +222,19 @@ class KvcellarConnector(RemoteConnector):
         return await self._run(lambda: self.client.exist(self._key(key)) is Status.OK, "exists", False)
 
     def exists_sync(self, key: Any) -> bool:
-        try:
-            return self.client.exist(self._key(key)) is Status.OK
-        except ClosedError:
-            return False
-        except Exception as e:  # noqa: BLE001
-            self._error("exists", e)
-            return False
+        return self._sync("exists", False, lambda: self.client.exist(self._key(key)) is Status.OK)
 
     def support_batched_async_contains(self) -> bool:
         return True
 
     async def batched_async_contains(self, lookup_id: str, keys: List[Any], pin: bool = False) -> int:
-        return await self._run(lambda: self._leading(keys), "batched contains", 0)
+        return await self._run(lambda: self._leading(keys), "batched contains", 0)  # one request per node
 
     def support_batched_contains(self) -> bool:
         return True
 
     def batched_contains(self, keys: List[Any]) -> int:
-        try:
-            return self._leading(keys)
-        except ClosedError:
-            return 0
-        except Exception as e:  # noqa: BLE001
-            self._error("batched contains", e)
-            return 0
+        return self._sync("batched contains", 0, lambda: self._leading(keys))
 
     # -- get ---------------------------------------------------------------------------
 
@@ -283,7 +299,7 @@ class KvcellarConnector(RemoteConnector):
 
     async def batched_get(self, keys: List[Any]) -> List[Optional[Any]]:
         return await self._run(lambda: self._get_many(keys), "batched get", [None] * len(keys),
-                               abandon=self._release)
+                               items=len(keys), abandon=self._release)
 
     def support_batched_get_non_blocking(self) -> bool:
         return True
@@ -317,24 +333,19 @@ class KvcellarConnector(RemoteConnector):
 
     async def put(self, key: Any, memory_obj: Any) -> None:
         # LMCache's wrapper releases the object after this returns: no ref_count_down here.
-        await self._run(lambda: self._put_many([key], [memory_obj]), "put", None)
+        await self._run(lambda: self._put_many([key], [memory_obj]), "put", None, hold=[memory_obj])
 
     def support_batched_put(self) -> bool:
         return True
 
     async def batched_put(self, keys: List[Any], memory_objs: List[Any]) -> None:
-        await self._run(lambda: self._put_many(keys, memory_objs), "batched put", None)
+        await self._run(lambda: self._put_many(keys, memory_objs), "batched put", None, items=len(keys),
+                        hold=list(memory_objs))
 
     # -- the rest ----------------------------------------------------------------------------
 
     def remove_sync(self, key: Any) -> bool:
-        try:
-            return self.client.delete(self._key(key)) is Status.OK
-        except ClosedError:
-            return False
-        except Exception as e:  # noqa: BLE001
-            self._error("remove", e)
-            return False
+        return self._sync("remove", False, lambda: self.client.delete(self._key(key)) is Status.OK)
 
     def support_ping(self) -> bool:
         return True
@@ -349,8 +360,9 @@ class KvcellarConnector(RemoteConnector):
         return []
 
     async def close(self) -> None:
-        self.client.close()
+        # Closing waits for calls in flight: off the event loop.
         self._pool.shutdown(wait=False)
+        await asyncio.get_running_loop().run_in_executor(None, self.client.close)
 
     def stats(self) -> Dict[str, float]:
         """The client's counters (``kvclient_*``)."""

@@ -182,3 +182,7 @@ def test_imports_without_engines_and_names_a_missing_library(tmp_path):
     out = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, KVCELLAR_LIB=missing),
                          capture_output=True, text=True)
     assert "ERR cannot load libkvclient" in out.stdout and missing in out.stdout, out.stdout + out.stderr
+    # A library without this version's functions (here: the C library).
+    out = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, KVCELLAR_LIB="libc.so.6"),
+                         capture_output=True, text=True)
+    assert "lacks kv_open" in out.stdout and "kv_delete" in out.stdout, out.stdout + out.stderr

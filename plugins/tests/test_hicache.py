@@ -7,6 +7,7 @@ SGLang's own StorageBackendFactory and drives SGLang's real host pools.
 
 from __future__ import annotations
 
+import ctypes
 import random
 import threading
 import time
@@ -201,8 +202,6 @@ def test_v2_side_pool_round_trip_and_hit_policies(cluster):
         # State only for the last two pages (a Mamba-like trailing pool).
         for slot in (4, 5):
             page = state.get_dummy_flat_data_page()
-            import ctypes
-
             ctypes.memset(page.data_ptr(), 0x40 + slot, 3000)
             state.set_from_flat_data_page(slot * pool.page_size, page)
         t = PoolTransfer(name="mamba", host_indices=indices_for(pool, 4, 2), keys=keys[4:6],
@@ -219,6 +218,70 @@ def test_v2_side_pool_round_trip_and_hit_policies(cluster):
         assert b.batch_get_v2([t2]) == {"mamba": [True, True]}
         assert [state.slot(40 * pool.page_size), state.slot(41 * pool.page_size)] == want
     finally:
+        b.close()
+
+
+def test_mla_side_pools_written_by_the_right_ranks(cluster):
+    """Under MLA, Mamba state is TP-sharded (every rank writes its own),
+    while replicated pools (SWA here) are written by the writer rank only,
+    under rank-less keys that every rank reads."""
+    pools, backends = {}, {}
+    for rank in (0, 1):
+        pools[rank] = make_pool("mla")
+        b = make_backend(cluster, pools[rank], mla=True, tp_rank=rank, tp_size=2)
+        inner = getattr(b, "_backend", b)
+        for name in ("mamba", "swa"):
+            sp = StandInStatePool(size=4096, page_size=pools[rank].page_size, page_bytes=2048)
+            inner.register_mem_host_pool_v2(sp, name)
+        backends[rank] = (b, inner)
+    try:
+        keys = hashes("mla-v2-", 2)
+        ps = pools[0].page_size
+        for rank, (b, inner) in backends.items():
+            for name, fill in (("mamba", 0x10 + rank), ("swa", 0x20 + rank)):
+                sp = inner.registered_pools[name]
+                for slot in (0, 1):
+                    page = sp.get_dummy_flat_data_page()
+                    ctypes.memset(page.data_ptr(), fill, 2048)
+                    sp.set_from_flat_data_page(slot * ps, page)
+        # The reader rank first: its SWA writes are acked but not stored.
+        for rank in (1, 0):
+            b, _ = backends[rank]
+            res = b.batch_set_v2([PoolTransfer(name=n, host_indices=indices_for(pools[rank], 0, 2), keys=keys)
+                                  for n in ("mamba", "swa")])
+            assert res == {"mamba": [True, True], "swa": [True, True]}
+        for rank, (b, inner) in backends.items():
+            res = b.batch_get_v2([PoolTransfer(name=n, host_indices=indices_for(pools[rank], 50, 2), keys=keys)
+                                  for n in ("mamba", "swa")])
+            assert res == {"mamba": [True, True], "swa": [True, True]}
+            assert inner.registered_pools["mamba"].slot(50 * ps) == bytes([0x10 + rank]) * 2048, "own Mamba state"
+            assert inner.registered_pools["swa"].slot(50 * ps) == bytes([0x20]) * 2048, "the writer's SWA page"
+    finally:
+        for b, _ in backends.values():
+            b.close()
+
+
+def test_a_key_collision_is_a_mismatch_never_a_wrong_page(cluster, monkeypatch):
+    """The header's model_hash is the safety net under the key: with the
+    key tag forced equal, another layout's page is refused, not served."""
+    monkeypatch.setattr(KvcellarStorage, "_tag", lambda self, *a: "same-tag")
+    pool = make_pool("mha", layout="page_first")
+    a = make_backend(cluster, pool)
+    pool2 = make_pool("mha", layout="layer_first")
+    b = make_backend(cluster, pool2)
+    try:
+        keys = hashes("collide-", 2)
+        for i, k in enumerate(keys):
+            fill_page(pool, i, k)
+        assert a.batch_set_v1(keys, indices_for(pool, 0, 2)) == [True, True]
+        getattr(b, "_backend", b)  # through SGLang's wrapper or not
+        assert b.batch_exists(keys) == 0
+        assert b.batch_get_v1(keys, indices_for(pool2, 0, 2)) == [False, False]
+        assert b.batch_set_v1(keys, indices_for(pool2, 0, 2)) == [False, False], "never stored over another's"
+        st = getattr(b, "_backend", b)._client.batch_exist(getattr(b, "_backend", b)._keys(keys, "v1"))
+        assert all(x.name == "MISMATCH" for x in st)
+    finally:
+        a.close()
         b.close()
 
 

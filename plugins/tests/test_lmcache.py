@@ -120,6 +120,34 @@ def test_a_hung_node_is_bounded_by_the_timeout(cluster):
         silent.close()
 
 
+def test_calls_that_outlive_their_bound_release_what_they_hold(cluster):
+    """The connector's own bound (shorter here than the library's I/O
+    timeout): the await gives up, and when the library call ends the get's
+    memory object is released and the put's reference returned."""
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(64)
+    addr = "%s:%d" % silent.getsockname()
+    hh = make_harness({"members": f"hung={addr}", "io_timeout_ms": 1500, "connect_timeout_ms": 300})
+    try:
+        c = hh.connector
+        c.timeout_s = 0.2
+        before = hh.live_objects()
+        t = time.monotonic()
+        assert hh.run(c.get(hh.key(5))) is None
+        obj = hh.new_chunk("held")
+        hh.run(c.put(hh.key(6), obj))
+        assert time.monotonic() - t < 1.4, "both gave up at the connector's bound"
+        assert obj.get_ref_count() == 2, "the running put holds a reference"
+        deadline = time.monotonic() + 10
+        while (hh.live_objects() > before + 1 or obj.get_ref_count() != 1) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert obj.get_ref_count() == 1 and hh.live_objects() == before + 1, "released once the calls ended"
+    finally:
+        hh.close()
+        silent.close()
+
+
 def test_a_killed_node_gives_misses_not_exceptions():
     from conftest import Cluster
 
