@@ -62,8 +62,9 @@ typedef struct kv_geometry {
    max_conns_per_node (16), batch_concurrency (8), peer_cooldown_ms (2000).
    Unknown keys are an error. Returns NULL on error (see kv_last_error). */
 kv_client *kv_open(const char *members, const kv_geometry *geo, const char *options);
-/* Waits for calls in flight on other threads, then frees; later calls with
-   the handle are KV_EINVAL. NULL or an already closed handle is a no-op. */
+/* Waits for calls in flight on other threads (each ends within its own
+   timeouts: a batch may take several I/O timeouts), then frees; later calls
+   with the handle are KV_EINVAL. NULL or an already closed handle is a no-op. */
 void kv_close(kv_client *c);
 /* Replaces the member set; safe while other threads issue requests. */
 int kv_set_members(kv_client *c, const char *members);

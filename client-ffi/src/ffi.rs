@@ -744,8 +744,15 @@ mod handles {
     /// pointer to C tools, and small integers passed by mistake are refused.
     static NEXT: AtomicUsize = AtomicUsize::new(16);
 
+    thread_local! {
+        /// The handle this thread is inside a call on (0: none), so that a
+        /// kv_close reached from inside a call (a signal handler) does not
+        /// wait for itself.
+        static INSIDE: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
+    }
+
     /// A call in progress on a live handle.
-    pub(super) struct Call(Arc<Handle>);
+    pub(super) struct Call(Arc<Handle>, usize);
 
     impl std::ops::Deref for Call {
         type Target = BlockingClient;
@@ -756,6 +763,7 @@ mod handles {
 
     impl Drop for Call {
         fn drop(&mut self) {
+            let _ = INSIDE.try_with(|c| c.set(self.1));
             if self.0.closing.load(Ordering::Acquire) {
                 let _g = self.0.lock.lock().unwrap_or_else(|e| e.into_inner());
                 self.0.done.notify_all();
@@ -772,12 +780,19 @@ mod handles {
     }
 
     pub(super) fn enter(id: usize) -> Option<Call> {
-        table().read().unwrap_or_else(|e| e.into_inner()).get(&id).map(|h| Call(h.clone()))
+        let h = table().read().unwrap_or_else(|e| e.into_inner()).get(&id).cloned()?;
+        let outer = INSIDE.try_with(|c| c.replace(id)).unwrap_or(0);
+        Some(Call(h, outer))
     }
 
     pub(super) fn close(id: usize) {
         let Some(mut h) = table().write().unwrap_or_else(|e| e.into_inner()).remove(&id) else { return };
         h.closing.store(true, Ordering::Release);
+        if INSIDE.try_with(|c| c.get() == id).unwrap_or(false) {
+            // Closed from inside a call on this very handle: the call's own
+            // reference frees the client when it returns.
+            return;
+        }
         loop {
             // A call's Arc is released just after its notification, so the
             // wait also wakes on a short timeout to see the count drop.
