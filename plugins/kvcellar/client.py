@@ -401,30 +401,16 @@ class Client:
 
     def batch_putv(self, keys: Sequence[Key], segments: Sequence[Sequence[Segment]]) -> List[Status]:
         """Puts item i as the concatenation of ``segments[i]``."""
-        if len(keys) != len(segments):
-            raise ValueError("keys and segment lists differ in length")
-        flat = [s for item in segments for s in item]
-        arr, _, keep = _iovecs(flat, writable=False)
-        counts = (ctypes.c_size_t * len(keys))(*[len(item) for item in segments])
-        return self._batch_put_raw(keys, arr, counts, keep)
+        st, _ = self._batch(False, keys, *self._segment_items(keys, segments, writable=False))
+        return st
 
     def batch_putv_raw(
         self, keys: Sequence[Key], addrs: Sequence[int], sizes: Sequence[int], per_item: int
     ) -> List[Status]:
         """Puts item i from ``per_item`` consecutive raw segments
         (``addrs``/``sizes``, e.g. an engine pool's page pointers)."""
-        self._check_raw(keys, addrs, per_item)
-        arr, keep = raw_iovecs(addrs, sizes)
-        counts = (ctypes.c_size_t * len(keys))(*([per_item] * len(keys)))
-        return self._batch_put_raw(keys, arr, counts, keep)
-
-    def _batch_put_raw(self, keys: Sequence[Key], arr: Any, counts: Any, keep: Any) -> List[Status]:
-        n = len(keys)
-        ks = _keys(keys)
-        st = (ctypes.c_int * n)()
-        self._check(self._lib.kv_batch_putv(self._handle(), n, ks, arr, counts, st))
-        del keep
-        return [Status(s) for s in st]
+        st, _ = self._batch(False, keys, *self._raw_items(keys, addrs, sizes, per_item))
+        return st
 
     def batch_get(self, keys: Sequence[Key], bufs: Sequence[Segment]) -> List[GetResult]:
         """Gets one buffer per key; per-item results."""
@@ -434,37 +420,47 @@ class Client:
 
     def batch_getv(self, keys: Sequence[Key], segments: Sequence[Sequence[Segment]]) -> List[GetResult]:
         """Gets item i scattered over ``segments[i]``."""
-        if len(keys) != len(segments):
-            raise ValueError("keys and segment lists differ in length")
-        flat = [s for item in segments for s in item]
-        arr, _, keep = _iovecs(flat, writable=True)
-        counts = (ctypes.c_size_t * len(keys))(*[len(item) for item in segments])
-        return self._batch_get_raw(keys, arr, counts, keep)
+        st, lens = self._batch(True, keys, *self._segment_items(keys, segments, writable=True))
+        return [GetResult(s, n) for s, n in zip(st, lens)]
 
     def batch_getv_raw(
         self, keys: Sequence[Key], addrs: Sequence[int], sizes: Sequence[int], per_item: int
     ) -> List[GetResult]:
         """Gets item i into ``per_item`` consecutive raw segments."""
-        self._check_raw(keys, addrs, per_item)
-        arr, keep = raw_iovecs(addrs, sizes)
-        counts = (ctypes.c_size_t * len(keys))(*([per_item] * len(keys)))
-        return self._batch_get_raw(keys, arr, counts, keep)
-
-    def _batch_get_raw(self, keys: Sequence[Key], arr: Any, counts: Any, keep: Any) -> List[GetResult]:
-        n = len(keys)
-        ks = _keys(keys)
-        st = (ctypes.c_int * n)()
-        lens = (ctypes.c_size_t * n)()
-        self._check(self._lib.kv_batch_getv(self._handle(), n, ks, arr, counts, lens, st))
-        del keep
-        return [GetResult(Status(s), int(x)) for s, x in zip(st, lens)]
+        st, lens = self._batch(True, keys, *self._raw_items(keys, addrs, sizes, per_item))
+        return [GetResult(s, n) for s, n in zip(st, lens)]
 
     @staticmethod
-    def _check_raw(keys: Sequence[Key], addrs: Sequence[int], per_item: int) -> None:
+    def _segment_items(keys: Sequence[Key], segments: Sequence[Sequence[Segment]], writable: bool):
+        """(iovec array, per-item counts, keepalive) over buffer segments."""
+        if len(keys) != len(segments):
+            raise ValueError("keys and segment lists differ in length")
+        arr, _, keep = _iovecs([s for item in segments for s in item], writable)
+        return arr, [len(item) for item in segments], keep
+
+    @staticmethod
+    def _raw_items(keys: Sequence[Key], addrs: Sequence[int], sizes: Sequence[int], per_item: int):
+        """(iovec array, per-item counts, keepalive) over raw segments."""
         if per_item <= 0 or len(addrs) != len(keys) * per_item:
             raise ValueError(f"{len(addrs)} segments for {len(keys)} items of {per_item}")
         if any(a == 0 for a in addrs):
             raise ValueError("a segment address is NULL")
+        arr, keep = raw_iovecs(addrs, sizes)
+        return arr, [per_item] * len(keys), keep
+
+    def _batch(self, get: bool, keys: Sequence[Key], arr: Any, counts: List[int], keep: Any):
+        """One kv_batch_getv / kv_batch_putv: (statuses, lengths)."""
+        n = len(keys)
+        ks = _keys(keys)
+        cnt = (ctypes.c_size_t * n)(*counts)
+        st = (ctypes.c_int * n)()
+        lens = (ctypes.c_size_t * n)()
+        if get:
+            self._check(self._lib.kv_batch_getv(self._handle(), n, ks, arr, cnt, lens, st))
+        else:
+            self._check(self._lib.kv_batch_putv(self._handle(), n, ks, arr, cnt, st))
+        del keep  # the buffers stay alive until the call returned
+        return [Status(s) for s in st], [int(x) for x in lens]
 
     def batch_exist(self, keys: Sequence[Key]) -> List[Status]:
         """Per-key exist statuses, one request per owner node."""
