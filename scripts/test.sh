@@ -8,8 +8,11 @@ bash scripts/deps.sh
 # The real engines' venvs (several GB on a fresh machine, made once and kept
 # outside the clone) download while cargo builds; test-engines.sh waits for them.
 mkdir -p target
-bash scripts/engine-venvs.sh >/dev/null 2>target/engine-venvs.log &
+setsid bash scripts/engine-venvs.sh >/dev/null 2>target/engine-venvs.log &
 venvs=$!
+# A failing step ends the run: stop the background install with it (a venv
+# without its ready-marker is redone next time).
+trap 'kill -- -$venvs 2>/dev/null || true' EXIT
 
 echo "== cargo fmt --check"
 cargo fmt --all -- --check

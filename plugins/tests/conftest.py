@@ -32,6 +32,14 @@ if not os.environ.get("KVCELLAR_LIB"):
         os.environ["KVCELLAR_LIB"] = os.path.join(BIN_DIR, "libkvclient.so")
 
 
+def _die_with_parent() -> None:
+    """In the child: SIGKILL when the test process dies, even by a crash
+    that skips every fixture's teardown (Linux PR_SET_PDEATHSIG)."""
+    import ctypes
+
+    ctypes.CDLL(None).prctl(1, signal.SIGKILL)
+
+
 def _bin(name: str) -> str:
     p = os.path.join(BIN_DIR, name)
     if not os.path.isfile(p):
@@ -54,7 +62,8 @@ class Node:
     def start(self, deadline_s: float = 30.0) -> "Node":
         args = [_bin("kv-server"), "--listen", self.listen, "--dir", self.dir, "--cap", self.cap,
                 "--log-level", "warn", *self.extra]
-        self.proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        self.proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                                     preexec_fn=_die_with_parent)
         end = time.monotonic() + deadline_s
         assert self.proc.stdout is not None
         while time.monotonic() < end:
