@@ -197,7 +197,7 @@ impl Client {
                     .find(|n| n.id == m.id && n.addr == m.addr && n.weight == m.weight)
                     .cloned()
                     .unwrap_or_else(|| {
-                        Arc::new(Node::new(m.id.clone(), m.addr, m.weight, self.opts.max_conns_per_node))
+                        Arc::new(Node::new(m.id.clone(), m.addr.clone(), m.weight, self.opts.max_conns_per_node))
                     })
             })
             .collect();

@@ -35,8 +35,10 @@ impl Drop for Discovery {
     }
 }
 
-/// The members of a view as the client routes to them. An address that
-/// does not resolve drops that member (logged in the error text).
+/// The members of a view as the client routes to them. Addresses are not
+/// resolved here (each connection resolves its node's name), so a name that
+/// does not resolve makes only that node unavailable; a record of bad form
+/// (which kv-mds does not accept) holds the view back.
 fn members_of(v: &View) -> (Vec<Member>, Vec<String>) {
     let mut out = Vec::new();
     let mut bad = Vec::new();
@@ -102,7 +104,8 @@ fn run(
                     if !bad.is_empty() {
                         // Every client must build the same ring for an epoch:
                         // rather than a ring without this member, keep the
-                        // one in use and try again.
+                        // one in use and try again. (Only a malformed record
+                        // gets here, never a name that does not resolve.)
                         fail(&core, &mut first, format!("view {} of {group}: {}", v.epoch, bad.join("; ")));
                         pause(stop, poll.min(Duration::from_secs(1)));
                         continue;
@@ -150,5 +153,29 @@ fn pause(stop: &AtomicBool, d: Duration) {
     let until = std::time::Instant::now() + d;
     while !stop.load(Ordering::SeqCst) && std::time::Instant::now() < until {
         std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kv_common::mds::MemberRecord;
+
+    #[test]
+    fn a_name_that_does_not_resolve_does_not_hold_the_view_back() {
+        let rec = |id: &str, addr: &str| MemberRecord { id: id.into(), addr: addr.into(), weight: 1 };
+        let v = View {
+            group: "g".into(),
+            epoch: 7,
+            members: vec![rec("a", "127.0.0.1:7000"), rec("b", "no-such-host.invalid:7000")],
+        };
+        let (members, bad) = members_of(&v);
+        assert!(bad.is_empty(), "{bad:?}");
+        assert_eq!(
+            members.iter().map(|m| m.addr.as_str()).collect::<Vec<_>>(),
+            ["127.0.0.1:7000", "no-such-host.invalid:7000"]
+        );
+        let v = View { members: vec![rec("c", "no-port")], ..v };
+        assert_eq!(members_of(&v).1.len(), 1, "a malformed record is still refused");
     }
 }

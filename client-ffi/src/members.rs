@@ -1,4 +1,11 @@
 //! Member lists: `id=host:port[@weight],...` (DESIGN.md §4).
+//!
+//! Addresses are kept as given and resolved each time a connection is
+//! opened (`node.rs`, `small.rs`), not once here: a node that comes back
+//! under the same name with another address (a restarted container) is
+//! found again without a new member list, and a name that does not resolve
+//! right now makes its own node unavailable (a cool-down, fast misses)
+//! instead of refusing the whole list.
 
 use std::net::SocketAddr;
 
@@ -6,7 +13,8 @@ use std::net::SocketAddr;
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Member {
     pub id: String,
-    pub addr: SocketAddr,
+    /// `host:port` (an IP address or a name), as given.
+    pub addr: String,
     pub weight: u32,
 }
 
@@ -33,8 +41,8 @@ pub fn parse_members(s: &str) -> Result<Vec<Member>, String> {
     Ok(out)
 }
 
-/// One member from its parts (a list item, or a kv-mds view's record):
-/// the address resolved now.
+/// One member from its parts (a list item, or a kv-mds view's record); the
+/// address is checked for form, not resolved.
 pub fn member(id: &str, addr: &str, weight: u32) -> Result<Member, String> {
     if id.is_empty() {
         return Err(format!("member at {addr:?} has an empty id (expected id=host:port[@weight])"));
@@ -42,19 +50,36 @@ pub fn member(id: &str, addr: &str, weight: u32) -> Result<Member, String> {
     if weight == 0 {
         return Err(format!("member {id}: weight must be at least 1"));
     }
-    let addr = resolve(addr).map_err(|e| format!("member {id}: {e}"))?;
-    Ok(Member { id: id.to_string(), addr, weight })
+    check_addr(addr).map_err(|e| format!("member {id}: {e}"))?;
+    Ok(Member { id: id.to_string(), addr: addr.to_string(), weight })
 }
 
-fn resolve(addr: &str) -> Result<SocketAddr, String> {
+/// `host:port` with a port of 1..=65535 and a host without spaces or commas
+/// (an IPv6 address in brackets).
+fn check_addr(addr: &str) -> Result<(), String> {
+    if addr.parse::<SocketAddr>().is_ok() {
+        return Ok(());
+    }
+    let bad = || format!("address {addr:?} is not host:port");
+    let (host, port) = addr.rsplit_once(':').ok_or_else(bad)?;
+    let port: u16 = port.parse().map_err(|_| bad())?;
+    if port == 0 || host.is_empty() || host.contains(|c: char| c.is_whitespace() || c == ',' || c == '/') {
+        return Err(bad());
+    }
+    Ok(())
+}
+
+/// Resolves a member address now (each new connection does).
+pub fn resolve(addr: &str) -> std::io::Result<Vec<SocketAddr>> {
     use std::net::ToSocketAddrs;
     if let Ok(a) = addr.parse() {
-        return Ok(a);
+        return Ok(vec![a]);
     }
-    addr.to_socket_addrs()
-        .map_err(|e| format!("cannot resolve {addr:?}: {e}"))?
-        .next()
-        .ok_or_else(|| format!("{addr:?} resolves to no address"))
+    let all: Vec<SocketAddr> = addr.to_socket_addrs()?.collect();
+    if all.is_empty() {
+        return Err(std::io::Error::new(std::io::ErrorKind::NotFound, format!("{addr} resolves to no address")));
+    }
+    Ok(all)
 }
 
 #[cfg(test)]
@@ -65,7 +90,7 @@ mod tests {
     fn parses_member_lists() {
         let m = parse_members("n1=127.0.0.1:7000, n2=127.0.0.1:7001@3,").unwrap();
         assert_eq!(m.len(), 2);
-        assert_eq!((m[1].id.as_str(), m[1].addr.port(), m[1].weight), ("n2", 7001, 3));
+        assert_eq!((m[1].id.as_str(), m[1].addr.as_str(), m[1].weight), ("n2", "127.0.0.1:7001", 3));
         assert_eq!(m[0].weight, 1);
         assert!(parse_members("").unwrap().is_empty());
         assert!(parse_members("n1").unwrap_err().contains("id=host:port"));
@@ -73,5 +98,12 @@ mod tests {
         assert!(parse_members("n1=127.0.0.1:1,n1=127.0.0.1:2").unwrap_err().contains("twice"));
         assert!(parse_members("=127.0.0.1:1").unwrap_err().contains("empty id"));
         assert!(parse_members("n1=nohost:x").is_err());
+        assert!(parse_members("n1=:7000").is_err() && parse_members("n1=h:0").is_err());
+        // A name is kept as given: resolved per connection, not here (no
+        // lookup happens for this one; a test must not query DNS).
+        let m = parse_members("n1=no-such-host.invalid:7000,n2=[::1]:7001,n3=localhost:7002").unwrap();
+        assert_eq!(m[0].addr, "no-such-host.invalid:7000");
+        assert_eq!(resolve(&m[1].addr).unwrap()[0].port(), 7001);
+        assert!(resolve(&m[2].addr).unwrap().iter().all(|a| a.ip().is_loopback() && a.port() == 7002));
     }
 }

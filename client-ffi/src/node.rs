@@ -3,7 +3,6 @@
 //! cool-down after an I/O failure, during which its keys answer
 //! KV_UNAVAILABLE at once without touching the network).
 
-use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -24,7 +23,8 @@ pub struct AsyncConn {
 
 pub struct Node {
     pub id: String,
-    pub addr: SocketAddr,
+    /// `host:port` as the member list gave it, resolved on every connect.
+    pub addr: String,
     pub weight: u32,
     idle: Mutex<Vec<AsyncConn>>,
     /// Blocking connections for small requests driven on the caller's thread.
@@ -79,7 +79,7 @@ impl Drop for SyncSlot {
 }
 
 impl Node {
-    pub fn new(id: String, addr: SocketAddr, weight: u32, max_conns: usize) -> Node {
+    pub fn new(id: String, addr: String, weight: u32, max_conns: usize) -> Node {
         Node {
             id,
             addr,
@@ -173,7 +173,7 @@ impl Node {
                 return Ok(Checkout { node: self.clone(), conn: Some(conn), reused: true, _slot: slot });
             }
         }
-        let conn = tokio::time::timeout(connect_timeout, connect(self.addr)).await.map_err(|_| OpError::Timeout)??;
+        let conn = tokio::time::timeout(connect_timeout, connect(&self.addr)).await.map_err(|_| OpError::Timeout)??;
         Ok(Checkout { node: self.clone(), conn: Some(conn), reused: false, _slot: slot })
     }
 
@@ -185,7 +185,9 @@ impl Node {
     }
 }
 
-async fn connect(addr: SocketAddr) -> Result<AsyncConn, OpError> {
+/// Resolves `addr` again (a name may point elsewhere since the last
+/// connection) and connects to the first address that answers.
+async fn connect(addr: &str) -> Result<AsyncConn, OpError> {
     let mut stream = TcpStream::connect(addr).await.map_err(OpError::Io)?;
     stream.set_nodelay(true).map_err(OpError::Io)?;
     // Keep-alive probes notice a peer that vanished without a FIN.

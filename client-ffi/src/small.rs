@@ -77,12 +77,22 @@ impl SyncConn {
 }
 
 fn connect(node: &Node, timeout: Duration) -> Result<SyncConn, OpError> {
-    let mut stream = TcpStream::connect_timeout(&node.addr, timeout).map_err(|e| {
-        if e.kind() == std::io::ErrorKind::TimedOut {
-            OpError::Timeout
-        } else {
-            OpError::Io(e)
+    // Resolved again on every connect (see members.rs).
+    let mut last = None;
+    let mut stream = None;
+    for a in crate::members::resolve(&node.addr)? {
+        match TcpStream::connect_timeout(&a, timeout) {
+            Ok(s) => {
+                stream = Some(s);
+                break;
+            }
+            Err(e) => last = Some(e),
         }
+    }
+    let mut stream = stream.ok_or_else(|| match last {
+        Some(e) if e.kind() == std::io::ErrorKind::TimedOut => OpError::Timeout,
+        Some(e) => OpError::Io(e),
+        None => OpError::Io(std::io::ErrorKind::NotFound.into()),
     })?;
     stream.set_nodelay(true)?;
     stream.set_read_timeout(Some(timeout))?;

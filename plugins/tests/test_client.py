@@ -186,3 +186,14 @@ def test_imports_without_engines_and_names_a_missing_library(tmp_path):
     out = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, KVCELLAR_LIB="libc.so.6"),
                          capture_output=True, text=True)
     assert "lacks kv_open" in out.stdout and "kv_delete" in out.stdout, out.stdout + out.stderr
+
+
+def test_members_by_name_are_resolved_per_connection(cluster):
+    """A member given by name (here from /etc/hosts, no DNS) is resolved
+    when a connection opens, not when the list is parsed."""
+    by_name = ",".join(f"{n.name}=localhost:{n.addr.rsplit(':', 1)[1]}" for n in cluster.nodes)
+    with Client(by_name, geometry=GEO) as c:
+        assert c.put("by-name", b"n" * 1000) is Status.OK
+        assert c.get_bytes("by-name").data == b"n" * 1000
+    with Client(cluster.members, geometry=GEO) as c:
+        assert c.exist("by-name") is Status.OK, "the same ring, by name or by address"
