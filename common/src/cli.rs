@@ -27,6 +27,39 @@ pub fn parse_args<T: clap::Parser>(prog: &str) -> Result<T, std::process::ExitCo
     }
 }
 
+/// Every argument of `cmd` and its subcommands that has no help line
+/// (`PATH --flag`), for the binaries' tests: an operator must never meet a
+/// flag the help does not explain. A command without examples is listed too.
+#[cfg(feature = "clap")]
+pub fn undocumented(cmd: &clap::Command) -> Vec<String> {
+    fn walk(cmd: &clap::Command, path: &str, out: &mut Vec<String>) {
+        for a in cmd.get_arguments() {
+            let id = a.get_id().as_str();
+            if id == "help" || id == "version" {
+                continue;
+            }
+            if a.get_help().is_none() && a.get_long_help().is_none() {
+                out.push(format!("{path} {id}"));
+            }
+        }
+        for sub in cmd.get_subcommands() {
+            if sub.get_name() == "help" {
+                continue;
+            }
+            if sub.get_about().is_none() {
+                out.push(format!("{path} {} (no about line)", sub.get_name()));
+            }
+            walk(sub, &format!("{path} {}", sub.get_name()), out);
+        }
+    }
+    let mut out = Vec::new();
+    if cmd.get_after_help().is_none() {
+        out.push(format!("{} (no examples after the help)", cmd.get_name()));
+    }
+    walk(cmd, cmd.get_name(), &mut out);
+    out
+}
+
 #[cfg(test)]
 mod tests {
     #[test]

@@ -25,13 +25,24 @@ use kv_common::status::Status;
 use kvclient::Conn;
 use target::{GeoArgs, Target};
 
+const EXAMPLES: &str = "Examples:
+  kvctl ring --mds 10.0.0.1:7480 --group prod
+  kvctl stat --all --mds 10.0.0.1:7480 --group prod
+  kvctl put --mds 10.0.0.1:7480 --group prod page-1 --file page.bin
+  kvctl get --members n1=10.0.0.7:7700,n2=10.0.0.8:7700 page-1 --out page.bin
+  kvctl exist --node 10.0.0.7:7700 page-1
+  kvctl bench --mds 10.0.0.1:7480 --op get --size 4M --threads 8 --duration 10
+  export KVCELLAR_MDS=10.0.0.1:7480 KVCELLAR_GROUP=prod; kvctl ring
+
+Exit codes: 0 hit/ok, 1 miss or not served, 2 usage or error.";
+
 #[derive(Parser)]
-#[command(name = "kvctl", version, about = "kvcellar operator CLI")]
+#[command(name = "kvctl", version, about = "kvcellar operator CLI", after_help = EXAMPLES)]
 struct Cli {
-    /// Print machine-readable JSON.
+    /// Print machine-readable JSON (put, get, exist, delete, stat, ring, ping).
     #[arg(long, global = true)]
     json: bool,
-    /// I/O timeout in milliseconds (stat, ping, delete).
+    /// Timeout in milliseconds of `stat`, `ring` and `ping` (the data commands take --options io_timeout_ms=...).
     #[arg(long, global = true, default_value_t = 10_000)]
     timeout_ms: u64,
     #[command(subcommand)]
@@ -44,8 +55,11 @@ enum Cmd {
     Put {
         #[command(flatten)]
         target: Target,
+        /// The key: 1-1024 bytes, any characters but NUL.
         key: String,
+        /// The value as text (else --file, else standard input).
         value: Option<String>,
+        /// Read the value from this file.
         #[arg(long)]
         file: Option<std::path::PathBuf>,
         #[command(flatten)]
@@ -55,7 +69,9 @@ enum Cmd {
     Get {
         #[command(flatten)]
         target: Target,
+        /// The key to read.
         key: String,
+        /// Write the value to this file instead of standard output.
         #[arg(long)]
         out: Option<std::path::PathBuf>,
         #[command(flatten)]
@@ -65,6 +81,7 @@ enum Cmd {
     Exist {
         #[command(flatten)]
         target: Target,
+        /// The key to look up.
         key: String,
         #[command(flatten)]
         geo: GeoArgs,
@@ -73,6 +90,7 @@ enum Cmd {
     Delete {
         #[command(flatten)]
         target: Target,
+        /// The key to remove.
         key: String,
     },
     /// One node's statistics, or with --all every member's and a total.
@@ -103,7 +121,10 @@ enum Cmd {
         group: Option<String>,
     },
     /// Round-trip time to a node.
-    Ping { addr: String },
+    Ping {
+        /// The node's address, HOST:PORT.
+        addr: String,
+    },
     /// Measure put/get/exist throughput and latency against a cluster.
     Bench(bench::BenchArgs),
 }
@@ -292,5 +313,15 @@ fn run(cli: &Cli) -> Result<u8, String> {
             }
             Ok(0)
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn every_flag_and_argument_has_help_and_the_help_has_examples() {
+        use clap::CommandFactory;
+        let missing = kv_common::cli::undocumented(&super::Cli::command());
+        assert!(missing.is_empty(), "no help line: {missing:?}");
     }
 }

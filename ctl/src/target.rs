@@ -8,19 +8,19 @@ use kvclient::{BlockingClient, Options};
 /// The nodes to use: a member list, one node, or a group found through kv-mds.
 #[derive(Args, Clone, Debug)]
 pub struct Target {
-    /// Member list `id=host:port[@weight],...` (keys are placed by the weighted ring).
+    /// Member list `id=host:port[@weight],...`; keys are placed by the weighted ring (else KVCELLAR_MEMBERS).
     #[arg(long, conflicts_with = "mds")]
     pub members: Option<String>,
     /// One node's address (shorthand for `--members n1=ADDR`).
     #[arg(long, conflicts_with_all = ["members", "mds"])]
     pub node: Option<String>,
-    /// kv-mds endpoints `host:port,...`: use the group's current members.
+    /// kv-mds endpoints `host:port,...`: use the group's current members (else KVCELLAR_MDS).
     #[arg(long)]
     pub mds: Option<String>,
     /// Group to use with --mds (else KVCELLAR_GROUP, else "default").
     #[arg(long)]
     pub group: Option<String>,
-    /// Client options `key=value,...` (e.g. io_timeout_ms=10000,batch_concurrency=8).
+    /// Client options `key=value,...`: connect_timeout_ms, io_timeout_ms, max_conns_per_node, batch_concurrency, peer_cooldown_ms.
     #[arg(long, default_value = "")]
     pub options: String,
 }
@@ -140,24 +140,32 @@ mod tests {
 /// tp_size 1 (a put and a get with the same flags always agree).
 #[derive(Args, Clone, Debug)]
 pub struct GeoArgs {
-    #[arg(long, default_value_t = 0)]
+    /// Model identity (a get must give the put's).
+    #[arg(long, default_value_t = 0, help_heading = "Page geometry (must match between put and get)")]
     pub model_hash: u64,
-    #[arg(long, default_value_t = 0)]
+    /// Tokens per page.
+    #[arg(long, default_value_t = 0, help_heading = "Page geometry (must match between put and get)")]
     pub page_size: u32,
-    #[arg(long, default_value_t = 0)]
+    /// The engine's dtype code.
+    #[arg(long, default_value_t = 0, help_heading = "Page geometry (must match between put and get)")]
     pub dtype_tag: u32,
-    #[arg(long, default_value_t = 1)]
+    /// Tensor-parallel size (not compared with --mla).
+    #[arg(long, default_value_t = 1, help_heading = "Page geometry (must match between put and get)")]
     pub tp_size: u16,
-    #[arg(long, default_value_t = 0)]
+    /// Tensor-parallel rank (not compared with --mla).
+    #[arg(long, default_value_t = 0, help_heading = "Page geometry (must match between put and get)")]
     pub tp_rank: u16,
-    #[arg(long, default_value_t = 0)]
+    /// Layers in the page.
+    #[arg(long, default_value_t = 0, help_heading = "Page geometry (must match between put and get)")]
     pub layer_num: u16,
-    #[arg(long, default_value_t = 0)]
+    /// KV heads in the page.
+    #[arg(long, default_value_t = 0, help_heading = "Page geometry (must match between put and get)")]
     pub head_num: u16,
-    #[arg(long, default_value_t = 0)]
+    /// Head dimension.
+    #[arg(long, default_value_t = 0, help_heading = "Page geometry (must match between put and get)")]
     pub head_dim: u16,
-    /// MLA page (tp_size/tp_rank not compared).
-    #[arg(long)]
+    /// MLA page: replicated across TP ranks, so tp_size/tp_rank are not compared.
+    #[arg(long, help_heading = "Page geometry (must match between put and get)")]
     pub mla: bool,
 }
 

@@ -8,10 +8,17 @@ use clap::Parser;
 
 /// kvcellar membership service: node leases in etcd, group views with an
 /// epoch, long-poll for clients. Stateless: run as many replicas as you like.
+const EXAMPLES: &str = "Examples:
+  kv-mds --listen 10.0.0.1:7480 --etcd 10.0.0.1:2379,10.0.0.2:2379,10.0.0.3:2379
+  kv-mds --listen 127.0.0.1:7480 --etcd http://127.0.0.1:2379 --lease-ttl 3s   (tests)
+
+Nodes register with `kv-server --mds`; clients follow a group with
+`kvctl ring --mds`, the C ABI's kv_start_mds_discovery or KVCELLAR_MDS.";
+
 #[derive(Parser, Debug)]
-#[command(name = "kv-mds", version, about)]
+#[command(name = "kv-mds", version, about, after_help = EXAMPLES)]
 struct Cli {
-    /// Address the HTTP/JSON API listens on.
+    /// Address the HTTP/JSON API (and /metrics, /healthz) listens on, IP:PORT.
     #[arg(long, default_value = "127.0.0.1:7480")]
     listen: SocketAddr,
     /// etcd endpoints, comma separated (host:port or http://host:port).
@@ -21,7 +28,7 @@ struct Cli {
     /// heartbeat every third of it. etcd rounds TTLs below about 2 s up.
     #[arg(long, default_value = "30s", value_parser = kv_mds::parse_duration)]
     lease_ttl: Duration,
-    /// error, warn, info, debug or trace.
+    /// Log level: error, warn, info, debug or trace.
     #[arg(long, default_value = "info")]
     log_level: tracing::Level,
 }
@@ -85,4 +92,14 @@ fn run(cli: Cli, endpoints: Vec<String>) -> Result<(), String> {
     // Leases stay in etcd: nodes heartbeat to another replica, which takes them over.
     tracing::info!("stopped");
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn every_flag_has_help_and_the_help_has_examples() {
+        use clap::CommandFactory;
+        let missing = kv_common::cli::undocumented(&super::Cli::command());
+        assert!(missing.is_empty(), "no help line: {missing:?}");
+    }
 }

@@ -12,57 +12,64 @@ use crate::store::{DiskSpec, StoreConfig};
 
 /// kvcellar cache node: serves KV-cache pages from local NVMe disks.
 #[derive(Debug, Parser, Default)]
-#[command(name = "kv-server", version, about, long_about = None)]
+#[command(name = "kv-server", version, about, long_about = None, after_help = SERVER_EXAMPLES)]
 pub struct Cli {
-    /// Address to serve the data plane on, e.g. 127.0.0.1:7700 (port 0 picks one).
+    /// Address the data plane listens on, IP:PORT (required), e.g. 10.0.0.7:7700; port 0 picks a free one.
     #[arg(long)]
     pub listen: Option<String>,
-    /// Disk directories, comma separated; `DIR:SIZE` gives that disk its own cap.
+    /// Disk directories, comma separated (required); `DIR:SIZE` gives that disk its own cap. Order matters: disks are placed as disk0, disk1, ...
     #[arg(long, value_delimiter = ',')]
     pub dir: Vec<String>,
-    /// Byte cap of each disk (e.g. 512G, 2T) unless given per dir.
+    /// Bytes each disk may hold (e.g. 512G, 2T; at least 1M), for dirs without their own `:SIZE`.
     #[arg(long)]
     pub cap: Option<String>,
-    /// Bytes of DRAM tier for hot pages (0: off).
+    /// Bytes of memory tier for recently written and read pages, reserved at start (e.g. 8G; default 0: off).
     #[arg(long)]
     pub mem_cap: Option<String>,
-    /// TOML file with the same settings (flags override it).
+    /// TOML file with the same settings (the packaged example lists every key); flags override it.
     #[arg(long)]
     pub config: Option<PathBuf>,
-    /// error, warn, info, debug or trace.
+    /// Log level: error, warn, info, debug or trace (default info).
     #[arg(long)]
     pub log_level: Option<String>,
-    /// Most client connections served at once.
+    /// Most client connections open at once; more are refused (default 1024).
     #[arg(long)]
     pub max_conns: Option<usize>,
-    /// Largest record a put may carry (e.g. 256M).
+    /// Largest record (64-byte header + key + payload) a put may carry, 4K..4G (default 256M).
     #[arg(long)]
     pub max_record: Option<String>,
-    /// Bytes of put bodies being received or written at once, all connections together.
+    /// Bytes of put bodies being received or written at once, all connections together; at least --max-record (default 1G).
     #[arg(long)]
     pub max_inflight: Option<String>,
-    /// Address for /metrics and /healthz (HTTP), e.g. 127.0.0.1:9700.
+    /// IP:PORT for /metrics and /healthz over HTTP, e.g. 127.0.0.1:9700 (default: off).
     #[arg(long)]
     pub metrics_listen: Option<String>,
-    /// Acknowledge writes without O_DSYNC (faster, not crash-durable; tests only).
+    /// Acknowledge a put before the fdatasync that puts it on media: a crash or power loss may lose acknowledged pages (benchmarks and tests only).
     #[arg(long)]
     pub no_sync: bool,
-    /// kv-mds endpoints, comma separated: register and heartbeat there.
+    /// kv-mds endpoints HOST:PORT, comma separated: register this node there and heartbeat (default: run alone).
     #[arg(long)]
     pub mds: Option<String>,
-    /// Group to join (with --mds).
+    /// Group to join, 1-64 of A-Z a-z 0-9 . _ - (with --mds; default "default").
     #[arg(long)]
     pub group: Option<String>,
-    /// This node's id in its group (required with --mds).
+    /// This node's id in its group, 1-64 of A-Z a-z 0-9 . _ - (required with --mds).
     #[arg(long)]
     pub id: Option<String>,
-    /// HOST:PORT clients dial (required with --mds); port 0 means the listen port.
+    /// HOST:PORT clients dial to reach this node (required with --mds); port 0 means the port listened on.
     #[arg(long)]
     pub advertise: Option<String>,
-    /// Ring weight (share of keys relative to other nodes), 1..=10000.
+    /// Ring weight: this node's share of keys relative to the others, 1..=10000 (with --mds; default 1).
     #[arg(long)]
     pub weight: Option<u32>,
 }
+
+const SERVER_EXAMPLES: &str = "Examples:
+  kv-server --listen 127.0.0.1:7700 --dir /mnt/nvme0/kv,/mnt/nvme1/kv --cap 1T
+  kv-server --listen 0.0.0.0:7700 --dir /mnt/nvme0/kv:2T,/mnt/nvme1/kv:1T --mem-cap 16G \\
+            --metrics-listen 127.0.0.1:9700 \\
+            --mds 10.0.0.1:7480,10.0.0.2:7480 --group prod --id gpu-07 --advertise 10.0.0.7:7700
+  kv-server --config /etc/kvcellar/kv-server.toml";
 
 /// The file form (every key optional).
 #[derive(Debug, Default, Deserialize)]
@@ -243,6 +250,13 @@ fn load_file(p: &Path) -> Result<FileConfig, String> {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn every_flag_has_help_and_the_help_has_examples() {
+        use clap::CommandFactory;
+        let missing = kv_common::cli::undocumented(&super::Cli::command());
+        assert!(missing.is_empty(), "no help line: {missing:?}");
+    }
+
     use super::*;
 
     fn cli(args: &[&str]) -> Result<ServerConfig, String> {
