@@ -309,7 +309,7 @@ pub unsafe extern "C" fn kv_close(c: *mut kv_client) {
 /// Replaces the static member set (hot swap).
 ///
 /// # Safety
-/// `c` a live handle; `members` a NUL-terminated string.
+/// `c` any handle value (a closed one is KV_EINVAL); `members` a NUL-terminated string.
 #[no_mangle]
 pub unsafe extern "C" fn kv_set_members(c: *mut kv_client, members: *const c_char) -> c_int {
     entry(|| {
@@ -330,7 +330,7 @@ pub unsafe extern "C" fn kv_set_members(c: *mut kv_client, members: *const c_cha
 /// replaces the first. While every replica is down the ring in use stays.
 ///
 /// # Safety
-/// `c` a live handle; strings NUL-terminated.
+/// `c` any handle value (a closed one is KV_EINVAL); strings NUL-terminated.
 #[no_mangle]
 pub unsafe extern "C" fn kv_start_mds_discovery(
     c: *mut kv_client,
@@ -369,7 +369,7 @@ pub unsafe extern "C" fn kv_start_mds_discovery(
 /// The ring epoch in use (0 for NULL or no members yet).
 ///
 /// # Safety
-/// `c` is NULL or a live handle.
+/// Always safe: `c` is a token (NULL or closed gives 0).
 #[no_mangle]
 pub unsafe extern "C" fn kv_epoch(c: *const kv_client) -> u64 {
     guard(0, || client(c).map(|cl| cl.core.epoch()).unwrap_or(0))
@@ -378,7 +378,7 @@ pub unsafe extern "C" fn kv_epoch(c: *const kv_client) -> u64 {
 /// Stores `len` bytes from `buf` under `key`.
 ///
 /// # Safety
-/// `c` a live handle; `key` NUL-terminated; `buf` readable for `len` bytes
+/// `c` any handle value (a closed one is KV_EINVAL); `key` NUL-terminated; `buf` readable for `len` bytes
 /// (may be NULL when `len` is 0).
 #[no_mangle]
 pub unsafe extern "C" fn kv_put(c: *mut kv_client, key: *const c_char, buf: *const c_void, len: usize) -> c_int {
@@ -390,7 +390,7 @@ pub unsafe extern "C" fn kv_put(c: *mut kv_client, key: *const c_char, buf: *con
 /// Stores the concatenation of `iovcnt` segments under `key`.
 ///
 /// # Safety
-/// `c` a live handle; `key` NUL-terminated; `iov` as `read_views`.
+/// `c` any handle value (a closed one is KV_EINVAL); `key` NUL-terminated; `iov` as `read_views`.
 #[no_mangle]
 pub unsafe extern "C" fn kv_putv(c: *mut kv_client, key: *const c_char, iov: *const kv_iovec, iovcnt: usize) -> c_int {
     entry(|| {
@@ -413,7 +413,7 @@ unsafe fn key_arg<'a>(p: *const c_char) -> Result<&'a [u8], c_int> {
 /// Reads the page for `key` into `buf` (capacity `cap`).
 ///
 /// # Safety
-/// `c` a live handle; `key` NUL-terminated; `buf` writable for `cap` bytes;
+/// `c` any handle value (a closed one is KV_EINVAL); `key` NUL-terminated; `buf` writable for `cap` bytes;
 /// `out_len` NULL or writable.
 #[no_mangle]
 pub unsafe extern "C" fn kv_get(
@@ -431,7 +431,7 @@ pub unsafe extern "C" fn kv_get(
 /// Reads the page for `key` scattered over `iovcnt` segments in order.
 ///
 /// # Safety
-/// `c` a live handle; `key` NUL-terminated; `iov` as `write_views`;
+/// `c` any handle value (a closed one is KV_EINVAL); `key` NUL-terminated; `iov` as `write_views`;
 /// `out_len` NULL or writable.
 #[no_mangle]
 pub unsafe extern "C" fn kv_getv(
@@ -463,7 +463,7 @@ pub unsafe extern "C" fn kv_getv(
 /// KV_OK only where a get by this client would hit.
 ///
 /// # Safety
-/// `c` a live handle; `key` NUL-terminated.
+/// `c` any handle value (a closed one is KV_EINVAL); `key` NUL-terminated.
 #[no_mangle]
 pub unsafe extern "C" fn kv_exist(c: *mut kv_client, key: *const c_char) -> c_int {
     entry(|| {
@@ -664,7 +664,7 @@ pub unsafe extern "C" fn kv_batch_exist(
 /// Registers memory for RDMA; a checked no-op on TCP.
 ///
 /// # Safety
-/// `c` a live handle; `base` NULL only with `len` 0.
+/// `c` any handle value (a closed one is KV_EINVAL); `base` NULL only with `len` 0.
 #[no_mangle]
 pub unsafe extern "C" fn kv_register_memory(c: *mut kv_client, base: *mut c_void, len: usize) -> c_int {
     guard(KV_EINTERNAL, || {
@@ -682,7 +682,7 @@ pub unsafe extern "C" fn kv_register_memory(c: *mut kv_client, base: *mut c_void
 /// returns the full length (without NUL) so a caller can size its buffer.
 ///
 /// # Safety
-/// `c` a live handle; `buf` NULL or writable for `cap` bytes.
+/// `c` any handle value (a closed one is KV_EINVAL); `buf` NULL or writable for `cap` bytes.
 #[no_mangle]
 pub unsafe extern "C" fn kv_stats_snapshot(c: *mut kv_client, buf: *mut c_char, cap: usize) -> usize {
     guard(0, || {

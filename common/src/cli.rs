@@ -60,6 +60,14 @@ pub fn undocumented(cmd: &clap::Command) -> Vec<String> {
     out
 }
 
+/// Panics, listing them, when any argument of `cmd` lacks a help line
+/// (each binary's test of its own command line).
+#[cfg(feature = "clap")]
+pub fn assert_documented(cmd: &clap::Command) {
+    let missing = undocumented(cmd);
+    assert!(missing.is_empty(), "no help line: {missing:?}");
+}
+
 #[cfg(test)]
 mod tests {
     #[test]

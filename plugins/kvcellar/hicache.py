@@ -41,8 +41,6 @@ from kvcellar._sglang_api import (
     HiCacheStorage,
     HiCacheStorageConfig,
     HiCacheStorageExtraInfo,
-    PoolHitPolicy,
-    PoolName,
     PoolTransfer,
     PoolTransferResult,
     StorageMetrics,
@@ -182,12 +180,13 @@ class KvcellarStorage(HiCacheStorage):
             head_dim=head_dim & 0xFFFF,
             mla=self.is_mla,
         )
+        client = Client(settings=self.settings, geometry=self.geometry, poll_ms=self.poll_ms)
         with self._lock:
             if self._closed:
+                client.close()
                 return
-            old, self._client = self._client, Client(
-                settings=self.settings, geometry=self.geometry, poll_ms=self.poll_ms
-            )
+            old, self._client = self._client, client
+            self._tags = {}  # tags digest the pool: a new pool, new tags
         if old is not None:
             old.close()
         # The pool's memory, for RDMA registration: one tensor, or K and V
@@ -195,15 +194,9 @@ class KvcellarStorage(HiCacheStorage):
         buf = getattr(mem_pool_host, "kv_buffer", None)
         for t in buf if isinstance(buf, (tuple, list)) else [buf] if buf is not None else []:
             try:
-                self._client.register_memory((int(t.data_ptr()), _nbytes(t)))
+                client.register_memory((int(t.data_ptr()), _nbytes(t)))
             except Exception as e:  # noqa: BLE001 - registration is an optimisation
                 log.warning("kvcellar: cannot register the host pool's memory: %s", e)
-
-    def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
-        super().register_mem_host_pool_v2(host_pool, host_pool_name)
-        if not hasattr(self, "registered_pools") or self.registered_pools is None:
-            self.registered_pools = {}
-        self.registered_pools[host_pool_name] = host_pool
 
     def on_host_pools_registered(self) -> None:
         if self.mem_pool_host is None:

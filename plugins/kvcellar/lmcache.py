@@ -37,7 +37,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from kvcellar._lmcache_api import RemoteConnector, RemoteMetadata, make_logger
 from kvcellar.client import Client, ClosedError, Geometry, GetResult, Status
-from kvcellar.config import ConfigError, identity_hash, resolve
+from kvcellar.config import NAME, ConfigError, identity_hash, resolve
 
 log = make_logger("kvcellar.lmcache")
 
@@ -91,17 +91,18 @@ class KvcellarConnector(RemoteConnector):
         for k in ("io_timeout_ms", "connect_timeout_ms"):
             self.settings.options[k] = str(ints[k])
         tenant = own.get("tenant")
-        if tenant is not None and (not isinstance(tenant, str) or not tenant or "/" in tenant or len(tenant) > 64):
-            raise ConfigError(f"{where} key '{pre}tenant': {tenant!r} must be 1-64 characters without '/'")
+        if tenant is not None and (not isinstance(tenant, str) or not NAME.match(tenant)):
+            raise ConfigError(f"{where} key '{pre}tenant': {tenant!r} must be 1-64 of A-Z a-z 0-9 . _ -")
         self.prefix = f"{tenant}/" if tenant else ""
         # The library bounds every request; this is the outer bound of one
         # async call, waiting for a worker thread included. A batch may take
         # one round of requests per `batch_concurrency` items.
         self.timeout_s = (ints["io_timeout_ms"] + ints["connect_timeout_ms"]) / 1000.0 + 1.0
-        self.batch_rounds = int(self.settings.options.get("batch_concurrency", 8))
         md = local_cpu_backend.metadata
         self.geometry = self._geometry(md, config)
+        # The library checks the options (one clear error) before they are read here.
         self.client = Client(settings=self.settings, geometry=self.geometry, poll_ms=ints["poll_ms"])
+        self.batch_rounds = int(self.settings.options.get("batch_concurrency", 8))
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=ints["max_inflight"],
                                                            thread_name_prefix="kvcellar-lmcache")
         self._logged: set = set()

@@ -145,9 +145,12 @@ def clean_env(monkeypatch):
     return monkeypatch
 
 
-def engine_mode() -> str:
-    """'real' when the engines' own classes are importable here, else 'stand-in'."""
-    return os.environ.get("KVCELLAR_TEST_ENGINES", "stand-in")
+def pytest_report_header(config):
+    """Which engine classes this run uses (real, or stand-ins)."""
+    from kvcellar import _lmcache_api, _sglang_api
+
+    mode = {True: "REAL", False: "stand-in"}
+    return f"kvcellar: SGLang classes {mode[_sglang_api.REAL]}, LMCache classes {mode[_lmcache_api.REAL]}"
 
 
 sys.path.insert(0, HERE)

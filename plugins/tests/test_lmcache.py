@@ -240,7 +240,3 @@ def test_through_lmcache_remote_backend(h):
     assert rb.remove(k[0]) and not rb.contains(k[0])
     for o in objs:
         o.ref_count_down()
-
-
-def test_mode_is_reported():
-    print(f"LMCache classes: {'REAL' if real_lmcache() else 'stand-in'}")
