@@ -13,6 +13,7 @@
 
 mod bench;
 mod cluster;
+mod health;
 mod target;
 
 use std::io::{Read, Write};
@@ -33,16 +34,17 @@ const EXAMPLES: &str = "Examples:
   kvctl exist --node 10.0.0.7:7700 page-1
   kvctl bench --mds 10.0.0.1:7480 --op get --size 4M --threads 8 --duration 10
   export KVCELLAR_MDS=10.0.0.1:7480 KVCELLAR_GROUP=prod; kvctl ring
+  kvctl health --local --timeout-ms 3000      (a container's HEALTHCHECK)
 
 Exit codes: 0 hit/ok, 1 miss or not served, 2 usage or error.";
 
 #[derive(Parser)]
 #[command(name = "kvctl", version, about = "kvcellar operator CLI", after_help = EXAMPLES)]
 struct Cli {
-    /// Print machine-readable JSON (put, get, exist, delete, stat, ring, ping).
+    /// Print machine-readable JSON (put, get, exist, delete, stat, ring, ping, health).
     #[arg(long, global = true)]
     json: bool,
-    /// Timeout in milliseconds of `stat`, `ring` and `ping` (the data commands take --options io_timeout_ms=...).
+    /// Timeout in milliseconds of `stat`, `ring`, `ping` and `health` (the data commands take --options io_timeout_ms=...).
     #[arg(long, global = true, default_value_t = 10_000)]
     timeout_ms: u64,
     #[command(subcommand)]
@@ -127,6 +129,19 @@ enum Cmd {
     },
     /// Measure put/get/exist throughput and latency against a cluster.
     Bench(bench::BenchArgs),
+    /// Whether a daemon is serving: exit 0 healthy, 1 not, 2 nothing found (for HEALTHCHECK and probes).
+    Health {
+        /// A /healthz address, HOST:PORT (kv-mds API port, kv-server --metrics-listen port).
+        #[arg(required_unless_present = "local")]
+        addr: Option<String>,
+        /// Find the kv-server or kv-mds running on this host (this container) and ask it:
+        /// kv-mds its /healthz, kv-server its disks over the data port.
+        #[arg(long, conflicts_with = "addr")]
+        local: bool,
+        /// With --local, exit 0 when no daemon runs here (containers of the client roles).
+        #[arg(long, requires = "local")]
+        none_ok: bool,
+    },
 }
 
 fn main() -> ExitCode {
@@ -296,6 +311,9 @@ fn run(cli: &Cli) -> Result<u8, String> {
             Ok(0)
         }
         Cmd::Bench(a) => bench::run(a, cli.json),
+        Cmd::Health { addr, local, none_ok } => {
+            health::run(addr.as_deref(), *local, *none_ok, Duration::from_millis(cli.timeout_ms), cli.json)
+        }
         Cmd::Ping { addr } => {
             let t = std::time::Instant::now();
             let mut c = connect(cli, addr)?;
@@ -322,5 +340,12 @@ mod tests {
     fn every_flag_and_argument_has_help_and_the_help_has_examples() {
         use clap::CommandFactory;
         kv_common::cli::assert_documented(&super::Cli::command());
+    }
+
+    #[test]
+    fn man_pages_match_the_command_line() {
+        use clap::CommandFactory;
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../packaging/man");
+        kv_common::cli::check_man_pages(&super::Cli::command(), &dir);
     }
 }
