@@ -68,6 +68,55 @@ pub fn assert_documented(cmd: &clap::Command) {
     assert!(missing.is_empty(), "no help line: {missing:?}");
 }
 
+/// The man pages of `cmd`: `NAME.1` for the command and `NAME-SUB.1` for
+/// each visible subcommand, rendered from the same definitions as `--help`.
+#[cfg(feature = "man")]
+pub fn man_pages(cmd: &clap::Command) -> Vec<(String, Vec<u8>)> {
+    fn render(cmd: clap::Command) -> Vec<u8> {
+        let mut out = Vec::new();
+        // Writing into a Vec cannot fail.
+        let _ = clap_mangen::Man::new(cmd).render(&mut out);
+        out
+    }
+    let mut cmd = cmd.clone();
+    cmd.build();
+    let name = cmd.get_name().to_string();
+    let mut pages = vec![(format!("{name}.1"), render(cmd.clone()))];
+    for sub in cmd.get_subcommands() {
+        if sub.is_hide_set() || sub.get_name() == "help" {
+            continue;
+        }
+        let full = format!("{name}-{}", sub.get_name());
+        let sub = sub.clone().name(full.clone()).bin_name(format!("{name} {}", sub.get_name()));
+        pages.push((format!("{full}.1"), render(sub)));
+    }
+    pages
+}
+
+/// Each binary's test that its man pages under `dir` (shipped in the
+/// packages) are what `man_pages` renders now. With KVCELLAR_UPDATE_MAN=1 in
+/// the environment it writes them instead.
+#[cfg(feature = "man")]
+pub fn check_man_pages(cmd: &clap::Command, dir: &std::path::Path) {
+    let update = std::env::var_os("KVCELLAR_UPDATE_MAN").is_some();
+    let mut stale = Vec::new();
+    for (file, text) in man_pages(cmd) {
+        let path = dir.join(&file);
+        if update {
+            std::fs::create_dir_all(dir).expect("create the man page directory");
+            std::fs::write(&path, &text).expect("write a man page");
+        } else if std::fs::read(&path).ok().as_deref() != Some(&text[..]) {
+            stale.push(file);
+        }
+    }
+    assert!(
+        stale.is_empty(),
+        "man pages out of date with the command line: {stale:?}; regenerate with \
+         KVCELLAR_UPDATE_MAN=1 cargo test -p {} man_pages_match",
+        cmd.get_name()
+    );
+}
+
 #[cfg(test)]
 mod tests {
     #[test]

@@ -256,6 +256,13 @@ mod tests {
         kv_common::cli::assert_documented(&super::Cli::command());
     }
 
+    #[test]
+    fn man_pages_match_the_command_line() {
+        use clap::CommandFactory;
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../packaging/man");
+        kv_common::cli::check_man_pages(&super::Cli::command(), &dir);
+    }
+
     use super::*;
 
     fn cli(args: &[&str]) -> Result<ServerConfig, String> {
