@@ -37,3 +37,13 @@ need_deb binutils nm
 need_deb etcd-server etcd
 need_deb protobuf-compiler protoc
 (need_deb valgrind valgrind) || echo "deps: valgrind unavailable: the C ABI test runs without it" >&2
+# Packaging and its tests (scripts/package.sh, test-packages.sh, the image
+# and the container cluster) need a few more tools.
+if [ "${1:-}" = "--packaging" ]; then
+  need_deb rpm rpm
+  need_deb cpio cpio
+  need_deb file file
+  need_deb debootstrap debootstrap
+  need_deb man-db man
+  need_deb docker-compose docker-compose
+fi

@@ -1,0 +1,5 @@
+# kv-server (rpm %preun): on erase (not upgrade), stop the service and its instances.
+if [ "$1" -eq 0 ] && [ -d /run/systemd/system ]; then
+  systemctl --no-reload disable --now 'kv-server.service' 'kv-server@*.service' >/dev/null 2>&1 || :
+fi
+exit 0
