@@ -1,0 +1,282 @@
+#!/usr/bin/env python3
+"""The container cluster test: separate hosts that stop, die or are cut off.
+
+Brings up packaging/compose/docker-compose.yml under a project of its own
+(etcd x3, kv-mds x2, kv-server x3 on a private network; scripts/cluster-up.sh)
+on free 127.0.0.1 ports, then, with clients in containers on that network
+(tests/cluster/workload.py, every byte of every page checked):
+
+  1. `kvctl ring` from a client container lists 3 nodes;
+  2. pages written and read back, every byte compared;
+  3. `docker stop` of a node: time until the ring drops it, then its keys
+     miss fast (worst get latency after the removal);
+  4. the stopped node started again: its pages are served again (kept on its
+     volume, found under its name although its address may change);
+  5. `docker network disconnect` of a node (a partition): worst get latency
+     (bounded by the client's I/O timeout), fast misses once it is out of the
+     ring, and after `docker network connect` it is back with its pages;
+  6. one kv-mds and one etcd member stopped: the cluster keeps serving
+     (gets and puts, the ring stays at 3 nodes);
+  7. `docker kill` of a node (no deregistration): removal within the lease
+     TTL; started again, it serves its pages.
+
+Prints each figure and "wrong pages: 0" (or fails), and writes them as JSON
+to target/cluster-report.json for docs/RELIABILITY.md.
+Usage: scripts/test-cluster.py      (needs the kvcellar image: scripts/package.sh)
+"""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+COMPOSE = os.path.join(ROOT, "packaging", "compose", "docker-compose.yml")
+WORKLOAD = os.path.join(ROOT, "tests", "cluster", "workload.py")
+PROJECT = f"kvctest{os.getpid()}"
+GROUP = "cluster"
+TTL_S = 6
+IO_TIMEOUT_MS = 1000  # workload.py's io_timeout_ms
+PAGES, SIZE = 240, 256 * 1024
+
+report = {}
+failures = []
+
+
+def free_port() -> int:
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    p = s.getsockname()[1]
+    s.close()
+    return p
+
+
+PORTS = {k: str(free_port()) for k in ["KVC_MDS1_PORT", "KVC_MDS2_PORT", "KVC_NODE1_METRICS", "KVC_NODE2_METRICS", "KVC_NODE3_METRICS"]}
+ENV = dict(os.environ, KVC_PROJECT=PROJECT, KVC_GROUP=GROUP, KVC_LEASE_TTL=f"{TTL_S}s", **PORTS)
+
+
+def sh(*args, check=True, timeout=180) -> str:
+    r = subprocess.run(list(args), env=ENV, capture_output=True, text=True, timeout=timeout)
+    if check and r.returncode != 0:
+        raise RuntimeError(f"{' '.join(args)}: exit {r.returncode}: {r.stderr.strip()[-2000:]}")
+    return r.stdout
+
+
+def compose(*args, check=True) -> str:
+    return sh("docker-compose", "-p", PROJECT, "-f", COMPOSE, *args, check=check)
+
+
+def container(service: str) -> str:
+    return f"{PROJECT}_{service}_1"
+
+
+def client_cmd(*args) -> list:
+    return [
+        "docker", "run", "--rm", "--network", f"{PROJECT}_cluster",
+        "-e", "KVCELLAR_MDS=mds1:7480,mds2:7480", "-e", f"KVCELLAR_GROUP={GROUP}",
+        "-v", f"{WORKLOAD}:/work/workload.py:ro", "kvcellar:latest", *map(str, args),
+    ]
+
+
+def workload(*args) -> dict:
+    out = sh(*client_cmd("python3", "/work/workload.py", *map(str, args)), timeout=300)
+    return json.loads(out.strip().splitlines()[-1])["summary"]
+
+
+def view(mds_port_key="KVC_MDS1_PORT") -> list:
+    url = f"http://127.0.0.1:{PORTS[mds_port_key]}/v1/groups/{GROUP}/view"
+    with urllib.request.urlopen(url, timeout=3) as r:
+        return sorted(m["id"] for m in json.load(r)["members"])
+
+
+def wait_for(what: str, pred, seconds: float) -> float:
+    """Polls pred every 0.1 s; returns the seconds it took, fails after `seconds`."""
+    t0 = time.time()
+    while time.time() - t0 < seconds:
+        try:
+            if pred():
+                return time.time() - t0
+        except Exception:  # noqa: BLE001 - a daemon not answering yet is the point of waiting
+            pass
+        time.sleep(0.1)
+    raise RuntimeError(f"timed out after {seconds:.0f} s waiting for {what}")
+
+
+class Watch:
+    """A client container getting every page round-robin, one JSON line per get."""
+
+    def __init__(self, seconds: float):
+        self.p = subprocess.Popen(
+            client_cmd("python3", "/work/workload.py", "watch", "pg", PAGES, SIZE, seconds),
+            env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )
+        self.ops = []
+        self.summary = None
+        self.started = threading.Event()
+        self.t = threading.Thread(target=self._read, daemon=True)
+        self.t.start()
+        if not self.started.wait(60):
+            raise RuntimeError("the watching client did not start")
+
+    def _read(self):
+        for line in self.p.stdout:
+            d = json.loads(line)
+            if isinstance(d, dict):
+                self.summary = d["summary"]
+            else:
+                self.ops.append(d)
+                self.started.set()
+
+    def finish(self) -> dict:
+        self.p.wait(timeout=120)
+        self.t.join(10)
+        if self.summary is None:
+            raise RuntimeError(f"watching client failed: {self.p.stderr.read()[-2000:]}")
+        return self.summary
+
+    def worst_ms(self, start: float = 0, end: float = 1e18) -> float:
+        return max((op[1] for op in self.ops if start <= op[0] < end), default=0.0)
+
+    def slow(self, start: float, end: float, ms: float) -> int:
+        return sum(1 for op in self.ops if start <= op[0] < end and op[1] > ms)
+
+
+def check(name: str, cond: bool, detail: str):
+    print(f"{'ok' if cond else 'FAIL'}: {name}: {detail}", flush=True)
+    if not cond:
+        failures.append(name)
+
+
+def main() -> int:
+    t_all = time.time()
+    subprocess.run(["bash", os.path.join(ROOT, "scripts", "cluster-up.sh")], env=ENV, check=True, timeout=600,
+                   stdout=subprocess.DEVNULL)
+    wrong = 0
+    try:
+        # 1. The ring, as a client on the cluster network sees it.
+        ring = json.loads(sh(*client_cmd("kvctl", "--json", "ring")))
+        ids = sorted(m["id"] for m in ring["members"])
+        check("ring from a client container", ids == ["node1", "node2", "node3"], f"members {ids}, epoch {ring['epoch']}")
+
+        # 2. Pages written and verified byte for byte.
+        f = workload("fill", "pg", PAGES, SIZE)
+        v = workload("verify", "pg", PAGES, SIZE)
+        wrong += v["wrong"]
+        report["pages_verified"] = v["hits"]
+        check("write and verify", f["ok"] == PAGES and v["hits"] == PAGES and v["wrong"] == 0,
+              f"{f['ok']} put, {v['hits']} read back, {v['wrong']} wrong, {v['verified_bytes'] >> 20} MiB compared")
+
+        # 3. docker stop: graceful, the node deregisters.
+        w = Watch(16)
+        time.sleep(2)
+        t_stop = time.time()
+        sh("docker", "stop", "-t", "30", container("node3"))
+        t_removed = t_stop + wait_for("node3 out of the ring", lambda: "node3" not in view(), 60)
+        s = w.finish()
+        wrong += s["wrong"]
+        # The client polls kv-mds every 200 ms: allow a poll and a bit.
+        after = t_removed + 1.0
+        report["stop_removal_s"] = round(t_removed - t_stop, 2)
+        report["stop_worst_ms"] = round(w.worst_ms(t_stop), 1)
+        report["stop_worst_after_removal_ms"] = round(w.worst_ms(after), 1)
+        check("docker stop removes the node", t_removed - t_stop <= TTL_S,
+              f"out of the ring {t_removed - t_stop:.2f} s after docker stop (lease TTL {TTL_S} s)")
+        check("its keys then miss fast", w.worst_ms(after) < 100 and w.slow(after, 1e18, 100) == 0,
+              f"worst get after removal {w.worst_ms(after):.1f} ms over {sum(1 for o in w.ops if o[0] >= after)} gets; "
+              f"worst during the stop {w.worst_ms(t_stop):.1f} ms; {s['wrong']} wrong")
+
+        # 4. Start it again: its pages come back from its volume.
+        t0 = time.time()
+        sh("docker", "start", container("node3"))
+        back = wait_for("node3 back in the ring", lambda: "node3" in view(), 60)
+        v = workload("verify", "pg", PAGES, SIZE)
+        wrong += v["wrong"]
+        report["restart_rejoin_s"] = round(back, 2)
+        report["restart_hits"] = v["hits"]
+        check("a restarted node keeps its pages", v["hits"] == PAGES and v["wrong"] == 0,
+              f"back in the ring {back:.2f} s after docker start; {v['hits']}/{PAGES} pages hit, {v['wrong']} wrong")
+        del t0
+
+        # 5. A partition: the node is cut off the network, then reconnected.
+        w = Watch(20)
+        time.sleep(2)
+        net = f"{PROJECT}_cluster"
+        t_cut = time.time()
+        sh("docker", "network", "disconnect", net, container("node2"))
+        t_out = t_cut + wait_for("node2 out of the ring", lambda: "node2" not in view(), 60)
+        s = w.finish()
+        wrong += s["wrong"]
+        after = t_out + 1.0
+        report["partition_removal_s"] = round(t_out - t_cut, 2)
+        report["partition_worst_ms"] = round(w.worst_ms(t_cut), 1)
+        report["partition_slow_gets"] = w.slow(t_cut, 1e18, 200)
+        report["partition_worst_after_removal_ms"] = round(w.worst_ms(after), 1)
+        check("partition: worst latency bounded by the I/O timeout", w.worst_ms(t_cut) <= IO_TIMEOUT_MS + 500,
+              f"worst get {w.worst_ms(t_cut):.0f} ms (io_timeout_ms={IO_TIMEOUT_MS}); "
+              f"{w.slow(t_cut, 1e18, 200)} gets over 200 ms; out of the ring after {t_out - t_cut:.2f} s")
+        check("partition: then fast misses", w.worst_ms(after) < 100,
+              f"worst get after removal {w.worst_ms(after):.1f} ms; {s['wrong']} wrong")
+        t_con = time.time()
+        # Compose gave the container its service name as an alias on the
+        # network; a plain `network connect` would not restore it.
+        sh("docker", "network", "connect", "--alias", "node2", net, container("node2"))
+        back = wait_for("node2 back in the ring", lambda: "node2" in view(), 60)
+        v = workload("verify", "pg", PAGES, SIZE)
+        wrong += v["wrong"]
+        report["partition_rejoin_s"] = round(back, 2)
+        check("reconnected node serves its pages", v["hits"] == PAGES and v["wrong"] == 0,
+              f"back in the ring {back:.2f} s after docker network connect; {v['hits']}/{PAGES} hit, not served: {v['not_served']}")
+        del t_con
+
+        # 6. One kv-mds and one etcd member down: still serving.
+        sh("docker", "stop", "-t", "10", container("mds1"), container("etcd1"))
+        time.sleep(TTL_S)  # a whole lease period: heartbeats must go through mds2 and the etcd quorum
+        members = view("KVC_MDS2_PORT")
+        v = workload("verify", "pg", PAGES, SIZE)
+        f = workload("fill", "more", 30, SIZE)
+        wrong += v["wrong"]
+        check("one kv-mds and one etcd member down", members == ["node1", "node2", "node3"] and v["hits"] == PAGES and f["ok"] == 30,
+              f"ring {members} via mds2; {v['hits']}/{PAGES} hit, {v['wrong']} wrong; {f['ok']}/30 new puts; not served: {v['not_served']}")
+        sh("docker", "start", container("etcd1"), container("mds1"))
+        wait_for("mds1 answering", lambda: len(view()) == 3, 60)
+
+        # 7. docker kill: no deregistration, the lease runs out.
+        t_kill = time.time()
+        sh("docker", "kill", container("node1"))
+        gone = wait_for("node1 out of the ring", lambda: "node1" not in view(), 60)
+        report["kill_removal_s"] = round(gone, 2)
+        check("docker kill: removed within the lease TTL", gone <= TTL_S + 1.5,
+              f"out of the ring {gone:.2f} s after docker kill (lease TTL {TTL_S} s)")
+        del t_kill
+        # ... and started again: acknowledged pages were on media (kill -9 of
+        # the container, not of the host, so nothing unsynced is at stake).
+        sh("docker", "start", container("node1"))
+        back = wait_for("node1 back in the ring", lambda: "node1" in view(), 60)
+        v = workload("verify", "pg", PAGES, SIZE)
+        wrong += v["wrong"]
+        report["kill_restart_hits"] = v["hits"]
+        check("a killed node restarted serves its pages", v["hits"] == PAGES and v["wrong"] == 0,
+              f"back in the ring {back:.2f} s after docker start; {v['hits']}/{PAGES} hit, not served: {v['not_served']}")
+    except Exception as e:  # noqa: BLE001 - report, then tear down
+        failures.append(str(e))
+        print(f"FAIL: {e}", flush=True)
+        print(compose("logs", "--tail", "30", check=False)[-6000:])
+    finally:
+        compose("down", "--volumes", "--timeout", "10", check=False)
+    report["wrong_pages"] = wrong
+    report["seconds"] = round(time.time() - t_all, 1)
+    check("wrong pages", wrong == 0, f"{wrong} wrong pages in all")
+    os.makedirs(os.path.join(ROOT, "target"), exist_ok=True)
+    with open(os.path.join(ROOT, "target", "cluster-report.json"), "w") as fh:
+        json.dump(report, fh, indent=1)
+    print(json.dumps(report))
+    print(f"cluster: {len(failures)} failed in {report['seconds']} s" if failures else f"cluster: all passed in {report['seconds']} s")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
