@@ -145,7 +145,11 @@ class Watch:
         return sum(1 for op in self.ops if start <= op[0] < end and op[1] > ms)
 
 
+checks = [0]
+
+
 def check(name: str, cond: bool, detail: str):
+    checks[0] += 1
     print(f"{'ok' if cond else 'FAIL'}: {name}: {detail}", flush=True)
     if not cond:
         failures.append(name)
@@ -274,7 +278,7 @@ def main() -> int:
     with open(os.path.join(ROOT, "target", "cluster-report.json"), "w") as fh:
         json.dump(report, fh, indent=1)
     print(json.dumps(report))
-    print(f"cluster: {len(failures)} failed in {report['seconds']} s" if failures else f"cluster: all passed in {report['seconds']} s")
+    print(f"cluster: {checks[0] - len(failures)} passed, {len(failures)} failed in {report['seconds']} s")
     return 1 if failures else 0
 
 

@@ -12,7 +12,14 @@ setsid bash scripts/engine-venvs.sh >/dev/null 2>target/engine-venvs.log &
 venvs=$!
 # A failing step ends the run: stop the background install with it (a venv
 # without its ready-marker is redone next time).
-trap 'kill -- -$venvs 2>/dev/null || true' EXIT
+# The Docker base image (debootstrap, about 2 minutes once, then cached) is
+# made meanwhile too, for scripts/test-dist.sh.
+base=
+if docker info >/dev/null 2>&1; then
+  setsid bash -c 'bash scripts/deps.sh --packaging && bash scripts/base-image.sh' >target/base-image.log 2>&1 &
+  base=$!
+fi
+trap 'kill -- -$venvs 2>/dev/null || true; [ -z "$base" ] || kill -- -$base 2>/dev/null || true' EXIT
 
 echo "== cargo fmt --check"
 cargo fmt --all -- --check
@@ -27,10 +34,14 @@ bash scripts/test-python.sh 2>&1 | tee target/test-python.log
 echo "== Python plugins against the real SGLang and LMCache classes"
 wait $venvs || echo "engine venvs: the background attempt failed (target/engine-venvs.log); trying again"
 bash scripts/test-engines.sh 2>&1 | tee target/test-engines.log
+echo "== packages, image and container cluster"
+[ -z "$base" ] || wait $base || echo "base image: the background attempt failed (target/base-image.log); trying again"
+bash scripts/test-dist.sh 2>&1 | tee target/test-dist.log
 # One closing line for the whole run (cargo prints one per test binary,
-# pytest one per run).
-cat target/test-output.log target/test-python.log target/test-engines.log | awk '
-  /^test result:/ { for (i = 1; i <= NF; i++) { if ($(i+1) ~ /^passed/) p += $i; if ($(i+1) ~ /^failed/) f += $i } }
+# pytest one per run, the dist scripts "NAME: N passed, M failed").
+cat target/test-output.log target/test-python.log target/test-engines.log target/test-dist.log | awk '
+  /^test result:/ || /^(packages|image|cluster): [0-9]+ passed, [0-9]+ failed/ {
+    for (i = 1; i <= NF; i++) { if ($(i+1) ~ /^passed/) p += $i; if ($(i+1) ~ /^failed/) f += $i } }
   /(passed|failed).* in [0-9.]+s/ && !/^test result:/ {
     for (i = 1; i <= NF; i++) { if ($(i+1) ~ /^passed/) p += $i; if ($(i+1) ~ /^failed/) f += $i } }
   END { printf "tests: %d passed, %d failed\n", p, f }'
