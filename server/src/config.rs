@@ -32,7 +32,7 @@ pub struct Cli {
     /// Log level: error, warn, info, debug or trace (default info).
     #[arg(long)]
     pub log_level: Option<String>,
-    /// Most client connections open at once; more are refused (default 1024).
+    /// Most client connections served at once; more wait in the listen backlog until one closes (default 1024).
     #[arg(long)]
     pub max_conns: Option<usize>,
     /// Largest record (64-byte header + key + payload) a put may carry, 4K..4G (default 256M).
