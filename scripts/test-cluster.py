@@ -17,7 +17,10 @@ on free 127.0.0.1 ports, then, with clients in containers on that network
      ring, and after `docker network connect` it is back with its pages;
   6. one kv-mds and one etcd member stopped: the cluster keeps serving
      (gets and puts, the ring stays at 3 nodes);
-  7. `docker kill` of a node (no deregistration): removal within the lease
+  7. a node moved to a new address under the same name (disconnected and
+     reconnected with another IP within the lease): no epoch change, and the
+     clients find it again by resolving its name on reconnect;
+  8. `docker kill` of a node (no deregistration): removal within the lease
      TTL; started again, it serves its pages.
 
 Prints each figure and "wrong pages: 0" (or fails), and writes them as JSON
@@ -55,8 +58,25 @@ def free_port() -> int:
     return p
 
 
+def free_subnet() -> str:
+    """A /24 that no Docker network here uses (the cluster's addresses are
+    given by hand in one step)."""
+    used = set()
+    ids = subprocess.run(["docker", "network", "ls", "-q"], capture_output=True, text=True).stdout.split()
+    if ids:
+        out = subprocess.run(["docker", "network", "inspect", "-f", "{{range .IPAM.Config}}{{.Subnet}} {{end}}", *ids],
+                             capture_output=True, text=True).stdout
+        used = {s.rsplit(".", 1)[0] for s in out.split()}
+    for third in range(200, 255):
+        prefix = f"172.31.{third}"
+        if prefix not in used:
+            return f"{prefix}.0/24"
+    raise RuntimeError("no free 172.31.x.0/24 subnet for the test network")
+
+
+SUBNET = free_subnet()
 PORTS = {k: str(free_port()) for k in ["KVC_MDS1_PORT", "KVC_MDS2_PORT", "KVC_NODE1_METRICS", "KVC_NODE2_METRICS", "KVC_NODE3_METRICS"]}
-ENV = dict(os.environ, KVC_PROJECT=PROJECT, KVC_GROUP=GROUP, KVC_LEASE_TTL=f"{TTL_S}s", **PORTS)
+ENV = dict(os.environ, KVC_PROJECT=PROJECT, KVC_GROUP=GROUP, KVC_LEASE_TTL=f"{TTL_S}s", KVC_SUBNET=SUBNET, **PORTS)
 
 
 def sh(*args, check=True, timeout=180) -> str:
@@ -148,6 +168,18 @@ class Watch:
 checks = [0]
 
 
+def fault_until_removed(node: str, seconds: float, *cmd: str):
+    """Starts a watching client, runs the fault command `cmd` 2 s later, and
+    waits until `node` leaves the ring: (watch, its summary, fault time,
+    removal time)."""
+    w = Watch(seconds)
+    time.sleep(2)
+    t_fault = time.time()
+    sh(*cmd)
+    t_out = t_fault + wait_for(f"{node} out of the ring", lambda: node not in view(), 60)
+    return w, w.finish(), t_fault, t_out
+
+
 def check(name: str, cond: bool, detail: str):
     checks[0] += 1
     print(f"{'ok' if cond else 'FAIL'}: {name}: {detail}", flush=True)
@@ -175,12 +207,7 @@ def main() -> int:
               f"{f['ok']} put, {v['hits']} read back, {v['wrong']} wrong, {v['verified_bytes'] >> 20} MiB compared")
 
         # 3. docker stop: graceful, the node deregisters.
-        w = Watch(16)
-        time.sleep(2)
-        t_stop = time.time()
-        sh("docker", "stop", "-t", "30", container("node3"))
-        t_removed = t_stop + wait_for("node3 out of the ring", lambda: "node3" not in view(), 60)
-        s = w.finish()
+        w, s, t_stop, t_removed = fault_until_removed("node3", 16, "docker", "stop", "-t", "30", container("node3"))
         wrong += s["wrong"]
         # The client polls kv-mds every 200 ms: allow a poll and a bit.
         after = t_removed + 1.0
@@ -194,7 +221,6 @@ def main() -> int:
               f"worst during the stop {w.worst_ms(t_stop):.1f} ms; {s['wrong']} wrong")
 
         # 4. Start it again: its pages come back from its volume.
-        t0 = time.time()
         sh("docker", "start", container("node3"))
         back = wait_for("node3 back in the ring", lambda: "node3" in view(), 60)
         v = workload("verify", "pg", PAGES, SIZE)
@@ -203,16 +229,10 @@ def main() -> int:
         report["restart_hits"] = v["hits"]
         check("a restarted node keeps its pages", v["hits"] == PAGES and v["wrong"] == 0,
               f"back in the ring {back:.2f} s after docker start; {v['hits']}/{PAGES} pages hit, {v['wrong']} wrong")
-        del t0
 
         # 5. A partition: the node is cut off the network, then reconnected.
-        w = Watch(20)
-        time.sleep(2)
         net = f"{PROJECT}_cluster"
-        t_cut = time.time()
-        sh("docker", "network", "disconnect", net, container("node2"))
-        t_out = t_cut + wait_for("node2 out of the ring", lambda: "node2" not in view(), 60)
-        s = w.finish()
+        w, s, t_cut, t_out = fault_until_removed("node2", 20, "docker", "network", "disconnect", net, container("node2"))
         wrong += s["wrong"]
         after = t_out + 1.0
         report["partition_removal_s"] = round(t_out - t_cut, 2)
@@ -224,7 +244,6 @@ def main() -> int:
               f"{w.slow(t_cut, 1e18, 200)} gets over 200 ms; out of the ring after {t_out - t_cut:.2f} s")
         check("partition: then fast misses", w.worst_ms(after) < 100,
               f"worst get after removal {w.worst_ms(after):.1f} ms; {s['wrong']} wrong")
-        t_con = time.time()
         # Compose gave the container its service name as an alias on the
         # network; a plain `network connect` would not restore it.
         sh("docker", "network", "connect", "--alias", "node2", net, container("node2"))
@@ -234,7 +253,6 @@ def main() -> int:
         report["partition_rejoin_s"] = round(back, 2)
         check("reconnected node serves its pages", v["hits"] == PAGES and v["wrong"] == 0,
               f"back in the ring {back:.2f} s after docker network connect; {v['hits']}/{PAGES} hit, not served: {v['not_served']}")
-        del t_con
 
         # 6. One kv-mds and one etcd member down: still serving.
         sh("docker", "stop", "-t", "10", container("mds1"), container("etcd1"))
@@ -248,14 +266,34 @@ def main() -> int:
         sh("docker", "start", container("etcd1"), container("mds1"))
         wait_for("mds1 answering", lambda: len(view()) == 3, 60)
 
-        # 7. docker kill: no deregistration, the lease runs out.
-        t_kill = time.time()
+        # 7. The same name, a new address, no epoch change.
+        ip_of = lambda c: sh("docker", "inspect", "-f", f'{{{{(index .NetworkSettings.Networks "{net}").IPAddress}}}}', c).strip()  # noqa: E731
+        old_ip = ip_of(container("node1"))
+        new_ip = SUBNET.rsplit(".", 1)[0] + ".200"
+        w = Watch(14)
+        time.sleep(2)
+        t_move = time.time()
+        sh("docker", "network", "disconnect", net, container("node1"))
+        sh("docker", "network", "connect", "--alias", "node1", "--ip", new_ip, net, container("node1"))
+        s = w.finish()
+        wrong += s["wrong"]
+        settled = t_move + 5.0  # an I/O timeout (1 s) and a cool-down (2 s), with margin
+        late = [op for op in w.ops if op[0] >= settled]
+        late_hits = sum(1 for op in late if op[2] == 0)
+        report["move_epoch_same"] = s["epoch"] == s["epoch_end"]
+        report["move_worst_ms"] = round(w.worst_ms(t_move), 1)
+        report["move_hits_after_5s"] = f"{late_hits}/{len(late)}"
+        check("a node at a new address under its name is found again without an epoch change",
+              ip_of(container("node1")) == new_ip and s["epoch"] == s["epoch_end"] and late and late_hits == len(late) and s["wrong"] == 0,
+              f"{old_ip} -> {new_ip}; epoch {s['epoch']} -> {s['epoch_end']}; worst get {w.worst_ms(t_move):.0f} ms; "
+              f"from 5 s after the move {late_hits}/{len(late)} gets hit; {s['wrong']} wrong")
+
+        # 8. docker kill: no deregistration, the lease runs out.
         sh("docker", "kill", container("node1"))
         gone = wait_for("node1 out of the ring", lambda: "node1" not in view(), 60)
         report["kill_removal_s"] = round(gone, 2)
         check("docker kill: removed within the lease TTL", gone <= TTL_S + 1.5,
               f"out of the ring {gone:.2f} s after docker kill (lease TTL {TTL_S} s)")
-        del t_kill
         # ... and started again: acknowledged pages were on media (kill -9 of
         # the container, not of the host, so nothing unsynced is at stake).
         sh("docker", "start", container("node1"))

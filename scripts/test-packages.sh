@@ -17,8 +17,12 @@ version=$(sed -n 's/^version = "\(.*\)"/\1/p' Cargo.toml | head -1)
 inst=pkgtest$$
 work=$(mktemp -d)
 pid=
+mds_pid=
+etcd_pid=
+stop() { [ -n "$1" ] && kill "$1" 2>/dev/null && wait "$1" 2>/dev/null || true; }
 cleanup() {
-  [ -n "$pid" ] && kill "$pid" 2>/dev/null && wait "$pid" 2>/dev/null || true
+  stop "$pid"; stop "$mds_pid"; stop "$etcd_pid"
+  [ -e "$work/kv-mds.env.orig" ] && cp "$work/kv-mds.env.orig" /etc/kvcellar/kv-mds.env
   rm -f "/etc/kvcellar/kv-server-$inst.toml"
   rm -rf "/var/lib/kvcellar/$inst" "$work"
   dpkg -r kv-server kv-mds kvctl libkvclient >/dev/null 2>&1 || true
@@ -92,27 +96,57 @@ for u in kv-server.service kv-server@.service kv-mds.service; do
 done
 ok "units carry the hardening and limits"
 
-# The template unit's command line, as systemd would run it for this instance.
-port=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
+free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
+wait_line() { # wait_line FILE TEXT PID
+  for _ in $(seq 300); do grep -q "$2" "$1" 2>/dev/null && return 0; kill -0 "$3" 2>/dev/null || return 1; sleep 0.1; done
+  return 1
+}
+# A real etcd on free loopback ports, and the installed kv-mds as its unit
+# runs it: the unit's EnvironmentFile (the installed kv-mds.env, set to this
+# etcd) and its ExecStart line, as the kvcellar user.
+ep=$(free_port); pp=$(free_port); mp=$(free_port)
+etcd --name t --data-dir "$work/etcd" --listen-client-urls "http://127.0.0.1:$ep" \
+  --advertise-client-urls "http://127.0.0.1:$ep" --listen-peer-urls "http://127.0.0.1:$pp" \
+  --initial-advertise-peer-urls "http://127.0.0.1:$pp" --initial-cluster "t=http://127.0.0.1:$pp" \
+  --initial-cluster-state new --log-level warn >"$work/etcd.log" 2>&1 &
+etcd_pid=$!
+cp /etc/kvcellar/kv-mds.env "$work/kv-mds.env.orig"
+sed -i "s|^KV_MDS_ARGS=.*|KV_MDS_ARGS=\"--listen 127.0.0.1:$mp --etcd 127.0.0.1:$ep --lease-ttl 3s\"|" /etc/kvcellar/kv-mds.env
+envfile=$(sed -n 's/^EnvironmentFile=//p' /lib/systemd/system/kv-mds.service)
+mcmd=$(sed -n 's/^ExecStart=//p' /lib/systemd/system/kv-mds.service)
+[ "$envfile" = /etc/kvcellar/kv-mds.env ] || fail "kv-mds.service reads $envfile"
+(set -a; . "$envfile"; exec runuser -u kvcellar -- sh -c "exec $mcmd") >"$work/mds.out" 2>"$work/mds.log" &
+mds_pid=$!
+wait_line "$work/mds.out" "listening on 127.0.0.1:$mp" $mds_pid || fail "installed kv-mds did not start: $(cat "$work/mds.log")"
+for _ in $(seq 100); do /usr/bin/kvctl health "127.0.0.1:$mp" >/dev/null 2>&1 && break; sleep 0.1; done
+/usr/bin/kvctl health "127.0.0.1:$mp" >/dev/null || fail "installed kv-mds is not healthy"
+ok "installed kv-mds runs as kvcellar from its unit's EnvironmentFile and ExecStart ($mcmd), healthy against etcd"
+
+# The template unit's command line, as systemd would run it for this
+# instance, registering with that kv-mds.
+port=$(free_port)
 cat >"/etc/kvcellar/kv-server-$inst.toml" <<TOML
 listen = "127.0.0.1:$port"
 dirs = ["/var/lib/kvcellar/$inst"]
 cap = "64M"
+mds = "127.0.0.1:$mp"
+group = "pkgtest"
+id = "n1"
+advertise = "127.0.0.1:$port"
 TOML
 install -d -o kvcellar -g kvcellar "/var/lib/kvcellar/$inst"
 cmd=$(sed -n 's/^ExecStart=//p' /lib/systemd/system/kv-server@.service | sed "s/%i/$inst/g")
 runuser -u kvcellar -- $cmd >"$work/out" 2>"$work/log" &
 pid=$!
-for _ in $(seq 300); do grep -q "listening on" "$work/out" 2>/dev/null && break; kill -0 $pid 2>/dev/null || break; sleep 0.1; done
-grep -q "listening on 127.0.0.1:$port" "$work/out" || fail "installed kv-server did not start: $(cat "$work/log")"
+wait_line "$work/out" "listening on 127.0.0.1:$port" $pid || fail "installed kv-server did not start: $(cat "$work/log")"
 ok "installed kv-server runs as kvcellar from the template unit's ExecStart ($cmd)"
 head -c 1048576 /dev/urandom >"$work/page"
-/usr/bin/kvctl put --node "127.0.0.1:$port" pkg-page --file "$work/page" >/dev/null
+for _ in $(seq 100); do /usr/bin/kvctl ring --mds "127.0.0.1:$mp" --group pkgtest 2>/dev/null | grep -q n1 && break; sleep 0.1; done
+/usr/bin/kvctl ring --mds "127.0.0.1:$mp" --group pkgtest | grep -q n1 || fail "the installed node did not register"
+/usr/bin/kvctl put --mds "127.0.0.1:$mp" --group pkgtest pkg-page --file "$work/page" >/dev/null
 /usr/bin/kvctl get --node "127.0.0.1:$port" pkg-page --out "$work/back"
 cmp -s "$work/page" "$work/back" || fail "the page read back differs"
-ok "installed kvctl round-trips a 1 MiB page"
-/usr/bin/kv-mds --version | grep -q "kv-mds" || fail "installed kv-mds does not run"
-ok "installed kv-mds runs"
+ok "installed kvctl: the node is in the ring, a 1 MiB page put through the group reads back from the node"
 
 cat >"$work/v.c" <<'C'
 #include <kvclient.h>
@@ -143,7 +177,8 @@ print(n.load()._name, kvcellar.__version__)
 case "$out" in "$work/venv/"*"/kvcellar/libkvclient"*" $version") ;; *) fail "the wheel used another library: $out" ;; esac
 ok "the wheel installs with pip in a fresh venv without Rust and round-trips a 1 MiB page (library: the wheel's own)"
 
-kill "$pid"; wait "$pid" 2>/dev/null || true; pid=
+stop "$pid"; stop "$mds_pid"; stop "$etcd_pid"; pid= mds_pid= etcd_pid=
+cp "$work/kv-mds.env.orig" /etc/kvcellar/kv-mds.env
 dpkg -r kv-server kv-mds kvctl libkvclient >/dev/null
 [ ! -e /usr/bin/kv-server ] && [ -e /etc/kvcellar/kv-server.toml ] || fail "remove: binary left, or config not kept"
 ok "dpkg -r removes the binaries and keeps /etc/kvcellar"
