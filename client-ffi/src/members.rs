@@ -47,8 +47,10 @@ pub fn member(id: &str, addr: &str, weight: u32) -> Result<Member, String> {
     if id.is_empty() {
         return Err(format!("member at {addr:?} has an empty id (expected id=host:port[@weight])"));
     }
-    if weight == 0 {
-        return Err(format!("member {id}: weight must be at least 1"));
+    if weight == 0 || weight > kv_common::ring::MAX_WEIGHT {
+        // A huge weight would make the ring reserve 160 points per unit:
+        // refused here as the node and kv-mds refuse it.
+        return Err(format!("member {id}: weight {weight} is outside 1..={}", kv_common::ring::MAX_WEIGHT));
     }
     check_addr(addr).map_err(|e| format!("member {id}: {e}"))?;
     Ok(Member { id: id.to_string(), addr: addr.to_string(), weight })
@@ -94,7 +96,11 @@ mod tests {
         assert_eq!(m[0].weight, 1);
         assert!(parse_members("").unwrap().is_empty());
         assert!(parse_members("n1").unwrap_err().contains("id=host:port"));
-        assert!(parse_members("n1=127.0.0.1:1@0").unwrap_err().contains("at least 1"));
+        assert!(parse_members("n1=127.0.0.1:1@0").unwrap_err().contains("outside 1..=10000"));
+        // A weight past the bound is refused, not turned into billions of ring points.
+        assert!(parse_members("n1=127.0.0.1:1@4000000000").unwrap_err().contains("outside 1..=10000"));
+        assert!(parse_members("n1=127.0.0.1:1@10001").unwrap_err().contains("outside 1..=10000"));
+        assert_eq!(parse_members("n1=127.0.0.1:1@10000").unwrap()[0].weight, 10_000);
         assert!(parse_members("n1=127.0.0.1:1,n1=127.0.0.1:2").unwrap_err().contains("twice"));
         assert!(parse_members("=127.0.0.1:1").unwrap_err().contains("empty id"));
         assert!(parse_members("n1=nohost:x").is_err());

@@ -6,6 +6,10 @@ use xxhash_rust::xxh3::xxh3_64;
 /// Points each unit of weight contributes.
 pub const VNODES_PER_WEIGHT: u64 = 160;
 
+/// The largest weight a member may have: nodes, kv-mds and clients all
+/// refuse more, so a ring never holds more than 1.6 M points per member.
+pub const MAX_WEIGHT: u32 = 10_000;
+
 /// One member of a ring: an id and an integer weight (>= 1).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RingMember {
