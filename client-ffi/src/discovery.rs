@@ -90,6 +90,7 @@ fn run(
     let mut applied: Option<u64> = None;
     let mut first = Some(tx);
     while !stop.load(Ordering::SeqCst) {
+        let asked = std::time::Instant::now();
         let answer = match applied {
             None => mds.view(&group),
             Some(e) => mds.wait_view(&group, e, poll),
@@ -126,6 +127,10 @@ fn run(
                 }
                 if let Some(tx) = first.take() {
                     let _ = tx.send(Ok(v.epoch));
+                } else if applied == Some(v.epoch) && asked.elapsed() < poll / 2 {
+                    // A long-poll that came back early with nothing new (an
+                    // old replica, a stale answer): do not spin on it.
+                    pause(stop, (poll / 2).min(Duration::from_secs(1)));
                 }
             }
             Err(MdsError::Aborted) => break,

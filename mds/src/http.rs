@@ -26,6 +26,24 @@ use crate::{Mds, RegError};
 /// The largest request body accepted.
 const MAX_BODY: usize = 64 << 10;
 
+/// The longest a request may take to arrive: its headers (hyper's header
+/// timeout, also between requests on a kept-alive connection) and its body.
+const READ_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Long-polls held at once; more are answered 503 at once (the client then
+/// tries another replica or polls again after its interval). Each holds a
+/// task and a connection for up to `MAX_WAIT_MS`.
+pub const MAX_LONG_POLLS: usize = 2048;
+
+/// Limits of one API listener.
+#[derive(Debug, Clone)]
+pub struct Limits {
+    /// Connections open at once; more get a 503 and are closed.
+    pub max_conns: usize,
+    /// Long-polls waiting at once; more get a 503.
+    pub max_long_polls: usize,
+}
+
 /// The longest a call may spend on etcd (a long-poll: on top of its wait).
 /// Below the callers' own timeouts (nodes: 3 s), so a slow etcd gives them
 /// a 503 to fail over on rather than a timeout and a retried request.
@@ -81,9 +99,10 @@ fn bad_instance(instance: &str) -> Option<Reply> {
 }
 
 async fn read_json<T: serde::de::DeserializeOwned>(req: Request<Incoming>, what: &str) -> Result<T, Reply> {
-    let body = Limited::new(req.into_body(), MAX_BODY)
-        .collect()
+    // A body announced and never sent holds the connection for READ_TIMEOUT at most.
+    let body = tokio::time::timeout(READ_TIMEOUT, Limited::new(req.into_body(), MAX_BODY).collect())
         .await
+        .map_err(|_| error(StatusCode::REQUEST_TIMEOUT, format!("the body did not arrive within {READ_TIMEOUT:?}")))?
         .map_err(|e| error(StatusCode::BAD_REQUEST, format!("cannot read the body: {e}")))?
         .to_bytes();
     // An empty body reads as `{}` (a heartbeat needs no fields).
@@ -103,7 +122,15 @@ fn query_u64(query: &str, key: &str) -> Result<Option<u64>, String> {
 }
 
 /// Serves the API until `shutdown` turns true.
-pub async fn serve(listener: TcpListener, mds: Arc<Mds>, mut shutdown: tokio::sync::watch::Receiver<bool>) {
+pub async fn serve(
+    listener: TcpListener,
+    mds: Arc<Mds>,
+    limits: Limits,
+    mut shutdown: tokio::sync::watch::Receiver<bool>,
+) {
+    let conns = Arc::new(tokio::sync::Semaphore::new(limits.max_conns));
+    let polls = Arc::new(tokio::sync::Semaphore::new(limits.max_long_polls));
+    let mut refused_logged: Option<std::time::Instant> = None;
     loop {
         let (stream, peer) = tokio::select! {
             r = listener.accept() => match r {
@@ -117,15 +144,28 @@ pub async fn serve(listener: TcpListener, mds: Arc<Mds>, mut shutdown: tokio::sy
             },
             _ = shutdown.changed() => return,
         };
+        let Ok(permit) = conns.clone().try_acquire_owned() else {
+            mds.reg.counters.refused_conns.fetch_add(1, Ordering::Relaxed);
+            // One line a minute at most, whatever the rate of refusals.
+            if refused_logged.is_none_or(|t| t.elapsed() > Duration::from_secs(60)) {
+                refused_logged = Some(std::time::Instant::now());
+                tracing::warn!(%peer, cap = limits.max_conns, "connection cap reached: refusing connections (503)");
+            }
+            tokio::spawn(refuse(stream, limits.max_conns));
+            continue;
+        };
         let mds = mds.clone();
+        let polls = polls.clone();
         tokio::spawn(async move {
+            let _permit = permit;
             let svc = hyper::service::service_fn(move |req| {
                 let mds = mds.clone();
-                async move { Ok::<_, Infallible>(handle(&mds, req).await) }
+                let polls = polls.clone();
+                async move { Ok::<_, Infallible>(handle(&mds, &polls, req).await) }
             });
             let conn = hyper::server::conn::http1::Builder::new()
                 .timer(hyper_util::rt::TokioTimer::new())
-                .header_read_timeout(Duration::from_secs(10))
+                .header_read_timeout(READ_TIMEOUT)
                 .serve_connection(hyper_util::rt::TokioIo::new(stream), svc);
             if let Err(e) = conn.await {
                 tracing::debug!(%peer, error = %e, "connection ended with an error");
@@ -134,7 +174,28 @@ pub async fn serve(listener: TcpListener, mds: Arc<Mds>, mut shutdown: tokio::sy
     }
 }
 
-async fn handle(mds: &Mds, req: Request<Incoming>) -> Reply {
+/// The answer to a connection over the cap: a 503 saying so, then close.
+async fn refuse(mut stream: tokio::net::TcpStream, cap: usize) {
+    use tokio::io::AsyncWriteExt;
+    let body = format!("{{\"error\":\"kv-mds is at its connection cap ({cap}): retry or use another replica\"}}");
+    let reply = format!(
+        "HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+        body.len()
+    );
+    let _ = tokio::time::timeout(Duration::from_secs(1), async {
+        use tokio::io::AsyncReadExt;
+        stream.write_all(reply.as_bytes()).await?;
+        // Send the FIN, then take what the peer sent: closing with its
+        // request unread would reset the connection and could lose the reply.
+        stream.shutdown().await?;
+        let mut sink = [0u8; 4096];
+        while stream.read(&mut sink).await? > 0 {}
+        Ok::<_, std::io::Error>(())
+    })
+    .await;
+}
+
+async fn handle(mds: &Mds, polls: &Arc<tokio::sync::Semaphore>, req: Request<Incoming>) -> Reply {
     let path = req.uri().path().to_string();
     let query = req.uri().query().unwrap_or("").to_string();
     let method = req.method().clone();
@@ -147,7 +208,7 @@ async fn handle(mds: &Mds, req: Request<Incoming>) -> Reply {
                 return error(StatusCode::BAD_REQUEST, format!("group {g:?} is not a name of 1-64 [A-Za-z0-9._-]"));
             }
             match (&method, rest) {
-                (&Method::GET, ["view"]) => view(mds, g, &query).await,
+                (&Method::GET, ["view"]) => view(mds, polls, g, &query).await,
                 (&Method::POST, ["members", id]) => register(mds, g, id, req).await,
                 (&Method::POST, ["members", id, "heartbeat"]) => heartbeat(mds, g, id, req).await,
                 (&Method::DELETE, ["members", id]) => deregister(mds, g, id, query_str(&query, "instance")).await,
@@ -168,13 +229,20 @@ async fn health(mds: &Mds) -> Reply {
     }
 }
 
-async fn view(mds: &Mds, group: &str, query: &str) -> Reply {
+async fn view(mds: &Mds, polls: &Arc<tokio::sync::Semaphore>, group: &str, query: &str) -> Reply {
     let (after, wait) = match (query_u64(query, "after"), query_u64(query, "wait_ms")) {
         (Ok(a), Ok(w)) => (a, w.unwrap_or(0).min(MAX_WAIT_MS)),
         (Err(e), _) | (_, Err(e)) => return error(StatusCode::BAD_REQUEST, e),
     };
     let r = match after {
         Some(a) if wait > 0 => {
+            let Ok(_slot) = polls.try_acquire() else {
+                mds.reg.counters.refused_polls.fetch_add(1, Ordering::Relaxed);
+                return error(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    "kv-mds is at its long-poll cap: retry or use another replica",
+                );
+            };
             let wait = Duration::from_millis(wait);
             limited(wait, mds.wait_view(group, a, wait)).await
         }
@@ -203,8 +271,11 @@ async fn register(mds: &Mds, group: &str, id: &str, req: Request<Incoming>) -> R
     if let Some(reply) = bad_instance(&r.instance) {
         return reply;
     }
-    if r.weight == 0 || r.weight > 10_000 {
-        return error(StatusCode::BAD_REQUEST, format!("weight {} is outside 1..=10000", r.weight));
+    if r.weight == 0 || r.weight > kv_common::ring::MAX_WEIGHT {
+        return error(
+            StatusCode::BAD_REQUEST,
+            format!("weight {} is outside 1..={}", r.weight, kv_common::ring::MAX_WEIGHT),
+        );
     }
     if r.addr.rsplit_once(':').is_none_or(|(h, p)| h.is_empty() || p.parse::<u16>().is_err()) {
         return error(StatusCode::BAD_REQUEST, format!("addr {:?} is not host:port", r.addr));
@@ -256,7 +327,7 @@ async fn deregister(mds: &Mds, group: &str, id: &str, instance: Option<&str>) ->
 fn metrics(mds: &Mds) -> String {
     let c = &mds.reg.counters;
     let mut out = String::new();
-    let rows: [(&str, &str, &std::sync::atomic::AtomicU64); 7] = [
+    let rows: [(&str, &str, &std::sync::atomic::AtomicU64); 9] = [
         ("registrations_total", "Node registrations served.", &c.registrations),
         ("heartbeats_total", "Node heartbeats served.", &c.heartbeats),
         ("takeovers_total", "Heartbeats that took a node's lease over from another replica.", &c.takeovers),
@@ -264,6 +335,8 @@ fn metrics(mds: &Mds) -> String {
         ("epoch_bumps_total", "Epochs this replica advanced (member set changes it wrote).", &c.epoch_bumps),
         ("etcd_errors_total", "etcd calls that failed.", &c.etcd_errors),
         ("view_reads_total", "Views read from etcd.", &c.views),
+        ("refused_connections_total", "Connections refused at the connection cap (--max-conns).", &c.refused_conns),
+        ("refused_long_polls_total", "Long-polls refused at the long-poll cap.", &c.refused_polls),
     ];
     for (name, help, v) in rows {
         out.push_str(&format!(

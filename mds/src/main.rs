@@ -28,6 +28,10 @@ struct Cli {
     /// heartbeat every third of it. etcd rounds TTLs below about 2 s up.
     #[arg(long, default_value = "30s", value_parser = kv_mds::parse_duration)]
     lease_ttl: Duration,
+    /// Connections open at once (nodes' heartbeats, clients' views and
+    /// long-polls); more get a 503 and are closed.
+    #[arg(long, default_value_t = 4096)]
+    max_conns: usize,
     /// Log level: error, warn, info, debug or trace.
     #[arg(long, default_value = "info")]
     log_level: tracing::Level,
@@ -46,6 +50,10 @@ fn main() -> ExitCode {
         cli.etcd.split(',').map(str::trim).filter(|e| !e.is_empty()).map(String::from).collect();
     if endpoints.is_empty() {
         eprintln!("kv-mds: error: --etcd names no endpoint");
+        return ExitCode::from(2);
+    }
+    if cli.max_conns == 0 {
+        eprintln!("kv-mds: error: --max-conns must be at least 1");
         return ExitCode::from(2);
     }
     kv_common::daemon::init_logging(cli.log_level);
@@ -86,7 +94,11 @@ fn run(cli: Cli, endpoints: Vec<String>) -> Result<(), String> {
         });
         println!("kv-mds listening on {addr}");
         tracing::info!(%addr, lease_ttl_ms = cli.lease_ttl.as_millis() as u64, version = env!("CARGO_PKG_VERSION"), "serving");
-        kv_mds::http::serve(listener, mds, rx).await;
+        let limits = kv_mds::http::Limits {
+            max_conns: cli.max_conns,
+            max_long_polls: kv_mds::http::MAX_LONG_POLLS.min(cli.max_conns),
+        };
+        kv_mds::http::serve(listener, mds, limits, rx).await;
         Ok::<(), String>(())
     })?;
     // Leases stay in etcd: nodes heartbeat to another replica, which takes them over.

@@ -81,6 +81,10 @@ pub struct Counters {
     pub epoch_bumps: AtomicU64,
     pub etcd_errors: AtomicU64,
     pub views: AtomicU64,
+    /// Connections refused at the connection cap (`--max-conns`).
+    pub refused_conns: AtomicU64,
+    /// Long-polls refused at the long-poll cap.
+    pub refused_polls: AtomicU64,
 }
 
 /// (group, node id).

@@ -139,7 +139,13 @@ pub struct Mds {
 impl Mds {
     /// `kv-mds --listen LISTEN --etcd ETCD --lease-ttl TTL`.
     pub fn start_at(listen: &str, etcd: &str, ttl: &str) -> Mds {
-        let args = ["--listen", listen, "--etcd", etcd, "--lease-ttl", ttl, "--log-level", "info"];
+        Mds::start_with(listen, etcd, ttl, &[])
+    }
+
+    /// As [`Mds::start_at`], with more flags.
+    pub fn start_with(listen: &str, etcd: &str, ttl: &str, extra: &[&str]) -> Mds {
+        let mut args = vec!["--listen", listen, "--etcd", etcd, "--lease-ttl", ttl, "--log-level", "info"];
+        args.extend_from_slice(extra);
         let (child, addr, stderr_lines) = spawn_daemon("kv-mds", &args, "kv-mds listening on ");
         Mds { child: Some(child), addr, stderr_lines }
     }

@@ -484,6 +484,41 @@ fn bad_requests_and_bad_flags_get_one_clear_error() {
 }
 
 #[test]
+fn a_replica_at_its_limits_refuses_clearly_and_serves_on() {
+    use std::io::{Read, Write};
+    let _serial = serial();
+    let dir = tempfile::tempdir().unwrap();
+    let etcd = Etcd::start(dir.path().join("etcd"));
+    let mds = Mds::start_with("127.0.0.1:0", &etcd.endpoint(), TTL, &["--max-conns", "3"]);
+    let m = MdsClient::new(vec![mds.addr.clone()], Duration::from_secs(5));
+    let ok = || m.request(&mds.addr, "GET", "/v1/groups/g/view", None, Duration::ZERO).map(|(s, _)| s).ok();
+    assert_eq!(ok(), Some(200));
+
+    // Three silent connections fill the cap: the next one is told so (503).
+    let silent: Vec<std::net::TcpStream> = (0..3).map(|_| std::net::TcpStream::connect(&mds.addr).unwrap()).collect();
+    let (status, body) = wait_until(Duration::from_secs(5), "a 503 at the cap", || {
+        m.request(&mds.addr, "GET", "/v1/groups/g/view", None, Duration::ZERO).ok().filter(|(s, _)| *s == 503)
+    });
+    assert_eq!(status, 503);
+    assert!(String::from_utf8_lossy(&body).contains("connection cap (3)"), "{}", String::from_utf8_lossy(&body));
+    drop(silent);
+    wait_until(Duration::from_secs(5), "served again below the cap", || (ok() == Some(200)).then_some(()));
+
+    // A body announced and never sent: 408 within the read timeout (10 s),
+    // not a task and a connection held for ever.
+    let mut s = std::net::TcpStream::connect(&mds.addr).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+    s.write_all(b"POST /v1/groups/g/members/n1 HTTP/1.1\r\nhost: x\r\ncontent-length: 100\r\n\r\n{").unwrap();
+    let t0 = Instant::now();
+    let mut reply = Vec::new();
+    let _ = s.read_to_end(&mut reply);
+    let reply = String::from_utf8_lossy(&reply);
+    assert!(reply.starts_with("HTTP/1.1 408"), "{reply}");
+    assert!(t0.elapsed() < Duration::from_secs(15), "answered after {:?}", t0.elapsed());
+    assert_eq!(ok(), Some(200));
+}
+
+#[test]
 fn two_nodes_given_one_id_the_later_holds_it_and_the_other_is_told() {
     let _serial = serial();
     let tier = Tier::new(1);
