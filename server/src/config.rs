@@ -35,6 +35,9 @@ pub struct Cli {
     /// Most client connections served at once; more wait in the listen backlog until one closes (default 1024).
     #[arg(long)]
     pub max_conns: Option<usize>,
+    /// Seconds a connection may sit idle (no request in flight, none arriving) before the node closes it, freeing its slot; 0: never (default 120). Clients reconnect transparently.
+    #[arg(long)]
+    pub idle_timeout: Option<u64>,
     /// Largest record (64-byte header + key + payload) a put may carry, 4K..4G (default 256M).
     #[arg(long)]
     pub max_record: Option<String>,
@@ -81,6 +84,7 @@ pub struct FileConfig {
     pub mem_cap: Option<String>,
     pub log_level: Option<String>,
     pub max_conns: Option<usize>,
+    pub idle_timeout: Option<u64>,
     pub max_record: Option<String>,
     pub max_inflight: Option<String>,
     pub metrics_listen: Option<String>,
@@ -110,6 +114,8 @@ pub struct ServerConfig {
     pub store: StoreConfig,
     pub log_level: tracing::Level,
     pub max_conns: usize,
+    /// None: idle connections are never closed.
+    pub idle_timeout: Option<std::time::Duration>,
     pub max_record: u64,
     pub max_inflight: u64,
     pub metrics_listen: Option<SocketAddr>,
@@ -197,6 +203,10 @@ impl ServerConfig {
             },
             log_level,
             max_conns,
+            idle_timeout: match cli.idle_timeout.or(file.idle_timeout).unwrap_or(120) {
+                0 => None,
+                s => Some(std::time::Duration::from_secs(s)),
+            },
             max_record,
             max_inflight,
             metrics_listen,
@@ -237,8 +247,8 @@ fn membership(
         _ => return Err(format!("--advertise: {advertise:?} is not HOST:PORT")),
     }
     let weight = weight.unwrap_or(1);
-    if !(1..=10_000).contains(&weight) {
-        return Err(format!("--weight: {weight} is outside 1..=10000"));
+    if !(1..=kv_common::ring::MAX_WEIGHT).contains(&weight) {
+        return Err(format!("--weight: {weight} is outside 1..={}", kv_common::ring::MAX_WEIGHT));
     }
     Ok(Some(MembershipConfig { endpoints, group, id, advertise, weight }))
 }

@@ -71,7 +71,10 @@ fn error_response(req: &ReqHeader, status: Status, msg: &str) -> Response {
 /// The one place internal store errors become wire statuses.
 fn store_error_status(e: &StoreError) -> Status {
     match e {
-        StoreError::BadRecord(_) | StoreError::BadPayload => Status::BadRequest,
+        StoreError::BadRecord(_) => Status::BadRequest,
+        // The client computed the CRC over what it meant to send: bytes
+        // damaged on the way (not a caller error; the put may be retried).
+        StoreError::BadPayload => Status::Corrupt,
         StoreError::NoDisk => Status::Unavailable,
         StoreError::Full(_) | StoreError::TooLarge(_) => Status::Rejected,
     }
@@ -152,8 +155,60 @@ impl Out {
 }
 
 /// Serves one connection until the peer closes, it misbehaves, or shutdown.
+/// TCP keepalive on a client socket: a peer host that vanished (crash,
+/// partition) is found out after about 60 + 3 x 10 s of silence, and its
+/// connection slot freed, even with requests in flight.
+fn keepalive(stream: &TcpStream) {
+    use std::os::fd::AsRawFd;
+    let fd = stream.as_raw_fd();
+    for (level, opt, val) in [
+        (libc::SOL_SOCKET, libc::SO_KEEPALIVE, 1),
+        (libc::IPPROTO_TCP, libc::TCP_KEEPIDLE, 60),
+        (libc::IPPROTO_TCP, libc::TCP_KEEPINTVL, 10),
+        (libc::IPPROTO_TCP, libc::TCP_KEEPCNT, 3),
+    ] {
+        let v: libc::c_int = val;
+        // SAFETY: `fd` is the open socket `stream` owns for this call; the
+        // option value is a c_int on the stack, passed with its size.
+        let _ = unsafe {
+            libc::setsockopt(
+                fd,
+                level,
+                opt,
+                (&v as *const libc::c_int).cast(),
+                std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+            )
+        };
+    }
+}
+
+/// What the wait for the next frame found.
+enum Next {
+    /// Bytes of a frame are there.
+    Frame,
+    /// The peer closed, the node stopped draining, a reply could not be
+    /// written, or the connection was idle: close it.
+    Close,
+    /// The node is shutting down: drain what the peer already sent.
+    Shutdown,
+    /// The idle timer fired while requests are in flight: wait again.
+    Busy,
+    Failed(std::io::Error),
+}
+
+impl Next {
+    fn read(r: std::io::Result<&[u8]>) -> Next {
+        match r {
+            Ok([]) => Next::Close,
+            Ok(_) => Next::Frame,
+            Err(e) => Next::Failed(e),
+        }
+    }
+}
+
 pub async fn serve(stream: TcpStream, peer: SocketAddr, shared: Arc<Shared>, mut shutdown: watch::Receiver<bool>) {
     let _ = stream.set_nodelay(true);
+    keepalive(&stream);
     let (rd, wr) = stream.into_split();
     let mut rd = BufReader::with_capacity(64 * 1024, rd);
     let mut wr = BufWriter::with_capacity(64 * 1024, wr);
@@ -169,6 +224,8 @@ pub async fn serve(stream: TcpStream, peer: SocketAddr, shared: Arc<Shared>, mut
     let tx = Arc::new(Out { w: tokio::sync::Mutex::new(wr), dead, peer });
     let inflight = Arc::new(tokio::sync::Semaphore::new(MAX_INFLIGHT_PER_CONN));
     let mut draining_until: Option<Instant> = None;
+    // Far enough to never fire when idle connections are kept forever.
+    let idle = shared.idle_timeout.unwrap_or(Duration::from_secs(100 * 365 * 86_400));
     loop {
         // Waiting for the next frame is the only point where shutdown cuts in:
         // a frame that has begun is read and answered. After the signal, the
@@ -179,29 +236,40 @@ pub async fn serve(stream: TcpStream, peer: SocketAddr, shared: Arc<Shared>, mut
             match draining_until {
                 None => tokio::select! {
                     biased;
-                    _ = crate::server::stopped(&mut shutdown) => None,
+                    _ = crate::server::stopped(&mut shutdown) => Next::Shutdown,
                     // A response could not be written: stop reading too.
-                    _ = crate::server::stopped(&mut dead_rx) => Some(Ok(true)),
-                    r = rd.fill_buf() => Some(r.map(|b| b.is_empty())),
+                    _ = crate::server::stopped(&mut dead_rx) => Next::Close,
+                    r = rd.fill_buf() => Next::read(r),
+                    // Nothing arrived for `idle`: close unless requests are
+                    // still being answered (then the connection is busy).
+                    _ = tokio::time::sleep(idle) => {
+                        if inflight.available_permits() == MAX_INFLIGHT_PER_CONN {
+                            tracing::debug!(%peer, "closing an idle connection");
+                            Next::Close
+                        } else {
+                            Next::Busy
+                        }
+                    },
                 },
-                Some(deadline) if Instant::now() >= deadline => Some(Ok(true)),
+                Some(deadline) if Instant::now() >= deadline => Next::Close,
                 Some(deadline) => {
                     let gap = DRAIN_GAP.min(deadline.saturating_duration_since(Instant::now()));
                     match tokio::time::timeout(gap, rd.fill_buf()).await {
-                        Ok(r) => Some(r.map(|b| b.is_empty())),
-                        Err(_) => Some(Ok(true)),
+                        Ok(r) => Next::read(r),
+                        Err(_) => Next::Close,
                     }
                 }
             }
         };
         match next.await {
-            None => {
+            Next::Shutdown => {
                 draining_until = Some(Instant::now() + DRAIN_MAX);
                 continue;
             }
-            Some(Ok(true)) => break,
-            Some(Ok(false)) => {}
-            Some(Err(e)) => {
+            Next::Busy => continue,
+            Next::Close => break,
+            Next::Frame => {}
+            Next::Failed(e) => {
                 tracing::debug!(%peer, error = %e, "read failed");
                 break;
             }
@@ -386,7 +454,17 @@ async fn handle_get(shared: &Arc<Shared>, req: &ReqHeader, body: &[u8]) -> Respo
         _ => {}
     }
     // The record's bytes count against --max-inflight until written out.
-    let Some(size) = shared.store.record_size(kr.key) else {
+    // Its size comes from the index without blocking this reactor thread
+    // behind a put, an eviction or a checkpoint holding the index lock.
+    let size = match shared.store.try_record_size(kr.key) {
+        Some(s) => s,
+        None => {
+            let (store, key) = (shared.store.clone(), kr.key.to_vec());
+            let _io = shared.io_slots.acquire().await.expect("semaphore open");
+            tokio::task::spawn_blocking(move || store.record_size(&key)).await.unwrap_or(None)
+        }
+    };
+    let Some(size) = size else {
         shared.store.count_miss();
         return respond(req, Status::Miss, 0, Body::Empty);
     };

@@ -55,7 +55,9 @@ fn run(cfg: ServerConfig) -> Result<(), String> {
             torn_journal_bytes = r.torn_journal_bytes, "disk recovered"
         );
     }
-    let shared = Arc::new(Shared::new(Arc::new(store), cfg.max_record, cfg.max_inflight));
+    let mut shared = Shared::new(Arc::new(store), cfg.max_record, cfg.max_inflight);
+    shared.idle_timeout = cfg.idle_timeout;
+    let shared = Arc::new(shared);
     let addr = listener.local_addr().map_err(|e| e.to_string())?;
     let (tx, rx) = tokio::sync::watch::channel(false);
     rt.block_on(async move {

@@ -24,6 +24,9 @@ pub struct Shared {
     /// Store operations running in the blocking pool at once.
     pub io_slots: Semaphore,
     pub connections: AtomicU64,
+    /// A connection with no request in flight and none arriving for this
+    /// long is closed (None: never).
+    pub idle_timeout: Option<std::time::Duration>,
 }
 
 impl Shared {
@@ -35,6 +38,7 @@ impl Shared {
             inflight_bytes: Arc::new(Semaphore::new(units)),
             io_slots: Semaphore::new(64),
             connections: AtomicU64::new(0),
+            idle_timeout: Some(std::time::Duration::from_secs(120)),
         }
     }
 

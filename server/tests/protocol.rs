@@ -38,10 +38,19 @@ impl TestServer {
     }
 
     fn start_with(max_conns: usize) -> TestServer {
+        TestServer::start_idle(max_conns, None)
+    }
+
+    /// `idle`: the node's idle timeout (None: the default, 120 s).
+    fn start_idle(max_conns: usize, idle: Option<Duration>) -> TestServer {
         let tmp = tempfile::tempdir().unwrap();
         let dirs: Vec<PathBuf> = (0..2).map(|i| tmp.path().join(format!("d{i}"))).collect();
         let (store, _) = Store::open(&store_config(&dirs)).unwrap();
-        let shared = Arc::new(Shared::new(Arc::new(store), 8 << 20, 64 << 20));
+        let mut shared = Shared::new(Arc::new(store), 8 << 20, 64 << 20);
+        if idle.is_some() {
+            shared.idle_timeout = idle;
+        }
+        let shared = Arc::new(shared);
         let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
         let listener = rt.block_on(tokio::net::TcpListener::bind("127.0.0.1:0")).unwrap();
         let addr = listener.local_addr().unwrap();
@@ -240,9 +249,10 @@ fn an_invalid_record_is_refused_and_the_connection_carries_on() {
     assert!(matches!(err, kvclient::ClientError::Refused { status: Status::BadRequest, .. }), "{err}");
     let mut rec = build_record(g, b"k", b"payload");
     let last = rec.len() - 1;
-    rec[last] ^= 1; // payload no longer matches its CRC
+    rec[last] ^= 1; // payload no longer matches its CRC: damaged on the way
     let err = c.put_parts(&[&rec]).unwrap_err();
     assert!(err.to_string().contains("payload checksum"), "{err}");
+    assert!(matches!(err, kvclient::ClientError::Refused { status: Status::Corrupt, .. }), "{err}");
     // A record over the node's max_record (8 MiB here) is refused up front.
     let err = c.put(&g, b"big", &vec![0u8; 9 << 20]).unwrap_err();
     assert!(matches!(err, kvclient::ClientError::Refused { status: Status::Rejected, .. }), "{err}");
@@ -291,6 +301,26 @@ fn shutdown_finishes_requests_in_flight_and_checkpoints() {
             kv_server::store::GetOutcome::Hit(rec) => assert_eq!(rec.as_slice(), &want[..]),
             _ => panic!("s{i} missing after a clean stop"),
         }
+    }
+}
+
+#[test]
+fn idle_connections_are_closed_and_free_their_slots() {
+    // Two silent peers (hello, then nothing) fill a cap of two; a third
+    // client is served once the node closes them as idle.
+    let s = TestServer::start_idle(2, Some(Duration::from_millis(300)));
+    let mut silent = [raw_hello(s.addr), raw_hello(s.addr)];
+    let t0 = std::time::Instant::now();
+    let mut c = Conn::connect(&s.addr.to_string(), Duration::from_secs(10)).unwrap();
+    c.ping(b"after the idle ones").unwrap();
+    assert!(t0.elapsed() < Duration::from_secs(5), "served after {:?}", t0.elapsed());
+    for t in &mut silent {
+        assert!(closed_by_server(t), "an idle connection stayed open");
+    }
+    // A connection in use is not idle: requests spaced below the timeout.
+    for _ in 0..4 {
+        std::thread::sleep(Duration::from_millis(150));
+        c.ping(b"busy").unwrap();
     }
 }
 

@@ -110,6 +110,61 @@ fn invalid_records_are_refused() {
 }
 
 #[test]
+fn a_put_after_a_disk_eviction_replaces_the_memory_copy() {
+    // The disk holds 10 pages, memory all of them: k0 leaves the disk but
+    // stays in memory; stored again with another geometry and payload, the
+    // new page is what get and exist see, in agreement.
+    let t = tempfile::tempdir().unwrap();
+    let (s, _) = Store::open(&cfg(&dirs(&t, 1), 120 << 10, 1 << 20)).unwrap();
+    for i in 0..13 {
+        put(&s, &format!("k{i}"), 12_000).unwrap();
+    }
+    assert!(s.stats().evictions >= 3);
+    let mut other = geo();
+    other.model_hash = 43;
+    let fresh: Vec<u8> = vec![7u8; 9_000];
+    let rec = build_record(other, b"k0", &fresh);
+    assert_eq!(s.put(s.pool().copy_of(&rec)).unwrap(), PutOutcome::Stored, "k0 had left the disk");
+    match s.get(b"k0", Some(&other)) {
+        GetOutcome::Hit(b) => assert_eq!(&b.as_slice()[64 + 2..], &fresh[..], "the new page, not the old copy"),
+        _ => panic!("the page just stored is not served"),
+    }
+    assert_eq!(s.exist(b"k0", Some(&other)), Presence::Present);
+    assert!(matches!(s.get(b"k0", Some(&geo())), GetOutcome::Mismatch));
+}
+
+#[test]
+fn a_delete_leaves_nothing_behind_in_memory() {
+    let t = tempfile::tempdir().unwrap();
+    let (s, _) = Store::open(&cfg(&dirs(&t, 2), 1 << 20, 1 << 20)).unwrap();
+    put(&s, "gone", 5_000).unwrap();
+    assert!(get(&s, "gone").is_some());
+    // Racing readers: each get during and after the delete is the page or
+    // a miss, and once the delete returned, only misses.
+    let stop = std::sync::atomic::AtomicBool::new(false);
+    std::thread::scope(|sc| {
+        let readers: Vec<_> = (0..2)
+            .map(|_| {
+                sc.spawn(|| {
+                    while !stop.load(Ordering::Relaxed) {
+                        if let Some(p) = get(&s, "gone") {
+                            assert_eq!(p, payload("gone", 5_000));
+                        }
+                    }
+                })
+            })
+            .collect();
+        assert!(s.delete(b"gone"));
+        stop.store(true, Ordering::Relaxed);
+        for r in readers {
+            r.join().unwrap();
+        }
+    });
+    assert!(get(&s, "gone").is_none(), "a deleted page came back");
+    assert_eq!(s.exist(b"gone", Some(&geo())), Presence::Absent);
+}
+
+#[test]
 fn eviction_is_lru_under_the_byte_cap() {
     let t = tempfile::tempdir().unwrap();
     // Each 12000-byte payload takes a 12 KiB extent: 10 fit in 120 KiB.

@@ -546,6 +546,20 @@ impl Disk {
         lock(&self.state).index.peek(key).map(|e| e.header.record_len())
     }
 
+    /// As [`Disk::record_len`], but gives up instead of waiting for the
+    /// lock (a put's journal write, an eviction cascade, a checkpoint copy).
+    pub fn try_record_len(&self, key: &[u8]) -> Result<Option<u64>, Busy> {
+        if self.is_failed() {
+            return Ok(None);
+        }
+        let st = match self.state.try_lock() {
+            Ok(g) => g,
+            Err(std::sync::TryLockError::Poisoned(p)) => p.into_inner(),
+            Err(std::sync::TryLockError::WouldBlock) => return Err(Busy),
+        };
+        Ok(st.index.peek(key).map(|e| e.header.record_len()))
+    }
+
     pub fn contains(&self, key: &[u8]) -> bool {
         !self.is_failed() && lock(&self.state).index.contains(key)
     }

@@ -40,12 +40,25 @@ impl MemTier {
     /// Keeps `rec` under `key`, evicting the least recent to stay within cap;
     /// skipped when a removal happened since `generation` was taken.
     pub fn insert(&self, key: &[u8], rec: Arc<PooledBuf>, generation: u64) {
+        self.store(key, rec, generation, false)
+    }
+
+    /// As [`MemTier::insert`], replacing a copy already held (a put that
+    /// just stored `rec` on disk: what memory holds under the key is older).
+    pub fn replace(&self, key: &[u8], rec: Arc<PooledBuf>, generation: u64) {
+        self.store(key, rec, generation, true)
+    }
+
+    fn store(&self, key: &[u8], rec: Arc<PooledBuf>, generation: u64, replace: bool) {
         let size = rec.capacity() as u64;
-        if size > self.cap {
-            return;
-        }
         let mut g = self.lock();
-        if g.lru.contains(key) || g.removals != generation {
+        if replace {
+            // Dropping the older copy is always right, whatever happens next.
+            if let Some(old) = g.lru.pop(key) {
+                g.used -= old.capacity() as u64;
+            }
+        }
+        if g.removals != generation || g.lru.contains(key) || size > self.cap {
             return;
         }
         while g.used + size > self.cap {

@@ -244,7 +244,9 @@ impl Store {
                     self.c.puts.fetch_add(1, Ordering::Relaxed);
                     self.c.bytes_written.fetch_add(rec.len() as u64, Ordering::Relaxed);
                     if let Some(m) = &self.mem {
-                        m.insert(&key, Arc::new(rec), generation);
+                        // A copy still held from before the disk evicted
+                        // the key must not shadow the page just stored.
+                        m.replace(&key, Arc::new(rec), generation);
                     }
                     return Ok(PutOutcome::Stored);
                 }
@@ -401,12 +403,32 @@ impl Store {
         self.search_order(key).find_map(|i| self.disks[i].record_len(key))
     }
 
+    /// As [`Store::record_size`] without waiting: None when a disk's index
+    /// lock is busy, so async code can ask again off the reactor.
+    pub fn try_record_size(&self, key: &[u8]) -> Option<Option<u64>> {
+        if let Some(rec) = self.mem.as_ref().and_then(|m| m.peek(key)) {
+            return Some(Some(rec.len() as u64));
+        }
+        for i in self.search_order(key) {
+            match self.disks[i].try_record_len(key) {
+                Ok(Some(n)) => return Some(Some(n)),
+                Ok(None) => {}
+                Err(disk::Busy) => return None,
+            }
+        }
+        Some(None)
+    }
+
     /// Removes a key from every tier. True when something was removed.
     pub fn delete(&self, key: &[u8]) -> bool {
-        let mut any = self.mem.as_ref().is_some_and(|m| m.remove(key));
+        // Disks first, then memory: the memory removal bumps the generation
+        // after the record is gone from disk, so a get that read it from
+        // disk before the delete cannot put it back into memory after.
+        let mut any = false;
         for d in &self.disks {
             any |= d.delete(key);
         }
+        any |= self.mem.as_ref().is_some_and(|m| m.remove(key));
         any
     }
 
