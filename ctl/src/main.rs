@@ -38,6 +38,9 @@ const EXAMPLES: &str = "Examples:
 
 Exit codes: 0 hit/ok, 1 miss or not served, 2 usage or error.";
 
+/// The largest value `kvctl get` reads (a node's --max-record is at most 4G).
+const MAX_GET_BYTES: usize = 4 << 30;
+
 #[derive(Parser)]
 #[command(name = "kvctl", version, about = "kvcellar operator CLI", after_help = EXAMPLES)]
 struct Cli {
@@ -207,6 +210,12 @@ fn run(cli: &Cli) -> Result<u8, String> {
             let mut buf = vec![0u8; 4 << 20];
             let mut r = c.getv(key.as_bytes(), &mut [&mut buf[..]]);
             if let Err((Status::TooSmall, need)) = r {
+                // The size comes from the node: bounded before it is allocated.
+                if need > MAX_GET_BYTES {
+                    return Err(format!(
+                        "the node says {key:?} is {need} bytes, more than kvctl reads ({MAX_GET_BYTES} bytes)"
+                    ));
+                }
                 buf = vec![0u8; need];
                 r = c.getv(key.as_bytes(), &mut [&mut buf[..]]);
             }
