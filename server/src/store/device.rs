@@ -50,9 +50,27 @@ struct SyncState {
     issued: u64,
     synced: u64,
     running: bool,
-    /// The last failed flush: tickets up to `.0` get errno `.1`; later
-    /// writers start a fresh flush.
-    failed: Option<(u64, i32)>,
+    /// Failed flushes, as ticket ranges `(after, upto, errno)`: the writes
+    /// of tickets in `after+1..=upto` were not proven on media, whatever a
+    /// later flush says (the kernel may have dropped their dirty pages), so
+    /// they get the error. Later writers start a fresh flush.
+    failed: Vec<(u64, u64, i32)>,
+}
+
+/// Failed ranges kept: a waiter is woken at its flush's end, so only a
+/// waiter starved through this many failed flushes could miss its own.
+const FAILED_RANGES_KEPT: usize = 64;
+
+impl SyncState {
+    /// What the writer of `ticket` is told, or None while it must wait. A
+    /// failure comes first: a later successful flush does not make up for
+    /// one that failed after this write.
+    fn verdict(&self, ticket: u64) -> Option<io::Result<()>> {
+        if let Some(f) = self.failed.iter().rev().find(|(after, upto, _)| ticket > *after && ticket <= *upto) {
+            return Some(Err(io::Error::from_raw_os_error(f.2)));
+        }
+        (self.synced >= ticket).then_some(Ok(()))
+    }
 }
 
 impl GroupSync {
@@ -61,13 +79,8 @@ impl GroupSync {
         st.issued += 1;
         let ticket = st.issued;
         loop {
-            if st.synced >= ticket {
-                return Ok(());
-            }
-            if let Some((upto, errno)) = st.failed {
-                if ticket <= upto {
-                    return Err(io::Error::from_raw_os_error(errno));
-                }
+            if let Some(v) = st.verdict(ticket) {
+                return v;
             }
             if !st.running {
                 st.running = true;
@@ -78,7 +91,13 @@ impl GroupSync {
                 st.running = false;
                 match r {
                     Ok(()) => st.synced = st.synced.max(target),
-                    Err(e) => st.failed = Some((target, e.raw_os_error().unwrap_or(libc::EIO))),
+                    Err(e) => {
+                        let after = st.synced;
+                        st.failed.push((after, target, e.raw_os_error().unwrap_or(libc::EIO)));
+                        if st.failed.len() > FAILED_RANGES_KEPT {
+                            st.failed.remove(0);
+                        }
+                    }
                 }
                 self.done.notify_all();
                 continue;
@@ -183,5 +202,22 @@ impl Device for FaultyDevice {
     fn sync(&self) -> io::Result<()> {
         self.check()?;
         self.inner.sync()
+    }
+}
+
+#[cfg(test)]
+mod group_sync_tests {
+    use super::SyncState;
+
+    #[test]
+    fn a_write_whose_flush_failed_is_never_acknowledged_by_a_later_flush() {
+        // Flushes: up to ticket 5 fine, then 6..=8 failed, then up to 10 fine.
+        let st = SyncState { issued: 11, synced: 10, running: false, failed: vec![(5, 8, libc::EIO)] };
+        assert!(st.verdict(4).unwrap().is_ok(), "flushed before the failure");
+        for t in 6..=8 {
+            assert_eq!(st.verdict(t).unwrap().unwrap_err().raw_os_error(), Some(libc::EIO), "ticket {t}");
+        }
+        assert!(st.verdict(9).unwrap().is_ok(), "written after the failed flush began, flushed later");
+        assert!(st.verdict(11).is_none(), "not flushed yet: wait");
     }
 }
