@@ -118,9 +118,15 @@ impl Out {
             Body::Bytes(b) => b.len(),
             Body::Record(rec) => rec.len(),
         };
+        // The lock first, then the check: a sender that timed out inside a
+        // frame marks the connection dead before it lets go of the writer,
+        // so no whole frame is ever written after a partial one.
+        let mut w = self.w.lock().await;
+        if *self.dead.borrow() {
+            return;
+        }
         let deadline = Instant::now() + FRAME_TIMEOUT + frame_allowance(len as u32);
         let res = tokio::time::timeout_at(deadline, async {
-            let mut w = self.w.lock().await;
             w.write_all(&r.header).await?;
             match &r.body {
                 Body::Empty => {}
@@ -145,6 +151,7 @@ impl Out {
             // The reader stops too; later responses are dropped unsent.
             self.dead.send_replace(true);
         }
+        drop(w);
     }
 
     async fn close(&self) {
@@ -340,6 +347,8 @@ async fn read_request(
                 let r = match wire::decode_key(&body) {
                     Ok(k) => {
                         let (store, k) = (shared.store.clone(), k.to_vec());
+                        // Blocking-pool work waits for an I/O slot like a get does.
+                        let _io = shared.io_slots.acquire().await.expect("semaphore open");
                         match tokio::task::spawn_blocking(move || store.delete(&k)).await {
                             Ok(true) => respond(&req, Status::Ok, 0, Body::Empty),
                             Ok(false) => respond(&req, Status::Miss, 0, Body::Empty),
@@ -363,9 +372,13 @@ async fn read_request(
                 // making the reactor wait.
                 tokio::spawn(async move {
                     let s2 = shared.clone();
-                    let r = tokio::task::spawn_blocking(move || handle_blocking(&s2, &req, &body))
-                        .await
-                        .unwrap_or_else(|_| error_response(&req, Status::Internal, "internal error"));
+                    let r = {
+                        // Blocking-pool work waits for an I/O slot like a get does.
+                        let _io = shared.io_slots.acquire().await.expect("semaphore open");
+                        tokio::task::spawn_blocking(move || handle_blocking(&s2, &req, &body))
+                            .await
+                            .unwrap_or_else(|_| error_response(&req, Status::Internal, "internal error"))
+                    };
                     let _ = tx.send(r).await;
                     drop(permit);
                 });
