@@ -477,6 +477,9 @@ impl Client {
             let lanes = limit.min(idx.len()).max(1);
             let mut lanes_of_node: Vec<Vec<(usize, &mut GetItem<'_, '_>)>> = (0..lanes).map(|_| Vec::new()).collect();
             for (n, i) in idx.into_iter().enumerate() {
+                // Until its answer comes, an item is not served: one that a
+                // lane never answered can never read as a hit.
+                out[i] = (Status::Unavailable, 0);
                 lanes_of_node[n % lanes].push((i, slots[i].take().expect("each item in one group")));
             }
             lanes_all.extend(lanes_of_node.into_iter().map(|lane| (node.clone(), lane)));

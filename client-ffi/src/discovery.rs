@@ -24,13 +24,25 @@ pub struct Discovery {
     thread: Option<JoinHandle<()>>,
 }
 
+/// How long dropping a discovery waits for its thread. A thread stuck in a
+/// connect to a blackholed MDS (which the abort cannot cut short) is left to
+/// finish on its own: it holds the client by an `Arc`, sees the stop flag
+/// when its connect times out, and exits; `kv_close` does not wait for it.
+const JOIN_WAIT: Duration = Duration::from_millis(300);
+
 impl Drop for Discovery {
     fn drop(&mut self) {
         self.stop.store(true, Ordering::SeqCst);
         // Cuts a long-poll in progress short.
         self.abort.abort();
         if let Some(t) = self.thread.take() {
-            let _ = t.join();
+            let deadline = std::time::Instant::now() + JOIN_WAIT;
+            while !t.is_finished() && std::time::Instant::now() < deadline {
+                std::thread::sleep(Duration::from_millis(2));
+            }
+            if t.is_finished() {
+                let _ = t.join();
+            }
         }
     }
 }
@@ -165,6 +177,30 @@ fn pause(stop: &AtomicBool, d: Duration) {
 mod tests {
     use super::*;
     use kv_common::mds::MemberRecord;
+
+    #[test]
+    fn dropping_discovery_does_not_wait_out_a_connect_to_a_blackholed_mds() {
+        use std::os::fd::AsRawFd;
+        // A listener that never accepts, its backlog cut to one: once one
+        // connection fills it, further SYNs are dropped and a connect hangs
+        // until its timeout (a blackholed address, on loopback).
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        // SAFETY: `l` owns this open listening socket; listen() only changes its backlog.
+        assert_eq!(unsafe { libc::listen(l.as_raw_fd(), 0) }, 0);
+        let addr = l.local_addr().unwrap();
+        let _fill: Vec<_> = (0..4)
+            .filter_map(|_| std::net::TcpStream::connect_timeout(&addr, Duration::from_millis(200)).ok())
+            .collect();
+        let opts = crate::Options { connect_timeout: Duration::from_secs(10), ..Default::default() };
+        let core = Arc::new(Client::new(Vec::new(), kv_common::page::Geometry::default(), opts));
+        let (d, first) =
+            start(core, vec![addr.to_string()], "g".into(), Duration::from_millis(100), Duration::from_millis(200))
+                .unwrap();
+        assert!(first.is_err(), "no view from a blackholed MDS: {first:?}");
+        let t0 = std::time::Instant::now();
+        drop(d);
+        assert!(t0.elapsed() < Duration::from_secs(2), "drop waited {:?}", t0.elapsed());
+    }
 
     #[test]
     fn a_name_that_does_not_resolve_does_not_hold_the_view_back() {
