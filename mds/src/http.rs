@@ -220,11 +220,10 @@ async fn handle(mds: &Mds, polls: &Arc<tokio::sync::Semaphore>, req: Request<Inc
 }
 
 async fn health(mds: &Mds) -> Reply {
-    let mut etcd = mds.reg.etcd();
-    let probe = tokio::time::timeout(Duration::from_secs(2), etcd.get("/kvcellar/v1/health", None)).await;
+    let probe = tokio::time::timeout(Duration::from_secs(2), mds.reg.probe()).await;
     match probe {
-        Ok(Ok(_)) => text(StatusCode::OK, "ok\n".into()),
-        Ok(Err(e)) => text(StatusCode::SERVICE_UNAVAILABLE, format!("etcd unavailable: {e}\n")),
+        Ok(Ok(())) => text(StatusCode::OK, "ok\n".into()),
+        Ok(Err(e)) => text(StatusCode::SERVICE_UNAVAILABLE, format!("{e}\n")),
         Err(_) => text(StatusCode::SERVICE_UNAVAILABLE, "etcd unavailable: no answer within 2 s\n".into()),
     }
 }
@@ -327,13 +326,14 @@ async fn deregister(mds: &Mds, group: &str, id: &str, instance: Option<&str>) ->
 fn metrics(mds: &Mds) -> String {
     let c = &mds.reg.counters;
     let mut out = String::new();
-    let rows: [(&str, &str, &std::sync::atomic::AtomicU64); 9] = [
+    let rows: [(&str, &str, &std::sync::atomic::AtomicU64); 10] = [
         ("registrations_total", "Node registrations served.", &c.registrations),
         ("heartbeats_total", "Node heartbeats served.", &c.heartbeats),
         ("takeovers_total", "Heartbeats that took a node's lease over from another replica.", &c.takeovers),
         ("deregistrations_total", "Graceful node leaves served.", &c.deregistrations),
         ("epoch_bumps_total", "Epochs this replica advanced (member set changes it wrote).", &c.epoch_bumps),
         ("etcd_errors_total", "etcd calls that failed.", &c.etcd_errors),
+        ("etcd_retries_total", "etcd calls sent again after one did not reach a member.", &c.etcd_retries),
         ("view_reads_total", "Views read from etcd.", &c.views),
         ("refused_connections_total", "Connections refused at the connection cap (--max-conns).", &c.refused_conns),
         ("refused_long_polls_total", "Long-polls refused at the long-poll cap.", &c.refused_polls),

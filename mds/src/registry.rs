@@ -85,6 +85,8 @@ pub struct Counters {
     pub refused_conns: AtomicU64,
     /// Long-polls refused at the long-poll cap.
     pub refused_polls: AtomicU64,
+    /// etcd calls sent again after one did not reach a member.
+    pub etcd_retries: AtomicU64,
 }
 
 /// (group, node id).
@@ -153,6 +155,36 @@ fn parse_members(kvs: &[etcd_client::KeyValue]) -> Vec<MemberRecord> {
     out
 }
 
+/// Runs an etcd call, and again (four times at most) when it failed without an
+/// answer from etcd: with one member down (its name gone, its port shut) the
+/// client's balancer may pick it, and a retry goes to another member. Only
+/// idempotent calls, or ones guarded by a compare, go through here.
+macro_rules! etcd_call {
+    ($self:ident, $call:expr) => {{
+        let mut tries = 0;
+        loop {
+            let r = $call;
+            match &r {
+                Err(e) if tries < 4 && unreachable_member(e) => {
+                    tries += 1;
+                    $self.counters.etcd_retries.fetch_add(1, Ordering::Relaxed);
+                }
+                _ => break $self.track(r),
+            }
+        }
+    }};
+}
+
+/// The call did not reach an etcd member (as opposed to etcd answering
+/// with an error).
+fn unreachable_member(e: &etcd_client::Error) -> bool {
+    match e {
+        etcd_client::Error::TransportError(_) | etcd_client::Error::IoError(_) => true,
+        etcd_client::Error::GRpcStatus(st) => st.code() == tonic::Code::Unavailable,
+        _ => false,
+    }
+}
+
 impl Registry {
     pub fn new(etcd: Client, endpoints: String, ttl: Duration) -> Registry {
         Registry {
@@ -188,6 +220,12 @@ impl Registry {
                 Err(RegError::Etcd { endpoints: self.endpoints.clone(), source: e })
             }
         }
+    }
+
+    /// One read from etcd, for `/healthz` (retried as every call is).
+    pub async fn probe(&self) -> Result<(), RegError> {
+        let mut etcd = self.etcd.clone();
+        etcd_call!(self, etcd.get("/kvcellar/v1/health", None).await).map(|_| ())
     }
 
     pub fn etcd_healthy(&self) -> bool {
@@ -248,10 +286,13 @@ impl Registry {
     pub async fn register(&self, group: &str, rec: &MemberRecord, instance: &str) -> Result<u64, RegError> {
         let _one = self.node_lock(group, &rec.id).await;
         let mut etcd = self.etcd.clone();
-        let lease = self.track(etcd.lease_grant(self.ttl_secs(), None).await)?.id();
+        let lease = etcd_call!(self, etcd.lease_grant(self.ttl_secs(), None).await)?.id();
         let stored = Stored { id: &rec.id, addr: &rec.addr, weight: rec.weight, instance };
         let value = serde_json::to_vec(&stored).unwrap_or_default();
-        self.track(etcd.put(member_key(group, &rec.id), value, Some(PutOptions::new().with_lease(lease))).await)?;
+        etcd_call!(
+            self,
+            etcd.put(member_key(group, &rec.id), value.clone(), Some(PutOptions::new().with_lease(lease))).await
+        )?;
         if let Some(old) = self.set_lease(group, &rec.id, Some(lease)) {
             if old != lease {
                 // The record no longer uses it; let it go now rather than at expiry.
@@ -273,7 +314,7 @@ impl Registry {
         if let Some(lease) = self.lease_of(group, id) {
             // The record first: a replaced instance's heartbeat must not
             // keep the holder's lease alive (a dead holder would linger).
-            let got = self.track(etcd.get(key.clone(), None).await)?;
+            let got = etcd_call!(self, etcd.get(key.clone(), None).await)?;
             if let Some(kv) = got.kvs().first().filter(|kv| kv.lease() == lease) {
                 check_instance(group, id, kv.value(), instance)?;
                 if self.keep_alive(lease).await? {
@@ -284,18 +325,18 @@ impl Registry {
             self.set_lease(group, id, None);
         }
         // Take over: the record as it is, on a lease of ours.
-        let got = self.track(etcd.get(key.clone(), None).await)?;
+        let got = etcd_call!(self, etcd.get(key.clone(), None).await)?;
         let Some(kv) = got.kvs().first() else {
             return Err(RegError::NotRegistered(format!(
                 "node {id} of group {group} has no record (its lease expired or it never registered): register again"
             )));
         };
         check_instance(group, id, kv.value(), instance)?;
-        let lease = self.track(etcd.lease_grant(self.ttl_secs(), None).await)?.id();
+        let lease = etcd_call!(self, etcd.lease_grant(self.ttl_secs(), None).await)?.id();
         let txn = Txn::new()
             .when([Compare::mod_revision(key.clone(), CompareOp::Equal, kv.mod_revision())])
             .and_then([TxnOp::put(key, kv.value().to_vec(), Some(PutOptions::new().with_lease(lease)))]);
-        let done = self.track(etcd.txn(txn).await)?;
+        let done = etcd_call!(self, etcd.txn(txn.clone()).await)?;
         if !done.succeeded() {
             let _ = etcd.lease_revoke(lease).await;
             return Err(RegError::Conflict(format!("node {id}'s record changed during the heartbeat: retry")));
@@ -332,13 +373,13 @@ impl Registry {
         let _one = self.node_lock(group, id).await;
         let mut etcd = self.etcd.clone();
         let key = member_key(group, id);
-        let got = self.track(etcd.get(key.clone(), None).await)?;
+        let got = etcd_call!(self, etcd.get(key.clone(), None).await)?;
         if let Some(kv) = got.kvs().first() {
             check_instance(group, id, kv.value(), instance)?;
             let txn = Txn::new()
                 .when([Compare::mod_revision(key.clone(), CompareOp::Equal, kv.mod_revision())])
                 .and_then([TxnOp::delete(key, None)]);
-            if !self.track(etcd.txn(txn).await)?.succeeded() {
+            if !etcd_call!(self, etcd.txn(txn.clone()).await)?.succeeded() {
                 return Err(RegError::Conflict(format!("node {id}'s record changed during the leave: retry")));
             }
         }
@@ -355,7 +396,7 @@ impl Registry {
         let ekey = epoch_key(group);
         self.counters.views.fetch_add(1, Ordering::Relaxed);
         for _ in 0..16 {
-            let got = self.track(etcd.get(group_prefix(group), Some(GetOptions::new().with_prefix())).await)?;
+            let got = etcd_call!(self, etcd.get(group_prefix(group), Some(GetOptions::new().with_prefix())).await)?;
             let members = parse_members(got.kvs());
             let want = digest(&members);
             let epoch_kv = got.kvs().iter().find(|kv| kv.key() == ekey.as_bytes());
@@ -373,7 +414,7 @@ impl Registry {
                 TxnOp::put(ekey.clone(), want.clone(), None),
                 TxnOp::get(members_prefix(group), Some(GetOptions::new().with_prefix())),
             ]);
-            let done = self.track(etcd.txn(txn).await)?;
+            let done = etcd_call!(self, etcd.txn(txn.clone()).await)?;
             if !done.succeeded() {
                 continue; // another replica moved the epoch: read again
             }
