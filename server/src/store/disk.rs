@@ -505,17 +505,23 @@ impl Disk {
         st.index.peek(key).map(|e| geo.is_none_or(|g| g.matches(&e.header)))
     }
 
+    /// The index lock if it is free now (a poisoned lock is taken as is,
+    /// as [`lock`] does); Busy otherwise.
+    fn try_state(&self) -> Result<std::sync::MutexGuard<'_, State>, Busy> {
+        match self.state.try_lock() {
+            Ok(g) => Ok(g),
+            Err(std::sync::TryLockError::Poisoned(p)) => Ok(p.into_inner()),
+            Err(std::sync::TryLockError::WouldBlock) => Err(Busy),
+        }
+    }
+
     /// As [`Disk::exist`], but gives up instead of waiting for the lock, so
     /// async code can fall back to the blocking pool.
     pub fn try_exist(&self, key: &[u8], geo: Option<&Geometry>) -> Result<Option<bool>, Busy> {
         if self.is_failed() {
             return Ok(None);
         }
-        let st = match self.state.try_lock() {
-            Ok(g) => g,
-            Err(std::sync::TryLockError::Poisoned(p)) => p.into_inner(),
-            Err(std::sync::TryLockError::WouldBlock) => return Err(Busy),
-        };
+        let st = self.try_state()?;
         Ok(st.index.peek(key).map(|e| geo.is_none_or(|g| g.matches(&e.header))))
     }
 
@@ -525,11 +531,7 @@ impl Disk {
         if self.is_failed() {
             return Ok(());
         }
-        let st = match self.state.try_lock() {
-            Ok(g) => g,
-            Err(std::sync::TryLockError::Poisoned(p)) => p.into_inner(),
-            Err(std::sync::TryLockError::WouldBlock) => return Err(Busy),
-        };
+        let st = self.try_state()?;
         for (k, o) in keys.iter().zip(out.iter_mut()) {
             if o.is_none() {
                 *o = st.index.peek(*k).map(|e| geo.is_none_or(|g| g.matches(&e.header)));
@@ -552,11 +554,7 @@ impl Disk {
         if self.is_failed() {
             return Ok(None);
         }
-        let st = match self.state.try_lock() {
-            Ok(g) => g,
-            Err(std::sync::TryLockError::Poisoned(p)) => p.into_inner(),
-            Err(std::sync::TryLockError::WouldBlock) => return Err(Busy),
-        };
+        let st = self.try_state()?;
         Ok(st.index.peek(key).map(|e| e.header.record_len()))
     }
 
