@@ -275,6 +275,31 @@ fn corrupt_at(dir: &Path, off: u64, bytes: &[u8]) {
 }
 
 #[test]
+fn a_record_damaged_after_a_clean_stop_is_dropped_at_its_first_read() {
+    let t = tempfile::tempdir().unwrap();
+    let d = dirs(&t, 1);
+    let c = cfg(&d, 4 << 20, 0);
+    let off;
+    {
+        let (s, _) = Store::open(&c).unwrap();
+        put(&s, "rot", 50_000).unwrap();
+        put(&s, "fine", 50_000).unwrap();
+        off = s.disks()[0].locate(b"rot").unwrap().0;
+        s.close().unwrap();
+    }
+    // Bit rot in the payload while the node was down: the clean marker
+    // says every record was whole, the header and key still match.
+    corrupt_at(&d[0], off + 30_000, b"rot!");
+    let (s, reports) = Store::open(&c).unwrap();
+    assert!(reports[0].clean);
+    assert_eq!(s.exist(b"rot", Some(&geo())), Presence::Present, "the index alone cannot know");
+    assert!(get(&s, "rot").is_none(), "a damaged record is never served");
+    assert_eq!(s.exist(b"rot", Some(&geo())), Presence::Absent, "get and exist agree it is gone");
+    assert_eq!(s.stats().corrupt_dropped, 1);
+    assert_eq!(get(&s, "fine").unwrap(), payload("fine", 50_000));
+}
+
+#[test]
 fn crash_recovery_serves_no_damaged_record() {
     let t = tempfile::tempdir().unwrap();
     let d = dirs(&t, 1);

@@ -471,14 +471,16 @@ impl Disk {
             self.drop_damaged(key, &ext, "stored header or key differs from the index");
             return Ok(Lookup::Miss);
         }
-        if !ext.verified.load(Ordering::Acquire) {
-            let payload = &rec[HEADER_LEN + key.len()..];
-            if crc32fast::hash(payload) != header.payload_crc {
-                self.drop_damaged(key, &ext, "payload checksum failed");
-                return Ok(Lookup::Miss);
-            }
-            ext.mark_verified();
+        // Every read from disk is checked, not only records recovered after
+        // a crash: a record damaged on the device after it was written (or
+        // after a clean stop) is dropped here, so get and exist agree that
+        // it is gone, instead of being sent to clients that reject it.
+        let payload = &rec[HEADER_LEN + key.len()..];
+        if crc32fast::hash(payload) != header.payload_crc {
+            self.drop_damaged(key, &ext, "payload checksum failed");
+            return Ok(Lookup::Miss);
         }
+        ext.mark_verified();
         Ok(Lookup::Hit(buf))
     }
 
