@@ -103,6 +103,7 @@ fn run(
     let mut first = Some(tx);
     while !stop.load(Ordering::SeqCst) {
         let asked = std::time::Instant::now();
+        let before = applied;
         let answer = match applied {
             None => mds.view(&group),
             Some(e) => mds.wait_view(&group, e, poll),
@@ -139,7 +140,7 @@ fn run(
                 }
                 if let Some(tx) = first.take() {
                     let _ = tx.send(Ok(v.epoch));
-                } else if applied == Some(v.epoch) && asked.elapsed() < poll / 2 {
+                } else if before == Some(v.epoch) && asked.elapsed() < poll / 2 {
                     // A long-poll that came back early with nothing new (an
                     // old replica, a stale answer): do not spin on it.
                     pause(stop, (poll / 2).min(Duration::from_secs(1)));

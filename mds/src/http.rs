@@ -35,6 +35,10 @@ const READ_TIMEOUT: Duration = Duration::from_secs(10);
 /// task and a connection for up to `MAX_WAIT_MS`.
 pub const MAX_LONG_POLLS: usize = 2048;
 
+/// Refusals (503 at the connection cap) being written at once; more
+/// connections over the cap are closed without a word.
+const MAX_REFUSING: usize = 64;
+
 /// Limits of one API listener.
 #[derive(Debug, Clone)]
 pub struct Limits {
@@ -131,6 +135,8 @@ pub async fn serve(
     let conns = Arc::new(tokio::sync::Semaphore::new(limits.max_conns));
     let polls = Arc::new(tokio::sync::Semaphore::new(limits.max_long_polls));
     let mut refused_logged: Option<std::time::Instant> = None;
+    let refusing = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let limits_cap = limits.max_conns;
     loop {
         let (stream, peer) = tokio::select! {
             r = listener.accept() => match r {
@@ -151,7 +157,16 @@ pub async fn serve(
                 refused_logged = Some(std::time::Instant::now());
                 tracing::warn!(%peer, cap = limits.max_conns, "connection cap reached: refusing connections (503)");
             }
-            tokio::spawn(refuse(stream, limits.max_conns));
+            // The refusals being written are bounded too: beyond them a
+            // connection is just closed.
+            if refusing.load(Ordering::Relaxed) < MAX_REFUSING {
+                refusing.fetch_add(1, Ordering::Relaxed);
+                let refusing = refusing.clone();
+                tokio::spawn(async move {
+                    refuse(stream, limits_cap).await;
+                    refusing.fetch_sub(1, Ordering::Relaxed);
+                });
+            }
             continue;
         };
         let mds = mds.clone();

@@ -158,7 +158,10 @@ fn parse_members(kvs: &[etcd_client::KeyValue]) -> Vec<MemberRecord> {
 /// Runs an etcd call, and again (four times at most) when it failed without an
 /// answer from etcd: with one member down (its name gone, its port shut) the
 /// client's balancer may pick it, and a retry goes to another member. Only
-/// idempotent calls, or ones guarded by a compare, go through here.
+/// idempotent calls go through here (reads, puts, lease grants: a grant
+/// applied whose answer was lost leaves a lease that expires). Transactions
+/// do not: one applied whose answer was lost would fail its compare when
+/// sent again and be taken for a conflict.
 macro_rules! etcd_call {
     ($self:ident, $call:expr) => {{
         let mut tries = 0;
@@ -336,7 +339,7 @@ impl Registry {
         let txn = Txn::new()
             .when([Compare::mod_revision(key.clone(), CompareOp::Equal, kv.mod_revision())])
             .and_then([TxnOp::put(key, kv.value().to_vec(), Some(PutOptions::new().with_lease(lease)))]);
-        let done = etcd_call!(self, etcd.txn(txn.clone()).await)?;
+        let done = self.track(etcd.txn(txn).await)?;
         if !done.succeeded() {
             let _ = etcd.lease_revoke(lease).await;
             return Err(RegError::Conflict(format!("node {id}'s record changed during the heartbeat: retry")));
@@ -379,7 +382,7 @@ impl Registry {
             let txn = Txn::new()
                 .when([Compare::mod_revision(key.clone(), CompareOp::Equal, kv.mod_revision())])
                 .and_then([TxnOp::delete(key, None)]);
-            if !etcd_call!(self, etcd.txn(txn.clone()).await)?.succeeded() {
+            if !self.track(etcd.txn(txn).await)?.succeeded() {
                 return Err(RegError::Conflict(format!("node {id}'s record changed during the leave: retry")));
             }
         }
@@ -414,7 +417,7 @@ impl Registry {
                 TxnOp::put(ekey.clone(), want.clone(), None),
                 TxnOp::get(members_prefix(group), Some(GetOptions::new().with_prefix())),
             ]);
-            let done = etcd_call!(self, etcd.txn(txn.clone()).await)?;
+            let done = self.track(etcd.txn(txn).await)?;
             if !done.succeeded() {
                 continue; // another replica moved the epoch: read again
             }

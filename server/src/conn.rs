@@ -156,8 +156,20 @@ impl Out {
 
     async fn close(&self) {
         let mut w = self.w.lock().await;
-        let _ = w.flush().await;
-        let _ = w.shutdown().await;
+        if *self.dead.borrow() {
+            // The peer stopped reading: what is still buffered would never
+            // go out, and flushing it could wait for ever. Just send the FIN.
+            let _ = w.get_mut().shutdown().await;
+            return;
+        }
+        let flushed = tokio::time::timeout(FRAME_TIMEOUT, async {
+            w.flush().await?;
+            w.shutdown().await
+        })
+        .await;
+        if flushed.is_err() {
+            let _ = w.get_mut().shutdown().await;
+        }
     }
 }
 

@@ -50,26 +50,21 @@ struct SyncState {
     issued: u64,
     synced: u64,
     running: bool,
-    /// Failed flushes, as ticket ranges `(after, upto, errno)`: the writes
-    /// of tickets in `after+1..=upto` were not proven on media, whatever a
-    /// later flush says (the kernel may have dropped their dirty pages), so
-    /// they get the error. Later writers start a fresh flush.
-    failed: Vec<(u64, u64, i32)>,
+    /// Set by the first failed flush, for good: the kernel may have dropped
+    /// the dirty pages of any write not yet proven on media (and reports
+    /// that error once), so no later flush may acknowledge such a write.
+    /// Writes synced before it stay acknowledged; the store takes the disk
+    /// out of service.
+    failed: Option<i32>,
 }
 
-/// Failed ranges kept: a waiter is woken at its flush's end, so only a
-/// waiter starved through this many failed flushes could miss its own.
-const FAILED_RANGES_KEPT: usize = 64;
-
 impl SyncState {
-    /// What the writer of `ticket` is told, or None while it must wait. A
-    /// failure comes first: a later successful flush does not make up for
-    /// one that failed after this write.
+    /// What the writer of `ticket` is told, or None while it must wait.
     fn verdict(&self, ticket: u64) -> Option<io::Result<()>> {
-        if let Some(f) = self.failed.iter().rev().find(|(after, upto, _)| ticket > *after && ticket <= *upto) {
-            return Some(Err(io::Error::from_raw_os_error(f.2)));
+        if self.synced >= ticket {
+            return Some(Ok(()));
         }
-        (self.synced >= ticket).then_some(Ok(()))
+        self.failed.map(|errno| Err(io::Error::from_raw_os_error(errno)))
     }
 }
 
@@ -90,14 +85,11 @@ impl GroupSync {
                 st = self.state.lock().unwrap_or_else(|e| e.into_inner());
                 st.running = false;
                 match r {
-                    Ok(()) => st.synced = st.synced.max(target),
-                    Err(e) => {
-                        let after = st.synced;
-                        st.failed.push((after, target, e.raw_os_error().unwrap_or(libc::EIO)));
-                        if st.failed.len() > FAILED_RANGES_KEPT {
-                            st.failed.remove(0);
-                        }
-                    }
+                    // After a failure nothing more is acknowledged, even if
+                    // this (later) flush succeeded.
+                    Ok(()) if st.failed.is_none() => st.synced = st.synced.max(target),
+                    Ok(()) => {}
+                    Err(e) => st.failed = st.failed.or(Some(e.raw_os_error().unwrap_or(libc::EIO))),
                 }
                 self.done.notify_all();
                 continue;
@@ -210,14 +202,16 @@ mod group_sync_tests {
     use super::SyncState;
 
     #[test]
-    fn a_write_whose_flush_failed_is_never_acknowledged_by_a_later_flush() {
-        // Flushes: up to ticket 5 fine, then 6..=8 failed, then up to 10 fine.
-        let st = SyncState { issued: 11, synced: 10, running: false, failed: vec![(5, 8, libc::EIO)] };
+    fn after_a_failed_flush_no_write_is_acknowledged() {
+        // Up to ticket 5 flushed, then a flush failed: 6.. never succeed,
+        // including a write whose ticket came after the failed flush began
+        // (its pages may have been in that flush, and the error is told once).
+        let st = SyncState { issued: 11, synced: 5, running: false, failed: Some(libc::EIO) };
         assert!(st.verdict(4).unwrap().is_ok(), "flushed before the failure");
-        for t in 6..=8 {
+        for t in 6..=11 {
             assert_eq!(st.verdict(t).unwrap().unwrap_err().raw_os_error(), Some(libc::EIO), "ticket {t}");
         }
-        assert!(st.verdict(9).unwrap().is_ok(), "written after the failed flush began, flushed later");
-        assert!(st.verdict(11).is_none(), "not flushed yet: wait");
+        let ok = SyncState { issued: 11, synced: 5, running: false, failed: None };
+        assert!(ok.verdict(6).is_none(), "not flushed yet: wait");
     }
 }
