@@ -93,11 +93,19 @@ pub fn man_pages(cmd: &clap::Command) -> Vec<(String, Vec<u8>)> {
     pages
 }
 
-/// Each binary's test that its man pages under `dir` (shipped in the
-/// packages) are what `man_pages` renders now. With KVCELLAR_UPDATE_MAN=1 in
-/// the environment it writes them instead.
+/// Each binary's one test of its command line: every argument has a help
+/// line, the help has examples, and the man pages under `packaging/man`
+/// (shipped in the packages) are what `man_pages` renders now. With
+/// KVCELLAR_UPDATE_MAN=1 in the environment it writes the pages instead.
 #[cfg(feature = "man")]
-pub fn check_man_pages(cmd: &clap::Command, dir: &std::path::Path) {
+pub fn check_command_line(cmd: &clap::Command) {
+    assert_documented(cmd);
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../packaging/man");
+    check_man_pages(cmd, &dir);
+}
+
+#[cfg(feature = "man")]
+fn check_man_pages(cmd: &clap::Command, dir: &std::path::Path) {
     let update = std::env::var_os("KVCELLAR_UPDATE_MAN").is_some();
     let mut stale = Vec::new();
     for (file, text) in man_pages(cmd) {
@@ -112,7 +120,7 @@ pub fn check_man_pages(cmd: &clap::Command, dir: &std::path::Path) {
     assert!(
         stale.is_empty(),
         "man pages out of date with the command line: {stale:?}; regenerate with \
-         KVCELLAR_UPDATE_MAN=1 cargo test -p {} man_pages_match",
+         KVCELLAR_UPDATE_MAN=1 cargo test -p {} the_man_pages_match",
         cmd.get_name()
     );
 }
