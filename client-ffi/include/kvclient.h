@@ -3,8 +3,8 @@
  * Conventions:
  * - Every function returns a status code (int) unless noted. Positive codes
  *   mean "not served: recompute"; negative codes mean the caller erred
- *   (KV_EINVAL) or the library has a bug (KV_EINTERNAL). Codes are never
- *   reused.
+ *   (KV_EINVAL, or KV_EDENIED: the group's auth token is missing or wrong)
+ *   or the library has a bug (KV_EINTERNAL). Codes are never reused.
  * - Every pointer argument is checked: NULL where a value is required is
  *   KV_EINVAL, never a crash. Output pointers documented as optional may be NULL.
  * - Panics never cross this boundary: they become KV_EINTERNAL.
@@ -59,8 +59,10 @@ typedef struct kv_geometry {
 /* members: "id=host:port[@weight],..." or "" (discovery only);
    options: NULL or "key=value,..." e.g. "io_timeout_ms=10000,batch_concurrency=8";
    keys (defaults): connect_timeout_ms (3000), io_timeout_ms (10000),
-   max_conns_per_node (16), batch_concurrency (8), peer_cooldown_ms (2000).
-   Unknown keys are an error. Returns NULL on error (see kv_last_error). */
+   max_conns_per_node (16), batch_concurrency (8), peer_cooldown_ms (2000),
+   auth_token_file (none: a path, read once here, holding the group's token;
+   it cannot contain a comma). Unknown keys are an error. Returns NULL on
+   error (see kv_last_error). */
 kv_client *kv_open(const char *members, const kv_geometry *geo, const char *options);
 /* Waits for calls in flight on other threads (each ends within its own
    timeouts: a batch may take several I/O timeouts), then frees; later calls
@@ -71,8 +73,9 @@ int kv_set_members(kv_client *c, const char *members);
 /* Membership through kv-mds: long-polls group's view (each poll waits up to
    poll_ms) on "host:port,..." with failover, rebuilding the ring when the
    epoch changes. KV_OK once the first view is applied; KV_UNAVAILABLE if no
-   MDS answered yet (discovery keeps trying in the background). Calling it
-   again replaces the previous discovery. */
+   MDS answered yet (discovery keeps trying in the background); KV_EDENIED if
+   the MDS refused the auth token. Calling it again replaces the previous
+   discovery. */
 int kv_start_mds_discovery(kv_client *c, const char *mds_endpoints_csv, const char *group, int poll_ms);
 uint64_t kv_epoch(const kv_client *c); /* ring epoch in use (the MDS epoch under discovery); 0 for NULL */
 
@@ -91,8 +94,8 @@ int kv_delete(kv_client *c, const char *key);
 
 /* Batches: item i uses iovcnt[i] consecutive entries of iov. Items fan out to
    their owners concurrently. Return the number of items with KV_OK (>= 0) or a
-   negative code; per-item codes go to out_status (required); out_lens is
-   optional. */
+   negative code (KV_EDENIED when any owner refused the auth token); per-item
+   codes go to out_status (required); out_lens is optional. */
 int kv_batch_putv(kv_client *c, size_t n, const char *const *keys, const kv_iovec *iov,
                   const size_t *iovcnt, int *out_status);
 int kv_batch_getv(kv_client *c, size_t n, const char *const *keys, const kv_iovec *iov,

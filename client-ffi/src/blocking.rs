@@ -40,7 +40,7 @@ impl BlockingClient {
         endpoints: Vec<String>,
         group: String,
         poll: std::time::Duration,
-    ) -> std::io::Result<Result<u64, String>> {
+    ) -> std::io::Result<Result<u64, (kv_common::status::Status, String)>> {
         let mut slot = self.discovery.lock().unwrap_or_else(|e| e.into_inner());
         // Stop the previous discovery before the new one applies views.
         drop(slot.take());

@@ -197,7 +197,13 @@ impl Client {
                     .find(|n| n.id == m.id && n.addr == m.addr && n.weight == m.weight)
                     .cloned()
                     .unwrap_or_else(|| {
-                        Arc::new(Node::new(m.id.clone(), m.addr.clone(), m.weight, self.opts.max_conns_per_node))
+                        Arc::new(Node::new(
+                            m.id.clone(),
+                            m.addr.clone(),
+                            m.weight,
+                            self.opts.max_conns_per_node,
+                            self.opts.auth_token.clone(),
+                        ))
                     })
             })
             .collect();

@@ -8,8 +8,8 @@ use std::time::Duration;
 use kv_common::page::{parse_record, Geometry, PageHeader, HEADER_LEN};
 use kv_common::stats::NodeStats;
 use kv_common::status::Status;
-use kv_common::wire::{self, Hello, KeyRequest, Op, ReqHeader, RspHeader, FLAG_CHECK_GEOMETRY};
-use kv_common::wire::{FRAME_HEADER_LEN, HELLO_LEN, RSP_FLAG_DUPLICATE, WIRE_VERSION};
+use kv_common::wire::{self, KeyRequest, Op, ReqHeader, RspHeader, FLAG_CHECK_GEOMETRY};
+use kv_common::wire::{FRAME_HEADER_LEN, RSP_FLAG_DUPLICATE, WIRE_VERSION};
 
 #[derive(Debug, thiserror::Error)]
 pub enum ClientError {
@@ -21,6 +21,8 @@ pub enum ClientError {
     Protocol(String),
     #[error("node answered {status:?}: {msg}")]
     Refused { status: Status, msg: String },
+    #[error("{addr} refused the auth token (missing or wrong for its group)")]
+    Denied { addr: String },
 }
 
 /// A response: header and body.
@@ -44,27 +46,37 @@ pub struct Conn {
 }
 
 impl Conn {
-    /// Connects and exchanges hellos. `timeout` bounds connect and each I/O.
+    /// Connects and exchanges hellos, with no auth token. `timeout` bounds
+    /// connect and each I/O.
     pub fn connect(addr: &str, timeout: Duration) -> Result<Conn, ClientError> {
+        Conn::connect_with(addr, timeout, None)
+    }
+
+    /// Connects, agrees on a protocol version and presents `token`.
+    pub fn connect_with(
+        addr: &str,
+        timeout: Duration,
+        token: Option<&kv_common::auth::Token>,
+    ) -> Result<Conn, ClientError> {
         let err = |source| ClientError::Connect { addr: addr.to_string(), source };
         let sa = addr.to_socket_addrs().map_err(err)?.next().ok_or_else(|| err(std::io::Error::other("no address")))?;
-        let stream = TcpStream::connect_timeout(&sa, timeout).map_err(err)?;
-        stream.set_nodelay(true)?;
-        stream.set_read_timeout(Some(timeout))?;
-        stream.set_write_timeout(Some(timeout))?;
-        let mut c = Conn { stream, next_id: 1, max_record: 0 };
-        c.stream.write_all(&Hello { version: WIRE_VERSION, status: 0, max_record: 0 }.encode())?;
-        let mut h = [0u8; HELLO_LEN];
-        c.stream.read_exact(&mut h)?;
-        let reply = Hello::decode(&h).map_err(|e| ClientError::Protocol(e.to_string()))?;
-        if reply.status != 0 {
-            return Err(ClientError::Protocol(format!(
-                "node refused protocol v{WIRE_VERSION} (speaks v{})",
-                reply.version
-            )));
+        let mut version = WIRE_VERSION;
+        for _ in 0..crate::hello::MAX_TRIES {
+            let mut stream = TcpStream::connect_timeout(&sa, timeout).map_err(err)?;
+            stream.set_nodelay(true)?;
+            stream.set_read_timeout(Some(timeout))?;
+            stream.set_write_timeout(Some(timeout))?;
+            let step = crate::hello::say_sync(&mut stream, version, token).map_err(|e| match e {
+                crate::error::OpError::Denied => ClientError::Denied { addr: addr.to_string() },
+                crate::error::OpError::Io(e) => ClientError::Io(e),
+                e => ClientError::Protocol(e.to_string()),
+            })?;
+            match step {
+                crate::hello::Step::Done { max_record, .. } => return Ok(Conn { stream, next_id: 1, max_record }),
+                crate::hello::Step::Again(v) => version = v,
+            }
         }
-        c.max_record = reply.max_record;
-        Ok(c)
+        Err(ClientError::Protocol(crate::hello::unsettled().to_string()))
     }
 
     /// Largest record the node accepts.

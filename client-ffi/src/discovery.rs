@@ -13,6 +13,7 @@ use std::thread::JoinHandle;
 use std::time::Duration;
 
 use kv_common::mds::{AbortHandle, MdsClient, MdsError, View};
+use kv_common::status::Status;
 
 use crate::client::Client;
 use crate::members::{member, Member};
@@ -63,6 +64,10 @@ fn members_of(v: &View) -> (Vec<Member>, Vec<String>) {
     (out, bad)
 }
 
+/// How the first round of discovery failed: `Unavailable` (no replica
+/// answered usefully) or `Edenied` (the MDS refused the auth token).
+pub type FirstError = (Status, String);
+
 /// Starts discovery; returns once the first view is applied (`Ok(epoch)`)
 /// or `first_wait` has passed without one (`Err(why)`; discovery goes on).
 pub fn start(
@@ -71,21 +76,21 @@ pub fn start(
     group: String,
     poll: Duration,
     first_wait: Duration,
-) -> std::io::Result<(Discovery, Result<u64, String>)> {
+) -> std::io::Result<(Discovery, Result<u64, FirstError>)> {
     let stop = Arc::new(AtomicBool::new(false));
     // Above the MDS's 2.5 s budget for etcd (a slow etcd is then a 503 to
     // fail over on, not a timeout).
     let timeout = core.opts.connect_timeout.clamp(Duration::from_secs(3), Duration::from_secs(10));
     let named = endpoints.join(",");
-    let mds = MdsClient::new(endpoints, timeout);
+    let mds = MdsClient::new(endpoints, timeout).with_token(core.opts.auth_token.clone());
     let abort = mds.abort_handle();
-    let (tx, rx) = mpsc::channel::<Result<u64, String>>();
+    let (tx, rx) = mpsc::channel::<Result<u64, FirstError>>();
     let s = stop.clone();
     let thread =
         std::thread::Builder::new().name("kvclient-mds".into()).spawn(move || run(core, mds, group, poll, &s, tx))?;
-    let first = rx
-        .recv_timeout(first_wait)
-        .unwrap_or_else(|_| Err(format!("no MDS of {named} answered within {} ms", first_wait.as_millis())));
+    let first = rx.recv_timeout(first_wait).unwrap_or_else(|_| {
+        Err((Status::Unavailable, format!("no MDS of {named} answered within {} ms", first_wait.as_millis())))
+    });
     Ok((Discovery { stop, abort, thread: Some(thread) }, first))
 }
 
@@ -95,7 +100,7 @@ fn run(
     group: String,
     poll: Duration,
     stop: &AtomicBool,
-    tx: mpsc::Sender<Result<u64, String>>,
+    tx: mpsc::Sender<Result<u64, FirstError>>,
 ) {
     let m = &core.metrics;
     // The epoch of the view applied; None before the first.
@@ -120,7 +125,8 @@ fn run(
                         // rather than a ring without this member, keep the
                         // one in use and try again. (Only a malformed record
                         // gets here, never a name that does not resolve.)
-                        fail(&core, &mut first, format!("view {} of {group}: {}", v.epoch, bad.join("; ")));
+                        let msg = format!("view {} of {group}: {}", v.epoch, bad.join("; "));
+                        fail(&core, &mut first, Status::Unavailable, msg);
                         pause(stop, poll.min(Duration::from_secs(1)));
                         continue;
                     }
@@ -150,7 +156,11 @@ fn run(
             Err(e) => {
                 m.mds_errors.fetch_add(1, Ordering::Relaxed);
                 m.mds_up.store(0, Ordering::Relaxed);
-                fail(&core, &mut first, format!("MDS discovery of group {group}: {e}"));
+                // A refused token is a misconfiguration: the starter gets
+                // KV_EDENIED; the thread keeps asking (the MDS may be
+                // given the token later) at the same pace as after errors.
+                let st = if matches!(e, MdsError::Denied(_)) { Status::Edenied } else { Status::Unavailable };
+                fail(&core, &mut first, st, format!("MDS discovery of group {group}: {e}"));
                 // Every replica failed: keep the ring, try again shortly.
                 pause(stop, poll.min(Duration::from_secs(1)));
             }
@@ -160,10 +170,10 @@ fn run(
 
 /// Records a failed round; the first one also answers the starter (who
 /// returns KV_UNAVAILABLE while discovery keeps trying behind it).
-fn fail(core: &Client, first: &mut Option<mpsc::Sender<Result<u64, String>>>, msg: String) {
+fn fail(core: &Client, first: &mut Option<mpsc::Sender<Result<u64, FirstError>>>, st: Status, msg: String) {
     core.set_discovery_error(msg.clone());
     if let Some(tx) = first.take() {
-        let _ = tx.send(Err(msg));
+        let _ = tx.send(Err((st, msg)));
     }
 }
 

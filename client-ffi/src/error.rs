@@ -19,6 +19,9 @@ pub enum OpError {
     Protocol(String),
     #[error("node answered {0:?}: {1}")]
     Node(Status, String),
+    /// The node refused the auth token at the hello (KV_EDENIED).
+    #[error("the node refused this client's auth token (missing or wrong for the group)")]
+    Denied,
 }
 
 impl OpError {
@@ -32,6 +35,7 @@ impl OpError {
             // know) is "not served" for the caller, never a negative code.
             OpError::Node(Status::Internal | Status::Einternal | Status::Einval, _) => Status::Unavailable,
             OpError::Node(s, _) => *s,
+            OpError::Denied => Status::Edenied,
         }
     }
 

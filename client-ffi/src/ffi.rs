@@ -354,7 +354,11 @@ pub unsafe extern "C" fn kv_start_mds_discovery(
         let poll = std::time::Duration::from_millis(poll_ms as u64);
         match cl.start_discovery(eps, group.to_string(), poll) {
             Ok(Ok(_)) => Ok(KV_OK),
-            Ok(Err(why)) => {
+            Ok(Err((Status::Edenied, why))) => {
+                set_error(why);
+                Err(KV_EDENIED)
+            }
+            Ok(Err((_, why))) => {
                 set_error(format!("{why} (discovery keeps trying in the background)"));
                 Err(KV_UNAVAILABLE)
             }
@@ -574,6 +578,11 @@ fn write_statuses(out: *mut c_int, st: &[Status]) -> c_int {
     for (i, s) in st.iter().enumerate() {
         // SAFETY: out points to st.len() writable ints (checked non-NULL by callers).
         unsafe { *out.add(i) = code(*s) };
+    }
+    // A refused token is the caller's configuration, not a miss: the whole
+    // call says so (each item's status says which owners refused).
+    if st.contains(&Status::Edenied) {
+        return KV_EDENIED;
     }
     st.iter().filter(|&&s| s == Status::Ok).count().min(c_int::MAX as usize) as c_int
 }

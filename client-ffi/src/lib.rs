@@ -16,6 +16,7 @@ pub mod discovery;
 pub mod error;
 pub mod exchange;
 pub mod ffi;
+pub mod hello;
 pub mod members;
 pub mod metrics;
 pub mod node;

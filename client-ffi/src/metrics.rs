@@ -5,7 +5,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use kv_common::status::Status;
 
-const STATUSES: [Status; 12] = [
+const STATUSES: [Status; 13] = [
     Status::Ok,
     Status::Miss,
     Status::Mismatch,
@@ -17,6 +17,7 @@ const STATUSES: [Status; 12] = [
     Status::BadRequest,
     Status::Internal,
     Status::Einval,
+    Status::Edenied,
     Status::Einternal,
 ];
 
@@ -28,7 +29,7 @@ const OPS: [&str; 4] = ["put", "get", "exist", "delete"];
 
 #[derive(Default)]
 pub struct Metrics {
-    by_status: [[AtomicU64; 12]; 4],
+    by_status: [[AtomicU64; 13]; 4],
     pub bytes_put: AtomicU64,
     pub bytes_got: AtomicU64,
     pub ring_rebuilds: AtomicU64,

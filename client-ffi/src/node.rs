@@ -3,12 +3,12 @@
 //! cool-down after an I/O failure, during which its keys answer
 //! KV_UNAVAILABLE at once without touching the network).
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU16, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use kv_common::wire::{Hello, HELLO_LEN, WIRE_VERSION};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use kv_common::auth::Token;
+use kv_common::wire::WIRE_VERSION;
 use tokio::net::TcpStream;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
@@ -38,6 +38,11 @@ pub struct Node {
     cool_until: AtomicU64,
     epoch: Instant,
     pub failures: AtomicU64,
+    /// The group's auth token, sent in every hello.
+    pub token: Option<Token>,
+    /// The protocol version the last hello with this node agreed on: the
+    /// next connection starts with it (see hello.rs).
+    proto: AtomicU16,
 }
 
 /// A connection checked out of a node's pool. It goes back to the pool only
@@ -79,7 +84,7 @@ impl Drop for SyncSlot {
 }
 
 impl Node {
-    pub fn new(id: String, addr: String, weight: u32, max_conns: usize) -> Node {
+    pub fn new(id: String, addr: String, weight: u32, max_conns: usize, token: Option<Token>) -> Node {
         Node {
             id,
             addr,
@@ -93,7 +98,19 @@ impl Node {
             cool_until: AtomicU64::new(0),
             epoch: Instant::now(),
             failures: AtomicU64::new(0),
+            token,
+            proto: AtomicU16::new(WIRE_VERSION),
         }
+    }
+
+    /// The version to say hello in first.
+    pub fn hello_version(&self) -> u16 {
+        self.proto.load(Ordering::Relaxed)
+    }
+
+    /// Remembers the version a hello agreed on.
+    pub fn agreed_version(&self, v: u16) {
+        self.proto.store(v, Ordering::Relaxed);
     }
 
     /// Whether the node is in its cool-down now.
@@ -173,7 +190,7 @@ impl Node {
                 return Ok(Checkout { node: self.clone(), conn: Some(conn), reused: true, _slot: slot });
             }
         }
-        let conn = tokio::time::timeout(connect_timeout, connect(&self.addr)).await.map_err(|_| OpError::Timeout)??;
+        let conn = tokio::time::timeout(connect_timeout, connect(self)).await.map_err(|_| OpError::Timeout)??;
         Ok(Checkout { node: self.clone(), conn: Some(conn), reused: false, _slot: slot })
     }
 
@@ -185,21 +202,25 @@ impl Node {
     }
 }
 
-/// Resolves `addr` again (a name may point elsewhere since the last
-/// connection) and connects to the first address that answers.
-async fn connect(addr: &str) -> Result<AsyncConn, OpError> {
-    let mut stream = TcpStream::connect(addr).await.map_err(OpError::Io)?;
-    stream.set_nodelay(true).map_err(OpError::Io)?;
-    // Keep-alive probes notice a peer that vanished without a FIN.
-    set_keepalive(&stream);
-    stream.write_all(&Hello { version: WIRE_VERSION, status: 0, max_record: 0 }.encode()).await.map_err(OpError::Io)?;
-    let mut h = [0u8; HELLO_LEN];
-    stream.read_exact(&mut h).await.map_err(OpError::Io)?;
-    let reply = Hello::decode(&h).map_err(|e| OpError::Protocol(e.to_string()))?;
-    if reply.status != 0 {
-        return Err(OpError::Protocol(format!("node speaks protocol v{}, not v{WIRE_VERSION}", reply.version)));
+/// Resolves the node's address again (a name may point elsewhere since the
+/// last connection), connects to the first address that answers and agrees
+/// on a protocol version (hello.rs).
+async fn connect(node: &Node) -> Result<AsyncConn, OpError> {
+    let mut version = node.hello_version();
+    for _ in 0..crate::hello::MAX_TRIES {
+        let mut stream = TcpStream::connect(node.addr.as_str()).await.map_err(OpError::Io)?;
+        stream.set_nodelay(true).map_err(OpError::Io)?;
+        // Keep-alive probes notice a peer that vanished without a FIN.
+        set_keepalive(&stream);
+        match crate::hello::say_async(&mut stream, version, node.token.as_ref()).await? {
+            crate::hello::Step::Done { version, max_record } => {
+                node.agreed_version(version);
+                return Ok(AsyncConn { stream, next_id: 1, max_record });
+            }
+            crate::hello::Step::Again(v) => version = v,
+        }
     }
-    Ok(AsyncConn { stream, next_id: 1, max_record: reply.max_record })
+    Err(crate::hello::unsettled())
 }
 
 /// Turns on TCP keep-alive (idle 30 s) on the socket.

@@ -11,6 +11,8 @@ pub struct Options {
     pub max_conns_per_node: usize,
     pub batch_concurrency: usize,
     pub peer_cooldown: Duration,
+    /// The group's token, read from `auth_token_file` (None: send none).
+    pub auth_token: Option<kv_common::auth::Token>,
 }
 
 impl Default for Options {
@@ -21,21 +23,36 @@ impl Default for Options {
             max_conns_per_node: 16,
             batch_concurrency: 8,
             peer_cooldown: Duration::from_millis(2000),
+            auth_token: None,
         }
     }
 }
 
 /// The option keys, for messages and docs.
-pub const KEYS: &[&str] =
-    &["connect_timeout_ms", "io_timeout_ms", "max_conns_per_node", "batch_concurrency", "peer_cooldown_ms"];
+pub const KEYS: &[&str] = &[
+    "connect_timeout_ms",
+    "io_timeout_ms",
+    "max_conns_per_node",
+    "batch_concurrency",
+    "peer_cooldown_ms",
+    "auth_token_file",
+];
 
 impl Options {
-    /// Parses `key=value,...`; empty means all defaults.
+    /// Parses `key=value,...`; empty means all defaults. `auth_token_file`
+    /// is read here (a path with a comma cannot be given).
     pub fn parse(s: &str) -> Result<Options, String> {
         let mut o = Options::default();
         for item in s.split(',').map(str::trim).filter(|i| !i.is_empty()) {
             let (k, v) = item.split_once('=').ok_or_else(|| format!("option {item:?} is not key=value"))?;
             let (k, v) = (k.trim(), v.trim());
+            if k == "auth_token_file" {
+                if v.is_empty() {
+                    return Err("option auth_token_file names no file".into());
+                }
+                o.auth_token = Some(kv_common::auth::read_token_file(std::path::Path::new(v))?);
+                continue;
+            }
             let n: u64 = v.parse().map_err(|_| format!("option {k}: {v:?} is not a whole number"))?;
             let positive = |n: u64| if n == 0 { Err(format!("option {k} must be at least 1")) } else { Ok(n) };
             match k {
@@ -66,5 +83,17 @@ mod tests {
         assert!(Options::parse("io_timeout_ms").unwrap_err().contains("key=value"));
         assert!(Options::parse("io_timeout_ms=-1").unwrap_err().contains("whole number"));
         assert!(Options::parse("max_conns_per_node=0").unwrap_err().contains("at least 1"));
+    }
+
+    #[test]
+    fn the_token_is_read_from_its_file() {
+        let d = tempfile::tempdir().unwrap();
+        let p = d.path().join("tok");
+        std::fs::write(&p, "abc123\n").unwrap();
+        let o = Options::parse(&format!("auth_token_file={}, io_timeout_ms=5", p.display())).unwrap();
+        assert_eq!(o.auth_token.unwrap().as_bytes(), b"abc123");
+        let e = Options::parse(&format!("auth_token_file={}", d.path().join("no").display())).unwrap_err();
+        assert!(e.contains("auth token file"), "{e}");
+        assert!(Options::parse("auth_token_file=").unwrap_err().contains("names no file"));
     }
 }

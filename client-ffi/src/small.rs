@@ -16,8 +16,8 @@ use std::time::{Duration, Instant};
 
 use kv_common::page::Geometry;
 use kv_common::status::Status;
-use kv_common::wire::{self, Hello, KeyRequest, Op, ReqHeader, RspHeader, FLAG_CHECK_GEOMETRY, FRAME_HEADER_LEN};
-use kv_common::wire::{HELLO_LEN, MAX_BATCH_KEYS, WIRE_VERSION};
+use kv_common::wire::MAX_BATCH_KEYS;
+use kv_common::wire::{self, KeyRequest, Op, ReqHeader, RspHeader, FLAG_CHECK_GEOMETRY, FRAME_HEADER_LEN};
 
 use crate::client::Client;
 use crate::error::OpError;
@@ -77,34 +77,38 @@ impl SyncConn {
 }
 
 fn connect(node: &Node, timeout: Duration) -> Result<SyncConn, OpError> {
+    let mut version = node.hello_version();
+    for _ in 0..crate::hello::MAX_TRIES {
+        let mut stream = dial(node, timeout)?;
+        stream.set_nodelay(true)?;
+        stream.set_read_timeout(Some(timeout))?;
+        stream.set_write_timeout(Some(timeout))?;
+        match crate::hello::say_sync(&mut stream, version, node.token.as_ref())? {
+            crate::hello::Step::Done { version, .. } => {
+                node.agreed_version(version);
+                return Ok(SyncConn { stream, next_id: 1, read_timeout: timeout, write_timeout: timeout });
+            }
+            crate::hello::Step::Again(v) => version = v,
+        }
+    }
+    Err(crate::hello::unsettled())
+}
+
+/// Connects to the first of the node's addresses that answers.
+fn dial(node: &Node, timeout: Duration) -> Result<TcpStream, OpError> {
     // Resolved again on every connect (see members.rs).
     let mut last = None;
-    let mut stream = None;
     for a in crate::members::resolve(&node.addr)? {
         match TcpStream::connect_timeout(&a, timeout) {
-            Ok(s) => {
-                stream = Some(s);
-                break;
-            }
+            Ok(s) => return Ok(s),
             Err(e) => last = Some(e),
         }
     }
-    let mut stream = stream.ok_or_else(|| match last {
+    Err(match last {
         Some(e) if e.kind() == std::io::ErrorKind::TimedOut => OpError::Timeout,
         Some(e) => OpError::Io(e),
         None => OpError::Io(std::io::ErrorKind::NotFound.into()),
-    })?;
-    stream.set_nodelay(true)?;
-    stream.set_read_timeout(Some(timeout))?;
-    stream.set_write_timeout(Some(timeout))?;
-    stream.write_all(&Hello { version: WIRE_VERSION, status: 0, max_record: 0 }.encode())?;
-    let mut h = [0u8; HELLO_LEN];
-    stream.read_exact(&mut h).map_err(timeout_or_io)?;
-    let reply = Hello::decode(&h).map_err(|e| OpError::Protocol(e.to_string()))?;
-    if reply.status != 0 {
-        return Err(OpError::Protocol(format!("node speaks protocol v{}", reply.version)));
-    }
-    Ok(SyncConn { stream, next_id: 1, read_timeout: timeout, write_timeout: timeout })
+    })
 }
 
 fn timeout_or_io(e: std::io::Error) -> OpError {

@@ -8,6 +8,7 @@
 //! decoders here work on byte slices so that every part (and every fuzz target)
 //! uses the same checked code.
 
+pub mod auth;
 pub mod cli;
 #[cfg(feature = "daemon")]
 pub mod daemon;

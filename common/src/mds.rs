@@ -96,6 +96,8 @@ pub enum MdsError {
     Unavailable(String),
     /// The call was aborted by [`MdsClient::abort`].
     Aborted,
+    /// The MDS refused the auth token (401): missing or wrong for the group.
+    Denied(String),
 }
 
 impl std::fmt::Display for MdsError {
@@ -106,6 +108,7 @@ impl std::fmt::Display for MdsError {
             MdsError::Taken(m) => write!(f, "id taken: {m}"),
             MdsError::Unavailable(m) => write!(f, "no MDS answered: {m}"),
             MdsError::Aborted => write!(f, "aborted"),
+            MdsError::Denied(m) => write!(f, "access denied: {m}"),
         }
     }
 }
@@ -146,6 +149,8 @@ pub struct MdsClient {
     /// The socket of the call in progress, so another thread can abort it.
     in_flight: Arc<Mutex<Option<TcpStream>>>,
     aborted: Arc<std::sync::atomic::AtomicBool>,
+    /// Sent as `Authorization: Bearer` on every call.
+    token: Option<crate::auth::Token>,
 }
 
 /// Aborts calls of an [`MdsClient`] from another thread.
@@ -170,7 +175,13 @@ impl AbortHandle {
 
 impl MdsClient {
     pub fn new(endpoints: Vec<String>, timeout: Duration) -> MdsClient {
-        MdsClient { endpoints, current: 0, timeout, in_flight: Arc::default(), aborted: Arc::default() }
+        MdsClient { endpoints, current: 0, timeout, in_flight: Arc::default(), aborted: Arc::default(), token: None }
+    }
+
+    /// Sends `token` with every call (the group's auth token).
+    pub fn with_token(mut self, token: Option<crate::auth::Token>) -> MdsClient {
+        self.token = token;
+        self
     }
 
     /// From a comma list, see [`parse_endpoints`].
@@ -232,7 +243,9 @@ impl MdsClient {
         let msg = serde_json::from_slice::<ErrorReply>(&body)
             .map(|e| e.error)
             .unwrap_or_else(|_| String::from_utf8_lossy(&body).into_owned());
-        if status == 404 {
+        if status == 401 {
+            Err(MdsError::Denied(msg))
+        } else if status == 404 {
             Err(MdsError::NotRegistered(msg))
         } else if status == 409 {
             Err(MdsError::Taken(msg))
@@ -296,7 +309,7 @@ impl MdsClient {
             }
             *g = Some(s.try_clone()?);
         }
-        let result = exchange(&mut s, ep, method, path, body);
+        let result = exchange(&mut s, ep, method, path, body, self.token.as_ref());
         *self.in_flight.lock().unwrap_or_else(|e| e.into_inner()) = None;
         result
     }
@@ -317,10 +330,14 @@ fn exchange(
     method: &str,
     path: &str,
     body: Option<&[u8]>,
+    token: Option<&crate::auth::Token>,
 ) -> std::io::Result<(u16, Vec<u8>)> {
     let body = body.unwrap_or(b"");
+    // A token is visible ASCII (checked when it was read): safe in a header.
+    let auth =
+        token.map_or(String::new(), |t| format!("Authorization: Bearer {}\r\n", String::from_utf8_lossy(t.as_bytes())));
     let head = format!(
-        "{method} {path} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n",
+        "{method} {path} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n{auth}Content-Type: application/json\r\nContent-Length: {}\r\n\r\n",
         body.len()
     );
     s.write_all(head.as_bytes())?;

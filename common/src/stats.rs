@@ -46,5 +46,11 @@ pub struct NodeStats {
     pub mem_capacity_bytes: u64,
     pub mem_hits: u64,
     pub connections: u64,
+    /// Connections refused at the hello for a missing or wrong auth token.
+    #[serde(default)]
+    pub denied_connections: u64,
+    /// Connections accepted in protocol v1 (clients of the previous release).
+    #[serde(default)]
+    pub v1_connections: u64,
     pub disks: Vec<DiskStats>,
 }

@@ -20,6 +20,9 @@ pub enum Status {
     Internal = 9,
     Einval = -1,
     Einternal = -2,
+    /// Missing or wrong auth token (C ABI only: refused at the hello or by
+    /// the MDS; a misconfiguration, never a miss).
+    Edenied = -3,
 }
 
 impl Status {
@@ -47,7 +50,7 @@ impl Status {
     pub fn to_wire(self) -> u8 {
         match self {
             Status::Einval => Status::BadRequest as u8,
-            Status::Einternal => Status::Internal as u8,
+            Status::Einternal | Status::Edenied => Status::Internal as u8,
             s => s as i32 as u8,
         }
     }
@@ -66,6 +69,7 @@ impl Status {
             Status::Internal => "internal",
             Status::Einval => "einval",
             Status::Einternal => "einternal",
+            Status::Edenied => "edenied",
         }
     }
 }

@@ -1,6 +1,7 @@
 //! Data-plane wire frames (byte tables in docs/PROTOCOL.md).
 //!
-//! A connection opens with a 16-byte hello each way, then carries frames:
+//! A connection opens with a hello each way (16 bytes; from protocol v2 the
+//! client's is followed by its auth token), then carries frames:
 //! a 16-byte header and `body_len` body bytes. Every frame carries a request
 //! id, so several requests may be in flight on one connection and responses
 //! may come back in any order. Decoders here check every claimed length
@@ -12,8 +13,19 @@ use crate::status::Status;
 
 /// `"KVCW"` as a little-endian u32: opens the client hello and server reply.
 pub const WIRE_MAGIC: u32 = 0x5743_564B;
-/// The protocol version this code speaks.
-pub const WIRE_VERSION: u16 = 1;
+/// The newest protocol version this code speaks. v2 added the auth token
+/// after the client's hello; frames are the same in v1 and v2.
+pub const WIRE_VERSION: u16 = 2;
+/// The oldest version this code still speaks (a node serves v1 clients when
+/// it has no token; a client falls back to v1 against a v1 node).
+pub const WIRE_VERSION_MIN: u16 = 1;
+/// Node hello status: accepted.
+pub const HELLO_ACCEPTED: u16 = 0;
+/// Node hello status: version not spoken (the reply's version is the node's
+/// newest); the node closes.
+pub const HELLO_VERSION_REFUSED: u16 = 1;
+/// Node hello status: missing or wrong auth token; the node closes.
+pub const HELLO_DENIED: u16 = 2;
 /// Bytes of each hello.
 pub const HELLO_LEN: usize = 16;
 /// Bytes of a frame header (request or response).
@@ -103,7 +115,9 @@ impl Default for Limits {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Hello {
     pub version: u16,
-    /// Client: 0. Server: 0 accepted, 1 version refused (then it closes).
+    /// Client v1: 0. Client v2: the length of the auth token that follows
+    /// the hello (0: none). Node: [`HELLO_ACCEPTED`],
+    /// [`HELLO_VERSION_REFUSED`] or [`HELLO_DENIED`] (then it closes).
     pub status: u16,
     /// Server: the largest record it accepts. Client: 0.
     pub max_record: u64,
@@ -125,6 +139,72 @@ impl Hello {
             return Err(WireError::Magic(magic));
         }
         Ok(Hello { version: le_u16(b, 4), status: le_u16(b, 6), max_record: le_u64(b, 8) })
+    }
+}
+
+/// What a client sends to open a connection at `version`: the hello, and
+/// from v2 the token after it (its length in the hello's status field).
+pub fn client_hello(version: u16, token: Option<&[u8]>) -> Vec<u8> {
+    let token = if version >= 2 { token.unwrap_or(&[]) } else { &[] };
+    let len = token.len().min(crate::auth::MAX_TOKEN_LEN);
+    let mut b = Hello { version, status: len as u16, max_record: 0 }.encode().to_vec();
+    b.extend_from_slice(&token[..len]);
+    b
+}
+
+/// What a client makes of the node's hello.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum HelloVerdict {
+    /// Frames may follow, in the version sent.
+    Accepted { max_record: u64 },
+    /// Connect again and say hello in this version.
+    Retry(u16),
+    /// The node wants another auth token (KV_EDENIED).
+    Denied,
+    /// No version in common, or an answer this code does not know.
+    Refused(String),
+}
+
+/// Judges the node's `reply` to a hello sent at version `sent`.
+pub fn judge_hello(sent: u16, reply: &Hello) -> HelloVerdict {
+    match reply.status {
+        HELLO_ACCEPTED => HelloVerdict::Accepted { max_record: reply.max_record },
+        HELLO_VERSION_REFUSED if reply.version < sent && reply.version >= WIRE_VERSION_MIN => {
+            HelloVerdict::Retry(reply.version)
+        }
+        HELLO_VERSION_REFUSED => HelloVerdict::Refused(format!(
+            "the node speaks protocol v{}, this client v{WIRE_VERSION_MIN} to v{WIRE_VERSION}",
+            reply.version
+        )),
+        // A v1 hello carries no token: a node that wants one is asked again
+        // in a version that carries it.
+        HELLO_DENIED if sent < 2 => HelloVerdict::Retry(WIRE_VERSION),
+        HELLO_DENIED => HelloVerdict::Denied,
+        s => HelloVerdict::Refused(format!("the node answered the hello with unknown status {s}")),
+    }
+}
+
+/// What a node makes of a client's hello (before reading any token).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ClientHello {
+    /// Spoken: read `token_len` bytes of token next (0 for v1).
+    Speak { version: u16, token_len: usize },
+    /// Not spoken: answer [`HELLO_VERSION_REFUSED`] with the node's version.
+    Unsupported(u16),
+    /// A token longer than any valid one: not a well-behaved client.
+    TokenTooLong(usize),
+}
+
+impl ClientHello {
+    pub fn judge(h: &Hello) -> ClientHello {
+        if !(WIRE_VERSION_MIN..=WIRE_VERSION).contains(&h.version) {
+            return ClientHello::Unsupported(h.version);
+        }
+        let token_len = if h.version >= 2 { h.status as usize } else { 0 };
+        if token_len > crate::auth::MAX_TOKEN_LEN {
+            return ClientHello::TokenTooLong(token_len);
+        }
+        ClientHello::Speak { version: h.version, token_len }
     }
 }
 
@@ -314,6 +394,32 @@ mod tests {
         let mut bad = hello.encode();
         bad[0] = b'G';
         assert!(matches!(Hello::decode(&bad), Err(WireError::Magic(_))));
+    }
+
+    #[test]
+    fn hellos_negotiate_version_and_token() {
+        let b = client_hello(2, Some(b"tok"));
+        assert_eq!(b.len(), HELLO_LEN + 3);
+        let h = Hello::decode(b[..HELLO_LEN].try_into().unwrap()).unwrap();
+        assert_eq!(ClientHello::judge(&h), ClientHello::Speak { version: 2, token_len: 3 });
+        assert_eq!(&b[HELLO_LEN..], b"tok");
+        // v1 carries no token, whatever the caller has.
+        let b = client_hello(1, Some(b"tok"));
+        assert_eq!(b.len(), HELLO_LEN);
+        let h = Hello::decode(b[..].try_into().unwrap()).unwrap();
+        assert_eq!(ClientHello::judge(&h), ClientHello::Speak { version: 1, token_len: 0 });
+        let h = Hello { version: 3, status: 0, max_record: 0 };
+        assert_eq!(ClientHello::judge(&h), ClientHello::Unsupported(3));
+        let h = Hello { version: 2, status: 5000, max_record: 0 };
+        assert_eq!(ClientHello::judge(&h), ClientHello::TokenTooLong(5000));
+        // The client's side.
+        let reply = |version, status| Hello { version, status, max_record: 9 };
+        assert_eq!(judge_hello(2, &reply(2, HELLO_ACCEPTED)), HelloVerdict::Accepted { max_record: 9 });
+        assert_eq!(judge_hello(2, &reply(1, HELLO_VERSION_REFUSED)), HelloVerdict::Retry(1), "an old node");
+        assert!(matches!(judge_hello(1, &reply(1, HELLO_VERSION_REFUSED)), HelloVerdict::Refused(_)));
+        assert_eq!(judge_hello(1, &reply(2, HELLO_DENIED)), HelloVerdict::Retry(2), "a node that wants a token");
+        assert_eq!(judge_hello(2, &reply(2, HELLO_DENIED)), HelloVerdict::Denied);
+        assert!(matches!(judge_hello(2, &reply(2, 77)), HelloVerdict::Refused(_)));
     }
 
     #[test]

@@ -257,6 +257,11 @@ pub fn run(a: &BenchArgs, json: bool) -> Result<u8, String> {
         return Err("--threads, --batch and --keys must be at least 1".into());
     }
     let client = a.target.client(a.geo.geometry())?;
+    // A refused token would make every request fail: say so once, up front.
+    if client.exist(b"kvctl-bench-probe") == Status::Edenied {
+        let why = kvclient::client::take_last_failure().unwrap_or_default();
+        return Err(crate::denied_line(&why));
+    }
     let members = client.core.topology().nodes.len();
     let run_id = format!("{}-{}-{}", a.prefix, std::process::id(), now_nanos());
     let key = |i: u64| format!("{run_id}-{i}");

@@ -11,11 +11,15 @@ use kvclient::Conn;
 
 /// The group's current view from the first MDS replica that answers.
 pub fn fetch_view(mds: &str, group: &str, timeout: Duration) -> Result<View, String> {
-    let mut c = MdsClient::from_csv(mds, timeout).map_err(|e| format!("--mds: {e}"))?;
+    let mut c =
+        MdsClient::from_csv(mds, timeout).map_err(|e| format!("--mds: {e}"))?.with_token(crate::token().cloned());
     if !kv_common::mds::valid_name(group) {
         return Err(format!("--group: {group:?} must be 1-64 of A-Z a-z 0-9 . _ -"));
     }
-    c.view(group).map_err(|e| e.to_string())
+    c.view(group).map_err(|e| match e {
+        kv_common::mds::MdsError::Denied(_) => crate::denied_line(&e.to_string()),
+        e => e.to_string(),
+    })
 }
 
 pub fn ring(view: &View, json: bool) -> Result<u8, String> {
@@ -58,7 +62,7 @@ fn gather(members: &[MemberRecord], timeout: Duration) -> Vec<Result<NodeStats, 
             .iter()
             .map(|m| {
                 s.spawn(move || {
-                    let mut c = Conn::connect(&m.addr, timeout).map_err(|e| e.to_string())?;
+                    let mut c = Conn::connect_with(&m.addr, timeout, crate::token()).map_err(|e| e.to_string())?;
                     c.stats().map_err(|e| e.to_string())
                 })
             })

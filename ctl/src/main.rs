@@ -9,6 +9,10 @@
 //! `stat --all` every member's statistics. `bench` measures a cluster beside
 //! the limits of this host.
 //!
+//! Every command presents the group's auth token when one is given
+//! (`--auth-token-file`, else KVCELLAR_AUTH_TOKEN_FILE); a refused token is
+//! one line and exit 2.
+//!
 //! Exit codes: 0 hit/ok, 1 miss (or not served), 2 usage or error.
 
 mod bench;
@@ -18,6 +22,7 @@ mod target;
 
 use std::io::{Read, Write};
 use std::process::ExitCode;
+use std::sync::OnceLock;
 use std::time::Duration;
 
 use clap::{Parser, Subcommand};
@@ -50,6 +55,9 @@ struct Cli {
     /// Timeout in milliseconds of `stat`, `ring`, `ping` and `health` (the data commands take --options io_timeout_ms=...).
     #[arg(long, global = true, default_value_t = 10_000)]
     timeout_ms: u64,
+    /// File holding the group's auth token, presented to nodes and kv-mds (else KVCELLAR_AUTH_TOKEN_FILE).
+    #[arg(long, global = true)]
+    auth_token_file: Option<std::path::PathBuf>,
     #[command(subcommand)]
     cmd: Cmd,
 }
@@ -152,6 +160,14 @@ fn main() -> ExitCode {
         Ok(c) => c,
         Err(code) => return code,
     };
+    let token = match read_token(cli.auth_token_file.as_deref()) {
+        Ok(t) => t,
+        Err(e) => {
+            eprintln!("kvctl: error: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    let _ = TOKEN.set(token);
     match run(&cli) {
         Ok(code) => ExitCode::from(code),
         Err(e) => {
@@ -161,8 +177,45 @@ fn main() -> ExitCode {
     }
 }
 
+/// The auth token every command presents (set once, in `main`).
+static TOKEN: OnceLock<Option<kv_common::auth::Token>> = OnceLock::new();
+
+pub fn token() -> Option<&'static kv_common::auth::Token> {
+    TOKEN.get().and_then(|t| t.as_ref())
+}
+
+/// The token of `--auth-token-file`, else of KVCELLAR_AUTH_TOKEN_FILE.
+fn read_token(flag: Option<&std::path::Path>) -> Result<Option<kv_common::auth::Token>, String> {
+    use kv_common::auth::{read_token_file, TOKEN_FILE_ENV};
+    if let Some(p) = flag {
+        return read_token_file(p).map(Some).map_err(|e| format!("--auth-token-file: {e}"));
+    }
+    match std::env::var(TOKEN_FILE_ENV).ok().filter(|v| !v.trim().is_empty()) {
+        Some(p) => {
+            read_token_file(std::path::Path::new(p.trim())).map(Some).map_err(|e| format!("{TOKEN_FILE_ENV}: {e}"))
+        }
+        None => Ok(None),
+    }
+}
+
+/// A refused token ends the command: one line, exit 2.
+fn check_denied(st: Status) -> Result<(), String> {
+    if st == Status::Edenied {
+        let why = kvclient::client::take_last_failure().unwrap_or_else(|| "the auth token was refused".into());
+        return Err(denied_line(&why));
+    }
+    Ok(())
+}
+
+pub fn denied_line(why: &str) -> String {
+    format!("access denied: {why} (give the group's token with --auth-token-file or KVCELLAR_AUTH_TOKEN_FILE)")
+}
+
 fn connect(cli: &Cli, addr: &str) -> Result<Conn, String> {
-    Conn::connect(addr, Duration::from_millis(cli.timeout_ms)).map_err(|e| e.to_string())
+    Conn::connect_with(addr, Duration::from_millis(cli.timeout_ms), token()).map_err(|e| match e {
+        kvclient::ClientError::Denied { .. } => denied_line(&e.to_string()),
+        e => e.to_string(),
+    })
 }
 
 fn status_exit(cli: &Cli, key: &str, st: Status) -> u8 {
@@ -193,6 +246,7 @@ fn run(cli: &Cli) -> Result<u8, String> {
             };
             let c = target.client(geo.geometry())?;
             let st = c.putv(key.as_bytes(), &[&data]);
+            check_denied(st)?;
             if st != Status::Ok {
                 let why = kvclient::client::take_last_failure().unwrap_or_else(|| "no further detail".into());
                 eprintln!("kvctl: put not done ({}): {why}", st.name());
@@ -230,6 +284,7 @@ fn run(cli: &Cli) -> Result<u8, String> {
                     Ok(0)
                 }
                 Err((st, _)) => {
+                    check_denied(st)?;
                     let why = kvclient::client::take_last_failure();
                     if cli.json {
                         println!("{}", serde_json::json!({"key": key, "status": st.name(), "reason": why}));
@@ -242,11 +297,15 @@ fn run(cli: &Cli) -> Result<u8, String> {
         }
         Cmd::Exist { target, key, geo } => {
             let c = target.client(geo.geometry())?;
-            Ok(status_exit(cli, key, c.exist(key.as_bytes())))
+            let st = c.exist(key.as_bytes());
+            check_denied(st)?;
+            Ok(status_exit(cli, key, st))
         }
         Cmd::Delete { target, key } => {
             let c = target.client(kv_common::page::Geometry::default())?;
-            Ok(status_exit(cli, key, c.delete(key.as_bytes())))
+            let st = c.delete(key.as_bytes());
+            check_denied(st)?;
+            Ok(status_exit(cli, key, st))
         }
         Cmd::Ring { mds, group } => {
             let (mds, group) = match target::resolve(None, None, mds.as_deref(), group.as_deref())? {

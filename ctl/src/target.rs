@@ -20,7 +20,7 @@ pub struct Target {
     /// Group to use with --mds (else KVCELLAR_GROUP, else "default").
     #[arg(long)]
     pub group: Option<String>,
-    /// Client options `key=value,...`: connect_timeout_ms, io_timeout_ms, max_conns_per_node, batch_concurrency, peer_cooldown_ms.
+    /// Client options `key=value,...`: connect_timeout_ms, io_timeout_ms, max_conns_per_node, batch_concurrency, peer_cooldown_ms, auth_token_file.
     #[arg(long, default_value = "")]
     pub options: String,
 }
@@ -79,7 +79,10 @@ impl Target {
     }
 
     pub fn client(&self, geo: Geometry) -> Result<BlockingClient, String> {
-        let opts = Options::parse(&self.options)?;
+        let mut opts = Options::parse(&self.options)?;
+        if opts.auth_token.is_none() {
+            opts.auth_token = crate::token().cloned();
+        }
         let members = match self.cluster()? {
             Cluster::Mds { endpoints, group } => {
                 let eps = kv_common::mds::parse_endpoints(&endpoints).map_err(|e| format!("--mds: {e}"))?;
@@ -88,7 +91,10 @@ impl Target {
                 let first = c
                     .start_discovery(eps, group.clone(), std::time::Duration::from_secs(5))
                     .map_err(|e| format!("cannot start discovery: {e}"))?;
-                first.map_err(|e| format!("no view of group {group:?}: {e}"))?;
+                first.map_err(|(st, e)| match st {
+                    kv_common::status::Status::Edenied => crate::denied_line(&e),
+                    _ => format!("no view of group {group:?}: {e}"),
+                })?;
                 if c.core.topology().nodes.is_empty() {
                     return Err(format!("group {group:?} has no members"));
                 }

@@ -7,6 +7,10 @@
 //! | DELETE | /v1/groups/{g}/members/{id}               | deregister                    |
 //! | GET    | /v1/groups/{g}/view[?after=N&wait_ms=T]   | the view, or a long-poll      |
 //! | GET    | /healthz, /metrics                        | probes                        |
+//!
+//! Calls under `/v1/groups/{g}/` must carry `Authorization: Bearer TOKEN`
+//! when the group has a token (`--auth-token-file`, `--group-token-file`);
+//! without it they get a 401. The probes need none.
 
 use std::convert::Infallible;
 use std::sync::atomic::Ordering;
@@ -46,6 +50,8 @@ pub struct Limits {
     pub max_conns: usize,
     /// Long-polls waiting at once; more get a 503.
     pub max_long_polls: usize,
+    /// The tokens calls must carry, per group.
+    pub tokens: kv_common::auth::GroupTokens,
 }
 
 /// The longest a call may spend on etcd (a long-poll: on top of its wait).
@@ -137,6 +143,7 @@ pub async fn serve(
     let mut refused_logged: Option<std::time::Instant> = None;
     let refusing = Arc::new(std::sync::atomic::AtomicUsize::new(0));
     let limits_cap = limits.max_conns;
+    let tokens = Arc::new(limits.tokens.clone());
     loop {
         let (stream, peer) = tokio::select! {
             r = listener.accept() => match r {
@@ -171,12 +178,14 @@ pub async fn serve(
         };
         let mds = mds.clone();
         let polls = polls.clone();
+        let tokens = tokens.clone();
         tokio::spawn(async move {
             let _permit = permit;
             let svc = hyper::service::service_fn(move |req| {
                 let mds = mds.clone();
                 let polls = polls.clone();
-                async move { Ok::<_, Infallible>(handle(&mds, &polls, req).await) }
+                let tokens = tokens.clone();
+                async move { Ok::<_, Infallible>(handle(&mds, &polls, &tokens, peer, req).await) }
             });
             let conn = hyper::server::conn::http1::Builder::new()
                 .timer(hyper_util::rt::TokioTimer::new())
@@ -210,7 +219,42 @@ async fn refuse(mut stream: tokio::net::TcpStream, cap: usize) {
     .await;
 }
 
-async fn handle(mds: &Mds, polls: &Arc<tokio::sync::Semaphore>, req: Request<Incoming>) -> Reply {
+/// Whether `req` carries the token `group` needs (any, when it needs none).
+fn authorized(tokens: &kv_common::auth::GroupTokens, group: &str, req: &Request<Incoming>) -> bool {
+    let Some(want) = tokens.for_group(group) else { return true };
+    let offered = req
+        .headers()
+        .get(hyper::header::AUTHORIZATION)
+        .and_then(|v| v.as_bytes().strip_prefix(b"Bearer "))
+        .unwrap_or(b"");
+    want.matches(offered.trim_ascii())
+}
+
+/// The 401 of a refused call, logged once a minute at most.
+fn denied(mds: &Mds, group: &str, peer: std::net::SocketAddr, req: &Request<Incoming>) -> Reply {
+    static LOGGED: std::sync::Mutex<Option<std::time::Instant>> = std::sync::Mutex::new(None);
+    mds.reg.counters.denied.fetch_add(1, Ordering::Relaxed);
+    {
+        let mut last = LOGGED.lock().unwrap_or_else(|e| e.into_inner());
+        if last.is_none_or(|t| t.elapsed() > Duration::from_secs(60)) {
+            *last = Some(std::time::Instant::now());
+            let had = req.headers().contains_key(hyper::header::AUTHORIZATION);
+            tracing::warn!(%peer, group, path = req.uri().path(), "refused a call: {} auth token (one line a minute at most; kvmds_denied_requests_total counts all)",
+                if had { "wrong" } else { "no" });
+        }
+    }
+    let mut r = error(StatusCode::UNAUTHORIZED, format!("missing or wrong auth token for group {group}"));
+    r.headers_mut().insert(hyper::header::WWW_AUTHENTICATE, hyper::header::HeaderValue::from_static("Bearer"));
+    r
+}
+
+async fn handle(
+    mds: &Mds,
+    polls: &Arc<tokio::sync::Semaphore>,
+    tokens: &kv_common::auth::GroupTokens,
+    peer: std::net::SocketAddr,
+    req: Request<Incoming>,
+) -> Reply {
     let path = req.uri().path().to_string();
     let query = req.uri().query().unwrap_or("").to_string();
     let method = req.method().clone();
@@ -221,6 +265,9 @@ async fn handle(mds: &Mds, polls: &Arc<tokio::sync::Semaphore>, req: Request<Inc
         (_, ["v1", "groups", g, rest @ ..]) => {
             if !valid_name(g) {
                 return error(StatusCode::BAD_REQUEST, format!("group {g:?} is not a name of 1-64 [A-Za-z0-9._-]"));
+            }
+            if !authorized(tokens, g, &req) {
+                return denied(mds, g, peer, &req);
             }
             match (&method, rest) {
                 (&Method::GET, ["view"]) => view(mds, polls, g, &query).await,
@@ -341,7 +388,7 @@ async fn deregister(mds: &Mds, group: &str, id: &str, instance: Option<&str>) ->
 fn metrics(mds: &Mds) -> String {
     let c = &mds.reg.counters;
     let mut out = String::new();
-    let rows: [(&str, &str, &std::sync::atomic::AtomicU64); 10] = [
+    let rows: [(&str, &str, &std::sync::atomic::AtomicU64); 11] = [
         ("registrations_total", "Node registrations served.", &c.registrations),
         ("heartbeats_total", "Node heartbeats served.", &c.heartbeats),
         ("takeovers_total", "Heartbeats that took a node's lease over from another replica.", &c.takeovers),
@@ -352,6 +399,7 @@ fn metrics(mds: &Mds) -> String {
         ("view_reads_total", "Views read from etcd.", &c.views),
         ("refused_connections_total", "Connections refused at the connection cap (--max-conns).", &c.refused_conns),
         ("refused_long_polls_total", "Long-polls refused at the long-poll cap.", &c.refused_polls),
+        ("denied_requests_total", "API calls refused for a missing or wrong auth token (401).", &c.denied),
     ];
     for (name, help, v) in rows {
         out.push_str(&format!(

@@ -35,6 +35,12 @@ struct Cli {
     /// Log level: error, warn, info, debug or trace.
     #[arg(long, default_value = "info")]
     log_level: tracing::Level,
+    /// File holding the auth token every group's calls must carry (trimmed; 1-1024 visible ASCII characters); /healthz and /metrics need none (default: groups are open).
+    #[arg(long)]
+    auth_token_file: Option<std::path::PathBuf>,
+    /// GROUP=PATH: the token of one group, taking precedence over --auth-token-file for it; repeat for more groups.
+    #[arg(long)]
+    group_token_file: Vec<String>,
 }
 
 fn main() -> ExitCode {
@@ -56,8 +62,25 @@ fn main() -> ExitCode {
         eprintln!("kv-mds: error: --max-conns must be at least 1");
         return ExitCode::from(2);
     }
+    let tokens = match tokens(&cli) {
+        Ok(t) => t,
+        Err(e) => {
+            eprintln!("kv-mds: error: {e}");
+            return ExitCode::from(2);
+        }
+    };
     kv_common::daemon::init_logging(cli.log_level);
-    match run(cli, endpoints) {
+    for p in cli
+        .auth_token_file
+        .iter()
+        .map(|p| p.as_path())
+        .chain(cli.group_token_file.iter().filter_map(|s| s.split_once('=')).map(|(_, p)| std::path::Path::new(p)))
+    {
+        if let Some(w) = kv_common::auth::loose_permissions(p) {
+            tracing::warn!("{w}");
+        }
+    }
+    match run(cli, endpoints, tokens) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("kv-mds: error: {e}");
@@ -66,7 +89,19 @@ fn main() -> ExitCode {
     }
 }
 
-fn run(cli: Cli, endpoints: Vec<String>) -> Result<(), String> {
+/// The tokens of `--auth-token-file` and every `--group-token-file`.
+fn tokens(cli: &Cli) -> Result<kv_common::auth::GroupTokens, String> {
+    let mut t = kv_common::auth::GroupTokens::default();
+    if let Some(p) = &cli.auth_token_file {
+        t.all = Some(kv_common::auth::read_token_file(p).map_err(|e| format!("--auth-token-file: {e}"))?);
+    }
+    for spec in &cli.group_token_file {
+        t.add_group_spec(spec)?;
+    }
+    Ok(t)
+}
+
+fn run(cli: Cli, endpoints: Vec<String>, tokens: kv_common::auth::GroupTokens) -> Result<(), String> {
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
@@ -93,10 +128,11 @@ fn run(cli: Cli, endpoints: Vec<String>) -> Result<(), String> {
             let _ = tx.send(true);
         });
         println!("kv-mds listening on {addr}");
-        tracing::info!(%addr, lease_ttl_ms = cli.lease_ttl.as_millis() as u64, version = env!("CARGO_PKG_VERSION"), "serving");
+        tracing::info!(%addr, open = tokens.is_open(), lease_ttl_ms = cli.lease_ttl.as_millis() as u64, version = env!("CARGO_PKG_VERSION"), "serving");
         let limits = kv_mds::http::Limits {
             max_conns: cli.max_conns,
             max_long_polls: kv_mds::http::MAX_LONG_POLLS.min(cli.max_conns),
+            tokens,
         };
         kv_mds::http::serve(listener, mds, limits, rx).await;
         Ok::<(), String>(())

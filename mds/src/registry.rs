@@ -87,6 +87,8 @@ pub struct Counters {
     pub refused_polls: AtomicU64,
     /// etcd calls sent again after one did not reach a member.
     pub etcd_retries: AtomicU64,
+    /// API calls refused for a missing or wrong auth token.
+    pub denied: AtomicU64,
 }
 
 /// (group, node id).

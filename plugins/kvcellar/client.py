@@ -283,10 +283,40 @@ class Client:
                     "kvcellar: no kv-mds answered yet (%s); pages miss until one does",
                     _native.last_error(self._lib),
                 )
+            elif st == Status.EDENIED:
+                msg = _native.last_error(self._lib)
+                self.close()
+                raise DeniedError(f"kv-mds refused the auth token: {msg}")
             elif st != Status.OK:
                 msg = _native.last_error(self._lib)
                 self.close()
                 raise ConfigError(f"cannot start discovery: {msg}")
+        else:
+            self._probe_access(settings, geo)
+
+    def _probe_access(self, settings: Settings, geo: Any) -> None:
+        """With a static member list nothing has checked the token yet: a
+        node that refuses it is a misconfiguration to report now, not a
+        stream of misses later. One owner is asked through a throwaway
+        handle with short timeouts and no cool-down, so a node that is down
+        or hung costs this handle nothing and construction at most ~1 s.
+        (With kv-mds, discovery already answered KV_EDENIED.)"""
+        from dataclasses import replace
+
+        opts = dict(settings.options)
+        opts.update(connect_timeout_ms="500", io_timeout_ms="1000", peer_cooldown_ms="0")
+        probe = replace(settings, options=opts)
+        h = self._lib.kv_open((settings.members or "").encode(), ctypes.byref(geo), probe.options_string().encode())
+        if not h:
+            return
+        try:
+            st = self._lib.kv_exist(h, b"kvcellar-auth-probe")
+            msg = _native.last_error(self._lib)
+        finally:
+            self._lib.kv_close(h)
+        if st == Status.EDENIED:
+            self.close()
+            raise DeniedError(f"a node refused the auth token: {msg}")
 
     # -- lifecycle -------------------------------------------------------
 

@@ -160,12 +160,15 @@ def resolve(config: Optional[Mapping[str, Any]] = None, where: str = "config") -
         s.group = group
     token = cfg.get("auth_token_file", _env(ENV_VARS["auth_token_file"]))
     if token is not None:
-        # Refused rather than ignored: a user who sets a token expects the
-        # cluster to be closed to others, and this release cannot do that.
-        raise ConfigError(
-            f"{where}: auth_token_file (or {ENV_VARS['auth_token_file']}) is set, but this release of "
-            "kvcellar has no access control yet; unset it (and keep the cluster's ports private)"
-        )
+        token_key = f"{where} key 'auth_token_file'" if "auth_token_file" in cfg else ENV_VARS["auth_token_file"]
+        if not isinstance(token, (str, os.PathLike)) or not str(token).strip():
+            raise ConfigError(f"{token_key}: {token!r} is not a file path")
+        token = str(token).strip()
+        if "," in token:
+            raise ConfigError(f"{token_key}: {token!r}: the path of the token file cannot contain a comma")
+        if not os.path.isfile(token):
+            raise ConfigError(f"{token_key}: no token file at {token!r}")
+        s.auth_token_file = token
     opts = cfg.get("options", _env(ENV_VARS["options"]))
     if opts is not None:
         s.options = parse_options(opts, f"{where} key 'options'")

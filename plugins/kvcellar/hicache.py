@@ -154,7 +154,11 @@ class KvcellarStorage(HiCacheStorage):
     def _probe_settings(self) -> Any:
         from dataclasses import replace
 
-        return replace(self.settings, mds=None, members=self.settings.members or "probe=127.0.0.1:1")
+        # With kv-mds: one round of discovery, so a refused auth token raises
+        # DeniedError here, at construction.
+        if self.settings.mds is not None:
+            return self.settings
+        return replace(self.settings, members=self.settings.members or "probe=127.0.0.1:1")
 
     # -- registration ----------------------------------------------------------
 

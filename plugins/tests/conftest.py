@@ -138,6 +138,36 @@ def cluster():
     c.stop()
 
 
+class TokenNode:
+    """A node of a group with an auth token, and that token's file (plus a
+    file holding a wrong one)."""
+
+    def __init__(self) -> None:
+        self.tmp = tempfile.mkdtemp(prefix="kvcellar-py-auth-")
+        self.token_file = os.path.join(self.tmp, "token")
+        self.wrong_file = os.path.join(self.tmp, "wrong")
+        for path, text in ((self.token_file, "py-group-token\n"), (self.wrong_file, "another-token")):
+            with open(path, "w") as f:
+                f.write(text)
+            os.chmod(path, 0o600)
+        self.node = Node(self.tmp, "t0", extra=["--auth-token-file", self.token_file]).start()
+
+    @property
+    def members(self) -> str:
+        return f"t0={self.node.addr}"
+
+    def stop(self) -> None:
+        self.node.stop()
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def token_node():
+    t = TokenNode()
+    yield t
+    t.stop()
+
+
 @pytest.fixture()
 def clean_env(monkeypatch):
     for v in ("KVCELLAR_MDS", "KVCELLAR_GROUP", "KVCELLAR_MEMBERS", "KVCELLAR_AUTH_TOKEN_FILE", "KVCELLAR_OPTIONS"):

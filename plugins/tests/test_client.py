@@ -12,7 +12,7 @@ import time
 import pytest
 
 import kvcellar
-from kvcellar import Client, ClosedError, ConfigError, Geometry, Status
+from kvcellar import Client, ClosedError, ConfigError, DeniedError, Geometry, Status
 
 
 def page(key: str, n: int) -> bytes:
@@ -126,6 +126,24 @@ def test_environment_opens_the_client(cluster, clean_env):
     # An explicit choice wins over the environment's.
     with Client(cluster.members) as c:
         assert c.settings.mds is None
+
+
+def test_a_refused_token_raises_at_construction(token_node, clean_env):
+    # The right token, as an argument or from the environment.
+    with Client(token_node.members, geometry=GEO, auth_token_file=token_node.token_file) as c:
+        assert c.put("tok", b"t" * 100) is Status.OK
+        assert c.settings.auth_token_file == token_node.token_file
+    clean_env.setenv("KVCELLAR_AUTH_TOKEN_FILE", token_node.token_file)
+    with Client(token_node.members, geometry=GEO) as c:
+        assert c.exist("tok") is Status.OK
+    clean_env.delenv("KVCELLAR_AUTH_TOKEN_FILE")
+    # No token, or a wrong one: DeniedError now, not misses later.
+    with pytest.raises(DeniedError, match="auth token"):
+        Client(token_node.members, geometry=GEO)
+    with pytest.raises(DeniedError, match="auth token"):
+        Client(token_node.members, geometry=GEO, auth_token_file=token_node.wrong_file)
+    with pytest.raises(ConfigError, match="no token file"):
+        Client(token_node.members, auth_token_file="/nonexistent/token")
 
 
 def test_close_while_threads_are_inside_calls(cluster):

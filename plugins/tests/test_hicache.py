@@ -424,6 +424,15 @@ def test_bad_config_names_the_key(cluster, clean_env):
     KvcellarStorage(storage_config({}), {}).close()
 
 
+def test_a_refused_token_fails_at_construction(token_node, clean_env):
+    from kvcellar import DeniedError
+
+    with pytest.raises(DeniedError, match="auth token"):
+        KvcellarStorage(storage_config({"members": token_node.members}), {})
+    clean_env.setenv("KVCELLAR_AUTH_TOKEN_FILE", token_node.token_file)
+    KvcellarStorage(storage_config({"members": token_node.members}), {}).close()
+
+
 def test_tenants_are_apart_clear_keeps_pages_and_stats(cluster, caplog):
     pool = make_pool("mha")
     a = make_backend(cluster, pool, extra={"tenant": "team-a"}, metrics=True)

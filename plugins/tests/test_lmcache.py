@@ -177,6 +177,15 @@ def test_bad_config_fails_loudly_at_construction(cluster, clean_env):
         make_harness({}).close()
 
 
+def test_a_refused_token_fails_at_construction(token_node, clean_env):
+    from kvcellar import DeniedError
+
+    with pytest.raises(DeniedError, match="auth token"):
+        make_harness({"members": token_node.members}).close()
+    h = make_harness({"members": token_node.members, "auth_token_file": token_node.token_file})
+    h.close()
+
+
 class _Lines(logging.Handler):
     def __init__(self):
         super().__init__(logging.INFO)

@@ -65,6 +65,9 @@ pub struct Cli {
     /// Ring weight: this node's share of keys relative to the others, 1..=10000 (with --mds; default 1).
     #[arg(long)]
     pub weight: Option<u32>,
+    /// File holding the group's auth token (trimmed; 1-1024 visible ASCII characters): clients must present it, and the node presents it to kv-mds (default: no token, any client is served).
+    #[arg(long)]
+    pub auth_token_file: Option<PathBuf>,
 }
 
 const SERVER_EXAMPLES: &str = "Examples:
@@ -94,6 +97,7 @@ pub struct FileConfig {
     pub id: Option<String>,
     pub advertise: Option<String>,
     pub weight: Option<u32>,
+    pub auth_token_file: Option<PathBuf>,
 }
 
 /// Membership through kv-mds (`--mds`).
@@ -120,6 +124,10 @@ pub struct ServerConfig {
     pub max_inflight: u64,
     pub metrics_listen: Option<SocketAddr>,
     pub membership: Option<MembershipConfig>,
+    /// The group's token (clients present it; the node presents it to kv-mds).
+    pub auth_token: Option<kv_common::auth::Token>,
+    /// Where it was read from, for the start-up permission check.
+    pub auth_token_file: Option<PathBuf>,
 }
 
 fn size(what: &str, s: &str) -> Result<u64, String> {
@@ -188,6 +196,11 @@ impl ServerConfig {
             Some(s) => Some(addr("metrics-listen", &s)?),
             None => None,
         };
+        let auth_token_file = cli.auth_token_file.or(file.auth_token_file);
+        let auth_token = match &auth_token_file {
+            Some(p) => Some(kv_common::auth::read_token_file(p).map_err(|e| format!("--auth-token-file: {e}"))?),
+            None => None,
+        };
         let max_conns = cli.max_conns.or(file.max_conns).unwrap_or(1024);
         if max_conns == 0 {
             return Err("--max-conns must be at least 1".into());
@@ -210,6 +223,8 @@ impl ServerConfig {
             max_record,
             max_inflight,
             metrics_listen,
+            auth_token,
+            auth_token_file,
         })
     }
 }
@@ -339,5 +354,23 @@ mod tests {
         assert!(cli(&["--config", p.to_str().unwrap()]).unwrap_err().contains("--config"));
         std::fs::write(&p, "lisen = \"x\"\n").unwrap();
         assert!(cli(&["--config", p.to_str().unwrap()]).unwrap_err().contains("unknown field"));
+    }
+
+    #[test]
+    fn the_auth_token_comes_from_a_file() {
+        let d = tempfile::tempdir().unwrap();
+        let tok = d.path().join("token");
+        std::fs::write(&tok, "\tgroup-secret\n").unwrap();
+        let base = ["--listen", "127.0.0.1:1", "--dir", "/a", "--cap", "1G"];
+        let c = cli(&[&base[..], &["--auth-token-file", tok.to_str().unwrap()]].concat()).unwrap();
+        assert_eq!(c.auth_token.unwrap().as_bytes(), b"group-secret");
+        assert!(cli(&base).unwrap().auth_token.is_none());
+        let p = d.path().join("kv.toml");
+        std::fs::write(&p, format!("auth_token_file = {:?}\n", tok.to_str().unwrap())).unwrap();
+        let c = cli(&[&base[..], &["--config", p.to_str().unwrap()]].concat()).unwrap();
+        assert_eq!(c.auth_token.unwrap().as_bytes(), b"group-secret");
+        std::fs::write(&tok, "").unwrap();
+        let e = cli(&[&base[..], &["--auth-token-file", tok.to_str().unwrap()]].concat()).unwrap_err();
+        assert!(e.contains("--auth-token-file") && e.contains("empty"), "{e}");
     }
 }

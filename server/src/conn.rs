@@ -9,12 +9,14 @@
 //! BAD_REQUEST answer and the connection carries on.
 
 use std::net::SocketAddr;
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
 use kv_common::page::{PageHeader, HEADER_LEN};
 use kv_common::status::Status;
 use kv_common::wire::{self, Hello, KeyRequest, Op, ReqHeader, RspHeader, WireError};
+use kv_common::wire::{ClientHello, HELLO_ACCEPTED, HELLO_DENIED, HELLO_VERSION_REFUSED};
 use kv_common::wire::{FLAG_CHECK_GEOMETRY, FRAME_HEADER_LEN, HELLO_LEN, RSP_FLAG_DUPLICATE, WIRE_VERSION};
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader, BufWriter};
 use tokio::net::tcp::OwnedReadHalf;
@@ -231,7 +233,7 @@ pub async fn serve(stream: TcpStream, peer: SocketAddr, shared: Arc<Shared>, mut
     let (rd, wr) = stream.into_split();
     let mut rd = BufReader::with_capacity(64 * 1024, rd);
     let mut wr = BufWriter::with_capacity(64 * 1024, wr);
-    match handshake(&mut rd, &mut wr, &shared).await {
+    match handshake(&mut rd, &mut wr, &shared, peer).await {
         Ok(true) => {}
         Ok(false) => return,
         Err(e) => {
@@ -309,22 +311,67 @@ pub async fn serve(stream: TcpStream, peer: SocketAddr, shared: Arc<Shared>, mut
     tx.close().await;
 }
 
+/// The hello (docs/PROTOCOL.md §1): agrees on a version and checks the
+/// auth token. Ok(false): refused and answered (the caller closes).
 async fn handshake(
     rd: &mut BufReader<OwnedReadHalf>,
     wr: &mut BufWriter<tokio::net::tcp::OwnedWriteHalf>,
     shared: &Shared,
+    peer: SocketAddr,
 ) -> Result<bool, ConnError> {
+    let deadline = Instant::now() + FRAME_TIMEOUT;
     let mut h = [0u8; HELLO_LEN];
-    read_exact_by(rd, &mut h, Instant::now() + FRAME_TIMEOUT).await?;
+    read_exact_by(rd, &mut h, deadline).await?;
     let hello = Hello::decode(&h)?;
-    let ok = hello.version == WIRE_VERSION;
-    let reply = Hello { version: WIRE_VERSION, status: u16::from(!ok), max_record: shared.limits.max_record };
+    let (version, token_len) = match ClientHello::judge(&hello) {
+        ClientHello::Speak { version, token_len } => (version, token_len),
+        ClientHello::Unsupported(v) => {
+            // Name our newest version: an older client cannot use it, a
+            // newer one says hello again in it.
+            let reply = Hello { version: WIRE_VERSION, status: HELLO_VERSION_REFUSED, max_record: 0 };
+            wr.write_all(&reply.encode()).await?;
+            wr.flush().await?;
+            return Err(WireError::Version(v).into());
+        }
+        ClientHello::TokenTooLong(_) => return Err(WireError::Malformed("hello (token over 1024 bytes)").into()),
+    };
+    let mut offered = vec![0u8; token_len];
+    read_exact_by(rd, &mut offered, deadline).await?;
+    let allowed = match &shared.token {
+        None => true,
+        // A v1 hello carries no token: a node with a token refuses it (the
+        // client then says hello in v2).
+        Some(t) => version >= 2 && t.matches(&offered),
+    };
+    let status = if allowed { HELLO_ACCEPTED } else { HELLO_DENIED };
+    let reply = Hello { version, status, max_record: shared.limits.max_record };
     wr.write_all(&reply.encode()).await?;
     wr.flush().await?;
-    if !ok {
-        return Err(WireError::Version(hello.version).into());
+    if !allowed {
+        shared.denied.fetch_add(1, Ordering::Relaxed);
+        log_denied(shared, peer, version, token_len > 0);
+        return Ok(false);
+    }
+    if version < 2 {
+        shared.v1_accepted.fetch_add(1, Ordering::Relaxed);
     }
     Ok(true)
+}
+
+/// Logs a refused peer: one line per 10 s at most, with the count of
+/// refusals not logged since (a misconfigured fleet cannot flood the log).
+fn log_denied(shared: &Shared, peer: SocketAddr, version: u16, had_token: bool) {
+    let mut g = shared.denied_log.lock().unwrap_or_else(|e| e.into_inner());
+    let now = std::time::Instant::now();
+    if g.0.is_some_and(|t| now.duration_since(t) < Duration::from_secs(10)) {
+        g.1 += 1;
+        return;
+    }
+    let unlogged = std::mem::take(&mut g.1);
+    g.0 = Some(now);
+    drop(g);
+    let why = if had_token { "wrong auth token" } else { "no auth token" };
+    tracing::warn!(%peer, protocol = version, unlogged_since_last = unlogged, "refused a client: {why}");
 }
 
 async fn read_request(

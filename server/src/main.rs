@@ -57,6 +57,10 @@ fn run(cfg: ServerConfig) -> Result<(), String> {
     }
     let mut shared = Shared::new(Arc::new(store), cfg.max_record, cfg.max_inflight);
     shared.idle_timeout = cfg.idle_timeout;
+    shared.token = cfg.auth_token.clone();
+    if let Some(w) = cfg.auth_token_file.as_deref().and_then(kv_common::auth::loose_permissions) {
+        tracing::warn!("{w}");
+    }
     let shared = Arc::new(shared);
     let addr = listener.local_addr().map_err(|e| e.to_string())?;
     let (tx, rx) = tokio::sync::watch::channel(false);
@@ -75,7 +79,7 @@ fn run(cfg: ServerConfig) -> Result<(), String> {
                     _ => m.advertise.clone(),
                 };
                 Some(
-                    kv_server::membership::Membership::start(m, advertise)
+                    kv_server::membership::Membership::start(m, advertise, cfg.auth_token.clone())
                         .map_err(|e| format!("cannot start the membership thread: {e}"))?,
                 )
             }
@@ -93,7 +97,7 @@ fn run(cfg: ServerConfig) -> Result<(), String> {
         });
         // A line tools and tests can wait for (the real port when --listen used port 0).
         println!("kv-server listening on {addr}");
-        tracing::info!(%addr, recovery_ms = started.elapsed().as_millis() as u64, version = env!("CARGO_PKG_VERSION"), "serving");
+        tracing::info!(%addr, auth = cfg.auth_token.is_some(), recovery_ms = started.elapsed().as_millis() as u64, version = env!("CARGO_PKG_VERSION"), "serving");
         server::run(listener, shared, cfg.max_conns, rx)
             .await
             .map_err(|e| format!("checkpoint at shutdown failed: {e}"))

@@ -37,9 +37,13 @@ fn pause(stop: &(Mutex<bool>, Condvar), d: Duration) -> bool {
 
 impl Membership {
     /// Starts registering `cfg.id` with `addr` as its address.
-    pub fn start(cfg: MembershipConfig, addr: String) -> std::io::Result<Membership> {
+    pub fn start(
+        cfg: MembershipConfig,
+        addr: String,
+        token: Option<kv_common::auth::Token>,
+    ) -> std::io::Result<Membership> {
         let stop = Arc::new((Mutex::new(false), Condvar::new()));
-        let client = MdsClient::new(cfg.endpoints.clone(), CALL_TIMEOUT);
+        let client = MdsClient::new(cfg.endpoints.clone(), CALL_TIMEOUT).with_token(token);
         let abort = client.abort_handle();
         let s = stop.clone();
         let thread =
@@ -105,7 +109,11 @@ fn run(cfg: MembershipConfig, addr: String, mut mds: MdsClient, stop: &(Mutex<bo
                 Err(MdsError::Aborted) => break,
                 Err(e) => {
                     let msg = e.to_string();
-                    if last_failure.is_none() {
+                    if matches!(e, MdsError::Denied(_)) {
+                        if last_failure.as_deref() != Some(msg.as_str()) {
+                            tracing::error!(error = %msg, group, "kv-mds refuses this node's auth token: not in the group (check --auth-token-file on both sides; retrying)");
+                        }
+                    } else if last_failure.is_none() {
                         tracing::warn!(error = %msg, "cannot register yet (serving meanwhile; retrying)");
                     } else {
                         tracing::debug!(error = %msg, "registration retry failed");

@@ -39,6 +39,18 @@ pub fn render(s: &NodeStats) -> String {
     metric("mem_capacity_bytes", "gauge", "Byte cap of the memory tier (0: off).", s.mem_capacity_bytes);
     metric("mem_hits_total", "counter", "Gets served from the memory tier.", s.mem_hits);
     metric("connections", "gauge", "Client connections open.", s.connections);
+    metric(
+        "denied_connections_total",
+        "counter",
+        "Connections refused at the hello for a missing or wrong auth token.",
+        s.denied_connections,
+    );
+    metric(
+        "v1_connections_total",
+        "counter",
+        "Connections accepted in protocol v1 (clients of the previous release).",
+        s.v1_connections,
+    );
     type PerDisk = (&'static str, &'static str, &'static str, fn(&kv_common::stats::DiskStats) -> u64);
     let per_disk: [PerDisk; 5] = [
         ("disk_used_bytes", "gauge", "Bytes of records per disk.", |d| d.used_bytes),

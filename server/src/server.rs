@@ -27,6 +27,14 @@ pub struct Shared {
     /// A connection with no request in flight and none arriving for this
     /// long is closed (None: never).
     pub idle_timeout: Option<std::time::Duration>,
+    /// The group's auth token: a client must present it in its hello.
+    pub token: Option<kv_common::auth::Token>,
+    /// Hellos refused for the token, and accepted in protocol v1.
+    pub denied: AtomicU64,
+    pub v1_accepted: AtomicU64,
+    /// When a refused peer was last logged (one line per 10 s at most) and
+    /// how many refusals went unlogged since.
+    pub denied_log: std::sync::Mutex<(Option<std::time::Instant>, u64)>,
 }
 
 impl Shared {
@@ -39,12 +47,18 @@ impl Shared {
             io_slots: Semaphore::new(64),
             connections: AtomicU64::new(0),
             idle_timeout: Some(std::time::Duration::from_secs(120)),
+            token: None,
+            denied: AtomicU64::new(0),
+            v1_accepted: AtomicU64::new(0),
+            denied_log: std::sync::Mutex::new((None, 0)),
         }
     }
 
     pub fn stats(&self) -> NodeStats {
         let mut s = self.store.stats();
         s.connections = self.connections.load(Ordering::Relaxed);
+        s.denied_connections = self.denied.load(Ordering::Relaxed);
+        s.v1_connections = self.v1_accepted.load(Ordering::Relaxed);
         s
     }
 }

@@ -508,6 +508,8 @@ impl Store {
             mem_capacity_bytes: self.mem.as_ref().map_or(0, |m| m.cap()),
             mem_hits: ld(&self.c.mem_hits),
             connections: 0,
+            denied_connections: 0,
+            v1_connections: 0,
             disks,
         }
     }

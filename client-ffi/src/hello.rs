@@ -1,0 +1,83 @@
+//! The client's side of the hello (docs/PROTOCOL.md §1): version
+//! negotiation and the auth token.
+//!
+//! A client says hello in its newest version (v2, carrying the token). A v1
+//! node refuses that version and names its own: the client connects again
+//! in v1 (which carries no token; a v1 node checks none). A node that wants
+//! a token refuses a v1 hello as denied: the client connects again in v2.
+//! So a connection takes at most three tries, and each node's last
+//! agreed version is remembered to start the next connection with it.
+
+use std::io::{Read, Write};
+use std::net::TcpStream;
+
+use kv_common::auth::Token;
+use kv_common::wire::{self, Hello, HelloVerdict, HELLO_LEN};
+
+use crate::error::OpError;
+
+/// Most connections one hello negotiation may take (v2, v1, v2 again).
+pub const MAX_TRIES: usize = 3;
+
+/// How one hello ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Step {
+    /// Frames may follow in `version`.
+    Done { version: u16, max_record: u64 },
+    /// Close this connection, open another and say hello in this version.
+    Again(u16),
+}
+
+fn judge(sent: u16, h: &[u8; HELLO_LEN]) -> Result<Step, OpError> {
+    let reply = Hello::decode(h).map_err(|e| OpError::Protocol(e.to_string()))?;
+    match wire::judge_hello(sent, &reply) {
+        HelloVerdict::Accepted { max_record } => Ok(Step::Done { version: sent, max_record }),
+        HelloVerdict::Retry(v) => Ok(Step::Again(v)),
+        HelloVerdict::Denied => Err(OpError::Denied),
+        HelloVerdict::Refused(m) => Err(OpError::Protocol(m)),
+    }
+}
+
+/// A read of the node's hello failed. A v1 node that refuses a v2 hello
+/// closes with the token unread, and the reset that causes can arrive
+/// before its answer is read: try v1 then.
+fn after_failed_read(e: std::io::Error, sent: u16, token: Option<&Token>) -> Result<Step, OpError> {
+    use std::io::ErrorKind::{ConnectionReset, UnexpectedEof};
+    if sent >= 2 && token.is_some() && matches!(e.kind(), ConnectionReset | UnexpectedEof) {
+        return Ok(Step::Again(wire::WIRE_VERSION_MIN));
+    }
+    Err(match e.kind() {
+        std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut => OpError::Timeout,
+        _ => OpError::Io(e),
+    })
+}
+
+/// Says hello at `version` on a blocking stream (its timeouts set).
+pub fn say_sync(stream: &mut TcpStream, version: u16, token: Option<&Token>) -> Result<Step, OpError> {
+    stream.write_all(&wire::client_hello(version, token.map(Token::as_bytes)))?;
+    let mut h = [0u8; HELLO_LEN];
+    match stream.read_exact(&mut h) {
+        Ok(()) => judge(version, &h),
+        Err(e) => after_failed_read(e, version, token),
+    }
+}
+
+/// Says hello at `version` on an async stream (the caller bounds the time).
+pub async fn say_async(
+    stream: &mut tokio::net::TcpStream,
+    version: u16,
+    token: Option<&Token>,
+) -> Result<Step, OpError> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    stream.write_all(&wire::client_hello(version, token.map(Token::as_bytes))).await?;
+    let mut h = [0u8; HELLO_LEN];
+    match stream.read_exact(&mut h).await {
+        Ok(_) => judge(version, &h),
+        Err(e) => after_failed_read(e, version, token),
+    }
+}
+
+/// The error when [`MAX_TRIES`] connections did not settle a version.
+pub fn unsettled() -> OpError {
+    OpError::Protocol("the node and this client did not agree on a protocol version".into())
+}

@@ -1,0 +1,219 @@
+//! Access control end to end (docs/DEPLOY.md, "Access control"): a real
+//! etcd, a kv-mds with a token per group, nodes of two groups, the client
+//! library, kvctl and raw hellos. Also the protocol v1 hello a node of this
+//! release still serves when it has no token.
+
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::time::Duration;
+
+use kv_common::mds::{MdsClient, MdsError};
+use kv_common::page::Geometry;
+use kv_common::status::Status;
+use kv_common::wire::{Hello, HELLO_ACCEPTED, HELLO_DENIED, HELLO_LEN};
+use kv_e2e::cluster::{wait_until, Etcd, Mds};
+use kv_e2e::{run, Node};
+use kvclient::{BlockingClient, Options};
+
+fn geo() -> Geometry {
+    Geometry { model_hash: 11, page_size: 16, dtype_tag: 1, tp_size: 1, ..Geometry::default() }
+}
+
+fn write_token(dir: &std::path::Path, name: &str, text: &str) -> String {
+    use std::os::unix::fs::PermissionsExt;
+    let p = dir.join(name);
+    std::fs::write(&p, text).unwrap();
+    std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o600)).unwrap();
+    p.to_str().unwrap().to_string()
+}
+
+fn node(t: &std::path::Path, eps: &str, group: &str, id: &str, token: Option<&str>) -> Node {
+    let dir = t.join(id);
+    let mut args = vec![
+        "--dir",
+        dir.to_str().unwrap(),
+        "--cap",
+        "64M",
+        "--no-sync",
+        "--log-level",
+        "info",
+        "--mds",
+        eps,
+        "--group",
+        group,
+        "--id",
+        id,
+        "--advertise",
+        "127.0.0.1:0",
+    ];
+    if let Some(tok) = token {
+        args.extend_from_slice(&["--auth-token-file", tok]);
+    }
+    Node::start(&args)
+}
+
+fn client(opts: &str, members: &str) -> BlockingClient {
+    let members = kvclient::members::parse_members(members).unwrap();
+    BlockingClient::new(members, geo(), Options::parse(opts).unwrap()).unwrap()
+}
+
+/// A raw hello: what the node answers (None: it closed without a hello).
+fn raw_hello(addr: &str, bytes: &[u8]) -> Option<Hello> {
+    let mut s = TcpStream::connect(addr).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    s.write_all(bytes).unwrap();
+    let mut h = [0u8; HELLO_LEN];
+    s.read_exact(&mut h).ok()?;
+    Hello::decode(&h).ok()
+}
+
+#[test]
+fn tokens_keep_strangers_and_other_groups_out() {
+    let t = tempfile::tempdir().unwrap();
+    let tok_a = write_token(t.path(), "a.token", "\n  token-of-group-a \n");
+    let tok_b = write_token(t.path(), "b.token", "token-of-group-b");
+    let wrong = write_token(t.path(), "wrong.token", "token-of-group-x");
+    let etcd = Etcd::start(t.path().to_path_buf());
+    let mds = Mds::start_with(
+        "127.0.0.1:0",
+        &etcd.endpoint(),
+        "3s",
+        &["--group-token-file", &format!("ga={tok_a}"), "--group-token-file", &format!("gb={tok_b}")],
+    );
+    let eps = mds.addr.clone();
+    let na = node(t.path(), &eps, "ga", "na", Some(&tok_a));
+    let nb = node(t.path(), &eps, "gb", "nb", Some(&tok_b));
+    // A node without the token, and one with another group's, cannot join.
+    let stranger = node(t.path(), &eps, "ga", "stranger", None);
+    let impostor = node(t.path(), &eps, "ga", "impostor", Some(&tok_b));
+    let token_a = kv_common::auth::read_token_file(std::path::Path::new(&tok_a)).unwrap();
+    let view_a = |token: Option<kv_common::auth::Token>| {
+        MdsClient::new(vec![eps.clone()], Duration::from_secs(2)).with_token(token).view("ga")
+    };
+    wait_until(Duration::from_secs(20), "na in ga's view", || {
+        view_a(Some(token_a.clone())).ok().filter(|v| v.members.iter().any(|m| m.id == "na"))
+    });
+    for n in [&stranger, &impostor] {
+        wait_until(Duration::from_secs(10), "the refused node logs why", || {
+            n.stderr_lines.try_iter().find(|l| l.contains("refuses this node's auth token"))
+        });
+    }
+    let v = view_a(Some(token_a.clone())).unwrap();
+    assert_eq!(v.members.iter().map(|m| m.id.as_str()).collect::<Vec<_>>(), ["na"], "{v:?}");
+
+    // The MDS API: no token, or the wrong group's, is a 401 (Denied).
+    assert!(matches!(view_a(None), Err(MdsError::Denied(_))));
+    let token_b = kv_common::auth::read_token_file(std::path::Path::new(&tok_b)).unwrap();
+    assert!(matches!(view_a(Some(token_b)), Err(MdsError::Denied(_))), "group B's token opens group A");
+    // The probes need no token.
+    let probe = MdsClient::new(vec![eps.clone()], Duration::from_secs(2));
+    let (code, _) = probe.request(&eps, "GET", "/healthz", None, Duration::ZERO).unwrap();
+    assert_eq!(code, 200);
+    let (code, body) = probe.request(&eps, "GET", "/metrics", None, Duration::ZERO).unwrap();
+    let body = String::from_utf8_lossy(&body).to_string();
+    assert_eq!(code, 200);
+    let denied_calls: u64 =
+        body.lines().find_map(|l| l.strip_prefix("kvmds_denied_requests_total ")).and_then(|v| v.parse().ok()).unwrap();
+    assert!(denied_calls >= 2, "{body}");
+
+    // Discovery with the token serves; without it (or with B's) it is KV_EDENIED.
+    let opts_a = format!("auth_token_file={tok_a},io_timeout_ms=3000,connect_timeout_ms=1000");
+    let c = BlockingClient::new(Vec::new(), geo(), Options::parse(&opts_a).unwrap()).unwrap();
+    assert!(c.start_discovery(vec![eps.clone()], "ga".into(), Duration::from_millis(500)).unwrap().is_ok());
+    let page: Vec<u8> = (0..8192).map(|i| (i * 7) as u8).collect();
+    assert_eq!(c.putv(b"page-a", &[&page]), Status::Ok);
+    let mut buf = vec![0u8; page.len()];
+    assert_eq!(c.getv(b"page-a", &mut [&mut buf[..]]), Ok(page.len()));
+    assert_eq!(buf, page);
+    for opts in ["io_timeout_ms=3000".to_string(), format!("auth_token_file={tok_b}")] {
+        let c = BlockingClient::new(Vec::new(), geo(), Options::parse(&opts).unwrap()).unwrap();
+        let first = c.start_discovery(vec![eps.clone()], "ga".into(), Duration::from_millis(500)).unwrap();
+        assert!(matches!(&first, Err((Status::Edenied, m)) if m.contains("denied")), "{opts}: {first:?}");
+    }
+
+    // The data plane: each node serves its own group's token only.
+    let members_a = format!("na={}", na.addr);
+    let members_b = format!("nb={}", nb.addr);
+    let a_on_a = client(&opts_a, &members_a);
+    assert_eq!(a_on_a.exist(b"page-a"), Status::Ok);
+    for (opts, members, what) in [
+        ("io_timeout_ms=3000".to_string(), &members_a, "no token"),
+        (format!("auth_token_file={wrong}"), &members_a, "a wrong token"),
+        (opts_a.clone(), &members_b, "group A's token at group B's node"),
+    ] {
+        let c = client(&opts, members);
+        assert_eq!(c.exist(b"page-a"), Status::Edenied, "{what}");
+        assert_eq!(c.putv(b"page-x", &[&page]), Status::Edenied, "{what}");
+        assert_eq!(c.getv(b"page-a", &mut [&mut buf[..]]), Err((Status::Edenied, 0)), "{what}");
+        let st = c.batch_exist(&[b"page-a".as_slice(), b"page-b".as_slice()]);
+        assert_eq!(st, [Status::Edenied, Status::Edenied], "{what}");
+        // A refusal is not a peer failure: no cool-down, the next call asks again.
+        assert_eq!(c.core.metrics.peer_failures.load(std::sync::atomic::Ordering::Relaxed), 0, "{what}");
+    }
+    // Nothing the strangers sent was stored.
+    assert_eq!(a_on_a.exist(b"page-x"), Status::Miss);
+
+    // Raw hellos: v2 with the token is accepted; v1 (no token) and a
+    // wrong token are denied; an oversized token length is cut off.
+    let hello = |v, tok: &[u8]| kv_common::wire::client_hello(v, Some(tok));
+    assert_eq!(raw_hello(&na.addr, &hello(2, b"token-of-group-a")).unwrap().status, HELLO_ACCEPTED);
+    assert_eq!(raw_hello(&na.addr, &hello(2, b"token-of-group-b")).unwrap().status, HELLO_DENIED);
+    assert_eq!(raw_hello(&na.addr, &hello(1, b"")).unwrap().status, HELLO_DENIED);
+    let mut long = Hello { version: 2, status: 5000, max_record: 0 }.encode().to_vec();
+    long.extend_from_slice(&[b'x'; 64]);
+    assert_eq!(raw_hello(&na.addr, &long), None, "a 5000-byte token length is refused before reading it");
+    // The node counted the refusals (asked with the token) and logged them
+    // a line per 10 s at most.
+    let mut conn = kvclient::Conn::connect_with(&na.addr, Duration::from_secs(5), Some(&token_a)).unwrap();
+    let s = conn.stats().unwrap();
+    assert!(s.denied_connections >= 10, "{s:?}");
+    let logged = na.stderr_lines.try_iter().filter(|l| l.contains("refused a client")).count();
+    assert!((1..=2).contains(&logged), "{logged} refusal lines logged");
+
+    // kvctl: with the token it works; without, one line and exit 2.
+    let (code, out, err) = run("kvctl", &["--auth-token-file", &tok_a, "ring", "--mds", &eps, "--group", "ga"]);
+    assert_eq!(code, 0, "{out}{err}");
+    assert!(out.contains("na"), "{out}");
+    let (code, out, err) = run("kvctl", &["ring", "--mds", &eps, "--group", "ga"]);
+    assert_eq!(code, 2, "{out}{err}");
+    assert_eq!(err.trim().lines().count(), 1, "{err}");
+    assert!(err.contains("access denied"), "{err}");
+    let (code, _, err) = run("kvctl", &["--auth-token-file", &tok_a, "put", "--node", &nb.addr, "k", "v"]);
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("access denied") && err.trim().lines().count() == 1, "{err}");
+    let (code, out, err) =
+        run("kvctl", &["--auth-token-file", &tok_a, "get", "--mds", &eps, "--group", "ga", "page-a"]);
+    assert_eq!(code, 1, "a miss for kvctl's geometry, not a refusal: {out}{err}");
+    let (code, _, err) = run("kvctl", &["--auth-token-file", &tok_a, "stat", &nb.addr]);
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("access denied"), "{err}");
+}
+
+#[test]
+fn a_node_without_a_token_serves_protocol_v1_clients() {
+    let t = tempfile::tempdir().unwrap();
+    let n = Node::cluster(&t, 1, &["--no-sync"]).remove(0);
+    // v1, the previous release's hello: accepted, then frames as before.
+    let mut s = TcpStream::connect(&n.addr).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    s.write_all(&Hello { version: 1, status: 0, max_record: 0 }.encode()).unwrap();
+    let mut h = [0u8; HELLO_LEN];
+    s.read_exact(&mut h).unwrap();
+    let reply = Hello::decode(&h).unwrap();
+    assert_eq!((reply.version, reply.status), (1, HELLO_ACCEPTED));
+    let body = b"v1-ping";
+    let req =
+        kv_common::wire::ReqHeader { op: kv_common::wire::Op::Ping, flags: 0, body_len: body.len() as u32, req_id: 1 };
+    s.write_all(&req.encode()).unwrap();
+    s.write_all(body).unwrap();
+    let mut rh = [0u8; 16];
+    s.read_exact(&mut rh).unwrap();
+    let rsp = kv_common::wire::RspHeader::decode(&rh);
+    assert_eq!((rsp.status, rsp.req_id), (Status::Ok, 1));
+    // A client of this release with a token talks to a node without one.
+    let tok = write_token(t.path(), "t", "some-token");
+    let c = client(&format!("auth_token_file={tok}"), &format!("n0={}", n.addr));
+    assert_eq!(c.putv(b"k", &[b"v"]), Status::Ok);
+    let mut conn = kvclient::Conn::connect(&n.addr, Duration::from_secs(5)).unwrap();
+    assert!(conn.stats().unwrap().v1_connections >= 1);
+}
