@@ -27,6 +27,16 @@ echo "== cargo clippy (-D warnings)"
 cargo clippy --workspace --all-targets --locked -- -D warnings
 echo "== build binaries and libkvclient.so (end-to-end tests use them)"
 cargo build --workspace --locked
+echo "== the previous release's binaries, for the mixed-version test (built once per machine)"
+rc=0
+prev=$(bash scripts/prev-release.sh) || rc=$?
+if [ "$rc" = 0 ]; then
+  export KVCELLAR_PREV_BIN_DIR=$prev KVCELLAR_REQUIRE_PREV=1
+elif [ "$rc" = 3 ]; then
+  echo "prev-release: the previous release's commit is not in this clone: the mixed-version test is skipped"
+else
+  exit "$rc"
+fi
 echo "== cargo test"
 cargo test --workspace --locked 2>&1 | tee target/test-output.log
 echo "== Python package against real nodes (engine classes stood in)"

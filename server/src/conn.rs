@@ -344,7 +344,10 @@ async fn handshake(
         Some(t) => version >= 2 && t.matches(&offered),
     };
     let status = if allowed { HELLO_ACCEPTED } else { HELLO_DENIED };
-    let reply = Hello { version, status, max_record: shared.limits.max_record };
+    // A refused v1 client is told the version that carries a token (the
+    // previous release's client then prints "node speaks protocol v2").
+    let reply_version = if allowed { version } else { WIRE_VERSION };
+    let reply = Hello { version: reply_version, status, max_record: shared.limits.max_record };
     wr.write_all(&reply.encode()).await?;
     wr.flush().await?;
     if !allowed {

@@ -144,9 +144,14 @@ impl Mds {
 
     /// As [`Mds::start_at`], with more flags.
     pub fn start_with(listen: &str, etcd: &str, ttl: &str, extra: &[&str]) -> Mds {
+        Mds::start_bin("kv-mds", listen, etcd, ttl, extra)
+    }
+
+    /// As [`Mds::start_with`] with another `kv-mds` binary (a path).
+    pub fn start_bin(binary: &str, listen: &str, etcd: &str, ttl: &str, extra: &[&str]) -> Mds {
         let mut args = vec!["--listen", listen, "--etcd", etcd, "--lease-ttl", ttl, "--log-level", "info"];
         args.extend_from_slice(extra);
-        let (child, addr, stderr_lines) = spawn_daemon("kv-mds", &args, "kv-mds listening on ");
+        let (child, addr, stderr_lines) = spawn_daemon(binary, &args, "kv-mds listening on ");
         Mds { child: Some(child), addr, stderr_lines }
     }
 

@@ -16,8 +16,12 @@ pub fn workspace_root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).parent().expect("workspace root").to_path_buf()
 }
 
-/// Path of a workspace binary (or `libkvclient.so`) next to the running test.
+/// Path of a workspace binary (or `libkvclient.so`) next to the running test;
+/// a name with a `/` is a path used as it is (another release's binary).
 pub fn bin(name: &str) -> PathBuf {
+    if name.contains('/') {
+        return PathBuf::from(name);
+    }
     let exe = std::env::current_exe().expect("test executable path");
     let dir = exe.parent().and_then(Path::parent).expect("target dir");
     let p = dir.join(name);
@@ -76,9 +80,14 @@ impl Node {
 
     /// As [`Node::start`] on a given `--listen` address.
     pub fn start_at(listen: &str, args: &[&str]) -> Node {
+        Node::start_bin("kv-server", listen, args)
+    }
+
+    /// As [`Node::start_at`] with another `kv-server` binary (a path).
+    pub fn start_bin(binary: &str, listen: &str, args: &[&str]) -> Node {
         let mut full = vec!["--listen", listen];
         full.extend_from_slice(args);
-        let (child, addr, stderr_lines) = spawn_daemon("kv-server", &full, "kv-server listening on ");
+        let (child, addr, stderr_lines) = spawn_daemon(binary, &full, "kv-server listening on ");
         Node { child: Some(child), addr, stderr_lines }
     }
 

@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Builds kv-server, kv-mds and kvctl of the previous data-plane protocol
+# (the last commit before protocol v2) for tests/tests/mixed_versions.rs,
+# once per machine: the binaries are cached outside the clone, keyed on the
+# commit. Prints the directory that holds them (for KVCELLAR_PREV_BIN_DIR).
+# Usage: scripts/prev-release.sh     (exit 3: the commit is not in this clone)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+# The last commit speaking only protocol v1 (the hello without a token).
+PREV=32f23ef6f9e1ee8c81ee950c0b4f2f5e8f62fcab
+CACHE=${KVCELLAR_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/kvcellar}
+out=$CACHE/prev-release/$PREV
+if [ -f "$out/.ready" ]; then
+  echo "$out/bin"
+  exit 0
+fi
+if ! git cat-file -e "$PREV^{commit}" 2>/dev/null; then
+  echo "prev-release: commit $PREV is not in this clone (a shallow clone?)" >&2
+  exit 3
+fi
+rm -rf "$out"
+mkdir -p "$out/src" "$out/bin"
+git archive "$PREV" | tar -x -C "$out/src"
+# Its own target dir (the binaries share names with this tree's); a debug
+# build, as the tests' own binaries.
+(cd "$out/src" && cargo build --locked -q -p kv-server -p kv-mds -p kvctl --target-dir "$out/target") >&2
+for b in kv-server kv-mds kvctl; do
+  cp "$out/target/debug/$b" "$out/bin/"
+done
+# Only the binaries are kept.
+rm -rf "$out/target" "$out/src"
+touch "$out/.ready"
+echo "$out/bin"

@@ -1,0 +1,138 @@
+//! A rolling upgrade's mixed versions (docs/DEPLOY.md §9, PROTOCOL.md §2.1):
+//! binaries of the previous release (protocol v1 only, built from the last
+//! commit before protocol v2 by `scripts/prev-release.sh`, which
+//! `scripts/test.sh` runs and names in KVCELLAR_PREV_BIN_DIR) beside this
+//! release's, in one group, with every page checked byte for byte.
+//!
+//! Without KVCELLAR_PREV_BIN_DIR the test says so and passes, unless
+//! KVCELLAR_REQUIRE_PREV=1 (set by scripts/test.sh when the build worked).
+
+use std::time::Duration;
+
+use kv_common::mds::MdsClient;
+use kv_common::page::Geometry;
+use kv_common::status::Status;
+use kv_e2e::cluster::{wait_until, Etcd, Mds};
+use kv_e2e::{run, Node};
+use kvclient::{BlockingClient, Options};
+
+fn prev_bin(name: &str) -> Option<String> {
+    let dir = match std::env::var("KVCELLAR_PREV_BIN_DIR") {
+        Ok(d) if !d.is_empty() => d,
+        _ => {
+            assert!(
+                std::env::var("KVCELLAR_REQUIRE_PREV").as_deref() != Ok("1"),
+                "KVCELLAR_PREV_BIN_DIR is not set (scripts/prev-release.sh)"
+            );
+            eprintln!("mixed versions: KVCELLAR_PREV_BIN_DIR not set: skipped (run scripts/prev-release.sh)");
+            return None;
+        }
+    };
+    let p = std::path::Path::new(&dir).join(name);
+    assert!(p.is_file(), "{} missing", p.display());
+    Some(p.to_str().unwrap().to_string())
+}
+
+fn geo() -> Geometry {
+    Geometry { model_hash: 5, page_size: 16, dtype_tag: 2, tp_size: 1, ..Geometry::default() }
+}
+
+/// Content derived from the key: every byte read back is checked.
+fn page(key: &str) -> Vec<u8> {
+    let seed = key.bytes().fold(7u32, |a, b| a.wrapping_mul(31).wrapping_add(u32::from(b)));
+    (0..20_000u32).map(|i| (seed.wrapping_add(i.wrapping_mul(2_654_435_761)) >> 13) as u8).collect()
+}
+
+fn node_args<'a>(dir: &'a str, eps: &'a str, id: &'a str) -> Vec<&'a str> {
+    vec![
+        "--dir",
+        dir,
+        "--cap",
+        "64M",
+        "--no-sync",
+        "--log-level",
+        "info",
+        "--mds",
+        eps,
+        "--group",
+        "g",
+        "--id",
+        id,
+        "--advertise",
+        "127.0.0.1:0",
+    ]
+}
+
+#[test]
+fn previous_and_this_release_serve_one_group() {
+    let (Some(old_server), Some(old_mds), Some(old_kvctl)) = (prev_bin("kv-server"), prev_bin("kv-mds"), prev_bin("kvctl"))
+    else {
+        return;
+    };
+    let t = tempfile::tempdir().unwrap();
+    let etcd = Etcd::start(t.path().to_path_buf());
+    // One replica of each release, sharing etcd.
+    let mds_new = Mds::start(&etcd.endpoint(), "3s");
+    let mds_old = Mds::start_bin(&old_mds, "127.0.0.1:0", &etcd.endpoint(), "3s", &[]);
+    let eps = format!("{},{}", mds_old.addr, mds_new.addr);
+    let d_old = t.path().join("old");
+    let d_new = t.path().join("new");
+    let old = Node::start_bin(&old_server, "127.0.0.1:0", &node_args(d_old.to_str().unwrap(), &eps, "old"));
+    let new = Node::start_bin("kv-server", "127.0.0.1:0", &node_args(d_new.to_str().unwrap(), &eps, "new"));
+    for replica in [&mds_old.addr, &mds_new.addr] {
+        wait_until(Duration::from_secs(20), "both nodes in the view of each replica", || {
+            MdsClient::new(vec![replica.clone()], Duration::from_secs(2))
+                .view("g")
+                .ok()
+                .filter(|v| v.members.len() == 2)
+        });
+    }
+
+    // This release's client, discovering through the old replica, with a
+    // token (the old node checks none): keys on both nodes, all intact.
+    let tok = t.path().join("token");
+    std::fs::write(&tok, "rolling-upgrade-token").unwrap();
+    let opts = format!("auth_token_file={},io_timeout_ms=5000", tok.display());
+    let c = BlockingClient::new(Vec::new(), geo(), Options::parse(&opts).unwrap()).unwrap();
+    let first = c.start_discovery(vec![mds_old.addr.clone()], "g".into(), Duration::from_millis(500)).unwrap();
+    assert!(first.is_ok(), "{first:?}");
+    let keys: Vec<String> = (0..40).map(|i| format!("mixed-{i}")).collect();
+    for k in &keys {
+        assert_eq!(c.putv(k.as_bytes(), &[&page(k)]), Status::Ok, "{k}");
+    }
+    let mut buf = vec![0u8; 20_000];
+    for k in &keys {
+        assert_eq!(c.getv(k.as_bytes(), &mut [&mut buf[..]]), Ok(buf.len()), "{k}");
+        assert!(buf == page(k), "{k}: wrong bytes");
+    }
+    let on = |addr: &str| {
+        let mut conn = kvclient::Conn::connect(addr, Duration::from_secs(5)).unwrap();
+        conn.stats().unwrap()
+    };
+    let (objs_old, objs_new) = (on(&old.addr).objects, on(&new.addr).objects);
+    assert!(objs_old > 0 && objs_new > 0, "keys on both nodes: old {objs_old}, new {objs_new}");
+
+    // The previous release's kvctl (a v1 client) against this release's node.
+    let (code, out, err) = run(&old_kvctl, &["put", "--node", &new.addr, "from-old-kvctl", "hello-v1"]);
+    assert_eq!(code, 0, "{out}{err}");
+    let (code, out, err) = run(&old_kvctl, &["get", "--node", &new.addr, "from-old-kvctl"]);
+    assert_eq!((code, out.as_str()), (0, "hello-v1"), "{err}");
+    let s = on(&new.addr);
+    assert!(s.v1_connections >= 2, "the node counted the v1 clients: {s:?}");
+    // This release's kvctl against the previous release's node.
+    let (code, out, err) =
+        run("kvctl", &["--auth-token-file", tok.to_str().unwrap(), "put", "--node", &old.addr, "from-new", "v2"]);
+    assert_eq!(code, 0, "{out}{err}");
+    let (code, out, err) = run(&old_kvctl, &["get", "--node", &old.addr, "from-new"]);
+    assert_eq!((code, out.as_str()), (0, "v2"), "{err}");
+
+    // A node of this release with a token refuses the old client clearly.
+    let d_tok = t.path().join("tok");
+    let guarded = Node::start(&["--dir", d_tok.to_str().unwrap(), "--cap", "64M", "--auth-token-file", tok.to_str().unwrap()]);
+    let (code, out, err) = run(&old_kvctl, &["put", "--node", &guarded.addr, "k", "v"]);
+    assert_ne!(code, 0, "{out}{err}");
+    // (The previous release words it as a protocol mismatch: "node speaks protocol v2".)
+    assert!(err.contains("protocol v2"), "{err}");
+    let (code, out, err) = run("kvctl", &["--auth-token-file", tok.to_str().unwrap(), "put", "--node", &guarded.addr, "k", "v"]);
+    assert_eq!(code, 0, "{out}{err}");
+}
