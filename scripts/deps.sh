@@ -36,6 +36,9 @@ need_deb binutils nm
 # start their own etcd on free loopback ports. protoc builds etcd's gRPC client.
 need_deb etcd-server etcd
 need_deb protobuf-compiler protoc
+# etcdctl and openssl: the etcd TLS and authentication test (tests/tests/etcd_tls.rs).
+need_deb etcd-client etcdctl
+need_deb openssl openssl
 (need_deb valgrind valgrind) || echo "deps: valgrind unavailable: the C ABI test runs without it" >&2
 # Packaging and its tests (scripts/package.sh, test-packages.sh, the image
 # and the container cluster) need a few more tools.

@@ -34,36 +34,131 @@ pub struct Mds {
     watching: AtomicBool,
 }
 
+/// How kv-mds reaches a production etcd: TLS with a client certificate,
+/// and etcd's user/password authentication (DEPLOY.md, "etcd").
+#[derive(Debug, Clone, Default)]
+pub struct EtcdSecurity {
+    /// PEM files: the CA that signed etcd's certificate, and this client's
+    /// certificate and key (both or neither). With a CA, endpoints given
+    /// without a scheme are dialled over https.
+    pub ca: Option<Vec<u8>>,
+    pub identity: Option<(Vec<u8>, Vec<u8>)>,
+    /// etcd user and password: the client authenticates at start and again
+    /// whenever etcd says its token expired.
+    pub user: Option<(String, String)>,
+}
+
+impl EtcdSecurity {
+    fn tls(&self) -> Option<etcd_client::TlsOptions> {
+        if self.ca.is_none() && self.identity.is_none() {
+            return None;
+        }
+        let mut t = etcd_client::TlsOptions::new();
+        if let Some(ca) = &self.ca {
+            t = t.ca_certificate(etcd_client::Certificate::from_pem(ca));
+        }
+        if let Some((cert, key)) = &self.identity {
+            t = t.identity(etcd_client::Identity::from_pem(cert, key));
+        }
+        Some(t)
+    }
+
+    fn apply(&self, mut o: ConnectOptions) -> ConnectOptions {
+        if let Some(t) = self.tls() {
+            o = o.with_tls(t);
+        }
+        if let Some((u, p)) = &self.user {
+            o = o.with_user(u.clone(), p.clone()).with_auto_token_refresh(true);
+        }
+        o
+    }
+}
+
 /// Connects to etcd. The connection is made lazily and re-made after
 /// failures, so this succeeds while etcd is down; calls then fail until it
-/// is back.
-pub async fn connect(endpoints: &[String], ttl: Duration) -> Result<Arc<Mds>, String> {
-    let urls: Vec<String> =
-        endpoints.iter().map(|e| if e.contains("://") { e.clone() } else { format!("http://{e}") }).collect();
+/// is back. With a user, the client must authenticate first: then this
+/// waits for etcd (logging once), and a refused password is an error.
+pub async fn connect(endpoints: &[String], ttl: Duration, sec: &EtcdSecurity) -> Result<Arc<Mds>, String> {
+    let tls = sec.tls().is_some();
+    let urls: Vec<String> = endpoints
+        .iter()
+        .map(|e| match (e.contains("://"), tls) {
+            (true, _) => e.clone(),
+            (false, true) => format!("https://{e}"),
+            (false, false) => format!("http://{e}"),
+        })
+        .collect();
+    if tls {
+        if let Some(u) = urls.iter().find(|u| u.starts_with("http://")) {
+            return Err(format!("--etcd {u}: TLS options (--etcd-cacert, --etcd-cert) need https:// endpoints"));
+        }
+    }
     let joined = endpoints.join(",");
-    let unary = ConnectOptions::new()
-        .with_connect_timeout(Duration::from_secs(1))
-        .with_timeout(Duration::from_millis(1500))
-        .with_keep_alive(Duration::from_secs(10), Duration::from_secs(5));
-    let streaming = ConnectOptions::new()
-        .with_connect_timeout(Duration::from_secs(2))
-        // etcd refuses HTTP/2 pings more often than every 5 s (its
-        // --grpc-keepalive-min-time) by closing the connection; a dead etcd
-        // process is noticed at once anyway (the connection resets).
-        .with_keep_alive(Duration::from_secs(10), Duration::from_secs(5))
-        .with_keep_alive_while_idle(true);
-    let etcd = etcd_client::Client::connect(&urls, Some(unary))
-        .await
-        .map_err(|e| format!("cannot set up the etcd client for {joined}: {e}"))?;
-    let watch_etcd = etcd_client::Client::connect(&urls, Some(streaming))
-        .await
-        .map_err(|e| format!("cannot set up the etcd client for {joined}: {e}"))?;
+    let unary = sec.apply(
+        ConnectOptions::new()
+            .with_connect_timeout(Duration::from_secs(1))
+            .with_timeout(Duration::from_millis(1500))
+            .with_keep_alive(Duration::from_secs(10), Duration::from_secs(5)),
+    );
+    let streaming = sec.apply(
+        ConnectOptions::new()
+            .with_connect_timeout(Duration::from_secs(2))
+            // etcd refuses HTTP/2 pings more often than every 5 s (its
+            // --grpc-keepalive-min-time) by closing the connection; a dead etcd
+            // process is noticed at once anyway (the connection resets).
+            .with_keep_alive(Duration::from_secs(10), Duration::from_secs(5))
+            .with_keep_alive_while_idle(true),
+    );
+    let etcd = connect_one(&urls, unary, &joined, sec.user.is_some()).await?;
+    let watch_etcd = connect_one(&urls, streaming, &joined, sec.user.is_some()).await?;
     Ok(Arc::new(Mds {
         reg: Registry::new(etcd, joined, ttl),
         watch_etcd,
         groups: Mutex::default(),
         watching: AtomicBool::new(false),
     }))
+}
+
+/// One client. Without a user it connects lazily; with one it
+/// authenticates, retrying while etcd cannot be reached.
+async fn connect_one(
+    urls: &[String],
+    opts: ConnectOptions,
+    joined: &str,
+    authenticates: bool,
+) -> Result<etcd_client::Client, String> {
+    let mut logged = false;
+    loop {
+        match etcd_client::Client::connect(urls, Some(opts.clone())).await {
+            Ok(c) => {
+                if logged {
+                    tracing::info!(etcd = joined, "etcd reachable: authenticated");
+                }
+                return Ok(c);
+            }
+            Err(e) if authenticates && unreachable(&e) => {
+                if !logged {
+                    tracing::warn!(etcd = joined, error = %e, "etcd does not answer yet: waiting to authenticate (retrying every second)");
+                    logged = true;
+                }
+                tokio::time::sleep(Duration::from_secs(1)).await;
+            }
+            Err(e) => return Err(format!("cannot set up the etcd client for {joined}: {e}")),
+        }
+    }
+}
+
+/// Whether a connect error means etcd was not reached (as opposed to a
+/// refused password or a bad certificate).
+fn unreachable(e: &etcd_client::Error) -> bool {
+    match e {
+        etcd_client::Error::TransportError(_) | etcd_client::Error::IoError(_) => true,
+        etcd_client::Error::GRpcStatus(s) => {
+            matches!(s.code(), tonic::Code::Unavailable | tonic::Code::DeadlineExceeded | tonic::Code::Unknown)
+                && !s.message().contains("authentication failed")
+        }
+        _ => false,
+    }
 }
 
 impl Mds {

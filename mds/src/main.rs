@@ -41,6 +41,21 @@ struct Cli {
     /// GROUP=PATH: the token of one group, taking precedence over --auth-token-file for it; repeat for more groups.
     #[arg(long)]
     group_token_file: Vec<String>,
+    /// PEM file of the CA that signed etcd's certificate: talk to etcd over TLS (endpoints without a scheme become https://).
+    #[arg(long)]
+    etcd_cacert: Option<std::path::PathBuf>,
+    /// PEM client certificate presented to etcd (with --etcd-key; for etcd's --client-cert-auth).
+    #[arg(long, requires = "etcd_key")]
+    etcd_cert: Option<std::path::PathBuf>,
+    /// PEM private key of --etcd-cert.
+    #[arg(long, requires = "etcd_cert")]
+    etcd_key: Option<std::path::PathBuf>,
+    /// etcd user (etcd's authentication; with --etcd-password-file). kv-mds then waits at start until etcd authenticates it.
+    #[arg(long, requires = "etcd_password_file")]
+    etcd_user: Option<String>,
+    /// File holding the etcd user's password (trimmed of surrounding whitespace).
+    #[arg(long, requires = "etcd_user")]
+    etcd_password_file: Option<std::path::PathBuf>,
 }
 
 fn main() -> ExitCode {
@@ -62,7 +77,7 @@ fn main() -> ExitCode {
         eprintln!("kv-mds: error: --max-conns must be at least 1");
         return ExitCode::from(2);
     }
-    let tokens = match tokens(&cli) {
+    let (tokens, security) = match tokens(&cli).and_then(|t| Ok((t, etcd_security(&cli)?))) {
         Ok(t) => t,
         Err(e) => {
             eprintln!("kv-mds: error: {e}");
@@ -80,7 +95,7 @@ fn main() -> ExitCode {
             tracing::warn!("{w}");
         }
     }
-    match run(cli, endpoints, tokens) {
+    match run(cli, endpoints, tokens, security) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("kv-mds: error: {e}");
@@ -101,7 +116,35 @@ fn tokens(cli: &Cli) -> Result<kv_common::auth::GroupTokens, String> {
     Ok(t)
 }
 
-fn run(cli: Cli, endpoints: Vec<String>, tokens: kv_common::auth::GroupTokens) -> Result<(), String> {
+/// The TLS files and etcd user of the flags, read now (a missing file is a
+/// start-up error, not a failure at the first call).
+fn etcd_security(cli: &Cli) -> Result<kv_mds::EtcdSecurity, String> {
+    let read = |flag: &str, p: &std::path::Path| std::fs::read(p).map_err(|e| format!("--{flag} {}: {e}", p.display()));
+    let mut s = kv_mds::EtcdSecurity::default();
+    if let Some(p) = &cli.etcd_cacert {
+        s.ca = Some(read("etcd-cacert", p)?);
+    }
+    if let (Some(c), Some(k)) = (&cli.etcd_cert, &cli.etcd_key) {
+        s.identity = Some((read("etcd-cert", c)?, read("etcd-key", k)?));
+    }
+    if let (Some(u), Some(p)) = (&cli.etcd_user, &cli.etcd_password_file) {
+        let pw = String::from_utf8(read("etcd-password-file", p)?)
+            .map_err(|_| format!("--etcd-password-file {}: not text", p.display()))?;
+        let pw = pw.trim();
+        if pw.is_empty() {
+            return Err(format!("--etcd-password-file {}: empty", p.display()));
+        }
+        s.user = Some((u.clone(), pw.to_string()));
+    }
+    Ok(s)
+}
+
+fn run(
+    cli: Cli,
+    endpoints: Vec<String>,
+    tokens: kv_common::auth::GroupTokens,
+    security: kv_mds::EtcdSecurity,
+) -> Result<(), String> {
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
@@ -113,7 +156,7 @@ fn run(cli: Cli, endpoints: Vec<String>, tokens: kv_common::auth::GroupTokens) -
             .await
             .map_err(|e| format!("cannot listen on {}: {e}", cli.listen))?;
         let addr = listener.local_addr().map_err(|e| e.to_string())?;
-        let mds = kv_mds::connect(&endpoints, cli.lease_ttl).await?;
+        let mds = kv_mds::connect(&endpoints, cli.lease_ttl, &security).await?;
         // Say at start whether etcd answers; the service runs either way.
         match mds.reg.view("_probe").await {
             Ok(_) => tracing::info!(etcd = %endpoints.join(","), "etcd reachable"),

@@ -43,6 +43,101 @@ pub struct Etcd {
     dir: PathBuf,
     client_port: u16,
     peer_port: u16,
+    tls: Option<EtcdTls>,
+}
+
+/// PEM files for an etcd that serves TLS and requires client certificates.
+#[derive(Clone, Debug)]
+pub struct EtcdTls {
+    pub ca: PathBuf,
+    pub server_cert: PathBuf,
+    pub server_key: PathBuf,
+    pub client_cert: PathBuf,
+    pub client_key: PathBuf,
+}
+
+impl EtcdTls {
+    /// Makes a CA, a server certificate for 127.0.0.1 and a client
+    /// certificate (CN `client_cn`) with openssl, in `dir`.
+    pub fn make(dir: &std::path::Path, client_cn: &str) -> EtcdTls {
+        let p = |n: &str| dir.join(n);
+        let ossl = |args: &[&str]| {
+            let out = Command::new("openssl")
+                .args(args)
+                .current_dir(dir)
+                .output()
+                .expect("openssl (scripts/deps.sh installs it)");
+            assert!(out.status.success(), "openssl {args:?}: {}", String::from_utf8_lossy(&out.stderr));
+        };
+        ossl(&[
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-days",
+            "2",
+            "-subj",
+            "/CN=kvcellar-test-ca",
+            "-keyout",
+            "ca.key",
+            "-out",
+            "ca.pem",
+        ]);
+        std::fs::write(
+            p("server.ext"),
+            "subjectAltName=IP:127.0.0.1,DNS:localhost\nextendedKeyUsage=serverAuth,clientAuth\n",
+        )
+        .unwrap();
+        std::fs::write(p("client.ext"), "extendedKeyUsage=clientAuth\n").unwrap();
+        for (name, cn) in [("server", "127.0.0.1"), ("client", client_cn)] {
+            ossl(&[
+                "req",
+                "-newkey",
+                "rsa:2048",
+                "-nodes",
+                "-subj",
+                &format!("/CN={cn}"),
+                "-keyout",
+                &format!("{name}.key"),
+                "-out",
+                &format!("{name}.csr"),
+            ]);
+            ossl(&[
+                "x509",
+                "-req",
+                "-in",
+                &format!("{name}.csr"),
+                "-CA",
+                "ca.pem",
+                "-CAkey",
+                "ca.key",
+                "-CAcreateserial",
+                "-days",
+                "2",
+                "-extfile",
+                &format!("{name}.ext"),
+                "-out",
+                &format!("{name}.pem"),
+            ]);
+        }
+        EtcdTls {
+            ca: p("ca.pem"),
+            server_cert: p("server.pem"),
+            server_key: p("server.key"),
+            client_cert: p("client.pem"),
+            client_key: p("client.key"),
+        }
+    }
+
+    /// etcdctl's flags for these files.
+    pub fn etcdctl_args(&self) -> Vec<String> {
+        vec![
+            format!("--cacert={}", self.ca.display()),
+            format!("--cert={}", self.client_cert.display()),
+            format!("--key={}", self.client_key.display()),
+        ]
+    }
 }
 
 impl Etcd {
@@ -50,12 +145,49 @@ impl Etcd {
     pub fn start(dir: PathBuf) -> Etcd {
         // A port found free can be taken before etcd binds it: try again.
         for _ in 0..3 {
-            let mut e = Etcd { child: None, dir: dir.clone(), client_port: free_port(), peer_port: free_port() };
+            let mut e =
+                Etcd { child: None, dir: dir.clone(), client_port: free_port(), peer_port: free_port(), tls: None };
             if e.spawn() {
                 return e;
             }
         }
         panic!("etcd did not come up in three attempts");
+    }
+
+    /// As [`Etcd::start`], serving clients over TLS and requiring a client
+    /// certificate signed by `tls.ca`.
+    pub fn start_tls(dir: PathBuf, tls: EtcdTls) -> Etcd {
+        for _ in 0..3 {
+            let mut e = Etcd {
+                child: None,
+                dir: dir.clone(),
+                client_port: free_port(),
+                peer_port: free_port(),
+                tls: Some(tls.clone()),
+            };
+            if e.spawn() {
+                return e;
+            }
+        }
+        panic!("etcd (TLS) did not come up in three attempts");
+    }
+
+    /// Runs `etcdctl ARGS` against this etcd (with its TLS files, if any):
+    /// (success, stdout + stderr).
+    pub fn etcdctl(&self, args: &[&str]) -> (bool, String) {
+        let scheme = if self.tls.is_some() { "https" } else { "http" };
+        let out = Command::new("etcdctl")
+            .env("ETCDCTL_API", "3")
+            .arg(format!("--endpoints={scheme}://{}", self.endpoint()))
+            .args(self.tls.as_ref().map(EtcdTls::etcdctl_args).unwrap_or_default())
+            .args(["--dial-timeout=2s", "--command-timeout=5s"])
+            .args(args)
+            .output()
+            .expect("etcdctl (Debian etcd-client; scripts/deps.sh installs it)");
+        (
+            out.status.success(),
+            format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr)),
+        )
     }
 
     /// `127.0.0.1:PORT` for kv-mds `--etcd`.
@@ -64,11 +196,22 @@ impl Etcd {
     }
 
     fn spawn(&mut self) -> bool {
-        let client = format!("http://127.0.0.1:{}", self.client_port);
+        let scheme = if self.tls.is_some() { "https" } else { "http" };
+        let client = format!("{scheme}://127.0.0.1:{}", self.client_port);
         let peer = format!("http://127.0.0.1:{}", self.peer_port);
+        let tls_args: Vec<String> = match &self.tls {
+            Some(t) => vec![
+                format!("--cert-file={}", t.server_cert.display()),
+                format!("--key-file={}", t.server_key.display()),
+                format!("--trusted-ca-file={}", t.ca.display()),
+                "--client-cert-auth".into(),
+            ],
+            None => Vec::new(),
+        };
         let child = Command::new(etcd_bin())
             .args(["--name", "t", "--data-dir"])
             .arg(self.dir.join("etcd"))
+            .args(&tls_args)
             .args(["--listen-client-urls", &client, "--advertise-client-urls", &client])
             .args(["--listen-peer-urls", &peer, "--initial-advertise-peer-urls", &peer])
             .args(["--initial-cluster", &format!("t={peer}"), "--initial-cluster-state", "new"])
@@ -94,8 +237,11 @@ impl Etcd {
         false
     }
 
-    /// etcd's /health says true.
+    /// etcd's /health says true (over TLS: `etcdctl endpoint health`).
     pub fn healthy(&self) -> bool {
+        if self.tls.is_some() {
+            return self.etcdctl(&["endpoint", "health"]).0;
+        }
         let mut c = kv_common::mds::MdsClient::new(vec![self.endpoint()], Duration::from_millis(500));
         matches!(c.call("GET", "/health", None, Duration::ZERO), Ok((200, b)) if String::from_utf8_lossy(&b).contains("true"))
     }

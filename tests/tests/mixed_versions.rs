@@ -65,7 +65,8 @@ fn node_args<'a>(dir: &'a str, eps: &'a str, id: &'a str) -> Vec<&'a str> {
 
 #[test]
 fn previous_and_this_release_serve_one_group() {
-    let (Some(old_server), Some(old_mds), Some(old_kvctl)) = (prev_bin("kv-server"), prev_bin("kv-mds"), prev_bin("kvctl"))
+    let (Some(old_server), Some(old_mds), Some(old_kvctl)) =
+        (prev_bin("kv-server"), prev_bin("kv-mds"), prev_bin("kvctl"))
     else {
         return;
     };
@@ -128,11 +129,13 @@ fn previous_and_this_release_serve_one_group() {
 
     // A node of this release with a token refuses the old client clearly.
     let d_tok = t.path().join("tok");
-    let guarded = Node::start(&["--dir", d_tok.to_str().unwrap(), "--cap", "64M", "--auth-token-file", tok.to_str().unwrap()]);
+    let guarded =
+        Node::start(&["--dir", d_tok.to_str().unwrap(), "--cap", "64M", "--auth-token-file", tok.to_str().unwrap()]);
     let (code, out, err) = run(&old_kvctl, &["put", "--node", &guarded.addr, "k", "v"]);
     assert_ne!(code, 0, "{out}{err}");
     // (The previous release words it as a protocol mismatch: "node speaks protocol v2".)
     assert!(err.contains("protocol v2"), "{err}");
-    let (code, out, err) = run("kvctl", &["--auth-token-file", tok.to_str().unwrap(), "put", "--node", &guarded.addr, "k", "v"]);
+    let (code, out, err) =
+        run("kvctl", &["--auth-token-file", tok.to_str().unwrap(), "put", "--node", &guarded.addr, "k", "v"]);
     assert_eq!(code, 0, "{out}{err}");
 }
