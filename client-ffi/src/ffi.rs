@@ -185,6 +185,19 @@ fn batch_len(n: usize) -> Result<(), c_int> {
     Ok(())
 }
 
+/// Refuses segment lengths no buffer can have (a slice is at most
+/// `isize::MAX` bytes), one by one and in total, before any view is made.
+fn check_lengths(v: &[kv_iovec]) -> Result<(), c_int> {
+    let mut total: usize = 0;
+    for s in v {
+        total = total
+            .checked_add(s.len)
+            .filter(|&t| t <= isize::MAX as usize)
+            .ok_or_else(|| einval(format!("iov segment lengths add up past {} bytes", isize::MAX)))?;
+    }
+    Ok(())
+}
+
 /// Read-only views of `n` iovecs.
 ///
 /// # Safety
@@ -200,6 +213,7 @@ unsafe fn read_views<'a>(iov: *const kv_iovec, n: usize) -> Result<Vec<&'a [u8]>
     }
     // SAFETY: iov points to n iovecs (caller's contract).
     let v = unsafe { std::slice::from_raw_parts(iov, n) };
+    check_lengths(v)?;
     v.iter()
         .map(|s| match (s.base.is_null(), s.len) {
             (_, 0) => Ok(&[][..]),
@@ -224,6 +238,7 @@ unsafe fn write_views<'a>(iov: *const kv_iovec, n: usize) -> Result<Vec<&'a mut 
     }
     // SAFETY: iov points to n iovecs (caller's contract).
     let v = unsafe { std::slice::from_raw_parts(iov, n) };
+    check_lengths(v)?;
     v.iter()
         .map(|s| match (s.base.is_null(), s.len) {
             (_, 0) => Ok(&mut [][..]),

@@ -4,6 +4,8 @@
  *        abi_test corrupt MEMBERS            -> phase 2: "corrupt-me" must be KV_CORRUPT
  * Prints "ok: ..." per check; exits 0 when all hold, 1 on the first failure.
  */
+#include <pthread.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -40,6 +42,22 @@ static kv_geometry geometry(uint64_t model) {
 
 static void fill(unsigned char *p, size_t n, unsigned seed) {
   for (size_t i = 0; i < n; i++) p[i] = (unsigned char)((i * 31u + seed * 7u) & 0xff);
+}
+
+/* A thread that keeps calling on a handle another thread closes: each call
+   either completes or answers KV_EINVAL (closed), never touches freed memory
+   (valgrind watches the whole run). */
+static void *hammer(void *arg) {
+  kv_client *h = (kv_client *)arg;
+  unsigned char b[4096];
+  size_t got;
+  for (int i = 0; i < 300; i++) {
+    int r = kv_get(h, "page-1", b, sizeof b, &got);
+    int e = kv_exist(h, "page-1");
+    if (r == KV_EINVAL && e == KV_EINVAL) return (void *)1; /* saw the close */
+    if (r < 0 && r != KV_EINVAL) return (void *)2;
+  }
+  return (void *)0;
 }
 
 static int phase_put(const char *members, const char *dead) {
@@ -191,6 +209,43 @@ static int phase_put(const char *members, const char *dead) {
     const char *one = "k";
     CHECK(kv_batch_exist(c, (size_t)KV_MAX_BATCH_ITEMS + 1, &one, st) == KV_EINVAL && strstr(kv_last_error(), "batch of"),
           "a batch over KV_MAX_BATCH_ITEMS: %s", kv_last_error());
+  }
+  /* Lengths no buffer can have are refused before any view is made; an
+     empty payload is a valid page. */
+  {
+    CHECK(kv_put(c, "huge", src, SIZE_MAX) == KV_EINVAL, "put of SIZE_MAX bytes: %s", kv_last_error());
+    CHECK(kv_get(c, "page-1", dst, SIZE_MAX, &got) == KV_EINVAL, "get into a SIZE_MAX buffer: %s", kv_last_error());
+    kv_iovec halves[2] = {{src, SIZE_MAX / 2 + 1}, {src, SIZE_MAX / 2 + 1}};
+    CHECK(kv_putv(c, "huge2", halves, 2) == KV_EINVAL && strstr(kv_last_error(), "add up"),
+          "segments whose lengths add up past isize: %s", kv_last_error());
+    CHECK(kv_putv(c, "empty", NULL, 0) == KV_OK, "an item of 0 segments stores an empty page");
+    CHECK(kv_get(c, "empty", dst, 0, &got) == KV_OK && got == 0, "and gets back 0 bytes (cap 0)");
+    CHECK(kv_put(c, "empty2", NULL, 0) == KV_OK, "put(NULL, 0) is an empty page, not a NULL error");
+    CHECK(kv_batch_exist(c, 0, NULL, NULL) == 0, "a batch of 0 items is 0 served");
+  }
+  /* kv_close racing calls on four other threads. */
+  {
+    kv_client *r = kv_open(members, &g, "io_timeout_ms=5000");
+    pthread_t th[4];
+    for (int i = 0; i < 4; i++) pthread_create(&th[i], NULL, hammer, r);
+    kv_close(r);
+    int bad = 0;
+    for (int i = 0; i < 4; i++) {
+      void *res;
+      pthread_join(th[i], &res);
+      if (res == (void *)2) bad++;
+    }
+    CHECK(bad == 0 && kv_exist(r, "page-1") == KV_EINVAL, "kv_close racing calls on 4 threads");
+  }
+  /* The auth token option: a file that is missing or empty fails kv_open. */
+  {
+    CHECK(kv_open(members, &g, "auth_token_file=/nonexistent/token") == NULL &&
+              strstr(kv_last_error(), "auth token file"),
+          "kv_open with a missing token file: %s", kv_last_error());
+    kv_client *tc = kv_open(members, &g, "auth_token_file=/proc/self/comm");
+    CHECK(tc != NULL && kv_put(tc, "with-token", src, 10) == KV_OK,
+          "a token is accepted by a node without one: %s", kv_last_error());
+    kv_close(tc);
   }
   /* Delete at the owner; a second delete misses. */
   CHECK(kv_put(c, "delete-me", src, 100) == KV_OK && kv_delete(c, "delete-me") == KV_OK, "delete a stored key");

@@ -222,6 +222,7 @@ fn build_c_test(dir: &Path) -> std::path::PathBuf {
         .arg("-L")
         .arg(dir)
         .arg("-lkvclient")
+        .arg("-pthread")
         .output()
         .expect("run cc");
     assert!(out.status.success(), "cc failed:\n{}", String::from_utf8_lossy(&out.stderr));
