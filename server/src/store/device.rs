@@ -22,6 +22,16 @@ pub trait Device: Send + Sync {
     fn set_len(&self, len: u64) -> io::Result<()>;
     /// Makes every completed write durable.
     fn sync(&self) -> io::Result<()>;
+    /// Whether `write_at` returns only once the write is on media (then the
+    /// store makes each put's journal entry durable before its answer too).
+    fn acks_on_media(&self) -> bool {
+        false
+    }
+    /// Makes the index journal `f` durable (a seam, so a power loss drill
+    /// can know what of the journal reached media).
+    fn sync_journal(&self, f: &File) -> io::Result<()> {
+        f.sync_data()
+    }
 }
 
 /// The real device: one file, O_DIRECT when the filesystem supports it.
@@ -40,9 +50,16 @@ pub struct FileDevice {
 /// Leader/follower fdatasync: a writer takes a ticket after its write; the
 /// first waiter with no flush running flushes for everyone up to the newest
 /// ticket, the others wait for a flush that started after their write.
-struct GroupSync {
+/// Used for the data file here and for the index journal (disk.rs).
+pub struct GroupSync {
     state: Mutex<SyncState>,
     done: Condvar,
+}
+
+impl Default for GroupSync {
+    fn default() -> Self {
+        GroupSync { state: Mutex::new(SyncState::default()), done: Condvar::new() }
+    }
 }
 
 #[derive(Default)]
@@ -69,7 +86,15 @@ impl SyncState {
 }
 
 impl GroupSync {
-    fn sync_after_write(&self, file: &File) -> io::Result<()> {
+    /// Returns once a flush that began after this call (or a later one) has
+    /// succeeded: every write finished before the call is then on media.
+    pub fn sync_after_write(&self, file: &File) -> io::Result<()> {
+        self.sync_after(|| file.sync_data())
+    }
+
+    /// As [`GroupSync::sync_after_write`], with the flush given (its file
+    /// may change between flushes, as the journal's does at compaction).
+    pub fn sync_after(&self, flush: impl Fn() -> io::Result<()>) -> io::Result<()> {
         let mut st = self.state.lock().unwrap_or_else(|e| e.into_inner());
         st.issued += 1;
         let ticket = st.issued;
@@ -81,7 +106,7 @@ impl GroupSync {
                 st.running = true;
                 let target = st.issued;
                 drop(st);
-                let r = file.sync_data();
+                let r = flush();
                 st = self.state.lock().unwrap_or_else(|e| e.into_inner());
                 st.running = false;
                 match r {
@@ -102,7 +127,7 @@ impl GroupSync {
 impl FileDevice {
     /// Opens (creating) `path`. With `sync`, writes are on media when they return.
     pub fn open(path: &Path, sync: bool) -> io::Result<FileDevice> {
-        let group = sync.then(|| GroupSync { state: Mutex::new(SyncState::default()), done: Condvar::new() });
+        let group = sync.then(GroupSync::default);
         let base = 0;
         let open = |flags: i32| {
             OpenOptions::new().read(true).write(true).create(true).truncate(false).custom_flags(flags).open(path)
@@ -147,6 +172,10 @@ impl Device for FileDevice {
 
     fn sync(&self) -> io::Result<()> {
         self.file.sync_data()
+    }
+
+    fn acks_on_media(&self) -> bool {
+        self.group.is_some()
     }
 }
 
@@ -194,6 +223,161 @@ impl Device for FaultyDevice {
     fn sync(&self) -> io::Result<()> {
         self.check()?;
         self.inner.sync()
+    }
+
+    fn acks_on_media(&self) -> bool {
+        self.inner.acks_on_media()
+    }
+
+    fn sync_journal(&self, f: &File) -> io::Result<()> {
+        self.check()?;
+        self.inner.sync_journal(f)
+    }
+}
+
+/// A power-loss drill (tests): a device that knows which of its writes, and
+/// how much of the journal, a flush has put on media, and can "lose power":
+/// from then every write and flush fails, and [`PowerCut::apply`] makes the
+/// files look as after a power loss (every write no flush covered is
+/// garbage, the journal is cut back to its last flushed length). `kill -9`
+/// cannot show this: the page cache survives it.
+pub struct PowerLossDevice {
+    inner: FileDevice,
+    group: GroupSync,
+    st: Arc<Mutex<PowerState>>,
+}
+
+#[derive(Default)]
+struct PowerState {
+    cut: bool,
+    /// Writes begun and not yet covered by a flush: (id, offset, length,
+    /// finished). A flush covers only the writes finished when it began.
+    pending: Vec<(u64, u64, usize, bool)>,
+    next_id: u64,
+    /// The journal's length at the start of its last successful flush.
+    journal_len: Option<u64>,
+}
+
+/// The switch of a [`PowerLossDevice`].
+#[derive(Clone)]
+pub struct PowerCut {
+    st: Arc<Mutex<PowerState>>,
+}
+
+impl PowerCut {
+    /// Cuts the power now.
+    pub fn cut(&self) {
+        self.st.lock().unwrap_or_else(|e| e.into_inner()).cut = true;
+    }
+
+    /// After [`PowerCut::cut`] and once the store is gone: overwrites every
+    /// unflushed write in `data` with garbage and cuts `journal` back to its
+    /// last flushed length (as of its first flush, if `baseline` is given and
+    /// none happened). Returns (garbled writes, journal bytes dropped).
+    pub fn apply(&self, data: &Path, journal: &Path, baseline: u64) -> io::Result<(usize, u64)> {
+        let st = self.st.lock().unwrap_or_else(|e| e.into_inner());
+        let f = OpenOptions::new().write(true).open(data)?;
+        for &(_, off, len, _) in &st.pending {
+            f.write_all_at(&vec![0xA5; len], off)?;
+        }
+        f.sync_data()?;
+        let keep = st.journal_len.unwrap_or(baseline);
+        let j = OpenOptions::new().write(true).open(journal)?;
+        let had = j.metadata()?.len();
+        j.set_len(keep.min(had))?;
+        j.sync_data()?;
+        Ok((st.pending.len(), had.saturating_sub(keep)))
+    }
+}
+
+impl PowerLossDevice {
+    pub fn open(path: &Path) -> io::Result<(PowerLossDevice, PowerCut)> {
+        let st = Arc::new(Mutex::new(PowerState::default()));
+        let d = PowerLossDevice { inner: FileDevice::open(path, false)?, group: GroupSync::default(), st: st.clone() };
+        Ok((d, PowerCut { st }))
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, PowerState> {
+        self.st.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn off() -> io::Error {
+        io::Error::from_raw_os_error(libc::EIO)
+    }
+
+    fn flush(&self) -> io::Result<()> {
+        let covered: Vec<u64> = {
+            let st = self.lock();
+            if st.cut {
+                return Err(Self::off());
+            }
+            st.pending.iter().filter(|p| p.3).map(|p| p.0).collect()
+        };
+        self.inner.sync()?;
+        let mut st = self.lock();
+        if st.cut {
+            return Err(Self::off());
+        }
+        st.pending.retain(|p| !covered.contains(&p.0));
+        Ok(())
+    }
+}
+
+impl Device for PowerLossDevice {
+    fn write_at(&self, buf: &[u8], off: u64) -> io::Result<()> {
+        let id = {
+            let mut st = self.lock();
+            if st.cut {
+                return Err(Self::off());
+            }
+            // Recorded before the write: a write cut short is garbage too.
+            st.next_id += 1;
+            let id = st.next_id;
+            st.pending.push((id, off, buf.len(), false));
+            id
+        };
+        self.inner.write_at(buf, off)?;
+        if let Some(p) = self.lock().pending.iter_mut().find(|p| p.0 == id) {
+            p.3 = true;
+        }
+        self.group.sync_after(|| self.flush())
+    }
+
+    fn read_at(&self, buf: &mut [u8], off: u64) -> io::Result<()> {
+        self.inner.read_at(buf, off)
+    }
+
+    fn file_len(&self) -> io::Result<u64> {
+        self.inner.file_len()
+    }
+
+    fn set_len(&self, len: u64) -> io::Result<()> {
+        self.inner.set_len(len)
+    }
+
+    fn sync(&self) -> io::Result<()> {
+        self.flush()
+    }
+
+    fn acks_on_media(&self) -> bool {
+        true
+    }
+
+    fn sync_journal(&self, f: &File) -> io::Result<()> {
+        let len = {
+            let st = self.lock();
+            if st.cut {
+                return Err(Self::off());
+            }
+            f.metadata()?.len()
+        };
+        f.sync_data()?;
+        let mut st = self.lock();
+        if st.cut {
+            return Err(Self::off());
+        }
+        st.journal_len = Some(st.journal_len.map_or(len, |l| l.max(len)));
+        Ok(())
     }
 }
 

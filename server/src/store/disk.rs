@@ -143,6 +143,9 @@ pub struct Disk {
     evictions: AtomicU64,
     corrupt_dropped: AtomicU64,
     appends_since_sync: AtomicU64,
+    /// With a device that acknowledges writes on media: the group commit
+    /// that puts each put's journal entry on media before its answer.
+    journal_group: Option<super::device::GroupSync>,
     journal_errno: std::sync::atomic::AtomicI32,
     /// One checkpoint at a time.
     checkpointing: Mutex<()>,
@@ -286,6 +289,7 @@ impl Disk {
                 }),
             )?
         };
+        let acks_on_media = dev.acks_on_media();
         let disk = Disk {
             id,
             dir: dir.to_path_buf(),
@@ -299,6 +303,7 @@ impl Disk {
             evictions: AtomicU64::new(0),
             corrupt_dropped: AtomicU64::new(0),
             appends_since_sync: AtomicU64::new(0),
+            journal_group: acks_on_media.then(super::device::GroupSync::default),
             journal_errno: std::sync::atomic::AtomicI32::new(0),
             checkpointing: Mutex::new(()),
             scrub_queue: Mutex::new(scrub_queue),
@@ -437,6 +442,19 @@ impl Disk {
         }
         self.appends_since_sync.fetch_add(1, Ordering::Relaxed);
         st.index.put(key.into(), Entry { ext, header: *header, header_bytes });
+        drop(st);
+        // The entry on media before the answer (one flush for every put
+        // appended before it began), so a power loss cannot take back an
+        // acknowledged page whose data is already on media. Readers may
+        // serve the record meanwhile: its data is durable.
+        if let Some(g) = &self.journal_group {
+            if let Err(e) = g.sync_after(|| {
+                let file = lock(&self.journal).file();
+                self.dev.sync_journal(&file)
+            }) {
+                return Err(self.io_failed("index journal sync", &e));
+            }
+        }
         Ok(PutResult::Stored)
     }
 
@@ -613,7 +631,7 @@ impl Disk {
         if self.appends_since_sync.swap(0, Ordering::Relaxed) > 0 {
             // fdatasync outside the journal lock: appends carry on meanwhile.
             let file = lock(&self.journal).file();
-            if let Err(e) = file.sync_data() {
+            if let Err(e) = self.dev.sync_journal(&file) {
                 self.fail(&format!("index journal sync: {e}"));
                 return Err(e);
             }
