@@ -130,6 +130,16 @@ pub struct RecoveryReport {
     pub torn_journal_bytes: u64,
 }
 
+/// Writes the format marker and puts it on media (the directory entry is
+/// synced by the caller's `sync_dir`): a marker left empty by a power loss
+/// would make the next start refuse the disk.
+fn write_marker(path: &Path) -> io::Result<()> {
+    use std::io::Write;
+    let mut f = std::fs::File::create(path)?;
+    f.write_all(MARKER_TEXT.as_bytes())?;
+    f.sync_all()
+}
+
 pub struct Disk {
     pub id: String,
     pub dir: PathBuf,
@@ -174,6 +184,12 @@ impl Disk {
         let marker = dir.join(MARKER_FILE);
         match std::fs::read_to_string(&marker) {
             Ok(t) if t == MARKER_TEXT => {}
+            // A marker cut short by a crash or power loss right after it was
+            // made (before its write reached media): ours; write it again.
+            Ok(t) if MARKER_TEXT.starts_with(&t) => {
+                tracing::warn!(dir = %dir.display(), "disk marker cut short (a crash when it was made): rewritten");
+                write_marker(&marker)?;
+            }
             Ok(_) => {
                 return Err(io::Error::new(
                     io::ErrorKind::InvalidData,
@@ -187,7 +203,7 @@ impl Disk {
                         format!("{} has an index but no {MARKER_FILE} marker: refusing to guess", dir.display()),
                     ));
                 }
-                std::fs::write(&marker, MARKER_TEXT)?;
+                write_marker(&marker)?;
             }
             Err(e) => return Err(e),
         }
