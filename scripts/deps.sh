@@ -39,6 +39,8 @@ need_deb protobuf-compiler protoc
 # etcdctl and openssl: the etcd TLS and authentication test (tests/tests/etcd_tls.rs).
 need_deb etcd-client etcdctl
 need_deb openssl openssl
+# xfs_io: the fault suite shuts a loop-mounted filesystem down (a failing disk).
+need_deb xfsprogs xfs_io
 (need_deb valgrind valgrind) || echo "deps: valgrind unavailable: the C ABI test runs without it" >&2
 # Packaging and its tests (scripts/package.sh, test-packages.sh, the image
 # and the container cluster) need a few more tools.
