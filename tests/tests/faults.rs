@@ -614,7 +614,7 @@ fn a_rolling_restart_under_load_serves_no_wrong_page() {
                     let k = &keys[i % keys.len()];
                     i += 1;
                     let t = Instant::now();
-                    let r = check(&c, k, len);
+                    let r = check(c, k, len);
                     worst.fetch_max(t.elapsed().as_micros() as u64, Ordering::Relaxed);
                     reads.fetch_add(1, Ordering::Relaxed);
                     if r == Some(false) {
