@@ -1,9 +1,26 @@
 #!/usr/bin/env bash
 # Checks too slow for every CI run, run by hand and reported in the session
-# notes: today the plugin overhead benchmark (scripts/bench-plugins.sh).
-# The packages, image and container cluster moved into scripts/test.sh
-# (scripts/test-dist.sh).
-# Usage: scripts/test-slow.sh
+# notes: the long fuzz run (10 minutes per target, a release build), the
+# 10-minute soak with random faults, the load-held benchmark, and the plugin
+# overhead benchmark. The packages, image and container cluster are in
+# scripts/test.sh (scripts/test-dist.sh).
+# Usage: scripts/test-slow.sh [--fuzz-seconds N] [--soak-seconds N]
 set -euo pipefail
 cd "$(dirname "$0")/.."
+fuzz=600
+soak=600
+while [ $# -gt 0 ]; do
+  case $1 in
+    --fuzz-seconds) fuzz=$2; shift 2 ;;
+    --soak-seconds) soak=$2; shift 2 ;;
+    *) echo "usage: $0 [--fuzz-seconds N] [--soak-seconds N]" >&2; exit 2 ;;
+  esac
+done
+echo "== fuzz: $fuzz s per target"
+cargo run --locked --release -q -p kv-fuzz -- run --seconds "$fuzz" --seed "$(date +%s)"
+echo "== soak: $soak s of mixed load with random faults"
+cargo build --workspace --locked -q
+KVCELLAR_SOAK_SECS=$soak cargo test --locked -q -p kv-e2e --test faults -- --ignored --nocapture soak
+echo "== load held: many clients, 1000+ connections"
+bash scripts/bench-load.sh
 bash scripts/bench-plugins.sh --rounds 5

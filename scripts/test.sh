@@ -39,6 +39,8 @@ else
 fi
 echo "== cargo test"
 cargo test --workspace --locked 2>&1 | tee target/test-output.log
+echo "== fuzz targets: a bounded run over the committed corpus (fuzz/; 20 s per target)"
+cargo run --locked -q -p kv-fuzz -- run --seconds 20 2>&1 | tee target/fuzz.log
 echo "== Python package against real nodes (engine classes stood in)"
 bash scripts/test-python.sh 2>&1 | tee target/test-python.log
 echo "== Python plugins against the real SGLang and LMCache classes"

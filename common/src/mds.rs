@@ -351,8 +351,9 @@ fn bad(msg: &str) -> std::io::Error {
     std::io::Error::new(std::io::ErrorKind::InvalidData, msg.to_string())
 }
 
-/// Status and body of an HTTP/1.1 answer read to its end.
-fn parse_reply(reply: &[u8]) -> std::io::Result<(u16, Vec<u8>)> {
+/// Status and body of an HTTP/1.1 answer read to its end (public for the
+/// fuzz targets).
+pub fn parse_reply(reply: &[u8]) -> std::io::Result<(u16, Vec<u8>)> {
     if reply.len() > MAX_REPLY {
         return Err(bad("answer too large"));
     }

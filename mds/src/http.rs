@@ -19,7 +19,7 @@ use std::time::Duration;
 
 use http_body_util::{BodyExt, Full, Limited};
 use hyper::body::{Bytes, Incoming};
-use hyper::{Method, Request, Response, StatusCode};
+use hyper::{Request, Response, StatusCode};
 use kv_common::mds::{
     valid_name, ErrorReply, HeartbeatRequest, LeaseReply, MemberRecord, RegisterRequest, MAX_WAIT_MS,
 };
@@ -100,24 +100,6 @@ fn text(code: StatusCode, body: String) -> Reply {
 
 fn query_str<'q>(query: &'q str, key: &str) -> Option<&'q str> {
     query.split('&').filter_map(|p| p.split_once('=')).find(|(k, _)| *k == key).map(|(_, v)| v)
-}
-
-/// An instance token: empty, or 1-64 of `[A-Za-z0-9._-]`.
-fn bad_instance(instance: &str) -> Option<Reply> {
-    (!instance.is_empty() && !valid_name(instance))
-        .then(|| error(StatusCode::BAD_REQUEST, format!("instance {instance:?} is not a name of 1-64 [A-Za-z0-9._-]")))
-}
-
-async fn read_json<T: serde::de::DeserializeOwned>(req: Request<Incoming>, what: &str) -> Result<T, Reply> {
-    // A body announced and never sent holds the connection for READ_TIMEOUT at most.
-    let body = tokio::time::timeout(READ_TIMEOUT, Limited::new(req.into_body(), MAX_BODY).collect())
-        .await
-        .map_err(|_| error(StatusCode::REQUEST_TIMEOUT, format!("the body did not arrive within {READ_TIMEOUT:?}")))?
-        .map_err(|e| error(StatusCode::BAD_REQUEST, format!("cannot read the body: {e}")))?
-        .to_bytes();
-    // An empty body reads as `{}` (a heartbeat needs no fields).
-    let body: &[u8] = if body.is_empty() { b"{}" } else { &body };
-    serde_json::from_slice(body).map_err(|e| error(StatusCode::BAD_REQUEST, format!("body is not {what}: {e}")))
 }
 
 fn query_u64(query: &str, key: &str) -> Result<Option<u64>, String> {
@@ -257,28 +239,116 @@ async fn handle(
 ) -> Reply {
     let path = req.uri().path().to_string();
     let query = req.uri().query().unwrap_or("").to_string();
-    let method = req.method().clone();
-    let parts: Vec<&str> = path.trim_matches('/').split('/').collect();
-    match (&method, parts.as_slice()) {
-        (&Method::GET, ["healthz"]) => health(mds).await,
-        (&Method::GET, ["metrics"]) => text(StatusCode::OK, metrics(mds)),
+    let call = match parse_call(req.method().as_str(), &path, &query) {
+        Ok(c) => c,
+        Err((code, msg)) => return error(StatusCode::from_u16(code).unwrap_or(StatusCode::BAD_REQUEST), msg),
+    };
+    let group = match &call {
+        Call::Health => return health(mds).await,
+        Call::Metrics => return text(StatusCode::OK, metrics(mds)),
+        Call::View { group, .. }
+        | Call::Register { group, .. }
+        | Call::Heartbeat { group, .. }
+        | Call::Deregister { group, .. } => *group,
+    };
+    if !authorized(tokens, group, &req) {
+        return denied(mds, group, peer, &req);
+    }
+    match call {
+        Call::View { group, after, wait_ms } => view(mds, polls, group, after, wait_ms).await,
+        Call::Register { group, id } => register(mds, group, id, req).await,
+        Call::Heartbeat { group, id } => heartbeat(mds, group, id, req).await,
+        Call::Deregister { group, id, instance } => deregister(mds, group, id, instance).await,
+        Call::Health | Call::Metrics => unreachable!("answered above"),
+    }
+}
+
+/// An API call as its request line names it (see the table at the top).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Call<'a> {
+    Health,
+    Metrics,
+    View { group: &'a str, after: Option<u64>, wait_ms: u64 },
+    Register { group: &'a str, id: &'a str },
+    Heartbeat { group: &'a str, id: &'a str },
+    Deregister { group: &'a str, id: &'a str, instance: &'a str },
+}
+
+/// Parses and checks a request line: method, path and query. Pure (no I/O),
+/// so the fuzz targets drive it; errors are (HTTP status, message).
+pub fn parse_call<'a>(method: &str, path: &'a str, query: &'a str) -> Result<Call<'a>, (u16, String)> {
+    let bad = |msg: String| Err((400, msg));
+    let parts: Vec<&'a str> = path.trim_matches('/').split('/').collect();
+    let name_ok = |what: &str, v: &str| -> Result<(), (u16, String)> {
+        if valid_name(v) {
+            Ok(())
+        } else {
+            Err((400, format!("{what} {v:?} is not a name of 1-64 [A-Za-z0-9._-]")))
+        }
+    };
+    match (method, parts.as_slice()) {
+        ("GET", ["healthz"]) => Ok(Call::Health),
+        ("GET", ["metrics"]) => Ok(Call::Metrics),
         (_, ["v1", "groups", g, rest @ ..]) => {
-            if !valid_name(g) {
-                return error(StatusCode::BAD_REQUEST, format!("group {g:?} is not a name of 1-64 [A-Za-z0-9._-]"));
-            }
-            if !authorized(tokens, g, &req) {
-                return denied(mds, g, peer, &req);
-            }
-            match (&method, rest) {
-                (&Method::GET, ["view"]) => view(mds, polls, g, &query).await,
-                (&Method::POST, ["members", id]) => register(mds, g, id, req).await,
-                (&Method::POST, ["members", id, "heartbeat"]) => heartbeat(mds, g, id, req).await,
-                (&Method::DELETE, ["members", id]) => deregister(mds, g, id, query_str(&query, "instance")).await,
-                _ => error(StatusCode::NOT_FOUND, format!("no such call: {method} {path}")),
+            let group: &'a str = g;
+            name_ok("group", group)?;
+            match (method, rest) {
+                ("GET", ["view"]) => match (query_u64(query, "after"), query_u64(query, "wait_ms")) {
+                    (Ok(after), Ok(w)) => Ok(Call::View { group, after, wait_ms: w.unwrap_or(0).min(MAX_WAIT_MS) }),
+                    (Err(e), _) | (_, Err(e)) => bad(e),
+                },
+                ("POST", ["members", id]) => {
+                    name_ok("node id", id)?;
+                    Ok(Call::Register { group, id })
+                }
+                ("POST", ["members", id, "heartbeat"]) => {
+                    name_ok("node id", id)?;
+                    Ok(Call::Heartbeat { group, id })
+                }
+                ("DELETE", ["members", id]) => {
+                    name_ok("node id", id)?;
+                    let instance = query_str(query, "instance").unwrap_or("");
+                    check_instance(instance).map_err(|m| (400, m))?;
+                    Ok(Call::Deregister { group, id, instance })
+                }
+                _ => Err((404, format!("no such call: {method} {path}"))),
             }
         }
-        _ => error(StatusCode::NOT_FOUND, format!("no such call: {method} {path}")),
+        _ => Err((404, format!("no such call: {method} {path}"))),
     }
+}
+
+/// An instance token: empty, or 1-64 of `[A-Za-z0-9._-]`.
+fn check_instance(instance: &str) -> Result<(), String> {
+    if instance.is_empty() || valid_name(instance) {
+        Ok(())
+    } else {
+        Err(format!("instance {instance:?} is not a name of 1-64 [A-Za-z0-9._-]"))
+    }
+}
+
+/// Parses and checks a register body (an empty body reads as `{}`).
+pub fn parse_register(body: &[u8]) -> Result<RegisterRequest, String> {
+    let body: &[u8] = if body.is_empty() { b"{}" } else { body };
+    let r: RegisterRequest =
+        serde_json::from_slice(body).map_err(|e| format!("body is not {{\"addr\":..,\"weight\":..}}: {e}"))?;
+    check_instance(&r.instance)?;
+    if r.weight == 0 || r.weight > kv_common::ring::MAX_WEIGHT {
+        return Err(format!("weight {} is outside 1..={}", r.weight, kv_common::ring::MAX_WEIGHT));
+    }
+    if r.addr.rsplit_once(':').is_none_or(|(h, p)| h.is_empty() || p.parse::<u16>().is_err()) {
+        return Err(format!("addr {:?} is not host:port", r.addr));
+    }
+    Ok(r)
+}
+
+/// Parses and checks a heartbeat body (an empty body reads as `{}`).
+pub fn parse_heartbeat(body: &[u8]) -> Result<HeartbeatRequest, String> {
+    let body: &[u8] = if body.is_empty() { b"{}" } else { body };
+    let hb: HeartbeatRequest =
+        serde_json::from_slice(body).map_err(|e| format!("body is not {{\"instance\":..}}: {e}"))?;
+    check_instance(&hb.instance)?;
+    Ok(hb)
 }
 
 async fn health(mds: &Mds) -> Reply {
@@ -290,11 +360,7 @@ async fn health(mds: &Mds) -> Reply {
     }
 }
 
-async fn view(mds: &Mds, polls: &Arc<tokio::sync::Semaphore>, group: &str, query: &str) -> Reply {
-    let (after, wait) = match (query_u64(query, "after"), query_u64(query, "wait_ms")) {
-        (Ok(a), Ok(w)) => (a, w.unwrap_or(0).min(MAX_WAIT_MS)),
-        (Err(e), _) | (_, Err(e)) => return error(StatusCode::BAD_REQUEST, e),
-    };
+async fn view(mds: &Mds, polls: &Arc<tokio::sync::Semaphore>, group: &str, after: Option<u64>, wait: u64) -> Reply {
     let r = match after {
         Some(a) if wait > 0 => {
             let Ok(_slot) = polls.try_acquire() else {
@@ -315,32 +381,25 @@ async fn view(mds: &Mds, polls: &Arc<tokio::sync::Semaphore>, group: &str, query
     }
 }
 
-/// The answer to a malformed node id, if it is one.
-fn bad_id(id: &str) -> Option<Reply> {
-    (!valid_name(id))
-        .then(|| error(StatusCode::BAD_REQUEST, format!("node id {id:?} is not a name of 1-64 [A-Za-z0-9._-]")))
+/// The body of `req`, read within READ_TIMEOUT and MAX_BODY.
+async fn read_body(req: Request<Incoming>) -> Result<Bytes, Reply> {
+    // A body announced and never sent holds the connection for READ_TIMEOUT at most.
+    Ok(tokio::time::timeout(READ_TIMEOUT, Limited::new(req.into_body(), MAX_BODY).collect())
+        .await
+        .map_err(|_| error(StatusCode::REQUEST_TIMEOUT, format!("the body did not arrive within {READ_TIMEOUT:?}")))?
+        .map_err(|e| error(StatusCode::BAD_REQUEST, format!("cannot read the body: {e}")))?
+        .to_bytes())
 }
 
 async fn register(mds: &Mds, group: &str, id: &str, req: Request<Incoming>) -> Reply {
-    if let Some(r) = bad_id(id) {
-        return r;
-    }
-    let r: RegisterRequest = match read_json(req, "{\"addr\":..,\"weight\":..}").await {
-        Ok(r) => r,
+    let body = match read_body(req).await {
+        Ok(b) => b,
         Err(reply) => return reply,
     };
-    if let Some(reply) = bad_instance(&r.instance) {
-        return reply;
-    }
-    if r.weight == 0 || r.weight > kv_common::ring::MAX_WEIGHT {
-        return error(
-            StatusCode::BAD_REQUEST,
-            format!("weight {} is outside 1..={}", r.weight, kv_common::ring::MAX_WEIGHT),
-        );
-    }
-    if r.addr.rsplit_once(':').is_none_or(|(h, p)| h.is_empty() || p.parse::<u16>().is_err()) {
-        return error(StatusCode::BAD_REQUEST, format!("addr {:?} is not host:port", r.addr));
-    }
+    let r = match parse_register(&body) {
+        Ok(r) => r,
+        Err(m) => return error(StatusCode::BAD_REQUEST, m),
+    };
     let rec = MemberRecord { id: id.to_string(), addr: r.addr, weight: r.weight };
     match limited(Duration::ZERO, mds.reg.register(group, &rec, &r.instance)).await {
         Ok(epoch) => {
@@ -352,30 +411,21 @@ async fn register(mds: &Mds, group: &str, id: &str, req: Request<Incoming>) -> R
 }
 
 async fn heartbeat(mds: &Mds, group: &str, id: &str, req: Request<Incoming>) -> Reply {
-    if let Some(r) = bad_id(id) {
-        return r;
-    }
-    let hb: HeartbeatRequest = match read_json(req, "{\"instance\":..}").await {
-        Ok(h) => h,
+    let body = match read_body(req).await {
+        Ok(b) => b,
         Err(reply) => return reply,
     };
-    if let Some(reply) = bad_instance(&hb.instance) {
-        return reply;
-    }
+    let hb = match parse_heartbeat(&body) {
+        Ok(h) => h,
+        Err(m) => return error(StatusCode::BAD_REQUEST, m),
+    };
     match limited(Duration::ZERO, mds.reg.heartbeat(group, id, &hb.instance)).await {
         Ok(took_over) => json(StatusCode::OK, &LeaseReply { ttl_ms: mds.reg.ttl_ms(), took_over, epoch: 0 }),
         Err(e) => reg_error(e),
     }
 }
 
-async fn deregister(mds: &Mds, group: &str, id: &str, instance: Option<&str>) -> Reply {
-    if let Some(r) = bad_id(id) {
-        return r;
-    }
-    let instance = instance.unwrap_or("");
-    if let Some(reply) = bad_instance(instance) {
-        return reply;
-    }
+async fn deregister(mds: &Mds, group: &str, id: &str, instance: &str) -> Reply {
     match limited(Duration::ZERO, mds.reg.deregister(group, id, instance)).await {
         Ok(epoch) => {
             tracing::info!(group, id, epoch, "node deregistered");

@@ -144,6 +144,12 @@ impl ServerConfig {
             Some(p) => load_file(p)?,
             None => FileConfig::default(),
         };
+        ServerConfig::resolve_with(cli, file)
+    }
+
+    /// As [`ServerConfig::resolve`] with the file's settings given (the fuzz
+    /// targets drive this with [`parse_file`]).
+    pub fn resolve_with(cli: Cli, file: FileConfig) -> Result<ServerConfig, String> {
         let membership = membership(&cli.mds, &cli.group, &cli.id, &cli.advertise, cli.weight, &file)?;
         let listen = cli.listen.or(file.listen).ok_or("--listen is required (e.g. 127.0.0.1:7700)")?;
         let listen = addr("listen", &listen)?;
@@ -270,7 +276,12 @@ fn membership(
 
 fn load_file(p: &Path) -> Result<FileConfig, String> {
     let text = std::fs::read_to_string(p).map_err(|e| format!("--config {}: {e}", p.display()))?;
-    toml::from_str(&text).map_err(|e| format!("--config {}: {}", p.display(), e.message()))
+    parse_file(&text).map_err(|e| format!("--config {}: {e}", p.display()))
+}
+
+/// The TOML form of the configuration, parsed (keys not checked yet).
+pub fn parse_file(text: &str) -> Result<FileConfig, String> {
+    toml::from_str(text).map_err(|e| e.message().to_string())
 }
 
 #[cfg(test)]
