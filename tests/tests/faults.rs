@@ -986,3 +986,125 @@ fn a_partitioned_node_costs_one_timeout_then_fast_misses() {
     assert!(fast < 100.0, "{fast} ms");
     row.report();
 }
+
+/// The soak (scripts/test-slow.sh; `KVCELLAR_SOAK_SECS`, default 600):
+/// mixed load from 4 threads over 400 keys while a fault from the list
+/// above strikes every 8 to 20 s (kill -9 and restart, SIGSTOP and SIGCONT,
+/// SIGTERM and restart of a node; kill -9 and restart of a kv-mds replica).
+/// Every page read is compared byte for byte.
+#[test]
+#[ignore]
+fn soak_mixed_load_with_random_faults() {
+    let _s = serial();
+    let secs: u64 = std::env::var("KVCELLAR_SOAK_SECS").ok().and_then(|v| v.parse().ok()).unwrap_or(600);
+    let mut tier = Tier::new(2, 3);
+    let len = 16_384;
+    let keys: Vec<String> = (0..400).map(|i| format!("soak-{i}")).collect();
+    let stop = AtomicBool::new(false);
+    let (ops, hits, misses, wrong, worst_us) =
+        (AtomicU64::new(0), AtomicU64::new(0), AtomicU64::new(0), AtomicU64::new(0), AtomicU64::new(0));
+    let clients: Vec<BlockingClient> = (0..4).map(|_| tier.client()).collect();
+    let start = Instant::now();
+    let mut faults: Vec<String> = Vec::new();
+    std::thread::scope(|s| {
+        for (th, c) in clients.iter().enumerate() {
+            let (keys, stop, ops, hits, misses, wrong, worst_us) =
+                (&keys, &stop, &ops, &hits, &misses, &wrong, &worst_us);
+            s.spawn(move || {
+                let mut x = 0x1234_5678u64 + th as u64;
+                while !stop.load(Ordering::SeqCst) {
+                    x ^= x << 13;
+                    x ^= x >> 7;
+                    x ^= x << 17;
+                    let k = &keys[(x % keys.len() as u64) as usize];
+                    let t = Instant::now();
+                    match x % 10 {
+                        0 => {
+                            let _ = c.delete(k.as_bytes());
+                        }
+                        1 => {
+                            let _ = c.exist(k.as_bytes());
+                        }
+                        _ => match check(c, k, len) {
+                            Some(true) => {
+                                hits.fetch_add(1, Ordering::Relaxed);
+                            }
+                            Some(false) => {
+                                wrong.fetch_add(1, Ordering::Relaxed);
+                            }
+                            None => {
+                                misses.fetch_add(1, Ordering::Relaxed);
+                                let _ = c.putv(k.as_bytes(), &[&page(k, len)]);
+                            }
+                        },
+                    }
+                    worst_us.fetch_max(t.elapsed().as_micros() as u64, Ordering::Relaxed);
+                    ops.fetch_add(1, Ordering::Relaxed);
+                }
+            });
+        }
+        let mut x = 0xDEAD_BEEFu64;
+        while start.elapsed() < Duration::from_secs(secs) {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            std::thread::sleep(Duration::from_secs(8 + x % 13));
+            let i = (x >> 8) as usize % 3;
+            let at = start.elapsed().as_secs();
+            match (x >> 16) % 4 {
+                0 => {
+                    tier.nodes.remove(i).kill9();
+                    std::thread::sleep(Duration::from_secs(3));
+                    let listen = tier.listen[i].clone();
+                    let n = tier.start_node(i, &listen);
+                    tier.nodes.insert(i, n);
+                    faults.push(format!("{at}s kill -9 n{i}"));
+                }
+                1 => {
+                    tier.nodes[i].signal(libc::SIGSTOP);
+                    std::thread::sleep(Duration::from_secs(3));
+                    tier.nodes[i].signal(libc::SIGCONT);
+                    faults.push(format!("{at}s SIGSTOP n{i} 3 s"));
+                }
+                2 => {
+                    tier.nodes.remove(i).terminate(Duration::from_secs(20));
+                    let listen = tier.listen[i].clone();
+                    let n = tier.start_node(i, &listen);
+                    tier.nodes.insert(i, n);
+                    faults.push(format!("{at}s restart n{i}"));
+                }
+                _ => {
+                    let r = i % 2;
+                    let addr = tier.mds[r].addr.clone();
+                    tier.mds[r].kill9();
+                    std::thread::sleep(Duration::from_secs(5));
+                    tier.mds[r] = Mds::try_start_at(&addr, &tier.etcd.endpoint(), TTL, 20).unwrap();
+                    faults.push(format!("{at}s kill -9 mds{r} 5 s"));
+                }
+            }
+        }
+        stop.store(true, Ordering::SeqCst);
+    });
+    let secs_run = start.elapsed().as_secs_f64();
+    let row = Row {
+        case: "soak",
+        injected: format!(
+            "{secs_run:.0} s of mixed load (4 threads, 400 keys of 16 KiB) with {} random faults",
+            faults.len()
+        ),
+        written: misses.load(Ordering::Relaxed),
+        read: hits.load(Ordering::Relaxed) + misses.load(Ordering::Relaxed),
+        wrong: wrong.load(Ordering::Relaxed),
+        worst_ms: worst_us.load(Ordering::Relaxed) as f64 / 1e3,
+        recover_s: 0.0,
+        notes: format!(
+            "{} ops ({:.0}/s), {} hits, {} misses recomputed and written; faults: {}",
+            ops.load(Ordering::Relaxed),
+            ops.load(Ordering::Relaxed) as f64 / secs_run,
+            hits.load(Ordering::Relaxed),
+            misses.load(Ordering::Relaxed),
+            faults.join(", ")
+        ),
+    };
+    row.report();
+}
