@@ -27,9 +27,10 @@ use tokio::time::Instant;
 use crate::server::Shared;
 use crate::store::{GetOutcome, PooledBuf, Presence, PutOutcome, StoreError};
 
-/// Time allowed for the hello, and for a frame once its first byte arrived
-/// (plus [`frame_allowance`] for its body).
-const FRAME_TIMEOUT: Duration = Duration::from_secs(30);
+/// Time allowed for the hello, for a frame once its first byte arrived (plus
+/// [`frame_allowance`] for its body), and for a response to be taken: the
+/// default of [`Shared::frame_timeout`].
+pub const FRAME_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// Extra time a frame's body may take: one second per MiB (a peer slower
 /// than 1 MiB/s is treated as stuck).
@@ -108,6 +109,8 @@ struct Out {
     w: tokio::sync::Mutex<BufWriter<tokio::net::tcp::OwnedWriteHalf>>,
     dead: watch::Sender<bool>,
     peer: SocketAddr,
+    /// [`Shared::frame_timeout`].
+    timeout: Duration,
 }
 
 impl Out {
@@ -127,7 +130,7 @@ impl Out {
         if *self.dead.borrow() {
             return;
         }
-        let deadline = Instant::now() + FRAME_TIMEOUT + frame_allowance(len as u32);
+        let deadline = Instant::now() + self.timeout + frame_allowance(len as u32);
         let res = tokio::time::timeout_at(deadline, async {
             w.write_all(&r.header).await?;
             match &r.body {
@@ -164,7 +167,7 @@ impl Out {
             let _ = w.get_mut().shutdown().await;
             return;
         }
-        let flushed = tokio::time::timeout(FRAME_TIMEOUT, async {
+        let flushed = tokio::time::timeout(self.timeout, async {
             w.flush().await?;
             w.shutdown().await
         })
@@ -242,7 +245,7 @@ pub async fn serve(stream: TcpStream, peer: SocketAddr, shared: Arc<Shared>, mut
         }
     }
     let (dead, mut dead_rx) = watch::channel(false);
-    let tx = Arc::new(Out { w: tokio::sync::Mutex::new(wr), dead, peer });
+    let tx = Arc::new(Out { w: tokio::sync::Mutex::new(wr), dead, peer, timeout: shared.frame_timeout });
     let inflight = Arc::new(tokio::sync::Semaphore::new(MAX_INFLIGHT_PER_CONN));
     let mut draining_until: Option<Instant> = None;
     // Far enough to never fire when idle connections are kept forever.
@@ -319,7 +322,7 @@ async fn handshake(
     shared: &Shared,
     peer: SocketAddr,
 ) -> Result<bool, ConnError> {
-    let deadline = Instant::now() + FRAME_TIMEOUT;
+    let deadline = Instant::now() + shared.frame_timeout;
     let mut h = [0u8; HELLO_LEN];
     read_exact_by(rd, &mut h, deadline).await?;
     let hello = Hello::decode(&h)?;
@@ -385,14 +388,21 @@ async fn read_request(
 ) -> Result<(), ConnError> {
     let mut hb = [0u8; FRAME_HEADER_LEN];
     let started = Instant::now();
-    read_exact_by(rd, &mut hb, started + FRAME_TIMEOUT).await?;
+    read_exact_by(rd, &mut hb, started + shared.frame_timeout).await?;
     let req = ReqHeader::decode(&hb, &shared.limits)?;
-    let deadline = started + FRAME_TIMEOUT + frame_allowance(req.body_len);
+    let deadline = started + shared.frame_timeout + frame_allowance(req.body_len);
     if req.op == Op::Put {
         return read_put(rd, tx, shared, req, permit, deadline).await;
     }
-    let mut body = vec![0u8; req.body_len as usize];
-    read_exact_by(rd, &mut body, deadline).await?;
+    // Memory follows the bytes that arrive, not the length claimed: a peer
+    // that announces a 4 MiB batch and dribbles it holds what it sent.
+    let mut body = Vec::with_capacity((req.body_len as usize).min(64 << 10));
+    match tokio::time::timeout_at(deadline, (&mut *rd).take(u64::from(req.body_len)).read_to_end(&mut body)).await {
+        Ok(Ok(n)) if n == req.body_len as usize => {}
+        Ok(Ok(_)) => return Err(ConnError::from(std::io::Error::from(std::io::ErrorKind::UnexpectedEof))),
+        Ok(Err(e)) => return Err(e.into()),
+        Err(_) => return Err(ConnError::Timeout),
+    }
     let shared = shared.clone();
     let tx = tx.clone();
     match req.op {
@@ -484,7 +494,7 @@ async fn read_put(
     let mem = shared.inflight_bytes.clone().acquire_many_owned(units).await.expect("semaphore open");
     // Waiting for memory is the node's doing, not the peer's: the body's
     // time starts now.
-    let deadline = deadline.max(Instant::now() + FRAME_TIMEOUT + frame_allowance(req.body_len));
+    let deadline = deadline.max(Instant::now() + shared.frame_timeout + frame_allowance(req.body_len));
     let mut buf = shared.store.pool().get(len);
     buf.full_mut()[..HEADER_LEN].copy_from_slice(&head);
     read_exact_by(rd, &mut buf.full_mut()[HEADER_LEN..len], deadline).await?;

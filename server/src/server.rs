@@ -27,6 +27,9 @@ pub struct Shared {
     /// A connection with no request in flight and none arriving for this
     /// long is closed (None: never).
     pub idle_timeout: Option<std::time::Duration>,
+    /// Time for the hello, for a begun frame (plus 1 s per MiB) and for a
+    /// response to be taken (30 s; tests shorten it).
+    pub frame_timeout: std::time::Duration,
     /// The group's auth token: a client must present it in its hello.
     pub token: Option<kv_common::auth::Token>,
     /// Hellos refused for the token, and accepted in protocol v1.
@@ -47,6 +50,7 @@ impl Shared {
             io_slots: Semaphore::new(64),
             connections: AtomicU64::new(0),
             idle_timeout: Some(std::time::Duration::from_secs(120)),
+            frame_timeout: crate::conn::FRAME_TIMEOUT,
             token: None,
             denied: AtomicU64::new(0),
             v1_accepted: AtomicU64::new(0),

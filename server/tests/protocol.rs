@@ -43,12 +43,20 @@ impl TestServer {
 
     /// `idle`: the node's idle timeout (None: the default, 120 s).
     fn start_idle(max_conns: usize, idle: Option<Duration>) -> TestServer {
+        TestServer::start_tuned(max_conns, idle, None)
+    }
+
+    /// `frame`: the node's frame timeout (None: the default, 30 s).
+    fn start_tuned(max_conns: usize, idle: Option<Duration>, frame: Option<Duration>) -> TestServer {
         let tmp = tempfile::tempdir().unwrap();
         let dirs: Vec<PathBuf> = (0..2).map(|i| tmp.path().join(format!("d{i}"))).collect();
         let (store, _) = Store::open(&store_config(&dirs)).unwrap();
         let mut shared = Shared::new(Arc::new(store), 8 << 20, 64 << 20);
         if idle.is_some() {
             shared.idle_timeout = idle;
+        }
+        if let Some(f) = frame {
+            shared.frame_timeout = f;
         }
         let shared = Arc::new(shared);
         let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
@@ -343,4 +351,54 @@ fn connections_beyond_the_cap_wait_for_a_free_slot() {
     t.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
     t.read_exact(&mut hb).unwrap();
     assert_eq!(Hello::decode(&hb).unwrap().status, 0);
+}
+
+#[test]
+fn slow_clients_hold_only_their_slot_and_their_timeout() {
+    // Frame timeout 400 ms (30 s in production), so each stall ends fast.
+    let s = TestServer::start_tuned(8, None, Some(Duration::from_millis(400)));
+    let mut good = s.conn();
+    let t0 = std::time::Instant::now();
+    // 1. A hello never finished.
+    let mut half = TcpStream::connect(s.addr).unwrap();
+    half.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    half.write_all(&Hello { version: WIRE_VERSION, status: 0, max_record: 0 }.encode()[..5]).unwrap();
+    // 2. A 1 MiB batch-exist body dribbled a byte at a time: the node holds
+    //    what arrived (not the MiB claimed) until 400 ms + 1 s per MiB.
+    let mut dribble = raw_hello(s.addr);
+    let req = ReqHeader { op: Op::BatchExist, flags: 0, body_len: 1 << 20, req_id: 1 };
+    dribble.write_all(&req.encode()).unwrap();
+    // 3. A reader that never reads: 40 gets of a 4 MiB page, answers never taken.
+    let page = vec![7u8; 4 << 20];
+    good.put(&geo(), b"big", &page).unwrap();
+    let mut deaf = raw_hello(s.addr);
+    for i in 0..40u64 {
+        let body = kv_common::wire::KeyRequest::encode(&geo(), b"big");
+        let h = ReqHeader { op: Op::Get, flags: 0, body_len: body.len() as u32, req_id: 100 + i };
+        deaf.write_all(&h.encode()).unwrap();
+        deaf.write_all(&body).unwrap();
+    }
+    // Meanwhile everyone else is served at once: no worker is held.
+    for i in 0..20 {
+        if i < 10 {
+            dribble.write_all(&[0u8]).unwrap();
+        }
+        let t = std::time::Instant::now();
+        good.ping(b"still here").unwrap();
+        assert!(t.elapsed() < Duration::from_millis(500), "a ping took {:?}", t.elapsed());
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    assert!(closed_by_server(&mut half), "the half hello was cut off");
+    assert!(closed_by_server(&mut dribble), "the dribbler was cut off");
+    // The deaf reader is cut off once a response waits past 400 ms + 4 s;
+    // reading what the kernel buffered then ends in EOF.
+    deaf.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+    std::thread::sleep(Duration::from_secs(5));
+    assert!(closed_by_server(&mut deaf), "the deaf reader was cut off");
+    assert!(t0.elapsed() < Duration::from_secs(15), "took {:?}", t0.elapsed());
+    // Their slots are free again: the cap of 8 serves 7 new connections.
+    let more: Vec<Conn> = (0..7).map(|_| s.conn()).collect();
+    for mut c in more {
+        c.ping(b"a freed slot").unwrap();
+    }
 }
