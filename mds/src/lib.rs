@@ -26,12 +26,22 @@ const MAX_GROUPS: usize = 4096;
 
 /// The service: the registry plus the per-group change signals long-polls
 /// wait on.
+/// A view and the number of the read that got it.
+type Numbered = (u64, View);
+
 pub struct Mds {
     pub reg: Registry,
     watch_etcd: etcd_client::Client,
-    groups: Mutex<HashMap<String, watch::Sender<Option<View>>>>,
+    /// Per group: the newest view read, with the number of the read that
+    /// got it (see `read_seq`).
+    groups: Mutex<HashMap<String, watch::Sender<Option<Numbered>>>>,
     /// The etcd watch is established; while false, long-polls re-read.
     watching: AtomicBool,
+    /// Numbers every view read as it starts, so a read that started earlier
+    /// (and may have seen an older view) never replaces a later one: a slow
+    /// refresh finishing after a long-poll's own read cannot hand that
+    /// long-poll an older epoch.
+    read_seq: std::sync::atomic::AtomicU64,
 }
 
 /// How kv-mds reaches a production etcd: TLS with a client certificate,
@@ -116,6 +126,7 @@ pub async fn connect(endpoints: &[String], ttl: Duration, sec: &EtcdSecurity) ->
         watch_etcd,
         groups: Mutex::default(),
         watching: AtomicBool::new(false),
+        read_seq: std::sync::atomic::AtomicU64::new(0),
     }))
 }
 
@@ -162,8 +173,13 @@ fn unreachable(e: &etcd_client::Error) -> bool {
 }
 
 impl Mds {
+    /// The number of a view read about to start.
+    fn next_read(&self) -> u64 {
+        self.read_seq.fetch_add(1, Ordering::SeqCst) + 1
+    }
+
     /// A receiver that sees each new view of `group` (as the watch finds it).
-    fn subscribe(&self, group: &str) -> Option<watch::Receiver<Option<View>>> {
+    fn subscribe(&self, group: &str) -> Option<watch::Receiver<Option<Numbered>>> {
         let mut g = self.groups.lock().unwrap_or_else(|e| e.into_inner());
         if let Some(tx) = g.get(group) {
             return Some(tx.subscribe());
@@ -190,9 +206,10 @@ impl Mds {
             return;
         }
         let mut backoff = Duration::from_millis(50);
-        let view = loop {
+        let (seq, view) = loop {
+            let seq = self.next_read();
             match self.reg.view(group).await {
-                Ok(v) => break v,
+                Ok(v) => break (seq, v),
                 Err(e) if backoff > Duration::from_millis(800) => {
                     tracing::warn!(group, error = %e, "cannot refresh a view after a change: long-polls re-read at their deadline");
                     return;
@@ -204,11 +221,13 @@ impl Mds {
             }
         };
         if let Some(tx) = self.groups.lock().unwrap_or_else(|e| e.into_inner()).get(group) {
-            // `!=`, not `>`: after etcd lost its data, revisions restart lower.
+            // `!=`, not `>`: after etcd lost its data, revisions restart
+            // lower. Only a read that started after the one published
+            // replaces it.
             tx.send_if_modified(|cur| {
-                let changed = cur.as_ref().is_none_or(|c| view.epoch != c.epoch);
+                let changed = cur.as_ref().is_none_or(|(s, c)| seq > *s && view.epoch != c.epoch);
                 if changed {
-                    *cur = Some(view);
+                    *cur = Some((seq, view));
                 }
                 changed
             });
@@ -220,6 +239,7 @@ impl Mds {
     pub async fn wait_view(&self, group: &str, after: u64, wait: Duration) -> Result<View, RegError> {
         let deadline = tokio::time::Instant::now() + wait;
         let mut rx = self.subscribe(group);
+        let mut seq = self.next_read();
         let mut v = self.reg.view(group).await?;
         loop {
             if v.epoch != after || tokio::time::Instant::now() >= deadline {
@@ -237,16 +257,23 @@ impl Mds {
                     tokio::select! {
                         changed = r.changed() => {
                             if changed.is_ok() {
-                                if let Some(nv) = r.borrow_and_update().clone() {
-                                    v = nv;
+                                // A view read before ours is not newer than ours.
+                                if let Some((s, nv)) = r.borrow_and_update().clone() {
+                                    if s > seq {
+                                        (seq, v) = (s, nv);
+                                    }
                                 }
                             }
                         }
-                        _ = timer => v = self.reg.view(group).await?,
+                        _ = timer => {
+                            seq = self.next_read();
+                            v = self.reg.view(group).await?;
+                        }
                     }
                 }
                 None => {
                     timer.await;
+                    seq = self.next_read();
                     v = self.reg.view(group).await?;
                 }
             }
