@@ -231,88 +231,128 @@ impl Client {
     }
 
     /// Per-key exist statuses on the caller's thread (see the module docs).
+    ///
+    /// Work goes in waves: each wave writes at most `max_conns_per_node`
+    /// chunks (of 4096 keys) to each owner, then reads every answer, which
+    /// frees the wave's slots for the next. A batch with more chunks for
+    /// one owner than it has slots thus never waits on slots it holds itself.
     pub fn batch_exist_blocking(&self, keys: &[&[u8]]) -> Vec<Status> {
         let topo = self.topology();
         let mut out = vec![Status::Unavailable; keys.len()];
         let groups = self.group(&topo, keys.iter().copied(), &mut out);
-        let geo: Geometry = self.geo;
-        // Write every owner's request first...
-        let mut pending: Vec<Pending> = Vec::new();
-        for (node, idx) in groups {
-            for chunk in idx.chunks(MAX_BATCH_KEYS) {
-                let (op, body) = if chunk.len() == 1 {
-                    (Op::Exist, KeyRequest::encode(&geo, keys[chunk[0]]))
-                } else {
-                    let ks: Vec<&[u8]> = chunk.iter().map(|&i| keys[i]).collect();
-                    (Op::BatchExist, wire::encode_batch_exist(&geo, &ks))
+        let mut work: std::collections::VecDeque<(Arc<Node>, Vec<usize>)> = groups
+            .into_iter()
+            .flat_map(|(node, idx)| idx.chunks(MAX_BATCH_KEYS).map(|c| (node.clone(), c.to_vec())).collect::<Vec<_>>())
+            .collect();
+        while !work.is_empty() {
+            let mut later = std::collections::VecDeque::new();
+            let mut in_wave: Vec<(*const Node, usize)> = Vec::new();
+            // Write every owner's requests of this wave first...
+            let mut pending: Vec<Pending> = Vec::new();
+            while let Some((node, chunk)) = work.pop_front() {
+                let key = Arc::as_ptr(&node);
+                let n = match in_wave.iter_mut().find(|(k, _)| *k == key) {
+                    Some((_, n)) => n,
+                    None => {
+                        in_wave.push((key, 0));
+                        &mut in_wave.last_mut().expect("just pushed").1
+                    }
                 };
-                let Some(slot) = node.sync_slot(self.opts.io_timeout) else {
-                    crate::client::note_local(format!(
-                        "node {}: all {} connections busy for the whole I/O timeout",
-                        node.id, self.opts.max_conns_per_node
-                    ));
-                    // Every slot busy for the whole I/O timeout: local, not the node's fault.
-                    chunk.iter().for_each(|&i| out[i] = Status::Timeout);
+                if *n >= self.opts.max_conns_per_node {
+                    later.push_back((node, chunk));
                     continue;
-                };
-                let started = self.sync_checkout(&node, false).and_then(|(conn, reused)| {
-                    let mut p = Pending {
-                        _slot: slot,
-                        node: node.clone(),
-                        conn,
-                        reused,
-                        req_id: 0,
-                        op,
-                        body,
-                        idx: chunk.to_vec(),
-                        deadline: Instant::now(),
-                        io_timeout: self.opts.io_timeout,
-                    };
-                    self.send_retrying(&mut p).map(|()| p)
-                });
-                match started {
-                    Ok(p) => pending.push(p),
-                    Err(e) => {
-                        let s = self.failed_node(&node, e);
-                        chunk.iter().for_each(|&i| out[i] = s);
-                    }
+                }
+                *n += 1;
+                if let Some(p) = self.start_chunk(&node, chunk, keys, &mut out) {
+                    pending.push(p);
                 }
             }
-        }
-        // ...then read every answer.
-        for mut p in pending {
-            let mut r = recv(&mut p);
-            if let Err(e) = &r {
-                if p.reused && is_stale(e) {
-                    // The pooled connection was stale: once more on a new one.
-                    self.metrics.stale_retries.fetch_add(1, Ordering::Relaxed);
-                    p.node.drop_idle();
-                    r = self.sync_checkout(&p.node, true).and_then(|(conn, _)| {
-                        p.conn = conn;
-                        p.reused = false;
-                        send(&mut p, self.opts.io_timeout)?;
-                        recv(&mut p)
-                    });
-                }
+            // ...then read every answer (each frees its slot).
+            for p in pending {
+                self.finish_chunk(p, &mut out);
             }
-            match r {
-                Ok(st) => {
-                    p.node.mark_ok();
-                    for (i, s) in p.idx.iter().zip(st) {
-                        out[*i] = s;
-                    }
-                    p.node.put_sync_conn(p.conn, self.opts.max_conns_per_node);
-                }
-                Err(e) => {
-                    let s = self.failed_node(&p.node, e);
-                    p.idx.iter().for_each(|&i| out[i] = s);
-                }
-            }
+            work = later;
         }
         for s in &out {
             self.metrics.count_exist(*s, 1);
         }
         out
+    }
+
+    /// Takes a slot and a connection for one chunk and writes its request;
+    /// None when it failed (its keys' statuses then say why).
+    fn start_chunk(&self, node: &Arc<Node>, chunk: Vec<usize>, keys: &[&[u8]], out: &mut [Status]) -> Option<Pending> {
+        let geo: Geometry = self.geo;
+        let (op, body) = if chunk.len() == 1 {
+            (Op::Exist, KeyRequest::encode(&geo, keys[chunk[0]]))
+        } else {
+            let ks: Vec<&[u8]> = chunk.iter().map(|&i| keys[i]).collect();
+            (Op::BatchExist, wire::encode_batch_exist(&geo, &ks))
+        };
+        let Some(slot) = node.sync_slot(self.opts.io_timeout) else {
+            crate::client::note_local(format!(
+                "node {}: all {} connections busy for the whole I/O timeout",
+                node.id, self.opts.max_conns_per_node
+            ));
+            // Every slot busy for the whole I/O timeout: local, not the node's fault.
+            chunk.iter().for_each(|&i| out[i] = Status::Timeout);
+            return None;
+        };
+        let started = self.sync_checkout(node, false).and_then(|(conn, reused)| {
+            let mut p = Pending {
+                _slot: slot,
+                node: node.clone(),
+                conn,
+                reused,
+                req_id: 0,
+                op,
+                body,
+                idx: chunk.clone(),
+                deadline: Instant::now(),
+                io_timeout: self.opts.io_timeout,
+            };
+            self.send_retrying(&mut p).map(|()| p)
+        });
+        match started {
+            Ok(p) => Some(p),
+            Err(e) => {
+                let s = self.failed_node(node, e);
+                chunk.iter().for_each(|&i| out[i] = s);
+                None
+            }
+        }
+    }
+
+    /// Reads one chunk's answer into `out`; the connection goes back to the
+    /// pool and the slot is freed.
+    fn finish_chunk(&self, mut p: Pending, out: &mut [Status]) {
+        let mut r = recv(&mut p);
+        if let Err(e) = &r {
+            if p.reused && is_stale(e) {
+                // The pooled connection was stale: once more on a new one.
+                self.metrics.stale_retries.fetch_add(1, Ordering::Relaxed);
+                p.node.drop_idle();
+                r = self.sync_checkout(&p.node, true).and_then(|(conn, _)| {
+                    p.conn = conn;
+                    p.reused = false;
+                    send(&mut p, self.opts.io_timeout)?;
+                    recv(&mut p)
+                });
+            }
+        }
+        match r {
+            Ok(st) => {
+                p.node.mark_ok();
+                for (i, s) in p.idx.iter().zip(st) {
+                    out[*i] = s;
+                }
+                p.node.put_sync_conn(p.conn, self.opts.max_conns_per_node);
+            }
+            Err(e) => {
+                let s = self.failed_node(&p.node, e);
+                p.idx.iter().for_each(|&i| out[i] = s);
+            }
+        }
     }
 
     /// One key's exist status on the caller's thread.

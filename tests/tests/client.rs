@@ -320,3 +320,24 @@ fn small_requests_respect_the_per_node_connection_cap() {
     // one in use (4 threads would open 4 without the cap).
     assert!(max <= 3, "{max} connections open at once");
 }
+
+/// A batch exist larger than `max_conns_per_node` chunks (4096 keys each) to
+/// one owner does not wait on its own connection slots (a review finding,
+/// unconfirmed until this test): with one slot per node, 10,000 keys to a
+/// single node answer at once, not at the I/O timeout.
+#[test]
+fn a_batch_exist_of_many_chunks_to_one_owner_with_one_slot_answers_at_once() {
+    let t = tempfile::tempdir().unwrap();
+    let nodes = Node::cluster(&t, 1, &[]);
+    let c = client(&Node::members(&nodes), "max_conns_per_node=1,io_timeout_ms=5000");
+    assert_eq!(c.putv(b"k-17", &[b"present"]), Status::Ok);
+    let keys: Vec<String> = (0..10_000).map(|i| format!("k-{i}")).collect();
+    let refs: Vec<&[u8]> = keys.iter().map(|k| k.as_bytes()).collect();
+    let t0 = Instant::now();
+    let st = c.batch_exist(&refs);
+    let took = t0.elapsed();
+    assert!(took < Duration::from_secs(3), "took {took:?} (the I/O timeout is 5 s)");
+    assert_eq!(st.len(), keys.len());
+    assert_eq!(st[17], Status::Ok);
+    assert_eq!(st.iter().filter(|s| **s == Status::Miss).count(), keys.len() - 1, "{:?}", &st[..20]);
+}
