@@ -69,6 +69,7 @@ impl Conn {
             let step = crate::hello::say_sync(&mut stream, version, token).map_err(|e| match e {
                 crate::error::OpError::Denied => ClientError::Denied { addr: addr.to_string() },
                 crate::error::OpError::Io(e) => ClientError::Io(e),
+                crate::error::OpError::Protocol(m) => ClientError::Protocol(m),
                 e => ClientError::Protocol(e.to_string()),
             })?;
             match step {

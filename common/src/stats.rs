@@ -52,5 +52,8 @@ pub struct NodeStats {
     /// Connections accepted in protocol v1 (clients of the previous release).
     #[serde(default)]
     pub v1_connections: u64,
+    /// Connections refused at the connection cap (`--max-conns`).
+    #[serde(default)]
+    pub refused_connections: u64,
     pub disks: Vec<DiskStats>,
 }

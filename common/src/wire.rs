@@ -26,6 +26,9 @@ pub const HELLO_ACCEPTED: u16 = 0;
 pub const HELLO_VERSION_REFUSED: u16 = 1;
 /// Node hello status: missing or wrong auth token; the node closes.
 pub const HELLO_DENIED: u16 = 2;
+/// Node hello status: the node is at its connection cap (`--max-conns`);
+/// it closes. Try again later or treat the node as unavailable.
+pub const HELLO_BUSY: u16 = 3;
 /// Bytes of each hello.
 pub const HELLO_LEN: usize = 16;
 /// Bytes of a frame header (request or response).
@@ -180,6 +183,7 @@ pub fn judge_hello(sent: u16, reply: &Hello) -> HelloVerdict {
         // in a version that carries it.
         HELLO_DENIED if sent < 2 => HelloVerdict::Retry(WIRE_VERSION),
         HELLO_DENIED => HelloVerdict::Denied,
+        HELLO_BUSY => HelloVerdict::Refused("the node is at its connection cap (--max-conns)".into()),
         s => HelloVerdict::Refused(format!("the node answered the hello with unknown status {s}")),
     }
 }

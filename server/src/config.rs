@@ -32,7 +32,7 @@ pub struct Cli {
     /// Log level: error, warn, info, debug or trace (default info).
     #[arg(long)]
     pub log_level: Option<String>,
-    /// Most client connections served at once; more wait in the listen backlog until one closes (default 1024).
+    /// Most client connections served at once; more are refused with a hello saying so (default 1024).
     #[arg(long)]
     pub max_conns: Option<usize>,
     /// Seconds a connection may sit idle (no request in flight, none arriving) before the node closes it, freeing its slot; 0: never (default 120). Clients reconnect transparently.

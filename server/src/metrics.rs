@@ -46,6 +46,12 @@ pub fn render(s: &NodeStats) -> String {
         s.denied_connections,
     );
     metric(
+        "refused_connections_total",
+        "counter",
+        "Connections refused at the connection cap (--max-conns).",
+        s.refused_connections,
+    );
+    metric(
         "v1_connections_total",
         "counter",
         "Connections accepted in protocol v1 (clients of the previous release).",

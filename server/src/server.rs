@@ -35,6 +35,8 @@ pub struct Shared {
     /// Hellos refused for the token, and accepted in protocol v1.
     pub denied: AtomicU64,
     pub v1_accepted: AtomicU64,
+    /// Connections refused at the connection cap.
+    pub refused: AtomicU64,
     /// When a refused peer was last logged (one line per 10 s at most) and
     /// how many refusals went unlogged since.
     pub denied_log: std::sync::Mutex<(Option<std::time::Instant>, u64)>,
@@ -54,6 +56,7 @@ impl Shared {
             token: None,
             denied: AtomicU64::new(0),
             v1_accepted: AtomicU64::new(0),
+            refused: AtomicU64::new(0),
             denied_log: std::sync::Mutex::new((None, 0)),
         }
     }
@@ -63,6 +66,7 @@ impl Shared {
         s.connections = self.connections.load(Ordering::Relaxed);
         s.denied_connections = self.denied.load(Ordering::Relaxed);
         s.v1_connections = self.v1_accepted.load(Ordering::Relaxed);
+        s.refused_connections = self.refused.load(Ordering::Relaxed);
         s
     }
 }
@@ -79,12 +83,9 @@ pub async fn run(
     let mut tasks = tokio::task::JoinSet::new();
     let upkeep = tokio::spawn(upkeep(shared.store.clone(), shutdown.clone()));
     let mut backoff = Duration::from_millis(5);
+    let refusing = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let mut refused_logged: Option<std::time::Instant> = None;
     loop {
-        let permit = tokio::select! {
-            biased;
-            _ = crate::server::stopped(&mut shutdown) => break,
-            p = conns.clone().acquire_owned() => p.expect("semaphore open"),
-        };
         let accepted = tokio::select! {
             biased;
             _ = crate::server::stopped(&mut shutdown) => break,
@@ -103,6 +104,24 @@ pub async fn run(
                 continue;
             }
         };
+        let Ok(permit) = conns.clone().try_acquire_owned() else {
+            // At the cap: a clear refusal (a hello saying so), not a wait in
+            // the backlog. Refusals being written are bounded too.
+            shared.refused.fetch_add(1, Ordering::Relaxed);
+            if refused_logged.is_none_or(|t| t.elapsed() > Duration::from_secs(60)) {
+                refused_logged = Some(std::time::Instant::now());
+                tracing::warn!(%peer, cap = max_conns, "connection cap reached: refusing connections (one line a minute at most)");
+            }
+            if refusing.load(Ordering::Relaxed) < 64 {
+                refusing.fetch_add(1, Ordering::Relaxed);
+                let refusing = refusing.clone();
+                tokio::spawn(async move {
+                    refuse(stream).await;
+                    refusing.fetch_sub(1, Ordering::Relaxed);
+                });
+            }
+            continue;
+        };
         while tasks.try_join_next().is_some() {}
         let shared = shared.clone();
         let rx = shutdown.clone();
@@ -120,6 +139,24 @@ pub async fn run(
     let store = shared.store.clone();
     let r = tokio::task::spawn_blocking(move || store.close()).await;
     r.unwrap_or_else(|e| Err(std::io::Error::other(e.to_string())))
+}
+
+/// Answers a connection over the cap: takes its hello, answers "busy" and
+/// closes after the peer's FIN (so the answer is not lost to a reset), all
+/// within a second.
+async fn refuse(mut stream: tokio::net::TcpStream) {
+    use kv_common::wire::{Hello, HELLO_BUSY, HELLO_LEN, WIRE_VERSION};
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let _ = tokio::time::timeout(Duration::from_secs(1), async {
+        let mut h = [0u8; HELLO_LEN];
+        stream.read_exact(&mut h).await?;
+        stream.write_all(&Hello { version: WIRE_VERSION, status: HELLO_BUSY, max_record: 0 }.encode()).await?;
+        stream.shutdown().await?;
+        let mut sink = [0u8; 4096];
+        while stream.read(&mut sink).await? > 0 {}
+        Ok::<_, std::io::Error>(())
+    })
+    .await;
 }
 
 async fn upkeep(store: Arc<Store>, mut shutdown: watch::Receiver<bool>) {

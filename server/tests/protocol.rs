@@ -319,7 +319,8 @@ fn idle_connections_are_closed_and_free_their_slots() {
     let s = TestServer::start_idle(2, Some(Duration::from_millis(300)));
     let mut silent = [raw_hello(s.addr), raw_hello(s.addr)];
     let t0 = std::time::Instant::now();
-    let mut c = Conn::connect(&s.addr.to_string(), Duration::from_secs(10)).unwrap();
+    // Refused ("busy") until the node closes the idle ones.
+    let mut c = kv_e2e_wait_conn(s.addr);
     c.ping(b"after the idle ones").unwrap();
     assert!(t0.elapsed() < Duration::from_secs(5), "served after {:?}", t0.elapsed());
     for t in &mut silent {
@@ -333,24 +334,43 @@ fn idle_connections_are_closed_and_free_their_slots() {
 }
 
 #[test]
-fn connections_beyond_the_cap_wait_for_a_free_slot() {
+fn connections_beyond_the_cap_are_refused_clearly() {
     let s = TestServer::start_with(2);
     let mut a = s.conn();
     let _b = s.conn();
-    // The third connection is not served (its hello gets no answer) while
-    // two are open...
+    // A third connection gets a hello saying "busy" at once, then EOF...
     let mut t = TcpStream::connect(s.addr).unwrap();
-    t.set_read_timeout(Some(Duration::from_millis(300))).unwrap();
+    t.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
     t.write_all(&Hello { version: WIRE_VERSION, status: 0, max_record: 0 }.encode()).unwrap();
     let mut hb = [0u8; HELLO_LEN];
-    let e = t.read_exact(&mut hb).unwrap_err();
-    assert!(matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut), "{e}");
-    assert_eq!(a.stats().unwrap().connections, 2);
-    // ...and is served as soon as one closes.
-    drop(a);
-    t.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
     t.read_exact(&mut hb).unwrap();
-    assert_eq!(Hello::decode(&hb).unwrap().status, 0);
+    assert_eq!(Hello::decode(&hb).unwrap().status, kv_common::wire::HELLO_BUSY);
+    assert!(closed_by_server(&mut t));
+    // ...the client library says why...
+    let e = Conn::connect(&s.addr.to_string(), Duration::from_secs(5)).err().unwrap();
+    assert!(e.to_string().contains("connection cap"), "{e}");
+    let st = a.stats().unwrap();
+    assert_eq!((st.connections, st.refused_connections), (2, 2), "{st:?}");
+    // ...and a new connection is served once one closes.
+    drop(a);
+    let mut c = kv_e2e_wait_conn(s.addr);
+    c.ping(b"a slot again").unwrap();
+}
+
+/// Connects until the node has a free slot again (it frees one when a
+/// closed connection's task ends, a moment after the close).
+fn kv_e2e_wait_conn(addr: SocketAddr) -> Conn {
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        match Conn::connect(&addr.to_string(), Duration::from_secs(5)) {
+            Ok(c) => return c,
+            Err(e) if std::time::Instant::now() < deadline => {
+                let _ = e;
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            Err(e) => panic!("no slot freed: {e}"),
+        }
+    }
 }
 
 #[test]

@@ -510,6 +510,7 @@ impl Store {
             connections: 0,
             denied_connections: 0,
             v1_connections: 0,
+            refused_connections: 0,
             disks,
         }
     }
