@@ -395,14 +395,22 @@ async fn read_request(
         return read_put(rd, tx, shared, req, permit, deadline).await;
     }
     // Memory follows the bytes that arrive, not the length claimed: a peer
-    // that announces a 4 MiB batch and dribbles it holds what it sent.
-    let mut body = Vec::with_capacity((req.body_len as usize).min(64 << 10));
-    match tokio::time::timeout_at(deadline, (&mut *rd).take(u64::from(req.body_len)).read_to_end(&mut body)).await {
-        Ok(Ok(n)) if n == req.body_len as usize => {}
-        Ok(Ok(_)) => return Err(ConnError::from(std::io::Error::from(std::io::ErrorKind::UnexpectedEof))),
-        Ok(Err(e)) => return Err(e.into()),
-        Err(_) => return Err(ConnError::Timeout),
-    }
+    // that announces a 4 MiB batch and dribbles it holds what it sent. Small
+    // bodies (every GET, EXIST, DELETE; at most 64 KiB) are read in one go.
+    let body = if req.body_len <= wire::MAX_SMALL_BODY {
+        let mut body = vec![0u8; req.body_len as usize];
+        read_exact_by(rd, &mut body, deadline).await?;
+        body
+    } else {
+        let mut body = Vec::with_capacity(wire::MAX_SMALL_BODY as usize);
+        match tokio::time::timeout_at(deadline, (&mut *rd).take(u64::from(req.body_len)).read_to_end(&mut body)).await {
+            Ok(Ok(n)) if n == req.body_len as usize => {}
+            Ok(Ok(_)) => return Err(ConnError::from(std::io::Error::from(std::io::ErrorKind::UnexpectedEof))),
+            Ok(Err(e)) => return Err(e.into()),
+            Err(_) => return Err(ConnError::Timeout),
+        }
+        body
+    };
     let shared = shared.clone();
     let tx = tx.clone();
     match req.op {
