@@ -120,10 +120,27 @@ fn kv_mds_uses_etcd_over_tls_with_a_user() {
             let _ = tx.send(l);
         }
     });
-    let said = wait_until(Duration::from_secs(15), "kv-mds says it waits for etcd", || {
-        rx.try_iter().find(|l| l.contains("waiting to authenticate"))
+    // It says why and waits (etcd refused the handshake: "waiting to
+    // authenticate"), or exits with the error; it never serves.
+    let mut log = Vec::new();
+    let outcome = wait_until(Duration::from_secs(30), "kv-mds waits or exits with the reason", || {
+        log.extend(rx.try_iter());
+        if log.iter().any(|l| l.contains("waiting to authenticate")) {
+            return Some("waits");
+        }
+        match child.try_wait().unwrap() {
+            Some(st) if !st.success() => Some("exited"),
+            Some(st) => panic!("kv-mds exited with {st} without a client certificate"),
+            None => None,
+        }
     });
-    assert!(child.try_wait().unwrap().is_none(), "still waiting, not exited: {said}");
     let _ = child.kill();
     let _ = child.wait();
+    // The reader thread drains what is left once the pipe closes.
+    std::thread::sleep(Duration::from_millis(200));
+    log.extend(rx.try_iter());
+    assert!(!log.iter().any(|l| l.contains("serving")), "served without a client certificate: {log:#?}");
+    if outcome == "exited" {
+        assert!(log.iter().any(|l| l.contains("etcd")), "the exit names etcd: {log:#?}");
+    }
 }
