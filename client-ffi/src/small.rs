@@ -298,26 +298,31 @@ impl Client {
             chunk.iter().for_each(|&i| out[i] = Status::Timeout);
             return None;
         };
-        let started = self.sync_checkout(node, false).and_then(|(conn, reused)| {
-            let mut p = Pending {
-                _slot: slot,
-                node: node.clone(),
-                conn,
-                reused,
-                req_id: 0,
-                op,
-                body,
-                idx: chunk.clone(),
-                deadline: Instant::now(),
-                io_timeout: self.opts.io_timeout,
-            };
-            self.send_retrying(&mut p).map(|()| p)
-        });
-        match started {
-            Ok(p) => Some(p),
+        let (conn, reused) = match self.sync_checkout(node, false) {
+            Ok(c) => c,
             Err(e) => {
                 let s = self.failed_node(node, e);
                 chunk.iter().for_each(|&i| out[i] = s);
+                return None;
+            }
+        };
+        let mut p = Pending {
+            _slot: slot,
+            node: node.clone(),
+            conn,
+            reused,
+            req_id: 0,
+            op,
+            body,
+            idx: chunk,
+            deadline: Instant::now(),
+            io_timeout: self.opts.io_timeout,
+        };
+        match self.send_retrying(&mut p) {
+            Ok(()) => Some(p),
+            Err(e) => {
+                let s = self.failed_node(node, e);
+                p.idx.iter().for_each(|&i| out[i] = s);
                 None
             }
         }

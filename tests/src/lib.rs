@@ -91,6 +91,19 @@ impl Node {
         Node { child: Some(child), addr, stderr_lines }
     }
 
+    /// A node of `binary` (a workspace name or a path) on `listen` that
+    /// joins `group` as `id` through the kv-mds replicas `eps`, advertising
+    /// the port it listens on, with `dirs` (64 MiB each unless `extra` says
+    /// otherwise) and `extra` flags.
+    pub fn member(binary: &str, listen: &str, dirs: &str, eps: &str, group: &str, id: &str, extra: &[&str]) -> Node {
+        let mut args = vec!["--dir", dirs, "--mds", eps, "--group", group, "--id", id, "--advertise", "127.0.0.1:0"];
+        if !extra.contains(&"--cap") {
+            args.extend_from_slice(&["--cap", "64M"]);
+        }
+        args.extend_from_slice(extra);
+        Node::start_bin(binary, listen, &args)
+    }
+
     /// `n` nodes, each with one disk dir `t/n{i}` (64 MiB cap) and `extra` flags.
     pub fn cluster(t: &tempfile::TempDir, n: usize, extra: &[&str]) -> Vec<Node> {
         (0..n)

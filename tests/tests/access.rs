@@ -29,27 +29,11 @@ fn write_token(dir: &std::path::Path, name: &str, text: &str) -> String {
 
 fn node(t: &std::path::Path, eps: &str, group: &str, id: &str, token: Option<&str>) -> Node {
     let dir = t.join(id);
-    let mut args = vec![
-        "--dir",
-        dir.to_str().unwrap(),
-        "--cap",
-        "64M",
-        "--no-sync",
-        "--log-level",
-        "info",
-        "--mds",
-        eps,
-        "--group",
-        group,
-        "--id",
-        id,
-        "--advertise",
-        "127.0.0.1:0",
-    ];
+    let mut extra = vec!["--no-sync", "--log-level", "info"];
     if let Some(tok) = token {
-        args.extend_from_slice(&["--auth-token-file", tok]);
+        extra.extend_from_slice(&["--auth-token-file", tok]);
     }
-    Node::start(&args)
+    Node::member("kv-server", "127.0.0.1:0", dir.to_str().unwrap(), eps, group, id, &extra)
 }
 
 fn client(opts: &str, members: &str) -> BlockingClient {

@@ -50,21 +50,7 @@ fn kv_mds_uses_etcd_over_tls_with_a_user() {
 
     // The whole path works: a node registers, a client discovers, pages round-trip.
     let d = t.path().join("n1");
-    let _n1 = Node::start(&[
-        "--dir",
-        d.to_str().unwrap(),
-        "--cap",
-        "64M",
-        "--no-sync",
-        "--mds",
-        &mds.addr,
-        "--group",
-        "g",
-        "--id",
-        "n1",
-        "--advertise",
-        "127.0.0.1:0",
-    ]);
+    let _n1 = Node::member("kv-server", "127.0.0.1:0", d.to_str().unwrap(), &mds.addr, "g", "n1", &["--no-sync"]);
     wait_until(Duration::from_secs(20), "n1 registered through TLS etcd", || {
         MdsClient::new(vec![mds.addr.clone()], Duration::from_secs(2)).view("g").ok().filter(|v| v.members.len() == 1)
     });

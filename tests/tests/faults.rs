@@ -473,24 +473,14 @@ impl Tier {
         let dir = self.t.path().join(format!("n{i}"));
         let id = format!("n{i}");
         let eps = self.eps();
-        Node::start_at(
+        Node::member(
+            "kv-server",
             listen,
-            &[
-                "--dir",
-                dir.to_str().unwrap(),
-                "--cap",
-                "128M",
-                "--log-level",
-                "warn",
-                "--mds",
-                &eps,
-                "--group",
-                "g",
-                "--id",
-                &id,
-                "--advertise",
-                "127.0.0.1:0",
-            ],
+            dir.to_str().unwrap(),
+            &eps,
+            "g",
+            &id,
+            &["--cap", "128M", "--log-level", "warn"],
         )
     }
 

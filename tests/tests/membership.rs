@@ -65,28 +65,7 @@ impl Tier {
         let dirs = format!("{},{}", a.display(), b.display());
         let w = weight.to_string();
         let eps = self.eps();
-        Node::start_at(
-            listen,
-            &[
-                "--dir",
-                &dirs,
-                "--cap",
-                "64M",
-                "--no-sync",
-                "--log-level",
-                "info",
-                "--mds",
-                &eps,
-                "--group",
-                "g",
-                "--id",
-                id,
-                "--advertise",
-                "127.0.0.1:0",
-                "--weight",
-                &w,
-            ],
-        )
+        Node::member("kv-server", listen, &dirs, &eps, "g", id, &["--no-sync", "--log-level", "info", "--weight", &w])
     }
 
     /// The view as replica `i` gives it.

@@ -43,26 +43,6 @@ fn page(key: &str) -> Vec<u8> {
     (0..20_000u32).map(|i| (seed.wrapping_add(i.wrapping_mul(2_654_435_761)) >> 13) as u8).collect()
 }
 
-fn node_args<'a>(dir: &'a str, eps: &'a str, id: &'a str) -> Vec<&'a str> {
-    vec![
-        "--dir",
-        dir,
-        "--cap",
-        "64M",
-        "--no-sync",
-        "--log-level",
-        "info",
-        "--mds",
-        eps,
-        "--group",
-        "g",
-        "--id",
-        id,
-        "--advertise",
-        "127.0.0.1:0",
-    ]
-}
-
 #[test]
 fn previous_and_this_release_serve_one_group() {
     let (Some(old_server), Some(old_mds), Some(old_kvctl)) =
@@ -78,8 +58,9 @@ fn previous_and_this_release_serve_one_group() {
     let eps = format!("{},{}", mds_old.addr, mds_new.addr);
     let d_old = t.path().join("old");
     let d_new = t.path().join("new");
-    let old = Node::start_bin(&old_server, "127.0.0.1:0", &node_args(d_old.to_str().unwrap(), &eps, "old"));
-    let new = Node::start_bin("kv-server", "127.0.0.1:0", &node_args(d_new.to_str().unwrap(), &eps, "new"));
+    let quiet = ["--no-sync", "--log-level", "info"];
+    let old = Node::member(&old_server, "127.0.0.1:0", d_old.to_str().unwrap(), &eps, "g", "old", &quiet);
+    let new = Node::member("kv-server", "127.0.0.1:0", d_new.to_str().unwrap(), &eps, "g", "new", &quiet);
     for replica in [&mds_old.addr, &mds_new.addr] {
         wait_until(Duration::from_secs(20), "both nodes in the view of each replica", || {
             MdsClient::new(vec![replica.clone()], Duration::from_secs(2))
