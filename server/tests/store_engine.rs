@@ -310,7 +310,7 @@ fn crash_recovery_serves_no_damaged_record() {
         for i in 0..20 {
             put(&s, &format!("k{i}"), 50_000).unwrap();
         }
-        let disk = &s.disks()[0];
+        let disk = s.disks()[0].clone();
         // The record at the highest offset gets cut short by a truncation.
         let mut locs: Vec<(u64, u64, String)> = (0..20)
             .map(|i| format!("k{i}"))
@@ -604,6 +604,56 @@ fn a_failing_journal_fails_the_disk_without_hanging() {
     }
     s.maintain();
     assert_eq!(s.stats().disks[0].objects, 0);
+}
+
+/// A failed disk closes its files; once its directory holds the marker
+/// again, it is taken back with the records it held, minus those deleted or
+/// stored elsewhere while it was out.
+#[test]
+fn a_failed_disk_closes_its_files_and_is_taken_back_while_running() {
+    let t = tempfile::tempdir().unwrap();
+    let d = dirs(&t, 2);
+    let (s, _) = Store::open(&cfg(&d, 64 << 20, 0)).unwrap();
+    let keys: Vec<String> = (0..60).map(|i| format!("k{i}")).collect();
+    for k in &keys {
+        put(&s, k, 6_000).unwrap();
+    }
+    let on0: Vec<&String> = keys.iter().filter(|k| s.owner(k.as_bytes()) == Some(0)).collect();
+    assert!(on0.len() > 5);
+    s.disks()[0].inject_journal_errno(libc::EIO);
+    // A delete fails the disk (its DEL cannot be journalled).
+    s.delete(on0[0].as_bytes());
+    assert!(s.stats().disks[0].failed);
+    s.maintain();
+    assert_eq!(s.disks().len(), 1, "the failed disk left the store's disks in service");
+    assert!(s.stats().disks[0].failed);
+    // Its lock file is free: another opener could take the directory.
+    let lockf = std::fs::OpenOptions::new().write(true).open(d[0].join("lock")).unwrap();
+    // SAFETY: flock on a descriptor this test owns.
+    let rc = unsafe { libc::flock(std::os::fd::AsRawFd::as_raw_fd(&lockf), libc::LOCK_EX | libc::LOCK_NB) };
+    assert_eq!(rc, 0, "the failed disk's files are closed");
+    // SAFETY: as above.
+    unsafe { libc::flock(std::os::fd::AsRawFd::as_raw_fd(&lockf), libc::LOCK_UN) };
+    drop(lockf);
+    // While it is out: one of its keys deleted, one stored anew elsewhere.
+    assert!(!s.delete(on0[1].as_bytes()), "held only by the disk out of service");
+    assert_eq!(put(&s, on0[2], 7_000).unwrap(), PutOutcome::Stored);
+    // Without its marker (nothing mounted there) it stays out.
+    let marker = d[0].join("KVCELLAR_DISK");
+    std::fs::rename(&marker, d[0].join("marker.away")).unwrap();
+    assert_eq!(s.revive_disks(), 0);
+    std::fs::rename(d[0].join("marker.away"), &marker).unwrap();
+    assert_eq!(s.revive_disks(), 1);
+    let st = s.stats();
+    assert!(!st.disks[0].failed && st.failed_disks == 0, "{st:?}");
+    for k in &on0[3..] {
+        assert_eq!(get(&s, k).unwrap(), payload(k, 6_000), "{k} served again from the disk taken back");
+    }
+    assert!(get(&s, on0[0]).is_none() && get(&s, on0[1]).is_none(), "deleted keys stay deleted");
+    assert_eq!(get(&s, on0[2]).unwrap(), payload(on0[2], 7_000), "the newer copy wins");
+    // New puts are placed on it again.
+    let placed = (100..200).filter(|i| s.owner(format!("k{i}").as_bytes()) == Some(0)).count();
+    assert!(placed > 10);
 }
 
 /// Power loss (issue 11, item 6): through the Device seam, every write no

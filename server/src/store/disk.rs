@@ -594,6 +594,11 @@ impl Disk {
         Ok(st.index.peek(key).map(|e| e.header.record_len()))
     }
 
+    /// Every key in the index (a copy; for taking a disk back into service).
+    pub fn keys(&self) -> Vec<Arc<[u8]>> {
+        lock(&self.state).index.iter().map(|(k, _)| k.clone()).collect()
+    }
+
     pub fn contains(&self, key: &[u8]) -> bool {
         !self.is_failed() && lock(&self.state).index.contains(key)
     }

@@ -14,11 +14,12 @@ pub mod disk;
 pub mod journal;
 pub mod mem;
 
+use std::collections::HashSet;
 use std::io;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, RwLock};
-use std::time::Instant;
+use std::sync::{Arc, Mutex, RwLock};
+use std::time::{Duration, Instant};
 
 use kv_common::page::{parse_record, Geometry, HeaderError, PageHeader};
 use kv_common::ring::{Ring, RingMember};
@@ -80,11 +81,81 @@ pub enum Presence {
     Absent,
 }
 
-struct DiskRing {
+/// A disk's place in the store: in service, or out of service with every
+/// file of it closed (so its filesystem can be unmounted and repaired).
+#[derive(Clone)]
+enum Slot {
+    Live(Arc<Disk>),
+    Down(Arc<DownDisk>),
+}
+
+/// A disk taken out of service: what it was and why.
+struct DownDisk {
+    id: String,
+    dir: PathBuf,
+    cap: u64,
+    failure: String,
+    /// Why the last attempt to take it back failed (logged once per change).
+    last_attempt: Mutex<Option<String>>,
+}
+
+/// The disks as operations see them: the slots and the placement over the
+/// disks in service. Replaced whole (one read lock per operation).
+struct View {
+    slots: Vec<Slot>,
     ring: Ring,
-    /// Ring member index -> disk index.
+    /// Ring member index -> slot index.
     disk_of: Vec<usize>,
 }
+
+impl View {
+    fn new(slots: Vec<Slot>) -> View {
+        let mut members = Vec::new();
+        let mut disk_of = Vec::new();
+        for (i, s) in slots.iter().enumerate() {
+            if let Slot::Live(d) = s {
+                if !d.is_failed() {
+                    members.push(RingMember { id: d.id.clone(), weight: disk_weight(d.cap()) });
+                    disk_of.push(i);
+                }
+            }
+        }
+        View { ring: Ring::new(members), disk_of, slots }
+    }
+
+    fn live(&self) -> impl Iterator<Item = &Arc<Disk>> {
+        self.slots.iter().filter_map(|s| match s {
+            Slot::Live(d) => Some(d),
+            Slot::Down(_) => None,
+        })
+    }
+
+    /// A disk out of service or failing (not yet closed).
+    fn any_out(&self) -> bool {
+        self.slots.iter().any(|s| match s {
+            Slot::Live(d) => d.is_failed(),
+            Slot::Down(_) => true,
+        })
+    }
+}
+
+/// Keys deleted while a disk was out of service: a disk taken back forgets
+/// them (its index still holds them). Bounded; past the bound a disk taken
+/// back starts empty.
+#[derive(Default)]
+struct DownDeletes {
+    keys: HashSet<Box<[u8]>>,
+    overflowed: bool,
+}
+
+const DOWN_DELETES_MAX: usize = 1 << 20;
+
+/// How often the directories of disks out of service are checked for a
+/// repaired filesystem.
+pub const REVIVE_EVERY: Duration = Duration::from_secs(5);
+
+/// Opens a disk's data file again when the disk is taken back into service.
+pub type Reopen = Arc<dyn Fn(&Path, bool) -> io::Result<Box<dyn Device>> + Send + Sync>;
 
 #[derive(Default)]
 struct Counters {
@@ -100,8 +171,16 @@ struct Counters {
 }
 
 pub struct Store {
-    disks: Vec<Arc<Disk>>,
-    ring: RwLock<Arc<DiskRing>>,
+    view: RwLock<Arc<View>>,
+    specs: Vec<DiskSpec>,
+    sync_writes: bool,
+    /// None: disks taken out of service stay out until the next start.
+    reopen: Option<Reopen>,
+    last_revive: Mutex<Instant>,
+    /// Per slot: evictions and damaged records dropped by the disk's
+    /// earlier incarnations (counters stay monotonic across a revival).
+    carried: Vec<[AtomicU64; 2]>,
+    down_deletes: Mutex<DownDeletes>,
     mem: Option<mem::MemTier>,
     pool: BufPool,
     c: Counters,
@@ -115,14 +194,24 @@ fn file_device(path: &Path, sync: bool) -> io::Result<Box<dyn Device>> {
     Ok(Box::new(FileDevice::open(path, sync)?))
 }
 
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
 /// Weight of a disk in placement: its cap in GiB, at least 1 (DESIGN §3).
 pub fn disk_weight(cap: u64) -> u32 {
     (cap >> 30).clamp(1, u32::MAX as u64) as u32
 }
 
 impl Store {
+    /// Opens the store on real files. A disk taken out of service closes
+    /// its files; its directory is checked every [`REVIVE_EVERY`] and the
+    /// disk is taken back once its marker can be read again (the same
+    /// filesystem repaired and remounted).
     pub fn open(cfg: &StoreConfig) -> Result<(Store, Vec<RecoveryReport>), String> {
-        Store::open_with(cfg, &file_device)
+        let (mut s, r) = Store::open_with(cfg, &file_device)?;
+        s.reopen = Some(Arc::new(file_device));
+        Ok((s, r))
     }
 
     /// Opens every disk (in parallel) with devices from `make`.
@@ -147,16 +236,21 @@ impl Store {
                 .collect();
             handles.into_iter().map(|h| h.join().unwrap_or_else(|_| Err("disk recovery panicked".into()))).collect()
         });
-        let mut disks = Vec::new();
+        let mut slots = Vec::new();
         let mut reports = Vec::new();
         for r in opened {
             let (d, rep) = r?;
-            disks.push(Arc::new(d));
+            slots.push(Slot::Live(Arc::new(d)));
             reports.push(rep);
         }
         let store = Store {
-            disks,
-            ring: RwLock::new(Arc::new(DiskRing { ring: Ring::default(), disk_of: vec![] })),
+            carried: slots.iter().map(|_| Default::default()).collect(),
+            view: RwLock::new(Arc::new(View::new(slots))),
+            specs: cfg.disks.clone(),
+            sync_writes: cfg.sync_writes,
+            reopen: None,
+            last_revive: Mutex::new(Instant::now()),
+            down_deletes: Mutex::new(DownDeletes::default()),
             mem: (cfg.mem_cap > 0).then(|| mem::MemTier::new(cfg.mem_cap)),
             // With a memory tier, buffers come from an arena of its size
             // (plus the pool's) faulted in ahead of use.
@@ -170,49 +264,39 @@ impl Store {
             c: Counters::default(),
             started: Instant::now(),
         };
-        store.rebuild_ring();
         Ok((store, reports))
     }
 
     /// Places keys over the disks in service.
     fn rebuild_ring(&self) {
-        let mut members = Vec::new();
-        let mut disk_of = Vec::new();
-        for (i, d) in self.disks.iter().enumerate() {
-            if !d.is_failed() {
-                members.push(RingMember { id: d.id.clone(), weight: disk_weight(d.cap()) });
-                disk_of.push(i);
-            }
-        }
-        let r = Arc::new(DiskRing { ring: Ring::new(members), disk_of });
-        *self.ring.write().unwrap_or_else(|e| e.into_inner()) = r;
+        let mut w = self.view.write().unwrap_or_else(|e| e.into_inner());
+        *w = Arc::new(View::new(w.slots.clone()));
     }
 
-    fn ring(&self) -> Arc<DiskRing> {
-        self.ring.read().unwrap_or_else(|e| e.into_inner()).clone()
+    fn view(&self) -> Arc<View> {
+        self.view.read().unwrap_or_else(|e| e.into_inner()).clone()
     }
 
     /// The disk (index) that owns `key` among disks in service.
     pub fn owner(&self, key: &[u8]) -> Option<usize> {
-        let r = self.ring();
-        r.ring.owner(key).map(|m| r.disk_of[m])
+        let v = self.view();
+        v.ring.owner(key).map(|m| v.disk_of[m])
     }
 
-    /// Disk indices to search for `key`: every disk, in order. A probe is an
-    /// in-memory hash lookup, cheaper than computing placement (an xxh3 hash
-    /// and a ring search), and searching all disks keeps records findable
-    /// after a disk failure or a cap change moved placement. Placement only
-    /// decides where a put goes.
-    fn search_order(&self, _key: &[u8]) -> std::ops::Range<usize> {
-        0..self.disks.len()
-    }
+    // Lookups search every disk in service, in order: a probe is an
+    // in-memory hash lookup, cheaper than computing placement (an xxh3 hash
+    // and a ring search), and searching all disks keeps records findable
+    // after a disk failure or a cap change moved placement. Placement only
+    // decides where a put goes.
 
     pub fn pool(&self) -> &BufPool {
         &self.pool
     }
 
-    pub fn disks(&self) -> &[Arc<Disk>] {
-        &self.disks
+    /// The disks in service, in `--dir` order (a disk out of service is
+    /// left out, so indices shift while one is out).
+    pub fn disks(&self) -> Vec<Arc<Disk>> {
+        self.view().live().cloned().collect()
     }
 
     /// Stores a whole record held in `rec`. Blocking.
@@ -225,17 +309,21 @@ impl Store {
             return Err(StoreError::BadPayload);
         }
         let key = key.to_vec();
-        if self.disks.iter().any(|d| d.contains(&key)) {
+        let mut v = self.view();
+        if v.live().any(|d| d.contains(&key)) {
             self.c.put_duplicates.fetch_add(1, Ordering::Relaxed);
             return Ok(PutOutcome::Duplicate);
         }
         let generation = self.mem.as_ref().map_or(0, |m| m.generation());
-        for _attempt in 0..2 {
-            let Some(i) = self.owner(&key) else {
+        for attempt in 0..2 {
+            if attempt > 0 {
+                v = self.view();
+            }
+            let Some(Slot::Live(disk)) = v.ring.owner(&key).map(|m| &v.slots[v.disk_of[m]]) else {
                 self.c.put_rejected.fetch_add(1, Ordering::Relaxed);
                 return Err(StoreError::NoDisk);
             };
-            match self.disks[i].put(&mut rec, &key, &header) {
+            match disk.put(&mut rec, &key, &header) {
                 Ok(PutResult::Duplicate) => {
                     self.c.put_duplicates.fetch_add(1, Ordering::Relaxed);
                     return Ok(PutOutcome::Duplicate);
@@ -318,8 +406,8 @@ impl Store {
             }
         }
         let generation = self.mem.as_ref().map_or(0, |m| m.generation());
-        for i in self.search_order(key) {
-            match self.disks[i].get(key, geo, &self.pool, true) {
+        for d in self.view().live() {
+            match d.get(key, geo, &self.pool, true) {
                 Ok(Lookup::Hit(buf)) => {
                     let rec = Arc::new(buf);
                     if let Some(m) = &self.mem {
@@ -353,8 +441,8 @@ impl Store {
         geo: Option<&Geometry>,
         probe: impl Fn(&Disk, &[u8], Option<&Geometry>) -> Result<Option<bool>, disk::Busy>,
     ) -> Result<Presence, disk::Busy> {
-        for i in self.search_order(key) {
-            match probe(&self.disks[i], key, geo)? {
+        for d in self.view().live() {
+            match probe(d, key, geo)? {
                 Some(true) => return Ok(Presence::Present),
                 Some(false) => return Ok(Presence::Mismatch),
                 None => {}
@@ -374,7 +462,7 @@ impl Store {
     /// for all keys. None when a lock is busy.
     pub fn try_exist_batch(&self, keys: &[&[u8]], geo: Option<&Geometry>) -> Option<Vec<Presence>> {
         let mut found: Vec<Option<bool>> = vec![None; keys.len()];
-        for d in &self.disks {
+        for d in self.view().live() {
             d.try_exist_many(keys, geo, &mut found).ok()?;
         }
         Some(
@@ -400,7 +488,7 @@ impl Store {
         if let Some(rec) = self.mem.as_ref().and_then(|m| m.peek(key)) {
             return Some(rec.len() as u64);
         }
-        self.search_order(key).find_map(|i| self.disks[i].record_len(key))
+        self.view().live().find_map(|d| d.record_len(key))
     }
 
     /// As [`Store::record_size`] without waiting: None when a disk's index
@@ -409,8 +497,8 @@ impl Store {
         if let Some(rec) = self.mem.as_ref().and_then(|m| m.peek(key)) {
             return Some(Some(rec.len() as u64));
         }
-        for i in self.search_order(key) {
-            match self.disks[i].try_record_len(key) {
+        for d in self.view().live() {
+            match d.try_record_len(key) {
                 Ok(Some(n)) => return Some(Some(n)),
                 Ok(None) => {}
                 Err(disk::Busy) => return None,
@@ -424,11 +512,22 @@ impl Store {
         // Disks first, then memory: the memory removal bumps the generation
         // after the record is gone from disk, so a get that read it from
         // disk before the delete cannot put it back into memory after.
+        let v = self.view();
         let mut any = false;
-        for d in &self.disks {
+        for d in v.live() {
             any |= d.delete(key);
         }
         any |= self.mem.as_ref().is_some_and(|m| m.remove(key));
+        if v.any_out() {
+            // The disk out of service may still hold the key: it must not
+            // come back with it.
+            let mut dd = lock(&self.down_deletes);
+            if dd.keys.len() < DOWN_DELETES_MAX {
+                dd.keys.insert(key.into());
+            } else {
+                dd.overflowed = true;
+            }
+        }
         any
     }
 
@@ -437,7 +536,7 @@ impl Store {
     pub fn scrub(&self, max_bytes: u64) -> usize {
         let mut n = 0;
         let mut left = max_bytes;
-        for d in &self.disks {
+        for d in self.view().live() {
             while left > 0 {
                 let keys = d.take_unscrubbed(16);
                 if keys.is_empty() {
@@ -456,25 +555,132 @@ impl Store {
         n
     }
 
-    /// Periodic upkeep: journal flush and compaction, vanished-dir checks.
+    /// Periodic upkeep: journal flush and compaction, vanished-dir checks;
+    /// a failed disk's files are closed; every [`REVIVE_EVERY`], disks out
+    /// of service are checked for a repaired filesystem.
     pub fn maintain(&self) {
-        let mut changed = false;
-        for d in &self.disks {
-            let was = d.is_failed();
+        let v = self.view();
+        let mut failed = Vec::new();
+        for (i, s) in v.slots.iter().enumerate() {
+            let Slot::Live(d) = s else { continue };
             if let Err(e) = d.maintain() {
                 tracing::warn!(disk = %d.id, error = %e, "index maintenance failed");
             }
-            changed |= was != d.is_failed();
+            if d.is_failed() {
+                failed.push(i);
+            }
         }
-        if changed {
-            self.rebuild_ring();
+        let any_down = v.slots.iter().any(|s| matches!(s, Slot::Down(_)));
+        drop(v);
+        if !failed.is_empty() {
+            self.take_down(&failed);
         }
+        let due = {
+            let mut last = lock(&self.last_revive);
+            let due = last.elapsed() >= REVIVE_EVERY;
+            if due {
+                *last = Instant::now();
+            }
+            due
+        };
+        if any_down && due {
+            self.revive_disks();
+        }
+    }
+
+    /// Replaces failed disks by their description: once the operations in
+    /// flight let go of them, their files (data, journal, lock) are closed.
+    fn take_down(&self, slots: &[usize]) {
+        let mut w = self.view.write().unwrap_or_else(|e| e.into_inner());
+        let mut next = w.slots.clone();
+        for &i in slots {
+            let Slot::Live(d) = &next[i] else { continue };
+            let st = d.stats();
+            self.carried[i][0].fetch_add(st.evictions, Ordering::Relaxed);
+            self.carried[i][1].fetch_add(d.corrupt_dropped(), Ordering::Relaxed);
+            tracing::warn!(
+                disk = %d.id, dir = %d.dir.display(), every_s = REVIVE_EVERY.as_secs(),
+                "disk out of service: its files are closed; its directory is checked for a repaired filesystem"
+            );
+            next[i] = Slot::Down(Arc::new(DownDisk {
+                id: d.id.clone(),
+                dir: d.dir.clone(),
+                cap: d.cap(),
+                failure: st.failure.unwrap_or_else(|| "failed".into()),
+                last_attempt: Mutex::new(None),
+            }));
+        }
+        *w = Arc::new(View::new(next));
+    }
+
+    /// Takes disks out of service back when their directory holds the disk
+    /// marker again and the disk opens (its index recovered as at a start).
+    /// A disk taken back forgets the keys deleted while it was out and the
+    /// keys stored on another disk meanwhile (the newer copy wins). Never
+    /// creates a directory or a marker: a mount point with nothing mounted
+    /// stays out. Returns how many disks came back.
+    pub fn revive_disks(&self) -> usize {
+        let Some(reopen) = &self.reopen else { return 0 };
+        let v = self.view();
+        let mut opened = Vec::new();
+        for (i, s) in v.slots.iter().enumerate() {
+            let Slot::Down(dd) = s else { continue };
+            let spec = &self.specs[i];
+            if !spec.dir.join(disk::MARKER_FILE).is_file() {
+                continue;
+            }
+            let t0 = Instant::now();
+            let r = reopen(&spec.dir.join(disk::DATA_FILE), self.sync_writes)
+                .and_then(|dev| Disk::open(dd.id.clone(), &spec.dir, spec.cap, dev));
+            match r {
+                Ok((d, rep)) => opened.push((i, d, rep, t0.elapsed())),
+                Err(e) => {
+                    let e = e.to_string();
+                    let mut last = lock(&dd.last_attempt);
+                    if last.as_deref() != Some(e.as_str()) {
+                        tracing::warn!(disk = %dd.id, dir = %dd.dir.display(), error = %e, "disk not taken back yet");
+                        *last = Some(e);
+                    }
+                }
+            }
+        }
+        drop(v);
+        if opened.is_empty() {
+            return 0;
+        }
+        // Under the write lock, so no put or delete slips between the check
+        // and the disk's return.
+        let mut w = self.view.write().unwrap_or_else(|e| e.into_inner());
+        let mut dd = lock(&self.down_deletes);
+        let mut next = w.slots.clone();
+        let n = opened.len();
+        for (i, d, rep, took) in opened {
+            let others: Vec<&Arc<Disk>> = w.live().collect();
+            let mut forgot = 0u64;
+            for k in d.keys() {
+                if dd.overflowed || dd.keys.contains(&k[..]) || others.iter().any(|o| o.contains(&k)) {
+                    d.delete(&k);
+                    forgot += 1;
+                }
+            }
+            tracing::warn!(
+                disk = %d.id, dir = %d.dir.display(), records = rep.records - forgot, forgot,
+                reclaimed = rep.reclaimed, ms = took.as_millis() as u64, "disk back in service"
+            );
+            next[i] = Slot::Live(Arc::new(d));
+        }
+        let view = View::new(next);
+        if !view.any_out() {
+            *dd = DownDeletes::default();
+        }
+        *w = Arc::new(view);
+        n
     }
 
     /// Clean stop: every disk checkpoints and marks itself clean.
     pub fn close(&self) -> io::Result<()> {
         let mut first_err = None;
-        for d in &self.disks {
+        for d in self.view().live() {
             if let Err(e) = d.close() {
                 tracing::error!(disk = %d.id, error = %e, "checkpoint at shutdown failed");
                 first_err.get_or_insert(e);
@@ -484,7 +690,42 @@ impl Store {
     }
 
     pub fn stats(&self) -> NodeStats {
-        let disks: Vec<_> = self.disks.iter().map(|d| d.stats()).collect();
+        let v = self.view();
+        let disks: Vec<_> = v
+            .slots
+            .iter()
+            .zip(&self.carried)
+            .map(|(s, c)| {
+                let mut st = match s {
+                    Slot::Live(d) => d.stats(),
+                    Slot::Down(dd) => kv_common::stats::DiskStats {
+                        id: dd.id.clone(),
+                        dir: dd.dir.display().to_string(),
+                        used_bytes: 0,
+                        capacity_bytes: dd.cap,
+                        objects: 0,
+                        evictions: 0,
+                        failed: true,
+                        failure: Some(dd.failure.clone()),
+                        unverified: 0,
+                    },
+                };
+                st.evictions += c[0].load(Ordering::Relaxed);
+                st
+            })
+            .collect();
+        let corrupt_dropped = v
+            .slots
+            .iter()
+            .zip(&self.carried)
+            .map(|(s, c)| {
+                c[1].load(Ordering::Relaxed)
+                    + match s {
+                        Slot::Live(d) => d.corrupt_dropped(),
+                        Slot::Down(_) => 0,
+                    }
+            })
+            .sum();
         let ld = |a: &AtomicU64| a.load(Ordering::Relaxed);
         NodeStats {
             version: env!("CARGO_PKG_VERSION").to_string(),
@@ -494,7 +735,7 @@ impl Store {
             objects: disks.iter().map(|d| d.objects).sum(),
             evictions: disks.iter().map(|d| d.evictions).sum(),
             failed_disks: disks.iter().filter(|d| d.failed).count() as u64,
-            corrupt_dropped: self.disks.iter().map(|d| d.corrupt_dropped()).sum(),
+            corrupt_dropped,
             unverified: disks.iter().map(|d| d.unverified).sum(),
             hits: ld(&self.c.hits),
             misses: ld(&self.c.misses),
