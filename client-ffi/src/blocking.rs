@@ -55,76 +55,72 @@ impl BlockingClient {
     }
 
     pub fn putv(&self, key: &[u8], bufs: &[&[u8]]) -> Status {
-        self.rt.block_on(self.core.putv(key, bufs))
+        let t0 = std::time::Instant::now();
+        let r = self.rt.block_on(self.core.putv(key, bufs));
+        self.core.metrics.timed("put", t0);
+        r
     }
 
     pub fn getv(&self, key: &[u8], bufs: &mut [&mut [u8]]) -> Result<usize, (Status, usize)> {
-        self.rt.block_on(self.core.getv(key, bufs))
+        let t0 = std::time::Instant::now();
+        let r = self.rt.block_on(self.core.getv(key, bufs));
+        self.core.metrics.timed("get", t0);
+        r
     }
 
     pub fn delete(&self, key: &[u8]) -> Status {
-        self.rt.block_on(self.core.delete(key))
+        let t0 = std::time::Instant::now();
+        let r = self.rt.block_on(self.core.delete(key));
+        self.core.metrics.timed("delete", t0);
+        r
     }
 
     /// On the caller's thread (no runtime hop): see `small.rs`.
     pub fn exist(&self, key: &[u8]) -> Status {
-        self.core.exist_blocking(key)
+        let t0 = std::time::Instant::now();
+        let r = self.core.exist_blocking(key);
+        self.core.metrics.timed("exist", t0);
+        r
     }
 
     /// On the caller's thread (no runtime hop): see `small.rs`.
     pub fn batch_exist(&self, keys: &[&[u8]]) -> Vec<Status> {
-        self.core.batch_exist_blocking(keys)
+        let t0 = std::time::Instant::now();
+        let r = self.core.batch_exist_blocking(keys);
+        self.core.metrics.timed("batch_exist", t0);
+        r
     }
 
     pub fn batch_putv(&self, items: &[(&[u8], Vec<&[u8]>)]) -> Vec<Status> {
-        self.rt.block_on(self.core.batch_putv(items))
+        let t0 = std::time::Instant::now();
+        let r = self.rt.block_on(self.core.batch_putv(items));
+        self.core.metrics.timed("batch_put", t0);
+        r
     }
 
     pub fn batch_getv(&self, items: &mut [crate::client::GetItem<'_, '_>]) -> Vec<(Status, usize)> {
-        self.rt.block_on(self.core.batch_getv(items))
+        let t0 = std::time::Instant::now();
+        let r = self.rt.block_on(self.core.batch_getv(items));
+        self.core.metrics.timed("batch_get", t0);
+        r
     }
 
-    /// Prometheus text: counters and per-peer state.
+    /// OpenMetrics text: counters, latency histograms and per-peer state.
     pub fn stats_text(&self) -> String {
-        let mut out = String::new();
-        self.core.metrics.render(&mut out);
         let topo = self.core.topology();
-        use std::fmt::Write as _;
-        let _ = writeln!(out, "# HELP kvclient_ring_epoch Epoch of the ring in use.\n# TYPE kvclient_ring_epoch gauge");
-        let _ = writeln!(out, "kvclient_ring_epoch {}", topo.epoch);
-        if let Some(e) = self.core.discovery_error() {
-            let e = e.replace('\\', "\\\\").replace('"', "\\\"").replace('\n', " ");
-            let _ = writeln!(
-                out,
-                "# HELP kvclient_mds_last_error_info The last discovery failure.\n# TYPE kvclient_mds_last_error_info gauge"
-            );
-            let _ = writeln!(out, "kvclient_mds_last_error_info{{error=\"{e}\"}} 1");
-        }
-        let _ =
-            writeln!(out, "# HELP kvclient_peer_up 0 while a peer is in its cool-down.\n# TYPE kvclient_peer_up gauge");
-        for n in &topo.nodes {
-            let _ =
-                writeln!(out, "kvclient_peer_up{{peer=\"{}\",addr=\"{}\"}} {}", n.id, n.addr, u8::from(!n.cooling()));
-        }
-        let _ = writeln!(
-            out,
-            "# HELP kvclient_peer_idle_conns Pooled idle connections.\n# TYPE kvclient_peer_idle_conns gauge"
-        );
-        for n in &topo.nodes {
-            let _ = writeln!(out, "kvclient_peer_idle_conns{{peer=\"{}\"}} {}", n.id, n.idle_conns());
-        }
-        let _ = writeln!(
-            out,
-            "# HELP kvclient_peer_failures_total I/O failures per peer.\n# TYPE kvclient_peer_failures_total counter"
-        );
-        for n in &topo.nodes {
-            let _ = writeln!(
-                out,
-                "kvclient_peer_failures_total{{peer=\"{}\"}} {}",
-                n.id,
-                n.failures.load(std::sync::atomic::Ordering::Relaxed)
-            );
-        }
-        out
+        let peers = topo
+            .nodes
+            .iter()
+            .map(|n| crate::metrics::PeerSnapshot {
+                id: n.id.clone(),
+                addr: n.addr.to_string(),
+                up: !n.cooling(),
+                idle_conns: n.idle_conns() as u64,
+                failures: n.failures.load(std::sync::atomic::Ordering::Relaxed),
+                went_down: n.went_down.load(std::sync::atomic::Ordering::Relaxed),
+                came_back: n.came_back.load(std::sync::atomic::Ordering::Relaxed),
+            })
+            .collect();
+        self.core.metrics.render(topo.epoch, self.core.discovery_error(), peers)
     }
 }

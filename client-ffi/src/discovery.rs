@@ -113,6 +113,7 @@ fn run(
             None => mds.view(&group),
             Some(e) => mds.wait_view(&group, e, poll),
         };
+        m.mds_failovers.store(mds.failovers, Ordering::Relaxed);
         match answer {
             Ok(v) => {
                 m.mds_views.fetch_add(1, Ordering::Relaxed);
@@ -215,7 +216,8 @@ mod tests {
 
     #[test]
     fn a_name_that_does_not_resolve_does_not_hold_the_view_back() {
-        let rec = |id: &str, addr: &str| MemberRecord { id: id.into(), addr: addr.into(), weight: 1 };
+        let rec =
+            |id: &str, addr: &str| MemberRecord { id: id.into(), addr: addr.into(), weight: 1, metrics_addr: None };
         let v = View {
             group: "g".into(),
             epoch: 7,

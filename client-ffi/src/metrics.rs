@@ -1,9 +1,18 @@
-//! Client counters, rendered as Prometheus text by `kv_stats_snapshot`.
+//! Client counters and latency histograms, rendered as OpenMetrics text
+//! (prometheus-client's encoder) by `kv_stats_snapshot`.
 
-use std::fmt::Write as _;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Instant;
 
 use kv_common::status::Status;
+use prometheus_client::collector::Collector;
+use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric};
+use prometheus_client::metrics::counter::ConstCounter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::ConstGauge;
+use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
+use prometheus_client::metrics::MetricType;
+use prometheus_client::registry::Registry;
 
 const STATUSES: [Status; 13] = [
     Status::Ok,
@@ -27,9 +36,20 @@ fn slot(s: Status) -> usize {
 
 const OPS: [&str; 4] = ["put", "get", "exist", "delete"];
 
-#[derive(Default)]
+/// Calls timed by the latency histograms (batches: the whole call).
+pub const TIMED: [&str; 7] = ["put", "get", "exist", "delete", "batch_put", "batch_get", "batch_exist"];
+
+/// Latency of a call as the caller sees it: 16 µs to 8.4 s, doubling.
+fn latency_buckets() -> impl Iterator<Item = f64> {
+    exponential_buckets(16e-6, 2.0, 20)
+}
+
+type OpHistograms = Family<Vec<(&'static str, &'static str)>, Histogram, fn() -> Histogram>;
+
 pub struct Metrics {
     by_status: [[AtomicU64; 13]; 4],
+    latency: OpHistograms,
+    timed: Vec<Histogram>,
     pub bytes_put: AtomicU64,
     pub bytes_got: AtomicU64,
     pub ring_rebuilds: AtomicU64,
@@ -42,11 +62,53 @@ pub struct Metrics {
     pub mds_errors: AtomicU64,
     /// 1 while the last discovery round got an answer.
     pub mds_up: AtomicU64,
+    /// Times discovery moved to another kv-mds replica.
+    pub mds_failovers: AtomicU64,
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        let latency: OpHistograms = Family::new_with_constructor(|| Histogram::new(latency_buckets()));
+        let timed = TIMED.iter().map(|op| latency.get_or_create(&vec![("op", *op)]).clone()).collect();
+        Metrics {
+            by_status: Default::default(),
+            latency,
+            timed,
+            bytes_put: AtomicU64::new(0),
+            bytes_got: AtomicU64::new(0),
+            ring_rebuilds: AtomicU64::new(0),
+            stale_retries: AtomicU64::new(0),
+            peer_failures: AtomicU64::new(0),
+            fast_unavailable: AtomicU64::new(0),
+            mds_views: AtomicU64::new(0),
+            mds_errors: AtomicU64::new(0),
+            mds_up: AtomicU64::new(0),
+            mds_failovers: AtomicU64::new(0),
+        }
+    }
+}
+
+/// Per-peer figures for a snapshot.
+pub struct PeerSnapshot {
+    pub id: String,
+    pub addr: String,
+    pub up: bool,
+    pub idle_conns: u64,
+    pub failures: u64,
+    pub went_down: u64,
+    pub came_back: u64,
 }
 
 impl Metrics {
     fn count(&self, op: usize, s: Status) {
         self.by_status[op][slot(s)].fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Records the time of a call that started at `t0` (`op` one of [`TIMED`]).
+    pub fn timed(&self, op: &str, t0: Instant) {
+        if let Some(i) = TIMED.iter().position(|&o| o == op) {
+            self.timed[i].observe(t0.elapsed().as_secs_f64());
+        }
     }
 
     pub fn count_put(&self, s: Status, bytes: u64) -> Status {
@@ -80,34 +142,150 @@ impl Metrics {
         self.by_status[i][slot(s)].load(Ordering::Relaxed)
     }
 
-    pub fn render(&self, out: &mut String) {
-        let _ = writeln!(out, "# HELP kvclient_ops_total Operations by outcome (status name).");
-        let _ = writeln!(out, "# TYPE kvclient_ops_total counter");
-        for (i, op) in OPS.iter().enumerate() {
-            for (j, s) in STATUSES.iter().enumerate() {
-                let v = self.by_status[i][j].load(Ordering::Relaxed);
-                if v > 0 || *s == Status::Ok {
-                    let _ = writeln!(out, "kvclient_ops_total{{op=\"{op}\",status=\"{}\"}} {v}", s.name());
+    /// The whole snapshot as OpenMetrics text.
+    pub fn render(&self, epoch: u64, last_error: Option<String>, peers: Vec<PeerSnapshot>) -> String {
+        let mut r = Registry::with_prefix("kvclient");
+        r.register(
+            "op_duration_seconds",
+            "Time of a call as the caller sees it, by op (batches: the whole call)",
+            self.latency.clone(),
+        );
+        let ld = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        let by_status = OPS
+            .iter()
+            .enumerate()
+            .flat_map(|(i, op)| {
+                STATUSES.iter().enumerate().filter_map(move |(j, s)| {
+                    let v = ld(&self.by_status[i][j]);
+                    (v > 0 || *s == Status::Ok)
+                        .then(|| (vec![("op", op.to_string()), ("status", s.name().to_string())], v))
+                })
+            })
+            .collect();
+        let mut fams = vec![
+            Fam::counter("ops", "Operations by outcome (status name)", by_status),
+            Fam::counter("put_bytes", "Payload bytes stored", vec![(vec![], ld(&self.bytes_put))]),
+            Fam::counter("get_bytes", "Payload bytes read into caller buffers", vec![(vec![], ld(&self.bytes_got))]),
+            Fam::counter(
+                "ring_rebuilds",
+                "Times the ring was rebuilt for a new member set",
+                vec![(vec![], ld(&self.ring_rebuilds))],
+            ),
+            Fam::counter(
+                "stale_retries",
+                "Requests retried once on a fresh connection",
+                vec![(vec![], ld(&self.stale_retries))],
+            ),
+            Fam::counter(
+                "peer_failures",
+                "I/O failures that started a peer cool-down",
+                vec![(vec![], ld(&self.peer_failures))],
+            ),
+            Fam::counter(
+                "fast_unavailable",
+                "Requests answered unavailable at once (peer cooling down)",
+                vec![(vec![], ld(&self.fast_unavailable))],
+            ),
+            Fam::counter("mds_views", "Views received from kv-mds (discovery)", vec![(vec![], ld(&self.mds_views))]),
+            Fam::counter(
+                "mds_errors",
+                "Discovery rounds in which no kv-mds replica answered",
+                vec![(vec![], ld(&self.mds_errors))],
+            ),
+            Fam::counter(
+                "mds_failovers",
+                "Times discovery moved on to another kv-mds replica",
+                vec![(vec![], ld(&self.mds_failovers))],
+            ),
+            Fam::gauge(
+                "mds_up",
+                "1 while the last discovery round got an answer from kv-mds",
+                vec![(vec![], ld(&self.mds_up))],
+            ),
+            Fam::gauge("ring_epoch", "Epoch of the ring in use", vec![(vec![], epoch)]),
+        ];
+        if let Some(e) = last_error {
+            fams.push(Fam::gauge("mds_last_error_info", "The last discovery failure", vec![(vec![("error", e)], 1)]));
+        }
+        let peer = |p: &PeerSnapshot| vec![("peer", p.id.clone())];
+        fams.push(Fam::gauge(
+            "peer_up",
+            "0 while a peer is in its cool-down",
+            peers.iter().map(|p| (vec![("peer", p.id.clone()), ("addr", p.addr.clone())], u64::from(p.up))).collect(),
+        ));
+        fams.push(Fam::gauge(
+            "peer_idle_conns",
+            "Pooled idle connections",
+            peers.iter().map(|p| (peer(p), p.idle_conns)).collect(),
+        ));
+        fams.push(Fam::counter(
+            "peer_io_failures",
+            "I/O failures, per peer",
+            peers.iter().map(|p| (peer(p), p.failures)).collect(),
+        ));
+        fams.push(Fam::counter(
+            "peer_state_changes",
+            "A peer going into its cool-down (to=down) and answering again after one (to=up)",
+            peers
+                .iter()
+                .flat_map(|p| {
+                    [
+                        (vec![("peer", p.id.clone()), ("to", "down".to_string())], p.went_down),
+                        (vec![("peer", p.id.clone()), ("to", "up".to_string())], p.came_back),
+                    ]
+                })
+                .collect(),
+        ));
+        r.register_collector(Box::new(Fams(fams)));
+        let mut out = String::with_capacity(8 << 10);
+        let _ = prometheus_client::encoding::text::encode(&mut out, &r);
+        out
+    }
+}
+
+type Series = Vec<(Vec<(&'static str, String)>, u64)>;
+
+/// One metric family of a snapshot, as values read at that moment.
+#[derive(Debug)]
+struct Fam {
+    name: &'static str,
+    help: &'static str,
+    kind: MetricType,
+    series: Series,
+}
+
+impl Fam {
+    fn counter(name: &'static str, help: &'static str, series: Series) -> Fam {
+        Fam { name, help, kind: MetricType::Counter, series }
+    }
+    fn gauge(name: &'static str, help: &'static str, series: Series) -> Fam {
+        Fam { name, help, kind: MetricType::Gauge, series }
+    }
+}
+
+#[derive(Debug)]
+struct Fams(Vec<Fam>);
+
+impl Collector for Fams {
+    fn encode(&self, mut e: DescriptorEncoder<'_>) -> Result<(), std::fmt::Error> {
+        for f in &self.0 {
+            let mut m = e.encode_descriptor(f.name, f.help, None, f.kind)?;
+            if let [(labels, v)] = f.series.as_slice() {
+                if labels.is_empty() {
+                    match f.kind {
+                        MetricType::Counter => ConstCounter::new(*v).encode(m)?,
+                        _ => ConstGauge::new(*v).encode(m)?,
+                    }
+                    continue;
+                }
+            }
+            for (labels, v) in &f.series {
+                match f.kind {
+                    MetricType::Counter => ConstCounter::new(*v).encode(m.encode_family(labels)?)?,
+                    _ => ConstGauge::new(*v).encode(m.encode_family(labels)?)?,
                 }
             }
         }
-        let mut one = |name: &str, kind: &str, help: &str, v: &AtomicU64| {
-            let _ = writeln!(out, "# HELP kvclient_{name} {help}\n# TYPE kvclient_{name} {kind}");
-            let _ = writeln!(out, "kvclient_{name} {}", v.load(Ordering::Relaxed));
-        };
-        one("put_bytes_total", "counter", "Payload bytes stored.", &self.bytes_put);
-        one("get_bytes_total", "counter", "Payload bytes read into caller buffers.", &self.bytes_got);
-        one("ring_rebuilds_total", "counter", "Times the ring was rebuilt for a new member set.", &self.ring_rebuilds);
-        one("stale_retries_total", "counter", "Requests retried once on a fresh connection.", &self.stale_retries);
-        one("peer_failures_total", "counter", "I/O failures that started a peer cool-down.", &self.peer_failures);
-        one(
-            "fast_unavailable_total",
-            "counter",
-            "Requests answered unavailable at once (peer cooling down).",
-            &self.fast_unavailable,
-        );
-        one("mds_views_total", "counter", "Views received from kv-mds (discovery).", &self.mds_views);
-        one("mds_errors_total", "counter", "Discovery rounds in which no kv-mds replica answered.", &self.mds_errors);
-        one("mds_up", "gauge", "1 while the last discovery round got an answer from kv-mds.", &self.mds_up);
+        Ok(())
     }
 }

@@ -38,6 +38,9 @@ pub struct Node {
     cool_until: AtomicU64,
     epoch: Instant,
     pub failures: AtomicU64,
+    /// Times the node went into its cool-down, and answered again after one.
+    pub went_down: AtomicU64,
+    pub came_back: AtomicU64,
     /// The group's auth token, sent in every hello.
     pub token: Option<Token>,
     /// The protocol version the last hello with this node agreed on: the
@@ -98,6 +101,8 @@ impl Node {
             cool_until: AtomicU64::new(0),
             epoch: Instant::now(),
             failures: AtomicU64::new(0),
+            went_down: AtomicU64::new(0),
+            came_back: AtomicU64::new(0),
             token,
             proto: AtomicU16::new(WIRE_VERSION),
         }
@@ -123,15 +128,17 @@ impl Node {
     pub fn mark_failed(&self, cooldown: Duration) {
         self.failures.fetch_add(1, Ordering::Relaxed);
         let until = (self.epoch.elapsed() + cooldown).as_nanos() as u64;
-        self.cool_until.store(until.max(1), Ordering::Relaxed);
+        if self.cool_until.swap(until.max(1), Ordering::Relaxed) == 0 {
+            self.went_down.fetch_add(1, Ordering::Relaxed);
+        }
         // Idle connections to a failing node are suspect too.
         self.idle.lock().unwrap_or_else(|e| e.into_inner()).clear();
         self.sync_idle.lock().unwrap_or_else(|e| e.into_inner()).clear();
     }
 
     pub fn mark_ok(&self) {
-        if self.cool_until.load(Ordering::Relaxed) != 0 {
-            self.cool_until.store(0, Ordering::Relaxed);
+        if self.cool_until.load(Ordering::Relaxed) != 0 && self.cool_until.swap(0, Ordering::Relaxed) != 0 {
+            self.came_back.fetch_add(1, Ordering::Relaxed);
         }
     }
 

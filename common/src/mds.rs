@@ -26,6 +26,10 @@ pub struct MemberRecord {
     /// The data-plane address clients and tools dial (`host:port`).
     pub addr: String,
     pub weight: u32,
+    /// Where the node serves `/metrics` and its dashboard (`host:port`), if
+    /// it does. Not part of the epoch: changing it changes no placement.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub metrics_addr: Option<String>,
 }
 
 /// A group's member set and the epoch that names it.
@@ -47,6 +51,9 @@ pub struct RegisterRequest {
     /// can tell two nodes given the same id apart. Empty: not checked.
     #[serde(default)]
     pub instance: String,
+    /// See [`MemberRecord::metrics_addr`].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub metrics_addr: Option<String>,
 }
 
 /// The body of a heartbeat.
@@ -151,6 +158,8 @@ pub struct MdsClient {
     aborted: Arc<std::sync::atomic::AtomicBool>,
     /// Sent as `Authorization: Bearer` on every call.
     token: Option<crate::auth::Token>,
+    /// Times a call moved on to the next replica.
+    pub failovers: u64,
 }
 
 /// Aborts calls of an [`MdsClient`] from another thread.
@@ -175,7 +184,15 @@ impl AbortHandle {
 
 impl MdsClient {
     pub fn new(endpoints: Vec<String>, timeout: Duration) -> MdsClient {
-        MdsClient { endpoints, current: 0, timeout, in_flight: Arc::default(), aborted: Arc::default(), token: None }
+        MdsClient {
+            endpoints,
+            current: 0,
+            timeout,
+            in_flight: Arc::default(),
+            aborted: Arc::default(),
+            token: None,
+            failovers: 0,
+        }
     }
 
     /// Sends `token` with every call (the group's auth token).
@@ -283,6 +300,7 @@ impl MdsClient {
                 return Err(MdsError::Aborted);
             }
             self.current = (self.current + 1) % self.endpoints.len();
+            self.failovers += 1;
         }
         Err(MdsError::Unavailable(why.join("; ")))
     }

@@ -55,5 +55,90 @@ pub struct NodeStats {
     /// Connections refused at the connection cap (`--max-conns`).
     #[serde(default)]
     pub refused_connections: u64,
+    /// Gets that found their record damaged (dropped, answered as a miss;
+    /// included in `misses`).
+    #[serde(default)]
+    pub misses_corrupt: u64,
+    /// The node's `--id` and `--group` when it joined a group.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub node_id: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub group: Option<String>,
+    /// Service time per op (the histograms `/metrics` exports).
+    #[serde(default)]
+    pub latency: Vec<OpLatency>,
     pub disks: Vec<DiskStats>,
+}
+
+/// One op's service-time histogram on a node: the same series `/metrics`
+/// exports as `kvcellar_request_duration_seconds`.
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
+pub struct OpLatency {
+    pub op: String,
+    pub count: u64,
+    pub sum_seconds: f64,
+    /// (upper bound in seconds, requests at or under it), ascending; the
+    /// +Inf bucket is `count`.
+    pub buckets: Vec<(f64, u64)>,
+}
+
+impl OpLatency {
+    /// Requests and buckets since `earlier` (a sample of the same op).
+    pub fn since(&self, earlier: Option<&OpLatency>) -> OpLatency {
+        let Some(e) = earlier else { return self.clone() };
+        OpLatency {
+            op: self.op.clone(),
+            count: self.count.saturating_sub(e.count),
+            sum_seconds: (self.sum_seconds - e.sum_seconds).max(0.0),
+            buckets: self
+                .buckets
+                .iter()
+                .enumerate()
+                .map(|(i, &(le, c))| (le, c.saturating_sub(e.buckets.get(i).map_or(0, |b| b.1))))
+                .collect(),
+        }
+    }
+
+    /// The `q` quantile (0..=1) in seconds, interpolated inside its bucket
+    /// as PromQL's `histogram_quantile` does; None without requests. Past
+    /// the last bound: the last bound.
+    pub fn quantile(&self, q: f64) -> Option<f64> {
+        if self.count == 0 {
+            return None;
+        }
+        let rank = q.clamp(0.0, 1.0) * self.count as f64;
+        let (mut lo, mut below) = (0.0, 0u64);
+        for &(le, c) in &self.buckets {
+            if c as f64 >= rank {
+                if c == below {
+                    return Some(le);
+                }
+                return Some(lo + (le - lo) * (rank - below as f64) / (c - below) as f64);
+            }
+            lo = le;
+            below = c;
+        }
+        Some(lo)
+    }
+
+    /// Reads one histogram from OpenMetrics/Prometheus text holding only it
+    /// (its `_bucket`, `_sum` and `_count` lines; other lines are skipped).
+    pub fn from_exposition(op: &str, text: &str) -> Option<OpLatency> {
+        let mut l = OpLatency { op: op.to_string(), ..OpLatency::default() };
+        for line in text.lines().filter(|l| !l.starts_with('#')) {
+            let (series, value) = line.rsplit_once(' ')?;
+            if let Some(at) = series.find("le=\"") {
+                let le = &series[at + 4..];
+                let le = &le[..le.find('"')?];
+                if le != "+Inf" {
+                    l.buckets.push((le.parse().ok()?, value.parse().ok()?));
+                }
+            } else if series.ends_with("_sum") {
+                l.sum_seconds = value.parse().ok()?;
+            } else if series.ends_with("_count") {
+                l.count = value.parse().ok()?;
+            }
+        }
+        Some(l)
+    }
 }

@@ -328,7 +328,12 @@ fn run(cli: &Cli) -> Result<u8, String> {
                 target::Cluster::Members(m) => {
                     let list = kvclient::members::parse_members(&m)?
                         .into_iter()
-                        .map(|m| kv_common::mds::MemberRecord { id: m.id, addr: m.addr.to_string(), weight: m.weight })
+                        .map(|m| kv_common::mds::MemberRecord {
+                            id: m.id,
+                            addr: m.addr.to_string(),
+                            weight: m.weight,
+                            metrics_addr: None,
+                        })
                         .collect();
                     (None, list)
                 }

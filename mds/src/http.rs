@@ -7,6 +7,7 @@
 //! | DELETE | /v1/groups/{g}/members/{id}               | deregister                    |
 //! | GET    | /v1/groups/{g}/view[?after=N&wait_ms=T]   | the view, or a long-poll      |
 //! | GET    | /healthz, /metrics                        | probes                        |
+//! | GET    | /, /api/groups                            | the dashboard and its data    |
 //!
 //! Calls under `/v1/groups/{g}/` must carry `Authorization: Bearer TOKEN`
 //! when the group has a token (`--auth-token-file`, `--group-token-file`);
@@ -126,6 +127,7 @@ pub async fn serve(
     let refusing = Arc::new(std::sync::atomic::AtomicUsize::new(0));
     let limits_cap = limits.max_conns;
     let tokens = Arc::new(limits.tokens.clone());
+    let registry = Arc::new(crate::metrics::registry(&mds));
     loop {
         let (stream, peer) = tokio::select! {
             r = listener.accept() => match r {
@@ -161,13 +163,15 @@ pub async fn serve(
         let mds = mds.clone();
         let polls = polls.clone();
         let tokens = tokens.clone();
+        let registry = registry.clone();
         tokio::spawn(async move {
             let _permit = permit;
             let svc = hyper::service::service_fn(move |req| {
                 let mds = mds.clone();
                 let polls = polls.clone();
                 let tokens = tokens.clone();
-                async move { Ok::<_, Infallible>(handle(&mds, &polls, &tokens, peer, req).await) }
+                let registry = registry.clone();
+                async move { Ok::<_, Infallible>(handle(&mds, &polls, &tokens, &registry, peer, req).await) }
             });
             let conn = hyper::server::conn::http1::Builder::new()
                 .timer(hyper_util::rt::TokioTimer::new())
@@ -234,6 +238,7 @@ async fn handle(
     mds: &Mds,
     polls: &Arc<tokio::sync::Semaphore>,
     tokens: &kv_common::auth::GroupTokens,
+    registry: &prometheus_client::registry::Registry,
     peer: std::net::SocketAddr,
     req: Request<Incoming>,
 ) -> Reply {
@@ -245,7 +250,9 @@ async fn handle(
     };
     let group = match &call {
         Call::Health => return health(mds).await,
-        Call::Metrics => return text(StatusCode::OK, metrics(mds)),
+        Call::Metrics => return metrics(mds, registry).await,
+        Call::Dashboard => return html(crate::metrics::DASHBOARD),
+        Call::Groups => return json(StatusCode::OK, &crate::metrics::overview(mds).await),
         Call::View { group, .. }
         | Call::Register { group, .. }
         | Call::Heartbeat { group, .. }
@@ -261,7 +268,9 @@ async fn handle(
         Call::Deregister { group, id, instance } => deregister(mds, group, id, instance).await,
         // Answered above; kept whole so no arm can panic.
         Call::Health => health(mds).await,
-        Call::Metrics => text(StatusCode::OK, metrics(mds)),
+        Call::Metrics => metrics(mds, registry).await,
+        Call::Dashboard => html(crate::metrics::DASHBOARD),
+        Call::Groups => json(StatusCode::OK, &crate::metrics::overview(mds).await),
     }
 }
 
@@ -270,6 +279,8 @@ async fn handle(
 pub enum Call<'a> {
     Health,
     Metrics,
+    Dashboard,
+    Groups,
     View { group: &'a str, after: Option<u64>, wait_ms: u64 },
     Register { group: &'a str, id: &'a str },
     Heartbeat { group: &'a str, id: &'a str },
@@ -291,6 +302,8 @@ pub fn parse_call<'a>(method: &str, path: &'a str, query: &'a str) -> Result<Cal
     match (method, parts.as_slice()) {
         ("GET", ["healthz"]) => Ok(Call::Health),
         ("GET", ["metrics"]) => Ok(Call::Metrics),
+        ("GET", [""]) => Ok(Call::Dashboard),
+        ("GET", ["api", "groups"]) => Ok(Call::Groups),
         (_, ["v1", "groups", g, rest @ ..]) => {
             let group: &'a str = g;
             name_ok("group", group)?;
@@ -373,9 +386,31 @@ async fn view(mds: &Mds, polls: &Arc<tokio::sync::Semaphore>, group: &str, after
                 );
             };
             let wait = Duration::from_millis(wait);
-            limited(wait, mds.wait_view(group, a, wait)).await
+            let c = &mds.reg.counters;
+            // Counted down however the wait ends (a caller that hangs up
+            // drops this future).
+            struct Waiting<'a>(&'a std::sync::atomic::AtomicU64);
+            impl Drop for Waiting<'_> {
+                fn drop(&mut self) {
+                    self.0.fetch_sub(1, Ordering::Relaxed);
+                }
+            }
+            c.long_polls_waiting.fetch_add(1, Ordering::Relaxed);
+            let waiting = Waiting(&c.long_polls_waiting);
+            let r = limited(wait, mds.wait_view(group, a, wait)).await;
+            drop(waiting);
+            if r.is_ok() {
+                c.views_long_polled.fetch_add(1, Ordering::Relaxed);
+            }
+            r
         }
-        _ => limited(Duration::ZERO, mds.reg.view(group)).await,
+        _ => {
+            let r = limited(Duration::ZERO, mds.reg.view(group)).await;
+            if r.is_ok() {
+                mds.reg.counters.views_polled.fetch_add(1, Ordering::Relaxed);
+            }
+            r
+        }
     };
     match r {
         Ok(v) => json(StatusCode::OK, &v),
@@ -402,7 +437,7 @@ async fn register(mds: &Mds, group: &str, id: &str, req: Request<Incoming>) -> R
         Ok(r) => r,
         Err(m) => return error(StatusCode::BAD_REQUEST, m),
     };
-    let rec = MemberRecord { id: id.to_string(), addr: r.addr, weight: r.weight };
+    let rec = MemberRecord { id: id.to_string(), addr: r.addr, weight: r.weight, metrics_addr: r.metrics_addr };
     match limited(Duration::ZERO, mds.reg.register(group, &rec, &r.instance)).await {
         Ok(epoch) => {
             tracing::info!(group, id, addr = %rec.addr, weight = rec.weight, epoch, "node registered");
@@ -437,31 +472,21 @@ async fn deregister(mds: &Mds, group: &str, id: &str, instance: &str) -> Reply {
     }
 }
 
-fn metrics(mds: &Mds) -> String {
-    let c = &mds.reg.counters;
-    let mut out = String::new();
-    let rows: [(&str, &str, &std::sync::atomic::AtomicU64); 11] = [
-        ("registrations_total", "Node registrations served.", &c.registrations),
-        ("heartbeats_total", "Node heartbeats served.", &c.heartbeats),
-        ("takeovers_total", "Heartbeats that took a node's lease over from another replica.", &c.takeovers),
-        ("deregistrations_total", "Graceful node leaves served.", &c.deregistrations),
-        ("epoch_bumps_total", "Epochs this replica advanced (member set changes it wrote).", &c.epoch_bumps),
-        ("etcd_errors_total", "etcd calls that failed.", &c.etcd_errors),
-        ("etcd_retries_total", "etcd calls sent again after one did not reach a member.", &c.etcd_retries),
-        ("view_reads_total", "Views read from etcd.", &c.views),
-        ("refused_connections_total", "Connections refused at the connection cap (--max-conns).", &c.refused_conns),
-        ("refused_long_polls_total", "Long-polls refused at the long-poll cap.", &c.refused_polls),
-        ("denied_requests_total", "API calls refused for a missing or wrong auth token (401).", &c.denied),
-    ];
-    for (name, help, v) in rows {
-        out.push_str(&format!(
-            "# HELP kvmds_{name} {help}\n# TYPE kvmds_{name} counter\nkvmds_{name} {}\n",
-            v.load(Ordering::Relaxed)
-        ));
+async fn metrics(mds: &Mds, registry: &prometheus_client::registry::Registry) -> Reply {
+    match crate::metrics::render(mds, registry).await {
+        Ok(body) => Response::builder()
+            .status(StatusCode::OK)
+            .header("content-type", "application/openmetrics-text; version=1.0.0; charset=utf-8")
+            .body(Full::new(Bytes::from(body)))
+            .unwrap_or_else(|_| Response::new(Full::new(Bytes::new()))),
+        Err(_) => text(StatusCode::INTERNAL_SERVER_ERROR, "encoding failed\n".into()),
     }
-    out.push_str(&format!(
-        "# HELP kvmds_etcd_up 1 while the last etcd call succeeded.\n# TYPE kvmds_etcd_up gauge\nkvmds_etcd_up {}\n",
-        u8::from(mds.reg.etcd_healthy())
-    ));
-    out
+}
+
+fn html(page: &'static str) -> Reply {
+    Response::builder()
+        .status(StatusCode::OK)
+        .header("content-type", "text/html; charset=utf-8")
+        .body(Full::new(Bytes::from_static(page.as_bytes())))
+        .unwrap_or_else(|_| Response::new(Full::new(Bytes::new())))
 }

@@ -8,6 +8,7 @@
 //! long-polls when a group's member set changes.
 
 pub mod http;
+pub mod metrics;
 pub mod registry;
 
 use std::collections::HashMap;

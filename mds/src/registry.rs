@@ -40,6 +40,8 @@ struct Stored<'a> {
     weight: u32,
     #[serde(default)]
     instance: &'a str,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    metrics_addr: Option<&'a str>,
 }
 
 /// Err when the stored record was registered by another instance than the
@@ -89,6 +91,15 @@ pub struct Counters {
     pub etcd_retries: AtomicU64,
     /// API calls refused for a missing or wrong auth token.
     pub denied: AtomicU64,
+    /// etcd leases granted (registrations and takeovers).
+    pub lease_grants: AtomicU64,
+    /// Heartbeats that found the node's lease expired in etcd.
+    pub lease_expiries: AtomicU64,
+    /// Views answered at once (`GET .../view` without a wait).
+    pub views_polled: AtomicU64,
+    /// Long-polls answered (on a change or at their deadline), and waiting now.
+    pub views_long_polled: AtomicU64,
+    pub long_polls_waiting: AtomicU64,
 }
 
 /// (group, node id).
@@ -106,6 +117,8 @@ pub struct Registry {
     node_locks: Mutex<HashMap<NodeKey, Arc<tokio::sync::Mutex<()>>>>,
     etcd_ok: AtomicBool,
     pub counters: Counters,
+    /// Time of each etcd call (its retries included).
+    pub etcd_latency: prometheus_client::metrics::histogram::Histogram,
 }
 
 fn group_prefix(group: &str) -> String {
@@ -167,16 +180,19 @@ fn parse_members(kvs: &[etcd_client::KeyValue]) -> Vec<MemberRecord> {
 macro_rules! etcd_call {
     ($self:ident, $call:expr) => {{
         let mut tries = 0;
-        loop {
+        let t0 = Instant::now();
+        let r = loop {
             let r = $call;
             match &r {
                 Err(e) if tries < 4 && unreachable_member(e) => {
                     tries += 1;
                     $self.counters.etcd_retries.fetch_add(1, Ordering::Relaxed);
                 }
-                _ => break $self.track(r),
+                _ => break r,
             }
-        }
+        };
+        $self.etcd_latency.observe(t0.elapsed().as_secs_f64());
+        $self.track(r)
     }};
 }
 
@@ -200,6 +216,9 @@ impl Registry {
             node_locks: Mutex::default(),
             etcd_ok: AtomicBool::new(true),
             counters: Counters::default(),
+            etcd_latency: prometheus_client::metrics::histogram::Histogram::new(
+                prometheus_client::metrics::histogram::exponential_buckets(0.000_25, 2.0, 16),
+            ),
         }
     }
 
@@ -225,6 +244,37 @@ impl Registry {
                 Err(RegError::Etcd { endpoints: self.endpoints.clone(), source: e })
             }
         }
+    }
+
+    /// Every group with a key in etcd (for the dashboard and the per-group
+    /// gauges), sorted.
+    pub async fn group_names(&self) -> Result<Vec<String>, RegError> {
+        let mut etcd = self.etcd.clone();
+        let opts = GetOptions::new().with_prefix().with_keys_only();
+        let got = etcd_call!(self, etcd.get(ETCD_ROOT, Some(opts.clone())).await)?;
+        let mut names: Vec<String> =
+            got.kvs().iter().filter_map(|kv| group_of_key(kv.key()).map(str::to_string)).collect();
+        names.sort();
+        names.dedup();
+        Ok(names)
+    }
+
+    /// How long ago this replica last refreshed the node's lease; None when
+    /// it does not hold it.
+    pub fn heartbeat_age(&self, group: &str, id: &str) -> Option<Duration> {
+        self.leases
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(&(group.to_string(), id.to_string()))
+            .map(|l| l.1.elapsed())
+    }
+
+    /// Runs one etcd call and records its time.
+    async fn timed<T>(&self, call: impl std::future::Future<Output = T>) -> T {
+        let t0 = Instant::now();
+        let r = call.await;
+        self.etcd_latency.observe(t0.elapsed().as_secs_f64());
+        r
     }
 
     /// One read from etcd, for `/healthz` (retried as every call is).
@@ -292,7 +342,14 @@ impl Registry {
         let _one = self.node_lock(group, &rec.id).await;
         let mut etcd = self.etcd.clone();
         let lease = etcd_call!(self, etcd.lease_grant(self.ttl_secs(), None).await)?.id();
-        let stored = Stored { id: &rec.id, addr: &rec.addr, weight: rec.weight, instance };
+        self.counters.lease_grants.fetch_add(1, Ordering::Relaxed);
+        let stored = Stored {
+            id: &rec.id,
+            addr: &rec.addr,
+            weight: rec.weight,
+            instance,
+            metrics_addr: rec.metrics_addr.as_deref(),
+        };
         let value = serde_json::to_vec(&stored).unwrap_or_default();
         etcd_call!(
             self,
@@ -326,6 +383,7 @@ impl Registry {
                     self.set_lease(group, id, Some(lease));
                     return Ok(false);
                 }
+                self.counters.lease_expiries.fetch_add(1, Ordering::Relaxed);
             }
             self.set_lease(group, id, None);
         }
@@ -338,10 +396,11 @@ impl Registry {
         };
         check_instance(group, id, kv.value(), instance)?;
         let lease = etcd_call!(self, etcd.lease_grant(self.ttl_secs(), None).await)?.id();
+        self.counters.lease_grants.fetch_add(1, Ordering::Relaxed);
         let txn = Txn::new()
             .when([Compare::mod_revision(key.clone(), CompareOp::Equal, kv.mod_revision())])
             .and_then([TxnOp::put(key, kv.value().to_vec(), Some(PutOptions::new().with_lease(lease)))]);
-        let done = self.track(etcd.txn(txn).await)?;
+        let done = self.track(self.timed(etcd.txn(txn)).await)?;
         if !done.succeeded() {
             let _ = etcd.lease_revoke(lease).await;
             return Err(RegError::Conflict(format!("node {id}'s record changed during the heartbeat: retry")));
@@ -357,7 +416,7 @@ impl Registry {
         let mut etcd = self.etcd.clone();
         // Opening the keep-alive stream sends one keep-alive and reads its
         // answer: that is the whole round trip.
-        let answer = tokio::time::timeout(Duration::from_secs(5), etcd.lease_keep_alive(lease)).await;
+        let answer = tokio::time::timeout(Duration::from_secs(5), self.timed(etcd.lease_keep_alive(lease))).await;
         match answer {
             Ok(Ok(_)) => self.track(Ok(true)),
             // etcd answers an unknown lease (expired, or etcd's state lost)
@@ -384,7 +443,7 @@ impl Registry {
             let txn = Txn::new()
                 .when([Compare::mod_revision(key.clone(), CompareOp::Equal, kv.mod_revision())])
                 .and_then([TxnOp::delete(key, None)]);
-            if !self.track(etcd.txn(txn).await)?.succeeded() {
+            if !self.track(self.timed(etcd.txn(txn)).await)?.succeeded() {
                 return Err(RegError::Conflict(format!("node {id}'s record changed during the leave: retry")));
             }
         }
@@ -419,7 +478,7 @@ impl Registry {
                 TxnOp::put(ekey.clone(), want.clone(), None),
                 TxnOp::get(members_prefix(group), Some(GetOptions::new().with_prefix())),
             ]);
-            let done = self.track(etcd.txn(txn).await)?;
+            let done = self.track(self.timed(etcd.txn(txn)).await)?;
             if !done.succeeded() {
                 continue; // another replica moved the epoch: read again
             }
@@ -449,7 +508,7 @@ mod tests {
     use super::*;
 
     fn m(id: &str, addr: &str, w: u32) -> MemberRecord {
-        MemberRecord { id: id.into(), addr: addr.into(), weight: w }
+        MemberRecord { id: id.into(), addr: addr.into(), weight: w, metrics_addr: None }
     }
 
     #[test]

@@ -109,6 +109,10 @@ pub struct MembershipConfig {
     /// `host:port`; port 0 is replaced by the port actually listened on.
     pub advertise: String,
     pub weight: u32,
+    /// The metrics address registered with the group (set at start from
+    /// `--metrics-listen`: its port on the advertised host when it listens
+    /// on every address).
+    pub metrics_addr: Option<String>,
 }
 
 /// Everything resolved and checked.
@@ -271,7 +275,7 @@ fn membership(
     if !(1..=kv_common::ring::MAX_WEIGHT).contains(&weight) {
         return Err(format!("--weight: {weight} is outside 1..={}", kv_common::ring::MAX_WEIGHT));
     }
-    Ok(Some(MembershipConfig { endpoints, group, id, advertise, weight }))
+    Ok(Some(MembershipConfig { endpoints, group, id, advertise, weight, metrics_addr: None }))
 }
 
 fn load_file(p: &Path) -> Result<FileConfig, String> {

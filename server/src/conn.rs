@@ -52,6 +52,8 @@ enum Body {
 
 struct Response {
     header: [u8; FRAME_HEADER_LEN],
+    /// The wire status in `header` (for the request counters).
+    status: u8,
     body: Body,
     /// The share of `--max-inflight` this response's body holds until written.
     budget: Option<OwnedSemaphorePermit>,
@@ -64,7 +66,14 @@ fn respond(req: &ReqHeader, status: Status, flags: u16, body: Body) -> Response 
         Body::Record(r) => r.len(),
     };
     let h = RspHeader { status, op: req.op as u8, flags, body_len: len as u32, req_id: req.req_id };
-    Response { header: h.encode(), body, budget: None }
+    Response { header: h.encode(), status: status.to_wire(), body, budget: None }
+}
+
+/// Counts an answered request and its service time (from `t0`, when the
+/// whole request was in hand).
+fn counted(shared: &Shared, op: Op, t0: Instant, r: Response) -> Response {
+    shared.ops.record(op, r.status, t0.elapsed());
+    r
 }
 
 fn error_response(req: &ReqHeader, status: Status, msg: &str) -> Response {
@@ -411,13 +420,14 @@ async fn read_request(
         }
         body
     };
+    let t0 = Instant::now();
     let shared = shared.clone();
     let tx = tx.clone();
     match req.op {
         Op::Get => {
             tokio::spawn(async move {
                 let r = handle_get(&shared, &req, &body).await;
-                let _ = tx.send(r).await;
+                let _ = tx.send(counted(&shared, req.op, t0, r)).await;
                 drop(permit);
             });
         }
@@ -437,13 +447,13 @@ async fn read_request(
                     }
                     Err(e) => error_response(&req, Status::BadRequest, &e.to_string()),
                 };
-                let _ = tx.send(r).await;
+                let _ = tx.send(counted(&shared, req.op, t0, r)).await;
                 drop(permit);
             });
         }
         _ => match handle_small(&shared, &req, &body) {
             Some(r) => {
-                let _ = tx.send(r).await;
+                let _ = tx.send(counted(&shared, req.op, t0, r)).await;
                 drop(permit);
             }
             None => {
@@ -459,7 +469,7 @@ async fn read_request(
                             .await
                             .unwrap_or_else(|_| error_response(&req, Status::Internal, "internal error"))
                     };
-                    let _ = tx.send(r).await;
+                    let _ = tx.send(counted(&shared, req.op, t0, r)).await;
                     drop(permit);
                 });
             }
@@ -495,7 +505,8 @@ async fn read_put(
             read_exact_by(rd, &mut sink[..k], deadline).await?;
             rest -= k as u64;
         }
-        let _ = tx.send(error_response(&req, Status::BadRequest, &format!("invalid record: {msg}"))).await;
+        let r = error_response(&req, Status::BadRequest, &format!("invalid record: {msg}"));
+        let _ = tx.send(counted(shared, req.op, Instant::now(), r)).await;
         return Ok(());
     }
     let units = (len as u64).div_ceil(4096).max(1) as u32;
@@ -507,6 +518,7 @@ async fn read_put(
     buf.full_mut()[..HEADER_LEN].copy_from_slice(&head);
     read_exact_by(rd, &mut buf.full_mut()[HEADER_LEN..len], deadline).await?;
     buf.set_len(len);
+    let t0 = Instant::now();
     let shared = shared.clone();
     let tx = tx.clone();
     tokio::spawn(async move {
@@ -525,7 +537,7 @@ async fn read_put(
                 error_response(&req, Status::Internal, "internal error")
             }
         };
-        let _ = tx.send(r).await;
+        let _ = tx.send(counted(&shared, req.op, t0, r)).await;
         drop(permit);
     });
     Ok(())

@@ -56,6 +56,15 @@ fn run(cfg: ServerConfig) -> Result<(), String> {
         );
     }
     let mut shared = Shared::new(Arc::new(store), cfg.max_record, cfg.max_inflight);
+    shared.recovery = kv_server::server::Recovery {
+        records: reports.iter().map(|r| r.records).sum(),
+        reclaimed: reports.iter().map(|r| r.reclaimed).sum(),
+        seconds: started.elapsed().as_secs_f64(),
+    };
+    if let Some(m) = &cfg.membership {
+        shared.node_id = Some(m.id.clone());
+        shared.group = Some(m.group.clone());
+    }
     shared.idle_timeout = cfg.idle_timeout;
     shared.token = cfg.auth_token.clone();
     if let Some(w) = cfg.auth_token_file.as_deref().and_then(kv_common::auth::loose_permissions) {
@@ -65,19 +74,24 @@ fn run(cfg: ServerConfig) -> Result<(), String> {
     let addr = listener.local_addr().map_err(|e| e.to_string())?;
     let (tx, rx) = tokio::sync::watch::channel(false);
     rt.block_on(async move {
+        let mut metrics_addr = None;
         if let Some(m) = metrics {
-            if let Ok(a) = m.local_addr() {
+            metrics_addr = m.local_addr().ok();
+            if let Some(a) = metrics_addr {
                 tracing::info!(addr = %a, "metrics listening");
             }
-            tokio::spawn(kv_server::metrics::serve(m, shared.clone(), rx.clone()));
+            let labels = kv_server::metrics::const_labels(shared.node_id.as_deref(), shared.group.as_deref());
+            let registry = kv_server::metrics::registry(&shared, labels);
+            tokio::spawn(kv_server::metrics::serve(m, shared.clone(), registry, rx.clone()));
         }
         // Join the group only now: the node can serve what clients send.
         let membership = match cfg.membership.clone() {
-            Some(m) => {
+            Some(mut m) => {
                 let advertise = match m.advertise.rsplit_once(':') {
                     Some((host, "0")) => format!("{host}:{}", addr.port()),
                     _ => m.advertise.clone(),
                 };
+                m.metrics_addr = metrics_addr.map(|a| kv_server::metrics::advertised(a, &advertise));
                 Some(
                     kv_server::membership::Membership::start(m, advertise, cfg.auth_token.clone())
                         .map_err(|e| format!("cannot start the membership thread: {e}"))?,

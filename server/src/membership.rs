@@ -82,7 +82,12 @@ fn instance_token() -> String {
 
 fn run(cfg: MembershipConfig, addr: String, mut mds: MdsClient, stop: &(Mutex<bool>, Condvar)) {
     let instance = instance_token();
-    let req = RegisterRequest { addr: addr.clone(), weight: cfg.weight, instance: instance.clone() };
+    let req = RegisterRequest {
+        addr: addr.clone(),
+        weight: cfg.weight,
+        instance: instance.clone(),
+        metrics_addr: cfg.metrics_addr.clone(),
+    };
     let (group, id) = (cfg.group.as_str(), cfg.id.as_str());
     let mut ttl: Option<Duration> = None;
     let mut backoff = Duration::from_millis(100);

@@ -1,144 +1,559 @@
-//! `/metrics` (Prometheus text) and `/healthz` on `--metrics-listen`: a tiny
-//! HTTP/1.1 responder, one request per connection, so the node needs no
-//! HTTP framework.
+//! The node's HTTP endpoint on `--metrics-listen`, served by hyper:
+//! `GET /metrics` (OpenMetrics text from prometheus-client), `GET /healthz`,
+//! `GET /` (the dashboard, one self-contained page) and `GET /api/stats`
+//! (the page's data: the STATS record as JSON).
+//!
+//! Request counters and service-time histograms are live prometheus-client
+//! metrics updated by the connection tasks ([`OpMetrics`]); everything the
+//! store already counts (hits, bytes, disks, ...) is read at scrape time by
+//! a [`Collector`] from one [`NodeStats`] record, so the exposition and the
+//! STATS op never disagree.
 
-use std::fmt::Write as _;
-use std::sync::Arc;
+use std::collections::VecDeque;
+use std::convert::Infallible;
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
-use kv_common::stats::NodeStats;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use http_body_util::Full;
+use hyper::body::{Bytes, Incoming};
+use hyper::{Request, Response, StatusCode};
+use kv_common::stats::{NodeStats, OpLatency};
+use kv_common::status::Status;
+use kv_common::wire::Op;
+use prometheus_client::collector::Collector;
+use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric};
+use prometheus_client::metrics::counter::{ConstCounter, Counter};
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::ConstGauge;
+use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
+use prometheus_client::metrics::MetricType;
+use prometheus_client::registry::Registry;
 use tokio::net::TcpListener;
 use tokio::sync::watch;
 
 use crate::server::Shared;
 
-/// Renders node statistics in the Prometheus text format.
-pub fn render(s: &NodeStats) -> String {
-    let mut o = String::new();
-    let mut metric = |name: &str, kind: &str, help: &str, v: u64| {
-        let _ = writeln!(o, "# HELP kvcellar_{name} {help}\n# TYPE kvcellar_{name} {kind}\nkvcellar_{name} {v}");
-    };
-    metric("uptime_seconds", "gauge", "Seconds since the node started.", s.uptime_secs);
-    metric("used_bytes", "gauge", "Bytes of records on disk.", s.used_bytes);
-    metric("capacity_bytes", "gauge", "Byte cap over all disks.", s.capacity_bytes);
-    metric("objects", "gauge", "Records stored.", s.objects);
-    metric("hits_total", "counter", "Gets served.", s.hits);
-    metric("misses_total", "counter", "Gets not found.", s.misses);
-    metric("mismatches_total", "counter", "Gets refused for another geometry.", s.mismatches);
-    metric("puts_total", "counter", "Records stored by put.", s.puts);
-    metric("put_duplicates_total", "counter", "Puts of keys already stored.", s.put_duplicates);
-    metric("put_rejected_total", "counter", "Puts refused (full, too large, no disk).", s.put_rejected);
-    metric("read_bytes_total", "counter", "Record bytes served.", s.bytes_read);
-    metric("written_bytes_total", "counter", "Record bytes stored.", s.bytes_written);
-    metric("evictions_total", "counter", "Records evicted under the cap.", s.evictions);
-    metric("failed_disks", "gauge", "Disks out of service.", s.failed_disks);
-    metric("corrupt_dropped_total", "counter", "Damaged records found and dropped.", s.corrupt_dropped);
-    metric("unverified_records", "gauge", "Records recovered after a crash awaiting a payload check.", s.unverified);
-    metric("mem_used_bytes", "gauge", "Bytes held by the memory tier.", s.mem_used_bytes);
-    metric("mem_capacity_bytes", "gauge", "Byte cap of the memory tier (0: off).", s.mem_capacity_bytes);
-    metric("mem_hits_total", "counter", "Gets served from the memory tier.", s.mem_hits);
-    metric("connections", "gauge", "Client connections open.", s.connections);
-    metric(
-        "denied_connections_total",
-        "counter",
-        "Connections refused at the hello for a missing or wrong auth token.",
-        s.denied_connections,
-    );
-    metric(
-        "refused_connections_total",
-        "counter",
-        "Connections refused at the connection cap (--max-conns).",
-        s.refused_connections,
-    );
-    metric(
-        "v1_connections_total",
-        "counter",
-        "Connections accepted in protocol v1 (clients of the previous release).",
-        s.v1_connections,
-    );
-    type PerDisk = (&'static str, &'static str, &'static str, fn(&kv_common::stats::DiskStats) -> u64);
-    let per_disk: [PerDisk; 5] = [
-        ("disk_used_bytes", "gauge", "Bytes of records per disk.", |d| d.used_bytes),
-        ("disk_capacity_bytes", "gauge", "Byte cap per disk.", |d| d.capacity_bytes),
-        ("disk_objects", "gauge", "Records per disk.", |d| d.objects),
-        ("disk_evictions_total", "counter", "Evictions per disk.", |d| d.evictions),
-        ("disk_failed", "gauge", "1 when a disk is out of service.", |d| u64::from(d.failed)),
-    ];
-    for (name, kind, help, get) in per_disk {
-        let _ = writeln!(o, "# HELP kvcellar_{name} {help}\n# TYPE kvcellar_{name} {kind}");
-        for d in &s.disks {
-            let _ = writeln!(
-                o,
-                "kvcellar_{name}{{disk=\"{}\",dir=\"{}\"}} {}",
-                d.id,
-                d.dir.replace('\\', "\\\\").replace('"', "\\\""),
-                get(d)
-            );
-        }
-    }
-    o
+/// The ops a node serves, in wire order (index = op number - 1).
+const OPS: [(Op, &str); 7] = [
+    (Op::Put, "put"),
+    (Op::Get, "get"),
+    (Op::Exist, "exist"),
+    (Op::BatchExist, "batch_exist"),
+    (Op::Delete, "delete"),
+    (Op::Stats, "stats"),
+    (Op::Ping, "ping"),
+];
+
+/// Wire statuses 0..=9 (kv_common::status).
+const WIRE_STATUSES: u8 = 10;
+
+type Labels = Vec<(&'static str, &'static str)>;
+
+/// Histogram bounds of service time: 8 µs to 8.4 s, doubling (21 buckets
+/// and +Inf): a memory-tier get lands in the first few, a 4 MiB put with
+/// its flush in the middle, a stalled disk at the top.
+fn latency_buckets() -> impl Iterator<Item = f64> {
+    exponential_buckets(8e-6, 2.0, 21)
 }
 
-pub async fn serve(listener: TcpListener, shared: Arc<Shared>, mut shutdown: watch::Receiver<bool>) {
+/// Per-op request counters (by wire status) and service-time histograms.
+/// Each series is made at its first use (the main ops' `ok` counters and
+/// histograms at start, so dashboards have them from the first scrape);
+/// recording is then an atomic add and, for the histogram, one uncontended
+/// lock (cost measured in docs/BENCHMARKS.md).
+pub struct OpMetrics {
+    requests: Family<Labels, Counter>,
+    latency: Family<Labels, Histogram, fn() -> Histogram>,
+    counters: [[OnceLock<Counter>; WIRE_STATUSES as usize]; OPS.len()],
+    hists: [OnceLock<Histogram>; OPS.len()],
+    /// False turns the histograms off (`KVCELLAR_LATENCY_HISTOGRAMS=0`; for
+    /// measuring their cost).
+    histograms: bool,
+}
+
+impl Default for OpMetrics {
+    fn default() -> Self {
+        OpMetrics::new(std::env::var("KVCELLAR_LATENCY_HISTOGRAMS").map_or(true, |v| v != "0"))
+    }
+}
+
+impl OpMetrics {
+    pub fn new(histograms: bool) -> OpMetrics {
+        let m = OpMetrics {
+            requests: Family::default(),
+            latency: Family::new_with_constructor(|| Histogram::new(latency_buckets())),
+            counters: std::array::from_fn(|_| std::array::from_fn(|_| OnceLock::new())),
+            hists: std::array::from_fn(|_| OnceLock::new()),
+            histograms,
+        };
+        for i in 0..5 {
+            m.counter(i, Status::Ok.to_wire());
+            if histograms {
+                m.hist(i);
+            }
+        }
+        m
+    }
+
+    fn counter(&self, i: usize, status: u8) -> &Counter {
+        self.counters[i][status as usize].get_or_init(|| {
+            self.requests.get_or_create(&vec![("op", OPS[i].1), ("status", Status::from_wire(status).name())]).clone()
+        })
+    }
+
+    fn hist(&self, i: usize) -> &Histogram {
+        self.hists[i].get_or_init(|| self.latency.get_or_create(&vec![("op", OPS[i].1)]).clone())
+    }
+
+    /// Counts one answered request and its service time (from the whole
+    /// request in hand to its answer queued for writing).
+    pub fn record(&self, op: Op, status: u8, took: Duration) {
+        let i = (op as usize).wrapping_sub(1);
+        if i >= OPS.len() || status >= WIRE_STATUSES {
+            return;
+        }
+        self.counter(i, status).inc();
+        if self.histograms {
+            self.hist(i).observe(took.as_secs_f64());
+        }
+    }
+
+    /// Every op's histogram as [`OpLatency`] records (the same series
+    /// `/metrics` exports), for STATS, the dashboard and `kvctl top`.
+    /// Ops never asked are left out.
+    pub fn latencies(&self) -> Vec<OpLatency> {
+        OPS.iter()
+            .zip(&self.hists)
+            .filter_map(|(&(_, op), hist)| {
+                let hist = hist.get()?;
+                // prometheus-client keeps its buckets private: read them
+                // back from its own exposition of this one histogram.
+                let mut reg = Registry::default();
+                reg.register("h", "", hist.clone());
+                let mut text = String::new();
+                prometheus_client::encoding::text::encode_registry(&mut text, &reg).ok()?;
+                OpLatency::from_exposition(op, &text).filter(|l| l.count > 0)
+            })
+            .collect()
+    }
+}
+
+/// The metrics address to register with the group: `listen` itself, or its
+/// port on the advertised host when it listens on every address.
+pub fn advertised(listen: std::net::SocketAddr, advertise: &str) -> String {
+    if listen.ip().is_unspecified() {
+        let host = advertise.rsplit_once(':').map_or(advertise, |(h, _)| h);
+        format!("{host}:{}", listen.port())
+    } else {
+        listen.to_string()
+    }
+}
+
+/// Labels every series of this node carries: `node` and `group` when the
+/// node joined a group.
+pub fn const_labels(node: Option<&str>, group: Option<&str>) -> Vec<(String, String)> {
+    let mut l = Vec::new();
+    if let Some(n) = node {
+        l.push(("node".to_string(), n.to_string()));
+    }
+    if let Some(g) = group {
+        l.push(("group".to_string(), g.to_string()));
+    }
+    l
+}
+
+/// Builds the node's registry: the live per-op metrics and the collector
+/// that reads the store's counters at each scrape.
+pub fn registry(shared: &Arc<Shared>, labels: Vec<(String, String)>) -> Registry {
+    let labels = labels.into_iter().map(|(k, v)| (k.into(), v.into()));
+    let mut r = Registry::with_prefix_and_labels("kvcellar", labels);
+    r.register("requests", "Requests answered, by op and wire status", shared.ops.requests.clone());
+    r.register(
+        "request_duration_seconds",
+        "Service time of a request on the node: from the whole request in hand to its answer queued for writing",
+        shared.ops.latency.clone(),
+    );
+    r.register_collector(Box::new(StatsCollector { shared: shared.clone() }));
+    r
+}
+
+struct StatsCollector {
+    shared: Arc<Shared>,
+}
+
+impl std::fmt::Debug for StatsCollector {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("StatsCollector")
+    }
+}
+
+fn gauge(e: &mut DescriptorEncoder<'_>, name: &str, help: &str, v: u64) -> Result<(), std::fmt::Error> {
+    ConstGauge::new(v).encode(e.encode_descriptor(name, help, None, MetricType::Gauge)?)
+}
+
+fn counter(e: &mut DescriptorEncoder<'_>, name: &str, help: &str, v: u64) -> Result<(), std::fmt::Error> {
+    ConstCounter::new(v).encode(e.encode_descriptor(name, help, None, MetricType::Counter)?)
+}
+
+/// One metric with a series per label set.
+fn family<L: prometheus_client::encoding::EncodeLabelSet, M: EncodeMetric>(
+    e: &mut DescriptorEncoder<'_>,
+    name: &str,
+    help: &str,
+    kind: MetricType,
+    series: impl IntoIterator<Item = (L, M)>,
+) -> Result<(), std::fmt::Error> {
+    let mut m = e.encode_descriptor(name, help, None, kind)?;
+    for (labels, v) in series {
+        v.encode(m.encode_family(&labels)?)?;
+    }
+    Ok(())
+}
+
+impl Collector for StatsCollector {
+    fn encode(&self, mut e: DescriptorEncoder<'_>) -> Result<(), std::fmt::Error> {
+        let s = self.shared.stats();
+        let rec = self.shared.recovery;
+        family(
+            &mut e,
+            "build_info",
+            "Build of this node (value 1): version and the transports it was built with",
+            MetricType::Gauge,
+            [([("version", env!("CARGO_PKG_VERSION")), ("transport", "tcp")], ConstGauge::new(1u64))],
+        )?;
+        gauge(&mut e, "uptime_seconds", "Seconds since the node started", s.uptime_secs)?;
+        let disk_hits = s.hits.saturating_sub(s.mem_hits);
+        family(
+            &mut e,
+            "hits",
+            "Gets served, by tier (memory, disk)",
+            MetricType::Counter,
+            [([("tier", "memory")], ConstCounter::new(s.mem_hits)), ([("tier", "disk")], ConstCounter::new(disk_hits))],
+        )?;
+        family(
+            &mut e,
+            "misses",
+            "Gets not served, by reason: absent (not stored), mismatch (stored with another geometry), corrupt (found damaged and dropped)",
+            MetricType::Counter,
+            [
+                ([("reason", "absent")], ConstCounter::new(s.misses.saturating_sub(s.misses_corrupt))),
+                ([("reason", "mismatch")], ConstCounter::new(s.mismatches)),
+                ([("reason", "corrupt")], ConstCounter::new(s.misses_corrupt)),
+            ],
+        )?;
+        counter(&mut e, "puts", "Records stored by put", s.puts)?;
+        counter(
+            &mut e,
+            "put_duplicates",
+            "Puts of keys already stored (answered ok, nothing written)",
+            s.put_duplicates,
+        )?;
+        counter(
+            &mut e,
+            "put_rejected",
+            "Puts refused: disk full, record too large, no disk in service",
+            s.put_rejected,
+        )?;
+        counter(&mut e, "read_bytes", "Record bytes served (bytes out)", s.bytes_read)?;
+        counter(&mut e, "written_bytes", "Record bytes stored (bytes in)", s.bytes_written)?;
+        counter(&mut e, "evictions", "Records evicted under the byte cap", s.evictions)?;
+        counter(
+            &mut e,
+            "corrupt_dropped",
+            "Damaged records found (on a read or by the scrub) and dropped",
+            s.corrupt_dropped,
+        )?;
+        gauge(&mut e, "objects", "Records stored on disk", s.objects)?;
+        family(
+            &mut e,
+            "tier_used_bytes",
+            "Bytes held, by tier",
+            MetricType::Gauge,
+            [
+                ([("tier", "memory")], ConstGauge::new(s.mem_used_bytes)),
+                ([("tier", "disk")], ConstGauge::new(s.used_bytes)),
+            ],
+        )?;
+        family(
+            &mut e,
+            "tier_capacity_bytes",
+            "Byte cap, by tier (memory 0: the tier is off)",
+            MetricType::Gauge,
+            [
+                ([("tier", "memory")], ConstGauge::new(s.mem_capacity_bytes)),
+                ([("tier", "disk")], ConstGauge::new(s.capacity_bytes)),
+            ],
+        )?;
+        let per_disk = |f: fn(&kv_common::stats::DiskStats) -> u64| {
+            s.disks.iter().map(move |d| ([("disk", d.id.clone()), ("dir", d.dir.clone())], ConstGauge::new(f(d))))
+        };
+        family(&mut e, "disk_used_bytes", "Bytes of records, per disk", MetricType::Gauge, per_disk(|d| d.used_bytes))?;
+        family(&mut e, "disk_capacity_bytes", "Byte cap, per disk", MetricType::Gauge, per_disk(|d| d.capacity_bytes))?;
+        family(&mut e, "disk_objects", "Records, per disk", MetricType::Gauge, per_disk(|d| d.objects))?;
+        family(
+            &mut e,
+            "disk_failed",
+            "1 while a disk is out of service",
+            MetricType::Gauge,
+            per_disk(|d| u64::from(d.failed)),
+        )?;
+        family(
+            &mut e,
+            "disk_evictions",
+            "Evictions, per disk",
+            MetricType::Counter,
+            s.disks.iter().map(|d| ([("disk", d.id.clone()), ("dir", d.dir.clone())], ConstCounter::new(d.evictions))),
+        )?;
+        gauge(&mut e, "failed_disks", "Disks out of service", s.failed_disks)?;
+        gauge(
+            &mut e,
+            "unverified_records",
+            "Records recovered after a crash whose payload awaits its check",
+            s.unverified,
+        )?;
+        gauge(&mut e, "connections", "Client connections open", s.connections)?;
+        counter(
+            &mut e,
+            "denied_connections",
+            "Connections refused at the hello for a missing or wrong auth token",
+            s.denied_connections,
+        )?;
+        counter(
+            &mut e,
+            "refused_connections",
+            "Connections refused at the connection cap (--max-conns)",
+            s.refused_connections,
+        )?;
+        counter(
+            &mut e,
+            "v1_connections",
+            "Connections accepted in protocol v1 (clients of the previous release)",
+            s.v1_connections,
+        )?;
+        gauge(&mut e, "recovery_records", "Records recovered from the disks' journals at start", rec.records)?;
+        gauge(
+            &mut e,
+            "recovery_reclaimed_records",
+            "Records dropped by recovery at start (damaged or overlapping)",
+            rec.reclaimed,
+        )?;
+        ConstGauge::new(rec.seconds).encode(e.encode_descriptor(
+            "recovery_seconds",
+            "Time the disks took to open and recover at start",
+            None,
+            MetricType::Gauge,
+        )?)?;
+        Ok(())
+    }
+}
+
+type Reply = Response<Full<Bytes>>;
+
+fn reply(code: StatusCode, ctype: &'static str, body: impl Into<Bytes>) -> Reply {
+    let mut r = Response::new(Full::new(body.into()));
+    *r.status_mut() = code;
+    r.headers_mut().insert(hyper::header::CONTENT_TYPE, hyper::header::HeaderValue::from_static(ctype));
+    r.headers_mut().insert(hyper::header::CACHE_CONTROL, hyper::header::HeaderValue::from_static("no-store"));
+    // The MDS dashboard (another origin) reads /api/stats and /healthz;
+    // nothing here needs the token (DESIGN: the metrics port stays inside).
+    r.headers_mut().insert(hyper::header::ACCESS_CONTROL_ALLOW_ORIGIN, hyper::header::HeaderValue::from_static("*"));
+    r
+}
+
+/// Why the node is not serving, if it is not: every disk out of service.
+pub fn unhealthy(s: &NodeStats) -> Option<&'static str> {
+    (s.failed_disks as usize == s.disks.len()).then_some("no disk in service")
+}
+
+const OPENMETRICS: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
+
+async fn handle(
+    req: Request<Incoming>,
+    shared: Arc<Shared>,
+    registry: Arc<Registry>,
+    history: Arc<Mutex<History>>,
+) -> Result<Reply, Infallible> {
+    if req.method() != hyper::Method::GET && req.method() != hyper::Method::HEAD {
+        return Ok(reply(StatusCode::METHOD_NOT_ALLOWED, "text/plain", "only GET\n"));
+    }
+    let path = req.uri().path().to_string();
+    // Gathering stats takes each disk's index lock: off the reactor.
+    let r = match path.as_str() {
+        "/metrics" => tokio::task::spawn_blocking(move || {
+            let mut text = String::with_capacity(16 << 10);
+            match prometheus_client::encoding::text::encode(&mut text, &registry) {
+                Ok(()) => reply(StatusCode::OK, OPENMETRICS, text),
+                Err(_) => reply(StatusCode::INTERNAL_SERVER_ERROR, "text/plain", "encoding failed\n"),
+            }
+        })
+        .await
+        .ok(),
+        "/healthz" => tokio::task::spawn_blocking(move || match unhealthy(&shared.stats()) {
+            Some(why) => reply(StatusCode::SERVICE_UNAVAILABLE, "text/plain", format!("{why}\n")),
+            None => reply(StatusCode::OK, "text/plain", "ok\n"),
+        })
+        .await
+        .ok(),
+        "/api/stats" => tokio::task::spawn_blocking(move || {
+            let body = serde_json::to_vec(&shared.stats()).unwrap_or_default();
+            reply(StatusCode::OK, "application/json", body)
+        })
+        .await
+        .ok(),
+        "/api/history" => {
+            let body = serde_json::to_vec(&*history.lock().unwrap_or_else(|e| e.into_inner())).unwrap_or_default();
+            Some(reply(StatusCode::OK, "application/json", body))
+        }
+        "/" => Some(reply(StatusCode::OK, "text/html; charset=utf-8", DASHBOARD)),
+        _ => Some(reply(StatusCode::NOT_FOUND, "text/plain", "not found\n")),
+    };
+    Ok(r.unwrap_or_else(|| reply(StatusCode::INTERNAL_SERVER_ERROR, "text/plain", "stats unavailable\n")))
+}
+
+/// The node's dashboard: one page, no external resources.
+pub const DASHBOARD: &str = include_str!("dashboard.html");
+
+/// Serves the metrics endpoint until shutdown. Connections are HTTP/1.1
+/// (keep-alive allowed), with a header read timeout.
+pub async fn serve(
+    listener: TcpListener,
+    shared: Arc<Shared>,
+    registry: Registry,
+    mut shutdown: watch::Receiver<bool>,
+) {
+    let registry = Arc::new(registry);
+    let history = Arc::new(Mutex::new(History::default()));
+    tokio::spawn(sampler(shared.clone(), history.clone(), shutdown.clone()));
     loop {
-        let (mut s, _) = tokio::select! {
+        let (stream, _) = tokio::select! {
             _ = crate::server::stopped(&mut shutdown) => return,
             a = listener.accept() => match a {
                 Ok(a) => a,
                 Err(_) => { tokio::time::sleep(Duration::from_millis(50)).await; continue; }
             },
         };
-        let shared = shared.clone();
+        let (shared, registry, history) = (shared.clone(), registry.clone(), history.clone());
+        let mut stop = shutdown.clone();
         tokio::spawn(async move {
-            let mut req = Vec::with_capacity(512);
-            let mut chunk = [0u8; 512];
-            let read = tokio::time::timeout(Duration::from_secs(5), async {
-                while !req.windows(4).any(|w| w == b"\r\n\r\n") && req.len() < 8192 {
-                    let n = s.read(&mut chunk).await?;
-                    if n == 0 {
-                        break;
-                    }
-                    req.extend_from_slice(&chunk[..n]);
-                }
-                Ok::<_, std::io::Error>(())
-            })
-            .await;
-            if !matches!(read, Ok(Ok(()))) {
-                return;
+            let svc =
+                hyper::service::service_fn(move |req| handle(req, shared.clone(), registry.clone(), history.clone()));
+            let conn = hyper::server::conn::http1::Builder::new()
+                .timer(hyper_util::rt::TokioTimer::new())
+                .header_read_timeout(Duration::from_secs(10))
+                .serve_connection(hyper_util::rt::TokioIo::new(stream), svc);
+            tokio::pin!(conn);
+            tokio::select! {
+                _ = conn.as_mut() => {}
+                _ = crate::server::stopped(&mut stop) => conn.as_mut().graceful_shutdown(),
             }
-            let line = String::from_utf8_lossy(req.split(|&b| b == b'\r').next().unwrap_or(&[])).to_string();
-            let path = line.split_whitespace().nth(1).unwrap_or("");
-            let path = path.split('?').next().unwrap_or("");
-            // Gathering stats takes each disk's index lock: off the reactor.
-            let stats = match path {
-                "/metrics" | "/healthz" => {
-                    let sh = shared.clone();
-                    tokio::task::spawn_blocking(move || sh.stats()).await.ok()
-                }
-                _ => None,
-            };
-            let (code, ctype, body) = match (path, stats) {
-                ("/metrics", Some(st)) => ("200 OK", "text/plain; version=0.0.4", render(&st)),
-                ("/healthz", Some(st)) => {
-                    if st.failed_disks as usize == st.disks.len() {
-                        ("503 Service Unavailable", "text/plain", "no disk in service\n".to_string())
-                    } else {
-                        ("200 OK", "text/plain", "ok\n".to_string())
-                    }
-                }
-                ("/metrics" | "/healthz", None) => {
-                    ("500 Internal Server Error", "text/plain", "stats unavailable\n".to_string())
-                }
-                _ => ("404 Not Found", "text/plain", "not found\n".to_string()),
-            };
-            let head = format!(
-                "HTTP/1.1 {code}\r\nContent-Type: {ctype}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
-                body.len()
-            );
-            let _ = s.write_all(head.as_bytes()).await;
-            let _ = s.write_all(body.as_bytes()).await;
-            let _ = s.shutdown().await;
         });
+    }
+}
+
+/// How often the dashboard's history takes a sample, and how many it keeps
+/// (5 minutes).
+pub const SAMPLE_EVERY: Duration = Duration::from_secs(2);
+pub const SAMPLES_KEPT: usize = 150;
+
+/// One point of the dashboard's charts: rates over the interval before it.
+#[derive(Debug, Clone, Default, serde::Serialize)]
+pub struct Sample {
+    /// Seconds since the Unix epoch at the end of the interval.
+    pub t: f64,
+    /// Gets answered per second (hits, misses and mismatches).
+    pub gets: f64,
+    /// Share of those gets served, in all and by tier (None without gets).
+    pub hit: Option<f64>,
+    pub memory_hit: Option<f64>,
+    pub disk_hit: Option<f64>,
+    pub read_bytes: f64,
+    pub written_bytes: f64,
+    pub puts: f64,
+    pub evictions: f64,
+    pub connections: u64,
+    pub ops: Vec<OpRate>,
+}
+
+/// One op over a sample's interval.
+#[derive(Debug, Clone, Default, serde::Serialize)]
+pub struct OpRate {
+    pub op: String,
+    pub rps: f64,
+    pub p50: Option<f64>,
+    pub p99: Option<f64>,
+    pub mean: Option<f64>,
+}
+
+/// The last [`SAMPLES_KEPT`] samples, oldest first: the dashboard draws the
+/// last minutes at once, even when it was just opened.
+#[derive(Debug, Default, serde::Serialize)]
+pub struct History {
+    pub samples: VecDeque<Sample>,
+    #[serde(skip)]
+    prev: Option<(std::time::Instant, NodeStats)>,
+}
+
+impl History {
+    /// Adds the interval from the last record to `cur`.
+    pub fn push(&mut self, at: std::time::Instant, cur: NodeStats) {
+        if let Some((then, prev)) = self.prev.take() {
+            let secs = at.duration_since(then).as_secs_f64().max(1e-3);
+            self.samples.push_back(sample(&prev, &cur, secs));
+            while self.samples.len() > SAMPLES_KEPT {
+                self.samples.pop_front();
+            }
+        }
+        self.prev = Some((at, cur));
+    }
+}
+
+/// Rates between two records `secs` apart.
+pub fn sample(prev: &NodeStats, cur: &NodeStats, secs: f64) -> Sample {
+    let d = |f: fn(&NodeStats) -> u64| f(cur).saturating_sub(f(prev)) as f64;
+    let hits = d(|s| s.hits);
+    let mem = d(|s| s.mem_hits);
+    let gets = hits + d(|s| s.misses) + d(|s| s.mismatches);
+    let share = |n: f64| (gets > 0.0).then(|| n / gets);
+    let ops = cur
+        .latency
+        .iter()
+        .map(|l| {
+            let w = l.since(prev.latency.iter().find(|p| p.op == l.op));
+            OpRate {
+                op: l.op.clone(),
+                rps: w.count as f64 / secs,
+                p50: w.quantile(0.5),
+                p99: w.quantile(0.99),
+                mean: (w.count > 0).then(|| w.sum_seconds / w.count as f64),
+            }
+        })
+        .collect();
+    Sample {
+        t: std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0.0, |d| d.as_secs_f64()),
+        gets: gets / secs,
+        hit: share(hits),
+        memory_hit: share(mem),
+        disk_hit: share(hits - mem),
+        read_bytes: d(|s| s.bytes_read) / secs,
+        written_bytes: d(|s| s.bytes_written) / secs,
+        puts: (d(|s| s.puts) + d(|s| s.put_duplicates) + d(|s| s.put_rejected)) / secs,
+        evictions: d(|s| s.evictions) / secs,
+        connections: cur.connections,
+        ops,
+    }
+}
+
+async fn sampler(shared: Arc<Shared>, history: Arc<Mutex<History>>, mut shutdown: watch::Receiver<bool>) {
+    let mut tick = tokio::time::interval(SAMPLE_EVERY);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            _ = crate::server::stopped(&mut shutdown) => return,
+            _ = tick.tick() => {}
+        }
+        let sh = shared.clone();
+        if let Ok(s) = tokio::task::spawn_blocking(move || sh.stats()).await {
+            history.lock().unwrap_or_else(|e| e.into_inner()).push(std::time::Instant::now(), s);
+        }
     }
 }

@@ -40,6 +40,21 @@ pub struct Shared {
     /// When a refused peer was last logged (one line per 10 s at most) and
     /// how many refusals went unlogged since.
     pub denied_log: std::sync::Mutex<(Option<std::time::Instant>, u64)>,
+    /// Requests answered, by op and status, and their service time.
+    pub ops: crate::metrics::OpMetrics,
+    /// What recovery found at start (for `/metrics`).
+    pub recovery: Recovery,
+    /// `--id` and `--group` when the node joins a group.
+    pub node_id: Option<String>,
+    pub group: Option<String>,
+}
+
+/// What the disks' recovery found at start, summed over the disks.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Recovery {
+    pub records: u64,
+    pub reclaimed: u64,
+    pub seconds: f64,
 }
 
 impl Shared {
@@ -58,6 +73,10 @@ impl Shared {
             v1_accepted: AtomicU64::new(0),
             refused: AtomicU64::new(0),
             denied_log: std::sync::Mutex::new((None, 0)),
+            ops: crate::metrics::OpMetrics::default(),
+            recovery: Recovery::default(),
+            node_id: None,
+            group: None,
         }
     }
 
@@ -67,6 +86,9 @@ impl Shared {
         s.denied_connections = self.denied.load(Ordering::Relaxed);
         s.v1_connections = self.v1_accepted.load(Ordering::Relaxed);
         s.refused_connections = self.refused.load(Ordering::Relaxed);
+        s.node_id = self.node_id.clone();
+        s.group = self.group.clone();
+        s.latency = self.ops.latencies();
         s
     }
 }

@@ -59,6 +59,8 @@ pub enum Lookup {
     Hit(PooledBuf),
     Mismatch,
     Miss,
+    /// The record was found damaged and dropped (answered as a miss).
+    Damaged,
 }
 
 /// What every extent of a disk shares with the disk.
@@ -494,7 +496,7 @@ impl Disk {
         if let Err(e) = self.dev.read_at(&mut buf.full_mut()[..n], ext.off) {
             if e.kind() == io::ErrorKind::UnexpectedEof {
                 self.drop_damaged(key, &ext, "record cut short");
-                return Ok(Lookup::Miss);
+                return Ok(Lookup::Damaged);
             }
             return Err(self.io_failed("data read", &e));
         }
@@ -503,7 +505,7 @@ impl Disk {
         let key_ok = &rec[HEADER_LEN..HEADER_LEN + key.len()] == key;
         if rec[..HEADER_LEN] != header_bytes || !key_ok {
             self.drop_damaged(key, &ext, "stored header or key differs from the index");
-            return Ok(Lookup::Miss);
+            return Ok(Lookup::Damaged);
         }
         // Every read from disk is checked, not only records recovered after
         // a crash: a record damaged on the device after it was written (or
@@ -512,7 +514,7 @@ impl Disk {
         let payload = &rec[HEADER_LEN + key.len()..];
         if crc32fast::hash(payload) != header.payload_crc {
             self.drop_damaged(key, &ext, "payload checksum failed");
-            return Ok(Lookup::Miss);
+            return Ok(Lookup::Damaged);
         }
         ext.mark_verified();
         Ok(Lookup::Hit(buf))

@@ -168,6 +168,7 @@ struct Counters {
     bytes_read: AtomicU64,
     bytes_written: AtomicU64,
     mem_hits: AtomicU64,
+    misses_corrupt: AtomicU64,
 }
 
 pub struct Store {
@@ -406,6 +407,7 @@ impl Store {
             }
         }
         let generation = self.mem.as_ref().map_or(0, |m| m.generation());
+        let mut damaged = false;
         for d in self.view().live() {
             match d.get(key, geo, &self.pool, true) {
                 Ok(Lookup::Hit(buf)) => {
@@ -417,8 +419,12 @@ impl Store {
                 }
                 Ok(Lookup::Mismatch) => return GetOutcome::Mismatch,
                 Ok(Lookup::Miss) => {}
+                Ok(Lookup::Damaged) => damaged = true,
                 Err(_) => self.rebuild_ring(),
             }
+        }
+        if damaged {
+            self.c.misses_corrupt.fetch_add(1, Ordering::Relaxed);
         }
         GetOutcome::Miss
     }
@@ -752,6 +758,10 @@ impl Store {
             denied_connections: 0,
             v1_connections: 0,
             refused_connections: 0,
+            misses_corrupt: ld(&self.c.misses_corrupt),
+            node_id: None,
+            group: None,
+            latency: Vec::new(),
             disks,
         }
     }
