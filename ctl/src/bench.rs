@@ -64,17 +64,23 @@ pub struct BenchArgs {
 }
 
 struct Outcome {
-    latencies_ns: Vec<u64>,
+    /// Latency of every op, in nanoseconds (HDR histogram: 3 significant
+    /// digits, 1 ns to 1 hour).
+    latencies_ns: hdrhistogram::Histogram<u64>,
     statuses: BTreeMap<&'static str, u64>,
     bytes: u64,
 }
 
-fn percentile(sorted: &[u64], p: f64) -> f64 {
-    if sorted.is_empty() {
+fn new_histogram() -> hdrhistogram::Histogram<u64> {
+    hdrhistogram::Histogram::new_with_bounds(1, 3_600_000_000_000, 3).expect("valid histogram bounds")
+}
+
+/// The `p` quantile in microseconds (0 without ops).
+fn percentile(h: &hdrhistogram::Histogram<u64>, p: f64) -> f64 {
+    if h.is_empty() {
         return 0.0;
     }
-    let i = ((sorted.len() as f64 - 1.0) * p).round() as usize;
-    sorted[i] as f64 / 1000.0
+    h.value_at_quantile(p) as f64 / 1000.0
 }
 
 /// Runs `op(thread, i)` on `threads` threads for `count` ops or `duration`.
@@ -87,21 +93,30 @@ fn drive(
     let done = Arc::new(AtomicU64::new(0));
     let stop = Arc::new(AtomicBool::new(false));
     let t0 = Instant::now();
+    // A bar on a terminal; nothing when stderr is a file or a pipe.
+    let bar = match duration {
+        Some(d) => indicatif::ProgressBar::new(d.as_millis() as u64),
+        None => indicatif::ProgressBar::new(count),
+    };
+    bar.set_draw_target(indicatif::ProgressDrawTarget::stderr());
+    bar.set_style(
+        indicatif::ProgressStyle::with_template("[{bar:30}] {percent:>3}% {msg}")
+            .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar())
+            .progress_chars("#>."),
+    );
     let progress = std::io::stderr().is_terminal().then(|| {
-        let (done, stop) = (done.clone(), stop.clone());
+        let (done, stop, bar) = (done.clone(), stop.clone(), bar.clone());
         std::thread::spawn(move || {
             while !stop.load(Ordering::Relaxed) {
                 let d = done.load(Ordering::Relaxed);
-                let frac = match duration {
-                    Some(dur) => t0.elapsed().as_secs_f64() / dur.as_secs_f64(),
-                    None => d as f64 / count.max(1) as f64,
-                }
-                .min(1.0);
-                let bar = (frac * 30.0) as usize;
-                eprint!("\r[{}{}] {:>3.0}% {d} ops", "#".repeat(bar), ".".repeat(30 - bar), frac * 100.0);
+                bar.set_position(match duration {
+                    Some(_) => t0.elapsed().as_millis() as u64,
+                    None => d,
+                });
+                bar.set_message(format!("{d} ops"));
                 std::thread::sleep(Duration::from_millis(200));
             }
-            eprint!("\r{}\r", " ".repeat(60));
+            bar.finish_and_clear();
         })
     });
     let next = AtomicU64::new(0);
@@ -110,7 +125,7 @@ fn drive(
             .map(|t| {
                 let (next, done) = (&next, &done);
                 s.spawn(move || {
-                    let mut o = Outcome { latencies_ns: Vec::new(), statuses: BTreeMap::new(), bytes: 0 };
+                    let mut o = Outcome { latencies_ns: new_histogram(), statuses: BTreeMap::new(), bytes: 0 };
                     loop {
                         let i = next.fetch_add(1, Ordering::Relaxed);
                         let more = match duration {
@@ -122,7 +137,7 @@ fn drive(
                         }
                         let t1 = Instant::now();
                         let (st, bytes) = op(t, i);
-                        o.latencies_ns.push(t1.elapsed().as_nanos() as u64);
+                        o.latencies_ns.saturating_record(t1.elapsed().as_nanos() as u64);
                         *o.statuses.entry(st.name()).or_default() += 1;
                         o.bytes += bytes;
                         done.fetch_add(1, Ordering::Relaxed);
@@ -138,15 +153,14 @@ fn drive(
     if let Some(p) = progress {
         let _ = p.join();
     }
-    let mut all = Outcome { latencies_ns: Vec::new(), statuses: BTreeMap::new(), bytes: 0 };
+    let mut all = Outcome { latencies_ns: new_histogram(), statuses: BTreeMap::new(), bytes: 0 };
     for r in results {
-        all.latencies_ns.extend(r.latencies_ns);
+        let _ = all.latencies_ns.add(&r.latencies_ns);
         for (k, v) in r.statuses {
             *all.statuses.entry(k).or_default() += v;
         }
         all.bytes += r.bytes;
     }
-    all.latencies_ns.sort_unstable();
     (all, secs)
 }
 
@@ -324,7 +338,7 @@ pub fn run(a: &BenchArgs, json: bool) -> Result<u8, String> {
         }),
     };
     let (o, secs) = drive(a.threads, a.count, duration, &*op);
-    let ops = o.latencies_ns.len() as u64;
+    let ops = o.latencies_ns.len();
     let gbps = o.bytes as f64 / secs / 1e9;
     // The limit on this host, in the same run: the same messages through
     // plain sockets (a get or put moves `size` bytes one way).

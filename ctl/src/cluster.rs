@@ -41,22 +41,37 @@ pub fn ring(view: &View, json: bool) -> Result<u8, String> {
         return Ok(0);
     }
     println!("group {}  epoch {}  members {}", view.group, view.epoch, view.members.len());
-    println!("{:<16} {:<22} {:>6} {:>7} {:>7}", "ID", "ADDRESS", "WEIGHT", "VNODES", "SHARE");
+    let mut t = table(&["ID", "ADDRESS", "WEIGHT", "VNODES", "SHARE"], 2);
     for (m, s) in view.members.iter().zip(&shares) {
-        println!(
-            "{:<16} {:<22} {:>6} {:>7} {:>6.1}%",
-            m.id,
-            m.addr,
-            m.weight,
-            VNODES_PER_WEIGHT * u64::from(m.weight),
-            s * 100.0
-        );
+        t.add_row(vec![
+            m.id.clone(),
+            m.addr.clone(),
+            m.weight.to_string(),
+            (VNODES_PER_WEIGHT * u64::from(m.weight)).to_string(),
+            format!("{:.1}%", s * 100.0),
+        ]);
     }
+    println!("{t}");
     Ok(0)
 }
 
+/// A plain table (columns aligned, no rules) whose columns from `numeric`
+/// on are right-aligned.
+pub fn table(headers: &[&str], numeric: usize) -> comfy_table::Table {
+    let mut t = comfy_table::Table::new();
+    t.load_preset(comfy_table::presets::NOTHING)
+        .set_content_arrangement(comfy_table::ContentArrangement::Disabled)
+        .set_header(headers.to_vec());
+    for i in numeric..headers.len() {
+        if let Some(c) = t.column_mut(i) {
+            c.set_cell_alignment(comfy_table::CellAlignment::Right);
+        }
+    }
+    t
+}
+
 /// Each member's statistics, asked of all members at once.
-fn gather(members: &[MemberRecord], timeout: Duration) -> Vec<Result<NodeStats, String>> {
+pub fn gather(members: &[MemberRecord], timeout: Duration) -> Vec<Result<NodeStats, String>> {
     std::thread::scope(|s| {
         let handles: Vec<_> = members
             .iter()
@@ -79,6 +94,16 @@ fn hit_pct(hits: u64, misses: u64) -> f64 {
     }
 }
 
+/// Gets answered, and the share of them served by each tier (memory, disk).
+fn tiers(s: &NodeStats) -> (f64, f64) {
+    let gets = s.hits + s.misses + s.mismatches;
+    if gets == 0 {
+        return (0.0, 0.0);
+    }
+    let mem = 100.0 * s.mem_hits as f64 / gets as f64;
+    (mem, 100.0 * s.hits.saturating_sub(s.mem_hits) as f64 / gets as f64)
+}
+
 /// Exit 0 when every member answered, 1 when some did not.
 pub fn stat_all(group: &str, epoch: Option<u64>, members: &[MemberRecord], timeout: Duration, json: bool) -> u8 {
     let stats = gather(members, timeout);
@@ -90,6 +115,8 @@ pub fn stat_all(group: &str, epoch: Option<u64>, members: &[MemberRecord], timeo
         total.objects += s.objects;
         total.hits += s.hits;
         total.misses += s.misses;
+        total.mismatches += s.mismatches;
+        total.mem_hits += s.mem_hits;
         total.bytes_read += s.bytes_read;
         total.bytes_written += s.bytes_written;
         total.evictions += s.evictions;
@@ -110,6 +137,7 @@ pub fn stat_all(group: &str, epoch: Option<u64>, members: &[MemberRecord], timeo
         let t = serde_json::json!({
             "used_bytes": total.used_bytes, "capacity_bytes": total.capacity_bytes, "objects": total.objects,
             "hits": total.hits, "misses": total.misses, "hit_pct": hit_pct(total.hits, total.misses),
+            "memory_hit_pct": tiers(&total).0, "disk_hit_pct": tiers(&total).1, "memory_hits": total.mem_hits,
             "bytes_read": total.bytes_read, "bytes_written": total.bytes_written,
             "evictions": total.evictions, "failed_disks": total.failed_disks,
             "nodes": members.len(), "unreachable": down,
@@ -120,45 +148,54 @@ pub fn stat_all(group: &str, epoch: Option<u64>, members: &[MemberRecord], timeo
     if let Some(e) = epoch {
         println!("group {group}  epoch {e}  members {}  unreachable {down}", members.len());
     }
-    println!(
-        "{:<14} {:<22} {:>10} {:>10} {:>9} {:>9} {:>9} {:>6} {:>10} {:>10} {:>9} {:>6}",
-        "ID",
-        "ADDRESS",
-        "USED",
-        "CAPACITY",
-        "OBJECTS",
-        "HITS",
-        "MISSES",
-        "HIT%",
-        "READ",
-        "WRITTEN",
-        "EVICTED",
-        "FAILED"
+    let mut t = table(
+        &[
+            "ID",
+            "ADDRESS",
+            "USED",
+            "CAPACITY",
+            "OBJECTS",
+            "HITS",
+            "MISSES",
+            "HIT%",
+            "MEM-HIT%",
+            "DISK-HIT%",
+            "READ",
+            "WRITTEN",
+            "EVICTED",
+            "FAILED",
+        ],
+        2,
     );
-    let row = |id: &str, addr: &str, s: &NodeStats| {
-        println!(
-            "{:<14} {:<22} {:>10} {:>10} {:>9} {:>9} {:>9} {:>5.1}% {:>10} {:>10} {:>9} {:>6}",
-            id,
-            addr,
+    let row = |t: &mut comfy_table::Table, id: &str, addr: &str, s: &NodeStats| {
+        let (mem, disk) = tiers(s);
+        t.add_row(vec![
+            id.to_string(),
+            addr.to_string(),
             format_size(s.used_bytes),
             format_size(s.capacity_bytes),
-            s.objects,
-            s.hits,
-            s.misses,
-            hit_pct(s.hits, s.misses),
+            s.objects.to_string(),
+            s.hits.to_string(),
+            s.misses.to_string(),
+            format!("{:.1}%", hit_pct(s.hits, s.misses)),
+            format!("{mem:.1}%"),
+            format!("{disk:.1}%"),
             format_size(s.bytes_read),
             format_size(s.bytes_written),
-            s.evictions,
-            s.failed_disks
-        );
+            s.evictions.to_string(),
+            s.failed_disks.to_string(),
+        ]);
     };
     for (m, s) in members.iter().zip(&stats) {
         match s {
-            Ok(s) => row(&m.id, &m.addr, s),
-            Err(e) => println!("{:<14} {:<22} UNREACHABLE ({e})", m.id, m.addr),
+            Ok(s) => row(&mut t, &m.id, &m.addr, s),
+            Err(e) => {
+                t.add_row(vec![m.id.clone(), m.addr.clone(), format!("UNREACHABLE ({e})")]);
+            }
         }
     }
     let label = if down > 0 { format!("{} of {} nodes", members.len() - down, members.len()) } else { String::new() };
-    row("TOTAL", &label, &total);
+    row(&mut t, "TOTAL", &label, &total);
+    println!("{t}");
     u8::from(down > 0)
 }

@@ -19,6 +19,7 @@ mod bench;
 mod cluster;
 mod health;
 mod target;
+mod top;
 
 use std::io::{Read, Write};
 use std::process::ExitCode;
@@ -132,6 +133,25 @@ enum Cmd {
         /// Group (else KVCELLAR_GROUP, else "default").
         #[arg(long)]
         group: Option<String>,
+    },
+    /// A live view of a group: per node and in total, requests/s, gets/s, read and write throughput,
+    /// hit rate by tier, get and put p99, use; refreshed every --interval-ms (Ctrl-C ends it).
+    Top {
+        /// kv-mds endpoints `host:port,...` (else KVCELLAR_MDS); members re-read every refresh.
+        #[arg(long)]
+        mds: Option<String>,
+        /// Group (with --mds; else KVCELLAR_GROUP, else "default").
+        #[arg(long)]
+        group: Option<String>,
+        /// Member list instead of --mds (else KVCELLAR_MEMBERS).
+        #[arg(long, conflicts_with = "mds")]
+        members: Option<String>,
+        /// Milliseconds between refreshes.
+        #[arg(long, default_value_t = 1000)]
+        interval_ms: u64,
+        /// Stop after this many refreshes (default: run until interrupted).
+        #[arg(long)]
+        iterations: Option<u64>,
     },
     /// Round-trip time to a node.
     Ping {
@@ -384,6 +404,26 @@ fn run(cli: &Cli) -> Result<u8, String> {
             Ok(0)
         }
         Cmd::Bench(a) => bench::run(a, cli.json),
+        Cmd::Top { mds, group, members, interval_ms, iterations } => {
+            let timeout = Duration::from_millis(cli.timeout_ms);
+            let source = match target::resolve(members.as_deref(), None, mds.as_deref(), group.as_deref())
+                .map_err(|e| format!("top: {e}"))?
+            {
+                target::Cluster::Mds { endpoints, group } => top::Source::Mds { endpoints, group },
+                target::Cluster::Members(m) => top::Source::Members(
+                    kvclient::members::parse_members(&m)?
+                        .into_iter()
+                        .map(|m| kv_common::mds::MemberRecord {
+                            id: m.id,
+                            addr: m.addr.to_string(),
+                            weight: m.weight,
+                            metrics_addr: None,
+                        })
+                        .collect(),
+                ),
+            };
+            top::run(&source, Duration::from_millis((*interval_ms).max(100)), *iterations, timeout, cli.json)
+        }
         Cmd::Health { addr, local, none_ok } => {
             health::run(addr.as_deref(), *local, *none_ok, Duration::from_millis(cli.timeout_ms), cli.json)
         }
