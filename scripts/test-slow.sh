@@ -2,7 +2,7 @@
 # Checks too slow for every CI run, run by hand and reported in the session
 # notes: the long fuzz run (10 minutes per target, a release build), the
 # 10-minute soak with random faults, the load-held benchmark, and the plugin
-# overhead benchmark. The packages, image and container cluster are in
+# overhead benchmark, and the dashboards in headless Chromium. The packages, image and container cluster are in
 # scripts/test.sh (scripts/test-dist.sh).
 # Usage: scripts/test-slow.sh [--fuzz-seconds N] [--soak-seconds N]
 set -euo pipefail
@@ -24,3 +24,5 @@ KVCELLAR_SOAK_SECS=$soak cargo test --locked -q -p kv-e2e --test faults -- --ign
 echo "== load held: many clients, 1000+ connections"
 bash scripts/bench-load.sh
 bash scripts/bench-plugins.sh --rounds 5
+echo "== dashboards in headless Chromium (screenshots in target/dashboards/)"
+bash scripts/test-dashboards.sh
