@@ -4,8 +4,9 @@
 # Builds release binaries, then starts under a work dir: etcd, two kv-mds
 # replicas and three kv-server nodes (two disk dirs each; node n3 has weight
 # 2), all on 127.0.0.1. Shows `kvctl ring`, a 4 MiB page round trip through
-# the group, a short `kvctl bench`, and `kvctl stat --all`. Then stops
-# everything it started (also on Ctrl-C).
+# the group, a short `kvctl bench` (with `kvctl top` during its gets), and
+# `kvctl stat --all`, and where the dashboards are. Then stops everything it
+# started (also on Ctrl-C).
 #
 # Usage: scripts/quickstart.sh [--keep]   leave the cluster running
 #        scripts/quickstart.sh stop       stop a cluster left running
@@ -90,10 +91,14 @@ for i in 1 2; do
   mds=${mds:+$mds,}$addr
 done
 
+dash=""
 for i in 1 2 3; do
   weight=1; [ $i -eq 3 ] && weight=2
+  mport=$(free_port)
+  dash="$dash http://127.0.0.1:$mport/"
   "$bin/kv-server" --listen 127.0.0.1:0 --dir "$work/n$i/disk0,$work/n$i/disk1" --cap 512M \
     --mem-cap 64M --mds "$mds" --group quickstart --id "n$i" --advertise 127.0.0.1:0 --weight $weight \
+    --metrics-listen "127.0.0.1:$mport" \
     >"$work/node-$i.out" 2>"$work/node-$i.log" &
   pid=$!
   echo $pid >"$pids/node-$i.pid"
@@ -124,12 +129,19 @@ else
   echo "round trip FAILED: the page read back differs"; exit 1
 fi
 
-echo "== kvctl bench: 1 MiB puts, then gets, 4 threads, 3 s each"
+echo "== kvctl bench: 1 MiB puts, then gets, 4 threads, 3 s each (kvctl top during the gets)"
 "$bin/kvctl" bench "${target[@]}" --op put --size 1M --threads 4 --duration 3 --prefix quickstart
-"$bin/kvctl" bench "${target[@]}" --op get --size 1M --threads 4 --duration 3 --keys 64 --prefix quickstart
+"$bin/kvctl" bench "${target[@]}" --op get --size 1M --threads 4 --duration 4 --keys 64 --prefix quickstart \
+  >"$work/bench-get.txt" &
+bench=$!
+sleep 1.5
+"$bin/kvctl" top "${target[@]}" --iterations 2 --interval-ms 1000 | awk 'BEGIN { RS = "" } NR == 2'
+wait $bench
+cat "$work/bench-get.txt"
 
 echo "== kvctl stat --all --mds $mds --group quickstart"
 "$bin/kvctl" stat --all "${target[@]}"
+echo "== dashboards: kv-mds http://${mds%%,*}/ (the ring), nodes$dash"
 
 if [ $keep -eq 1 ]; then
   root=$(pwd)

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Checks too slow for every CI run, run by hand and reported in the session
 # notes: the long fuzz run (10 minutes per target, a release build), the
-# 10-minute soak with random faults, the load-held benchmark, and the plugin
-# overhead benchmark, and the dashboards in headless Chromium. The packages, image and container cluster are in
-# scripts/test.sh (scripts/test-dist.sh).
+# 10-minute soak with random faults, the load-held benchmark, the plugin
+# overhead benchmark, and the dashboards in headless Chromium. The packages,
+# image and container cluster are in scripts/test.sh (scripts/test-dist.sh).
 # Usage: scripts/test-slow.sh [--fuzz-seconds N] [--soak-seconds N]
 set -euo pipefail
 cd "$(dirname "$0")/.."
