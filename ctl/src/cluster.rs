@@ -55,6 +55,14 @@ pub fn ring(view: &View, json: bool) -> Result<u8, String> {
     Ok(0)
 }
 
+/// A static member list (`id=host:port[@weight],...`) as view records.
+pub fn member_records(list: &str) -> Result<Vec<MemberRecord>, String> {
+    Ok(kvclient::members::parse_members(list)?
+        .into_iter()
+        .map(|m| MemberRecord { id: m.id, addr: m.addr.to_string(), weight: m.weight, metrics_addr: None })
+        .collect())
+}
+
 /// A plain table (columns aligned, no rules) whose columns from `numeric`
 /// on are right-aligned.
 pub fn table(headers: &[&str], numeric: usize) -> comfy_table::Table {

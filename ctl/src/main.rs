@@ -176,6 +176,13 @@ enum Cmd {
 }
 
 fn main() -> ExitCode {
+    // Output piped into `head` and the like: end quietly when the reader
+    // goes away, as other command-line tools do, instead of a panic on a
+    // failed print.
+    // SAFETY: resetting SIGPIPE to its default action before any thread starts.
+    unsafe {
+        libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+    }
     let cli: Cli = match kv_common::cli::parse_args("kvctl") {
         Ok(c) => c,
         Err(code) => return code,
@@ -345,18 +352,7 @@ fn run(cli: &Cli) -> Result<u8, String> {
                     let v = cluster::fetch_view(&endpoints, &group, timeout)?;
                     (Some(v.epoch), v.members)
                 }
-                target::Cluster::Members(m) => {
-                    let list = kvclient::members::parse_members(&m)?
-                        .into_iter()
-                        .map(|m| kv_common::mds::MemberRecord {
-                            id: m.id,
-                            addr: m.addr.to_string(),
-                            weight: m.weight,
-                            metrics_addr: None,
-                        })
-                        .collect();
-                    (None, list)
-                }
+                target::Cluster::Members(m) => (None, cluster::member_records(&m)?),
             };
             Ok(cluster::stat_all(&group, epoch, &list, timeout, cli.json))
         }
@@ -410,17 +406,7 @@ fn run(cli: &Cli) -> Result<u8, String> {
                 .map_err(|e| format!("top: {e}"))?
             {
                 target::Cluster::Mds { endpoints, group } => top::Source::Mds { endpoints, group },
-                target::Cluster::Members(m) => top::Source::Members(
-                    kvclient::members::parse_members(&m)?
-                        .into_iter()
-                        .map(|m| kv_common::mds::MemberRecord {
-                            id: m.id,
-                            addr: m.addr.to_string(),
-                            weight: m.weight,
-                            metrics_addr: None,
-                        })
-                        .collect(),
-                ),
+                target::Cluster::Members(m) => top::Source::Members(cluster::member_records(&m)?),
             };
             top::run(&source, Duration::from_millis((*interval_ms).max(100)), *iterations, timeout, cli.json)
         }
