@@ -3,12 +3,11 @@
 //! MDS replicas, used by kv-server (register, heartbeat), the client
 //! library (views) and kvctl.
 //!
-//! The client speaks plain HTTP/1.1, one request per connection
-//! (`Connection: close`), so it needs no HTTP crate and no runtime.
+//! The client is hyper's HTTP/1.1 client (one request per connection,
+//! `Connection: close`) on a current-thread runtime of its own, so callers
+//! stay blocking and need no runtime.
 
-use std::io::{Read, Write};
-use std::net::{Shutdown, SocketAddr, TcpStream, ToSocketAddrs};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
@@ -147,15 +146,20 @@ pub fn parse_endpoints(csv: &str) -> Result<Vec<String>, String> {
 /// A blocking client for a list of MDS replicas. Calls go to the replica
 /// that answered last; on a transport error or a 5xx the next one is
 /// tried, each at most once per call.
+///
+/// HTTP is hyper's client (HTTP/1.1, one request per connection), driven by
+/// a runtime of the client's own on the calling thread, so callers need no
+/// runtime and a call in progress can be aborted from another thread.
 #[derive(Debug)]
 pub struct MdsClient {
     endpoints: Vec<String>,
     current: usize,
-    /// Connect and per-read timeout (a long-poll adds its wait on top).
+    /// Connect timeout, and the time an answer may take (a long-poll adds
+    /// its wait on top).
     pub timeout: Duration,
-    /// The socket of the call in progress, so another thread can abort it.
-    in_flight: Arc<Mutex<Option<TcpStream>>>,
-    aborted: Arc<std::sync::atomic::AtomicBool>,
+    rt: tokio::runtime::Runtime,
+    /// True once aborted: the call in progress ends and later calls fail.
+    abort: Arc<tokio::sync::watch::Sender<bool>>,
     /// Sent as `Authorization: Bearer` on every call.
     token: Option<crate::auth::Token>,
     /// Times a call moved on to the next replica.
@@ -165,31 +169,34 @@ pub struct MdsClient {
 /// Aborts calls of an [`MdsClient`] from another thread.
 #[derive(Debug, Clone)]
 pub struct AbortHandle {
-    in_flight: Arc<Mutex<Option<TcpStream>>>,
-    aborted: Arc<std::sync::atomic::AtomicBool>,
+    abort: Arc<tokio::sync::watch::Sender<bool>>,
 }
 
 impl AbortHandle {
     /// Fails the call in progress and every later call with `Aborted`.
     pub fn abort(&self) {
-        // Under the lock: a call either sees the flag when it registers its
-        // socket, or has registered it and has it shut down here.
-        let g = self.in_flight.lock().unwrap_or_else(|e| e.into_inner());
-        self.aborted.store(true, std::sync::atomic::Ordering::SeqCst);
-        if let Some(s) = g.as_ref() {
-            let _ = s.shutdown(Shutdown::Both);
-        }
+        self.abort.send_replace(true);
     }
 }
 
+/// The largest answer accepted (a view of thousands of members fits).
+const MAX_REPLY: usize = 16 << 20;
+
 impl MdsClient {
     pub fn new(endpoints: Vec<String>, timeout: Duration) -> MdsClient {
+        // A current-thread runtime runs nothing in the background: it only
+        // drives a call while the caller waits for it.
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_io()
+            .enable_time()
+            .build()
+            .expect("a current-thread tokio runtime (no threads, no files) can be built");
         MdsClient {
             endpoints,
             current: 0,
             timeout,
-            in_flight: Arc::default(),
-            aborted: Arc::default(),
+            rt,
+            abort: Arc::new(tokio::sync::watch::channel(false).0),
             token: None,
             failovers: 0,
         }
@@ -212,7 +219,11 @@ impl MdsClient {
     }
 
     pub fn abort_handle(&self) -> AbortHandle {
-        AbortHandle { in_flight: self.in_flight.clone(), aborted: self.aborted.clone() }
+        AbortHandle { abort: self.abort.clone() }
+    }
+
+    fn aborted(&self) -> bool {
+        *self.abort.borrow()
     }
 
     /// The group's view now.
@@ -282,7 +293,7 @@ impl MdsClient {
     ) -> Result<(u16, Vec<u8>), MdsError> {
         let mut why = Vec::new();
         for _ in 0..self.endpoints.len() {
-            if self.aborted.load(std::sync::atomic::Ordering::SeqCst) {
+            if self.aborted() {
                 return Err(MdsError::Aborted);
             }
             let ep = self.endpoints[self.current].clone();
@@ -296,7 +307,7 @@ impl MdsClient {
                 }
                 Err(e) => why.push(format!("{ep}: {e}")),
             }
-            if self.aborted.load(std::sync::atomic::Ordering::SeqCst) {
+            if self.aborted() {
                 return Err(MdsError::Aborted);
             }
             self.current = (self.current + 1) % self.endpoints.len();
@@ -315,92 +326,83 @@ impl MdsClient {
         body: Option<&[u8]>,
         extra: Duration,
     ) -> std::io::Result<(u16, Vec<u8>)> {
-        let addr = resolve(ep)?;
-        let mut s = TcpStream::connect_timeout(&addr, self.timeout)?;
-        s.set_nodelay(true)?;
-        s.set_read_timeout(Some(self.timeout + extra))?;
-        s.set_write_timeout(Some(self.timeout))?;
-        {
-            let mut g = self.in_flight.lock().unwrap_or_else(|e| e.into_inner());
-            if self.aborted.load(std::sync::atomic::Ordering::SeqCst) {
-                return Err(std::io::Error::new(std::io::ErrorKind::Interrupted, "aborted"));
-            }
-            *g = Some(s.try_clone()?);
+        let mut abort = self.abort.subscribe();
+        if *abort.borrow_and_update() {
+            return Err(std::io::Error::new(std::io::ErrorKind::Interrupted, "aborted"));
         }
-        let result = exchange(&mut s, ep, method, path, body, self.token.as_ref());
-        *self.in_flight.lock().unwrap_or_else(|e| e.into_inner()) = None;
-        result
+        let req = build_request(ep, method, path, body, self.token.as_ref())?;
+        let (connect, answer) = (self.timeout, self.timeout + extra);
+        self.rt.block_on(async move {
+            tokio::select! {
+                r = exchange(ep, req, connect, answer) => r,
+                _ = abort.wait_for(|a| *a) => Err(std::io::Error::new(std::io::ErrorKind::Interrupted, "aborted")),
+            }
+        })
     }
 }
 
-fn resolve(ep: &str) -> std::io::Result<SocketAddr> {
-    ep.to_socket_addrs()?
-        .next()
-        .ok_or_else(|| std::io::Error::new(std::io::ErrorKind::NotFound, "resolves to no address"))
+fn io_err(kind: std::io::ErrorKind, e: impl std::fmt::Display) -> std::io::Error {
+    std::io::Error::new(kind, e.to_string())
 }
 
-/// The largest answer accepted (a view of thousands of members fits).
-const MAX_REPLY: usize = 16 << 20;
-
-fn exchange(
-    s: &mut TcpStream,
+fn build_request(
     host: &str,
     method: &str,
     path: &str,
     body: Option<&[u8]>,
     token: Option<&crate::auth::Token>,
+) -> std::io::Result<hyper::Request<http_body_util::Full<hyper::body::Bytes>>> {
+    let mut b = hyper::Request::builder()
+        .method(method)
+        .uri(path)
+        .header(hyper::header::HOST, host)
+        .header(hyper::header::CONNECTION, "close")
+        .header(hyper::header::CONTENT_TYPE, "application/json");
+    if let Some(t) = token {
+        // A token is visible ASCII (checked when it was read): a valid header value.
+        let mut v = b"Bearer ".to_vec();
+        v.extend_from_slice(t.as_bytes());
+        b = b.header(hyper::header::AUTHORIZATION, v);
+    }
+    let body = hyper::body::Bytes::copy_from_slice(body.unwrap_or(b""));
+    b.body(http_body_util::Full::new(body)).map_err(|e| io_err(std::io::ErrorKind::InvalidInput, e))
+}
+
+/// Connects (within `connect`), sends `req` and reads the whole answer
+/// (within `answer`, at most [`MAX_REPLY`] bytes).
+async fn exchange(
+    ep: &str,
+    req: hyper::Request<http_body_util::Full<hyper::body::Bytes>>,
+    connect: Duration,
+    answer: Duration,
 ) -> std::io::Result<(u16, Vec<u8>)> {
-    let body = body.unwrap_or(b"");
-    // A token is visible ASCII (checked when it was read): safe in a header.
-    let auth =
-        token.map_or(String::new(), |t| format!("Authorization: Bearer {}\r\n", String::from_utf8_lossy(t.as_bytes())));
-    let head = format!(
-        "{method} {path} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n{auth}Content-Type: application/json\r\nContent-Length: {}\r\n\r\n",
-        body.len()
-    );
-    s.write_all(head.as_bytes())?;
-    s.write_all(body)?;
-    let mut reply = Vec::new();
-    s.take(MAX_REPLY as u64 + 1).read_to_end(&mut reply)?;
-    parse_reply(&reply)
-}
-
-fn bad(msg: &str) -> std::io::Error {
-    std::io::Error::new(std::io::ErrorKind::InvalidData, msg.to_string())
-}
-
-/// Status and body of an HTTP/1.1 answer read to its end (public for the
-/// fuzz targets).
-pub fn parse_reply(reply: &[u8]) -> std::io::Result<(u16, Vec<u8>)> {
-    if reply.len() > MAX_REPLY {
-        return Err(bad("answer too large"));
-    }
-    let split = reply.windows(4).position(|w| w == b"\r\n\r\n").ok_or_else(|| bad("answer cut short"))?;
-    let head = std::str::from_utf8(&reply[..split]).map_err(|_| bad("answer head is not text"))?;
-    let mut lines = head.split("\r\n");
-    let status_line = lines.next().unwrap_or("");
-    let mut parts = status_line.splitn(3, ' ');
-    if !parts.next().unwrap_or("").starts_with("HTTP/1.") {
-        return Err(bad("not an HTTP answer"));
-    }
-    let status: u16 = parts.next().and_then(|c| c.parse().ok()).ok_or_else(|| bad("bad status line"))?;
-    let mut len = None;
-    for l in lines {
-        if let Some((k, v)) = l.split_once(':') {
-            if k.trim().eq_ignore_ascii_case("content-length") {
-                len = v.trim().parse::<usize>().ok();
-            } else if k.trim().eq_ignore_ascii_case("transfer-encoding") && !v.trim().eq_ignore_ascii_case("identity") {
-                return Err(bad("chunked answers are not expected from an MDS"));
-            }
+    use http_body_util::BodyExt;
+    let timed_out = |what: &str| io_err(std::io::ErrorKind::TimedOut, format!("{what} timed out"));
+    let stream =
+        tokio::time::timeout(connect, tokio::net::TcpStream::connect(ep)).await.map_err(|_| timed_out("connect"))??;
+    stream.set_nodelay(true)?;
+    tokio::time::timeout(answer, async move {
+        let (mut send, conn) = hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(stream))
+            .await
+            .map_err(|e| io_err(std::io::ErrorKind::InvalidData, e))?;
+        // The connection's I/O runs beside the request; dropped with it.
+        let conn = tokio::spawn(conn);
+        let result = async {
+            let rsp = send.send_request(req).await.map_err(|e| io_err(std::io::ErrorKind::InvalidData, e))?;
+            let status = rsp.status().as_u16();
+            let body = http_body_util::Limited::new(rsp.into_body(), MAX_REPLY)
+                .collect()
+                .await
+                .map_err(|e| io_err(std::io::ErrorKind::InvalidData, e))?
+                .to_bytes();
+            Ok((status, body.to_vec()))
         }
-    }
-    let body = &reply[split + 4..];
-    let body = match len {
-        Some(n) if body.len() < n => return Err(bad("answer body cut short")),
-        Some(n) => &body[..n],
-        None => body,
-    };
-    Ok((status, body.to_vec()))
+        .await;
+        conn.abort();
+        result
+    })
+    .await
+    .map_err(|_| timed_out("answer"))?
 }
 
 #[cfg(test)]
@@ -423,28 +425,49 @@ mod tests {
         assert!(!valid_name(&"x".repeat(65)));
     }
 
+    /// A peer that answers garbage, or closes at once: one clear error each.
     #[test]
-    fn replies_parse() {
-        let (s, b) = parse_reply(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\n{}").unwrap();
-        assert_eq!((s, b.as_slice()), (200, &b"{}"[..]));
-        assert!(parse_reply(b"HTTP/1.1 200 OK\r\ncontent-length: 5\r\n\r\n{}").is_err());
-        assert!(parse_reply(b"SSH-2.0\r\n\r\n").is_err());
-        assert!(parse_reply(b"HTTP/1.1 200").is_err());
+    fn a_peer_speaking_something_else_gives_an_error() {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = l.local_addr().unwrap().to_string();
+        let server = std::thread::spawn(move || {
+            for reply in [&b"SSH-2.0-OpenSSH\r\n"[..], b""] {
+                let (mut s, _) = l.accept().unwrap();
+                let mut buf = [0u8; 1024];
+                let _ = std::io::Read::read(&mut s, &mut buf);
+                let _ = std::io::Write::write_all(&mut s, reply);
+            }
+        });
+        let c = MdsClient::new(vec![addr.clone()], Duration::from_secs(2));
+        for _ in 0..2 {
+            let e = c.request(&addr, "GET", "/healthz", None, Duration::ZERO).unwrap_err();
+            assert_eq!(e.kind(), std::io::ErrorKind::InvalidData, "{e}");
+        }
+        server.join().unwrap();
     }
 
-    proptest::proptest! {
-        /// Whatever a peer sends back, parsing returns, never panics.
-        #[test]
-        fn any_reply_parses_or_errs(bytes in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..512),
-                                    head in 0usize..3) {
-            let mut reply = match head {
-                0 => b"HTTP/1.1 200 OK\r\ncontent-length: 7\r\n\r\n".to_vec(),
-                1 => b"HTTP/1.1 ".to_vec(),
-                _ => Vec::new(),
-            };
-            reply.extend_from_slice(&bytes);
-            let _ = parse_reply(&reply);
-        }
+    /// A long-poll aborted from another thread ends at once.
+    #[test]
+    fn a_call_in_progress_is_aborted_from_another_thread() {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = l.local_addr().unwrap().to_string();
+        // Accepts and never answers.
+        let _server = std::thread::spawn(move || {
+            let held = l.accept();
+            std::thread::sleep(Duration::from_secs(20));
+            drop(held);
+        });
+        let mut c = MdsClient::new(vec![addr], Duration::from_secs(10));
+        let h = c.abort_handle();
+        let t0 = std::time::Instant::now();
+        let aborter = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(200));
+            h.abort();
+        });
+        assert_eq!(c.wait_view("g", 1, Duration::from_secs(30)), Err(MdsError::Aborted));
+        assert!(t0.elapsed() < Duration::from_secs(5), "{:?}", t0.elapsed());
+        aborter.join().unwrap();
+        assert_eq!(c.view("g"), Err(MdsError::Aborted), "later calls fail too");
     }
 
     #[test]
