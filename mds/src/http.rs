@@ -351,10 +351,25 @@ pub fn parse_register(body: &[u8]) -> Result<RegisterRequest, String> {
     if r.weight == 0 || r.weight > kv_common::ring::MAX_WEIGHT {
         return Err(format!("weight {} is outside 1..={}", r.weight, kv_common::ring::MAX_WEIGHT));
     }
-    if r.addr.rsplit_once(':').is_none_or(|(h, p)| h.is_empty() || p.parse::<u16>().is_err()) {
+    if !host_port(&r.addr) {
         return Err(format!("addr {:?} is not host:port", r.addr));
     }
+    if let Some(m) = r.metrics_addr.as_deref().filter(|m| !host_port(m)) {
+        return Err(format!("metrics_addr {m:?} is not host:port"));
+    }
     Ok(r)
+}
+
+/// `host:port`: a port number, and a host of letters, digits and `.-_`, or
+/// an IPv6 address in brackets; at most 255 bytes. Addresses are shown on
+/// the dashboard and dialled by clients: nothing else gets through.
+fn host_port(s: &str) -> bool {
+    let Some((host, port)) = s.rsplit_once(':') else { return false };
+    let host_ok = match host.strip_prefix('[').and_then(|h| h.strip_suffix(']')) {
+        Some(v6) => !v6.is_empty() && v6.bytes().all(|b| b.is_ascii_hexdigit() || matches!(b, b':' | b'.')),
+        None => !host.is_empty() && host.bytes().all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'-' | b'_')),
+    };
+    s.len() <= 255 && host_ok && port.parse::<u16>().is_ok()
 }
 
 /// Parses and checks a heartbeat body (an empty body reads as `{}`).
@@ -489,4 +504,22 @@ fn html(page: &'static str) -> Reply {
         .header("content-type", "text/html; charset=utf-8")
         .body(Full::new(Bytes::from_static(page.as_bytes())))
         .unwrap_or_else(|_| Response::new(Full::new(Bytes::new())))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn register_bodies_are_checked() {
+        let ok = |b: &str| parse_register(b.as_bytes());
+        assert!(ok(r#"{"addr":"10.0.0.1:7700","weight":1}"#).is_ok());
+        assert!(ok(r#"{"addr":"node_1.cluster:7700","weight":2,"metrics_addr":"[::1]:9700"}"#).is_ok());
+        assert!(ok(r#"{"addr":"10.0.0.1:7700","weight":0}"#).unwrap_err().contains("weight"));
+        assert!(ok(r#"{"addr":"10.0.0.1","weight":1}"#).unwrap_err().contains("addr"));
+        assert!(ok(r#"{"addr":"<b>x</b>:1","weight":1}"#).is_err());
+        let e = ok(r#"{"addr":"a:1","weight":1,"metrics_addr":"\"><script>:9700"}"#).unwrap_err();
+        assert!(e.contains("metrics_addr"), "{e}");
+        assert!(ok(r#"{"addr":"a:1","weight":1,"metrics_addr":"a:99999"}"#).is_err());
+    }
 }
