@@ -184,8 +184,8 @@ const MAX_REPLY: usize = 16 << 20;
 
 impl MdsClient {
     pub fn new(endpoints: Vec<String>, timeout: Duration) -> MdsClient {
-        // A current-thread runtime runs nothing in the background: it only
-        // drives a call while the caller waits for it.
+        // A current-thread runtime: it drives a call only while the caller
+        // waits for it (name lookups use its blocking pool, started lazily).
         let rt = tokio::runtime::Builder::new_current_thread()
             .enable_io()
             .enable_time()
@@ -385,8 +385,8 @@ async fn exchange(
         let (mut send, conn) = hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(stream))
             .await
             .map_err(|e| io_err(std::io::ErrorKind::InvalidData, e))?;
-        // The connection's I/O runs beside the request; dropped with it.
-        let conn = tokio::spawn(conn);
+        // The connection's I/O is driven beside the request, in this future:
+        // a timeout or an abort drops both, closing the socket at once.
         let result = async {
             let rsp = send.send_request(req).await.map_err(|e| io_err(std::io::ErrorKind::InvalidData, e))?;
             let status = rsp.status().as_u16();
@@ -396,10 +396,17 @@ async fn exchange(
                 .map_err(|e| io_err(std::io::ErrorKind::InvalidData, e))?
                 .to_bytes();
             Ok((status, body.to_vec()))
+        };
+        tokio::pin!(conn, result);
+        tokio::select! {
+            biased;
+            r = &mut result => r,
+            c = &mut conn => match c {
+                Err(e) => Err(io_err(std::io::ErrorKind::InvalidData, e)),
+                // The connection ended after delivering what it had.
+                Ok(()) => result.await,
+            },
         }
-        .await;
-        conn.abort();
-        result
     })
     .await
     .map_err(|_| timed_out("answer"))?

@@ -59,6 +59,12 @@ pub struct NodeStats {
     /// included in `misses`).
     #[serde(default)]
     pub misses_corrupt: u64,
+    /// Gets of keys not stored (part of `misses`), and gets served from
+    /// the disks (part of `hits`).
+    #[serde(default)]
+    pub misses_absent: u64,
+    #[serde(default)]
+    pub disk_hits: u64,
     /// The node's `--id` and `--group` when it joined a group.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub node_id: Option<String>,

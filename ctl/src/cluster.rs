@@ -102,9 +102,10 @@ fn hit_pct(hits: u64, misses: u64) -> f64 {
     }
 }
 
-/// Gets answered, and the share of them served by each tier (memory, disk).
+/// The share of gets served by each tier (memory, disk), over the same
+/// gets as `hit_pct` (hits and misses), so the two add up to HIT%.
 fn tiers(s: &NodeStats) -> (f64, f64) {
-    let gets = s.hits + s.misses + s.mismatches;
+    let gets = s.hits + s.misses;
     if gets == 0 {
         return (0.0, 0.0);
     }

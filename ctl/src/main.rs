@@ -178,11 +178,21 @@ enum Cmd {
 fn main() -> ExitCode {
     // Output piped into `head` and the like: end quietly when the reader
     // goes away, as other command-line tools do, instead of a panic on a
-    // failed print.
-    // SAFETY: resetting SIGPIPE to its default action before any thread starts.
-    unsafe {
-        libc::signal(libc::SIGPIPE, libc::SIG_DFL);
-    }
+    // failed print. (SIGPIPE stays ignored: a peer closing a socket must be
+    // an error, not the end of the process.)
+    let default_hook = std::panic::take_hook();
+    std::panic::set_hook(Box::new(move |info| {
+        let msg = info
+            .payload()
+            .downcast_ref::<String>()
+            .map(String::as_str)
+            .or_else(|| info.payload().downcast_ref::<&str>().copied())
+            .unwrap_or("");
+        if msg.contains("failed printing to stdout") && msg.contains("Broken pipe") {
+            std::process::exit(0);
+        }
+        default_hook(info);
+    }));
     let cli: Cli = match kv_common::cli::parse_args("kvctl") {
         Ok(c) => c,
         Err(code) => return code,

@@ -190,13 +190,22 @@ pub fn run(
     let tty = std::io::stdout().is_terminal() && !json;
     let mut prev: HashMap<String, (Instant, NodeStats)> = HashMap::new();
     let mut n = 0u64;
+    let mut last: Option<(String, Vec<MemberRecord>)> = None;
     loop {
         let started = Instant::now();
         let (label, members) = match source {
-            Source::Mds { endpoints, group } => {
-                let v = cluster::fetch_view(endpoints, group, timeout)?;
-                (format!("group {group}  epoch {}", v.epoch), v.members)
-            }
+            Source::Mds { endpoints, group } => match cluster::fetch_view(endpoints, group, timeout) {
+                Ok(v) => {
+                    let got = (format!("group {group}  epoch {}", v.epoch), v.members);
+                    last = Some(got.clone());
+                    got
+                }
+                // kv-mds away for a moment: the members last seen, and why.
+                Err(e) => match &last {
+                    Some((label, m)) => (format!("{label}  (kv-mds: {e})"), m.clone()),
+                    None => return Err(e),
+                },
+            },
             Source::Members(m) => ("members".to_string(), m.clone()),
         };
         let stats = cluster::gather(&members, timeout);

@@ -252,7 +252,7 @@ async fn handle(
         Call::Health => return health(mds).await,
         Call::Metrics => return metrics(mds, registry).await,
         Call::Dashboard => return html(crate::metrics::DASHBOARD),
-        Call::Groups => return json(StatusCode::OK, &crate::metrics::overview(mds).await),
+        Call::Groups => return json(StatusCode::OK, &*crate::metrics::overview(mds).await),
         Call::View { group, .. }
         | Call::Register { group, .. }
         | Call::Heartbeat { group, .. }
@@ -270,7 +270,7 @@ async fn handle(
         Call::Health => health(mds).await,
         Call::Metrics => metrics(mds, registry).await,
         Call::Dashboard => html(crate::metrics::DASHBOARD),
-        Call::Groups => json(StatusCode::OK, &crate::metrics::overview(mds).await),
+        Call::Groups => json(StatusCode::OK, &*crate::metrics::overview(mds).await),
     }
 }
 

@@ -123,9 +123,28 @@ pub struct Overview {
     pub error: Option<String>,
 }
 
+/// How long an overview is reused: dashboards and scrapes of any number
+/// cost etcd one pass over the groups per period at most.
+const OVERVIEW_FOR: Duration = Duration::from_secs(2);
+
+/// [`read_overview`], reused for [`OVERVIEW_FOR`]; one read at a time (the
+/// others wait for it and share its answer).
+pub async fn overview(mds: &Mds) -> Arc<Overview> {
+    static CACHE: tokio::sync::Mutex<Option<(std::time::Instant, Arc<Overview>)>> = tokio::sync::Mutex::const_new(None);
+    let mut c = CACHE.lock().await;
+    if let Some((at, ov)) = c.as_ref() {
+        if at.elapsed() < OVERVIEW_FOR {
+            return ov.clone();
+        }
+    }
+    let ov = Arc::new(read_overview(mds).await);
+    *c = Some((std::time::Instant::now(), ov.clone()));
+    ov
+}
+
 /// Every group's view with shares and this replica's leases, read from
 /// etcd within 2 s.
-pub async fn overview(mds: &Mds) -> Overview {
+pub async fn read_overview(mds: &Mds) -> Overview {
     let read = async {
         let mut out = Vec::new();
         for g in mds.reg.group_names().await? {

@@ -638,6 +638,10 @@ fn a_failed_disk_closes_its_files_and_is_taken_back_while_running() {
     // While it is out: one of its keys deleted, one stored anew elsewhere.
     assert!(!s.delete(on0[1].as_bytes()), "held only by the disk out of service");
     assert_eq!(put(&s, on0[2], 7_000).unwrap(), PutOutcome::Stored);
+    // Its filesystem never went away (a bad sector, say): not tried again
+    // before its back-off, so a failing disk does not flap.
+    assert_eq!(s.revive_disks(), 0);
+    assert!(s.stats().disks[0].failed);
     // Without its marker (nothing mounted there) it stays out.
     let marker = d[0].join("KVCELLAR_DISK");
     std::fs::rename(&marker, d[0].join("marker.away")).unwrap();

@@ -97,19 +97,50 @@ struct DownDisk {
     failure: String,
     /// Why the last attempt to take it back failed (logged once per change).
     last_attempt: Mutex<Option<String>>,
+    /// When it was taken out, and the mount its directory was on then.
+    since: Instant,
+    mount: Option<u64>,
+    /// Its marker was unreadable at a check since (the filesystem went away).
+    seen_gone: std::sync::atomic::AtomicBool,
+}
+
+/// Whether the disk marker in `dir` can be opened and read (a filesystem
+/// shut down answers `stat` from its caches but fails every open with EIO).
+fn marker_readable(dir: &Path) -> bool {
+    std::fs::read(dir.join(disk::MARKER_FILE)).is_ok_and(|t| !t.is_empty())
+}
+
+/// The id of the mount `dir` is on (`/proc/self/mountinfo`): a new id after
+/// an unmount and mount. None when it cannot be told.
+fn mount_id(dir: &Path) -> Option<u64> {
+    let dir = std::path::absolute(dir).ok()?;
+    let info = std::fs::read_to_string("/proc/self/mountinfo").ok()?;
+    info.lines()
+        .filter_map(|l| {
+            let mut f = l.split(' ');
+            let id = f.next()?.parse::<u64>().ok()?;
+            let point = f.nth(3)?.replace("\\040", " ");
+            dir.starts_with(&point).then_some((point.len(), id))
+        })
+        .max()
+        .map(|(_, id)| id)
 }
 
 /// The disks as operations see them: the slots and the placement over the
 /// disks in service. Replaced whole (one read lock per operation).
 struct View {
     slots: Vec<Slot>,
+    /// Per slot: evictions and damaged records dropped by the disk's
+    /// earlier incarnations (counters stay monotonic across a revival);
+    /// in the view, so a scrape never counts a disk twice.
+    carried: Vec<[u64; 2]>,
     ring: Ring,
     /// Ring member index -> slot index.
     disk_of: Vec<usize>,
 }
 
 impl View {
-    fn new(slots: Vec<Slot>) -> View {
+    fn new(carried: Vec<[u64; 2]>, slots: Vec<Slot>) -> View {
         let mut members = Vec::new();
         let mut disk_of = Vec::new();
         for (i, s) in slots.iter().enumerate() {
@@ -120,7 +151,7 @@ impl View {
                 }
             }
         }
-        View { ring: Ring::new(members), disk_of, slots }
+        View { ring: Ring::new(members), disk_of, slots, carried }
     }
 
     fn live(&self) -> impl Iterator<Item = &Arc<Disk>> {
@@ -139,13 +170,21 @@ impl View {
     }
 }
 
-/// Keys deleted while a disk was out of service: a disk taken back forgets
-/// them (its index still holds them). Bounded; past the bound a disk taken
-/// back starts empty.
+/// Keys deleted while a disk was out of service (as 64-bit hashes: a
+/// collision only makes a disk taken back forget one more key): a disk taken
+/// back forgets them, its index still holds them. Bounded; past the bound a
+/// disk taken back starts empty.
 #[derive(Default)]
 struct DownDeletes {
-    keys: HashSet<Box<[u8]>>,
+    keys: HashSet<u64>,
+    hasher: std::hash::RandomState,
     overflowed: bool,
+}
+
+impl DownDeletes {
+    fn hash(&self, key: &[u8]) -> u64 {
+        std::hash::BuildHasher::hash_one(&self.hasher, key)
+    }
 }
 
 const DOWN_DELETES_MAX: usize = 1 << 20;
@@ -153,6 +192,10 @@ const DOWN_DELETES_MAX: usize = 1 << 20;
 /// How often the directories of disks out of service are checked for a
 /// repaired filesystem.
 pub const REVIVE_EVERY: Duration = Duration::from_secs(5);
+
+/// How long a disk out of service whose filesystem was not remounted waits
+/// before it is tried again (doubling with each revival of its slot).
+pub const REVIVE_BACKOFF: Duration = Duration::from_secs(60);
 
 /// Opens a disk's data file again when the disk is taken back into service.
 pub type Reopen = Arc<dyn Fn(&Path, bool) -> io::Result<Box<dyn Device>> + Send + Sync>;
@@ -169,6 +212,10 @@ struct Counters {
     bytes_written: AtomicU64,
     mem_hits: AtomicU64,
     misses_corrupt: AtomicU64,
+    /// Kept apart (not derived by subtraction) so each exported counter is
+    /// monotonic even when read while gets run.
+    misses_absent: AtomicU64,
+    disk_hits: AtomicU64,
 }
 
 pub struct Store {
@@ -178,9 +225,8 @@ pub struct Store {
     /// None: disks taken out of service stay out until the next start.
     reopen: Option<Reopen>,
     last_revive: Mutex<Instant>,
-    /// Per slot: evictions and damaged records dropped by the disk's
-    /// earlier incarnations (counters stay monotonic across a revival).
-    carried: Vec<[AtomicU64; 2]>,
+    /// Per slot: times its disk was taken back into service (the back-off).
+    revivals: Vec<std::sync::atomic::AtomicU32>,
     down_deletes: Mutex<DownDeletes>,
     mem: Option<mem::MemTier>,
     pool: BufPool,
@@ -245,8 +291,8 @@ impl Store {
             reports.push(rep);
         }
         let store = Store {
-            carried: slots.iter().map(|_| Default::default()).collect(),
-            view: RwLock::new(Arc::new(View::new(slots))),
+            revivals: slots.iter().map(|_| Default::default()).collect(),
+            view: RwLock::new(Arc::new(View::new(vec![[0, 0]; slots.len()], slots))),
             specs: cfg.disks.clone(),
             sync_writes: cfg.sync_writes,
             reopen: None,
@@ -271,7 +317,7 @@ impl Store {
     /// Places keys over the disks in service.
     fn rebuild_ring(&self) {
         let mut w = self.view.write().unwrap_or_else(|e| e.into_inner());
-        *w = Arc::new(View::new(w.slots.clone()));
+        *w = Arc::new(View::new(w.carried.clone(), w.slots.clone()));
     }
 
     fn view(&self) -> Arc<View> {
@@ -390,6 +436,7 @@ impl Store {
 
     /// Counts a get answered as a miss without calling [`Store::get`].
     pub fn count_miss(&self) {
+        self.c.misses_absent.fetch_add(1, Ordering::Relaxed);
         self.c.misses.fetch_add(1, Ordering::Relaxed);
     }
 
@@ -411,6 +458,7 @@ impl Store {
         for d in self.view().live() {
             match d.get(key, geo, &self.pool, true) {
                 Ok(Lookup::Hit(buf)) => {
+                    self.c.disk_hits.fetch_add(1, Ordering::Relaxed);
                     let rec = Arc::new(buf);
                     if let Some(m) = &self.mem {
                         m.insert(key, rec.clone(), generation);
@@ -425,6 +473,8 @@ impl Store {
         }
         if damaged {
             self.c.misses_corrupt.fetch_add(1, Ordering::Relaxed);
+        } else {
+            self.c.misses_absent.fetch_add(1, Ordering::Relaxed);
         }
         GetOutcome::Miss
     }
@@ -527,11 +577,22 @@ impl Store {
         if v.any_out() {
             // The disk out of service may still hold the key: it must not
             // come back with it.
-            let mut dd = lock(&self.down_deletes);
-            if dd.keys.len() < DOWN_DELETES_MAX {
-                dd.keys.insert(key.into());
-            } else {
-                dd.overflowed = true;
+            {
+                let mut dd = lock(&self.down_deletes);
+                if dd.keys.len() < DOWN_DELETES_MAX {
+                    let h = dd.hash(key);
+                    dd.keys.insert(h);
+                } else {
+                    dd.overflowed = true;
+                }
+            }
+            // A disk taken back between our view and the record above did
+            // not see the key: delete it there too.
+            let now = self.view();
+            if !Arc::ptr_eq(&v, &now) {
+                for d in now.live() {
+                    any |= d.delete(key);
+                }
             }
         }
         any
@@ -576,7 +637,16 @@ impl Store {
                 failed.push(i);
             }
         }
-        let any_down = v.slots.iter().any(|s| matches!(s, Slot::Down(_)));
+        let mut any_down = false;
+        for s in &v.slots {
+            if let Slot::Down(dd) = s {
+                any_down = true;
+                // Every tick (one stat): catches a filesystem away for a moment.
+                if !marker_readable(&dd.dir) {
+                    dd.seen_gone.store(true, Ordering::Relaxed);
+                }
+            }
+        }
         drop(v);
         if !failed.is_empty() {
             self.take_down(&failed);
@@ -599,11 +669,15 @@ impl Store {
     fn take_down(&self, slots: &[usize]) {
         let mut w = self.view.write().unwrap_or_else(|e| e.into_inner());
         let mut next = w.slots.clone();
+        let mut carried = w.carried.clone();
         for &i in slots {
             let Slot::Live(d) = &next[i] else { continue };
+            if !d.is_failed() {
+                continue;
+            }
             let st = d.stats();
-            self.carried[i][0].fetch_add(st.evictions, Ordering::Relaxed);
-            self.carried[i][1].fetch_add(d.corrupt_dropped(), Ordering::Relaxed);
+            carried[i][0] += st.evictions;
+            carried[i][1] += d.corrupt_dropped();
             tracing::warn!(
                 disk = %d.id, dir = %d.dir.display(), every_s = REVIVE_EVERY.as_secs(),
                 "disk out of service: its files are closed; its directory is checked for a repaired filesystem"
@@ -614,17 +688,27 @@ impl Store {
                 cap: d.cap(),
                 failure: st.failure.unwrap_or_else(|| "failed".into()),
                 last_attempt: Mutex::new(None),
+                since: Instant::now(),
+                mount: mount_id(&d.dir),
+                // A filesystem shut down or gone: its marker does not read.
+                seen_gone: std::sync::atomic::AtomicBool::new(!marker_readable(&d.dir)),
             }));
         }
-        *w = Arc::new(View::new(next));
+        *w = Arc::new(View::new(carried, next));
     }
 
     /// Takes disks out of service back when their directory holds the disk
     /// marker again and the disk opens (its index recovered as at a start).
-    /// A disk taken back forgets the keys deleted while it was out and the
-    /// keys stored on another disk meanwhile (the newer copy wins). Never
-    /// creates a directory or a marker: a mount point with nothing mounted
-    /// stays out. Returns how many disks came back.
+    /// A disk is tried once its filesystem was remounted (the marker was
+    /// unreadable at a check, or the directory's mount changed), or else
+    /// after a back-off (1 minute, doubling with each time the slot was
+    /// taken back, up to an hour), so a disk failing on a bad sector does not
+    /// flap. A disk taken back forgets the keys deleted while it was out and
+    /// the keys stored on another disk meanwhile (the newer copy wins); the
+    /// scan runs before the store's view is locked, and only the deletes
+    /// recorded since are checked under the lock. Never creates a directory
+    /// or a marker: a mount point with nothing mounted stays out. Returns
+    /// how many disks came back.
     pub fn revive_disks(&self) -> usize {
         let Some(reopen) = &self.reopen else { return 0 };
         let v = self.view();
@@ -632,14 +716,21 @@ impl Store {
         for (i, s) in v.slots.iter().enumerate() {
             let Slot::Down(dd) = s else { continue };
             let spec = &self.specs[i];
-            if !spec.dir.join(disk::MARKER_FILE).is_file() {
+            if !marker_readable(&spec.dir) {
+                dd.seen_gone.store(true, Ordering::Relaxed);
+                continue;
+            }
+            let remounted =
+                dd.seen_gone.load(Ordering::Relaxed) || (dd.mount.is_some() && mount_id(&spec.dir) != dd.mount);
+            let backoff = REVIVE_BACKOFF * 2u32.pow(self.revivals[i].load(Ordering::Relaxed).min(6));
+            if !remounted && dd.since.elapsed() < backoff.min(Duration::from_secs(3600)) {
                 continue;
             }
             let t0 = Instant::now();
             let r = reopen(&spec.dir.join(disk::DATA_FILE), self.sync_writes)
                 .and_then(|dev| Disk::open(dd.id.clone(), &spec.dir, spec.cap, dev));
             match r {
-                Ok((d, rep)) => opened.push((i, d, rep, t0.elapsed())),
+                Ok((d, rep)) => opened.push((i, d, rep, t0)),
                 Err(e) => {
                     let e = e.to_string();
                     let mut last = lock(&dd.last_attempt);
@@ -654,28 +745,44 @@ impl Store {
         if opened.is_empty() {
             return 0;
         }
-        // Under the write lock, so no put or delete slips between the check
-        // and the disk's return.
-        let mut w = self.view.write().unwrap_or_else(|e| e.into_inner());
-        let mut dd = lock(&self.down_deletes);
-        let mut next = w.slots.clone();
-        let n = opened.len();
-        for (i, d, rep, took) in opened {
-            let others: Vec<&Arc<Disk>> = w.live().collect();
+        // The scan, with the view unlocked: operations go on meanwhile.
+        let mut scanned = Vec::new();
+        for (i, d, rep, t0) in opened {
+            let others = self.view();
             let mut forgot = 0u64;
+            let dd = lock(&self.down_deletes);
+            let seen = dd.keys.len();
             for k in d.keys() {
-                if dd.overflowed || dd.keys.contains(&k[..]) || others.iter().any(|o| o.contains(&k)) {
+                if dd.overflowed || dd.keys.contains(&dd.hash(&k)) || others.live().any(|o| o.contains(&k)) {
                     d.delete(&k);
                     forgot += 1;
                 }
             }
+            drop(dd);
+            scanned.push((i, d, rep, t0, forgot, seen));
+        }
+        let mut w = self.view.write().unwrap_or_else(|e| e.into_inner());
+        let mut dd = lock(&self.down_deletes);
+        let mut next = w.slots.clone();
+        let n = scanned.len();
+        for (i, d, rep, t0, mut forgot, seen) in scanned {
+            // Deletes recorded since the scan (few): checked now.
+            if dd.overflowed || dd.keys.len() != seen {
+                for k in d.keys() {
+                    if dd.overflowed || dd.keys.contains(&dd.hash(&k)) {
+                        d.delete(&k);
+                        forgot += 1;
+                    }
+                }
+            }
             tracing::warn!(
-                disk = %d.id, dir = %d.dir.display(), records = rep.records - forgot, forgot,
-                reclaimed = rep.reclaimed, ms = took.as_millis() as u64, "disk back in service"
+                disk = %d.id, dir = %d.dir.display(), records = rep.records.saturating_sub(forgot), forgot,
+                reclaimed = rep.reclaimed, ms = t0.elapsed().as_millis() as u64, "disk back in service"
             );
+            self.revivals[i].fetch_add(1, Ordering::Relaxed);
             next[i] = Slot::Live(Arc::new(d));
         }
-        let view = View::new(next);
+        let view = View::new(w.carried.clone(), next);
         if !view.any_out() {
             *dd = DownDeletes::default();
         }
@@ -700,7 +807,7 @@ impl Store {
         let disks: Vec<_> = v
             .slots
             .iter()
-            .zip(&self.carried)
+            .zip(&v.carried)
             .map(|(s, c)| {
                 let mut st = match s {
                     Slot::Live(d) => d.stats(),
@@ -716,20 +823,19 @@ impl Store {
                         unverified: 0,
                     },
                 };
-                st.evictions += c[0].load(Ordering::Relaxed);
+                st.evictions += c[0];
                 st
             })
             .collect();
         let corrupt_dropped = v
             .slots
             .iter()
-            .zip(&self.carried)
+            .zip(&v.carried)
             .map(|(s, c)| {
-                c[1].load(Ordering::Relaxed)
-                    + match s {
-                        Slot::Live(d) => d.corrupt_dropped(),
-                        Slot::Down(_) => 0,
-                    }
+                c[1] + match s {
+                    Slot::Live(d) => d.corrupt_dropped(),
+                    Slot::Down(_) => 0,
+                }
             })
             .sum();
         let ld = |a: &AtomicU64| a.load(Ordering::Relaxed);
@@ -759,6 +865,8 @@ impl Store {
             v1_connections: 0,
             refused_connections: 0,
             misses_corrupt: ld(&self.c.misses_corrupt),
+            misses_absent: ld(&self.c.misses_absent),
+            disk_hits: ld(&self.c.disk_hits),
             node_id: None,
             group: None,
             latency: Vec::new(),
