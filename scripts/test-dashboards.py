@@ -27,6 +27,7 @@ import urllib.request
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
 BIN = os.environ.get("KVCELLAR_BIN_DIR") or os.path.join(ROOT, "target", "debug")
 procs: list[subprocess.Popen] = []
+WORK = "."  # the daemons' working directory: disk dirs are given relative to it
 
 
 def free_port() -> int:
@@ -56,7 +57,7 @@ def wait(what: str, f, limit: float = 30.0):
 def start(args: list[str], announce: str | None = None, log: str | None = None) -> str:
     out = subprocess.PIPE if announce else subprocess.DEVNULL
     err = open(log, "w") if log else subprocess.DEVNULL
-    p = subprocess.Popen(args, stdout=out, stderr=err, text=True)
+    p = subprocess.Popen(args, stdout=out, stderr=err, text=True, cwd=WORK)
     procs.append(p)
     if not announce:
         return ""
@@ -101,7 +102,9 @@ def check(ok: bool, what: str, failures: list[str]) -> None:
 def main() -> int:
     out_dir = os.path.abspath(sys.argv[1] if len(sys.argv) > 1 else os.path.join(ROOT, "target", "dashboards"))
     os.makedirs(out_dir, exist_ok=True)
+    global WORK
     tmp = tempfile.mkdtemp(prefix="kvc-dash-")
+    WORK = tmp
     failures: list[str] = []
     try:
         cport, pport = free_port(), free_port()
@@ -118,7 +121,7 @@ def main() -> int:
         for i in (1, 2):
             m = f"127.0.0.1:{free_port()}"
             metrics.append(m)
-            start([f"{BIN}/kv-server", "--listen", "127.0.0.1:0", "--dir", f"{tmp}/n{i}a,{tmp}/n{i}b",
+            start([f"{BIN}/kv-server", "--listen", "127.0.0.1:0", "--dir", f"nvme0/kv{i},nvme1/kv{i}",
                    "--cap", "48M", "--mem-cap", "8M", "--metrics-listen", m, "--mds", mds, "--group", "demo",
                    "--id", f"gpu-node-{i}", "--advertise", "127.0.0.1:0", "--log-level", "warn"],
                   "kv-server listening on ", f"{tmp}/n{i}.log")
