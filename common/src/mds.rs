@@ -157,7 +157,9 @@ pub struct MdsClient {
     /// Connect timeout, and the time an answer may take (a long-poll adds
     /// its wait on top).
     pub timeout: Duration,
-    rt: tokio::runtime::Runtime,
+    /// The runtime that drives calls; Err (why it could not be made, say
+    /// no file descriptor left for its epoll) fails each call clearly.
+    rt: Result<Option<tokio::runtime::Runtime>, String>,
     /// True once aborted: the call in progress ends and later calls fail.
     abort: Arc<tokio::sync::watch::Sender<bool>>,
     /// Sent as `Authorization: Bearer` on every call.
@@ -190,7 +192,8 @@ impl MdsClient {
             .enable_io()
             .enable_time()
             .build()
-            .expect("a current-thread tokio runtime (no threads, no files) can be built");
+            .map(Some)
+            .map_err(|e| format!("cannot start the MDS client's I/O runtime: {e}"));
         MdsClient {
             endpoints,
             current: 0,
@@ -332,12 +335,29 @@ impl MdsClient {
         }
         let req = build_request(ep, method, path, body, self.token.as_ref())?;
         let (connect, answer) = (self.timeout, self.timeout + extra);
-        self.rt.block_on(async move {
+        let rt = match &self.rt {
+            Ok(Some(rt)) => rt,
+            Ok(None) => return Err(std::io::Error::other("the MDS client is closed")),
+            Err(e) => return Err(std::io::Error::other(e.clone())),
+        };
+        rt.block_on(async move {
             tokio::select! {
                 r = exchange(ep, req, connect, answer) => r,
                 _ = abort.wait_for(|a| *a) => Err(std::io::Error::new(std::io::ErrorKind::Interrupted, "aborted")),
             }
         })
+    }
+}
+
+impl Drop for MdsClient {
+    /// Without waiting for anything, so a client may be dropped anywhere,
+    /// an async context included (dropping a runtime there would panic).
+    fn drop(&mut self) {
+        if let Ok(rt) = &mut self.rt {
+            if let Some(rt) = rt.take() {
+                rt.shutdown_background();
+            }
+        }
     }
 }
 
@@ -451,6 +471,17 @@ mod tests {
             assert_eq!(e.kind(), std::io::ErrorKind::InvalidData, "{e}");
         }
         server.join().unwrap();
+    }
+
+    /// A client dropped inside an async context (a daemon's start-up) does
+    /// not panic.
+    #[test]
+    fn a_client_dropped_in_an_async_context_does_not_panic() {
+        let rt = tokio::runtime::Builder::new_current_thread().build().unwrap();
+        rt.block_on(async {
+            let c = MdsClient::new(vec!["127.0.0.1:1".into()], Duration::from_millis(100));
+            drop(c);
+        });
     }
 
     /// A long-poll aborted from another thread ends at once.
