@@ -14,6 +14,7 @@ pub mod cli;
 pub mod daemon;
 pub mod mds;
 pub mod page;
+pub mod rdma;
 pub mod ring;
 pub mod size;
 pub mod stats;

@@ -1,0 +1,321 @@
+//! The queue-pair bootstrap (docs/PROTOCOL.md, "RDMA_CONNECT"): after the
+//! hello, on the accepted and authenticated data connection, the client sends
+//! its queue pair's endpoint in an RDMA_CONNECT request and the node answers
+//! with its own, so a member keeps one address and the auth token guards the
+//! exchange. The body is versioned on its own: a node that speaks another
+//! bootstrap version says which, and a node without RDMA says why; either
+//! way the connection carries on over TCP.
+//!
+//! Also here: the memory segments a request names (address, length, key) so
+//! the node can move the payload by RDMA.
+
+use crate::page::{le_u16, le_u32, le_u64};
+
+/// The bootstrap version this code speaks.
+pub const BOOTSTRAP_VERSION: u16 = 1;
+/// Answer codes.
+pub const ACCEPTED: u16 = 0;
+pub const VERSION_REFUSED: u16 = 1;
+pub const NOT_OFFERED: u16 = 2;
+pub const SETUP_FAILED: u16 = 3;
+/// Most segments one request may name.
+pub const MAX_SEGMENTS: usize = 1024;
+/// Bytes of one segment.
+pub const SEGMENT_LEN: usize = 16;
+/// Longest reason text in an answer.
+pub const MAX_REASON: usize = 1024;
+
+/// One end of a reliable-connected queue pair.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Endpoint {
+    /// Work requests in flight this end asks for (request) or grants (answer).
+    pub depth: u16,
+    pub port: u8,
+    /// Path MTU code as in verbs: 1 = 256 ... 5 = 4096 bytes.
+    pub mtu: u8,
+    /// InfiniBand local id (0 on RoCE).
+    pub lid: u16,
+    pub gid: [u8; 16],
+    /// Queue pair number and starting packet sequence number (24 bits each).
+    pub qpn: u32,
+    pub psn: u32,
+    /// The device this end uses (for logs and counters).
+    pub device: String,
+}
+
+const FIXED: usize = 33;
+
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum BootstrapError {
+    #[error("RDMA bootstrap body too short ({0} bytes)")]
+    Short(usize),
+    #[error("RDMA bootstrap version {theirs} not spoken (this end speaks {BOOTSTRAP_VERSION})")]
+    Version { theirs: u16 },
+    #[error("RDMA bootstrap: {0}")]
+    Invalid(&'static str),
+}
+
+impl Endpoint {
+    fn put(&self, out: &mut Vec<u8>) {
+        out.extend_from_slice(&self.depth.to_le_bytes());
+        out.push(self.port);
+        out.push(self.mtu);
+        out.extend_from_slice(&self.lid.to_le_bytes());
+        out.extend_from_slice(&self.gid);
+        out.extend_from_slice(&self.qpn.to_le_bytes());
+        out.extend_from_slice(&self.psn.to_le_bytes());
+        out.push(self.device.len() as u8);
+        out.extend_from_slice(self.device.as_bytes());
+    }
+
+    fn get(b: &[u8]) -> Result<Endpoint, BootstrapError> {
+        // `b` starts after the version.
+        if b.len() < FIXED - 2 {
+            return Err(BootstrapError::Short(b.len() + 2));
+        }
+        let n = b[30] as usize;
+        if b.len() != FIXED - 2 + n {
+            return Err(BootstrapError::Invalid("device name length does not match the body"));
+        }
+        let device = std::str::from_utf8(&b[31..])
+            .ok()
+            .filter(|d| !d.is_empty() && d.bytes().all(|c| c.is_ascii_graphic()))
+            .ok_or(BootstrapError::Invalid("device name is not printable ASCII"))?
+            .to_string();
+        let mut gid = [0u8; 16];
+        gid.copy_from_slice(&b[6..22]);
+        let e = Endpoint {
+            depth: le_u16(b, 0),
+            port: b[2],
+            mtu: b[3],
+            lid: le_u16(b, 4),
+            gid,
+            qpn: le_u32(b, 22),
+            psn: le_u32(b, 26),
+            device,
+        };
+        if e.depth == 0 || u32::from(e.depth) > super::MAX_DEPTH {
+            return Err(BootstrapError::Invalid("depth out of range 1..=1024"));
+        }
+        if !(1..=5).contains(&e.mtu) {
+            return Err(BootstrapError::Invalid("path MTU code out of range 1..=5"));
+        }
+        if e.port == 0 {
+            return Err(BootstrapError::Invalid("port 0"));
+        }
+        if e.qpn >= 1 << 24 || e.psn >= 1 << 24 {
+            return Err(BootstrapError::Invalid("QP number or PSN over 24 bits"));
+        }
+        Ok(e)
+    }
+
+    /// The RDMA_CONNECT request body.
+    pub fn encode_request(&self) -> Vec<u8> {
+        let mut out = Vec::with_capacity(FIXED + self.device.len());
+        out.extend_from_slice(&BOOTSTRAP_VERSION.to_le_bytes());
+        self.put(&mut out);
+        out
+    }
+
+    /// Decodes a request. A version this end does not speak is
+    /// [`BootstrapError::Version`]: answer with [`Answer::VersionRefused`].
+    pub fn decode_request(b: &[u8]) -> Result<Endpoint, BootstrapError> {
+        if b.len() < 2 {
+            return Err(BootstrapError::Short(b.len()));
+        }
+        let v = le_u16(b, 0);
+        if v != BOOTSTRAP_VERSION {
+            return Err(BootstrapError::Version { theirs: v });
+        }
+        Endpoint::get(&b[2..])
+    }
+}
+
+/// The node's answer to RDMA_CONNECT (always a status-OK frame; the code
+/// inside says what happened).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Answer {
+    Accepted(Endpoint),
+    /// The node speaks this bootstrap version instead.
+    VersionRefused(u16),
+    /// No RDMA at this node (not built with it, no device named, or its
+    /// devices unusable): the reason.
+    NotOffered(String),
+    /// The node could not set a queue pair up for this request.
+    SetupFailed(String),
+}
+
+impl Answer {
+    pub fn encode(&self) -> Vec<u8> {
+        let mut out = Vec::with_capacity(64);
+        out.extend_from_slice(&BOOTSTRAP_VERSION.to_le_bytes());
+        let (code, text) = match self {
+            Answer::Accepted(e) => {
+                out.extend_from_slice(&ACCEPTED.to_le_bytes());
+                e.put(&mut out);
+                return out;
+            }
+            Answer::VersionRefused(v) => {
+                out[0..2].copy_from_slice(&v.to_le_bytes());
+                (VERSION_REFUSED, "")
+            }
+            Answer::NotOffered(r) => (NOT_OFFERED, r.as_str()),
+            Answer::SetupFailed(r) => (SETUP_FAILED, r.as_str()),
+        };
+        out.extend_from_slice(&code.to_le_bytes());
+        let mut end = text.len().min(MAX_REASON);
+        while !text.is_char_boundary(end) {
+            end -= 1;
+        }
+        out.extend_from_slice(&text.as_bytes()[..end]);
+        out
+    }
+
+    pub fn decode(b: &[u8]) -> Result<Answer, BootstrapError> {
+        if b.len() < 4 {
+            return Err(BootstrapError::Short(b.len()));
+        }
+        let (v, code) = (le_u16(b, 0), le_u16(b, 2));
+        let text = || String::from_utf8_lossy(&b[4..b.len().min(4 + MAX_REASON)]).into_owned();
+        match code {
+            ACCEPTED if v == BOOTSTRAP_VERSION => Ok(Answer::Accepted(Endpoint::get(&b[4..])?)),
+            ACCEPTED => Err(BootstrapError::Version { theirs: v }),
+            VERSION_REFUSED => Ok(Answer::VersionRefused(v)),
+            NOT_OFFERED => Ok(Answer::NotOffered(text())),
+            SETUP_FAILED => Ok(Answer::SetupFailed(text())),
+            _ => Err(BootstrapError::Invalid("unknown answer code")),
+        }
+    }
+}
+
+/// A piece of registered memory at the other end: where a payload goes (a
+/// get) or comes from (a put).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Segment {
+    pub addr: u64,
+    pub rkey: u32,
+    pub len: u32,
+}
+
+/// Appends `u16 count` and the segments.
+pub fn encode_segments(segs: &[Segment], out: &mut Vec<u8>) {
+    out.extend_from_slice(&(segs.len() as u16).to_le_bytes());
+    for s in segs {
+        out.extend_from_slice(&s.addr.to_le_bytes());
+        out.extend_from_slice(&s.rkey.to_le_bytes());
+        out.extend_from_slice(&s.len.to_le_bytes());
+    }
+}
+
+/// Decodes what [`encode_segments`] wrote, which must fill `b` exactly.
+pub fn decode_segments(b: &[u8]) -> Result<Vec<Segment>, BootstrapError> {
+    if b.len() < 2 {
+        return Err(BootstrapError::Short(b.len()));
+    }
+    let n = le_u16(b, 0) as usize;
+    if n == 0 || n > MAX_SEGMENTS {
+        return Err(BootstrapError::Invalid("segment count out of range 1..=1024"));
+    }
+    if b.len() != 2 + n * SEGMENT_LEN {
+        return Err(BootstrapError::Invalid("segment list length does not match its count"));
+    }
+    let segs: Vec<Segment> = (0..n)
+        .map(|i| {
+            let o = 2 + i * SEGMENT_LEN;
+            Segment { addr: le_u64(b, o), rkey: le_u32(b, o + 8), len: le_u32(b, o + 12) }
+        })
+        .collect();
+    if segs.iter().any(|s| s.len == 0 || s.addr.checked_add(u64::from(s.len)).is_none()) {
+        return Err(BootstrapError::Invalid("empty segment or one that wraps the address space"));
+    }
+    Ok(segs)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ep() -> Endpoint {
+        Endpoint {
+            depth: 32,
+            port: 1,
+            mtu: 5,
+            lid: 7,
+            gid: [0xfe, 0x80, 0, 0, 0, 0, 0, 0, 2, 2, 0xc9, 0xff, 0xfe, 0, 0, 1],
+            qpn: 0x1234,
+            psn: 0xabcdef,
+            device: "mlx5_0".into(),
+        }
+    }
+
+    #[test]
+    fn requests_and_answers_round_trip_byte_for_byte() {
+        let b = ep().encode_request();
+        assert_eq!(b.len(), 33 + 6);
+        assert_eq!(&b[0..2], &[1, 0], "version first, little-endian");
+        assert_eq!(Endpoint::decode_request(&b).unwrap(), ep());
+        for a in [
+            Answer::Accepted(ep()),
+            Answer::VersionRefused(1),
+            Answer::NotOffered("this node has no RDMA device named".into()),
+            Answer::SetupFailed("cannot create a QP".into()),
+        ] {
+            assert_eq!(Answer::decode(&a.encode()).unwrap(), a);
+        }
+        let acc = Answer::Accepted(ep()).encode();
+        assert_eq!(&acc[2..4], &[0, 0]);
+        assert_eq!(acc.len(), b.len() + 2);
+    }
+
+    #[test]
+    fn versions_and_bad_bodies_are_refused_with_a_reason() {
+        let mut b = ep().encode_request();
+        b[0] = 2;
+        assert_eq!(Endpoint::decode_request(&b), Err(BootstrapError::Version { theirs: 2 }));
+        assert!(Endpoint::decode_request(&[1]).is_err());
+        let good = ep().encode_request();
+        assert!(matches!(Endpoint::decode_request(&good[..20]), Err(BootstrapError::Short(_))));
+        let mut long = good.clone();
+        long.push(b'x');
+        assert!(Endpoint::decode_request(&long).is_err());
+        for (off, val, what) in [(2, 0u8, "depth"), (5, 9, "MTU"), (4, 0, "port"), (27, 1, "24 bits")] {
+            let mut b = good.clone();
+            b[off] = val;
+            if off == 2 {
+                b[3] = 0;
+            }
+            let e = Endpoint::decode_request(&b).unwrap_err().to_string();
+            assert!(e.contains(what), "{what}: {e}");
+        }
+        let mut b = good.clone();
+        b[33] = 0x07;
+        assert!(Endpoint::decode_request(&b).unwrap_err().to_string().contains("printable"));
+        // A newer node answering in its own version: refused, not misread.
+        let mut a = Answer::Accepted(ep()).encode();
+        a[0] = 9;
+        assert_eq!(Answer::decode(&a), Err(BootstrapError::Version { theirs: 9 }));
+        assert!(Answer::decode(&[1, 0, 7, 0]).is_err());
+        assert!(Answer::decode(&[1, 0]).is_err());
+        // Reasons are bounded and cut on a character boundary.
+        let long = Answer::NotOffered("é".repeat(MAX_REASON)).encode();
+        assert!(long.len() <= 4 + MAX_REASON);
+        assert!(matches!(Answer::decode(&long), Ok(Answer::NotOffered(_))));
+    }
+
+    #[test]
+    fn segments_are_checked() {
+        let segs = [Segment { addr: 0x7f00_0000_0000, rkey: 9, len: 4096 }, Segment { addr: 1, rkey: 2, len: 3 }];
+        let mut b = Vec::new();
+        encode_segments(&segs, &mut b);
+        assert_eq!(b.len(), 2 + 32);
+        assert_eq!(decode_segments(&b).unwrap(), segs);
+        assert!(decode_segments(&b[..b.len() - 1]).is_err());
+        assert!(decode_segments(&[0, 0]).is_err());
+        let mut wrap = Vec::new();
+        encode_segments(&[Segment { addr: u64::MAX, rkey: 1, len: 2 }], &mut wrap);
+        assert!(decode_segments(&wrap).is_err());
+        let mut empty = Vec::new();
+        encode_segments(&[Segment { addr: 1, rkey: 1, len: 0 }], &mut empty);
+        assert!(decode_segments(&empty).is_err());
+    }
+}

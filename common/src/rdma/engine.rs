@@ -1,0 +1,776 @@
+//! The RDMA engine both ends use: rails (one device each), a registration
+//! cache per rail, queue-pair links with their completion trackers, and one
+//! polling thread. The verbs sit behind [`Backend`]: `sideway` in the `rdma`
+//! build ([`super::verbs`]), and in tests a stand-in fabric that copies
+//! memory in-process (so the whole path, from request to completion, runs
+//! here without a device).
+//!
+//! Who moves the bytes: the node. For a get it RDMA-WRITEs the payload into
+//! the caller's registered buffers; for a put it RDMA-READs the payload from
+//! them. The client posts no work requests at all; it registers memory and
+//! names it in its requests (docs/ARCHITECTURE.md, "Transports", argues the
+//! choice).
+
+use std::any::Any;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Condvar, Mutex, Weak};
+use std::time::{Duration, Instant};
+
+use super::bootstrap::{Endpoint, Segment};
+use super::completion::{CompletionSource, RdmaError, Tracker, Wc};
+use super::regcache::{RegCache, Region, Registrar};
+use super::{Counters, RailCounters, RailSpec, Settings};
+
+/// What a work request does.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum WrOp {
+    /// Local memory to the peer's.
+    Write,
+    /// The peer's memory to local memory.
+    Read,
+}
+
+/// One work request: `len` bytes between local `(lkey, laddr)` and remote
+/// `(rkey, raddr)`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Wr {
+    pub wr_id: u64,
+    pub op: WrOp,
+    pub lkey: u32,
+    pub laddr: u64,
+    pub len: u32,
+    pub rkey: u32,
+    pub raddr: u64,
+}
+
+/// A memory registration with a device; dropping `keep` deregisters it.
+pub struct Mr {
+    pub lkey: u32,
+    pub rkey: u32,
+    pub keep: Box<dyn Any + Send + Sync>,
+}
+
+impl std::fmt::Debug for Mr {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Mr").field("lkey", &self.lkey).field("rkey", &self.rkey).finish()
+    }
+}
+
+/// One queue pair of a backend.
+pub trait QueuePair: Send + Sync {
+    /// This end, to send to the peer.
+    fn local(&self) -> Endpoint;
+    /// Takes the queue pair to ready-to-send against the peer's endpoint.
+    fn connect(&self, remote: &Endpoint) -> Result<(), String>;
+    /// Posts work requests (each signaled).
+    fn post(&self, wrs: &[Wr]) -> Result<(), String>;
+    /// Appends the completions ready now.
+    fn poll(&self, out: &mut Vec<Wc>) -> Result<(), String>;
+}
+
+/// A device family: registers memory and makes queue pairs, per rail.
+pub trait Backend: Send + Sync {
+    fn register(&self, rail: usize, addr: usize, len: usize) -> Result<Mr, String>;
+    fn create_qp(&self, rail: usize, depth: u32) -> Result<Box<dyn QueuePair>, String>;
+}
+
+struct RailRegistrar {
+    backend: Arc<dyn Backend>,
+    rail: usize,
+}
+
+impl Registrar for RailRegistrar {
+    type Mr = Mr;
+    fn register(&self, addr: usize, len: usize) -> Result<Mr, String> {
+        self.backend.register(self.rail, addr, len)
+    }
+}
+
+/// A registration in use by an operation (kept alive while it runs).
+pub type Registration = Arc<Region<Mr>>;
+
+struct LinkCore {
+    /// Destroyed before the memory of failed requests is let go (Drop).
+    qp: Mutex<Option<Box<dyn QueuePair>>>,
+    tracker: Arc<Tracker>,
+}
+
+impl Drop for LinkCore {
+    fn drop(&mut self) {
+        let qp = self.qp.get_mut().unwrap_or_else(|e| e.into_inner()).take();
+        drop(qp);
+        // The device no longer touches memory of requests that failed.
+        drop(self.tracker.take_limbo());
+    }
+}
+
+struct QpSource<'a>(&'a LinkCore);
+
+impl CompletionSource for QpSource<'_> {
+    fn poll(&mut self, out: &mut Vec<Wc>) -> Result<(), String> {
+        match &*self.0.qp.lock().unwrap_or_else(|e| e.into_inner()) {
+            Some(qp) => qp.poll(out),
+            None => Err("queue pair destroyed".into()),
+        }
+    }
+}
+
+/// The polling thread's shared state.
+struct Poll {
+    links: Mutex<Vec<Weak<LinkCore>>>,
+    posted: Mutex<u64>,
+    wake: Condvar,
+    stop: AtomicBool,
+}
+
+impl Poll {
+    fn kick(&self) {
+        *self.posted.lock().unwrap_or_else(|e| e.into_inner()) += 1;
+        self.wake.notify_one();
+    }
+
+    fn run(self: Arc<Poll>) {
+        let mut buf = Vec::new();
+        let mut last_expire = Instant::now();
+        let mut seen = 0u64;
+        let mut idle_spins = 0u32;
+        while !self.stop.load(Ordering::Relaxed) {
+            let links: Vec<Arc<LinkCore>> = {
+                let mut g = self.links.lock().unwrap_or_else(|e| e.into_inner());
+                g.retain(|w| w.strong_count() > 0);
+                g.iter().filter_map(Weak::upgrade).collect()
+            };
+            let busy = links.iter().any(|l| l.tracker.in_flight() > 0);
+            if !busy {
+                // Sleep until something is posted (or a while passes).
+                let g = self.posted.lock().unwrap_or_else(|e| e.into_inner());
+                if *g == seen {
+                    let (g, _) =
+                        self.wake.wait_timeout(g, Duration::from_millis(50)).unwrap_or_else(|e| e.into_inner());
+                    seen = *g;
+                } else {
+                    seen = *g;
+                }
+                continue;
+            }
+            let mut got = 0;
+            for l in &links {
+                got += l.tracker.drive(&mut QpSource(l), &mut buf);
+            }
+            if last_expire.elapsed() >= Duration::from_millis(5) {
+                let now = Instant::now();
+                for l in &links {
+                    l.tracker.expire(now);
+                }
+                last_expire = now;
+            }
+            drop(links);
+            if got == 0 {
+                idle_spins += 1;
+                if idle_spins < 64 {
+                    std::hint::spin_loop();
+                } else {
+                    std::thread::sleep(Duration::from_micros(20));
+                }
+            } else {
+                idle_spins = 0;
+            }
+        }
+    }
+}
+
+/// The RDMA side of one client handle or one node process.
+pub struct Runtime {
+    backend: Arc<dyn Backend>,
+    rails: Vec<RailSpec>,
+    rail_counters: Vec<Arc<RailCounters>>,
+    caches: Vec<Mutex<RegCache<RailRegistrar>>>,
+    counters: Arc<Counters>,
+    settings: Settings,
+    next: AtomicUsize,
+    poll: Arc<Poll>,
+    timeout: Duration,
+}
+
+impl std::fmt::Debug for Runtime {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Runtime").field("rails", &self.rails).finish()
+    }
+}
+
+impl Drop for Runtime {
+    fn drop(&mut self) {
+        self.poll.stop.store(true, Ordering::Relaxed);
+        self.poll.kick();
+    }
+}
+
+/// A connected (or connecting) queue pair, owned by one data connection.
+pub struct Link {
+    core: Arc<LinkCore>,
+    rt: Arc<Runtime>,
+    rail: usize,
+    local: Endpoint,
+}
+
+impl std::fmt::Debug for Link {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Link").field("rail", &self.rail).field("local", &self.local).finish()
+    }
+}
+
+impl Runtime {
+    /// A runtime over `rails` of `backend`. `cache_cap`: bytes of cached
+    /// (not pinned) registrations per rail; `timeout`: per work request.
+    pub fn with_backend(
+        backend: Arc<dyn Backend>,
+        rails: Vec<RailSpec>,
+        settings: Settings,
+        counters: Arc<Counters>,
+        cache_cap: usize,
+        timeout: Duration,
+    ) -> Arc<Runtime> {
+        let rail_counters = rails.iter().map(|r| counters.rail(&r.device)).collect();
+        let caches = (0..rails.len())
+            .map(|rail| {
+                let reg = RailRegistrar { backend: backend.clone(), rail };
+                Mutex::new(RegCache::new(reg, cache_cap, counters.clone()))
+            })
+            .collect();
+        let poll = Arc::new(Poll {
+            links: Mutex::new(Vec::new()),
+            posted: Mutex::new(0),
+            wake: Condvar::new(),
+            stop: AtomicBool::new(false),
+        });
+        let p = poll.clone();
+        let _ = std::thread::Builder::new().name("kv-rdma-poll".into()).spawn(move || p.run());
+        Arc::new(Runtime {
+            backend,
+            rails,
+            rail_counters,
+            caches,
+            counters,
+            settings,
+            next: AtomicUsize::new(0),
+            poll,
+            timeout,
+        })
+    }
+
+    pub fn rails(&self) -> &[RailSpec] {
+        &self.rails
+    }
+
+    pub fn counters(&self) -> &Arc<Counters> {
+        &self.counters
+    }
+
+    pub fn settings(&self) -> &Settings {
+        &self.settings
+    }
+
+    /// The rail for the next connection (spread, NUMA-local first).
+    pub fn next_rail(&self) -> usize {
+        let n = self.next.fetch_add(1, Ordering::Relaxed);
+        let node = if self.settings.numa_local { super::current_numa_node() } else { None };
+        super::pick_rail(&self.rails, n, node, self.settings.numa_local).unwrap_or(0)
+    }
+
+    fn cache(&self, rail: usize) -> std::sync::MutexGuard<'_, RegCache<RailRegistrar>> {
+        self.caches[rail].lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Registers a long-lived region on every rail (`kv_register_memory`).
+    pub fn pin(&self, addr: usize, len: usize) -> Result<(), String> {
+        for rail in 0..self.rails.len() {
+            if let Err(e) = self.cache(rail).pin(addr, len) {
+                for r in 0..rail {
+                    self.cache(r).unpin(addr);
+                }
+                return Err(format!("{}: {e}", self.rails[rail].device));
+            }
+        }
+        Ok(())
+    }
+
+    /// Drops a region [`Runtime::pin`] registered. False if none starts there.
+    pub fn unpin(&self, addr: usize) -> bool {
+        (0..self.rails.len()).fold(false, |any, rail| self.cache(rail).unpin(addr) | any)
+    }
+
+    /// Memory at `[addr, addr+len)` is being freed: forget cached
+    /// registrations of it.
+    pub fn invalidate(&self, addr: usize, len: usize) {
+        for rail in 0..self.rails.len() {
+            self.cache(rail).invalidate(addr, len);
+        }
+    }
+
+    /// The registration covering a buffer on `rail` (cached or new).
+    pub fn registration(&self, rail: usize, addr: usize, len: usize) -> Result<Registration, String> {
+        self.cache(rail).get(addr, len)
+    }
+
+    /// A segment naming a buffer for the peer, and the registration to keep
+    /// while the request that names it runs.
+    pub fn segment(&self, rail: usize, addr: usize, len: usize) -> Result<(Segment, Registration), String> {
+        let len32 = u32::try_from(len).map_err(|_| "buffer over 4 GiB".to_string())?;
+        let r = self.registration(rail, addr, len)?;
+        Ok((Segment { addr: addr as u64, rkey: r.mr.rkey, len: len32 }, r))
+    }
+
+    /// A new queue pair on `rail` asking for `depth` requests in flight; it
+    /// is connected once the peer's endpoint is known ([`Link::connect`]).
+    pub fn link(self: &Arc<Self>, rail: usize, depth: u32) -> Result<Link, String> {
+        let depth = depth.clamp(1, super::MAX_DEPTH);
+        let qp = self.backend.create_qp(rail, depth)?;
+        let local = qp.local();
+        let core = Arc::new(LinkCore {
+            qp: Mutex::new(Some(qp)),
+            tracker: Arc::new(Tracker::new(depth as usize, self.timeout, self.counters.clone())),
+        });
+        self.poll.links.lock().unwrap_or_else(|e| e.into_inner()).push(Arc::downgrade(&core));
+        Ok(Link { core, rt: self.clone(), rail, local })
+    }
+}
+
+impl Link {
+    pub fn local(&self) -> &Endpoint {
+        &self.local
+    }
+
+    pub fn rail(&self) -> usize {
+        self.rail
+    }
+
+    pub fn runtime(&self) -> &Arc<Runtime> {
+        &self.rt
+    }
+
+    /// Connects to the peer; the depth used is the smaller of both asks.
+    pub fn connect(&self, remote: &Endpoint) -> Result<(), String> {
+        let g = self.core.qp.lock().unwrap_or_else(|e| e.into_inner());
+        let qp = g.as_ref().ok_or("queue pair destroyed")?;
+        qp.connect(remote)?;
+        self.rt.rail_counters[self.rail].qps_connected.fetch_add(1, Ordering::Relaxed);
+        Ok(())
+    }
+
+    /// Why this link can no longer be used, if it cannot.
+    pub fn broken(&self) -> Option<String> {
+        self.core.tracker.broken()
+    }
+
+    /// Requests in flight now.
+    pub fn in_flight(&self) -> usize {
+        self.core.tracker.in_flight()
+    }
+
+    /// Moves `len` bytes between the local buffer at `laddr` and the peer's
+    /// `remote` segments, in order (a write may leave the tail of the last
+    /// segment untouched; a read must fill `len` exactly). `hold` keeps the
+    /// local memory alive until the device is done with it, which may be
+    /// after this returns an error (a timeout).
+    pub async fn transfer(
+        &self,
+        op: WrOp,
+        laddr: usize,
+        len: usize,
+        remote: &[Segment],
+        hold: Arc<dyn Any + Send + Sync>,
+    ) -> Result<(), RdmaError> {
+        let room: u64 = remote.iter().map(|s| u64::from(s.len)).sum();
+        if (op == WrOp::Write && room < len as u64) || (op == WrOp::Read && room != len as u64) {
+            return Err(RdmaError::Post(format!("{len} bytes do not fit segments of {room}")));
+        }
+        if len == 0 {
+            return Ok(());
+        }
+        let reg = self.rt.registration(self.rail, laddr, len).map_err(RdmaError::Post)?;
+        let keep: Arc<dyn Any + Send + Sync> = Arc::new((hold, reg.clone()));
+        let mut tickets = Vec::with_capacity(remote.len());
+        let mut off = 0usize;
+        for seg in remote {
+            if off == len {
+                break;
+            }
+            let n = (seg.len as usize).min(len - off);
+            let t = self.core.tracker.begin(Some(Box::new(keep.clone()))).await?;
+            let wr = Wr {
+                wr_id: t.wr_id,
+                op,
+                lkey: reg.mr.lkey,
+                laddr: (laddr + off) as u64,
+                len: n as u32,
+                rkey: seg.rkey,
+                raddr: seg.addr,
+            };
+            let posted = match &*self.core.qp.lock().unwrap_or_else(|e| e.into_inner()) {
+                Some(qp) => qp.post(&[wr]),
+                None => Err("queue pair destroyed".into()),
+            };
+            if let Err(e) = posted {
+                self.core.tracker.post_failed(t.wr_id, &e);
+                drop(tickets);
+                return Err(RdmaError::Post(e));
+            }
+            self.rt.poll.kick();
+            tickets.push(t);
+            off += n;
+        }
+        let mut result = Ok(());
+        for t in tickets {
+            if let Err(e) = t.wait().await {
+                if result.is_ok() {
+                    result = Err(e);
+                }
+            }
+        }
+        result?;
+        let rc = &self.rt.rail_counters[self.rail];
+        match op {
+            WrOp::Write => rc.written_bytes.fetch_add(len as u64, Ordering::Relaxed),
+            WrOp::Read => rc.read_bytes.fetch_add(len as u64, Ordering::Relaxed),
+        };
+        Ok(())
+    }
+}
+
+impl Drop for Link {
+    fn drop(&mut self) {
+        if self.core.tracker.broken().is_none() {
+            self.core.tracker.break_all("link closed");
+        }
+    }
+}
+
+/// A stand-in fabric for tests: registrations are entries in a table, and
+/// a work request copies memory between them in-process after checking
+/// the keys and bounds a NIC checks. Completions come back through `poll`
+/// like a device's. Not compiled into release builds' public surface for
+/// use: only tests (here and in other crates, through `testing`) build it.
+#[cfg(any(test, feature = "testing"))]
+pub mod fake {
+    use super::*;
+    use std::collections::HashMap;
+
+    #[derive(Default)]
+    struct Fabric {
+        mrs: HashMap<u32, (usize, usize)>,
+        next_key: u32,
+        qps: HashMap<u32, Arc<Mutex<FakeQpState>>>,
+        next_qpn: u32,
+    }
+
+    #[derive(Default)]
+    struct FakeQpState {
+        peer: Option<u32>,
+        done: Vec<Wc>,
+        /// Fail every work request from now on with this status.
+        fail_with: Option<u32>,
+        /// Never complete (a lost completion).
+        swallow: bool,
+    }
+
+    /// One in-process fabric; each [`FakeBackend`] on it is a host.
+    #[derive(Default, Clone)]
+    pub struct FakeNet(Arc<Mutex<Fabric>>);
+
+    impl FakeNet {
+        /// Makes every queue pair fail its next work requests with `status`.
+        pub fn fail_all(&self, status: u32) {
+            for q in self.0.lock().unwrap().qps.values() {
+                q.lock().unwrap().fail_with = Some(status);
+            }
+        }
+
+        /// Makes every queue pair stop completing anything.
+        pub fn swallow_all(&self) {
+            for q in self.0.lock().unwrap().qps.values() {
+                q.lock().unwrap().swallow = true;
+            }
+        }
+
+        pub fn registrations(&self) -> usize {
+            self.0.lock().unwrap().mrs.len()
+        }
+    }
+
+    pub struct FakeBackend {
+        pub net: FakeNet,
+        pub devices: Vec<String>,
+    }
+
+    struct FakeMrKeep(FakeNet, u32);
+    impl Drop for FakeMrKeep {
+        fn drop(&mut self) {
+            self.0 .0.lock().unwrap().mrs.remove(&self.1);
+        }
+    }
+
+    struct FakeQp {
+        net: FakeNet,
+        qpn: u32,
+        state: Arc<Mutex<FakeQpState>>,
+        device: String,
+        depth: u32,
+    }
+
+    impl Drop for FakeQp {
+        fn drop(&mut self) {
+            self.net.0.lock().unwrap().qps.remove(&self.qpn);
+        }
+    }
+
+    impl Backend for FakeBackend {
+        fn register(&self, _rail: usize, addr: usize, len: usize) -> Result<Mr, String> {
+            let mut f = self.net.0.lock().unwrap();
+            f.next_key += 1;
+            let key = f.next_key;
+            f.mrs.insert(key, (addr, len));
+            Ok(Mr { lkey: key, rkey: key, keep: Box::new(FakeMrKeep(self.net.clone(), key)) })
+        }
+
+        fn create_qp(&self, rail: usize, depth: u32) -> Result<Box<dyn QueuePair>, String> {
+            let mut f = self.net.0.lock().unwrap();
+            f.next_qpn += 1;
+            let qpn = f.next_qpn;
+            let state = Arc::new(Mutex::new(FakeQpState::default()));
+            f.qps.insert(qpn, state.clone());
+            Ok(Box::new(FakeQp { net: self.net.clone(), qpn, state, device: self.devices[rail].clone(), depth }))
+        }
+    }
+
+    impl QueuePair for FakeQp {
+        fn local(&self) -> Endpoint {
+            Endpoint {
+                depth: self.depth as u16,
+                port: 1,
+                mtu: 5,
+                lid: 1,
+                gid: [0; 16],
+                qpn: self.qpn,
+                psn: (self.qpn * 7) & 0xff_ffff,
+                device: self.device.clone(),
+            }
+        }
+
+        fn connect(&self, remote: &Endpoint) -> Result<(), String> {
+            if !self.net.0.lock().unwrap().qps.contains_key(&remote.qpn) {
+                return Err(format!("no queue pair {} on the fabric", remote.qpn));
+            }
+            self.state.lock().unwrap().peer = Some(remote.qpn);
+            Ok(())
+        }
+
+        fn post(&self, wrs: &[Wr]) -> Result<(), String> {
+            let f = self.net.0.lock().unwrap();
+            let mut st = self.state.lock().unwrap();
+            if st.peer.is_none() {
+                return Err("queue pair not connected".into());
+            }
+            for wr in wrs {
+                if st.swallow {
+                    continue;
+                }
+                if let Some(s) = st.fail_with {
+                    st.done.push(Wc { wr_id: wr.wr_id, status: s, bytes: 0 });
+                    continue;
+                }
+                let inside = |key: u32, addr: u64| {
+                    f.mrs.get(&key).is_some_and(|&(a, l)| {
+                        addr as usize >= a && (addr as usize).saturating_add(wr.len as usize) <= a + l
+                    })
+                };
+                // IBV_WC_LOC_PROT_ERR (4) / IBV_WC_REM_ACCESS_ERR (10).
+                let status = if !inside(wr.lkey, wr.laddr) {
+                    4
+                } else if !inside(wr.rkey, wr.raddr) {
+                    10
+                } else {
+                    let (src, dst) = match wr.op {
+                        WrOp::Write => (wr.laddr, wr.raddr),
+                        WrOp::Read => (wr.raddr, wr.laddr),
+                    };
+                    // SAFETY: both ranges lie inside live registrations (checked
+                    // just above), whose owners keep the memory mapped until
+                    // the registration is dropped; ranges of distinct buffers
+                    // do not overlap, and `copy` allows overlap anyway.
+                    unsafe { std::ptr::copy(src as *const u8, dst as *mut u8, wr.len as usize) };
+                    0
+                };
+                st.done.push(Wc { wr_id: wr.wr_id, status, bytes: wr.len });
+            }
+            Ok(())
+        }
+
+        fn poll(&self, out: &mut Vec<Wc>) -> Result<(), String> {
+            out.append(&mut self.state.lock().unwrap().done);
+            Ok(())
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::fake::*;
+    use super::*;
+    use crate::rdma::bootstrap::{Answer, Endpoint};
+
+    fn spec(d: &str) -> RailSpec {
+        RailSpec { device: d.into(), port: 1, gid_index: 0, numa_node: None, link_layer: "InfiniBand".into() }
+    }
+
+    fn runtime(net: &FakeNet, devs: &[&str], timeout_ms: u64) -> Arc<Runtime> {
+        let backend = Arc::new(FakeBackend { net: net.clone(), devices: devs.iter().map(|d| d.to_string()).collect() });
+        Runtime::with_backend(
+            backend,
+            devs.iter().map(|d| spec(d)).collect(),
+            Settings { devices: devs.iter().map(|d| d.to_string()).collect(), depth: 4, numa_local: false },
+            Arc::new(Counters::default()),
+            1 << 30,
+            Duration::from_millis(timeout_ms),
+        )
+    }
+
+    fn rt() -> tokio::runtime::Runtime {
+        tokio::runtime::Builder::new_current_thread().enable_time().build().unwrap()
+    }
+
+    /// Bootstraps a link pair as the two ends of a connection would: the
+    /// client's endpoint travels in RDMA_CONNECT, the node's in the answer.
+    fn pair(client: &Arc<Runtime>, node: &Arc<Runtime>) -> (Link, Link) {
+        let c = client.link(client.next_rail(), 8).unwrap();
+        let req = Endpoint::decode_request(&c.local().encode_request()).unwrap();
+        let n = node.link(node.next_rail(), u32::from(req.depth)).unwrap();
+        n.connect(&req).unwrap();
+        let Answer::Accepted(theirs) = Answer::decode(&Answer::Accepted(n.local().clone()).encode()).unwrap() else {
+            panic!()
+        };
+        c.connect(&theirs).unwrap();
+        (c, n)
+    }
+
+    #[test]
+    fn a_get_lands_in_the_callers_buffers_and_a_put_is_read_from_them() {
+        rt().block_on(async {
+            let net = FakeNet::default();
+            let client = runtime(&net, &["mlx5_0", "mlx5_1"], 5_000);
+            let node = runtime(&net, &["mlx5_0"], 5_000);
+            let (c, n) = pair(&client, &node);
+            assert_eq!(c.rail(), 0);
+            // The caller's pool, registered once; two scattered buffers in it.
+            let mut pool = vec![0u8; 1 << 16];
+            client.pin(pool.as_mut_ptr() as usize, pool.len()).unwrap();
+            let (k, v) = pool.split_at_mut(1 << 15);
+            let (s1, _r1) = client.segment(c.rail(), k.as_mut_ptr() as usize, 1000).unwrap();
+            let (s2, _r2) = client.segment(c.rail(), v.as_mut_ptr() as usize, 3000).unwrap();
+            assert_eq!(s1.rkey, s2.rkey, "both inside the pinned pool");
+            // The node's record payload, written into both.
+            let payload: Arc<Vec<u8>> = Arc::new((0..3500u32).map(|i| (i % 251) as u8).collect());
+            n.transfer(WrOp::Write, payload.as_ptr() as usize, payload.len(), &[s1, s2], payload.clone())
+                .await
+                .unwrap();
+            assert_eq!(&pool[..1000], &payload[..1000]);
+            assert_eq!(&pool[1 << 15..(1 << 15) + 2500], &payload[1000..]);
+            // A put: the node reads the caller's bytes into its buffer.
+            let mut landing = Arc::new(std::sync::Mutex::new(vec![0u8; 3500]));
+            let addr = Arc::get_mut(&mut landing).unwrap().get_mut().unwrap().as_mut_ptr() as usize;
+            let (s3, _r3) = client.segment(c.rail(), pool.as_ptr() as usize, 3500).unwrap();
+            n.transfer(WrOp::Read, addr, 3500, &[s3], landing.clone()).await.unwrap();
+            assert_eq!(&landing.lock().unwrap()[..], &pool[..3500]);
+            let rc = &node.counters().rails()[0];
+            assert_eq!(rc.written_bytes.load(Ordering::Relaxed), 3500);
+            assert_eq!(rc.read_bytes.load(Ordering::Relaxed), 3500);
+            assert_eq!(node.counters().completions.load(Ordering::Relaxed), 3);
+            // Too little room, or a read that does not fill: refused up front.
+            assert!(n.transfer(WrOp::Write, addr, 3500, &[s1], landing.clone()).await.is_err());
+            assert!(n.broken().is_none());
+        });
+    }
+
+    #[test]
+    fn many_requests_in_flight_share_one_queue_pair() {
+        let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_time().build().unwrap();
+        rt.block_on(async {
+            let net = FakeNet::default();
+            let client = runtime(&net, &["mlx5_0"], 5_000);
+            let node = runtime(&net, &["mlx5_0"], 5_000);
+            let (c, n) = pair(&client, &node);
+            let n = Arc::new(n);
+            let mut dst = vec![0u8; 64 * 1024];
+            let base = dst.as_mut_ptr() as usize;
+            let mut tasks = Vec::new();
+            for i in 0..64usize {
+                let (seg, reg) = client.segment(c.rail(), base + i * 1024, 1024).unwrap();
+                let n = n.clone();
+                tasks.push(tokio::spawn(async move {
+                    let src = Arc::new(vec![i as u8; 1024]);
+                    n.transfer(WrOp::Write, src.as_ptr() as usize, 1024, &[seg], src.clone()).await.map(|()| reg)
+                }));
+            }
+            for t in tasks {
+                t.await.unwrap().unwrap();
+            }
+            for i in 0..64 {
+                assert!(dst[i * 1024..(i + 1) * 1024].iter().all(|&b| b == i as u8), "request {i}");
+            }
+            assert_eq!(n.in_flight(), 0);
+        });
+    }
+
+    #[test]
+    fn a_failing_or_silent_queue_pair_breaks_without_a_hang() {
+        rt().block_on(async {
+            let net = FakeNet::default();
+            let client = runtime(&net, &["mlx5_0"], 200);
+            let node = runtime(&net, &["mlx5_0"], 200);
+            let (c, n) = pair(&client, &node);
+            let mut dst = vec![0u8; 4096];
+            let (seg, _reg) = client.segment(c.rail(), dst.as_mut_ptr() as usize, 4096).unwrap();
+            let src = Arc::new(vec![7u8; 4096]);
+            // A key the client never registered: the device refuses it.
+            let bad = Segment { rkey: 9999, ..seg };
+            let e = n.transfer(WrOp::Write, src.as_ptr() as usize, 4096, &[bad], src.clone()).await.unwrap_err();
+            assert_eq!(e, RdmaError::Failed(10));
+            assert!(n.broken().is_some());
+            assert!(matches!(
+                n.transfer(WrOp::Write, src.as_ptr() as usize, 4096, &[seg], src.clone()).await,
+                Err(RdmaError::Broken(_))
+            ));
+            // A fresh link (the reconnect); then completions stop coming.
+            let (_c2, n2) = pair(&client, &node);
+            net.swallow_all();
+            let t0 = Instant::now();
+            let e = n2.transfer(WrOp::Write, src.as_ptr() as usize, 4096, &[seg], src.clone()).await.unwrap_err();
+            assert_eq!(e, RdmaError::Timeout(Duration::from_millis(200)));
+            assert!(t0.elapsed() < Duration::from_secs(3));
+            assert_eq!(node.counters().timeouts.load(Ordering::Relaxed), 1);
+            assert_eq!(node.counters().qp_broken.load(Ordering::Relaxed), 2);
+            // The source stays alive until the queue pair is gone.
+            assert!(Arc::strong_count(&src) > 1);
+            drop(n2);
+            assert_eq!(Arc::strong_count(&src), 1);
+            drop(dst);
+        });
+    }
+
+    #[test]
+    fn pins_span_every_rail_and_invalidation_drops_cached_ones() {
+        let net = FakeNet::default();
+        let client = runtime(&net, &["a", "b"], 1000);
+        let pool = vec![0u8; 8192];
+        client.pin(pool.as_ptr() as usize, pool.len()).unwrap();
+        assert_eq!(net.registrations(), 2);
+        let other = Box::new([0u8; 100]);
+        let (_, r) = client.segment(1, other.as_ptr() as usize, 100).unwrap();
+        drop(r);
+        assert_eq!(net.registrations(), 3);
+        client.invalidate(other.as_ptr() as usize, 100);
+        assert_eq!(net.registrations(), 2);
+        assert!(client.unpin(pool.as_ptr() as usize));
+        assert_eq!(net.registrations(), 0);
+        assert_eq!(client.counters().registrations.load(Ordering::Relaxed), 3);
+    }
+}
