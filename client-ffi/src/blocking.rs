@@ -20,16 +20,17 @@ pub struct BlockingClient {
 
 impl BlockingClient {
     pub fn new(members: Vec<Member>, geo: Geometry, opts: Options) -> std::io::Result<BlockingClient> {
+        BlockingClient::over(Client::new(members, geo, opts))
+    }
+
+    /// A blocking client around `core` (e.g. one from [`Client::with_rdma`]).
+    pub fn over(core: Client) -> std::io::Result<BlockingClient> {
         let rt = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(2)
             .thread_name("kvclient-io")
             .enable_all()
             .build()?;
-        Ok(BlockingClient {
-            discovery: std::sync::Mutex::new(None),
-            rt,
-            core: Arc::new(Client::new(members, geo, opts)),
-        })
+        Ok(BlockingClient { discovery: std::sync::Mutex::new(None), rt, core: Arc::new(core) })
     }
 
     /// Starts (or restarts) MDS discovery; see `kv_start_mds_discovery`.
@@ -121,6 +122,6 @@ impl BlockingClient {
                 came_back: n.came_back.load(std::sync::atomic::Ordering::Relaxed),
             })
             .collect();
-        self.core.metrics.render(topo.epoch, self.core.discovery_error(), peers)
+        self.core.metrics.render(topo.epoch, self.core.discovery_error(), peers, &self.core.rdma_counters)
     }
 }

@@ -54,6 +54,10 @@ pub struct Topology {
 pub struct Client {
     pub opts: Options,
     pub geo: Geometry,
+    /// The RDMA engine when `rdma_devices` named usable devices (else TCP),
+    /// and its counters (a fallback counts even without an engine).
+    pub rdma: Option<Arc<kv_common::rdma::engine::Runtime>>,
+    pub rdma_counters: Arc<kv_common::rdma::Counters>,
     topo: RwLock<Arc<Topology>>,
     epochs: AtomicU64,
     /// Serialises member-set swaps (read old, build, install, as one step).
@@ -158,9 +162,38 @@ fn is_stale(e: &OpError) -> bool {
 
 impl Client {
     pub fn new(members: Vec<Member>, geo: Geometry, opts: Options) -> Client {
+        let rdma_counters = Arc::new(kv_common::rdma::Counters::default());
+        let rdma = kv_common::rdma::start(&opts.rdma, &rdma_counters, opts.rdma_cache_bytes, opts.io_timeout, |line| {
+            eprintln!("kvcellar: RDMA: {line}")
+        });
+        Client::build(members, geo, opts, rdma, rdma_counters)
+    }
+
+    /// A client over a given RDMA engine (its counters are the engine's):
+    /// for a caller that set the engine up itself, and for tests over the
+    /// in-process stand-in fabric.
+    pub fn with_rdma(
+        members: Vec<Member>,
+        geo: Geometry,
+        opts: Options,
+        rdma: Arc<kv_common::rdma::engine::Runtime>,
+    ) -> Client {
+        let counters = rdma.counters().clone();
+        Client::build(members, geo, opts, Some(rdma), counters)
+    }
+
+    fn build(
+        members: Vec<Member>,
+        geo: Geometry,
+        opts: Options,
+        rdma: Option<Arc<kv_common::rdma::engine::Runtime>>,
+        rdma_counters: Arc<kv_common::rdma::Counters>,
+    ) -> Client {
         let c = Client {
             opts,
             geo,
+            rdma,
+            rdma_counters,
             topo: RwLock::new(Arc::new(Topology { ring: Ring::default(), nodes: vec![], epoch: 0 })),
             epochs: AtomicU64::new(0),
             swapping: std::sync::Mutex::new(()),
@@ -203,6 +236,7 @@ impl Client {
                             m.weight,
                             self.opts.max_conns_per_node,
                             self.opts.auth_token.clone(),
+                            self.rdma.clone(),
                         ))
                     })
             })

@@ -5,8 +5,11 @@
 use std::io::IoSlice;
 
 use kv_common::page::{Geometry, PageHeader, HEADER_LEN};
+use kv_common::rdma::bootstrap::{encode_segments, Segment, MAX_SEGMENTS};
+use kv_common::rdma::engine::Registration;
 use kv_common::status::Status;
 use kv_common::wire::{self, KeyRequest, Op, ReqHeader, RspHeader, FLAG_CHECK_GEOMETRY, FRAME_HEADER_LEN};
+use kv_common::wire::{FLAG_RDMA, RSP_FLAG_RDMA, RSP_FLAG_RDMA_FAILED};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 use crate::error::OpError;
@@ -14,6 +17,88 @@ use crate::node::AsyncConn;
 
 /// Largest error/answer body read into memory (anything else is a record).
 const MAX_SMALL_ANSWER: u32 = 1 << 20;
+
+/// Payloads smaller than this go inline even on a connection with a queue
+/// pair: a small record costs less over TCP than a registration lookup and
+/// a remote write.
+pub const RDMA_MIN_PAYLOAD: usize = 16 << 10;
+
+/// Names buffers `(address, length)` as segments of the connection's queue
+/// pair, registering them as needed (cached). None: this request goes over
+/// TCP (no queue pair, a small payload, or a registration that failed).
+fn rdma_segments(conn: &AsyncConn, bufs: &[(usize, usize)]) -> Option<(Vec<Segment>, Vec<Registration>)> {
+    let link = conn.rdma.as_ref()?;
+    let total: usize = bufs.iter().map(|b| b.1).sum();
+    if total < RDMA_MIN_PAYLOAD || bufs.len() > MAX_SEGMENTS {
+        return None;
+    }
+    let rt = link.runtime();
+    let mut segs = Vec::with_capacity(bufs.len());
+    let mut regs = Vec::with_capacity(bufs.len());
+    for &(addr, len) in bufs.iter().filter(|b| b.1 > 0) {
+        let (s, r) = rt.segment(link.rail(), addr, len).ok()?;
+        segs.push(s);
+        regs.push(r);
+    }
+    Some((segs, regs))
+}
+
+fn ranges_mut(bufs: &mut [&mut [u8]]) -> Vec<(usize, usize)> {
+    bufs.iter_mut().map(|b| (b.as_mut_ptr() as usize, b.len())).collect()
+}
+
+/// The answer to a GET that asked for RDMA: with RSP_FLAG_RDMA the payload
+/// is in the caller's buffers and the body holds the header and key, which
+/// are checked as over TCP, and then the payload's CRC over the buffers.
+/// An answer without it came inline (the node's queue pair is gone): read
+/// as over TCP, and this connection stops asking.
+async fn finish_rdma_get(
+    conn: &mut AsyncConn,
+    geo: &Geometry,
+    key: &[u8],
+    bufs: &mut [&mut [u8]],
+    h: &RspHeader,
+) -> Result<GetReply, OpError> {
+    let placed = h.flags & RSP_FLAG_RDMA != 0;
+    if !placed && h.status != Status::TooSmall {
+        if h.status == Status::Ok {
+            conn.rdma = None;
+        }
+        return read_get_body(conn, geo, key, bufs, h).await;
+    }
+    let body = recv_small(conn, h).await?;
+    let done = |status, len| Ok(GetReply { status, len });
+    let Ok(ph) = PageHeader::decode(&body) else { return done(Status::Corrupt, 0) };
+    if body.len() != HEADER_LEN + key.len()
+        || ph.key_len as usize != key.len()
+        || ph.check_key(key).is_err()
+        || &body[HEADER_LEN..] != key
+        || !geo.matches(&ph)
+    {
+        return done(Status::Mismatch, 0);
+    }
+    let need = ph.payload_len as usize;
+    if !placed {
+        return done(Status::TooSmall, need);
+    }
+    if need > bufs.iter().map(|b| b.len()).sum::<usize>() {
+        return done(Status::Corrupt, 0);
+    }
+    // The device wrote the buffers before the node answered; order this
+    // thread's reads after that answer.
+    std::sync::atomic::fence(std::sync::atomic::Ordering::Acquire);
+    let mut crc = crc32fast::Hasher::new();
+    let mut left = need;
+    for b in bufs.iter() {
+        let take = b.len().min(left);
+        crc.update(&b[..take]);
+        left -= take;
+    }
+    if crc.finalize() != ph.payload_crc {
+        return done(Status::Corrupt, 0);
+    }
+    done(Status::Ok, need)
+}
 
 /// What a get produced.
 #[derive(Debug)]
@@ -78,6 +163,22 @@ pub async fn put(conn: &mut AsyncConn, header: &[u8; HEADER_LEN], key: &[u8], bu
     if len > conn.max_record {
         return Err(OpError::Node(Status::Rejected, format!("record of {len} bytes over the node's limit")));
     }
+    let ranges: Vec<(usize, usize)> = bufs.iter().map(|b| (b.as_ptr() as usize, b.len())).collect();
+    if let Some((segs, regs)) = rdma_segments(conn, &ranges) {
+        // The node reads the payload from these buffers by RDMA READ.
+        let mut tail = Vec::with_capacity(2 + segs.len() * 16);
+        encode_segments(&segs, &mut tail);
+        let id = send(conn, Op::Put, FLAG_RDMA, &[header, key, &tail]).await?;
+        let h = recv_header(conn, id).await?;
+        let body = recv_small(conn, &h).await?;
+        drop(regs);
+        match h.status {
+            Status::Ok => return Ok(()),
+            // The node could not read it: send it inline, on TCP from now on.
+            Status::Unavailable if h.flags & RSP_FLAG_RDMA_FAILED != 0 => conn.rdma = None,
+            s => return Err(refused(s, &body)),
+        }
+    }
     let mut parts: Vec<&[u8]> = Vec::with_capacity(bufs.len() + 2);
     parts.push(header);
     parts.push(key);
@@ -98,6 +199,16 @@ pub async fn get(
     bufs: &mut [&mut [u8]],
 ) -> Result<GetReply, OpError> {
     let req = KeyRequest::encode(geo, key);
+    if let Some((segs, regs)) = rdma_segments(conn, &ranges_mut(bufs)) {
+        let mut body = Vec::with_capacity(2 + segs.len() * 16 + req.len());
+        encode_segments(&segs, &mut body);
+        body.extend_from_slice(&req);
+        let id = send(conn, Op::Get, FLAG_CHECK_GEOMETRY | FLAG_RDMA, &[&body]).await?;
+        let h = recv_header(conn, id).await?;
+        let r = finish_rdma_get(conn, geo, key, bufs, &h).await;
+        drop(regs);
+        return r;
+    }
     let id = send(conn, Op::Get, FLAG_CHECK_GEOMETRY, &[&req]).await?;
     let h = recv_header(conn, id).await?;
     read_get_body(conn, geo, key, bufs, &h).await
@@ -163,13 +274,22 @@ pub async fn get_pipelined(
 ) -> Result<Vec<GetReply>, OpError> {
     let mut ids = Vec::with_capacity(items.len());
     let mut frames = Vec::new();
-    for (key, _) in items.iter() {
-        let body = KeyRequest::encode(geo, key);
+    // Registrations of the items sent by RDMA, held until all answers are in.
+    let mut regs = Vec::new();
+    let mut by_rdma = vec![false; items.len()];
+    for (i, (key, bufs)) in items.iter_mut().enumerate() {
+        let mut body = Vec::new();
+        let mut flags = FLAG_CHECK_GEOMETRY;
+        if let Some((segs, r)) = rdma_segments(conn, &ranges_mut(bufs)) {
+            encode_segments(&segs, &mut body);
+            regs.extend(r);
+            flags |= FLAG_RDMA;
+            by_rdma[i] = true;
+        }
+        body.extend_from_slice(&KeyRequest::encode(geo, key));
         let req_id = conn.next_id;
         conn.next_id += 1;
-        frames.extend_from_slice(
-            &ReqHeader { op: Op::Get, flags: FLAG_CHECK_GEOMETRY, body_len: body.len() as u32, req_id }.encode(),
-        );
+        frames.extend_from_slice(&ReqHeader { op: Op::Get, flags, body_len: body.len() as u32, req_id }.encode());
         frames.extend_from_slice(&body);
         ids.push(req_id);
     }
@@ -183,8 +303,13 @@ pub async fn get_pipelined(
             return Err(OpError::Protocol(format!("unexpected answer id {}", h.req_id)));
         };
         let (key, bufs) = &mut items[i];
-        replies[i] = Some(read_get_body(conn, geo, key, bufs, &h).await?);
+        replies[i] = Some(if by_rdma[i] {
+            finish_rdma_get(conn, geo, key, bufs, &h).await?
+        } else {
+            read_get_body(conn, geo, key, bufs, &h).await?
+        });
     }
+    drop(regs);
     Ok(replies.into_iter().map(|r| r.expect("every id answered")).collect())
 }
 

@@ -685,20 +685,55 @@ pub unsafe extern "C" fn kv_batch_exist(
     })
 }
 
-/// Registers memory for RDMA; a checked no-op on TCP.
+/// Registers a long-lived region (an engine's host pool) with every RDMA
+/// rail once, so payloads land in it and leave it without per-op
+/// registration. A checked no-op on TCP. The memory must stay mapped until
+/// `kv_unregister_memory` or `kv_close`. KV_UNAVAILABLE when the device
+/// refuses it (RLIMIT_MEMLOCK, memory not registrable): buffers in it are
+/// then registered per op as any other, or go over TCP.
 ///
 /// # Safety
-/// `c` any handle value (a closed one is KV_EINVAL); `base` NULL only with `len` 0.
+/// `c` any handle value (a closed one is KV_EINVAL); `base` NULL only with
+/// `len` 0; `[base, base+len)` mapped while registered.
 #[no_mangle]
 pub unsafe extern "C" fn kv_register_memory(c: *mut kv_client, base: *mut c_void, len: usize) -> c_int {
     guard(KV_EINTERNAL, || {
-        if let Err(e) = client(c) {
-            return e;
-        }
+        let cl = match client(c) {
+            Ok(cl) => cl,
+            Err(e) => return e,
+        };
         if base.is_null() && len > 0 {
             return einval("base is NULL");
         }
-        KV_OK
+        match (&cl.core.rdma, len) {
+            (Some(rt), 1..) => match rt.pin(base as usize, len) {
+                Ok(()) => KV_OK,
+                Err(e) => {
+                    set_error(format!("cannot register memory for RDMA: {e}"));
+                    KV_UNAVAILABLE
+                }
+            },
+            _ => KV_OK,
+        }
+    })
+}
+
+/// Drops a registration `kv_register_memory` made at `base`. KV_OK, or
+/// KV_MISS when none starts there (always KV_OK on TCP).
+///
+/// # Safety
+/// `c` any handle value (a closed one is KV_EINVAL).
+#[no_mangle]
+pub unsafe extern "C" fn kv_unregister_memory(c: *mut kv_client, base: *mut c_void) -> c_int {
+    guard(KV_EINTERNAL, || {
+        let cl = match client(c) {
+            Ok(cl) => cl,
+            Err(e) => return e,
+        };
+        match &cl.core.rdma {
+            Some(rt) if !rt.unpin(base as usize) => KV_MISS,
+            _ => KV_OK,
+        }
     })
 }
 

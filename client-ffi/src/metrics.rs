@@ -143,7 +143,13 @@ impl Metrics {
     }
 
     /// The whole snapshot as OpenMetrics text.
-    pub fn render(&self, epoch: u64, last_error: Option<String>, peers: Vec<PeerSnapshot>) -> String {
+    pub fn render(
+        &self,
+        epoch: u64,
+        last_error: Option<String>,
+        peers: Vec<PeerSnapshot>,
+        rdma: &kv_common::rdma::Counters,
+    ) -> String {
         let mut r = Registry::with_prefix("kvclient");
         r.register(
             "op_duration_seconds",
@@ -204,6 +210,12 @@ impl Metrics {
             ),
             Fam::gauge("ring_epoch", "Epoch of the ring in use", vec![(vec![], epoch)]),
         ];
+        fams.extend(rdma.families().into_iter().map(|f| Fam {
+            name: f.name,
+            help: f.help,
+            kind: if f.counter { MetricType::Counter } else { MetricType::Gauge },
+            series: f.series,
+        }));
         if let Some(e) = last_error {
             fams.push(Fam::gauge("mds_last_error_info", "The last discovery failure", vec![(vec![("error", e)], 1)]));
         }

@@ -8,7 +8,9 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use kv_common::auth::Token;
-use kv_common::wire::WIRE_VERSION;
+use kv_common::rdma::bootstrap::{Answer, Endpoint};
+use kv_common::rdma::engine::{Link, Runtime};
+use kv_common::wire::{Op, ReqHeader, RspHeader, FRAME_HEADER_LEN, WIRE_VERSION};
 use tokio::net::TcpStream;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
@@ -19,6 +21,9 @@ pub struct AsyncConn {
     pub stream: TcpStream,
     pub next_id: u64,
     pub max_record: u64,
+    /// The queue pair RDMA_CONNECT set up on this connection (None: the
+    /// payloads of this connection go over TCP).
+    pub rdma: Option<Link>,
 }
 
 pub struct Node {
@@ -46,6 +51,11 @@ pub struct Node {
     /// The protocol version the last hello with this node agreed on: the
     /// next connection starts with it (see hello.rs).
     proto: AtomicU16,
+    /// The client's RDMA engine (None: TCP only).
+    rdma: Option<Arc<Runtime>>,
+    /// False once the node said it offers no RDMA (or did not understand
+    /// the bootstrap): its connections stay TCP and are not asked again.
+    rdma_offered: std::sync::atomic::AtomicBool,
 }
 
 /// A connection checked out of a node's pool. It goes back to the pool only
@@ -87,7 +97,14 @@ impl Drop for SyncSlot {
 }
 
 impl Node {
-    pub fn new(id: String, addr: String, weight: u32, max_conns: usize, token: Option<Token>) -> Node {
+    pub fn new(
+        id: String,
+        addr: String,
+        weight: u32,
+        max_conns: usize,
+        token: Option<Token>,
+        rdma: Option<Arc<Runtime>>,
+    ) -> Node {
         Node {
             id,
             addr,
@@ -105,6 +122,23 @@ impl Node {
             came_back: AtomicU64::new(0),
             token,
             proto: AtomicU16::new(WIRE_VERSION),
+            rdma_offered: std::sync::atomic::AtomicBool::new(rdma.is_some()),
+            rdma,
+        }
+    }
+
+    /// Whether this node is known to serve no RDMA.
+    pub fn rdma_refused(&self) -> bool {
+        self.rdma.is_some() && !self.rdma_offered.load(Ordering::Relaxed)
+    }
+
+    /// The node answered without RDMA: say so once, count it, stop asking.
+    fn no_rdma(&self, why: &str) {
+        if let Some(rt) = &self.rdma {
+            rt.counters().peer_fallbacks.fetch_add(1, Ordering::Relaxed);
+            if self.rdma_offered.swap(false, Ordering::Relaxed) {
+                eprintln!("kvcellar: RDMA: node {} ({}) is served over TCP: {why}", self.id, self.addr);
+            }
         }
     }
 
@@ -222,12 +256,65 @@ async fn connect(node: &Node) -> Result<AsyncConn, OpError> {
         match crate::hello::say_async(&mut stream, version, node.token.as_ref()).await? {
             crate::hello::Step::Done { version, max_record } => {
                 node.agreed_version(version);
-                return Ok(AsyncConn { stream, next_id: 1, max_record });
+                let mut conn = AsyncConn { stream, next_id: 1, max_record, rdma: None };
+                if let Some(rt) = node.rdma.as_ref().filter(|_| node.rdma_offered.load(Ordering::Relaxed)) {
+                    match bootstrap(&mut conn, rt).await {
+                        Ok(Ok(link)) => conn.rdma = Some(link),
+                        Ok(Err(why)) => node.no_rdma(&why),
+                        // A node from before RDMA closes on the unknown op:
+                        // connect again, without asking.
+                        Err(e) => {
+                            node.no_rdma(&format!("it closed the connection on RDMA_CONNECT ({e}); an older node?"));
+                            continue;
+                        }
+                    }
+                }
+                return Ok(conn);
             }
             crate::hello::Step::Again(v) => version = v,
         }
     }
     Err(crate::hello::unsettled())
+}
+
+/// Sets up the connection's queue pair (docs/PROTOCOL.md, RDMA_CONNECT):
+/// Ok(Ok(link)) when connected, Ok(Err(why)) when the node answered without
+/// one (the connection goes on over TCP), Err when the connection failed.
+async fn bootstrap(conn: &mut AsyncConn, rt: &Arc<Runtime>) -> Result<Result<Link, String>, OpError> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let link = match rt.link(rt.next_rail(), rt.settings().depth) {
+        Ok(l) => l,
+        Err(e) => return Ok(Err(format!("no local queue pair: {e}"))),
+    };
+    let body = link.local().encode_request();
+    let req_id = conn.next_id;
+    conn.next_id += 1;
+    let h = ReqHeader { op: Op::RdmaConnect, flags: 0, body_len: body.len() as u32, req_id };
+    let mut frame = h.encode().to_vec();
+    frame.extend_from_slice(&body);
+    conn.stream.write_all(&frame).await?;
+    let mut hb = [0u8; FRAME_HEADER_LEN];
+    conn.stream.read_exact(&mut hb).await?;
+    let rh = RspHeader::decode(&hb);
+    if rh.req_id != req_id || rh.body_len > 4096 {
+        return Err(OpError::Protocol("unexpected answer to RDMA_CONNECT".into()));
+    }
+    let mut ab = vec![0u8; rh.body_len as usize];
+    conn.stream.read_exact(&mut ab).await?;
+    if rh.status != kv_common::status::Status::Ok {
+        return Ok(Err(format!("RDMA_CONNECT refused: {}", String::from_utf8_lossy(&ab))));
+    }
+    Ok(match Answer::decode(&ab) {
+        Ok(Answer::Accepted(theirs)) => accept(&link, &theirs).map(|()| link),
+        Ok(Answer::NotOffered(why)) => Err(why),
+        Ok(Answer::SetupFailed(why)) => Err(format!("the node could not set up a queue pair: {why}")),
+        Ok(Answer::VersionRefused(v)) => Err(format!("the node speaks RDMA bootstrap version {v}")),
+        Err(e) => Err(e.to_string()),
+    })
+}
+
+fn accept(link: &Link, theirs: &Endpoint) -> Result<(), String> {
+    link.connect(theirs).map_err(|e| format!("cannot connect the queue pair: {e}"))
 }
 
 /// Turns on TCP keep-alive (idle 30 s) on the socket.

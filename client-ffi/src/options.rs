@@ -13,6 +13,12 @@ pub struct Options {
     pub peer_cooldown: Duration,
     /// The group's token, read from `auth_token_file` (None: send none).
     pub auth_token: Option<kv_common::auth::Token>,
+    /// `rdma_devices` (`:`-separated), `rdma_depth`, `rdma_numa` (1: prefer
+    /// rails on the calling thread's NUMA node).
+    pub rdma: kv_common::rdma::Settings,
+    /// `rdma_cache_mb`: bytes of cached registrations of buffers not
+    /// registered with `kv_register_memory`, per rail (0: register per op).
+    pub rdma_cache_bytes: usize,
 }
 
 impl Default for Options {
@@ -24,6 +30,8 @@ impl Default for Options {
             batch_concurrency: 8,
             peer_cooldown: Duration::from_millis(2000),
             auth_token: None,
+            rdma: kv_common::rdma::Settings::default(),
+            rdma_cache_bytes: 1 << 30,
         }
     }
 }
@@ -36,6 +44,10 @@ pub const KEYS: &[&str] = &[
     "batch_concurrency",
     "peer_cooldown_ms",
     "auth_token_file",
+    "rdma_devices",
+    "rdma_depth",
+    "rdma_numa",
+    "rdma_cache_mb",
 ];
 
 impl Options {
@@ -53,6 +65,10 @@ impl Options {
                 o.auth_token = Some(kv_common::auth::read_token_file(std::path::Path::new(v))?);
                 continue;
             }
+            if k == "rdma_devices" {
+                o.rdma.devices = kv_common::rdma::parse_devices(v).map_err(|e| format!("option rdma_devices: {e}"))?;
+                continue;
+            }
             let n: u64 = v.parse().map_err(|_| format!("option {k}: {v:?} is not a whole number"))?;
             let positive = |n: u64| if n == 0 { Err(format!("option {k} must be at least 1")) } else { Ok(n) };
             match k {
@@ -61,6 +77,15 @@ impl Options {
                 "max_conns_per_node" => o.max_conns_per_node = positive(n)?.min(1024) as usize,
                 "batch_concurrency" => o.batch_concurrency = positive(n)?.min(1024) as usize,
                 "peer_cooldown_ms" => o.peer_cooldown = Duration::from_millis(n),
+                "rdma_depth" => {
+                    o.rdma.depth = u32::try_from(positive(n)?)
+                        .ok()
+                        .filter(|&d| d <= kv_common::rdma::MAX_DEPTH)
+                        .ok_or_else(|| format!("option rdma_depth must be 1..={}", kv_common::rdma::MAX_DEPTH))?
+                }
+                "rdma_numa" if n <= 1 => o.rdma.numa_local = n == 1,
+                "rdma_numa" => return Err("option rdma_numa must be 0 or 1".into()),
+                "rdma_cache_mb" => o.rdma_cache_bytes = (n.min(1 << 30) as usize) << 20,
                 _ => return Err(format!("unknown option {k:?} (known: {})", KEYS.join(", "))),
             }
         }
@@ -83,6 +108,18 @@ mod tests {
         assert!(Options::parse("io_timeout_ms").unwrap_err().contains("key=value"));
         assert!(Options::parse("io_timeout_ms=-1").unwrap_err().contains("whole number"));
         assert!(Options::parse("max_conns_per_node=0").unwrap_err().contains("at least 1"));
+    }
+
+    #[test]
+    fn every_build_takes_the_rdma_keys() {
+        let o = Options::parse("rdma_devices=mlx5_0:mlx5_1,rdma_depth=64,rdma_numa=0,rdma_cache_mb=0").unwrap();
+        assert_eq!(o.rdma.devices, ["mlx5_0", "mlx5_1"]);
+        assert_eq!((o.rdma.depth, o.rdma.numa_local, o.rdma_cache_bytes), (64, false, 0));
+        assert_eq!(Options::parse("rdma_devices=").unwrap().rdma.devices, Vec::<String>::new());
+        assert!(Options::parse("rdma_devices=mlx5_0;mlx5_1").unwrap_err().contains("rdma_devices"));
+        assert!(Options::parse("rdma_depth=0").unwrap_err().contains("at least 1"));
+        assert!(Options::parse("rdma_depth=5000").unwrap_err().contains("1..=1024"));
+        assert!(Options::parse("rdma_numa=2").unwrap_err().contains("0 or 1"));
     }
 
     #[test]

@@ -43,6 +43,17 @@ pub const MAX_BATCH_BODY: u32 = (GEOMETRY_WIRE_LEN + 4 + MAX_BATCH_KEYS * (2 + M
 pub const FLAG_CHECK_GEOMETRY: u8 = 1;
 /// Response flag on PUT: the key was already stored (write-once; not rewritten).
 pub const RSP_FLAG_DUPLICATE: u16 = 1;
+/// Request flag (GET, PUT): the payload moves by RDMA over the queue pair
+/// this connection set up with RDMA_CONNECT. A GET body is then a segment
+/// list followed by the key request; a PUT body is the record's header and
+/// key followed by a segment list instead of the payload (rdma::bootstrap).
+pub const FLAG_RDMA: u8 = 2;
+/// Response flag on GET: the payload was written into the request's
+/// segments; the body holds the record's header and key only.
+pub const RSP_FLAG_RDMA: u16 = 2;
+/// Response flag: the RDMA transfer could not be made (no queue pair, or it
+/// broke); nothing was stored. Send the request again without FLAG_RDMA.
+pub const RSP_FLAG_RDMA_FAILED: u16 = 4;
 
 /// Operations.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -55,6 +66,8 @@ pub enum Op {
     Delete = 5,
     Stats = 6,
     Ping = 7,
+    /// Sets up this connection's RDMA queue pair (rdma::bootstrap).
+    RdmaConnect = 8,
 }
 
 impl Op {
@@ -67,6 +80,7 @@ impl Op {
             5 => Op::Delete,
             6 => Op::Stats,
             7 => Op::Ping,
+            8 => Op::RdmaConnect,
             _ => return None,
         })
     }
@@ -80,6 +94,7 @@ impl Op {
             Op::Delete => "delete",
             Op::Stats => "stats",
             Op::Ping => "ping",
+            Op::RdmaConnect => "rdma_connect",
         }
     }
 }

@@ -68,6 +68,12 @@ pub struct Cli {
     /// File holding the group's auth token (trimmed; 1-1024 visible ASCII characters): clients must present it, and the node presents it to kv-mds (default: no token, any client is served).
     #[arg(long)]
     pub auth_token_file: Option<PathBuf>,
+    /// RDMA devices to serve payloads over, `:`-separated, e.g. mlx5_0:mlx5_1 (one rail each). Any build accepts it; a build without RDMA, or a device that is absent or unusable, means TCP and one log line saying why (default: TCP only).
+    #[arg(long)]
+    pub rdma_dev: Option<String>,
+    /// RDMA work requests in flight per queue pair, 1..=1024: the most this node grants a client (default 32).
+    #[arg(long)]
+    pub rdma_depth: Option<u32>,
 }
 
 const SERVER_EXAMPLES: &str = "Examples:
@@ -98,6 +104,8 @@ pub struct FileConfig {
     pub advertise: Option<String>,
     pub weight: Option<u32>,
     pub auth_token_file: Option<PathBuf>,
+    pub rdma_dev: Option<String>,
+    pub rdma_depth: Option<u32>,
 }
 
 /// Membership through kv-mds (`--mds`).
@@ -132,6 +140,8 @@ pub struct ServerConfig {
     pub auth_token: Option<kv_common::auth::Token>,
     /// Where it was read from, for the start-up permission check.
     pub auth_token_file: Option<PathBuf>,
+    /// `--rdma-dev` and `--rdma-depth` (no devices: TCP only).
+    pub rdma: kv_common::rdma::Settings,
 }
 
 fn size(what: &str, s: &str) -> Result<u64, String> {
@@ -215,6 +225,13 @@ impl ServerConfig {
         if max_conns == 0 {
             return Err("--max-conns must be at least 1".into());
         }
+        let devices = kv_common::rdma::parse_devices(&cli.rdma_dev.or(file.rdma_dev).unwrap_or_default())
+            .map_err(|e| format!("--rdma-dev: {e}"))?;
+        let depth = cli.rdma_depth.or(file.rdma_depth).unwrap_or(kv_common::rdma::DEFAULT_DEPTH);
+        if !(1..=kv_common::rdma::MAX_DEPTH).contains(&depth) {
+            return Err(format!("--rdma-depth must be 1..={}", kv_common::rdma::MAX_DEPTH));
+        }
+        let rdma = kv_common::rdma::Settings { devices, depth, numa_local: true };
         Ok(ServerConfig {
             membership,
             listen,
@@ -235,6 +252,7 @@ impl ServerConfig {
             metrics_listen,
             auth_token,
             auth_token_file,
+            rdma,
         })
     }
 }

@@ -14,10 +14,13 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use kv_common::page::{PageHeader, HEADER_LEN};
+use kv_common::rdma::bootstrap::{self, Answer, Endpoint, Segment};
+use kv_common::rdma::engine::{Link, WrOp};
 use kv_common::status::Status;
 use kv_common::wire::{self, Hello, KeyRequest, Op, ReqHeader, RspHeader, WireError};
 use kv_common::wire::{ClientHello, HELLO_ACCEPTED, HELLO_DENIED, HELLO_VERSION_REFUSED};
 use kv_common::wire::{FLAG_CHECK_GEOMETRY, FRAME_HEADER_LEN, HELLO_LEN, RSP_FLAG_DUPLICATE, WIRE_VERSION};
+use kv_common::wire::{FLAG_RDMA, RSP_FLAG_RDMA, RSP_FLAG_RDMA_FAILED};
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader, BufWriter};
 use tokio::net::tcp::OwnedReadHalf;
 use tokio::net::TcpStream;
@@ -120,6 +123,20 @@ struct Out {
     peer: SocketAddr,
     /// [`Shared::frame_timeout`].
     timeout: Duration,
+    /// This connection's RDMA queue pair, once RDMA_CONNECT set one up.
+    rdma: std::sync::Mutex<Option<Arc<Link>>>,
+}
+
+impl Out {
+    /// The queue pair, if there is one and it still works (a broken one is
+    /// dropped here: the client reconnects or goes on over TCP).
+    fn link(&self) -> Option<Arc<Link>> {
+        let mut g = self.rdma.lock().unwrap_or_else(|e| e.into_inner());
+        if g.as_ref().is_some_and(|l| l.broken().is_some()) {
+            *g = None;
+        }
+        g.clone()
+    }
 }
 
 impl Out {
@@ -254,7 +271,13 @@ pub async fn serve(stream: TcpStream, peer: SocketAddr, shared: Arc<Shared>, mut
         }
     }
     let (dead, mut dead_rx) = watch::channel(false);
-    let tx = Arc::new(Out { w: tokio::sync::Mutex::new(wr), dead, peer, timeout: shared.frame_timeout });
+    let tx = Arc::new(Out {
+        w: tokio::sync::Mutex::new(wr),
+        dead,
+        peer,
+        timeout: shared.frame_timeout,
+        rdma: std::sync::Mutex::new(None),
+    });
     let inflight = Arc::new(tokio::sync::Semaphore::new(MAX_INFLIGHT_PER_CONN));
     let mut draining_until: Option<Instant> = None;
     // Far enough to never fire when idle connections are kept forever.
@@ -426,7 +449,18 @@ async fn read_request(
     match req.op {
         Op::Get => {
             tokio::spawn(async move {
-                let r = handle_get(&shared, &req, &body).await;
+                let r = handle_get(&shared, &tx, &req, &body).await;
+                let _ = tx.send(counted(&shared, req.op, t0, r)).await;
+                drop(permit);
+            });
+        }
+        Op::RdmaConnect => {
+            // Creating and connecting a queue pair are system calls.
+            tokio::spawn(async move {
+                let (s2, tx2) = (shared.clone(), tx.clone());
+                let r = tokio::task::spawn_blocking(move || rdma_connect(&s2, &tx2, &req, &body))
+                    .await
+                    .unwrap_or_else(|_| error_response(&req, Status::Internal, "internal error"));
                 let _ = tx.send(counted(&shared, req.op, t0, r)).await;
                 drop(permit);
             });
@@ -487,13 +521,23 @@ async fn read_put(
     deadline: Instant,
 ) -> Result<(), ConnError> {
     let len = req.body_len as usize;
+    let rdma = req.flags & FLAG_RDMA != 0;
     // Validate the page header before taking memory for the body.
     let mut head = [0u8; HEADER_LEN];
     let n = len.min(HEADER_LEN);
     read_exact_by(rd, &mut head[..n], deadline).await?;
     let verdict = match PageHeader::decode(&head[..n]) {
-        Ok(h) if h.record_len() == len as u64 => Ok(()),
-        Ok(_) => Err("record length disagrees with the frame length".to_string()),
+        Ok(h) if !rdma && h.record_len() == len as u64 => Ok(h),
+        Ok(_) if !rdma => Err("record length disagrees with the frame length".to_string()),
+        // An RDMA put carries the header, the key and a segment list.
+        Ok(h) => match (len - HEADER_LEN).checked_sub(usize::from(h.key_len)) {
+            Some(s)
+                if (2 + bootstrap::SEGMENT_LEN..=2 + bootstrap::SEGMENT_LEN * bootstrap::MAX_SEGMENTS).contains(&s) =>
+            {
+                Ok(h)
+            }
+            _ => Err("RDMA put body is not header, key and segment list".to_string()),
+        },
         Err(e) => Err(e.to_string()),
     };
     if let Err(msg) = verdict {
@@ -509,6 +553,10 @@ async fn read_put(
         let _ = tx.send(counted(shared, req.op, Instant::now(), r)).await;
         return Ok(());
     }
+    if rdma {
+        let Ok(h) = verdict else { unreachable!("checked above") };
+        return read_put_rdma(rd, tx, shared, req, permit, deadline, head, h).await;
+    }
     let units = (len as u64).div_ceil(4096).max(1) as u32;
     let mem = shared.inflight_bytes.clone().acquire_many_owned(units).await.expect("semaphore open");
     // Waiting for memory is the node's doing, not the peer's: the body's
@@ -521,7 +569,131 @@ async fn read_put(
     let t0 = Instant::now();
     let shared = shared.clone();
     let tx = tx.clone();
+    tokio::spawn(store_put(shared, tx, req, buf, mem, permit, t0));
+    Ok(())
+}
+
+/// The rest of an RDMA put: key and segments arrive on the connection, the
+/// payload is read from the client's memory by RDMA READ into the record's
+/// buffer (no copy), then stored as any put. Without a working queue pair
+/// the answer says so (RSP_FLAG_RDMA_FAILED) and the client sends the
+/// payload inline.
+#[allow(clippy::too_many_arguments)]
+async fn read_put_rdma(
+    rd: &mut BufReader<OwnedReadHalf>,
+    tx: &Arc<Out>,
+    shared: &Arc<Shared>,
+    req: ReqHeader,
+    permit: OwnedSemaphorePermit,
+    deadline: Instant,
+    head: [u8; HEADER_LEN],
+    h: PageHeader,
+) -> Result<(), ConnError> {
+    let mut rest = vec![0u8; req.body_len as usize - HEADER_LEN];
+    read_exact_by(rd, &mut rest, deadline).await?;
+    let key_len = usize::from(h.key_len);
+    let segs = match bootstrap::decode_segments(&rest[key_len..]) {
+        Ok(s) if s.iter().map(|s| u64::from(s.len)).sum::<u64>() == h.payload_len => s,
+        Ok(_) => {
+            let r = error_response(&req, Status::BadRequest, "RDMA put: segments do not add up to the payload length");
+            let _ = tx.send(counted(shared, req.op, Instant::now(), r)).await;
+            return Ok(());
+        }
+        Err(e) => {
+            let r = error_response(&req, Status::BadRequest, &e.to_string());
+            let _ = tx.send(counted(shared, req.op, Instant::now(), r)).await;
+            return Ok(());
+        }
+    };
+    let record_len = h.record_len();
+    if record_len > shared.limits.max_record {
+        let r = error_response(&req, Status::Rejected, "record over the node's --max-record");
+        let _ = tx.send(counted(shared, req.op, Instant::now(), r)).await;
+        return Ok(());
+    }
+    let t0 = Instant::now();
+    let shared = shared.clone();
+    let tx = tx.clone();
     tokio::spawn(async move {
+        let Some(link) = tx.link() else {
+            let r = rdma_failed(&req, "no RDMA queue pair on this connection");
+            let _ = tx.send(counted(&shared, req.op, t0, r)).await;
+            return;
+        };
+        let units = record_len.div_ceil(4096).max(1) as u32;
+        let mem = shared.inflight_bytes.clone().acquire_many_owned(units).await.expect("semaphore open");
+        let len = record_len as usize;
+        let pre = HEADER_LEN + key_len;
+        let mut buf = shared.store.pool().get(len);
+        buf.full_mut()[..HEADER_LEN].copy_from_slice(&head);
+        buf.full_mut()[HEADER_LEN..pre].copy_from_slice(&rest[..key_len]);
+        let addr = buf.full_mut().as_mut_ptr() as usize + pre;
+        // The device writes into the buffer: it is kept in the cell (and, if
+        // the transfer fails, by the engine until the queue pair is gone).
+        let cell = Arc::new(std::sync::Mutex::new(Some(buf)));
+        match link.transfer(WrOp::Read, addr, len - pre, &segs, cell.clone()).await {
+            Ok(()) => {
+                let mut buf = cell.lock().unwrap_or_else(|e| e.into_inner()).take().expect("buffer kept");
+                buf.set_len(len);
+                store_put(shared, tx, req, buf, mem, permit, t0).await;
+            }
+            Err(e) => {
+                tracing::warn!(peer = %tx.peer, error = %e, "RDMA read of a put failed; the client sends it over TCP");
+                let r = rdma_failed(&req, &e.to_string());
+                let _ = tx.send(counted(&shared, req.op, t0, r)).await;
+            }
+        }
+    });
+    Ok(())
+}
+
+fn rdma_failed(req: &ReqHeader, why: &str) -> Response {
+    respond(req, Status::Unavailable, RSP_FLAG_RDMA_FAILED, Body::Bytes(format!("rdma: {why}").into_bytes()))
+}
+
+/// Sets up the connection's queue pair (docs/PROTOCOL.md, RDMA_CONNECT).
+fn rdma_connect(shared: &Shared, tx: &Out, req: &ReqHeader, body: &[u8]) -> Response {
+    let answer = match Endpoint::decode_request(body) {
+        Err(bootstrap::BootstrapError::Version { .. }) => Answer::VersionRefused(bootstrap::BOOTSTRAP_VERSION),
+        Err(e) => return error_response(req, Status::BadRequest, &e.to_string()),
+        Ok(remote) => match &shared.rdma {
+            None => {
+                shared.rdma_counters.peer_fallbacks.fetch_add(1, Ordering::Relaxed);
+                Answer::NotOffered(shared.rdma_off.clone())
+            }
+            Some(rt) => {
+                let depth = u32::from(remote.depth).min(shared.rdma_depth);
+                match rt.link(rt.next_rail(), depth).and_then(|l| l.connect(&remote).map(|()| l)) {
+                    Ok(link) => {
+                        let mut local = link.local().clone();
+                        local.depth = depth as u16;
+                        tracing::debug!(peer = %tx.peer, device = %local.device, qpn = local.qpn, remote_qpn = remote.qpn, "RDMA queue pair connected");
+                        *tx.rdma.lock().unwrap_or_else(|e| e.into_inner()) = Some(Arc::new(link));
+                        Answer::Accepted(local)
+                    }
+                    Err(e) => {
+                        tracing::warn!(peer = %tx.peer, error = %e, "cannot set up an RDMA queue pair");
+                        shared.rdma_counters.peer_fallbacks.fetch_add(1, Ordering::Relaxed);
+                        Answer::SetupFailed(e)
+                    }
+                }
+            }
+        },
+    };
+    respond(req, Status::Ok, 0, Body::Bytes(answer.encode()))
+}
+
+/// Stores a received record and answers the put.
+async fn store_put(
+    shared: Arc<Shared>,
+    tx: Arc<Out>,
+    req: ReqHeader,
+    buf: PooledBuf,
+    mem: OwnedSemaphorePermit,
+    permit: OwnedSemaphorePermit,
+    t0: Instant,
+) {
+    {
         let store = shared.store.clone();
         let res = {
             let _io = shared.io_slots.acquire().await.expect("semaphore open");
@@ -539,11 +711,55 @@ async fn read_put(
         };
         let _ = tx.send(counted(&shared, req.op, t0, r)).await;
         drop(permit);
-    });
-    Ok(())
+    }
 }
 
-async fn handle_get(shared: &Arc<Shared>, req: &ReqHeader, body: &[u8]) -> Response {
+/// Answers a get hit: by RDMA into the request's segments when it asked so
+/// and the connection's queue pair works (the body then holds the header
+/// and key only), else with the whole record inline.
+async fn answer_hit(
+    tx: &Out,
+    req: &ReqHeader,
+    rec: Arc<PooledBuf>,
+    segs: &[Segment],
+    budget: Option<OwnedSemaphorePermit>,
+) -> Response {
+    let inline = |rec: Arc<PooledBuf>, budget| {
+        let mut r = respond(req, Status::Ok, 0, Body::Record(rec));
+        r.budget = budget;
+        r
+    };
+    if segs.is_empty() {
+        return inline(rec, budget);
+    }
+    let Some(link) = tx.link() else { return inline(rec, budget) };
+    let Ok(h) = PageHeader::decode(rec.as_slice()) else { return inline(rec, budget) };
+    let pre = HEADER_LEN + usize::from(h.key_len);
+    let payload = &rec.as_slice()[pre..];
+    let room: u64 = segs.iter().map(|s| u64::from(s.len)).sum();
+    if payload.len() as u64 > room {
+        // As over TCP: the caller learns the size it needs.
+        return respond(req, Status::TooSmall, 0, Body::Bytes(rec.as_slice()[..pre].to_vec()));
+    }
+    let (addr, n) = (payload.as_ptr() as usize, payload.len());
+    match link.transfer(WrOp::Write, addr, n, segs, rec.clone()).await {
+        Ok(()) => respond(req, Status::Ok, RSP_FLAG_RDMA, Body::Bytes(rec.as_slice()[..pre].to_vec())),
+        Err(e) => {
+            tracing::warn!(peer = %tx.peer, error = %e, "RDMA write of a get failed; answering over TCP");
+            inline(rec, budget)
+        }
+    }
+}
+
+async fn handle_get(shared: &Arc<Shared>, tx: &Out, req: &ReqHeader, body: &[u8]) -> Response {
+    let (segs, body) = if req.flags & FLAG_RDMA != 0 {
+        match bootstrap::split_segments(body) {
+            Ok(s) => s,
+            Err(e) => return error_response(req, Status::BadRequest, &e.to_string()),
+        }
+    } else {
+        (Vec::new(), body)
+    };
     let kr = match KeyRequest::decode(body) {
         Ok(k) => k,
         Err(e) => return error_response(req, Status::BadRequest, &e.to_string()),
@@ -554,7 +770,7 @@ async fn handle_get(shared: &Arc<Shared>, req: &ReqHeader, body: &[u8]) -> Respo
     // blocking pool (its buffer is shared, not copied; it is bounded by
     // --mem-cap, not by the in-flight budget).
     match shared.store.get_cached(kr.key, check.then_some(&geo)) {
-        Some(GetOutcome::Hit(rec)) => return respond(req, Status::Ok, 0, Body::Record(rec)),
+        Some(GetOutcome::Hit(rec)) => return answer_hit(tx, req, rec, &segs, None).await,
         Some(GetOutcome::Mismatch) => return respond(req, Status::Mismatch, 0, Body::Empty),
         _ => {}
     }
@@ -582,11 +798,7 @@ async fn handle_get(shared: &Arc<Shared>, req: &ReqHeader, body: &[u8]) -> Respo
         tokio::task::spawn_blocking(move || store.get(&key, check.then_some(&geo))).await
     };
     match res {
-        Ok(GetOutcome::Hit(rec)) => {
-            let mut r = respond(req, Status::Ok, 0, Body::Record(rec));
-            r.budget = Some(budget);
-            r
-        }
+        Ok(GetOutcome::Hit(rec)) => answer_hit(tx, req, rec, &segs, Some(budget)).await,
         Ok(GetOutcome::Mismatch) => respond(req, Status::Mismatch, 0, Body::Empty),
         Ok(GetOutcome::Miss) => respond(req, Status::Miss, 0, Body::Empty),
         Err(e) => {
@@ -627,7 +839,7 @@ fn handle_small(shared: &Shared, req: &ReqHeader, body: &[u8]) -> Option<Respons
         },
         Op::Ping => respond(req, Status::Ok, 0, Body::Bytes(body.to_vec())),
         Op::Stats => return None,
-        Op::Put | Op::Get | Op::Delete => error_response(req, Status::Internal, "misrouted op"),
+        Op::Put | Op::Get | Op::Delete | Op::RdmaConnect => error_response(req, Status::Internal, "misrouted op"),
     })
 }
 

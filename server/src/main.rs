@@ -66,6 +66,7 @@ fn run(cfg: ServerConfig) -> Result<(), String> {
         shared.group = Some(m.group.clone());
     }
     shared.idle_timeout = cfg.idle_timeout;
+    start_rdma(&mut shared, &cfg.rdma);
     shared.token = cfg.auth_token.clone();
     if let Some(w) = cfg.auth_token_file.as_deref().and_then(kv_common::auth::loose_permissions) {
         tracing::warn!("{w}");
@@ -118,4 +119,36 @@ fn run(cfg: ServerConfig) -> Result<(), String> {
     })?;
     tracing::info!("stopped cleanly");
     Ok(())
+}
+
+/// Starts RDMA when devices are named: the memory tier is registered whole,
+/// and heap buffers are registered on first use and forgotten before they
+/// are freed. Anything in the way means TCP, one log line and the fallback
+/// counter at 1.
+fn start_rdma(shared: &mut Shared, settings: &kv_common::rdma::Settings) {
+    shared.rdma_depth = settings.depth;
+    let counters = shared.rdma_counters.clone();
+    let rt = kv_common::rdma::start(settings, &counters, 4 << 30, std::time::Duration::from_secs(5), |line| {
+        tracing::warn!("RDMA: {line}")
+    });
+    let Some(rt) = rt else {
+        if let Some(why) = counters.fallback_reason() {
+            shared.rdma_off = format!("this node serves over TCP only: {why}");
+        }
+        return;
+    };
+    if let Some((addr, len)) = shared.store.pool().arena_range() {
+        if let Err(e) = rt.pin(addr, len) {
+            tracing::warn!(error = %e, "RDMA: cannot register the memory tier whole; its pages are registered as used");
+        }
+    }
+    let weak = Arc::downgrade(&rt);
+    kv_server::store::set_free_hook(Box::new(move |addr, len| {
+        if let Some(rt) = weak.upgrade() {
+            rt.invalidate(addr, len);
+        }
+    }));
+    let devices: Vec<&str> = rt.rails().iter().map(|r| r.device.as_str()).collect();
+    tracing::info!(rails = %devices.join(":"), depth = settings.depth, "RDMA serving");
+    shared.rdma = Some(rt);
 }

@@ -34,7 +34,7 @@ use tokio::sync::watch;
 use crate::server::Shared;
 
 /// The ops a node serves, in wire order (index = op number - 1).
-const OPS: [(Op, &str); 7] = [
+const OPS: [(Op, &str); 8] = [
     (Op::Put, "put"),
     (Op::Get, "get"),
     (Op::Exist, "exist"),
@@ -42,6 +42,7 @@ const OPS: [(Op, &str); 7] = [
     (Op::Delete, "delete"),
     (Op::Stats, "stats"),
     (Op::Ping, "ping"),
+    (Op::RdmaConnect, "rdma_connect"),
 ];
 
 /// Wire statuses 0..=9 (kv_common::status).
@@ -220,9 +221,29 @@ impl Collector for StatsCollector {
             "build_info",
             "Build of this node (value 1): version and the transports it was built with",
             MetricType::Gauge,
-            [([("version", env!("CARGO_PKG_VERSION")), ("transport", "tcp")], ConstGauge::new(1u64))],
+            [(
+                [("version", env!("CARGO_PKG_VERSION")), ("transport", kv_common::rdma::build_transports())],
+                ConstGauge::new(1u64),
+            )],
         )?;
         gauge(&mut e, "uptime_seconds", "Seconds since the node started", s.uptime_secs)?;
+        for f in self.shared.rdma_counters.families() {
+            let kind = if f.counter { MetricType::Counter } else { MetricType::Gauge };
+            let mut m = e.encode_descriptor(f.name, f.help, None, kind)?;
+            for (labels, v) in &f.series {
+                if labels.is_empty() {
+                    match kind {
+                        MetricType::Counter => ConstCounter::new(*v).encode(m)?,
+                        _ => ConstGauge::new(*v).encode(m)?,
+                    }
+                    break;
+                }
+                match kind {
+                    MetricType::Counter => ConstCounter::new(*v).encode(m.encode_family(labels)?)?,
+                    _ => ConstGauge::new(*v).encode(m.encode_family(labels)?)?,
+                }
+            }
+        }
         family(
             &mut e,
             "hits",

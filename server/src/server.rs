@@ -47,6 +47,14 @@ pub struct Shared {
     /// `--id` and `--group` when the node joins a group.
     pub node_id: Option<String>,
     pub group: Option<String>,
+    /// RDMA counters of this process (always present: a fallback counts).
+    pub rdma_counters: Arc<kv_common::rdma::Counters>,
+    /// The RDMA engine when devices were named and usable (else TCP only),
+    /// and the depth this node grants per queue pair.
+    pub rdma: Option<Arc<kv_common::rdma::engine::Runtime>>,
+    pub rdma_depth: u32,
+    /// Why this node offers no RDMA (told to clients that ask).
+    pub rdma_off: String,
 }
 
 /// What the disks' recovery found at start, summed over the disks.
@@ -77,6 +85,10 @@ impl Shared {
             recovery: Recovery::default(),
             node_id: None,
             group: None,
+            rdma_counters: Arc::new(kv_common::rdma::Counters::default()),
+            rdma: None,
+            rdma_depth: kv_common::rdma::DEFAULT_DEPTH,
+            rdma_off: "no RDMA device named on this node (--rdma-dev)".into(),
         }
     }
 

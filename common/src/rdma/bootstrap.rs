@@ -207,6 +207,19 @@ pub fn encode_segments(segs: &[Segment], out: &mut Vec<u8>) {
     }
 }
 
+/// Splits a body that starts with a segment list: the segments, and the
+/// bytes after them.
+pub fn split_segments(b: &[u8]) -> Result<(Vec<Segment>, &[u8]), BootstrapError> {
+    if b.len() < 2 {
+        return Err(BootstrapError::Short(b.len()));
+    }
+    let end = 2 + le_u16(b, 0) as usize * SEGMENT_LEN;
+    if b.len() < end {
+        return Err(BootstrapError::Invalid("segment list longer than the body"));
+    }
+    Ok((decode_segments(&b[..end])?, &b[end..]))
+}
+
 /// Decodes what [`encode_segments`] wrote, which must fill `b` exactly.
 pub fn decode_segments(b: &[u8]) -> Result<Vec<Segment>, BootstrapError> {
     if b.len() < 2 {
@@ -314,6 +327,11 @@ mod tests {
         let mut wrap = Vec::new();
         encode_segments(&[Segment { addr: u64::MAX, rkey: 1, len: 2 }], &mut wrap);
         assert!(decode_segments(&wrap).is_err());
+        let mut with_tail = b.clone();
+        with_tail.extend_from_slice(b"key");
+        let (s, rest) = split_segments(&with_tail).unwrap();
+        assert_eq!((s.as_slice(), rest), (&segs[..], &b"key"[..]));
+        assert!(split_segments(&b[..20]).is_err());
         let mut empty = Vec::new();
         encode_segments(&[Segment { addr: 1, rkey: 1, len: 0 }], &mut empty);
         assert!(decode_segments(&empty).is_err());

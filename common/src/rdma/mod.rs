@@ -148,6 +148,55 @@ impl Counters {
     }
 }
 
+/// Labels and value of one series.
+pub type Series = Vec<(Vec<(&'static str, String)>, u64)>;
+
+/// One metric family of the RDMA counters, read at one moment, for an
+/// exposition with its own prefix (`kvcellar_`, `kvclient_`).
+#[derive(Debug)]
+pub struct Family {
+    pub name: &'static str,
+    pub help: &'static str,
+    /// Counter (else gauge).
+    pub counter: bool,
+    pub series: Series,
+}
+
+impl Counters {
+    /// Every RDMA family (docs/METRICS.md). The per-rail ones have a series
+    /// per rail in use, none when RDMA is off.
+    pub fn families(&self) -> Vec<Family> {
+        let v = |a: &AtomicU64| vec![(vec![], a.load(Ordering::Relaxed))];
+        let per_rail = |f: fn(&RailCounters) -> &AtomicU64| -> Series {
+            self.rails().iter().map(|r| (vec![("rail", r.device.clone())], f(r).load(Ordering::Relaxed))).collect()
+        };
+        let c = |name, help, series| Family { name, help, counter: true, series };
+        vec![
+            c("rdma_fallbacks", "Times RDMA was asked for (devices named) and TCP used instead; the log says why", v(&self.fallbacks)),
+            c(
+                "rdma_peer_fallbacks",
+                "Connections whose peer could not do RDMA (answered RDMA_CONNECT without a queue pair), served over TCP",
+                v(&self.peer_fallbacks),
+            ),
+            c("rdma_completions", "RDMA work requests completed successfully", v(&self.completions)),
+            c("rdma_errors", "RDMA work requests that failed (error completion or failed post) and failed registrations", v(&self.errors)),
+            c("rdma_timeouts", "RDMA work requests not completed in time", v(&self.timeouts)),
+            c("rdma_qp_broken", "RDMA queue pairs torn down after an error or a timeout", v(&self.qp_broken)),
+            c("rdma_registrations", "Memory registrations made", v(&self.registrations)),
+            c("rdma_deregistrations", "Memory registrations dropped", v(&self.deregistrations)),
+            Family {
+                name: "rdma_registered_bytes",
+                help: "Bytes of memory registered now",
+                counter: false,
+                series: v(&self.registered_bytes),
+            },
+            c("rdma_read_bytes", "Payload bytes moved by RDMA READ, per rail", per_rail(|r| &r.read_bytes)),
+            c("rdma_written_bytes", "Payload bytes moved by RDMA WRITE, per rail", per_rail(|r| &r.written_bytes)),
+            c("rdma_qps_connected", "RDMA queue pairs connected, per rail", per_rail(|r| &r.qps_connected)),
+        ]
+    }
+}
+
 /// One usable device: its name, the port and GID index to use, and its
 /// NUMA node (None: unknown).
 #[derive(Debug, Clone, PartialEq, Eq)]

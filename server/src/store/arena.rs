@@ -36,6 +36,11 @@ unsafe impl Send for Arena {}
 unsafe impl Sync for Arena {}
 
 impl Arena {
+    /// The mapping: `(address, length)`.
+    pub fn range(&self) -> (usize, usize) {
+        (self.base.as_ptr() as usize, self.len)
+    }
+
     /// Maps `len` bytes (rounded up to [`ALIGN`]) and starts faulting them
     /// in on a background thread. None when the mapping fails (the caller
     /// then uses the heap only).

@@ -106,6 +106,17 @@ impl AlignedBuf {
     }
 }
 
+/// Called with `(address, length)` before heap memory of a buffer is
+/// freed: the RDMA engine forgets cached registrations of it, so memory the
+/// allocator maps there later is never reached through the old pages.
+type FreeHook = Box<dyn Fn(usize, usize) + Send + Sync>;
+static FREE_HOOK: std::sync::OnceLock<FreeHook> = std::sync::OnceLock::new();
+
+/// Sets the hook (once per process; later calls are ignored).
+pub fn set_free_hook(f: FreeHook) {
+    let _ = FREE_HOOK.set(f);
+}
+
 impl Drop for AlignedBuf {
     fn drop(&mut self) {
         if let Some(a) = self.arena.take() {
@@ -113,6 +124,9 @@ impl Drop for AlignedBuf {
             // released once (here), and the buffer is being dropped.
             unsafe { a.release(self.ptr, self.cap) };
             return;
+        }
+        if let Some(hook) = FREE_HOOK.get() {
+            hook(self.ptr.as_ptr() as usize, self.cap);
         }
         let layout = Layout::from_size_align(self.cap, ALIGN).expect("aligned layout");
         // SAFETY: allocated in `new` with this same layout.
@@ -204,6 +218,12 @@ impl BufPool {
         b.full_mut()[..bytes.len()].copy_from_slice(bytes);
         b.set_len(bytes.len());
         b
+    }
+
+    /// The memory tier's mapping `(address, length)`, if there is one (the
+    /// RDMA engine registers it whole).
+    pub fn arena_range(&self) -> Option<(usize, usize)> {
+        self.arena.as_ref().map(|a| a.range())
     }
 
     /// Bytes currently parked in the pool.

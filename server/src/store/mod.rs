@@ -25,7 +25,7 @@ use kv_common::page::{parse_record, Geometry, HeaderError, PageHeader};
 use kv_common::ring::{Ring, RingMember};
 use kv_common::stats::NodeStats;
 
-pub use buf::{AlignedBuf, BufPool, PooledBuf};
+pub use buf::{set_free_hook, AlignedBuf, BufPool, PooledBuf};
 pub use device::{Device, FileDevice};
 pub use disk::{Disk, DiskError, Lookup, PutResult, RecoveryReport};
 

@@ -1,0 +1,224 @@
+//! The RDMA data path end to end, in one process, over the stand-in fabric
+//! (kv_common::rdma::engine::fake): a real node (its connection code, store
+//! and RDMA engine) and a real client (its bootstrap, registration cache and
+//! verification), with only the NIC replaced by in-process copies that
+//! check keys and bounds as a NIC does. What this cannot show (the verbs,
+//! a real NIC's timing) is listed in docs/ARCHITECTURE.md, "Transports".
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Duration;
+
+use kv_common::page::Geometry;
+use kv_common::rdma::engine::fake::{FakeBackend, FakeNet};
+use kv_common::rdma::engine::Runtime;
+use kv_common::rdma::{Counters, RailSpec, Settings};
+use kv_common::status::Status;
+use kv_server::server::{self, Shared};
+use kv_server::store::{DiskSpec, Store, StoreConfig};
+use kvclient::client::{Client, GetItem};
+use kvclient::members::Member;
+use kvclient::{BlockingClient, Options};
+
+fn geo() -> Geometry {
+    Geometry { model_hash: 0x5D, page_size: 32, dtype_tag: 2, tp_size: 1, ..Geometry::default() }
+}
+
+fn engine(net: &FakeNet, device: &str) -> Arc<Runtime> {
+    let spec =
+        RailSpec { device: device.into(), port: 1, gid_index: 0, numa_node: None, link_layer: "InfiniBand".into() };
+    Runtime::with_backend(
+        Arc::new(FakeBackend { net: net.clone(), devices: vec![device.into()] }),
+        vec![spec],
+        Settings { devices: vec![device.into()], depth: 8, numa_local: false },
+        Arc::new(Counters::default()),
+        1 << 30,
+        Duration::from_secs(2),
+    )
+}
+
+struct Node {
+    addr: SocketAddr,
+    shared: Arc<Shared>,
+    stop: tokio::sync::watch::Sender<bool>,
+    thread: Option<std::thread::JoinHandle<std::io::Result<()>>>,
+    _tmp: tempfile::TempDir,
+}
+
+impl Node {
+    /// A node with a memory tier, over `rdma` (None: a node without RDMA).
+    fn start(rdma: Option<Arc<Runtime>>) -> Node {
+        let tmp = tempfile::tempdir().unwrap();
+        let dirs: Vec<PathBuf> = (0..2).map(|i| tmp.path().join(format!("d{i}"))).collect();
+        let cfg = StoreConfig {
+            disks: dirs.iter().map(|d| DiskSpec { dir: d.clone(), cap: 64 << 20 }).collect(),
+            mem_cap: 16 << 20,
+            sync_writes: false,
+            pool_bytes: 16 << 20,
+        };
+        let (store, _) = Store::open(&cfg).unwrap();
+        let mut shared = Shared::new(Arc::new(store), 8 << 20, 64 << 20);
+        if let Some(rt) = &rdma {
+            let (a, l) = shared.store.pool().arena_range().expect("memory tier");
+            rt.pin(a, l).unwrap();
+            shared.rdma_counters = rt.counters().clone();
+        }
+        shared.rdma = rdma;
+        let shared = Arc::new(shared);
+        let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+        let listener = rt.block_on(tokio::net::TcpListener::bind("127.0.0.1:0")).unwrap();
+        let addr = listener.local_addr().unwrap();
+        let (stop, rx) = tokio::sync::watch::channel(false);
+        let s2 = shared.clone();
+        let thread = Some(std::thread::spawn(move || rt.block_on(server::run(listener, s2, 64, rx))));
+        Node { addr, shared, stop, thread, _tmp: tmp }
+    }
+
+    fn counters(&self) -> &Counters {
+        &self.shared.rdma_counters
+    }
+}
+
+impl Drop for Node {
+    fn drop(&mut self) {
+        let _ = self.stop.send(true);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+fn client(node: &Node, rt: Arc<Runtime>) -> BlockingClient {
+    let m = vec![Member { id: "n0".into(), addr: node.addr.to_string(), weight: 1 }];
+    BlockingClient::over(Client::with_rdma(m, geo(), Options::default(), rt)).unwrap()
+}
+
+fn page(tag: u32, n: usize) -> Vec<u8> {
+    (0..n as u32).map(|i| (i.wrapping_mul(2654435761) ^ tag) as u8).collect()
+}
+
+fn written(c: &Counters) -> u64 {
+    c.rails().iter().map(|r| r.written_bytes.load(Ordering::Relaxed)).sum()
+}
+
+fn read(c: &Counters) -> u64 {
+    c.rails().iter().map(|r| r.read_bytes.load(Ordering::Relaxed)).sum()
+}
+
+#[test]
+fn pages_move_by_rdma_into_and_out_of_caller_memory() {
+    let net = FakeNet::default();
+    let node = Node::start(Some(engine(&net, "mlx5_0")));
+    let crt = engine(&net, "mlx5_0");
+    let c = client(&node, crt.clone());
+
+    // The engine's host pool, registered once (kv_register_memory).
+    let mut pool = vec![0u8; 8 << 20];
+    crt.pin(pool.as_ptr() as usize, pool.len()).unwrap();
+    let regs_after_pin = crt.counters().registrations.load(Ordering::Relaxed);
+
+    // A put of a 1 MiB page from the pool: the node reads it by RDMA READ.
+    let p = page(1, 1 << 20);
+    pool[..p.len()].copy_from_slice(&p);
+    assert_eq!(c.putv(b"k1", &[&pool[..1 << 20]]), Status::Ok);
+    assert_eq!(read(node.counters()), 1 << 20, "the payload came by RDMA READ");
+    // A get scattered into the K and V halves, in the pool: RDMA WRITE.
+    let (k, v) = pool[4 << 20..].split_at_mut(512 << 10);
+    assert_eq!(c.getv(b"k1", &mut [&mut k[..], &mut v[..512 << 10]]), Ok(1 << 20));
+    assert_eq!(&k[..], &p[..512 << 10]);
+    assert_eq!(&v[..512 << 10], &p[512 << 10..]);
+    assert_eq!(written(node.counters()), 1 << 20, "the payload went by RDMA WRITE");
+    assert_eq!(crt.counters().registrations.load(Ordering::Relaxed), regs_after_pin, "no per-op registration");
+
+    // A buffer outside the pool is registered once and reused.
+    let mut other = vec![0u8; 1 << 20];
+    assert_eq!(c.getv(b"k1", &mut [&mut other[..]]), Ok(1 << 20));
+    assert_eq!(c.getv(b"k1", &mut [&mut other[..]]), Ok(1 << 20));
+    assert_eq!(other, p);
+    assert_eq!(crt.counters().registrations.load(Ordering::Relaxed), regs_after_pin + 1);
+
+    // Too small a buffer: the size needed, nothing written; a miss; a
+    // small page goes inline (no RDMA below 16 KiB).
+    let mut small = vec![0u8; 1000];
+    assert_eq!(c.getv(b"k1", &mut [&mut small[..]]), Err((Status::TooSmall, 1 << 20)));
+    let mut big = vec![0u8; 1 << 20];
+    assert_eq!(c.getv(b"absent", &mut [&mut big[..]]), Err((Status::Miss, 0)));
+    let before = (written(node.counters()), read(node.counters()));
+    assert_eq!(c.putv(b"tiny", &[&page(3, 100)]), Status::Ok);
+    assert_eq!(c.getv(b"tiny", &mut [&mut small[..]]), Ok(100));
+    assert_eq!(&small[..100], &page(3, 100)[..]);
+    assert_eq!((written(node.counters()), read(node.counters())), before);
+
+    // A batch: several gets in flight on one connection, each placed by RDMA.
+    let keys: Vec<String> = (0..6).map(|i| format!("b{i}")).collect();
+    for (i, k) in keys.iter().enumerate() {
+        assert_eq!(c.putv(k.as_bytes(), &[&page(10 + i as u32, 256 << 10)]), Status::Ok);
+    }
+    let mut outs: Vec<Vec<u8>> = (0..6).map(|_| vec![0u8; 256 << 10]).collect();
+    let mut items: Vec<GetItem> =
+        keys.iter().zip(outs.iter_mut()).map(|(k, o)| (k.as_bytes(), vec![&mut o[..]])).collect();
+    let st = c.batch_getv(&mut items);
+    drop(items);
+    assert!(st.iter().all(|s| *s == (Status::Ok, 256 << 10)), "{st:?}");
+    for (i, o) in outs.iter().enumerate() {
+        assert_eq!(o, &page(10 + i as u32, 256 << 10), "item {i}");
+    }
+    assert_eq!(node.counters().errors.load(Ordering::Relaxed), 0);
+    assert_eq!(crt.counters().fallbacks.load(Ordering::Relaxed), 0);
+    assert!(crt.unpin(pool.as_ptr() as usize));
+}
+
+#[test]
+fn a_broken_queue_pair_falls_back_to_tcp_without_losing_a_page() {
+    let net = FakeNet::default();
+    let node = Node::start(Some(engine(&net, "mlx5_0")));
+    let crt = engine(&net, "mlx5_0");
+    let c = client(&node, crt.clone());
+    let p = page(7, 300 << 10);
+    assert_eq!(c.putv(b"a", &[&p]), Status::Ok);
+    // Every work request fails from now on (a cable pulled, a remote access
+    // error): gets are answered inline, puts are sent again inline.
+    net.fail_all(12);
+    let mut out = vec![0u8; 300 << 10];
+    assert_eq!(c.getv(b"a", &mut [&mut out[..]]), Ok(300 << 10));
+    assert_eq!(out, p);
+    let q = page(8, 300 << 10);
+    assert_eq!(c.putv(b"b", &[&q]), Status::Ok);
+    assert_eq!(c.getv(b"b", &mut [&mut out[..]]), Ok(300 << 10));
+    assert_eq!(out, q);
+    assert!(node.counters().qp_broken.load(Ordering::Relaxed) >= 1);
+    assert!(node.counters().errors.load(Ordering::Relaxed) >= 1);
+
+    // Completions that never come: the node gives up after its timeout,
+    // answers over TCP, and nothing hangs.
+    let c2 = client(&node, engine(&net, "mlx5_0"));
+    assert_eq!(c2.putv(b"c", &[&page(9, 64 << 10)]), Status::Ok);
+    net.swallow_all();
+    let t0 = std::time::Instant::now();
+    let mut out = vec![0u8; 64 << 10];
+    assert_eq!(c2.getv(b"c", &mut [&mut out[..]]), Ok(64 << 10));
+    assert_eq!(out, page(9, 64 << 10));
+    assert!(t0.elapsed() < Duration::from_secs(8), "{:?}", t0.elapsed());
+    assert!(node.counters().timeouts.load(Ordering::Relaxed) >= 1);
+}
+
+#[test]
+fn a_node_without_rdma_says_why_and_the_client_stays_on_tcp() {
+    let net = FakeNet::default();
+    let node = Node::start(None);
+    let crt = engine(&net, "mlx5_0");
+    let c = client(&node, crt.clone());
+    let p = page(5, 200 << 10);
+    assert_eq!(c.putv(b"x", &[&p]), Status::Ok);
+    let mut out = vec![0u8; 200 << 10];
+    assert_eq!(c.getv(b"x", &mut [&mut out[..]]), Ok(200 << 10));
+    assert_eq!(out, p);
+    // Asked once (the first connection); the node is then not asked again.
+    assert_eq!(crt.counters().peer_fallbacks.load(Ordering::Relaxed), 1);
+    assert_eq!(node.counters().peer_fallbacks.load(Ordering::Relaxed), 1);
+    assert_eq!(read(crt.counters()) + written(crt.counters()), 0);
+    let text = c.stats_text();
+    assert!(text.contains("kvclient_rdma_peer_fallbacks_total 1"), "{text}");
+}
