@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # Makes the base image the Dockerfile starts from, since no image registry is
 # reachable: a minimal Debian bookworm (debootstrap --variant=minbase) with
-# adduser and python3, without docs, man pages, locales or apt lists,
+# adduser, python3 and the RDMA user-space libraries (libibverbs1 and its
+# providers, loaded at run time when devices are named), without docs, man pages, locales or apt lists,
 # imported into the local Docker engine as $BASE_TAG. The root filesystem
 # tarball is cached outside the clone, keyed on what goes into it.
 # Usage: scripts/base-image.sh        (prints the tag)
 set -euo pipefail
 SUITE=bookworm
-INCLUDE=adduser,python3
+INCLUDE=adduser,python3,libibverbs1,ibverbs-providers
 BASE_TAG=kvcellar-base:$SUITE
 CACHE=${KVCELLAR_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/kvcellar}
 key=$(echo "$SUITE $INCLUDE v1" | md5sum | cut -c1-12)

@@ -10,7 +10,7 @@ cd "$(dirname "$0")/.."
 runs=${1:-3}
 work=${2:-$(mktemp -d)}
 mkdir -p "$work"
-cargo build --release --bins -q
+cargo build --release --bins -q --features rdma
 bin=target/release
 pids=()
 cleanup() { for p in "${pids[@]}"; do kill -TERM "$p" 2>/dev/null || true; done; wait 2>/dev/null || true; }

@@ -10,5 +10,5 @@ cd "$(dirname "$0")/.."
 export KVCELLAR_LOAD_SECS=${1:-${KVCELLAR_LOAD_SECS:-60}}
 # The idle crowd and the clients need more descriptors than the default 1024.
 ulimit -n 65536 2>/dev/null || ulimit -n "$(ulimit -Hn)"
-cargo build --release --workspace --locked -q
-cargo test --release --locked -q -p kv-e2e --test load -- --ignored --nocapture
+cargo build --release --workspace --locked -q --features rdma
+cargo test --release --locked -q --features rdma -p kv-e2e --test load -- --ignored --nocapture

@@ -14,7 +14,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 rounds=${1:-5}
 work=$(mktemp -d)
-cargo build --release --bins -q
+cargo build --release --bins -q --features rdma
 bin=target/release
 pids=()
 stop_nodes() { for p in "${pids[@]}"; do kill -TERM "$p" 2>/dev/null || true; done; for p in "${pids[@]}"; do wait "$p" 2>/dev/null || true; done; pids=(); }

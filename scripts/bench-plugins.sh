@@ -6,7 +6,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/deps.sh
-cargo build --release --locked -p kv-server -p kvclient
+cargo build --release --locked -p kv-server -p kvclient --features kv-server/rdma,kvclient/rdma
 bash scripts/test-python.sh --co -q >/dev/null # makes the test venv (pytest) if missing
 CACHE=${KVCELLAR_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/kvcellar}
 PYVER=$(python3 -c 'import sys; print("%d.%d" % sys.version_info[:2])')

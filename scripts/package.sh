@@ -20,7 +20,10 @@ version=$(sed -n 's/^version = "\(.*\)"/\1/p' Cargo.toml | head -1)
 export CARGO_PROFILE_RELEASE_DEBUG=0 CARGO_PROFILE_RELEASE_STRIP=symbols
 
 echo "== release build for $triple, glibc $glibc (cargo zigbuild)"
-cargo zigbuild --release --locked --target "$triple.$glibc" -p kv-server -p kv-mds -p kvctl -p kvclient
+# With RDMA (libibverbs is loaded at run time: the same binaries run
+# without rdma-core).
+cargo zigbuild --release --locked --target "$triple.$glibc" -p kv-server -p kv-mds -p kvctl -p kvclient \
+  --features kv-server/rdma,kvctl/rdma,kvclient/rdma
 mkdir -p dist
 rm -f dist/*"$version"*.deb dist/*"$version"*.rpm dist/kvcellar-"$version"-*.whl
 

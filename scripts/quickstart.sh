@@ -43,7 +43,7 @@ keep=0
 bash scripts/deps.sh
 command -v curl >/dev/null || { echo "curl is needed (apt-get install curl)"; exit 1; }
 echo "== building (release)"
-cargo build --release --bins -q
+cargo build --release --bins -q --features rdma
 bin=$PWD/target/release
 mkdir -p "$work" "$pids"
 stop_all >/dev/null   # a cluster left running by an earlier --keep

@@ -63,6 +63,14 @@ docker run --rm --network host "$img" kvctl get --mds "127.0.0.1:$mp" --group im
 cmp -s "$work/page" "$work/back" || fail "the page read back differs"
 run kvctl ring --mds "127.0.0.1:$mp" --group imgtest | grep -q "n1" || fail "kvctl ring does not list the node"
 ok "a 1 MiB page round-trips through the containerized node, routed by the ring from kv-mds"
+# RDMA: the image carries libibverbs; with no device passed in, a client
+# that names one says why in one line and still works over TCP.
+err=$(docker run --rm --network host "$img" kvctl get --mds "127.0.0.1:$mp" --group imgtest \
+  --options rdma_devices=mlx5_0 img-page 2>&1 >"$work/back2") || fail "kvctl with rdma_devices: $err"
+cmp -s "$work/page" "$work/back2" || fail "the page read back over the RDMA fallback differs"
+echo "$err" | grep -q "using TCP: .*mlx5_0: no such RDMA device" ||
+  fail "the client in the image does not say why it uses TCP (libibverbs missing from the image?): $err"
+ok "the image carries libibverbs: rdma_devices without a device falls back to TCP, saying why"
 kill "$etcd_pid"; wait "$etcd_pid" 2>/dev/null || true; etcd_pid=
 wait_health "$tag-mds" unhealthy 60
 why=$(docker exec "$tag-mds" kvctl health --local) && fail "kvctl health exits 0 without etcd"

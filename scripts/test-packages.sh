@@ -51,6 +51,14 @@ while IFS= read -r f; do
 done < <(find "$x" -type f \( -path '*/bin/*' -o -name '*.so*' \))
 [ $n -eq 9 ] || fail "$n ELF files found in the packages, not 9 (3 binaries and the library in the debs and in the rpms, the wheel's library)"
 ok "the $n shipped ELF files (debs, rpms, wheel) need glibc 2.28 at most"
+# Built with RDMA, without linking libibverbs: it is loaded at run time when
+# devices are named, so the same binaries run where rdma-core is absent.
+for f in "$x/deb/usr/bin/kv-server" "$x/deb/usr/bin/kvctl" "$x/deb/usr/lib/x86_64-linux-gnu/libkvclient.so.0" \
+         "$x"/whl/kvcellar/libkvclient*.so*; do
+  grep -q 'libibverbs.so.1' "$f" || fail "${f#"$x"/} was not built with the rdma feature"
+  ! objdump -p "$f" | grep -q 'NEEDED.*ibverbs' || fail "${f#"$x"/} links libibverbs (it must load it at run time)"
+done
+ok "the binaries, library and wheel carry RDMA and do not link libibverbs"
 
 # --- rpms: files and scriptlets.
 q() { rpm -qp "$@" 2>/dev/null; }
@@ -94,7 +102,10 @@ for u in kv-server.service kv-server@.service kv-mds.service; do
     grep -q "^$k" "/lib/systemd/system/$u" || fail "$u lacks $k"
   done
 done
-ok "units carry the hardening and limits"
+for u in kv-server.service kv-server@.service; do
+  grep -q "^LimitMEMLOCK=infinity" "/lib/systemd/system/$u" || fail "$u lacks LimitMEMLOCK=infinity (RDMA pins memory)"
+done
+ok "units carry the hardening and limits (LimitMEMLOCK=infinity on the nodes, for RDMA)"
 
 free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
 wait_line() { # wait_line FILE TEXT PID

@@ -19,8 +19,8 @@ done
 echo "== fuzz: $fuzz s per target"
 cargo run --locked --release -q -p kv-fuzz -- run --seconds "$fuzz" --seed "$(date +%s)"
 echo "== soak: $soak s of mixed load with random faults"
-cargo build --workspace --locked -q
-KVCELLAR_SOAK_SECS=$soak cargo test --locked -q -p kv-e2e --test faults -- --ignored --nocapture soak
+cargo build --workspace --locked -q --features rdma
+KVCELLAR_SOAK_SECS=$soak cargo test --locked -q --features rdma -p kv-e2e --test faults -- --ignored --nocapture soak
 echo "== load held: many clients, 1000+ connections"
 bash scripts/bench-load.sh
 bash scripts/bench-plugins.sh --rounds 5

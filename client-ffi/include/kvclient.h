@@ -61,7 +61,14 @@ typedef struct kv_geometry {
    keys (defaults): connect_timeout_ms (3000), io_timeout_ms (10000),
    max_conns_per_node (16), batch_concurrency (8), peer_cooldown_ms (2000),
    auth_token_file (none: a path, read once here, holding the group's token;
-   it cannot contain a comma). Unknown keys are an error. Returns NULL on
+   it cannot contain a comma), rdma_devices (none: TCP; ':'-separated device
+   names, e.g. mlx5_0:mlx5_1, one rail each), rdma_depth (32: work requests
+   in flight per queue pair), rdma_numa (1: prefer rails on the calling
+   thread's NUMA node), rdma_cache_mb (1024: registrations of buffers not
+   given to kv_register_memory kept per rail; 0: per operation). Every build
+   takes the rdma_ keys; when RDMA cannot be used the handle serves over TCP,
+   prints one line to stderr saying why and counts it in
+   kvclient_rdma_fallbacks_total. Unknown keys are an error. Returns NULL on
    error (see kv_last_error). */
 kv_client *kv_open(const char *members, const kv_geometry *geo, const char *options);
 /* Waits for calls in flight on other threads (each ends within its own
@@ -102,7 +109,15 @@ int kv_batch_getv(kv_client *c, size_t n, const char *const *keys, const kv_iove
                   const size_t *iovcnt, size_t *out_lens, int *out_status);
 int kv_batch_exist(kv_client *c, size_t n, const char *const *keys, int *out_status);
 
-int kv_register_memory(kv_client *c, void *base, size_t len); /* RDMA MR; no-op on TCP */
+/* RDMA: registers a long-lived region (an engine's host pool) once with
+   every rail, so pages move to and from it without per-call registration;
+   it must stay mapped until kv_unregister_memory or kv_close. KV_OK (also
+   on TCP, where it does nothing), KV_UNAVAILABLE when the device refuses it
+   (RLIMIT_MEMLOCK; buffers in it are then registered per use). */
+int kv_register_memory(kv_client *c, void *base, size_t len);
+/* Drops the registration kv_register_memory made at base: KV_OK, or KV_MISS
+   when none starts there (KV_OK on TCP). */
+int kv_unregister_memory(kv_client *c, void *base);
 /* Prometheus text into buf (NUL-terminated, truncated to cap); returns the
    full length without the NUL, so a caller can size its buffer. */
 size_t kv_stats_snapshot(kv_client *c, char *buf, size_t cap);

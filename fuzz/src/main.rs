@@ -216,6 +216,28 @@ fn seeds() {
     write("frame", "batch_exist", &hdr(Op::BatchExist, &wire::encode_batch_exist(&geo, &[b"a".as_slice(), b"bb"])));
     write("frame", "delete", &hdr(Op::Delete, b"\x01\x00k"));
     write("frame", "hello_v2", &wire::client_hello(2, Some(b"token")));
+    {
+        use kv_common::rdma::bootstrap::{encode_segments, Answer, Endpoint, Segment};
+        let ep = Endpoint {
+            depth: 32,
+            port: 1,
+            mtu: 5,
+            lid: 7,
+            gid: [0xfe, 0x80, 0, 0, 0, 0, 0, 0, 2, 2, 0xc9, 0xff, 0xfe, 0, 0, 1],
+            qpn: 0x1234,
+            psn: 0xab_cdef,
+            device: "mlx5_0".into(),
+        };
+        write("frame", "rdma_connect", &hdr(Op::RdmaConnect, &ep.encode_request()));
+        write("rdma", "endpoint", &ep.encode_request());
+        write("rdma", "answer_accepted", &Answer::Accepted(ep).encode());
+        write("rdma", "answer_not_offered", &Answer::NotOffered("no RDMA device named".into()).encode());
+        let mut segs = Vec::new();
+        let s = |addr| Segment { addr, rkey: 9, len: 4096 };
+        encode_segments(&[s(0x7f00_0000_0000), s(0x7f00_0010_0000)], &mut segs);
+        segs.extend_from_slice(&KeyRequest::encode(&geo, b"key"));
+        write("rdma", "segments_then_key", &segs);
+    }
     write("page", "record", &rec);
     write("page", "record_empty_payload", &build_record(geo, b"k", &[]));
     write("mds_request", "view", b"\x00/v1/groups/prod/view?after=41&wait_ms=1000\n");

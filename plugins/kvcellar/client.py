@@ -512,10 +512,20 @@ class Client:
     # -- memory, membership, introspection ------------------------------------
 
     def register_memory(self, buf: Segment) -> Status:
-        """Registers memory that pages move to and from (RDMA; a checked
-        no-op on TCP)."""
+        """Registers memory that pages move to and from once, with every
+        RDMA rail (the engine's host pool; a checked no-op on TCP). The
+        memory must stay allocated until :meth:`unregister_memory` or
+        :meth:`close`."""
         addr, n, keep = _view(buf, writable=False)
         st = self._status(self._lib.kv_register_memory(self._handle(), addr or None, n))
+        del keep
+        return st
+
+    def unregister_memory(self, buf: Segment) -> Status:
+        """Drops what :meth:`register_memory` registered for ``buf``
+        (``Status.MISS`` when nothing was; ``Status.OK`` on TCP)."""
+        addr, _, keep = _view(buf, writable=False)
+        st = self._status(self._lib.kv_unregister_memory(self._handle(), addr or None))
         del keep
         return st
 

@@ -215,3 +215,22 @@ def test_members_by_name_are_resolved_per_connection(cluster):
         assert c.get_bytes("by-name").data == b"n" * 1000
     with Client(cluster.members, geometry=GEO) as c:
         assert c.exist("by-name") is Status.OK, "the same ring, by name or by address"
+
+
+def test_rdma_options_fall_back_to_tcp_and_say_why(cluster):
+    """rdma_devices names a device this machine does not have: the client
+    serves over TCP, counts one fallback, and registering a pool is a
+    checked no-op (issue 13)."""
+    with Client(cluster.members, geometry=GEO, options="rdma_devices=mlx5_0,rdma_depth=16") as c:
+        pool = bytearray(4 << 20)
+        assert c.register_memory(pool) is Status.OK
+        data = page("r", 1 << 20)
+        assert c.put("r", data) is Status.OK
+        r = c.get("r", pool)
+        assert r.status is Status.OK and pool[: r.length] == data
+        assert c.unregister_memory(pool) is Status.OK
+        counters = c.counters()
+        assert counters.get("kvclient_rdma_fallbacks_total") == 1, counters
+        assert counters.get("kvclient_rdma_completions_total") == 0
+    with pytest.raises(ConfigError):
+        Client(cluster.members, geometry=GEO, options="rdma_devices=mlx5_0;mlx5_1")

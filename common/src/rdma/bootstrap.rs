@@ -265,6 +265,10 @@ mod tests {
     fn requests_and_answers_round_trip_byte_for_byte() {
         let b = ep().encode_request();
         assert_eq!(b.len(), 33 + 6);
+        // The worked example of docs/PROTOCOL.md, "RDMA".
+        let hex = |b: &[u8]| b.iter().map(|x| format!("{x:02x}")).collect::<String>();
+        assert_eq!(hex(&b[..8]), "0100200001050700");
+        assert_eq!(hex(&b[24..]), "34120000efcdab00066d6c78355f30");
         assert_eq!(&b[0..2], &[1, 0], "version first, little-endian");
         assert_eq!(Endpoint::decode_request(&b).unwrap(), ep());
         for a in [
