@@ -66,8 +66,8 @@ fn rdma_asked_for_without_a_device_means_tcp_one_log_line_and_one_fallback() {
     // A client that asks for RDMA: everything works, over TCP.
     let geo = Geometry { model_hash: 0x13, page_size: 8, dtype_tag: 1, tp_size: 1, ..Geometry::default() };
     let opts = Options::parse("rdma_devices=mlx5_0,rdma_depth=64").unwrap();
-    let c = BlockingClient::new(vec![Member { id: "n0".into(), addr: node.addr.clone(), weight: 1 }], geo, opts)
-        .unwrap();
+    let c =
+        BlockingClient::new(vec![Member { id: "n0".into(), addr: node.addr.clone(), weight: 1 }], geo, opts).unwrap();
     let page: Vec<u8> = (0..(1u32 << 20)).map(|i| (i % 253) as u8).collect();
     assert_eq!(c.putv(b"p1", &[&page[..]]), Status::Ok);
     let mut a = vec![0u8; 1 << 19];
@@ -80,7 +80,10 @@ fn rdma_asked_for_without_a_device_means_tcp_one_log_line_and_one_fallback() {
     assert!(snap.contains("kvclient_rdma_fallbacks_total 1\n"), "{snap}");
     assert!(snap.contains("kvclient_rdma_completions_total 0\n"), "{snap}");
     let why = c.core.rdma_counters.fallback_reason().expect("a reason");
-    assert!(expected_reason(if cfg!(feature = "rdma") { "rdma" } else { "tcp" }).iter().any(|r| why.contains(r)), "{why}");
+    assert!(
+        expected_reason(if cfg!(feature = "rdma") { "rdma" } else { "tcp" }).iter().any(|r| why.contains(r)),
+        "{why}"
+    );
     // Nothing moved by RDMA on the node either.
     let text = scrape(&metrics);
     assert!(text.contains("kvcellar_rdma_completions_total 0\n"), "{text}");
@@ -99,7 +102,8 @@ fn rdma_asked_for_without_a_device_means_tcp_one_log_line_and_one_fallback() {
     let (code, _, err) = run("kvctl", &["get", "--node", &node.addr, "--options=rdma_devices=a;b", "k"]);
     assert_ne!(code, 0);
     assert!(err.contains("rdma_devices"), "{err}");
-    let (code, _, err) = run("kv-server", &["--listen", "127.0.0.1:0", "--dir", "x", "--cap", "1G", "--rdma-dev", "a::b"]);
+    let (code, _, err) =
+        run("kv-server", &["--listen", "127.0.0.1:0", "--dir", "x", "--cap", "1G", "--rdma-dev", "a::b"]);
     assert_ne!(code, 0);
     assert!(err.contains("--rdma-dev") && err.contains("empty name"), "{err}");
 }
