@@ -43,6 +43,19 @@ fn rdma_segments(conn: &AsyncConn, bufs: &[(usize, usize)]) -> Option<(Vec<Segme
     Some((segs, regs))
 }
 
+/// A payload moved by RDMA failed its check: a cached registration may be
+/// stale (the caller freed a buffer and new memory was mapped at the same
+/// address, so the device used the old pages). Forget the cached ones for
+/// these buffers; the retry, inline, and later requests use the memory
+/// there now. Pinned regions (`kv_register_memory`) are the caller's word.
+fn forget_registrations(rt: Option<&std::sync::Arc<kv_common::rdma::engine::Runtime>>, ranges: &[(usize, usize)]) {
+    if let Some(rt) = rt {
+        for &(a, l) in ranges {
+            rt.invalidate(a, l);
+        }
+    }
+}
+
 fn ranges_mut(bufs: &mut [&mut [u8]]) -> Vec<(usize, usize)> {
     bufs.iter_mut().map(|b| (b.as_mut_ptr() as usize, b.len())).collect()
 }
@@ -165,6 +178,7 @@ pub async fn put(conn: &mut AsyncConn, header: &[u8; HEADER_LEN], key: &[u8], bu
     }
     let ranges: Vec<(usize, usize)> = bufs.iter().map(|b| (b.as_ptr() as usize, b.len())).collect();
     if let Some((segs, regs)) = rdma_segments(conn, &ranges) {
+        let rt = conn.rdma.as_ref().map(|l| l.runtime().clone());
         // The node reads the payload from these buffers by RDMA READ.
         let mut tail = Vec::with_capacity(2 + segs.len() * 16);
         encode_segments(&segs, &mut tail);
@@ -176,6 +190,9 @@ pub async fn put(conn: &mut AsyncConn, header: &[u8; HEADER_LEN], key: &[u8], bu
             Status::Ok => return Ok(()),
             // The node could not read it: send it inline, on TCP from now on.
             Status::Unavailable if h.flags & RSP_FLAG_RDMA_FAILED != 0 => conn.rdma = None,
+            // What the node read does not match the CRC computed over the
+            // buffers: a stale registration, most likely. Send it inline.
+            Status::Corrupt => forget_registrations(rt.as_ref(), &ranges),
             s => return Err(refused(s, &body)),
         }
     }
@@ -198,17 +215,33 @@ pub async fn get(
     key: &[u8],
     bufs: &mut [&mut [u8]],
 ) -> Result<GetReply, OpError> {
-    let req = KeyRequest::encode(geo, key);
-    if let Some((segs, regs)) = rdma_segments(conn, &ranges_mut(bufs)) {
-        let mut body = Vec::with_capacity(2 + segs.len() * 16 + req.len());
+    let ranges = ranges_mut(bufs);
+    if let Some((segs, regs)) = rdma_segments(conn, &ranges) {
+        let rt = conn.rdma.as_ref().map(|l| l.runtime().clone());
+        let mut body = Vec::with_capacity(2 + segs.len() * 16 + 32 + key.len());
         encode_segments(&segs, &mut body);
-        body.extend_from_slice(&req);
+        body.extend_from_slice(&KeyRequest::encode(geo, key));
         let id = send(conn, Op::Get, FLAG_CHECK_GEOMETRY | FLAG_RDMA, &[&body]).await?;
         let h = recv_header(conn, id).await?;
-        let r = finish_rdma_get(conn, geo, key, bufs, &h).await;
+        let r = finish_rdma_get(conn, geo, key, bufs, &h).await?;
         drop(regs);
-        return r;
+        if r.status != Status::Corrupt || h.flags & RSP_FLAG_RDMA == 0 {
+            return Ok(r);
+        }
+        // The payload placed by RDMA failed its CRC (a stale registration,
+        // most likely): once more, inline.
+        forget_registrations(rt.as_ref(), &ranges);
     }
+    get_inline(conn, geo, key, bufs).await
+}
+
+async fn get_inline(
+    conn: &mut AsyncConn,
+    geo: &Geometry,
+    key: &[u8],
+    bufs: &mut [&mut [u8]],
+) -> Result<GetReply, OpError> {
+    let req = KeyRequest::encode(geo, key);
     let id = send(conn, Op::Get, FLAG_CHECK_GEOMETRY, &[&req]).await?;
     let h = recv_header(conn, id).await?;
     read_get_body(conn, geo, key, bufs, &h).await
@@ -272,6 +305,7 @@ pub async fn get_pipelined(
     geo: &Geometry,
     items: &mut [(&[u8], &mut [&mut [u8]])],
 ) -> Result<Vec<GetReply>, OpError> {
+    let rt = conn.rdma.as_ref().map(|l| l.runtime().clone());
     let mut ids = Vec::with_capacity(items.len());
     let mut frames = Vec::new();
     // Registrations of the items sent by RDMA, held until all answers are in.
@@ -304,12 +338,21 @@ pub async fn get_pipelined(
         };
         let (key, bufs) = &mut items[i];
         replies[i] = Some(if by_rdma[i] {
-            finish_rdma_get(conn, geo, key, bufs, &h).await?
+            let r = finish_rdma_get(conn, geo, key, bufs, &h).await?;
+            // Placed by RDMA but failing its CRC: retried inline below.
+            by_rdma[i] = r.status == Status::Corrupt && h.flags & RSP_FLAG_RDMA != 0;
+            r
         } else {
             read_get_body(conn, geo, key, bufs, &h).await?
         });
     }
     drop(regs);
+    if by_rdma.iter().any(|&b| b) {
+        for (i, (key, bufs)) in items.iter_mut().enumerate().filter(|(i, _)| by_rdma[*i]) {
+            forget_registrations(rt.as_ref(), &ranges_mut(bufs));
+            replies[i] = Some(get_inline(conn, geo, key, bufs).await?);
+        }
+    }
     Ok(replies.into_iter().map(|r| r.expect("every id answered")).collect())
 }
 

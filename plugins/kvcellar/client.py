@@ -303,7 +303,9 @@ class Client:
         (With kv-mds, discovery already answered KV_EDENIED.)"""
         from dataclasses import replace
 
-        opts = dict(settings.options)
+        # Over TCP: the probe needs no RDMA engine (nor a second log line
+        # when RDMA falls back).
+        opts = {k: v for k, v in settings.options.items() if not k.startswith("rdma_")}
         opts.update(connect_timeout_ms="500", io_timeout_ms="1000", peer_cooldown_ms="0")
         probe = replace(settings, options=opts)
         h = self._lib.kv_open((settings.members or "").encode(), ctypes.byref(geo), probe.options_string().encode())

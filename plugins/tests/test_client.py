@@ -234,3 +234,18 @@ def test_rdma_options_fall_back_to_tcp_and_say_why(cluster):
         assert counters.get("kvclient_rdma_completions_total") == 0
     with pytest.raises(ConfigError):
         Client(cluster.members, geometry=GEO, options="rdma_devices=mlx5_0;mlx5_1")
+
+
+def test_rdma_fallback_is_one_line_per_handle(cluster):
+    """The line saying why RDMA is not used comes once per client, even with
+    a static member list (whose token probe uses a handle of its own)."""
+    code = (
+        "import kvcellar, sys\n"
+        "c = kvcellar.Client(sys.argv[1], geometry=kvcellar.Geometry(model_hash=1), options='rdma_devices=mlx5_0')\n"
+        "assert c.put('k', b'v' * 100) is kvcellar.Status.OK\n"
+        "c.close()\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code, cluster.members], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    lines = [l for l in r.stderr.splitlines() if "RDMA" in l]
+    assert len(lines) == 1 and "using TCP" in lines[0], r.stderr

@@ -222,3 +222,46 @@ fn a_node_without_rdma_says_why_and_the_client_stays_on_tcp() {
     let text = c.stats_text();
     assert!(text.contains("kvclient_rdma_peer_fallbacks_total 1"), "{text}");
 }
+
+#[test]
+fn a_stale_registration_is_caught_by_the_crc_and_retried_inline() {
+    // A caller frees a buffer and new memory is mapped at the same address:
+    // the cached registration still reaches the old pages. The CRC check
+    // turns that into a retry over TCP, never a wrong page, and the
+    // registration is made again.
+    let net = FakeNet::default();
+    let node = Node::start(Some(engine(&net, "mlx5_0")));
+    let crt = engine(&net, "mlx5_0");
+    let c = client(&node, crt.clone());
+    let old = page(20, 256 << 10);
+    let mut buf = old.clone();
+    assert_eq!(c.putv(b"old", &[&buf]), Status::Ok);
+    let regs = crt.counters().registrations.load(Ordering::Relaxed);
+    // The put: the memory under `buf` is replaced, then filled anew.
+    net.replace_memory_under(buf.as_ptr() as usize);
+    let new = page(21, 256 << 10);
+    buf.copy_from_slice(&new);
+    assert_eq!(c.putv(b"new", &[&buf]), Status::Ok, "sent again inline");
+    let mut out = vec![0u8; 256 << 10];
+    assert_eq!(c.getv(b"new", &mut [&mut out[..]]), Ok(256 << 10));
+    assert_eq!(out, new, "the new content, not the old pages'");
+    // The get: the same, on the way in.
+    net.replace_memory_under(out.as_ptr() as usize);
+    out.fill(0);
+    assert_eq!(c.getv(b"old", &mut [&mut out[..]]), Ok(256 << 10));
+    assert_eq!(out, old);
+    // And in a pipelined batch.
+    net.replace_memory_under(out.as_ptr() as usize);
+    out.fill(0);
+    let mut other = vec![0u8; 256 << 10];
+    let mut items = vec![(&b"old"[..], vec![&mut out[..]]), (&b"new"[..], vec![&mut other[..]])];
+    assert_eq!(c.batch_getv(&mut items), vec![(Status::Ok, 256 << 10), (Status::Ok, 256 << 10)]);
+    drop(items);
+    assert_eq!((out == old, other == new), (true, true));
+    assert!(crt.counters().registrations.load(Ordering::Relaxed) > regs, "registered again");
+    // Afterwards RDMA carries the pages again.
+    let before = written(node.counters());
+    assert_eq!(c.getv(b"new", &mut [&mut out[..]]), Ok(256 << 10));
+    assert_eq!(out, new);
+    assert_eq!(written(node.counters()), before + (256 << 10));
+}

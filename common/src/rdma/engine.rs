@@ -455,9 +455,13 @@ pub mod fake {
     use super::*;
     use std::collections::HashMap;
 
+    /// A registration: the range, and the "old pages" the device still
+    /// reaches once the caller's memory was replaced under it.
+    type FakeMr = (usize, usize, Option<Box<[u8]>>);
+
     #[derive(Default)]
     struct Fabric {
-        mrs: HashMap<u32, (usize, usize)>,
+        mrs: HashMap<u32, FakeMr>,
         next_key: u32,
         qps: HashMap<u32, Arc<Mutex<FakeQpState>>>,
         next_qpn: u32,
@@ -495,6 +499,19 @@ pub mod fake {
         pub fn registrations(&self) -> usize {
             self.0.lock().unwrap().mrs.len()
         }
+
+        /// Models a caller that freed the memory at `addr` and got new memory
+        /// mapped there: registrations covering it keep reaching the old
+        /// pages (a copy of what was there), not what is there now.
+        pub fn replace_memory_under(&self, addr: usize) {
+            for (a, l, shadow) in self.0.lock().unwrap().mrs.values_mut() {
+                if addr >= *a && addr < *a + *l && shadow.is_none() {
+                    // SAFETY: [a, a+l) is a live registration: its owner keeps
+                    // it mapped while registered (the test holds the buffer).
+                    *shadow = Some(unsafe { std::slice::from_raw_parts(*a as *const u8, *l) }.into());
+                }
+            }
+        }
     }
 
     pub struct FakeBackend {
@@ -528,7 +545,7 @@ pub mod fake {
             let mut f = self.net.0.lock().unwrap();
             f.next_key += 1;
             let key = f.next_key;
-            f.mrs.insert(key, (addr, len));
+            f.mrs.insert(key, (addr, len, None));
             Ok(Mr { lkey: key, rkey: key, keep: Box::new(FakeMrKeep(self.net.clone(), key)) })
         }
 
@@ -565,7 +582,7 @@ pub mod fake {
         }
 
         fn post(&self, wrs: &[Wr]) -> Result<(), String> {
-            let f = self.net.0.lock().unwrap();
+            let mut f = self.net.0.lock().unwrap();
             let mut st = self.state.lock().unwrap();
             if st.peer.is_none() {
                 return Err("queue pair not connected".into());
@@ -578,25 +595,36 @@ pub mod fake {
                     st.done.push(Wc { wr_id: wr.wr_id, status: s, bytes: 0 });
                     continue;
                 }
-                let inside = |key: u32, addr: u64| {
-                    f.mrs.get(&key).is_some_and(|&(a, l)| {
-                        addr as usize >= a && (addr as usize).saturating_add(wr.len as usize) <= a + l
+                // Where the device reaches `addr` through registration `key`
+                // (the old pages if the memory was replaced), None when the
+                // key does not cover the range.
+                let mut reach = |key: u32, addr: u64| -> Option<u64> {
+                    let (a, l, shadow) = f.mrs.get_mut(&key)?;
+                    let (a, l) = (*a, *l);
+                    if (addr as usize) < a || (addr as usize).saturating_add(wr.len as usize) > a + l {
+                        return None;
+                    }
+                    Some(match shadow {
+                        Some(s) => s.as_mut_ptr() as u64 + (addr - a as u64),
+                        None => addr,
                     })
                 };
+                let (local, remote) = (reach(wr.lkey, wr.laddr), reach(wr.rkey, wr.raddr));
                 // IBV_WC_LOC_PROT_ERR (4) / IBV_WC_REM_ACCESS_ERR (10).
-                let status = if !inside(wr.lkey, wr.laddr) {
+                let status = if local.is_none() {
                     4
-                } else if !inside(wr.rkey, wr.raddr) {
+                } else if remote.is_none() {
                     10
                 } else {
+                    let (l, r) = (local.unwrap_or_default(), remote.unwrap_or_default());
                     let (src, dst) = match wr.op {
-                        WrOp::Write => (wr.laddr, wr.raddr),
-                        WrOp::Read => (wr.raddr, wr.laddr),
+                        WrOp::Write => (l, r),
+                        WrOp::Read => (r, l),
                     };
                     // SAFETY: both ranges lie inside live registrations (checked
-                    // just above), whose owners keep the memory mapped until
-                    // the registration is dropped; ranges of distinct buffers
-                    // do not overlap, and `copy` allows overlap anyway.
+                    // just above) or their old-pages copies, which live as long
+                    // as the registration; owners keep registered memory mapped
+                    // until the registration is dropped; `copy` allows overlap.
                     unsafe { std::ptr::copy(src as *const u8, dst as *mut u8, wr.len as usize) };
                     0
                 };

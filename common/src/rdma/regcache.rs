@@ -10,10 +10,12 @@
 //!
 //! A cached registration pins the pages mapped when it was made. A caller
 //! that frees a buffer and maps new memory at the same address would have
-//! RDMA land in the old pages; the payload CRC, checked over the caller's
-//! buffer after every RDMA get, turns that into KV_CORRUPT (never a wrong
-//! page). Callers should register long-lived pools; `cap` 0 turns caching
-//! of other buffers off (registered per operation, dropped after).
+//! RDMA land in the old pages; the payload CRC (checked over the caller's
+//! buffers after every RDMA get, and by the node after every RDMA put)
+//! catches it, and the client then forgets those registrations
+//! ([`RegCache::invalidate`]) and does the request once more inline: never a
+//! wrong page. Callers should register long-lived pools; `cap` 0 turns
+//! caching of other buffers off (registered per operation, dropped after).
 
 use std::collections::BTreeMap;
 use std::sync::atomic::Ordering;
