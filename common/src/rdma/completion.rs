@@ -151,10 +151,15 @@ impl Tracker {
         }
         // An error completion: this request failed, and the queue pair is in
         // the error state: the rest will flush.
+        // Counted, and the queue pair marked broken, before anyone hears.
         self.counters.errors.fetch_add(1, Ordering::Relaxed);
+        let why = format!("work completion status {}", wc.status);
+        if g.broken.is_none() {
+            g.broken = Some(why.clone());
+            self.counters.qp_broken.fetch_add(1, Ordering::Relaxed);
+        }
         let _ = p.tx.send(Err(RdmaError::Failed(wc.status)));
         drop(p.hold);
-        let why = format!("work completion status {}", wc.status);
         Self::fail_locked(&mut g, &why, &self.counters);
         true
     }
@@ -185,6 +190,12 @@ impl Tracker {
         if late.is_empty() {
             return 0;
         }
+        // Counted before anyone hears of it.
+        self.counters.timeouts.fetch_add(late.len() as u64, Ordering::Relaxed);
+        if g.broken.is_none() {
+            g.broken = Some("a work request timed out".into());
+            self.counters.qp_broken.fetch_add(1, Ordering::Relaxed);
+        }
         for id in &late {
             let p = g.pending.remove(id).expect("listed");
             let _ = p.tx.send(Err(RdmaError::Timeout(self.timeout)));
@@ -192,7 +203,6 @@ impl Tracker {
                 g.limbo.push(h);
             }
         }
-        self.counters.timeouts.fetch_add(late.len() as u64, Ordering::Relaxed);
         Self::fail_locked(&mut g, "a work request timed out", &self.counters);
         late.len()
     }

@@ -502,13 +502,12 @@ pub mod fake {
 
         /// Models a caller that freed the memory at `addr` and got new memory
         /// mapped there: registrations covering it keep reaching the old
-        /// pages (a copy of what was there), not what is there now.
+        /// pages (here zeroed: whatever the old pages hold), not what is
+        /// there now.
         pub fn replace_memory_under(&self, addr: usize) {
             for (a, l, shadow) in self.0.lock().unwrap().mrs.values_mut() {
                 if addr >= *a && addr < *a + *l && shadow.is_none() {
-                    // SAFETY: [a, a+l) is a live registration: its owner keeps
-                    // it mapped while registered (the test holds the buffer).
-                    *shadow = Some(unsafe { std::slice::from_raw_parts(*a as *const u8, *l) }.into());
+                    *shadow = Some(vec![0u8; *l].into_boxed_slice());
                 }
             }
         }
@@ -779,6 +778,11 @@ mod tests {
             // The source stays alive until the queue pair is gone.
             assert!(Arc::strong_count(&src) > 1);
             drop(n2);
+            // The polling thread may hold the queue pair for one more pass.
+            let deadline = Instant::now() + Duration::from_secs(5);
+            while Arc::strong_count(&src) > 1 && Instant::now() < deadline {
+                std::thread::sleep(Duration::from_millis(5));
+            }
             assert_eq!(Arc::strong_count(&src), 1);
             drop(dst);
         });
