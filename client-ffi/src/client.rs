@@ -163,9 +163,11 @@ fn is_stale(e: &OpError) -> bool {
 impl Client {
     pub fn new(members: Vec<Member>, geo: Geometry, opts: Options) -> Client {
         let rdma_counters = Arc::new(kv_common::rdma::Counters::default());
-        let rdma = kv_common::rdma::start(&opts.rdma, &rdma_counters, opts.rdma_cache_bytes, opts.io_timeout, |line| {
-            eprintln!("kvcellar: RDMA: {line}")
-        });
+        let role = kv_common::rdma::Role::Client;
+        let rdma =
+            kv_common::rdma::start(&opts.rdma, role, &rdma_counters, opts.rdma_cache_bytes, opts.io_timeout, |l| {
+                eprintln!("kvcellar: RDMA: {l}")
+            });
         Client::build(members, geo, opts, rdma, rdma_counters)
     }
 

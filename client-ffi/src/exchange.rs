@@ -176,25 +176,8 @@ pub async fn put(conn: &mut AsyncConn, header: &[u8; HEADER_LEN], key: &[u8], bu
     if len > conn.max_record {
         return Err(OpError::Node(Status::Rejected, format!("record of {len} bytes over the node's limit")));
     }
-    let ranges: Vec<(usize, usize)> = bufs.iter().map(|b| (b.as_ptr() as usize, b.len())).collect();
-    if let Some((segs, regs)) = rdma_segments(conn, &ranges) {
-        let rt = conn.rdma.as_ref().map(|l| l.runtime().clone());
-        // The node reads the payload from these buffers by RDMA READ.
-        let mut tail = Vec::with_capacity(2 + segs.len() * 16);
-        encode_segments(&segs, &mut tail);
-        let id = send(conn, Op::Put, FLAG_RDMA, &[header, key, &tail]).await?;
-        let h = recv_header(conn, id).await?;
-        let body = recv_small(conn, &h).await?;
-        drop(regs);
-        match h.status {
-            Status::Ok => return Ok(()),
-            // The node could not read it: send it inline, on TCP from now on.
-            Status::Unavailable if h.flags & RSP_FLAG_RDMA_FAILED != 0 => conn.rdma = None,
-            // What the node read does not match the CRC computed over the
-            // buffers: a stale registration, most likely. Send it inline.
-            Status::Corrupt => forget_registrations(rt.as_ref(), &ranges),
-            s => return Err(refused(s, &body)),
-        }
+    if conn.rdma.is_some() && put_rdma(conn, header, key, bufs).await? {
+        return Ok(());
     }
     let mut parts: Vec<&[u8]> = Vec::with_capacity(bufs.len() + 2);
     parts.push(header);
@@ -209,12 +192,60 @@ pub async fn put(conn: &mut AsyncConn, header: &[u8; HEADER_LEN], key: &[u8], bu
     }
 }
 
+/// A put by RDMA: Ok(true) when stored, Ok(false) when it must go inline
+/// (no segments, the node could not read them, or what it read failed the
+/// CRC: a stale registration), Err as any put.
+async fn put_rdma(
+    conn: &mut AsyncConn,
+    header: &[u8; HEADER_LEN],
+    key: &[u8],
+    bufs: &[&[u8]],
+) -> Result<bool, OpError> {
+    let ranges: Vec<(usize, usize)> = bufs.iter().map(|b| (b.as_ptr() as usize, b.len())).collect();
+    if let Some((segs, regs)) = rdma_segments(conn, &ranges) {
+        let rt = conn.rdma.as_ref().map(|l| l.runtime().clone());
+        // The node reads the payload from these buffers by RDMA READ.
+        let mut tail = Vec::with_capacity(2 + segs.len() * 16);
+        encode_segments(&segs, &mut tail);
+        let id = send(conn, Op::Put, FLAG_RDMA, &[header, key, &tail]).await?;
+        let h = recv_header(conn, id).await?;
+        let body = recv_small(conn, &h).await?;
+        drop(regs);
+        match h.status {
+            Status::Ok => return Ok(true),
+            // The node could not read it: send it inline, on TCP from now on.
+            Status::Unavailable if h.flags & RSP_FLAG_RDMA_FAILED != 0 => conn.rdma = None,
+            // What the node read does not match the CRC computed over the
+            // buffers: a stale registration, most likely. Send it inline.
+            Status::Corrupt => forget_registrations(rt.as_ref(), &ranges),
+            s => return Err(refused(s, &body)),
+        }
+    }
+    Ok(false)
+}
+
 pub async fn get(
     conn: &mut AsyncConn,
     geo: &Geometry,
     key: &[u8],
     bufs: &mut [&mut [u8]],
 ) -> Result<GetReply, OpError> {
+    if conn.rdma.is_some() {
+        if let Some(r) = get_rdma(conn, geo, key, bufs).await? {
+            return Ok(r);
+        }
+    }
+    get_inline(conn, geo, key, bufs).await
+}
+
+/// A get by RDMA: None when it must go inline (no segments, or the payload
+/// placed failed its CRC: a stale registration; then retried inline).
+async fn get_rdma(
+    conn: &mut AsyncConn,
+    geo: &Geometry,
+    key: &[u8],
+    bufs: &mut [&mut [u8]],
+) -> Result<Option<GetReply>, OpError> {
     let ranges = ranges_mut(bufs);
     if let Some((segs, regs)) = rdma_segments(conn, &ranges) {
         let rt = conn.rdma.as_ref().map(|l| l.runtime().clone());
@@ -226,13 +257,13 @@ pub async fn get(
         let r = finish_rdma_get(conn, geo, key, bufs, &h).await?;
         drop(regs);
         if r.status != Status::Corrupt || h.flags & RSP_FLAG_RDMA == 0 {
-            return Ok(r);
+            return Ok(Some(r));
         }
         // The payload placed by RDMA failed its CRC (a stale registration,
         // most likely): once more, inline.
         forget_registrations(rt.as_ref(), &ranges);
     }
-    get_inline(conn, geo, key, bufs).await
+    Ok(None)
 }
 
 async fn get_inline(
@@ -310,17 +341,23 @@ pub async fn get_pipelined(
     let mut frames = Vec::new();
     // Registrations of the items sent by RDMA, held until all answers are in.
     let mut regs = Vec::new();
-    let mut by_rdma = vec![false; items.len()];
+    // Which items go by RDMA (empty: none; no queue pair, no allocation).
+    let mut by_rdma = if rt.is_some() { vec![false; items.len()] } else { Vec::new() };
     for (i, (key, bufs)) in items.iter_mut().enumerate() {
-        let mut body = Vec::new();
         let mut flags = FLAG_CHECK_GEOMETRY;
-        if let Some((segs, r)) = rdma_segments(conn, &ranges_mut(bufs)) {
-            encode_segments(&segs, &mut body);
-            regs.extend(r);
-            flags |= FLAG_RDMA;
-            by_rdma[i] = true;
-        }
-        body.extend_from_slice(&KeyRequest::encode(geo, key));
+        let segs = if rt.is_some() { rdma_segments(conn, &ranges_mut(bufs)) } else { None };
+        let body = match segs {
+            None => KeyRequest::encode(geo, key),
+            Some((segs, r)) => {
+                let mut body = Vec::with_capacity(2 + segs.len() * 16 + 32 + key.len());
+                encode_segments(&segs, &mut body);
+                body.extend_from_slice(&KeyRequest::encode(geo, key));
+                regs.extend(r);
+                flags |= FLAG_RDMA;
+                by_rdma[i] = true;
+                body
+            }
+        };
         let req_id = conn.next_id;
         conn.next_id += 1;
         frames.extend_from_slice(&ReqHeader { op: Op::Get, flags, body_len: body.len() as u32, req_id }.encode());
@@ -337,7 +374,7 @@ pub async fn get_pipelined(
             return Err(OpError::Protocol(format!("unexpected answer id {}", h.req_id)));
         };
         let (key, bufs) = &mut items[i];
-        replies[i] = Some(if by_rdma[i] {
+        replies[i] = Some(if by_rdma.get(i) == Some(&true) {
             let r = finish_rdma_get(conn, geo, key, bufs, &h).await?;
             // Placed by RDMA but failing its CRC: retried inline below.
             by_rdma[i] = r.status == Status::Corrupt && h.flags & RSP_FLAG_RDMA != 0;

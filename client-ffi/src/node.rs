@@ -132,11 +132,13 @@ impl Node {
         self.rdma.is_some() && !self.rdma_offered.load(Ordering::Relaxed)
     }
 
-    /// The node answered without RDMA: say so once, count it, stop asking.
-    fn no_rdma(&self, why: &str) {
+    /// The node answered without RDMA: count it; when `for_good` (it offers
+    /// none, or speaks no bootstrap we know) say so once and stop asking;
+    /// else (a queue pair could not be set up) only this connection is TCP.
+    fn no_rdma(&self, why: &str, for_good: bool) {
         if let Some(rt) = &self.rdma {
             rt.counters().peer_fallbacks.fetch_add(1, Ordering::Relaxed);
-            if self.rdma_offered.swap(false, Ordering::Relaxed) {
+            if for_good && self.rdma_offered.swap(false, Ordering::Relaxed) {
                 eprintln!("kvcellar: RDMA: node {} ({}) is served over TCP: {why}", self.id, self.addr);
             }
         }
@@ -260,11 +262,12 @@ async fn connect(node: &Node) -> Result<AsyncConn, OpError> {
                 if let Some(rt) = node.rdma.as_ref().filter(|_| node.rdma_offered.load(Ordering::Relaxed)) {
                     match bootstrap(&mut conn, rt).await {
                         Ok(Ok(link)) => conn.rdma = Some(link),
-                        Ok(Err(why)) => node.no_rdma(&why),
+                        Ok(Err((why, for_good))) => node.no_rdma(&why, for_good),
                         // A node from before RDMA closes on the unknown op:
                         // connect again, without asking.
                         Err(e) => {
-                            node.no_rdma(&format!("it closed the connection on RDMA_CONNECT ({e}); an older node?"));
+                            let why = format!("it closed the connection on RDMA_CONNECT ({e}); an older node?");
+                            node.no_rdma(&why, true);
                             continue;
                         }
                     }
@@ -278,13 +281,14 @@ async fn connect(node: &Node) -> Result<AsyncConn, OpError> {
 }
 
 /// Sets up the connection's queue pair (docs/PROTOCOL.md, RDMA_CONNECT):
-/// Ok(Ok(link)) when connected, Ok(Err(why)) when the node answered without
-/// one (the connection goes on over TCP), Err when the connection failed.
-async fn bootstrap(conn: &mut AsyncConn, rt: &Arc<Runtime>) -> Result<Result<Link, String>, OpError> {
+/// Ok(Ok(link)) when connected, Ok(Err((why, for_good))) when it was not
+/// (the connection goes on over TCP; `for_good`: the node offers no RDMA at
+/// all), Err when the connection failed.
+async fn bootstrap(conn: &mut AsyncConn, rt: &Arc<Runtime>) -> Result<Result<Link, (String, bool)>, OpError> {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let link = match rt.link(rt.next_rail(), rt.settings().depth) {
         Ok(l) => l,
-        Err(e) => return Ok(Err(format!("no local queue pair: {e}"))),
+        Err(e) => return Ok(Err((format!("no local queue pair: {e}"), false))),
     };
     let body = link.local().encode_request();
     let req_id = conn.next_id;
@@ -302,14 +306,14 @@ async fn bootstrap(conn: &mut AsyncConn, rt: &Arc<Runtime>) -> Result<Result<Lin
     let mut ab = vec![0u8; rh.body_len as usize];
     conn.stream.read_exact(&mut ab).await?;
     if rh.status != kv_common::status::Status::Ok {
-        return Ok(Err(format!("RDMA_CONNECT refused: {}", String::from_utf8_lossy(&ab))));
+        return Ok(Err((format!("RDMA_CONNECT refused: {}", String::from_utf8_lossy(&ab)), true)));
     }
     Ok(match Answer::decode(&ab) {
-        Ok(Answer::Accepted(theirs)) => accept(&link, &theirs).map(|()| link),
-        Ok(Answer::NotOffered(why)) => Err(why),
-        Ok(Answer::SetupFailed(why)) => Err(format!("the node could not set up a queue pair: {why}")),
-        Ok(Answer::VersionRefused(v)) => Err(format!("the node speaks RDMA bootstrap version {v}")),
-        Err(e) => Err(e.to_string()),
+        Ok(Answer::Accepted(theirs)) => accept(&link, &theirs).map(|()| link).map_err(|e| (e, false)),
+        Ok(Answer::NotOffered(why)) => Err((why, true)),
+        Ok(Answer::SetupFailed(why)) => Err((format!("the node could not set up a queue pair: {why}"), false)),
+        Ok(Answer::VersionRefused(v)) => Err((format!("the node speaks RDMA bootstrap version {v}"), true)),
+        Err(e) => Err((e.to_string(), true)),
     })
 }
 

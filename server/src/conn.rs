@@ -137,6 +137,17 @@ impl Out {
         }
         g.clone()
     }
+
+    /// A transfer on `link` failed: tear its queue pair down now (the
+    /// device stops touching memory) and stop using it on this connection,
+    /// before the answer goes out over TCP.
+    fn drop_link(&self, link: &Arc<Link>) {
+        link.close();
+        let mut g = self.rdma.lock().unwrap_or_else(|e| e.into_inner());
+        if g.as_ref().is_some_and(|l| Arc::ptr_eq(l, link)) {
+            *g = None;
+        }
+    }
 }
 
 impl Out {
@@ -639,6 +650,7 @@ async fn read_put_rdma(
             }
             Err(e) => {
                 tracing::warn!(peer = %tx.peer, error = %e, "RDMA read of a put failed; the client sends it over TCP");
+                tx.drop_link(&link);
                 let r = rdma_failed(&req, &e.to_string());
                 let _ = tx.send(counted(&shared, req.op, t0, r)).await;
             }
@@ -654,7 +666,10 @@ fn rdma_failed(req: &ReqHeader, why: &str) -> Response {
 /// Sets up the connection's queue pair (docs/PROTOCOL.md, RDMA_CONNECT).
 fn rdma_connect(shared: &Shared, tx: &Out, req: &ReqHeader, body: &[u8]) -> Response {
     let answer = match Endpoint::decode_request(body) {
-        Err(bootstrap::BootstrapError::Version { .. }) => Answer::VersionRefused(bootstrap::BOOTSTRAP_VERSION),
+        Err(bootstrap::BootstrapError::Version { .. }) => {
+            shared.rdma_counters.peer_fallbacks.fetch_add(1, Ordering::Relaxed);
+            Answer::VersionRefused(bootstrap::BOOTSTRAP_VERSION)
+        }
         Err(e) => return error_response(req, Status::BadRequest, &e.to_string()),
         Ok(remote) => match &shared.rdma {
             None => {
@@ -663,7 +678,7 @@ fn rdma_connect(shared: &Shared, tx: &Out, req: &ReqHeader, body: &[u8]) -> Resp
             }
             Some(rt) => {
                 let depth = u32::from(remote.depth).min(shared.rdma_depth);
-                match rt.link(rt.next_rail(), depth).and_then(|l| l.connect(&remote).map(|()| l)) {
+                match rt.link(rt.rail_for(&remote), depth).and_then(|l| l.connect(&remote).map(|()| l)) {
                     Ok(link) => {
                         let mut local = link.local().clone();
                         local.depth = depth as u16;
@@ -746,6 +761,7 @@ async fn answer_hit(
         Ok(()) => respond(req, Status::Ok, RSP_FLAG_RDMA, Body::Bytes(rec.as_slice()[..pre].to_vec())),
         Err(e) => {
             tracing::warn!(peer = %tx.peer, error = %e, "RDMA write of a get failed; answering over TCP");
+            tx.drop_link(&link);
             inline(rec, budget)
         }
     }

@@ -128,7 +128,11 @@ fn run(cfg: ServerConfig) -> Result<(), String> {
 fn start_rdma(shared: &mut Shared, settings: &kv_common::rdma::Settings) {
     shared.rdma_depth = settings.depth;
     let counters = shared.rdma_counters.clone();
-    let rt = kv_common::rdma::start(settings, &counters, 4 << 30, std::time::Duration::from_secs(5), |line| {
+    // The node pairs each client with its rail (same device or subnet), so
+    // NUMA choice is the clients' (the node's threads are not pinned).
+    let settings = &kv_common::rdma::Settings { numa_local: false, ..settings.clone() };
+    let role = kv_common::rdma::Role::Node;
+    let rt = kv_common::rdma::start(settings, role, &counters, 4 << 30, std::time::Duration::from_secs(5), |line| {
         tracing::warn!("RDMA: {line}")
     });
     let Some(rt) = rt else {

@@ -26,17 +26,28 @@ fn geo() -> Geometry {
     Geometry { model_hash: 0x5D, page_size: 32, dtype_tag: 2, tp_size: 1, ..Geometry::default() }
 }
 
+/// A client's engine on the fabric (its memory reachable by the node).
 fn engine(net: &FakeNet, device: &str) -> Arc<Runtime> {
+    engine_as(net, device, true)
+}
+
+/// A node's engine (its memory reachable by nobody).
+fn node_engine(net: &FakeNet, device: &str) -> Arc<Runtime> {
+    engine_as(net, device, false)
+}
+
+fn engine_as(net: &FakeNet, device: &str, remote_access: bool) -> Arc<Runtime> {
     let spec =
         RailSpec { device: device.into(), port: 1, gid_index: 0, numa_node: None, link_layer: "InfiniBand".into() };
     Runtime::with_backend(
-        Arc::new(FakeBackend { net: net.clone(), devices: vec![device.into()] }),
+        Arc::new(FakeBackend { net: net.clone(), devices: vec![device.into()], remote_access }),
         vec![spec],
         Settings { devices: vec![device.into()], depth: 8, numa_local: false },
         Arc::new(Counters::default()),
         1 << 30,
         Duration::from_secs(2),
     )
+    .unwrap()
 }
 
 struct Node {
@@ -110,7 +121,7 @@ fn read(c: &Counters) -> u64 {
 #[test]
 fn pages_move_by_rdma_into_and_out_of_caller_memory() {
     let net = FakeNet::default();
-    let node = Node::start(Some(engine(&net, "mlx5_0")));
+    let node = Node::start(Some(node_engine(&net, "mlx5_0")));
     let crt = engine(&net, "mlx5_0");
     let c = client(&node, crt.clone());
 
@@ -132,12 +143,23 @@ fn pages_move_by_rdma_into_and_out_of_caller_memory() {
     assert_eq!(written(node.counters()), 1 << 20, "the payload went by RDMA WRITE");
     assert_eq!(crt.counters().registrations.load(Ordering::Relaxed), regs_after_pin, "no per-op registration");
 
+    // Per-layer segments, more of them than the queue pair's depth (8 here):
+    // the node writes them in chunks, without a stall.
+    let mut layers: Vec<Vec<u8>> = (0..40).map(|_| vec![0u8; 32 << 10]).collect();
+    let mut views: Vec<&mut [u8]> = layers.iter_mut().map(|l| &mut l[..]).collect();
+    let t0 = std::time::Instant::now();
+    assert_eq!(c.getv(b"k1", &mut views[..]), Ok(1 << 20));
+    assert!(t0.elapsed() < Duration::from_secs(2), "{:?}", t0.elapsed());
+    assert_eq!(layers.concat()[..1 << 20], p[..]);
+    let written_so_far = written(node.counters());
+    assert_eq!(written_so_far, 2 << 20);
+
     // A buffer outside the pool is registered once and reused.
     let mut other = vec![0u8; 1 << 20];
     assert_eq!(c.getv(b"k1", &mut [&mut other[..]]), Ok(1 << 20));
     assert_eq!(c.getv(b"k1", &mut [&mut other[..]]), Ok(1 << 20));
     assert_eq!(other, p);
-    assert_eq!(crt.counters().registrations.load(Ordering::Relaxed), regs_after_pin + 1);
+    assert_eq!(crt.counters().registrations.load(Ordering::Relaxed), regs_after_pin + 40 + 1);
 
     // Too small a buffer: the size needed, nothing written; a miss; a
     // small page goes inline (no RDMA below 16 KiB).
@@ -173,7 +195,7 @@ fn pages_move_by_rdma_into_and_out_of_caller_memory() {
 #[test]
 fn a_broken_queue_pair_falls_back_to_tcp_without_losing_a_page() {
     let net = FakeNet::default();
-    let node = Node::start(Some(engine(&net, "mlx5_0")));
+    let node = Node::start(Some(node_engine(&net, "mlx5_0")));
     let crt = engine(&net, "mlx5_0");
     let c = client(&node, crt.clone());
     let p = page(7, 300 << 10);
@@ -230,7 +252,7 @@ fn a_stale_registration_is_caught_by_the_crc_and_retried_inline() {
     // turns that into a retry over TCP, never a wrong page, and the
     // registration is made again.
     let net = FakeNet::default();
-    let node = Node::start(Some(engine(&net, "mlx5_0")));
+    let node = Node::start(Some(node_engine(&net, "mlx5_0")));
     let crt = engine(&net, "mlx5_0");
     let c = client(&node, crt.clone());
     let old = page(20, 256 << 10);

@@ -81,13 +81,44 @@ impl std::fmt::Debug for Tracker {
 pub struct Ticket {
     pub wr_id: u64,
     rx: oneshot::Receiver<Result<u32, RdmaError>>,
-    _slot: OwnedSemaphorePermit,
 }
 
-impl Ticket {
-    /// The bytes the completion reported, or why not.
-    pub async fn wait(self) -> Result<u32, RdmaError> {
-        self.rx.await.unwrap_or_else(|_| Err(RdmaError::Broken("tracker dropped".into())))
+/// Requests taken together ([`Tracker::begin_many`]): their tickets, and the
+/// depth slots they hold until all are resolved.
+#[derive(Debug)]
+pub struct Slots {
+    tickets: Vec<Ticket>,
+    deadline: Instant,
+    _permit: OwnedSemaphorePermit,
+}
+
+impl Slots {
+    pub fn ids(&self) -> Vec<u64> {
+        self.tickets.iter().map(|t| t.wr_id).collect()
+    }
+
+    /// The bytes each completion reported, or the first failure. The polling
+    /// thread enforces deadlines; should it be gone, this gives up a second
+    /// after the deadline on its own (the caller then breaks the link).
+    pub async fn wait(self) -> Result<Vec<u32>, RdmaError> {
+        let timeout = self.deadline.saturating_duration_since(Instant::now());
+        let backstop = tokio::time::Instant::from_std(self.deadline + Duration::from_secs(1));
+        let mut out = Vec::with_capacity(self.tickets.len());
+        let mut first_err = None;
+        for t in self.tickets {
+            let r = match tokio::time::timeout_at(backstop, t.rx).await {
+                Ok(Ok(r)) => r,
+                Ok(Err(_)) => Err(RdmaError::Broken("tracker dropped".into())),
+                Err(_) => Err(RdmaError::Timeout(timeout)),
+            };
+            match r {
+                Ok(n) => out.push(n),
+                Err(e) => {
+                    first_err.get_or_insert(e);
+                }
+            }
+        }
+        first_err.map_or(Ok(out), Err)
     }
 }
 
@@ -106,35 +137,55 @@ impl Tracker {
         self.inner.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Takes one of the `depth` slots (waiting at most the timeout) and an id
-    /// for a request about to be posted. Ids are never reused, so a late
-    /// completion cannot be taken for another request.
-    pub async fn begin(&self, hold: Option<Hold>) -> Result<Ticket, RdmaError> {
+    /// One request: [`Tracker::begin_many`] of one.
+    pub async fn begin(&self, hold: Option<Hold>) -> Result<Slots, RdmaError> {
+        self.begin_many(vec![hold]).await
+    }
+
+    /// Takes `holds.len()` of the `depth` slots at once (at most `depth`;
+    /// waiting at most the timeout, so two transfers sharing the queue pair
+    /// never hold part of what each needs) and an id per request about to
+    /// be posted. Ids are never reused, so a late completion cannot be taken
+    /// for another request. A wait that times out breaks the queue pair:
+    /// something in flight on it is stuck.
+    pub async fn begin_many(&self, holds: Vec<Option<Hold>>) -> Result<Slots, RdmaError> {
+        let n = holds.len().clamp(1, self.depth) as u32;
+        if holds.len() > self.depth {
+            return Err(RdmaError::Post(format!("{} requests at once over a depth of {}", holds.len(), self.depth)));
+        }
         if let Some(b) = &self.lock().broken {
             return Err(RdmaError::Broken(b.clone()));
         }
-        let slot = match tokio::time::timeout(self.timeout, self.slots.clone().acquire_owned()).await {
+        let permit = match tokio::time::timeout(self.timeout, self.slots.clone().acquire_many_owned(n)).await {
             Ok(Ok(s)) => s,
             Ok(Err(_)) => return Err(RdmaError::Broken("closed".into())),
-            Err(_) => return Err(RdmaError::Timeout(self.timeout)),
+            Err(_) => {
+                self.counters.timeouts.fetch_add(1, Ordering::Relaxed);
+                self.break_all("no work request slot freed in time");
+                return Err(RdmaError::Timeout(self.timeout));
+            }
         };
         let mut g = self.lock();
         if let Some(b) = &g.broken {
             return Err(RdmaError::Broken(b.clone()));
         }
-        let wr_id = g.next;
-        g.next += 1;
-        let (tx, rx) = oneshot::channel();
-        g.pending.insert(wr_id, Pending { deadline: Instant::now() + self.timeout, tx, hold });
-        Ok(Ticket { wr_id, rx, _slot: slot })
+        let deadline = Instant::now() + self.timeout;
+        let mut tickets = Vec::with_capacity(holds.len());
+        for hold in holds {
+            let wr_id = g.next;
+            g.next += 1;
+            let (tx, rx) = oneshot::channel();
+            g.pending.insert(wr_id, Pending { deadline, tx, hold });
+            tickets.push(Ticket { wr_id, rx });
+        }
+        Ok(Slots { tickets, deadline, _permit: permit })
     }
 
-    /// The post of `wr_id` failed: no completion will come for it. The queue
-    /// pair is not trusted after that.
-    pub fn post_failed(&self, wr_id: u64, why: &str) {
+    /// A post failed: no completion will come for what it carried. The
+    /// queue pair is not trusted after that.
+    pub fn post_failed(&self, why: &str) {
         self.counters.errors.fetch_add(1, Ordering::Relaxed);
         self.break_all(&format!("post failed: {why}"));
-        let _ = wr_id;
     }
 
     /// Hands a completion to its request. False for an id not in flight (a
@@ -160,14 +211,18 @@ impl Tracker {
         }
         let _ = p.tx.send(Err(RdmaError::Failed(wc.status)));
         drop(p.hold);
-        Self::fail_locked(&mut g, &why, &self.counters);
+        Self::fail_locked(&mut g, &why, &self.counters, true);
         true
     }
 
-    fn fail_locked(g: &mut Inner, why: &str, counters: &Counters) {
+    /// Marks the queue pair broken (counted in `qp_broken` when `counted`:
+    /// a failure, not a close) and fails every request in flight.
+    fn fail_locked(g: &mut Inner, why: &str, counters: &Counters, counted: bool) {
         if g.broken.is_none() {
             g.broken = Some(why.to_string());
-            counters.qp_broken.fetch_add(1, Ordering::Relaxed);
+            if counted {
+                counters.qp_broken.fetch_add(1, Ordering::Relaxed);
+            }
         }
         for (_, p) in g.pending.drain() {
             let _ = p.tx.send(Err(RdmaError::Broken(why.to_string())));
@@ -177,9 +232,15 @@ impl Tracker {
         }
     }
 
-    /// Fails every request in flight and refuses new ones.
+    /// Fails every request in flight and refuses new ones: a failure.
     pub fn break_all(&self, why: &str) {
-        Self::fail_locked(&mut self.lock(), why, &self.counters);
+        Self::fail_locked(&mut self.lock(), why, &self.counters, true);
+    }
+
+    /// The same for a queue pair closed on purpose (its connection closed,
+    /// replaced): not counted as broken.
+    pub fn close(&self, why: &str) {
+        Self::fail_locked(&mut self.lock(), why, &self.counters, false);
     }
 
     /// Fails requests past their deadline; then the queue pair is broken
@@ -203,7 +264,7 @@ impl Tracker {
                 g.limbo.push(h);
             }
         }
-        Self::fail_locked(&mut g, "a work request timed out", &self.counters);
+        Self::fail_locked(&mut g, "a work request timed out", &self.counters, true);
         late.len()
     }
 
@@ -271,10 +332,11 @@ mod tests {
         rt().block_on(async {
             let (t, c) = tracker(8, 5_000);
             let mut tickets = Vec::new();
-            for _ in 0..5 {
+            for _ in 0..2 {
                 tickets.push(t.begin(None).await.unwrap());
             }
-            let ids: Vec<u64> = tickets.iter().map(|t| t.wr_id).collect();
+            tickets.push(t.begin_many(vec![None, None, None]).await.unwrap());
+            let ids: Vec<u64> = tickets.iter().flat_map(|t| t.ids()).collect();
             assert_eq!(ids, [1, 2, 3, 4, 5]);
             let mut cq = FakeCq::default();
             for &id in ids.iter().rev() {
@@ -283,9 +345,11 @@ mod tests {
             cq.ready.push_back(Wc { wr_id: 99, status: 0, bytes: 1 }); // a stray
             let mut buf = Vec::new();
             assert_eq!(t.drive(&mut cq, &mut buf), 5);
-            for (tk, id) in tickets.into_iter().zip(ids) {
-                assert_eq!(tk.wait().await, Ok(id as u32 * 100));
+            let mut got = Vec::new();
+            for tk in tickets {
+                got.extend(tk.wait().await.unwrap());
             }
+            assert_eq!(got, ids.iter().map(|&id| id as u32 * 100).collect::<Vec<_>>());
             assert_eq!(c.completions.load(Ordering::Relaxed), 5);
             assert_eq!(t.in_flight(), 0);
             assert!(t.broken().is_none());
@@ -295,14 +359,24 @@ mod tests {
     #[test]
     fn depth_bounds_requests_in_flight() {
         rt().block_on(async {
-            let (t, _c) = tracker(2, 50);
+            let (t, c) = tracker(3, 50);
             let a = t.begin(None).await.unwrap();
             let _b = t.begin(None).await.unwrap();
-            // A third waits for a slot, and gives up at the timeout.
+            // More than the depth at once is refused up front.
+            assert!(matches!(t.begin_many(vec![None, None, None, None]).await, Err(RdmaError::Post(_))));
+            // Two more wait for two slots together: a slot freed does not
+            // let them through half-way.
+            let t2 = t.clone();
+            let waiter = tokio::spawn(async move { t2.begin_many(vec![None, None]).await });
+            tokio::time::sleep(Duration::from_millis(10)).await;
+            t.complete(&Wc { wr_id: a.ids()[0], status: 0, bytes: 0 });
+            assert_eq!(a.wait().await, Ok(vec![0]));
+            let w = waiter.await.unwrap().unwrap();
+            assert_eq!(w.ids(), vec![3, 4]);
+            // No slot freed in time: a timeout, and the queue pair is broken.
             assert_eq!(t.begin(None).await.unwrap_err(), RdmaError::Timeout(Duration::from_millis(50)));
-            t.complete(&Wc { wr_id: a.wr_id, status: 0, bytes: 0 });
-            drop(a);
-            assert!(t.begin(None).await.is_ok());
+            assert!(t.broken().is_some());
+            assert_eq!(c.qp_broken.load(Ordering::Relaxed), 1);
         });
     }
 
@@ -316,7 +390,7 @@ mod tests {
             assert_eq!(t.expire(Instant::now()), 0, "not yet due");
             let later = Instant::now() + Duration::from_millis(25);
             assert_eq!(t.expire(later), 2);
-            assert_eq!(a.wait().await, Err(RdmaError::Timeout(Duration::from_millis(20))));
+            assert!(matches!(a.wait().await, Err(RdmaError::Timeout(_))));
             assert!(matches!(b.wait().await, Err(RdmaError::Timeout(_))));
             assert_eq!(c.timeouts.load(Ordering::Relaxed), 2);
             assert_eq!(c.qp_broken.load(Ordering::Relaxed), 1);
@@ -338,13 +412,19 @@ mod tests {
             let a = t.begin(None).await.unwrap();
             let b = t.begin(None).await.unwrap();
             let mut cq = FakeCq::default();
-            cq.ready.push_back(Wc { wr_id: a.wr_id, status: 12, bytes: 0 }); // IBV_WC_RETRY_EXC_ERR
+            cq.ready.push_back(Wc { wr_id: a.ids()[0], status: 12, bytes: 0 }); // IBV_WC_RETRY_EXC_ERR
             let mut buf = Vec::new();
             assert_eq!(t.drive(&mut cq, &mut buf), 1);
             assert_eq!(a.wait().await, Err(RdmaError::Failed(12)));
             assert!(matches!(b.wait().await, Err(RdmaError::Broken(w)) if w.contains("status 12")));
             assert_eq!(c.errors.load(Ordering::Relaxed), 1);
             assert_eq!(c.qp_broken.load(Ordering::Relaxed), 1);
+            // A queue pair closed on purpose is not counted as broken.
+            let (t, c) = tracker(4, 5_000);
+            let a = t.begin(None).await.unwrap();
+            t.close("connection closed");
+            assert!(matches!(a.wait().await, Err(RdmaError::Broken(_))));
+            assert_eq!(c.qp_broken.load(Ordering::Relaxed), 0);
 
             let (t, c) = tracker(4, 5_000);
             let a = t.begin(None).await.unwrap();
@@ -354,7 +434,7 @@ mod tests {
             assert_eq!(c.qp_broken.load(Ordering::Relaxed), 1);
             let (t, _c) = tracker(4, 5_000);
             let a = t.begin(None).await.unwrap();
-            t.post_failed(a.wr_id, "ENOMEM");
+            t.post_failed("ENOMEM");
             assert!(matches!(a.wait().await, Err(RdmaError::Broken(w)) if w.contains("ENOMEM")));
         });
     }

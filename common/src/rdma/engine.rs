@@ -17,7 +17,7 @@ use std::sync::{Arc, Condvar, Mutex, Weak};
 use std::time::{Duration, Instant};
 
 use super::bootstrap::{Endpoint, Segment};
-use super::completion::{CompletionSource, RdmaError, Tracker, Wc};
+use super::completion::{CompletionSource, Hold, RdmaError, Tracker, Wc};
 use super::regcache::{RegCache, Region, Registrar};
 use super::{Counters, RailCounters, RailSpec, Settings};
 
@@ -69,9 +69,33 @@ pub trait QueuePair: Send + Sync {
 }
 
 /// A device family: registers memory and makes queue pairs, per rail.
+/// A client's backend registers memory for remote access (the node writes
+/// and reads it); a node's registers it for local access only, so no peer
+/// can reach the node's memory.
 pub trait Backend: Send + Sync {
     fn register(&self, rail: usize, addr: usize, len: usize) -> Result<Mr, String>;
     fn create_qp(&self, rail: usize, depth: u32) -> Result<Box<dyn QueuePair>, String>;
+    /// The rail's GID (to match a peer's rail; zero when unknown).
+    fn gid(&self, rail: usize) -> [u8; 16];
+}
+
+/// The rail of `rails` (device name, GID) to pair with a peer's endpoint:
+/// the same device name (hosts built alike name their rails alike), else
+/// the same subnet (InfiniBand: the 64-bit GID prefix; RoCE with IPv4: the
+/// /24 of the address in the GID), else None (any rail: round-robin). On
+/// rail-optimised fabrics a rail only reaches the same rail elsewhere.
+pub fn match_rail(peer: &Endpoint, rails: &[(String, [u8; 16])]) -> Option<usize> {
+    if let Some(i) = rails.iter().position(|(d, _)| *d == peer.device) {
+        return Some(i);
+    }
+    let v4 = |g: &[u8; 16]| g[..12] == [0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0xff, 0xff];
+    let zero = |g: &[u8; 16]| g.iter().all(|&b| b == 0);
+    if zero(&peer.gid) {
+        return None;
+    }
+    rails.iter().position(|(_, g)| {
+        !zero(g) && if v4(&peer.gid) { v4(g) && g[12..15] == peer.gid[12..15] } else { g[..8] == peer.gid[..8] }
+    })
 }
 
 struct RailRegistrar {
@@ -110,7 +134,8 @@ impl CompletionSource for QpSource<'_> {
     fn poll(&mut self, out: &mut Vec<Wc>) -> Result<(), String> {
         match &*self.0.qp.lock().unwrap_or_else(|e| e.into_inner()) {
             Some(qp) => qp.poll(out),
-            None => Err("queue pair destroyed".into()),
+            // Closed: its requests were failed when it was.
+            None => Ok(()),
         }
     }
 }
@@ -121,12 +146,28 @@ struct Poll {
     posted: Mutex<u64>,
     wake: Condvar,
     stop: AtomicBool,
+    /// The polling thread is gone (it panicked): no new links.
+    dead: AtomicBool,
 }
 
 impl Poll {
     fn kick(&self) {
         *self.posted.lock().unwrap_or_else(|e| e.into_inner()) += 1;
         self.wake.notify_one();
+    }
+
+    /// The polling thread: [`Poll::run`], and should it panic, every link
+    /// fails at once rather than waiting for completions nobody takes.
+    fn thread(self: Arc<Poll>) {
+        let p = self.clone();
+        if std::panic::catch_unwind(std::panic::AssertUnwindSafe(move || p.run())).is_err() {
+            self.dead.store(true, Ordering::Relaxed);
+            let links: Vec<Arc<LinkCore>> =
+                self.links.lock().unwrap_or_else(|e| e.into_inner()).iter().filter_map(Weak::upgrade).collect();
+            for l in links {
+                l.tracker.break_all("the RDMA polling thread stopped");
+            }
+        }
     }
 
     fn run(self: Arc<Poll>) {
@@ -142,6 +183,8 @@ impl Poll {
             };
             let busy = links.iter().any(|l| l.tracker.in_flight() > 0);
             if !busy {
+                // Hold no link while asleep: a closed one goes at once.
+                drop(links);
                 // Sleep until something is posted (or a while passes).
                 let g = self.posted.lock().unwrap_or_else(|e| e.into_inner());
                 if *g == seen {
@@ -229,7 +272,7 @@ impl Runtime {
         counters: Arc<Counters>,
         cache_cap: usize,
         timeout: Duration,
-    ) -> Arc<Runtime> {
+    ) -> Result<Arc<Runtime>, String> {
         let rail_counters = rails.iter().map(|r| counters.rail(&r.device)).collect();
         let caches = (0..rails.len())
             .map(|rail| {
@@ -242,10 +285,14 @@ impl Runtime {
             posted: Mutex::new(0),
             wake: Condvar::new(),
             stop: AtomicBool::new(false),
+            dead: AtomicBool::new(false),
         });
         let p = poll.clone();
-        let _ = std::thread::Builder::new().name("kv-rdma-poll".into()).spawn(move || p.run());
-        Arc::new(Runtime {
+        std::thread::Builder::new()
+            .name("kv-rdma-poll".into())
+            .spawn(move || p.thread())
+            .map_err(|e| format!("cannot start the RDMA polling thread: {e}"))?;
+        Ok(Arc::new(Runtime {
             backend,
             rails,
             rail_counters,
@@ -255,7 +302,7 @@ impl Runtime {
             next: AtomicUsize::new(0),
             poll,
             timeout,
-        })
+        }))
     }
 
     pub fn rails(&self) -> &[RailSpec] {
@@ -268,6 +315,14 @@ impl Runtime {
 
     pub fn settings(&self) -> &Settings {
         &self.settings
+    }
+
+    /// The rail to pair with a peer's queue pair ([`match_rail`]), else the
+    /// next one round-robin.
+    pub fn rail_for(&self, peer: &Endpoint) -> usize {
+        let rails: Vec<(String, [u8; 16])> =
+            self.rails.iter().enumerate().map(|(i, r)| (r.device.clone(), self.backend.gid(i))).collect();
+        match_rail(peer, &rails).unwrap_or_else(|| self.next.fetch_add(1, Ordering::Relaxed) % self.rails.len().max(1))
     }
 
     /// The rail for the next connection (spread, NUMA-local first).
@@ -323,6 +378,9 @@ impl Runtime {
     /// A new queue pair on `rail` asking for `depth` requests in flight; it
     /// is connected once the peer's endpoint is known ([`Link::connect`]).
     pub fn link(self: &Arc<Self>, rail: usize, depth: u32) -> Result<Link, String> {
+        if self.poll.dead.load(Ordering::Relaxed) {
+            return Err("the RDMA polling thread stopped".into());
+        }
         let depth = depth.clamp(1, super::MAX_DEPTH);
         let qp = self.backend.create_qp(rail, depth)?;
         let local = qp.local();
@@ -369,9 +427,11 @@ impl Link {
 
     /// Moves `len` bytes between the local buffer at `laddr` and the peer's
     /// `remote` segments, in order (a write may leave the tail of the last
-    /// segment untouched; a read must fill `len` exactly). `hold` keeps the
-    /// local memory alive until the device is done with it, which may be
-    /// after this returns an error (a timeout).
+    /// segment untouched; a read must fill `len` exactly). Work requests go
+    /// out in chunks of at most `depth`, each chunk posted at once. `hold`
+    /// keeps the local memory alive until the device is done with it, which
+    /// may be after this returns an error: the link is then broken, and the
+    /// caller closes it ([`Link::close`]) before answering.
     pub async fn transfer(
         &self,
         op: WrOp,
@@ -389,45 +449,42 @@ impl Link {
         }
         let reg = self.rt.registration(self.rail, laddr, len).map_err(RdmaError::Post)?;
         let keep: Arc<dyn Any + Send + Sync> = Arc::new((hold, reg.clone()));
-        let mut tickets = Vec::with_capacity(remote.len());
+        // (local address, length, remote key, remote address) per request.
+        let mut pieces = Vec::with_capacity(remote.len());
         let mut off = 0usize;
         for seg in remote {
             if off == len {
                 break;
             }
             let n = (seg.len as usize).min(len - off);
-            let t = self.core.tracker.begin(Some(Box::new(keep.clone()))).await?;
-            let wr = Wr {
-                wr_id: t.wr_id,
-                op,
-                lkey: reg.mr.lkey,
-                laddr: (laddr + off) as u64,
-                len: n as u32,
-                rkey: seg.rkey,
-                raddr: seg.addr,
-            };
+            pieces.push(((laddr + off) as u64, n as u32, seg.rkey, seg.addr));
+            off += n;
+        }
+        let tracker = &self.core.tracker;
+        for chunk in pieces.chunks(tracker.depth()) {
+            let holds: Vec<Option<Hold>> = chunk.iter().map(|_| Some(Box::new(keep.clone()) as Hold)).collect();
+            let slots = tracker.begin_many(holds).await?;
+            let wrs: Vec<Wr> = chunk
+                .iter()
+                .zip(slots.ids())
+                .map(|(&(laddr, len, rkey, raddr), wr_id)| Wr { wr_id, op, lkey: reg.mr.lkey, laddr, len, rkey, raddr })
+                .collect();
             let posted = match &*self.core.qp.lock().unwrap_or_else(|e| e.into_inner()) {
-                Some(qp) => qp.post(&[wr]),
-                None => Err("queue pair destroyed".into()),
+                Some(qp) => qp.post(&wrs),
+                None => Err("queue pair closed".into()),
             };
             if let Err(e) = posted {
-                self.core.tracker.post_failed(t.wr_id, &e);
-                drop(tickets);
+                tracker.post_failed(&e);
                 return Err(RdmaError::Post(e));
             }
             self.rt.poll.kick();
-            tickets.push(t);
-            off += n;
-        }
-        let mut result = Ok(());
-        for t in tickets {
-            if let Err(e) = t.wait().await {
-                if result.is_ok() {
-                    result = Err(e);
-                }
+            if let Err(e) = slots.wait().await {
+                // Already broken by the completion, the expiry or the poll
+                // thread's end; broken here too should the backstop fire.
+                tracker.break_all(&e.to_string());
+                return Err(e);
             }
         }
-        result?;
         let rc = &self.rt.rail_counters[self.rail];
         match op {
             WrOp::Write => rc.written_bytes.fetch_add(len as u64, Ordering::Relaxed),
@@ -435,13 +492,26 @@ impl Link {
         };
         Ok(())
     }
+
+    /// Tears the queue pair down now: requests in flight fail, the queue
+    /// pair is destroyed (so the device stops touching memory: a peer's
+    /// writes into this end's memory are refused from here on), then the
+    /// memory of failed requests is let go. Not counted as broken unless it
+    /// broke before.
+    pub fn close(&self) {
+        self.core.tracker.close("queue pair closed");
+        let qp = self.core.qp.lock().unwrap_or_else(|e| e.into_inner()).take();
+        if let Some(qp) = qp {
+            // A destroy that fails must not take the caller down with it.
+            let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(move || drop(qp)));
+        }
+        drop(self.core.tracker.take_limbo());
+    }
 }
 
 impl Drop for Link {
     fn drop(&mut self) {
-        if self.core.tracker.broken().is_none() {
-            self.core.tracker.break_all("link closed");
-        }
+        self.close();
     }
 }
 
@@ -455,9 +525,10 @@ pub mod fake {
     use super::*;
     use std::collections::HashMap;
 
-    /// A registration: the range, and the "old pages" the device still
-    /// reaches once the caller's memory was replaced under it.
-    type FakeMr = (usize, usize, Option<Box<[u8]>>);
+    /// A registration: the range, the "old pages" the device still reaches
+    /// once the caller's memory was replaced under it, and whether peers
+    /// may reach it (remote access).
+    type FakeMr = (usize, usize, Option<Box<[u8]>>, bool);
 
     #[derive(Default)]
     struct Fabric {
@@ -505,7 +576,7 @@ pub mod fake {
         /// pages (here zeroed: whatever the old pages hold), not what is
         /// there now.
         pub fn replace_memory_under(&self, addr: usize) {
-            for (a, l, shadow) in self.0.lock().unwrap().mrs.values_mut() {
+            for (a, l, shadow, _) in self.0.lock().unwrap().mrs.values_mut() {
                 if addr >= *a && addr < *a + *l && shadow.is_none() {
                     *shadow = Some(vec![0u8; *l].into_boxed_slice());
                 }
@@ -516,6 +587,8 @@ pub mod fake {
     pub struct FakeBackend {
         pub net: FakeNet,
         pub devices: Vec<String>,
+        /// A client's (true) or a node's (false) registrations.
+        pub remote_access: bool,
     }
 
     struct FakeMrKeep(FakeNet, u32);
@@ -544,7 +617,7 @@ pub mod fake {
             let mut f = self.net.0.lock().unwrap();
             f.next_key += 1;
             let key = f.next_key;
-            f.mrs.insert(key, (addr, len, None));
+            f.mrs.insert(key, (addr, len, None, self.remote_access));
             Ok(Mr { lkey: key, rkey: key, keep: Box::new(FakeMrKeep(self.net.clone(), key)) })
         }
 
@@ -555,6 +628,10 @@ pub mod fake {
             let state = Arc::new(Mutex::new(FakeQpState::default()));
             f.qps.insert(qpn, state.clone());
             Ok(Box::new(FakeQp { net: self.net.clone(), qpn, state, device: self.devices[rail].clone(), depth }))
+        }
+
+        fn gid(&self, _rail: usize) -> [u8; 16] {
+            [0; 16]
         }
     }
 
@@ -597,9 +674,12 @@ pub mod fake {
                 // Where the device reaches `addr` through registration `key`
                 // (the old pages if the memory was replaced), None when the
                 // key does not cover the range.
-                let mut reach = |key: u32, addr: u64| -> Option<u64> {
-                    let (a, l, shadow) = f.mrs.get_mut(&key)?;
+                let mut reach = |key: u32, addr: u64, remote: bool| -> Option<u64> {
+                    let (a, l, shadow, remote_ok) = f.mrs.get_mut(&key)?;
                     let (a, l) = (*a, *l);
+                    if remote && !*remote_ok {
+                        return None;
+                    }
                     if (addr as usize) < a || (addr as usize).saturating_add(wr.len as usize) > a + l {
                         return None;
                     }
@@ -608,7 +688,7 @@ pub mod fake {
                         None => addr,
                     })
                 };
-                let (local, remote) = (reach(wr.lkey, wr.laddr), reach(wr.rkey, wr.raddr));
+                let (local, remote) = (reach(wr.lkey, wr.laddr, false), reach(wr.rkey, wr.raddr, true));
                 // IBV_WC_LOC_PROT_ERR (4) / IBV_WC_REM_ACCESS_ERR (10).
                 let status = if local.is_none() {
                     4
@@ -649,8 +729,21 @@ mod tests {
         RailSpec { device: d.into(), port: 1, gid_index: 0, numa_node: None, link_layer: "InfiniBand".into() }
     }
 
+    /// A client's (remote access) or a node's runtime on the fabric.
     fn runtime(net: &FakeNet, devs: &[&str], timeout_ms: u64) -> Arc<Runtime> {
-        let backend = Arc::new(FakeBackend { net: net.clone(), devices: devs.iter().map(|d| d.to_string()).collect() });
+        runtime_as(net, devs, timeout_ms, true)
+    }
+
+    fn node_runtime(net: &FakeNet, devs: &[&str], timeout_ms: u64) -> Arc<Runtime> {
+        runtime_as(net, devs, timeout_ms, false)
+    }
+
+    fn runtime_as(net: &FakeNet, devs: &[&str], timeout_ms: u64, remote_access: bool) -> Arc<Runtime> {
+        let backend = Arc::new(FakeBackend {
+            net: net.clone(),
+            devices: devs.iter().map(|d| d.to_string()).collect(),
+            remote_access,
+        });
         Runtime::with_backend(
             backend,
             devs.iter().map(|d| spec(d)).collect(),
@@ -659,6 +752,7 @@ mod tests {
             1 << 30,
             Duration::from_millis(timeout_ms),
         )
+        .unwrap()
     }
 
     fn rt() -> tokio::runtime::Runtime {
@@ -670,7 +764,7 @@ mod tests {
     fn pair(client: &Arc<Runtime>, node: &Arc<Runtime>) -> (Link, Link) {
         let c = client.link(client.next_rail(), 8).unwrap();
         let req = Endpoint::decode_request(&c.local().encode_request()).unwrap();
-        let n = node.link(node.next_rail(), u32::from(req.depth)).unwrap();
+        let n = node.link(node.rail_for(&req), u32::from(req.depth)).unwrap();
         n.connect(&req).unwrap();
         let Answer::Accepted(theirs) = Answer::decode(&Answer::Accepted(n.local().clone()).encode()).unwrap() else {
             panic!()
@@ -684,7 +778,7 @@ mod tests {
         rt().block_on(async {
             let net = FakeNet::default();
             let client = runtime(&net, &["mlx5_0", "mlx5_1"], 5_000);
-            let node = runtime(&net, &["mlx5_0"], 5_000);
+            let node = node_runtime(&net, &["mlx5_0"], 5_000);
             let (c, n) = pair(&client, &node);
             assert_eq!(c.rail(), 0);
             // The caller's pool, registered once; two scattered buffers in it.
@@ -723,7 +817,7 @@ mod tests {
         rt.block_on(async {
             let net = FakeNet::default();
             let client = runtime(&net, &["mlx5_0"], 5_000);
-            let node = runtime(&net, &["mlx5_0"], 5_000);
+            let node = node_runtime(&net, &["mlx5_0"], 5_000);
             let (c, n) = pair(&client, &node);
             let n = Arc::new(n);
             let mut dst = vec![0u8; 64 * 1024];
@@ -752,7 +846,7 @@ mod tests {
         rt().block_on(async {
             let net = FakeNet::default();
             let client = runtime(&net, &["mlx5_0"], 200);
-            let node = runtime(&net, &["mlx5_0"], 200);
+            let node = node_runtime(&net, &["mlx5_0"], 200);
             let (c, n) = pair(&client, &node);
             let mut dst = vec![0u8; 4096];
             let (seg, _reg) = client.segment(c.rail(), dst.as_mut_ptr() as usize, 4096).unwrap();
@@ -786,6 +880,75 @@ mod tests {
             assert_eq!(Arc::strong_count(&src), 1);
             drop(dst);
         });
+    }
+
+    #[test]
+    fn node_memory_is_out_of_peers_reach_and_big_transfers_go_in_chunks() {
+        rt().block_on(async {
+            let net = FakeNet::default();
+            let client = runtime(&net, &["mlx5_0"], 2_000);
+            let node = node_runtime(&net, &["mlx5_0"], 2_000);
+            let (c, n) = pair(&client, &node);
+            // The node's memory is registered for local access only: a peer
+            // holding its key (here handed over) still cannot write it.
+            let secret = Arc::new(vec![1u8; 4096]);
+            let (nseg, _r) = node.segment(0, secret.as_ptr() as usize, 4096).unwrap();
+            let src = Arc::new(vec![9u8; 4096]);
+            let e = c.transfer(WrOp::Write, src.as_ptr() as usize, 4096, &[nseg], src.clone()).await.unwrap_err();
+            assert_eq!(e, RdmaError::Failed(10));
+            assert!(secret.iter().all(|&b| b == 1));
+            // 100 segments over a depth of 8: chunks of 8, no stall.
+            let mut dst = vec![0u8; 100 * 64];
+            let segs: Vec<Segment> =
+                (0..100).map(|i| client.segment(0, dst.as_mut_ptr() as usize + i * 64, 64).unwrap().0).collect();
+            let src: Arc<Vec<u8>> = Arc::new((0..6400u32).map(|i| (i % 241) as u8).collect());
+            let t0 = Instant::now();
+            n.transfer(WrOp::Write, src.as_ptr() as usize, src.len(), &segs, src.clone()).await.unwrap();
+            assert!(t0.elapsed() < Duration::from_secs(1), "{:?}", t0.elapsed());
+            assert_eq!(&dst[..], &src[..]);
+            // Closing a link on purpose is not a broken queue pair.
+            let before = node.counters().qp_broken.load(Ordering::Relaxed);
+            n.close();
+            assert!(n.broken().is_some());
+            assert_eq!(node.counters().qp_broken.load(Ordering::Relaxed), before);
+        });
+    }
+
+    #[test]
+    fn a_node_pairs_a_peer_with_the_same_rail() {
+        let ep = |device: &str, gid: [u8; 16]| Endpoint {
+            depth: 1,
+            port: 1,
+            mtu: 5,
+            lid: 0,
+            gid,
+            qpn: 1,
+            psn: 1,
+            device: device.into(),
+        };
+        let ib = |prefix: u8, id: u8| {
+            let mut g = [0u8; 16];
+            g[0] = 0xfe;
+            g[1] = 0x80;
+            g[7] = prefix;
+            g[15] = id;
+            g
+        };
+        let v4 = |a: u8, b: u8, c: u8, d: u8| {
+            let mut g = [0u8; 16];
+            g[10] = 0xff;
+            g[11] = 0xff;
+            g[12..].copy_from_slice(&[a, b, c, d]);
+            g
+        };
+        let rails = vec![("mlx5_0".to_string(), ib(1, 1)), ("mlx5_1".to_string(), ib(2, 1))];
+        assert_eq!(match_rail(&ep("mlx5_1", ib(9, 9)), &rails), Some(1), "same name first");
+        assert_eq!(match_rail(&ep("ibp1", ib(2, 7)), &rails), Some(1), "same subnet prefix");
+        assert_eq!(match_rail(&ep("ibp1", ib(3, 7)), &rails), None);
+        let roce = vec![("eth0".to_string(), v4(10, 0, 1, 5)), ("eth1".to_string(), v4(10, 0, 2, 5))];
+        assert_eq!(match_rail(&ep("rocep1", v4(10, 0, 2, 9)), &roce), Some(1), "same /24");
+        assert_eq!(match_rail(&ep("rocep1", v4(10, 0, 3, 9)), &roce), None);
+        assert_eq!(match_rail(&ep("x", [0; 16]), &roce), None);
     }
 
     #[test]

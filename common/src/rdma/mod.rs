@@ -282,39 +282,48 @@ pub fn settle(decision: Decision, counters: &Counters, mut log: impl FnMut(&str)
     }
 }
 
+/// Which end a process is: a client's memory is written and read by the
+/// node, a node's memory is reached by nobody else.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Role {
+    Client,
+    Node,
+}
+
 /// Starts RDMA as `settings` ask: None means TCP (no device named, or RDMA
 /// not possible: then one line through `log` says why, and the fallback
 /// counter is 1). `cache_cap`: bytes of cached registrations per rail;
 /// `timeout`: per work request.
 pub fn start(
     settings: &Settings,
+    role: Role,
     counters: &Arc<Counters>,
     cache_cap: usize,
     timeout: std::time::Duration,
-    log: impl FnMut(&str),
+    mut log: impl FnMut(&str),
 ) -> Option<Arc<engine::Runtime>> {
     #[cfg(feature = "rdma")]
     {
-        let mut verbs = verbs::Verbs::new();
+        let mut verbs = verbs::Verbs::new(role == Role::Client);
         let d = decide(settings, true, libibverbs_loadable, &sysfs::Sysfs::default(), |r| verbs.open(r));
-        let rails = settle(d, counters, log);
+        let rails = settle(d, counters, &mut log);
         if rails.is_empty() {
             return None;
         }
-        Some(engine::Runtime::with_backend(
-            Arc::new(verbs),
-            rails,
-            settings.clone(),
-            counters.clone(),
-            cache_cap,
-            timeout,
-        ))
+        let backend = Arc::new(verbs);
+        match engine::Runtime::with_backend(backend, rails, settings.clone(), counters.clone(), cache_cap, timeout) {
+            Ok(rt) => Some(rt),
+            Err(e) => {
+                settle(Decision::Tcp { reason: e }, counters, log);
+                None
+            }
+        }
     }
     #[cfg(not(feature = "rdma"))]
     {
-        let _ = (cache_cap, timeout);
+        let _ = (cache_cap, timeout, role);
         let d = decide(settings, false, || Ok(()), &sysfs::Sysfs::default(), |_| Ok(()));
-        settle(d, counters, log);
+        settle(d, counters, &mut log);
         None
     }
 }

@@ -61,6 +61,9 @@ pub struct RegCache<R: Registrar> {
     cached_bytes: usize,
     cap: usize,
     tick: u64,
+    /// The longest region ever held: a region starting more than this
+    /// below an address cannot reach it (bounds the overlap search).
+    max_len: usize,
     counters: Arc<Counters>,
 }
 
@@ -73,16 +76,17 @@ impl<R: Registrar> std::fmt::Debug for RegCache<R> {
 impl<R: Registrar> RegCache<R> {
     /// `cap`: bytes of cached (not pinned) registrations kept.
     pub fn new(reg: R, cap: usize, counters: Arc<Counters>) -> RegCache<R> {
-        RegCache { reg, map: BTreeMap::new(), cached_bytes: 0, cap, tick: 0, counters }
+        RegCache { reg, map: BTreeMap::new(), cached_bytes: 0, cap, tick: 0, max_len: 0, counters }
     }
 
     pub fn registrar(&self) -> &R {
         &self.reg
     }
 
-    fn do_register(&self, addr: usize, len: usize) -> Result<Arc<Region<R::Mr>>, String> {
+    fn do_register(&mut self, addr: usize, len: usize) -> Result<Arc<Region<R::Mr>>, String> {
         match self.reg.register(addr, len) {
             Ok(mr) => {
+                self.max_len = self.max_len.max(len);
                 self.counters.registrations.fetch_add(1, Ordering::Relaxed);
                 self.counters.registered_bytes.fetch_add(len as u64, Ordering::Relaxed);
                 Ok(Arc::new(Region { addr, len, mr }))
@@ -118,7 +122,7 @@ impl<R: Registrar> RegCache<R> {
     fn overlapping(&self, addr: usize, len: usize) -> Vec<(usize, usize, bool, bool)> {
         let end = addr.saturating_add(len);
         let mut out = Vec::new();
-        for (&start, v) in self.map.range(..end) {
+        for (&start, v) in self.map.range(addr.saturating_sub(self.max_len)..end) {
             for (i, e) in v.iter().enumerate() {
                 if e.region.addr + e.region.len > addr {
                     out.push((start, i, e.pinned, e.region.covers(addr, len)));

@@ -35,16 +35,24 @@ struct Rail {
     gid: [u8; 16],
     lid: u16,
     mtu: u8,
+    /// Outstanding reads as responder (max_qp_rd_atom) and as initiator
+    /// (max_qp_init_rd_atom), clamped to [`READ_ATOMIC`].
+    rd_atom: u8,
+    init_rd_atom: u8,
 }
 
 /// Opened devices, one per rail.
 pub struct Verbs {
     rails: Vec<Rail>,
+    /// A client's registrations and queue pairs let the node write and read
+    /// them; a node's are local only, so no peer reaches the node's memory.
+    remote_access: bool,
 }
 
 impl Verbs {
-    pub fn new() -> Verbs {
-        Verbs { rails: Vec::new() }
+    /// `remote_access`: true for a client, false for a node.
+    pub fn new(remote_access: bool) -> Verbs {
+        Verbs { rails: Vec::new(), remote_access }
     }
 
     /// Opens a device for a rail: context, port attributes, GID, PD.
@@ -59,16 +67,29 @@ impl Verbs {
         let gid: Gid = ctx
             .query_gid(spec.port, u32::from(spec.gid_index))
             .map_err(|e| format!("cannot read GID {}: {e}", spec.gid_index))?;
+        let dev_attr = ctx.query_device().map_err(|e| format!("cannot query the device: {e}"))?;
+        let clamp = |n: i32| n.clamp(1, i32::from(READ_ATOMIC)) as u8;
         let pd = ctx.alloc_pd().map_err(|e| format!("cannot allocate a protection domain: {e}"))?;
         let mtu = port.active_mtu() as u32 as u8;
-        self.rails.push(Rail { spec: spec.clone(), ctx, pd, gid: gid.raw, lid: port.lid(), mtu: mtu.clamp(1, 5) });
+        self.rails.push(Rail {
+            spec: spec.clone(),
+            ctx,
+            pd,
+            gid: gid.raw,
+            lid: port.lid(),
+            mtu: mtu.clamp(1, 5),
+            rd_atom: clamp(dev_attr.max_qp_rd_atom()),
+            init_rd_atom: clamp(dev_attr.max_qp_init_rd_atom()),
+        });
         Ok(())
     }
-}
 
-impl Default for Verbs {
-    fn default() -> Self {
-        Verbs::new()
+    fn access(&self) -> AccessFlags {
+        if self.remote_access {
+            AccessFlags::LocalWrite | AccessFlags::RemoteWrite | AccessFlags::RemoteRead
+        } else {
+            AccessFlags::LocalWrite
+        }
     }
 }
 
@@ -84,10 +105,6 @@ fn psn() -> u32 {
     (xxhash_rust::xxh3::xxh3_64(&b) & 0xff_ffff) as u32
 }
 
-fn access() -> AccessFlags {
-    AccessFlags::LocalWrite | AccessFlags::RemoteWrite | AccessFlags::RemoteRead
-}
-
 impl Backend for Verbs {
     fn register(&self, rail: usize, addr: usize, len: usize) -> Result<Mr, String> {
         let r = &self.rails[rail];
@@ -97,7 +114,7 @@ impl Backend for Verbs {
         // call, the node by keeping the buffer (or arena) alive in the
         // operation's hold, and by invalidating cached registrations before
         // it frees memory.
-        let mr = unsafe { r.pd.reg_mr(addr, len, access()) }.map_err(|e| {
+        let mr = unsafe { r.pd.reg_mr(addr, len, self.access()) }.map_err(|e| {
             format!("cannot register {len} bytes on {}: {e} (is RLIMIT_MEMLOCK unlimited?)", r.spec.device)
         })?;
         Ok(Mr { lkey: mr.lkey(), rkey: mr.rkey(), keep: Box::new(mr) })
@@ -122,7 +139,10 @@ impl Backend for Verbs {
                 .build()
                 .map_err(|e| format!("cannot create a queue pair: {e}"))?;
         let mut attr = QueuePairAttribute::new();
-        attr.setup_state(QueuePairState::Init).setup_pkey_index(0).setup_port(r.spec.port).setup_access_flags(access());
+        attr.setup_state(QueuePairState::Init)
+            .setup_pkey_index(0)
+            .setup_port(r.spec.port)
+            .setup_access_flags(self.access());
         qp.modify(&attr).map_err(|e| format!("cannot take the queue pair to INIT: {e}"))?;
         let local = Endpoint {
             depth: depth as u16,
@@ -134,7 +154,18 @@ impl Backend for Verbs {
             psn: psn(),
             device: r.spec.device.clone(),
         };
-        Ok(Box::new(VerbsQp { qp: Mutex::new(qp), cq, local, gid_index: r.spec.gid_index }))
+        Ok(Box::new(VerbsQp {
+            qp: Mutex::new(qp),
+            cq,
+            local,
+            gid_index: r.spec.gid_index,
+            rd_atom: r.rd_atom,
+            init_rd_atom: r.init_rd_atom,
+        }))
+    }
+
+    fn gid(&self, rail: usize) -> [u8; 16] {
+        self.rails[rail].gid
     }
 }
 
@@ -143,6 +174,8 @@ struct VerbsQp {
     cq: Arc<BasicCompletionQueue>,
     local: Endpoint,
     gid_index: u8,
+    rd_atom: u8,
+    init_rd_atom: u8,
 }
 
 impl QueuePair for VerbsQp {
@@ -157,7 +190,7 @@ impl QueuePair for VerbsQp {
             .setup_path_mtu(Mtu::from(u32::from(self.local.mtu.min(remote.mtu))))
             .setup_dest_qp_num(remote.qpn)
             .setup_rq_psn(remote.psn)
-            .setup_max_dest_read_atomic(READ_ATOMIC)
+            .setup_max_dest_read_atomic(self.rd_atom)
             .setup_min_rnr_timer(12);
         let mut ah = AddressHandleAttribute::new();
         ah.setup_dest_lid(remote.lid).setup_port(self.local.port).setup_service_level(0);
@@ -175,7 +208,7 @@ impl QueuePair for VerbsQp {
             .setup_timeout(14)
             .setup_retry_cnt(7)
             .setup_rnr_retry(7)
-            .setup_max_read_atomic(READ_ATOMIC);
+            .setup_max_read_atomic(self.init_rd_atom);
         qp.modify(&attr).map_err(|e| format!("cannot take the queue pair to RTS: {e}"))
     }
 
