@@ -899,8 +899,10 @@ mod tests {
             assert!(secret.iter().all(|&b| b == 1));
             // 100 segments over a depth of 8: chunks of 8, no stall.
             let mut dst = vec![0u8; 100 * 64];
-            let segs: Vec<Segment> =
-                (0..100).map(|i| client.segment(0, dst.as_mut_ptr() as usize + i * 64, 64).unwrap().0).collect();
+            // Registrations held while the request runs, as the client does (a
+            // wider one may replace a cached one; the held one stays valid).
+            let (segs, _regs): (Vec<Segment>, Vec<Registration>) =
+                (0..100).map(|i| client.segment(0, dst.as_mut_ptr() as usize + i * 64, 64).unwrap()).unzip();
             let src: Arc<Vec<u8>> = Arc::new((0..6400u32).map(|i| (i % 241) as u8).collect());
             let t0 = Instant::now();
             n.transfer(WrOp::Write, src.as_ptr() as usize, src.len(), &segs, src.clone()).await.unwrap();

@@ -254,7 +254,9 @@ pub fn decide(
         }
     }
     if rails.is_empty() {
-        return Decision::Tcp { reason: format!("no named RDMA device is usable ({})", dropped.join("; ")) };
+        return Decision::Tcp {
+            reason: format!("RDMA devices {named} named, but none is usable ({})", dropped.join("; ")),
+        };
     }
     Decision::Rdma { rails, dropped }
 }

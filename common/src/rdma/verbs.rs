@@ -242,3 +242,26 @@ impl QueuePair for VerbsQp {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The verbs path that runs without a device: libibverbs absent (calls
+    /// fail cleanly) or present with nothing to list. Either way opening a
+    /// device is an error with a reason, never a panic.
+    #[test]
+    fn opening_an_absent_device_is_an_error_not_a_crash() {
+        let spec = RailSpec {
+            device: "mlx5_9".into(),
+            port: 1,
+            gid_index: 0,
+            numa_node: None,
+            link_layer: "InfiniBand".into(),
+        };
+        let mut v = Verbs::new(true);
+        let e = v.open(&spec).unwrap_err();
+        assert!(e.contains("cannot list RDMA devices") || e.contains("does not list it"), "{e}");
+        assert!(v.rails.is_empty());
+    }
+}
