@@ -132,6 +132,22 @@ impl<R: Registrar> RegCache<R> {
         out
     }
 
+    /// Forgets the cached registrations among `over` that `region` covers
+    /// whole (it serves them now). Registrations stay valid for operations
+    /// holding them.
+    fn forget_covered(&mut self, over: &[(usize, usize, bool, bool)], region: &Region<R::Mr>) {
+        let mut covered: Vec<(usize, usize)> = over
+            .iter()
+            .filter(|&&(s, i, pinned, _)| !pinned && region.covers(s, self.map[&s][i].region.len))
+            .map(|&(s, i, _, _)| (s, i))
+            .collect();
+        // Highest index first, so the indices left stay right.
+        covered.sort_by(|a, b| b.cmp(a));
+        for (s, i) in covered {
+            self.forget(s, i);
+        }
+    }
+
     /// Registers a caller region for good (`kv_register_memory`). Cached
     /// registrations inside it are dropped (the pinned one serves them); a
     /// region already pinned whole is not registered again.
@@ -147,15 +163,7 @@ impl<R: Registrar> RegCache<R> {
             return Ok(());
         }
         let region = self.do_register(addr, len)?;
-        let mut inside: Vec<(usize, usize)> = over
-            .iter()
-            .filter(|&&(s, i, pinned, _)| !pinned && region.covers(s, self.map[&s][i].region.len))
-            .map(|&(s, i, _, _)| (s, i))
-            .collect();
-        inside.sort_by(|a, b| b.cmp(a));
-        for (s, i) in inside {
-            self.forget(s, i);
-        }
+        self.forget_covered(&over, &region);
         self.tick += 1;
         self.map.entry(addr).or_default().push(Entry { region, pinned: true, last_use: self.tick });
         Ok(())
@@ -198,15 +206,7 @@ impl<R: Registrar> RegCache<R> {
             self.dropped(&region);
             return Ok(region);
         }
-        let mut covered: Vec<(usize, usize)> = over
-            .iter()
-            .filter(|&&(s, i, pinned, _)| !pinned && region.covers(s, self.map[&s][i].region.len))
-            .map(|&(s, i, _, _)| (s, i))
-            .collect();
-        covered.sort_by(|a, b| b.cmp(a));
-        for (s, i) in covered {
-            self.forget(s, i);
-        }
+        self.forget_covered(&over, &region);
         self.cached_bytes += region.len;
         self.map.entry(start).or_default().push(Entry { region: region.clone(), pinned: false, last_use: self.tick });
         while self.cached_bytes > self.cap {
