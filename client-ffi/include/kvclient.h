@@ -113,7 +113,8 @@ int kv_batch_exist(kv_client *c, size_t n, const char *const *keys, int *out_sta
    every rail, so pages move to and from it without per-call registration;
    it must stay mapped until kv_unregister_memory or kv_close. KV_OK (also
    on TCP, where it does nothing), KV_UNAVAILABLE when the device refuses it
-   (RLIMIT_MEMLOCK; buffers in it are then registered per use). */
+   (RLIMIT_MEMLOCK, memory not registrable): the handle then serves over TCP,
+   says why on stderr once and counts it in kvclient_rdma_fallbacks_total. */
 int kv_register_memory(kv_client *c, void *base, size_t len);
 /* Drops the registration kv_register_memory made at base: KV_OK, or KV_MISS
    when none starts there (KV_OK on TCP). */

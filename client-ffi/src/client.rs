@@ -168,6 +168,9 @@ impl Client {
             kv_common::rdma::start(&opts.rdma, role, &rdma_counters, opts.rdma_cache_bytes, opts.io_timeout, |l| {
                 eprintln!("kvcellar: RDMA: {l}")
             });
+        if let Some(rt) = &rdma {
+            rt.set_logger(Box::new(|l| eprintln!("kvcellar: RDMA: {l}")));
+        }
         Client::build(members, geo, opts, rdma, rdma_counters)
     }
 

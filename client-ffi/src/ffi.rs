@@ -689,8 +689,8 @@ pub unsafe extern "C" fn kv_batch_exist(
 /// rail once, so payloads land in it and leave it without per-op
 /// registration. A checked no-op on TCP. The memory must stay mapped until
 /// `kv_unregister_memory` or `kv_close`. KV_UNAVAILABLE when the device
-/// refuses it (RLIMIT_MEMLOCK, memory not registrable): buffers in it are
-/// then registered per op as any other, or go over TCP.
+/// refuses it (RLIMIT_MEMLOCK, memory not registrable): the handle then
+/// serves over TCP (one line on stderr, the fallback counted).
 ///
 /// # Safety
 /// `c` any handle value (a closed one is KV_EINVAL); `base` NULL only with

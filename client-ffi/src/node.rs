@@ -259,7 +259,8 @@ async fn connect(node: &Node) -> Result<AsyncConn, OpError> {
             crate::hello::Step::Done { version, max_record } => {
                 node.agreed_version(version);
                 let mut conn = AsyncConn { stream, next_id: 1, max_record, rdma: None };
-                if let Some(rt) = node.rdma.as_ref().filter(|_| node.rdma_offered.load(Ordering::Relaxed)) {
+                let asking = node.rdma.as_ref().filter(|rt| node.rdma_offered.load(Ordering::Relaxed) && !rt.is_off());
+                if let Some(rt) = asking {
                     match bootstrap(&mut conn, rt).await {
                         Ok(Ok(link)) => conn.rdma = Some(link),
                         Ok(Err((why, for_good))) => node.no_rdma(&why, for_good),

@@ -132,7 +132,7 @@ impl Out {
     /// dropped here: the client reconnects or goes on over TCP).
     fn link(&self) -> Option<Arc<Link>> {
         let mut g = self.rdma.lock().unwrap_or_else(|e| e.into_inner());
-        if g.as_ref().is_some_and(|l| l.broken().is_some()) {
+        if g.as_ref().is_some_and(|l| l.broken().is_some() || l.runtime().is_off()) {
             *g = None;
         }
         g.clone()
@@ -671,10 +671,13 @@ fn rdma_connect(shared: &Shared, tx: &Out, req: &ReqHeader, body: &[u8]) -> Resp
             Answer::VersionRefused(bootstrap::BOOTSTRAP_VERSION)
         }
         Err(e) => return error_response(req, Status::BadRequest, &e.to_string()),
-        Ok(remote) => match &shared.rdma {
+        Ok(remote) => match shared.rdma.as_ref().filter(|rt| !rt.is_off()) {
             None => {
                 shared.rdma_counters.peer_fallbacks.fetch_add(1, Ordering::Relaxed);
-                Answer::NotOffered(shared.rdma_off.clone())
+                match shared.rdma_counters.fallback_reason() {
+                    Some(why) if shared.rdma.is_some() => Answer::NotOffered(why),
+                    _ => Answer::NotOffered(shared.rdma_off.clone()),
+                }
             }
             Some(rt) => {
                 let depth = u32::from(remote.depth).min(shared.rdma_depth);

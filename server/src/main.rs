@@ -141,9 +141,13 @@ fn start_rdma(shared: &mut Shared, settings: &kv_common::rdma::Settings) {
         }
         return;
     };
+    rt.set_logger(Box::new(|line| tracing::warn!("RDMA: {line}")));
     if let Some((addr, len)) = shared.store.pool().arena_range() {
-        if let Err(e) = rt.pin(addr, len) {
-            tracing::warn!(error = %e, "RDMA: cannot register the memory tier whole; its pages are registered as used");
+        // A failure turns RDMA off (logged once, counted as the fallback).
+        if rt.pin(addr, len).is_err() {
+            shared.rdma_off =
+                format!("this node serves over TCP only: {}", counters.fallback_reason().unwrap_or_default());
+            return;
         }
     }
     let weak = Arc::downgrade(&rt);

@@ -61,19 +61,25 @@ struct Node {
 impl Node {
     /// A node with a memory tier, over `rdma` (None: a node without RDMA).
     fn start(rdma: Option<Arc<Runtime>>) -> Node {
+        Node::start_with(rdma, 16 << 20)
+    }
+
+    /// `mem_cap` 0: no memory tier, so record buffers come from the heap.
+    fn start_with(rdma: Option<Arc<Runtime>>, mem_cap: u64) -> Node {
         let tmp = tempfile::tempdir().unwrap();
         let dirs: Vec<PathBuf> = (0..2).map(|i| tmp.path().join(format!("d{i}"))).collect();
         let cfg = StoreConfig {
             disks: dirs.iter().map(|d| DiskSpec { dir: d.clone(), cap: 64 << 20 }).collect(),
-            mem_cap: 16 << 20,
+            mem_cap,
             sync_writes: false,
             pool_bytes: 16 << 20,
         };
         let (store, _) = Store::open(&cfg).unwrap();
         let mut shared = Shared::new(Arc::new(store), 8 << 20, 64 << 20);
         if let Some(rt) = &rdma {
-            let (a, l) = shared.store.pool().arena_range().expect("memory tier");
-            rt.pin(a, l).unwrap();
+            if let Some((a, l)) = shared.store.pool().arena_range() {
+                rt.pin(a, l).unwrap();
+            }
             shared.rdma_counters = rt.counters().clone();
         }
         shared.rdma = rdma;
@@ -286,4 +292,49 @@ fn a_stale_registration_is_caught_by_the_crc_and_retried_inline() {
     assert_eq!(c.getv(b"new", &mut [&mut out[..]]), Ok(256 << 10));
     assert_eq!(out, new);
     assert_eq!(written(node.counters()), before + (256 << 10));
+}
+
+#[test]
+fn a_failed_registration_turns_rdma_off_with_one_fallback() {
+    // Pinned memory runs out (RLIMIT_MEMLOCK) at the client: it serves over
+    // TCP from then on, says so once and counts one fallback.
+    let net = FakeNet::default();
+    let node = Node::start(Some(node_engine(&net, "mlx5_0")));
+    let crt = engine(&net, "mlx5_0");
+    let c = client(&node, crt.clone());
+    let p = page(30, 256 << 10);
+    assert_eq!(c.putv(b"a", &[&p]), Status::Ok);
+    assert_eq!(read(node.counters()), 256 << 10, "RDMA while registrations work");
+    net.refuse_registrations(true);
+    let fresh = page(31, 256 << 10); // memory never registered
+    assert_eq!(c.putv(b"b", &[&fresh]), Status::Ok);
+    let mut out = vec![0u8; 256 << 10];
+    assert_eq!(c.getv(b"b", &mut [&mut out[..]]), Ok(256 << 10));
+    assert_eq!(out, fresh);
+    assert!(crt.is_off());
+    assert_eq!(crt.counters().fallbacks.load(Ordering::Relaxed), 1);
+    assert!(crt.counters().fallback_reason().unwrap().contains("registration failed"));
+    assert_eq!(c.getv(b"a", &mut [&mut out[..]]), Ok(256 << 10));
+    assert_eq!(out, p);
+    assert_eq!(crt.counters().fallbacks.load(Ordering::Relaxed), 1, "counted once");
+    assert!(c.stats_text().contains("kvclient_rdma_fallbacks_total 1\n"));
+    assert_eq!(read(node.counters()), 256 << 10, "nothing more by RDMA");
+
+    // At the node (no memory tier: its record buffers are registered as
+    // used): the put it cannot register for is sent again inline, the node
+    // turns RDMA off, answers inline, and tells a later client why.
+    let net = FakeNet::default();
+    let node = Node::start_with(Some(node_engine(&net, "mlx5_0")), 0);
+    let c = client(&node, engine(&net, "mlx5_0"));
+    net.refuse_registrations(false);
+    assert_eq!(c.putv(b"x", &[&p]), Status::Ok);
+    let mut out = vec![0u8; 256 << 10];
+    assert_eq!(c.getv(b"x", &mut [&mut out[..]]), Ok(256 << 10));
+    assert_eq!(out, p);
+    assert_eq!(node.counters().fallbacks.load(Ordering::Relaxed), 1);
+    assert_eq!(read(node.counters()) + written(node.counters()), 0);
+    let c2 = client(&node, engine(&net, "mlx5_0"));
+    assert_eq!(c2.getv(b"x", &mut [&mut out[..]]), Ok(256 << 10));
+    assert!(node.counters().peer_fallbacks.load(Ordering::Relaxed) >= 1);
+    assert!(c2.stats_text().contains("kvclient_rdma_peer_fallbacks_total 1\n"), "{}", c2.stats_text());
 }

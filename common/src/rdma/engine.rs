@@ -13,7 +13,7 @@
 
 use std::any::Any;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::{Arc, Condvar, Mutex, Weak};
+use std::sync::{Arc, Condvar, Mutex, OnceLock, Weak};
 use std::time::{Duration, Instant};
 
 use super::bootstrap::{Endpoint, Segment};
@@ -233,7 +233,14 @@ pub struct Runtime {
     next: AtomicUsize,
     poll: Arc<Poll>,
     timeout: Duration,
+    /// Set once a registration failed: RDMA is off for the rest of the
+    /// process (or handle), which serves over TCP.
+    off: AtomicBool,
+    logger: OnceLock<Logger>,
 }
+
+/// Where a runtime's one line goes (the node's log, a client's stderr).
+pub type Logger = Box<dyn Fn(&str) + Send + Sync>;
 
 impl std::fmt::Debug for Runtime {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -302,7 +309,32 @@ impl Runtime {
             next: AtomicUsize::new(0),
             poll,
             timeout,
+            off: AtomicBool::new(false),
+            logger: OnceLock::new(),
         }))
+    }
+
+    /// Where the one line goes when RDMA is turned off after start.
+    pub fn set_logger(&self, f: Logger) {
+        let _ = self.logger.set(f);
+    }
+
+    /// Turns RDMA off for good (a registration failed: pinned memory is
+    /// exhausted or the memory is not registrable): one log line, one
+    /// fallback counted; from then on everything goes over TCP.
+    pub fn turn_off(&self, why: &str) {
+        if !self.off.swap(true, Ordering::AcqRel) {
+            let reason = format!("RDMA turned off: {why}");
+            self.counters.fell_back(&reason);
+            if let Some(log) = self.logger.get() {
+                log(&format!("using TCP: {reason}"));
+            }
+        }
+    }
+
+    /// Whether RDMA was turned off after start.
+    pub fn is_off(&self) -> bool {
+        self.off.load(Ordering::Relaxed)
     }
 
     pub fn rails(&self) -> &[RailSpec] {
@@ -337,13 +369,16 @@ impl Runtime {
     }
 
     /// Registers a long-lived region on every rail (`kv_register_memory`).
+    /// A failure turns RDMA off ([`Runtime::turn_off`]).
     pub fn pin(&self, addr: usize, len: usize) -> Result<(), String> {
         for rail in 0..self.rails.len() {
             if let Err(e) = self.cache(rail).pin(addr, len) {
                 for r in 0..rail {
                     self.cache(r).unpin(addr);
                 }
-                return Err(format!("{}: {e}", self.rails[rail].device));
+                let e = format!("{}: cannot register {len} bytes: {e}", self.rails[rail].device);
+                self.turn_off(&e);
+                return Err(e);
             }
         }
         Ok(())
@@ -362,9 +397,17 @@ impl Runtime {
         }
     }
 
-    /// The registration covering a buffer on `rail` (cached or new).
+    /// The registration covering a buffer on `rail` (cached or new). A
+    /// failure turns RDMA off ([`Runtime::turn_off`]).
     pub fn registration(&self, rail: usize, addr: usize, len: usize) -> Result<Registration, String> {
-        self.cache(rail).get(addr, len)
+        if self.is_off() {
+            return Err("RDMA is off".into());
+        }
+        let r = self.cache(rail).get(addr, len);
+        if let Err(e) = &r {
+            self.turn_off(&format!("{}: memory registration failed: {e}", self.rails[rail].device));
+        }
+        r
     }
 
     /// A segment naming a buffer for the peer, and the registration to keep
@@ -380,6 +423,9 @@ impl Runtime {
     pub fn link(self: &Arc<Self>, rail: usize, depth: u32) -> Result<Link, String> {
         if self.poll.dead.load(Ordering::Relaxed) {
             return Err("the RDMA polling thread stopped".into());
+        }
+        if self.is_off() {
+            return Err("RDMA was turned off (a memory registration failed)".into());
         }
         let depth = depth.clamp(1, super::MAX_DEPTH);
         let qp = self.backend.create_qp(rail, depth)?;
@@ -532,6 +578,9 @@ pub mod fake {
 
     #[derive(Default)]
     struct Fabric {
+        /// Registrations of clients (true) or of nodes (false) fail, as
+        /// when pinned memory is exhausted.
+        refuse_registrations: Option<bool>,
         mrs: HashMap<u32, FakeMr>,
         next_key: u32,
         qps: HashMap<u32, Arc<Mutex<FakeQpState>>>,
@@ -565,6 +614,12 @@ pub mod fake {
             for q in self.0.lock().unwrap().qps.values() {
                 q.lock().unwrap().swallow = true;
             }
+        }
+
+        /// Makes the clients' (`of_clients`) or the nodes' registrations fail
+        /// from now on (as with RLIMIT_MEMLOCK spent).
+        pub fn refuse_registrations(&self, of_clients: bool) {
+            self.0.lock().unwrap().refuse_registrations = Some(of_clients);
         }
 
         pub fn registrations(&self) -> usize {
@@ -615,6 +670,9 @@ pub mod fake {
     impl Backend for FakeBackend {
         fn register(&self, _rail: usize, addr: usize, len: usize) -> Result<Mr, String> {
             let mut f = self.net.0.lock().unwrap();
+            if f.refuse_registrations == Some(self.remote_access) {
+                return Err("Cannot allocate memory (os error 12)".into());
+            }
             f.next_key += 1;
             let key = f.next_key;
             f.mrs.insert(key, (addr, len, None, self.remote_access));

@@ -142,7 +142,8 @@ impl Counters {
         self.fallback_reason.lock().unwrap_or_else(|e| e.into_inner()).clone()
     }
 
-    fn fell_back(&self, reason: &str) {
+    /// Counts a fallback to TCP and keeps its reason.
+    pub fn fell_back(&self, reason: &str) {
         self.fallbacks.fetch_add(1, Ordering::Relaxed);
         *self.fallback_reason.lock().unwrap_or_else(|e| e.into_inner()) = Some(reason.to_string());
     }
