@@ -15,31 +15,8 @@ bin=target/release
 pids=()
 cleanup() { for p in "${pids[@]}"; do kill -TERM "$p" 2>/dev/null || true; done; wait 2>/dev/null || true; }
 trap cleanup EXIT INT TERM
-members=""
-for i in 0 1 2; do
-  "$bin/kv-server" --listen 127.0.0.1:0 --dir "$work/n$i" --cap 8G --mem-cap 512M --log-level info >"$work/n$i.out" 2>"$work/n$i.log" &
-  pids+=($!)
-done
-for i in 0 1 2; do
-  for _ in $(seq 300); do
-    a=$(sed -n 's/^kv-server listening on //p' "$work/n$i.out" 2>/dev/null || true)
-    [ -n "$a" ] && break
-    sleep 0.1
-  done
-  [ -n "$a" ] || { echo "node $i did not start"; cat "$work/n$i.log"; exit 1; }
-  members="${members}n$i=$a,"
-done
-# The memory tier's arena is faulted in by each node in the background after
-# start; measure once that is done (a node's first minute, not its steady state,
-# would otherwise be measured). Up to 60 s.
-for i in 0 1 2; do
-  for _ in $(seq 600); do
-    grep -q "memory arena faulted in" "$work/n$i.log" 2>/dev/null && break
-    sleep 0.1
-  done
-  ms=$(sed -n 's/.*memory arena faulted in.* ms=\([0-9]*\).*/\1/p' "$work/n$i.log" | head -1)
-  echo "node $i: memory arena faulted in${ms:+ in $ms ms}"
-done
+source scripts/bench-nodes.sh
+start_bench_nodes 8G
 echo "members: $members  (work dir $work)"
 run() { # label, kvctl bench args...
   local label=$1; shift

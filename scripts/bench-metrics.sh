@@ -19,28 +19,10 @@ bin=target/release
 pids=()
 stop_nodes() { for p in "${pids[@]}"; do kill -TERM "$p" 2>/dev/null || true; done; for p in "${pids[@]}"; do wait "$p" 2>/dev/null || true; done; pids=(); }
 trap 'stop_nodes; rm -rf "$work"' EXIT INT TERM
+source scripts/bench-nodes.sh
 start_nodes() { # histograms (1 or 0)
-  members=""
   rm -rf "$work"/n*
-  for i in 0 1 2; do
-    KVCELLAR_LATENCY_HISTOGRAMS=$1 "$bin/kv-server" --listen 127.0.0.1:0 --dir "$work/n$i" --cap 2G --mem-cap 512M \
-      --log-level info >"$work/n$i.out" 2>"$work/n$i.log" &
-    pids+=($!)
-  done
-  for i in 0 1 2; do
-    a=
-    for _ in $(seq 300); do
-      a=$(sed -n 's/^kv-server listening on //p' "$work/n$i.out" 2>/dev/null || true)
-      [ -n "$a" ] && break
-      sleep 0.1
-    done
-    [ -n "$a" ] || { echo "node $i did not start"; cat "$work/n$i.log"; exit 1; }
-    members="${members}n$i=$a,"
-    for _ in $(seq 600); do
-      grep -q "memory arena faulted in" "$work/n$i.log" 2>/dev/null && break
-      sleep 0.1
-    done
-  done
+  start_bench_nodes 2G KVCELLAR_LATENCY_HISTOGRAMS="$1" >/dev/null
 }
 : >"$work/results"
 echo "== instructions per node (callgrind), 4,000 gets of 64 KiB"

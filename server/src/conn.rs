@@ -551,21 +551,23 @@ async fn read_put(
         },
         Err(e) => Err(e.to_string()),
     };
-    if let Err(msg) = verdict {
-        // Skip the rest of the frame; the connection stays usable.
-        let mut rest = (len - n) as u64;
-        let mut sink = [0u8; 8192];
-        while rest > 0 {
-            let k = rest.min(sink.len() as u64) as usize;
-            read_exact_by(rd, &mut sink[..k], deadline).await?;
-            rest -= k as u64;
+    let h = match verdict {
+        Ok(h) => h,
+        Err(msg) => {
+            // Skip the rest of the frame; the connection stays usable.
+            let mut rest = (len - n) as u64;
+            let mut sink = [0u8; 8192];
+            while rest > 0 {
+                let k = rest.min(sink.len() as u64) as usize;
+                read_exact_by(rd, &mut sink[..k], deadline).await?;
+                rest -= k as u64;
+            }
+            let r = error_response(&req, Status::BadRequest, &format!("invalid record: {msg}"));
+            let _ = tx.send(counted(shared, req.op, Instant::now(), r)).await;
+            return Ok(());
         }
-        let r = error_response(&req, Status::BadRequest, &format!("invalid record: {msg}"));
-        let _ = tx.send(counted(shared, req.op, Instant::now(), r)).await;
-        return Ok(());
-    }
+    };
     if rdma {
-        let Ok(h) = verdict else { unreachable!("checked above") };
         return read_put_rdma(rd, tx, shared, req, permit, deadline, head, h).await;
     }
     let units = (len as u64).div_ceil(4096).max(1) as u32;
@@ -643,11 +645,17 @@ async fn read_put_rdma(
         // the transfer fails, by the engine until the queue pair is gone).
         let cell = Arc::new(std::sync::Mutex::new(Some(buf)));
         match link.transfer(WrOp::Read, addr, len - pre, &segs, cell.clone()).await {
-            Ok(()) => {
-                let mut buf = cell.lock().unwrap_or_else(|e| e.into_inner()).take().expect("buffer kept");
-                buf.set_len(len);
-                store_put(shared, tx, req, buf, mem, permit, t0).await;
-            }
+            Ok(()) => match take_buf(&cell) {
+                Some(mut buf) => {
+                    buf.set_len(len);
+                    store_put(shared, tx, req, buf, mem, permit, t0).await;
+                }
+                // Nothing else takes it; should that change, an error, not a panic.
+                None => {
+                    let r = error_response(&req, Status::Internal, "internal error: put buffer gone");
+                    let _ = tx.send(counted(&shared, req.op, t0, r)).await;
+                }
+            },
             Err(e) => {
                 tracing::warn!(peer = %tx.peer, error = %e, "RDMA read of a put failed; the client sends it over TCP");
                 tx.drop_link(&link);
@@ -657,6 +665,12 @@ async fn read_put_rdma(
         }
     });
     Ok(())
+}
+
+/// The put's buffer back from the cell the device wrote through (no lock
+/// guard lives on past this call, so none is held across an await).
+fn take_buf(cell: &std::sync::Mutex<Option<PooledBuf>>) -> Option<PooledBuf> {
+    cell.lock().unwrap_or_else(|e| e.into_inner()).take()
 }
 
 fn rdma_failed(req: &ReqHeader, why: &str) -> Response {
