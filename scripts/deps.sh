@@ -6,9 +6,9 @@ set -euo pipefail
 have() { command -v "$1" >/dev/null 2>&1; }
 
 apt_updated=0
-need_deb() { # need_deb PACKAGE COMMAND
+need_deb() { # need_deb PACKAGE COMMAND   (COMMAND "-": install without checking)
   local pkg=$1 cmd=$2
-  have "$cmd" && return 0
+  [ "$cmd" != - ] && have "$cmd" && return 0
   local sudo=""
   [ "$(id -u)" -eq 0 ] || sudo="sudo"
   if ! have apt-get; then
@@ -30,6 +30,12 @@ if ! have cargo; then
 fi
 need_deb gcc cc
 need_deb python3 python3
+# The RDMA build (cargo feature rdma, the build tests and packages use):
+# sideway's rdma-mummy-sys compiles rdma-core's stubs with cmake and makes
+# its bindings with bindgen, which loads libclang. No rdma-core is needed.
+need_deb cmake cmake
+need_deb clang clang
+ls /usr/lib/llvm-*/lib/libclang.so >/dev/null 2>&1 || need_deb libclang-dev -
 need_deb binutils nm
 # The C ABI test runs under valgrind (it runs without, with a note, if this fails).
 # etcd is the membership store: kv-mds talks to it; tests and the quickstart
