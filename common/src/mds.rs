@@ -39,6 +39,63 @@ pub struct View {
     pub epoch: u64,
     /// Sorted by id.
     pub members: Vec<MemberRecord>,
+    /// The member sets this group had before, within the handoff window,
+    /// newest first, each as a delta against `members` (docs/ARCHITECTURE.md,
+    /// "Ring transitions"). Not part of what the epoch names. Absent from
+    /// views of a kv-mds without handoff, and ignored by older clients.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub previous: Vec<PreviousSet>,
+    /// The serving replica's handoff window in ms (`--handoff-secs`); 0:
+    /// handoff is off for this group's clients. Absent from older replicas.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub handoff_ms: Option<u64>,
+}
+
+/// Most previous member sets a view carries.
+pub const MAX_PREVIOUS_SETS: usize = 4;
+
+/// An earlier member set of a group, as a delta against a view's members.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PreviousSet {
+    /// The epoch that named this set while it was current.
+    pub epoch: u64,
+    /// Milliseconds of its handoff window left when the view was read.
+    pub remaining_ms: u64,
+    /// Ids in the view's members that this set did not have (or had with
+    /// another address or weight).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub joined: Vec<String>,
+    /// Records this set had that the view's members do not (or have with
+    /// another address or weight).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub left: Vec<MemberRecord>,
+}
+
+impl PreviousSet {
+    /// The delta that turns `current` into `earlier`.
+    pub fn between(current: &[MemberRecord], earlier: &[MemberRecord], epoch: u64, remaining_ms: u64) -> PreviousSet {
+        let same = |a: &MemberRecord, b: &MemberRecord| a.id == b.id && a.addr == b.addr && a.weight == b.weight;
+        let joined =
+            current.iter().filter(|c| !earlier.iter().any(|e| same(c, e))).map(|c| c.id.clone()).collect::<Vec<_>>();
+        let left = earlier
+            .iter()
+            .filter(|e| !current.iter().any(|c| same(c, e)))
+            .map(|e| MemberRecord { metrics_addr: None, ..e.clone() })
+            .collect();
+        PreviousSet { epoch, remaining_ms, joined, left }
+    }
+
+    /// The earlier set itself, from the view's `current` members, sorted by id.
+    pub fn apply(&self, current: &[MemberRecord]) -> Vec<MemberRecord> {
+        let mut out: Vec<MemberRecord> = current
+            .iter()
+            .filter(|c| !self.joined.iter().any(|j| *j == c.id))
+            .map(|c| MemberRecord { metrics_addr: None, ..c.clone() })
+            .collect();
+        out.extend(self.left.iter().cloned());
+        out.sort_by(|a, b| a.id.cmp(&b.id));
+        out
+    }
 }
 
 /// The body of a register request.

@@ -89,7 +89,13 @@ impl EtcdSecurity {
 /// failures, so this succeeds while etcd is down; calls then fail until it
 /// is back. With a user, the client must authenticate first: then this
 /// waits for etcd (logging once), and a refused password is an error.
-pub async fn connect(endpoints: &[String], ttl: Duration, sec: &EtcdSecurity) -> Result<Arc<Mds>, String> {
+/// `handoff`: how long replaced member sets stay in views (zero: off).
+pub async fn connect(
+    endpoints: &[String],
+    ttl: Duration,
+    handoff: Duration,
+    sec: &EtcdSecurity,
+) -> Result<Arc<Mds>, String> {
     let tls = sec.tls().is_some();
     let urls: Vec<String> = endpoints
         .iter()
@@ -123,7 +129,7 @@ pub async fn connect(endpoints: &[String], ttl: Duration, sec: &EtcdSecurity) ->
     let etcd = connect_one(&urls, unary, &joined, sec.user.is_some()).await?;
     let watch_etcd = connect_one(&urls, streaming, &joined, sec.user.is_some()).await?;
     Ok(Arc::new(Mds {
-        reg: Registry::new(etcd, joined, ttl),
+        reg: Registry::new(etcd, joined, ttl).with_handoff(handoff),
         watch_etcd,
         groups: Mutex::default(),
         watching: AtomicBool::new(false),

@@ -28,6 +28,11 @@ struct Cli {
     /// heartbeat every third of it. etcd rounds TTLs below about 2 s up.
     #[arg(long, default_value = "30s", value_parser = kv_mds::parse_duration)]
     lease_ttl: Duration,
+    /// How long a group's replaced member sets stay in its views (seconds),
+    /// so clients find pages on their previous owners after a join, a leave
+    /// or a restart; 0 turns this handoff off for the group's clients.
+    #[arg(long, default_value_t = 600)]
+    handoff_secs: u64,
     /// Connections open at once (nodes' heartbeats, clients' views and
     /// long-polls); more get a 503 and are closed.
     #[arg(long, default_value_t = 4096)]
@@ -156,7 +161,7 @@ fn run(
             .await
             .map_err(|e| format!("cannot listen on {}: {e}", cli.listen))?;
         let addr = listener.local_addr().map_err(|e| e.to_string())?;
-        let mds = kv_mds::connect(&endpoints, cli.lease_ttl, &security).await?;
+        let mds = kv_mds::connect(&endpoints, cli.lease_ttl, Duration::from_secs(cli.handoff_secs), &security).await?;
         // Say at start whether etcd answers; the service runs either way.
         match mds.reg.view("_probe").await {
             Ok(_) => tracing::info!(etcd = %endpoints.join(","), "etcd reachable"),
@@ -171,7 +176,7 @@ fn run(
             let _ = tx.send(true);
         });
         println!("kv-mds listening on {addr}");
-        tracing::info!(%addr, open = tokens.is_open(), lease_ttl_ms = cli.lease_ttl.as_millis() as u64, version = env!("CARGO_PKG_VERSION"), "serving");
+        tracing::info!(%addr, open = tokens.is_open(), lease_ttl_ms = cli.lease_ttl.as_millis() as u64, handoff_secs = cli.handoff_secs, version = env!("CARGO_PKG_VERSION"), "serving");
         let limits = kv_mds::http::Limits {
             max_conns: cli.max_conns,
             max_long_polls: kv_mds::http::MAX_LONG_POLLS.min(cli.max_conns),

@@ -20,6 +20,21 @@
 //!   the others re-read: one change, one new epoch;
 //! - a view is only ever served with the epoch whose digest matches its
 //!   members, so the same epoch means the same view on every replica.
+//!
+//! **Previous sets (handoff).** Two more keys per group keep the member
+//! sets a group had before, so clients can still find pages on their old
+//! owners for a while (docs/ARCHITECTURE.md, "Ring transitions"):
+//! - `/kvcellar/v1/groups/G/current`: the member set the epoch key names,
+//!   written in the same transaction as the epoch (so its `mod_revision` is
+//!   the epoch);
+//! - `/kvcellar/v1/groups/G/history/EPOCH`: written when the set of epoch
+//!   EPOCH is replaced, in the transaction that writes the new epoch (so its
+//!   `mod_revision` is the new epoch): the delta from the new set back to
+//!   the old one, on a lease of `--handoff-secs`. A transaction keeps the
+//!   newest [`MAX_PREVIOUS_SETS`] and deletes older ones.
+//!
+//! A view walks that chain back from its epoch and sends each set still
+//! leased as a delta against its members, with the lease's time left.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -27,7 +42,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use etcd_client::{Client, Compare, CompareOp, GetOptions, PutOptions, Txn, TxnOp, TxnOpResponse};
-use kv_common::mds::{MemberRecord, View, ETCD_ROOT};
+use kv_common::mds::{MemberRecord, PreviousSet, View, ETCD_ROOT, MAX_PREVIOUS_SETS};
 use serde::{Deserialize, Serialize};
 
 /// A member record as stored: what views show, plus the registering
@@ -119,6 +134,23 @@ pub struct Registry {
     pub counters: Counters,
     /// Time of each etcd call (its retries included).
     pub etcd_latency: prometheus_client::metrics::histogram::Histogram,
+    /// How long a replaced member set stays in views (`--handoff-secs`);
+    /// zero: none is kept.
+    pub handoff: Duration,
+    /// Time left on history leases as last asked of etcd: lease id ->
+    /// (when asked, seconds left then).
+    lease_left: Mutex<HashMap<i64, (Instant, i64)>>,
+}
+
+/// A history key's value: the delta from the set that replaced epoch
+/// `epoch`'s set back to that set.
+#[derive(Serialize, Deserialize)]
+struct History {
+    epoch: u64,
+    #[serde(default)]
+    joined: Vec<String>,
+    #[serde(default)]
+    left: Vec<MemberRecord>,
 }
 
 fn group_prefix(group: &str) -> String {
@@ -135,6 +167,23 @@ fn member_key(group: &str, id: &str) -> String {
 
 fn epoch_key(group: &str) -> String {
     format!("{ETCD_ROOT}{group}/epoch")
+}
+
+fn current_key(group: &str) -> String {
+    format!("{ETCD_ROOT}{group}/current")
+}
+
+fn history_prefix(group: &str) -> String {
+    format!("{ETCD_ROOT}{group}/history/")
+}
+
+fn history_key(group: &str, epoch: u64) -> String {
+    format!("{}{epoch:020}", history_prefix(group))
+}
+
+/// Members without what the epoch does not name (for `current` and history).
+fn placement_only(members: &[MemberRecord]) -> Vec<MemberRecord> {
+    members.iter().map(|m| MemberRecord { metrics_addr: None, ..m.clone() }).collect()
 }
 
 /// The group a key under [`ETCD_ROOT`] belongs to.
@@ -219,7 +268,87 @@ impl Registry {
             etcd_latency: prometheus_client::metrics::histogram::Histogram::new(
                 prometheus_client::metrics::histogram::exponential_buckets(0.000_25, 2.0, 16),
             ),
+            handoff: Duration::from_secs(600),
+            lease_left: Mutex::default(),
         }
+    }
+
+    /// Sets the handoff window (`--handoff-secs`; zero turns it off).
+    pub fn with_handoff(mut self, window: Duration) -> Registry {
+        self.handoff = window;
+        self
+    }
+
+    /// The handoff window in whole seconds as leases have it (0: off).
+    fn handoff_secs(&self) -> i64 {
+        if self.handoff.is_zero() {
+            0
+        } else {
+            self.handoff.as_millis().div_ceil(1000).max(1) as i64
+        }
+    }
+
+    /// Milliseconds left on a history key's lease (0: gone). Asked of etcd
+    /// once per lease per replica, then counted down here.
+    async fn lease_ms_left(&self, lease: i64) -> u64 {
+        if lease == 0 {
+            return 0;
+        }
+        let known = self.lease_left.lock().unwrap_or_else(|e| e.into_inner()).get(&lease).copied();
+        let (asked, secs) = match known {
+            Some(k) => k,
+            None => {
+                let mut etcd = self.etcd.clone();
+                let secs = match self.timed(etcd.lease_time_to_live(lease, None)).await {
+                    Ok(r) => r.ttl(),
+                    // Unknown: assume the whole window (the client's own
+                    // timer bounds it too).
+                    Err(_) => return self.handoff.as_millis() as u64,
+                };
+                let k = (Instant::now(), secs);
+                self.lease_left.lock().unwrap_or_else(|e| e.into_inner()).insert(lease, k);
+                k
+            }
+        };
+        let left = Duration::from_secs(secs.max(0) as u64).saturating_sub(asked.elapsed());
+        left.as_millis() as u64
+    }
+
+    /// The view of `members` at `epoch`, with the previous sets the history
+    /// keys among `kvs` (the group's keys) still hold.
+    async fn assemble(&self, group: &str, epoch: u64, members: Vec<MemberRecord>, kvs: &[etcd_client::KeyValue]) -> View {
+        let handoff_ms = Some(self.handoff.as_millis() as u64);
+        let mut previous = Vec::new();
+        if self.handoff.is_zero() || epoch == 0 {
+            return View { group: group.to_string(), epoch, members, previous, handoff_ms };
+        }
+        let hprefix = history_prefix(group);
+        let history: HashMap<u64, (i64, History)> = kvs
+            .iter()
+            .filter(|kv| kv.key().starts_with(hprefix.as_bytes()))
+            .filter_map(|kv| {
+                let h: History = serde_json::from_slice(kv.value()).ok()?;
+                Some((kv.mod_revision() as u64, (kv.lease(), h)))
+            })
+            .collect();
+        let mut set = placement_only(&members);
+        let mut at = epoch;
+        while previous.len() < MAX_PREVIOUS_SETS {
+            let Some((lease, h)) = history.get(&at) else { break };
+            if h.epoch >= at {
+                break; // not a step back: a damaged key
+            }
+            let left = self.lease_ms_left(*lease).await;
+            if left == 0 {
+                break;
+            }
+            let earlier = PreviousSet { epoch: h.epoch, remaining_ms: 0, joined: h.joined.clone(), left: h.left.clone() }
+                .apply(&set);
+            previous.push(PreviousSet::between(&members, &earlier, h.epoch, left));
+            set = earlier;
+            at = h.epoch;
+        }
+        View { group: group.to_string(), epoch, members, previous, handoff_ms }
     }
 
     pub fn etcd(&self) -> Client {
@@ -329,6 +458,8 @@ impl Registry {
     pub fn sweep(&self) {
         let stale = self.ttl * 2;
         self.leases.lock().unwrap_or_else(|e| e.into_inner()).retain(|_, (_, seen)| seen.elapsed() < stale);
+        let window = self.handoff + Duration::from_secs(60);
+        self.lease_left.lock().unwrap_or_else(|e| e.into_inner()).retain(|_, (asked, _)| asked.elapsed() < window);
         // A lock only this map holds is idle.
         self.node_locks.lock().unwrap_or_else(|e| e.into_inner()).retain(|_, m| Arc::strong_count(m) > 1);
     }
@@ -458,6 +589,7 @@ impl Registry {
     pub async fn view(&self, group: &str) -> Result<View, RegError> {
         let mut etcd = self.etcd.clone();
         let ekey = epoch_key(group);
+        let ckey = current_key(group);
         self.counters.views.fetch_add(1, Ordering::Relaxed);
         for _ in 0..16 {
             let got = etcd_call!(self, etcd.get(group_prefix(group), Some(GetOptions::new().with_prefix())).await)?;
@@ -466,20 +598,53 @@ impl Registry {
             let epoch_kv = got.kvs().iter().find(|kv| kv.key() == ekey.as_bytes());
             match epoch_kv {
                 Some(e) if e.value() == want.as_bytes() => {
-                    return Ok(View { group: group.to_string(), epoch: e.mod_revision() as u64, members });
+                    return Ok(self.assemble(group, e.mod_revision() as u64, members, got.kvs()).await);
                 }
                 None if members.is_empty() => {
-                    return Ok(View { group: group.to_string(), epoch: 0, members });
+                    return Ok(self.assemble(group, 0, members, got.kvs()).await);
                 }
                 _ => {}
             }
             let seen = epoch_kv.map(|e| e.mod_revision()).unwrap_or(0);
-            let txn = Txn::new().when([Compare::mod_revision(ekey.clone(), CompareOp::Equal, seen)]).and_then([
+            let mut ops = vec![
                 TxnOp::put(ekey.clone(), want.clone(), None),
+                TxnOp::put(ckey.clone(), serde_json::to_vec(&placement_only(&members)).unwrap_or_default(), None),
                 TxnOp::get(members_prefix(group), Some(GetOptions::new().with_prefix())),
-            ]);
+            ];
+            // The set being replaced, when `current` names it (a group last
+            // changed by a replica without handoff has none).
+            let replaced: Option<Vec<MemberRecord>> = got
+                .kvs()
+                .iter()
+                .find(|kv| kv.key() == ckey.as_bytes())
+                .filter(|kv| seen > 0 && kv.mod_revision() == seen)
+                .and_then(|kv| serde_json::from_slice(kv.value()).ok());
+            let mut lease = None;
+            if let (Some(old), true) = (replaced, self.handoff_secs() > 0) {
+                let l = etcd_call!(self, etcd.lease_grant(self.handoff_secs(), None).await)?.id();
+                lease = Some(l);
+                let delta = PreviousSet::between(&placement_only(&members), &old, seen as u64, 0);
+                let h = History { epoch: seen as u64, joined: delta.joined, left: delta.left };
+                ops.push(TxnOp::put(
+                    history_key(group, seen as u64),
+                    serde_json::to_vec(&h).unwrap_or_default(),
+                    Some(PutOptions::new().with_lease(l)),
+                ));
+                // Keep the newest sets only: this one and MAX - 1 before it.
+                let hprefix = history_prefix(group);
+                let mut older: Vec<&[u8]> =
+                    got.kvs().iter().map(|kv| kv.key()).filter(|k| k.starts_with(hprefix.as_bytes())).collect();
+                older.sort_unstable_by(|a, b| b.cmp(a));
+                for k in older.into_iter().skip(MAX_PREVIOUS_SETS - 1) {
+                    ops.push(TxnOp::delete(k.to_vec(), None));
+                }
+            }
+            let txn = Txn::new().when([Compare::mod_revision(ekey.clone(), CompareOp::Equal, seen)]).and_then(ops);
             let done = self.track(self.timed(etcd.txn(txn)).await)?;
             if !done.succeeded() {
+                if let Some(l) = lease {
+                    let _ = etcd.lease_revoke(l).await;
+                }
                 continue; // another replica moved the epoch: read again
             }
             let rev = done.header().map(|h| h.revision()).unwrap_or(0) as u64;
@@ -494,7 +659,9 @@ impl Registry {
             if digest(&now) == want {
                 self.counters.epoch_bumps.fetch_add(1, Ordering::Relaxed);
                 tracing::info!(group, epoch = rev, members = now.len(), "member set changed: new epoch");
-                return Ok(View { group: group.to_string(), epoch: rev, members: now });
+                // The history as it is now (this transaction's key included).
+                let after = etcd_call!(self, etcd.get(history_prefix(group), Some(GetOptions::new().with_prefix())).await)?;
+                return Ok(self.assemble(group, rev, now, after.kvs()).await);
             }
             // The members changed between the read and the transaction:
             // the next round writes their digest.
