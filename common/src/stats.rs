@@ -74,6 +74,26 @@ pub struct NodeStats {
     #[serde(default)]
     pub latency: Vec<OpLatency>,
     pub disks: Vec<DiskStats>,
+    /// True while the node drains after a SIGTERM (left its group; serves
+    /// gets, exists and deletes, refuses puts).
+    #[serde(default)]
+    pub draining: bool,
+    /// Ring handoff (docs/ARCHITECTURE.md, "Ring transitions"): keys asked
+    /// here by clients whose owner missed them, and those found; copies of
+    /// pages found elsewhere stored here, their payload bytes, and copies
+    /// refused for a delete within the window; tombstones held.
+    #[serde(default)]
+    pub handoff_asks: u64,
+    #[serde(default)]
+    pub handoff_hits: u64,
+    #[serde(default)]
+    pub handoff_copies: u64,
+    #[serde(default)]
+    pub handoff_copy_bytes: u64,
+    #[serde(default)]
+    pub handoff_refused: u64,
+    #[serde(default)]
+    pub tombstones: u64,
 }
 
 /// One op's service-time histogram on a node: the same series `/metrics`

@@ -48,6 +48,13 @@ pub const RSP_FLAG_DUPLICATE: u16 = 1;
 /// list followed by the key request; a PUT body is the record's header and
 /// key followed by a segment list instead of the payload (rdma::bootstrap).
 pub const FLAG_RDMA: u8 = 2;
+/// Request flag (GET, EXIST, BATCH_EXIST, PUT): a handoff request
+/// (docs/ARCHITECTURE.md, "Ring transitions"). On GET and EXIST: the key
+/// missed at its owner and is asked here, at a previous owner (counted).
+/// On PUT: a copy of a page read from a previous owner, which the node
+/// refuses (REJECTED) when the key was deleted within the handoff window.
+/// Nodes that predate it ignore the bit.
+pub const FLAG_HANDOFF: u8 = 4;
 /// Response flag on GET: the payload was written into the request's
 /// segments; the body holds the record's header and key only.
 pub const RSP_FLAG_RDMA: u16 = 2;

@@ -74,6 +74,12 @@ pub struct Cli {
     /// RDMA work requests in flight per queue pair, 1..=1024: the most this node grants a client (default 32).
     #[arg(long)]
     pub rdma_depth: Option<u32>,
+    /// Seconds a node stopped with SIGTERM keeps serving gets, exists and deletes (never puts) after leaving its group, so clients read its pages through the handoff; decimals allowed, 0: stop at once (default 30). A second signal ends the drain.
+    #[arg(long)]
+    pub drain_secs: Option<f64>,
+    /// Seconds a delete keeps refusing handoff copies of its key (match kv-mds --handoff-secs); 0: refuse every handoff copy (default 600).
+    #[arg(long)]
+    pub handoff_secs: Option<u64>,
 }
 
 const SERVER_EXAMPLES: &str = "Examples:
@@ -106,6 +112,8 @@ pub struct FileConfig {
     pub auth_token_file: Option<PathBuf>,
     pub rdma_dev: Option<String>,
     pub rdma_depth: Option<u32>,
+    pub drain_secs: Option<f64>,
+    pub handoff_secs: Option<u64>,
 }
 
 /// Membership through kv-mds (`--mds`).
@@ -142,6 +150,10 @@ pub struct ServerConfig {
     pub auth_token_file: Option<PathBuf>,
     /// `--rdma-dev` and `--rdma-depth` (no devices: TCP only).
     pub rdma: kv_common::rdma::Settings,
+    /// How long a SIGTERM'd node drains (`--drain-secs`).
+    pub drain: std::time::Duration,
+    /// How long a delete refuses handoff copies (`--handoff-secs`).
+    pub handoff: std::time::Duration,
 }
 
 fn size(what: &str, s: &str) -> Result<u64, String> {
@@ -232,7 +244,17 @@ impl ServerConfig {
             return Err(format!("--rdma-depth must be 1..={}", kv_common::rdma::MAX_DEPTH));
         }
         let rdma = kv_common::rdma::Settings { devices, depth, numa_local: true };
+        let drain = cli.drain_secs.or(file.drain_secs).unwrap_or(30.0);
+        if !(0.0..=86_400.0).contains(&drain) {
+            return Err("--drain-secs must be between 0 and 86400".into());
+        }
+        let handoff = cli.handoff_secs.or(file.handoff_secs).unwrap_or(600);
+        if handoff > 7 * 86_400 {
+            return Err("--handoff-secs must be at most 604800 (a week)".into());
+        }
         Ok(ServerConfig {
+            drain: std::time::Duration::from_secs_f64(drain),
+            handoff: std::time::Duration::from_secs(handoff),
             membership,
             listen,
             store: StoreConfig {

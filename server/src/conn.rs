@@ -20,7 +20,7 @@ use kv_common::status::Status;
 use kv_common::wire::{self, Hello, KeyRequest, Op, ReqHeader, RspHeader, WireError};
 use kv_common::wire::{ClientHello, HELLO_ACCEPTED, HELLO_DENIED, HELLO_VERSION_REFUSED};
 use kv_common::wire::{FLAG_CHECK_GEOMETRY, FRAME_HEADER_LEN, HELLO_LEN, RSP_FLAG_DUPLICATE, WIRE_VERSION};
-use kv_common::wire::{FLAG_RDMA, RSP_FLAG_RDMA, RSP_FLAG_RDMA_FAILED};
+use kv_common::wire::{FLAG_HANDOFF, FLAG_RDMA, RSP_FLAG_RDMA, RSP_FLAG_RDMA_FAILED};
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader, BufWriter};
 use tokio::net::tcp::OwnedReadHalf;
 use tokio::net::TcpStream;
@@ -461,6 +461,9 @@ async fn read_request(
         Op::Get => {
             tokio::spawn(async move {
                 let r = handle_get(&shared, &tx, &req, &body).await;
+                if req.flags & FLAG_HANDOFF != 0 {
+                    shared.handoff.count_asks(1, usize::from(r.status == Status::Ok.to_wire()));
+                }
                 let _ = tx.send(counted(&shared, req.op, t0, r)).await;
                 drop(permit);
             });
@@ -481,6 +484,9 @@ async fn read_request(
             tokio::spawn(async move {
                 let r = match wire::decode_key(&body) {
                     Ok(k) => {
+                        // The tombstone first: a handoff copy stored meanwhile
+                        // is then removed by this delete or by itself.
+                        shared.handoff.deleted(kv_common::page::key_hash(k));
                         let (store, k) = (shared.store.clone(), k.to_vec());
                         // Blocking-pool work waits for an I/O slot like a get does.
                         let _io = shared.io_slots.acquire().await.expect("semaphore open");
@@ -726,12 +732,42 @@ async fn store_put(
     t0: Instant,
 ) {
     {
+        if shared.draining.load(Ordering::Relaxed) {
+            let r = error_response(&req, Status::Rejected, "the node is draining (shutting down): it takes no puts");
+            let _ = tx.send(counted(&shared, req.op, t0, r)).await;
+            return;
+        }
+        // A handoff copy of a key deleted within the window is refused
+        // (handoff.rs); `copy` is its key and payload length.
+        let copy = (req.flags & FLAG_HANDOFF != 0).then(|| record_key(buf.as_slice())).flatten();
+        if let Some((key, _)) = &copy {
+            if shared.handoff.refuses(kv_common::page::key_hash(key)) {
+                shared.handoff.refused.fetch_add(1, Ordering::Relaxed);
+                let r = error_response(&req, Status::Rejected, "handoff copy of a key deleted within the handoff window");
+                let _ = tx.send(counted(&shared, req.op, t0, r)).await;
+                return;
+            }
+        }
         let store = shared.store.clone();
         let res = {
             let _io = shared.io_slots.acquire().await.expect("semaphore open");
             tokio::task::spawn_blocking(move || store.put(buf)).await
         };
         drop(mem);
+        if let (Some((key, len)), Ok(Ok(_))) = (&copy, &res) {
+            if shared.handoff.refuses(kv_common::page::key_hash(key)) {
+                // Deleted while it was being stored: take it out again.
+                let (store, k) = (shared.store.clone(), key.clone());
+                let _ = tokio::task::spawn_blocking(move || store.delete(&k)).await;
+                shared.handoff.refused.fetch_add(1, Ordering::Relaxed);
+                let r = error_response(&req, Status::Rejected, "handoff copy of a key deleted within the handoff window");
+                let _ = tx.send(counted(&shared, req.op, t0, r)).await;
+                drop(permit);
+                return;
+            }
+            shared.handoff.copies.fetch_add(1, Ordering::Relaxed);
+            shared.handoff.copy_bytes.fetch_add(*len, Ordering::Relaxed);
+        }
         let r = match res {
             Ok(Ok(PutOutcome::Stored)) => respond(&req, Status::Ok, 0, Body::Empty),
             Ok(Ok(PutOutcome::Duplicate)) => respond(&req, Status::Ok, RSP_FLAG_DUPLICATE, Body::Empty),
@@ -841,6 +877,22 @@ async fn handle_get(shared: &Arc<Shared>, tx: &Out, req: &ReqHeader, body: &[u8]
     }
 }
 
+/// Counts a handoff ask's keys (EXIST, BATCH_EXIST with FLAG_HANDOFF).
+fn count_handoff(shared: &Shared, req: &ReqHeader, found: &[Presence]) {
+    if req.flags & FLAG_HANDOFF != 0 {
+        let hits = found.iter().filter(|p| matches!(p, Presence::Present)).count();
+        shared.handoff.count_asks(found.len(), hits);
+    }
+}
+
+/// The key of a received record and its payload length (None: not a
+/// record; the store refuses it with the reason).
+fn record_key(rec: &[u8]) -> Option<(Vec<u8>, u64)> {
+    let h = PageHeader::decode(rec).ok()?;
+    let key = rec.get(HEADER_LEN..HEADER_LEN + usize::from(h.key_len))?;
+    Some((key.to_vec(), h.payload_len))
+}
+
 fn presence_status(p: Presence) -> Status {
     match p {
         Presence::Present => Status::Ok,
@@ -858,14 +910,16 @@ fn handle_small(shared: &Shared, req: &ReqHeader, body: &[u8]) -> Option<Respons
         Op::Exist => match KeyRequest::decode(body) {
             Ok(kr) => {
                 let p = store.try_exist(kr.key, check.then_some(&kr.geometry))?;
+                count_handoff(shared, req, std::slice::from_ref(&p));
                 respond(req, presence_status(p), 0, Body::Empty)
             }
             Err(e) => error_response(req, Status::BadRequest, &e.to_string()),
         },
         Op::BatchExist => match wire::decode_batch_exist(body) {
             Ok((geo, keys)) => {
-                let st: Vec<Status> =
-                    store.try_exist_batch(&keys, check.then_some(&geo))?.into_iter().map(presence_status).collect();
+                let found = store.try_exist_batch(&keys, check.then_some(&geo))?;
+                count_handoff(shared, req, &found);
+                let st: Vec<Status> = found.into_iter().map(presence_status).collect();
                 respond(req, Status::Ok, 0, Body::Bytes(wire::encode_batch_status(&st)))
             }
             Err(e) => error_response(req, Status::BadRequest, &e.to_string()),
@@ -882,13 +936,18 @@ fn handle_blocking(shared: &Shared, req: &ReqHeader, body: &[u8]) -> Response {
     let check = req.flags & FLAG_CHECK_GEOMETRY != 0;
     match req.op {
         Op::Exist => match KeyRequest::decode(body) {
-            Ok(kr) => respond(req, presence_status(store.exist(kr.key, check.then_some(&kr.geometry))), 0, Body::Empty),
+            Ok(kr) => {
+                let p = store.exist(kr.key, check.then_some(&kr.geometry));
+                count_handoff(shared, req, std::slice::from_ref(&p));
+                respond(req, presence_status(p), 0, Body::Empty)
+            }
             Err(e) => error_response(req, Status::BadRequest, &e.to_string()),
         },
         Op::BatchExist => match wire::decode_batch_exist(body) {
             Ok((geo, keys)) => {
-                let st: Vec<Status> =
-                    keys.iter().map(|k| presence_status(store.exist(k, check.then_some(&geo)))).collect();
+                let found: Vec<Presence> = keys.iter().map(|k| store.exist(k, check.then_some(&geo))).collect();
+                count_handoff(shared, req, &found);
+                let st: Vec<Status> = found.into_iter().map(presence_status).collect();
                 respond(req, Status::Ok, 0, Body::Bytes(wire::encode_batch_status(&st)))
             }
             Err(e) => error_response(req, Status::BadRequest, &e.to_string()),

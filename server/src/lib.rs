@@ -9,6 +9,7 @@
 
 pub mod config;
 pub mod conn;
+pub mod handoff;
 pub mod membership;
 pub mod metrics;
 pub mod server;

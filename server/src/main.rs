@@ -68,6 +68,7 @@ fn run(cfg: ServerConfig) -> Result<(), String> {
     shared.idle_timeout = cfg.idle_timeout;
     start_rdma(&mut shared, &cfg.rdma);
     shared.token = cfg.auth_token.clone();
+    shared.handoff = kv_server::handoff::Handoff::new(cfg.handoff);
     if let Some(w) = cfg.auth_token_file.as_deref().and_then(kv_common::auth::loose_permissions) {
         tracing::warn!("{w}");
     }
@@ -100,13 +101,25 @@ fn run(cfg: ServerConfig) -> Result<(), String> {
             }
             None => None,
         };
+        let drain = cfg.drain;
+        let draining = shared.clone();
         tokio::spawn(async move {
             kv_common::daemon::wait_for_signal().await;
-            tracing::info!("signal received: shutting down");
+            tracing::info!(drain_secs = drain.as_secs_f64(), "signal received: leaving the group, then draining");
             // Leave the group first, so clients stop routing here while
             // the node still answers what is in flight.
+            draining.draining.store(true, std::sync::atomic::Ordering::SeqCst);
             if let Some(m) = membership {
                 let _ = tokio::task::spawn_blocking(move || m.leave(std::time::Duration::from_secs(3))).await;
+            }
+            // The drain: gets, exists and deletes are answered (clients
+            // find this node's pages through the handoff), puts refused.
+            // A second signal ends it early.
+            if !drain.is_zero() {
+                tokio::select! {
+                    _ = tokio::time::sleep(drain) => tracing::info!("drain over: shutting down"),
+                    _ = kv_common::daemon::wait_for_signal() => tracing::info!("second signal: ending the drain"),
+                }
             }
             let _ = tx.send(true);
         });

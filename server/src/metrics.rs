@@ -354,6 +354,28 @@ impl Collector for StatsCollector {
             "Connections accepted in protocol v1 (clients of the previous release)",
             s.v1_connections,
         )?;
+        gauge(&mut e, "draining", "1 while the node drains after a SIGTERM (left its group, takes no puts)", u64::from(s.draining))?;
+        counter(
+            &mut e,
+            "handoff_asks",
+            "Keys asked here by clients after a miss at their owner (handoff)",
+            s.handoff_asks,
+        )?;
+        counter(&mut e, "handoff_hits", "Handoff asks found here", s.handoff_hits)?;
+        counter(
+            &mut e,
+            "handoff_copies",
+            "Handoff copies stored here (pages a client found at a previous owner)",
+            s.handoff_copies,
+        )?;
+        counter(&mut e, "handoff_copy_bytes", "Payload bytes of handoff copies stored here", s.handoff_copy_bytes)?;
+        counter(
+            &mut e,
+            "handoff_refused",
+            "Handoff copies refused: the key was deleted within the handoff window",
+            s.handoff_refused,
+        )?;
+        gauge(&mut e, "tombstones", "Keys deleted within the handoff window (their copies are refused)", s.tombstones)?;
         gauge(&mut e, "recovery_records", "Records recovered from the disks' journals at start", rec.records)?;
         gauge(
             &mut e,
@@ -412,9 +434,16 @@ async fn handle(
         })
         .await
         .ok(),
-        "/healthz" => tokio::task::spawn_blocking(move || match unhealthy(&shared.stats()) {
-            Some(why) => reply(StatusCode::SERVICE_UNAVAILABLE, "text/plain", format!("{why}\n")),
-            None => reply(StatusCode::OK, "text/plain", "ok\n"),
+        // Live while it serves; a draining node is live (it still answers
+        // gets) but not ready (it takes no new work): /readyz says so.
+        "/healthz" | "/readyz" => tokio::task::spawn_blocking(move || {
+            let s = shared.stats();
+            match (unhealthy(&s), s.draining) {
+                (Some(why), _) => reply(StatusCode::SERVICE_UNAVAILABLE, "text/plain", format!("{why}\n")),
+                (None, true) if path == "/readyz" => reply(StatusCode::SERVICE_UNAVAILABLE, "text/plain", "draining\n"),
+                (None, true) => reply(StatusCode::OK, "text/plain", "draining\n"),
+                (None, false) => reply(StatusCode::OK, "text/plain", "ok\n"),
+            }
         })
         .await
         .ok(),

@@ -55,6 +55,11 @@ pub struct Shared {
     pub rdma_depth: u32,
     /// Why this node offers no RDMA (told to clients that ask).
     pub rdma_off: String,
+    /// Tombstones and counters of ring handoff (docs/ARCHITECTURE.md).
+    pub handoff: crate::handoff::Handoff,
+    /// True from a SIGTERM until the drain ends: the node has left its group
+    /// and answers gets, exists and deletes, never puts.
+    pub draining: std::sync::atomic::AtomicBool,
 }
 
 /// What the disks' recovery found at start, summed over the disks.
@@ -89,6 +94,8 @@ impl Shared {
             rdma: None,
             rdma_depth: kv_common::rdma::DEFAULT_DEPTH,
             rdma_off: "no RDMA device named on this node (--rdma-dev)".into(),
+            handoff: crate::handoff::Handoff::new(std::time::Duration::from_secs(600)),
+            draining: std::sync::atomic::AtomicBool::new(false),
         }
     }
 
@@ -101,6 +108,14 @@ impl Shared {
         s.node_id = self.node_id.clone();
         s.group = self.group.clone();
         s.latency = self.ops.latencies();
+        s.draining = self.draining.load(Ordering::Relaxed);
+        let h = &self.handoff;
+        s.handoff_asks = h.asks.load(Ordering::Relaxed);
+        s.handoff_hits = h.hits.load(Ordering::Relaxed);
+        s.handoff_copies = h.copies.load(Ordering::Relaxed);
+        s.handoff_copy_bytes = h.copy_bytes.load(Ordering::Relaxed);
+        s.handoff_refused = h.refused.load(Ordering::Relaxed);
+        s.tombstones = h.tombstones();
         s
     }
 }

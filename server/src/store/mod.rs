@@ -871,6 +871,7 @@ impl Store {
             group: None,
             latency: Vec::new(),
             disks,
+            ..NodeStats::default()
         }
     }
 }
