@@ -5,6 +5,7 @@
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, RwLock};
+use std::time::{Duration, Instant};
 
 use futures_util::future::{join_all, BoxFuture};
 use futures_util::stream::{self, StreamExt};
@@ -46,10 +47,30 @@ pub type GetItem<'k, 'b> = (&'k [u8], Vec<&'b mut [u8]>);
 
 /// The member set in use: the ring and the node behind each ring member.
 pub struct Topology {
-    pub ring: Ring,
+    pub ring: Arc<Ring>,
     pub nodes: Vec<Arc<Node>>,
     pub epoch: u64,
+    /// Earlier member sets still within their handoff window, newest first
+    /// (at most [`kv_common::mds::MAX_PREVIOUS_SETS`]); empty when handoff
+    /// is off (docs/ARCHITECTURE.md, "Ring transitions").
+    pub previous: Vec<Arc<Previous>>,
 }
+
+/// An earlier member set: a key that misses at its owner is asked at its
+/// owner in this set until `until`.
+pub struct Previous {
+    pub epoch: u64,
+    pub ring: Arc<Ring>,
+    pub nodes: Vec<Arc<Node>>,
+    pub until: Instant,
+}
+
+/// A member set from a kv-mds view's `previous`: its epoch, its members and
+/// the time its window has left.
+pub type GivenSet = (u64, Vec<Member>, Duration);
+
+/// Most previous owners asked for one key.
+pub const MAX_HANDOFF_ASKS: usize = 2;
 
 pub struct Client {
     pub opts: Options,
@@ -67,43 +88,46 @@ pub struct Client {
 }
 
 /// One request exchange on a connection, re-runnable for a retry.
-trait Exchange {
+pub(crate) trait Exchange {
     type Out;
     /// Runs on `conn`; on Ok the whole answer was read, so the connection
     /// is between frames and goes back to the pool.
     fn run<'a>(&'a mut self, conn: &'a mut AsyncConn, geo: &'a Geometry) -> BoxFuture<'a, Result<Self::Out, OpError>>;
 }
 
-struct PutX<'b> {
-    header: [u8; 64],
-    key: &'b [u8],
-    bufs: &'b [&'b [u8]],
+pub(crate) struct PutX<'b> {
+    pub(crate) header: [u8; 64],
+    pub(crate) key: &'b [u8],
+    pub(crate) bufs: &'b [&'b [u8]],
 }
 
 impl Exchange for PutX<'_> {
     type Out = ();
     fn run<'a>(&'a mut self, conn: &'a mut AsyncConn, _geo: &'a Geometry) -> BoxFuture<'a, Result<(), OpError>> {
-        Box::pin(exchange::put(conn, &self.header, self.key, self.bufs))
+        Box::pin(exchange::put(conn, &self.header, self.key, self.bufs, 0))
     }
 }
 
-struct GetX<'b, 'c> {
-    key: &'b [u8],
-    bufs: &'b mut [&'c mut [u8]],
+pub(crate) struct GetX<'b, 'c> {
+    pub(crate) key: &'b [u8],
+    pub(crate) bufs: &'b mut [&'c mut [u8]],
+    /// Request flags beside the get's own (FLAG_HANDOFF for an ask).
+    pub(crate) extra: u8,
 }
 
 impl Exchange for GetX<'_, '_> {
     type Out = GetReply;
     fn run<'a>(&'a mut self, conn: &'a mut AsyncConn, geo: &'a Geometry) -> BoxFuture<'a, Result<GetReply, OpError>> {
-        Box::pin(exchange::get(conn, geo, self.key, self.bufs))
+        Box::pin(exchange::get(conn, geo, self.key, self.bufs, self.extra))
     }
 }
 
 /// Gets in flight on one connection at once within a batch lane.
 pub const PIPELINE_WINDOW: usize = 16;
 
-struct GetManyX<'b, 'c> {
-    items: Vec<(&'b [u8], &'b mut [&'c mut [u8]])>,
+pub(crate) struct GetManyX<'b, 'c> {
+    pub(crate) items: Vec<(&'b [u8], &'b mut [&'c mut [u8]])>,
+    pub(crate) extra: u8,
 }
 
 impl Exchange for GetManyX<'_, '_> {
@@ -113,23 +137,24 @@ impl Exchange for GetManyX<'_, '_> {
         conn: &'a mut AsyncConn,
         geo: &'a Geometry,
     ) -> BoxFuture<'a, Result<Vec<GetReply>, OpError>> {
-        Box::pin(exchange::get_pipelined(conn, geo, &mut self.items))
+        Box::pin(exchange::get_pipelined(conn, geo, &mut self.items, self.extra))
     }
 }
 
-struct ExistX<'b> {
-    key: &'b [u8],
+pub(crate) struct ExistX<'b> {
+    pub(crate) key: &'b [u8],
+    pub(crate) extra: u8,
 }
 
 impl Exchange for ExistX<'_> {
     type Out = Status;
     fn run<'a>(&'a mut self, conn: &'a mut AsyncConn, geo: &'a Geometry) -> BoxFuture<'a, Result<Status, OpError>> {
-        Box::pin(exchange::exist(conn, geo, self.key))
+        Box::pin(exchange::exist(conn, geo, self.key, self.extra))
     }
 }
 
-struct DeleteX<'b> {
-    key: &'b [u8],
+pub(crate) struct DeleteX<'b> {
+    pub(crate) key: &'b [u8],
 }
 
 impl Exchange for DeleteX<'_> {
@@ -139,8 +164,9 @@ impl Exchange for DeleteX<'_> {
     }
 }
 
-struct BatchExistX<'b> {
-    keys: Vec<&'b [u8]>,
+pub(crate) struct BatchExistX<'b> {
+    pub(crate) keys: Vec<&'b [u8]>,
+    pub(crate) extra: u8,
 }
 
 impl Exchange for BatchExistX<'_> {
@@ -150,11 +176,21 @@ impl Exchange for BatchExistX<'_> {
         conn: &'a mut AsyncConn,
         geo: &'a Geometry,
     ) -> BoxFuture<'a, Result<Vec<Status>, OpError>> {
-        Box::pin(exchange::batch_exist(conn, geo, &self.keys))
+        Box::pin(exchange::batch_exist(conn, geo, &self.keys, self.extra))
     }
 }
 
-fn is_stale(e: &OpError) -> bool {
+fn ring_of(members: &[Member]) -> Ring {
+    Ring::new(members.iter().map(|m| RingMember { id: m.id.clone(), weight: m.weight }).collect())
+}
+
+/// Whether two member sets place every key alike (same ids, addresses and
+/// weights, in any order).
+fn same_members(a: &[Arc<Node>], b: &[Arc<Node>]) -> bool {
+    a.len() == b.len() && a.iter().all(|n| b.iter().any(|m| m.id == n.id && m.addr == n.addr && m.weight == n.weight))
+}
+
+pub(crate) fn is_stale(e: &OpError) -> bool {
     matches!(e, OpError::Io(io) if matches!(io.kind(),
         std::io::ErrorKind::UnexpectedEof | std::io::ErrorKind::ConnectionReset
         | std::io::ErrorKind::BrokenPipe | std::io::ErrorKind::ConnectionAborted))
@@ -199,7 +235,7 @@ impl Client {
             geo,
             rdma,
             rdma_counters,
-            topo: RwLock::new(Arc::new(Topology { ring: Ring::default(), nodes: vec![], epoch: 0 })),
+            topo: RwLock::new(Arc::new(Topology { ring: Arc::default(), nodes: vec![], epoch: 0, previous: vec![] })),
             epochs: AtomicU64::new(0),
             swapping: std::sync::Mutex::new(()),
             discovery_error: std::sync::Mutex::new(None),
@@ -225,31 +261,85 @@ impl Client {
     /// As [`Client::set_members`]; `epoch` is the MDS epoch of the view the
     /// members come from (None: a local swap, numbered by this client).
     pub fn set_members_at(&self, members: Vec<Member>, epoch: Option<u64>) -> u64 {
+        self.install(members, epoch, Vec::new(), None)
+    }
+
+    /// Installs a member set. The set it replaces is kept as a previous set
+    /// for the handoff window, with the sets still in theirs and those a
+    /// kv-mds view names (`given`; its time left wins for an epoch both
+    /// have). `window`: the view's `handoff_ms` (None: this client's
+    /// `handoff_ms` option; zero in either turns the handoff off).
+    pub fn install(
+        &self,
+        members: Vec<Member>,
+        epoch: Option<u64>,
+        given: Vec<GivenSet>,
+        window: Option<Duration>,
+    ) -> u64 {
         let _one = self.swapping.lock().unwrap_or_else(|e| e.into_inner());
         let old = self.topology();
-        let nodes: Vec<Arc<Node>> = members
-            .iter()
-            .map(|m| {
-                old.nodes
-                    .iter()
-                    .find(|n| n.id == m.id && n.addr == m.addr && n.weight == m.weight)
-                    .cloned()
-                    .unwrap_or_else(|| {
-                        Arc::new(Node::new(
-                            m.id.clone(),
-                            m.addr.clone(),
-                            m.weight,
-                            self.opts.max_conns_per_node,
-                            self.opts.auth_token.clone(),
-                            self.rdma.clone(),
-                        ))
-                    })
-            })
-            .collect();
-        let ring = Ring::new(members.iter().map(|m| RingMember { id: m.id.clone(), weight: m.weight }).collect());
+        let now = Instant::now();
+        // Nodes whose id, address and weight are unchanged are reused (with
+        // their pools and health), from the current set or a previous one.
+        let mut made: Vec<Arc<Node>> = Vec::new();
+        let mut node_for = |m: &Member| -> Arc<Node> {
+            let same = |n: &&Arc<Node>| n.id == m.id && n.addr == m.addr && n.weight == m.weight;
+            if let Some(n) = made
+                .iter()
+                .find(same)
+                .or_else(|| old.nodes.iter().find(same))
+                .or_else(|| old.previous.iter().flat_map(|p| p.nodes.iter()).find(same))
+            {
+                return n.clone();
+            }
+            let n = Arc::new(Node::new(
+                m.id.clone(),
+                m.addr.clone(),
+                m.weight,
+                self.opts.max_conns_per_node,
+                self.opts.auth_token.clone(),
+                self.rdma.clone(),
+            ));
+            made.push(n.clone());
+            n
+        };
+        let nodes: Vec<Arc<Node>> = members.iter().map(&mut node_for).collect();
+        let ring = Arc::new(ring_of(&members));
         let local = self.epochs.fetch_add(1, Ordering::AcqRel) + 1;
         let epoch = epoch.unwrap_or(local);
-        *self.topo.write().unwrap_or_else(|e| e.into_inner()) = Arc::new(Topology { ring, nodes, epoch });
+        let window = if self.opts.handoff.is_zero() { Duration::ZERO } else { window.unwrap_or(self.opts.handoff) };
+        let mut previous: Vec<Arc<Previous>> = Vec::new();
+        if !window.is_zero() {
+            if !old.nodes.is_empty() && !same_members(&old.nodes, &nodes) {
+                previous.push(Arc::new(Previous {
+                    epoch: old.epoch,
+                    ring: old.ring.clone(),
+                    nodes: old.nodes.clone(),
+                    until: now + window,
+                }));
+            }
+            previous.extend(old.previous.iter().filter(|p| p.until > now).cloned());
+            for (e, set, left) in given {
+                let until = now + left;
+                match previous.iter().position(|p| p.epoch == e) {
+                    Some(i) => {
+                        let p = &previous[i];
+                        previous[i] = Arc::new(Previous { epoch: e, ring: p.ring.clone(), nodes: p.nodes.clone(), until });
+                    }
+                    None => {
+                        let nodes = set.iter().map(&mut node_for).collect();
+                        previous.push(Arc::new(Previous { epoch: e, ring: Arc::new(ring_of(&set)), nodes, until }));
+                    }
+                }
+            }
+            previous.retain(|p| p.until > now && p.epoch != epoch && !same_members(&p.nodes, &nodes));
+            // Newest first; one set per epoch.
+            previous.sort_by(|a, b| b.epoch.cmp(&a.epoch));
+            previous.dedup_by_key(|p| p.epoch);
+            previous.truncate(kv_common::mds::MAX_PREVIOUS_SETS);
+        }
+        self.metrics.handoff.sets.store(previous.len() as u64, Ordering::Relaxed);
+        *self.topo.write().unwrap_or_else(|e| e.into_inner()) = Arc::new(Topology { ring, nodes, epoch, previous });
         self.metrics.ring_rebuilds.fetch_add(1, Ordering::Relaxed);
         epoch
     }
@@ -314,7 +404,7 @@ impl Client {
     }
 
     /// One try: (error, whether the connection came from the pool).
-    async fn attempt<X: Exchange>(
+    pub(crate) async fn attempt<X: Exchange>(
         &self,
         node: &Arc<Node>,
         x: &mut X,
@@ -375,14 +465,20 @@ impl Client {
             Ok(n) => n,
             Err(s) => return Err(self.metrics.count_get(s, 0, 0)),
         };
-        let mut x = GetX { key, bufs };
-        match self.run_on(&node, &mut x).await {
-            Ok(GetReply { status: Status::Ok, len, .. }) => {
+        let mut x = GetX { key, bufs, extra: 0 };
+        let mut reply = match self.run_on(&node, &mut x).await {
+            Ok(r) => r,
+            Err(e) => return Err(self.metrics.count_get(e.status(), 0, 0)),
+        };
+        if reply.status == Status::Miss && !topo.previous.is_empty() {
+            reply = self.handoff_get(&topo, &node, key, x.bufs).await.unwrap_or(reply);
+        }
+        match reply {
+            GetReply { status: Status::Ok, len, .. } => {
                 self.metrics.count_get(Status::Ok, len as u64, 0);
                 Ok(len)
             }
-            Ok(GetReply { status, len, .. }) => Err(self.metrics.count_get(status, 0, len)),
-            Err(e) => Err(self.metrics.count_get(e.status(), 0, 0)),
+            GetReply { status, len, .. } => Err(self.metrics.count_get(status, 0, len)),
         }
     }
 
@@ -393,10 +489,15 @@ impl Client {
             Ok(n) => n,
             Err(s) => return s,
         };
-        let s = match self.run_on(&node, &mut ExistX { key }).await {
+        let mut s = match self.run_on(&node, &mut ExistX { key, extra: 0 }).await {
             Ok(s) => s,
             Err(e) => e.status(),
         };
+        if s == Status::Miss && !topo.previous.is_empty() {
+            let mut out = [s];
+            self.handoff_exist(&topo, &[key], &mut out).await;
+            s = out[0];
+        }
         self.metrics.count_exist(s, 1)
     }
 
@@ -407,10 +508,15 @@ impl Client {
             Ok(n) => n,
             Err(s) => return self.metrics.count_delete(s),
         };
-        let s = match self.run_on(&node, &mut DeleteX { key }).await {
+        let mut s = match self.run_on(&node, &mut DeleteX { key }).await {
             Ok(s) => s,
             Err(e) => e.status(),
         };
+        // Inside a handoff window the page may sit at any previous owner too:
+        // removed there as well, so no handoff serves it again.
+        if !topo.previous.is_empty() && self.handoff_delete(&topo, &node, key).await && s != Status::Ok {
+            s = Status::Ok;
+        }
         self.metrics.count_delete(s)
     }
 
@@ -424,7 +530,7 @@ impl Client {
             .into_iter()
             .flat_map(|(node, idx)| idx.chunks(MAX_BATCH_KEYS).map(|c| (node.clone(), c.to_vec())).collect::<Vec<_>>());
         let results = join_all(jobs.map(|(node, idx)| async move {
-            let mut x = BatchExistX { keys: idx.iter().map(|&i| keys[i]).collect() };
+            let mut x = BatchExistX { keys: idx.iter().map(|&i| keys[i]).collect(), extra: 0 };
             let r = self.run_on(&node, &mut x).await;
             (idx, r)
         }))
@@ -442,6 +548,9 @@ impl Client {
                     }
                 }
             }
+        }
+        if !topo.previous.is_empty() {
+            self.handoff_exist(&topo, keys, &mut out).await;
         }
         for s in &out {
             self.metrics.count_exist(*s, 1);
@@ -529,28 +638,38 @@ impl Client {
             }
             lanes_all.extend(lanes_of_node.into_iter().map(|lane| (node.clone(), lane)));
         }
-        let results = join_all(lanes_all.into_iter().map(|(node, lane)| self.get_lane(node, lane))).await;
+        let defer = !topo.previous.is_empty();
+        let results = join_all(lanes_all.into_iter().map(|(node, lane)| self.get_lane(node, lane, defer))).await;
         for (i, r) in results.into_iter().flatten() {
             out[i] = r;
+        }
+        if defer && out.iter().any(|r| r.0 == Status::Miss) {
+            self.handoff_get_many(&topo, items, &mut out).await;
         }
         out
     }
 
     /// One lane of a batch get: its items, pipelined on one connection.
+    /// `defer_misses`: misses are counted by the handoff that follows.
     async fn get_lane(
         &self,
         node: Arc<Node>,
         mut lane: Vec<(usize, &mut GetItem<'_, '_>)>,
+        defer_misses: bool,
     ) -> Vec<(usize, (Status, usize))> {
         let mut out = Vec::with_capacity(lane.len());
         for window in lane.chunks_mut(PIPELINE_WINDOW) {
             let idx: Vec<usize> = window.iter().map(|(i, _)| *i).collect();
-            let mut x = GetManyX { items: window.iter_mut().map(|(_, item)| (item.0, &mut item.1[..])).collect() };
+            let mut x =
+                GetManyX { items: window.iter_mut().map(|(_, item)| (item.0, &mut item.1[..])).collect(), extra: 0 };
             match self.run_on(&node, &mut x).await {
                 Ok(replies) => {
                     for (i, r) in idx.into_iter().zip(replies) {
                         let bytes = if r.status == Status::Ok { r.len as u64 } else { 0 };
-                        self.metrics.count_get(r.status, bytes, r.len);
+                        // A miss may still be found by the handoff: counted then.
+                        if r.status != Status::Miss || !defer_misses {
+                            self.metrics.count_get(r.status, bytes, r.len);
+                        }
                         out.push((i, (r.status, r.len)));
                     }
                 }

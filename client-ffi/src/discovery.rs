@@ -64,6 +64,19 @@ fn members_of(v: &View) -> (Vec<Member>, Vec<String>) {
     (out, bad)
 }
 
+/// The previous member sets a view names (a set with a record of bad form
+/// is left out: kv-mds accepts none).
+fn previous_of(v: &View) -> Vec<crate::client::GivenSet> {
+    v.previous
+        .iter()
+        .filter_map(|p| {
+            let set: Result<Vec<Member>, String> =
+                p.apply(&v.members).iter().map(|m| member(&m.id, &m.addr, m.weight)).collect();
+            Some((p.epoch, set.ok()?, Duration::from_millis(p.remaining_ms)))
+        })
+        .collect()
+}
+
 /// How the first round of discovery failed: `Unavailable` (no replica
 /// answered usefully) or `Edenied` (the MDS refused the auth token).
 pub type FirstError = (Status, String);
@@ -141,7 +154,8 @@ fn run(
                             v.epoch
                         ));
                     } else {
-                        core.set_members_at(members, Some(v.epoch));
+                        let window = v.handoff_ms.map(Duration::from_millis);
+                        core.install(members, Some(v.epoch), previous_of(&v), window);
                     }
                     applied = Some(v.epoch);
                 }
@@ -222,6 +236,8 @@ mod tests {
             group: "g".into(),
             epoch: 7,
             members: vec![rec("a", "127.0.0.1:7000"), rec("b", "no-such-host.invalid:7000")],
+            previous: vec![],
+            handoff_ms: None,
         };
         let (members, bad) = members_of(&v);
         assert!(bad.is_empty(), "{bad:?}");

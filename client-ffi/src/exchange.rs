@@ -170,20 +170,28 @@ fn refused(status: Status, body: &[u8]) -> OpError {
     OpError::Node(status, String::from_utf8_lossy(body).into_owned())
 }
 
-pub async fn put(conn: &mut AsyncConn, header: &[u8; HEADER_LEN], key: &[u8], bufs: &[&[u8]]) -> Result<(), OpError> {
+/// `extra`: request flags beside the exchange's own (FLAG_HANDOFF).
+pub async fn put(
+    conn: &mut AsyncConn,
+    header: &[u8; HEADER_LEN],
+    key: &[u8],
+    bufs: &[&[u8]],
+    extra: u8,
+) -> Result<(), OpError> {
     let payload: u64 = bufs.iter().map(|b| b.len() as u64).sum();
     let len = HEADER_LEN as u64 + key.len() as u64 + payload;
     if len > conn.max_record {
         return Err(OpError::Node(Status::Rejected, format!("record of {len} bytes over the node's limit")));
     }
-    if conn.rdma.is_some() && put_rdma(conn, header, key, bufs).await? {
+    // A handoff copy comes from the client's own staging buffer: inline.
+    if conn.rdma.is_some() && extra == 0 && put_rdma(conn, header, key, bufs).await? {
         return Ok(());
     }
     let mut parts: Vec<&[u8]> = Vec::with_capacity(bufs.len() + 2);
     parts.push(header);
     parts.push(key);
     parts.extend_from_slice(bufs);
-    let id = send(conn, Op::Put, 0, &parts).await?;
+    let id = send(conn, Op::Put, extra, &parts).await?;
     let h = recv_header(conn, id).await?;
     let body = recv_small(conn, &h).await?;
     match h.status {
@@ -229,13 +237,14 @@ pub async fn get(
     geo: &Geometry,
     key: &[u8],
     bufs: &mut [&mut [u8]],
+    extra: u8,
 ) -> Result<GetReply, OpError> {
     if conn.rdma.is_some() {
-        if let Some(r) = get_rdma(conn, geo, key, bufs).await? {
+        if let Some(r) = get_rdma(conn, geo, key, bufs, extra).await? {
             return Ok(r);
         }
     }
-    get_inline(conn, geo, key, bufs).await
+    get_inline(conn, geo, key, bufs, extra).await
 }
 
 /// A get by RDMA: None when it must go inline (no segments, or the payload
@@ -245,6 +254,7 @@ async fn get_rdma(
     geo: &Geometry,
     key: &[u8],
     bufs: &mut [&mut [u8]],
+    extra: u8,
 ) -> Result<Option<GetReply>, OpError> {
     let ranges = ranges_mut(bufs);
     if let Some((segs, regs)) = rdma_segments(conn, &ranges) {
@@ -252,7 +262,7 @@ async fn get_rdma(
         let mut body = Vec::with_capacity(2 + segs.len() * 16 + 32 + key.len());
         encode_segments(&segs, &mut body);
         body.extend_from_slice(&KeyRequest::encode(geo, key));
-        let id = send(conn, Op::Get, FLAG_CHECK_GEOMETRY | FLAG_RDMA, &[&body]).await?;
+        let id = send(conn, Op::Get, FLAG_CHECK_GEOMETRY | FLAG_RDMA | extra, &[&body]).await?;
         let h = recv_header(conn, id).await?;
         let r = finish_rdma_get(conn, geo, key, bufs, &h).await?;
         drop(regs);
@@ -271,16 +281,17 @@ async fn get_inline(
     geo: &Geometry,
     key: &[u8],
     bufs: &mut [&mut [u8]],
+    extra: u8,
 ) -> Result<GetReply, OpError> {
     let req = KeyRequest::encode(geo, key);
-    let id = send(conn, Op::Get, FLAG_CHECK_GEOMETRY, &[&req]).await?;
+    let id = send(conn, Op::Get, FLAG_CHECK_GEOMETRY | extra, &[&req]).await?;
     let h = recv_header(conn, id).await?;
     read_get_body(conn, geo, key, bufs, &h).await
 }
 
-pub async fn exist(conn: &mut AsyncConn, geo: &Geometry, key: &[u8]) -> Result<Status, OpError> {
+pub async fn exist(conn: &mut AsyncConn, geo: &Geometry, key: &[u8], extra: u8) -> Result<Status, OpError> {
     let req = KeyRequest::encode(geo, key);
-    let id = send(conn, Op::Exist, FLAG_CHECK_GEOMETRY, &[&req]).await?;
+    let id = send(conn, Op::Exist, FLAG_CHECK_GEOMETRY | extra, &[&req]).await?;
     let h = recv_header(conn, id).await?;
     let body = recv_small(conn, &h).await?;
     match h.status {
@@ -300,9 +311,14 @@ pub async fn delete(conn: &mut AsyncConn, key: &[u8]) -> Result<Status, OpError>
     }
 }
 
-pub async fn batch_exist(conn: &mut AsyncConn, geo: &Geometry, keys: &[&[u8]]) -> Result<Vec<Status>, OpError> {
+pub async fn batch_exist(
+    conn: &mut AsyncConn,
+    geo: &Geometry,
+    keys: &[&[u8]],
+    extra: u8,
+) -> Result<Vec<Status>, OpError> {
     let body = wire::encode_batch_exist(geo, keys);
-    let id = send(conn, Op::BatchExist, FLAG_CHECK_GEOMETRY, &[&body]).await?;
+    let id = send(conn, Op::BatchExist, FLAG_CHECK_GEOMETRY | extra, &[&body]).await?;
     let h = recv_header(conn, id).await?;
     let answer = recv_small(conn, &h).await?;
     if h.status != Status::Ok {
@@ -335,6 +351,7 @@ pub async fn get_pipelined(
     conn: &mut AsyncConn,
     geo: &Geometry,
     items: &mut [(&[u8], &mut [&mut [u8]])],
+    extra: u8,
 ) -> Result<Vec<GetReply>, OpError> {
     let rt = conn.rdma.as_ref().map(|l| l.runtime().clone());
     let mut ids = Vec::with_capacity(items.len());
@@ -344,7 +361,7 @@ pub async fn get_pipelined(
     // Which items go by RDMA (empty: none; no queue pair, no allocation).
     let mut by_rdma = if rt.is_some() { vec![false; items.len()] } else { Vec::new() };
     for (i, (key, bufs)) in items.iter_mut().enumerate() {
-        let mut flags = FLAG_CHECK_GEOMETRY;
+        let mut flags = FLAG_CHECK_GEOMETRY | extra;
         let segs = if rt.is_some() { rdma_segments(conn, &ranges_mut(bufs)) } else { None };
         let body = match segs {
             None => KeyRequest::encode(geo, key),
@@ -387,7 +404,7 @@ pub async fn get_pipelined(
     if by_rdma.iter().any(|&b| b) {
         for (i, (key, bufs)) in items.iter_mut().enumerate().filter(|(i, _)| by_rdma[*i]) {
             forget_registrations(rt.as_ref(), &ranges_mut(bufs));
-            replies[i] = Some(get_inline(conn, geo, key, bufs).await?);
+            replies[i] = Some(get_inline(conn, geo, key, bufs, extra).await?);
         }
     }
     Ok(replies.into_iter().map(|r| r.expect("every id answered")).collect())

@@ -15,6 +15,7 @@ pub mod conn;
 pub mod discovery;
 pub mod error;
 pub mod exchange;
+pub mod handoff;
 pub mod ffi;
 pub mod hello;
 pub mod members;

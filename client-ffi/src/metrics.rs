@@ -2,6 +2,7 @@
 //! (prometheus-client's encoder) by `kv_stats_snapshot`.
 
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 use std::time::Instant;
 
 use kv_common::status::Status;
@@ -64,6 +65,33 @@ pub struct Metrics {
     pub mds_up: AtomicU64,
     /// Times discovery moved to another kv-mds replica.
     pub mds_failovers: AtomicU64,
+    /// Handoff (docs/ARCHITECTURE.md, "Ring transitions").
+    pub handoff: Arc<HandoffCounters>,
+}
+
+/// What the handoff did: asks at previous owners and background copies.
+#[derive(Default)]
+pub struct HandoffCounters {
+    /// Keys asked at a previous owner after a miss at their owner.
+    pub asks: AtomicU64,
+    /// Keys found there (served, or counted as hits by exist).
+    pub hits: AtomicU64,
+    /// Asks that failed (no answer in time, refused connection): that owner
+    /// is skipped for the rest of its window.
+    pub failures: AtomicU64,
+    /// Background copies to the current owner: stored, refused by it (the
+    /// key was deleted meanwhile), failed.
+    pub copies_stored: AtomicU64,
+    pub copies_refused: AtomicU64,
+    pub copies_failed: AtomicU64,
+    /// Payload bytes of copies stored.
+    pub copy_bytes: AtomicU64,
+    /// Copies not made because the handle's budget was in flight.
+    pub budget_drops: AtomicU64,
+    /// Bytes of copies in flight now.
+    pub inflight_bytes: AtomicU64,
+    /// Previous member sets held now.
+    pub sets: AtomicU64,
 }
 
 impl Default for Metrics {
@@ -84,6 +112,7 @@ impl Default for Metrics {
             mds_errors: AtomicU64::new(0),
             mds_up: AtomicU64::new(0),
             mds_failovers: AtomicU64::new(0),
+            handoff: Arc::default(),
         }
     }
 }
@@ -209,6 +238,41 @@ impl Metrics {
                 vec![(vec![], ld(&self.mds_up))],
             ),
             Fam::gauge("ring_epoch", "Epoch of the ring in use", vec![(vec![], epoch)]),
+            Fam::gauge(
+                "handoff_sets",
+                "Previous member sets held for the handoff",
+                vec![(vec![], ld(&self.handoff.sets))],
+            ),
+            Fam::counter(
+                "handoff_asks",
+                "Keys asked at a previous owner after a miss at their owner",
+                vec![(vec![], ld(&self.handoff.asks))],
+            ),
+            Fam::counter("handoff_hits", "Keys found at a previous owner", vec![(vec![], ld(&self.handoff.hits))]),
+            Fam::counter(
+                "handoff_failures",
+                "Asks at a previous owner that failed (that owner is skipped for the rest of its window)",
+                vec![(vec![], ld(&self.handoff.failures))],
+            ),
+            Fam::counter(
+                "handoff_copies",
+                "Background copies of pages found at a previous owner to their owner, by result",
+                vec![
+                    (vec![("result", "stored".to_string())], ld(&self.handoff.copies_stored)),
+                    (vec![("result", "refused".to_string())], ld(&self.handoff.copies_refused)),
+                    (vec![("result", "failed".to_string())], ld(&self.handoff.copies_failed)),
+                ],
+            ),
+            Fam::counter(
+                "handoff_copy_bytes",
+                "Payload bytes of background copies stored",
+                vec![(vec![], ld(&self.handoff.copy_bytes))],
+            ),
+            Fam::counter(
+                "handoff_budget_drops",
+                "Background copies not made: the handle's copy budget was in flight",
+                vec![(vec![], ld(&self.handoff.budget_drops))],
+            ),
         ];
         fams.extend(rdma.families().into_iter().map(|f| Fam {
             name: f.name,

@@ -41,6 +41,9 @@ pub struct Node {
     slots: Arc<Semaphore>,
     /// Nanoseconds since `epoch` until which the node is avoided (0: healthy).
     cool_until: AtomicU64,
+    /// Nanoseconds since `epoch` until which handoff asks skip this node
+    /// (one failed; 0: ask it).
+    handoff_skip_until: AtomicU64,
     epoch: Instant,
     pub failures: AtomicU64,
     /// Times the node went into its cool-down, and answered again after one.
@@ -116,6 +119,7 @@ impl Node {
             max_conns,
             slots: Arc::new(Semaphore::new(max_conns)),
             cool_until: AtomicU64::new(0),
+            handoff_skip_until: AtomicU64::new(0),
             epoch: Instant::now(),
             failures: AtomicU64::new(0),
             went_down: AtomicU64::new(0),
@@ -158,6 +162,20 @@ impl Node {
     pub fn cooling(&self) -> bool {
         let until = self.cool_until.load(Ordering::Relaxed);
         until != 0 && (self.epoch.elapsed().as_nanos() as u64) < until
+    }
+
+    /// Whether handoff asks skip this node now (one failed in its window).
+    pub fn handoff_skipped(&self) -> bool {
+        let until = self.handoff_skip_until.load(Ordering::Relaxed);
+        until != 0 && (self.epoch.elapsed().as_nanos() as u64) < until
+    }
+
+    /// A handoff ask failed: skip this node for handoff asks until `until`
+    /// (the end of the window of the set that named it). Its own keys are
+    /// not affected: no cool-down starts.
+    pub fn skip_handoff(&self, until: Instant) {
+        let at = until.saturating_duration_since(self.epoch).as_nanos() as u64;
+        self.handoff_skip_until.fetch_max(at.max(1), Ordering::Relaxed);
     }
 
     /// Starts (or extends) the cool-down after an I/O failure.

@@ -19,6 +19,16 @@ pub struct Options {
     /// `rdma_cache_mb`: bytes of cached registrations of buffers not
     /// registered with `kv_register_memory`, per rail (0: register per op).
     pub rdma_cache_bytes: usize,
+    /// `handoff_ms`: how long the client keeps a member set it replaced
+    /// (a static list swapped, a view from a kv-mds that sends no
+    /// `handoff_ms`) to find pages on their previous owners; 0 turns handoff
+    /// off in this client (docs/ARCHITECTURE.md, "Ring transitions").
+    pub handoff: Duration,
+    /// `handoff_timeout_ms`: the time one ask at a previous owner may take.
+    pub handoff_timeout: Duration,
+    /// `handoff_budget_mb`: bytes of background copies (pages found at a
+    /// previous owner, written to the current one) in flight per handle.
+    pub handoff_budget: u64,
 }
 
 impl Default for Options {
@@ -32,6 +42,9 @@ impl Default for Options {
             auth_token: None,
             rdma: kv_common::rdma::Settings::default(),
             rdma_cache_bytes: 1 << 30,
+            handoff: Duration::from_secs(600),
+            handoff_timeout: Duration::from_millis(500),
+            handoff_budget: 256 << 20,
         }
     }
 }
@@ -48,6 +61,9 @@ pub const KEYS: &[&str] = &[
     "rdma_depth",
     "rdma_numa",
     "rdma_cache_mb",
+    "handoff_ms",
+    "handoff_timeout_ms",
+    "handoff_budget_mb",
 ];
 
 impl Options {
@@ -86,6 +102,9 @@ impl Options {
                 "rdma_numa" if n <= 1 => o.rdma.numa_local = n == 1,
                 "rdma_numa" => return Err("option rdma_numa must be 0 or 1".into()),
                 "rdma_cache_mb" => o.rdma_cache_bytes = (n.min(1 << 30) as usize) << 20,
+                "handoff_ms" => o.handoff = Duration::from_millis(n),
+                "handoff_timeout_ms" => o.handoff_timeout = Duration::from_millis(positive(n)?),
+                "handoff_budget_mb" => o.handoff_budget = n.min(1 << 30) << 20,
                 _ => return Err(format!("unknown option {k:?} (known: {})", KEYS.join(", "))),
             }
         }
@@ -108,6 +127,9 @@ mod tests {
         assert!(Options::parse("io_timeout_ms").unwrap_err().contains("key=value"));
         assert!(Options::parse("io_timeout_ms=-1").unwrap_err().contains("whole number"));
         assert!(Options::parse("max_conns_per_node=0").unwrap_err().contains("at least 1"));
+        let o = Options::parse("handoff_ms=0,handoff_timeout_ms=100,handoff_budget_mb=8").unwrap();
+        assert_eq!((o.handoff, o.handoff_timeout, o.handoff_budget), (Duration::ZERO, Duration::from_millis(100), 8 << 20));
+        assert!(Options::parse("handoff_timeout_ms=0").unwrap_err().contains("at least 1"));
     }
 
     #[test]

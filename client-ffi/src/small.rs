@@ -17,7 +17,7 @@ use std::time::{Duration, Instant};
 use kv_common::page::Geometry;
 use kv_common::status::Status;
 use kv_common::wire::MAX_BATCH_KEYS;
-use kv_common::wire::{self, KeyRequest, Op, ReqHeader, RspHeader, FLAG_CHECK_GEOMETRY, FRAME_HEADER_LEN};
+use kv_common::wire::{self, KeyRequest, Op, ReqHeader, RspHeader, FLAG_CHECK_GEOMETRY, FLAG_HANDOFF, FRAME_HEADER_LEN};
 
 use crate::client::Client;
 use crate::error::OpError;
@@ -134,6 +134,9 @@ struct Pending {
     /// a slow connect to another owner does not eat into this one's time).
     deadline: Instant,
     io_timeout: Duration,
+    /// A handoff ask (FLAG_HANDOFF): the end of the window of the set that
+    /// named this node. A failure then starts no cool-down (handoff.rs).
+    handoff: Option<Instant>,
 }
 
 fn send(p: &mut Pending, io_timeout: Duration) -> Result<(), OpError> {
@@ -142,7 +145,7 @@ fn send(p: &mut Pending, io_timeout: Duration) -> Result<(), OpError> {
     p.conn.set_write_timeout(io_timeout)?;
     p.req_id = p.conn.next_id;
     p.conn.next_id += 1;
-    let flags = FLAG_CHECK_GEOMETRY;
+    let flags = FLAG_CHECK_GEOMETRY | if p.handoff.is_some() { FLAG_HANDOFF } else { 0 };
     let h = ReqHeader { op: p.op, flags, body_len: p.body.len() as u32, req_id: p.req_id }.encode();
     let mut frame = Vec::with_capacity(FRAME_HEADER_LEN + p.body.len());
     frame.extend_from_slice(&h);
@@ -205,28 +208,55 @@ fn is_stale(e: &OpError) -> bool {
 }
 
 impl Client {
-    fn sync_checkout(&self, node: &Arc<Node>, fresh: bool) -> Result<(SyncConn, bool), OpError> {
+    fn sync_checkout(&self, node: &Arc<Node>, fresh: bool, io: Duration) -> Result<(SyncConn, bool), OpError> {
         if !fresh {
             if let Some(c) = node.take_sync_conn() {
                 return Ok((c, true));
             }
         }
-        Ok((connect(node, self.opts.connect_timeout.min(self.opts.io_timeout))?, false))
+        Ok((connect(node, self.opts.connect_timeout.min(io))?, false))
+    }
+
+    /// The time one request may take: the I/O timeout, or the handoff
+    /// timeout for a handoff ask.
+    fn io_of(&self, handoff: Option<Instant>) -> Duration {
+        if handoff.is_some() {
+            self.opts.handoff_timeout
+        } else {
+            self.opts.io_timeout
+        }
     }
 
     /// Sends `p`'s request, once more on a fresh connection when a pooled one
     /// turns out stale.
     fn send_retrying(&self, p: &mut Pending) -> Result<(), OpError> {
-        match send(p, self.opts.io_timeout) {
+        let io = self.io_of(p.handoff);
+        match send(p, io) {
             Err(e) if p.reused && is_stale(&e) => {
                 self.metrics.stale_retries.fetch_add(1, Ordering::Relaxed);
                 p.node.drop_idle();
-                let (conn, _) = self.sync_checkout(&p.node, true)?;
+                let (conn, _) = self.sync_checkout(&p.node, true, io)?;
                 p.conn = conn;
                 p.reused = false;
-                send(p, self.opts.io_timeout)
+                send(p, io)
             }
             r => r,
+        }
+    }
+
+    /// The status a chunk's keys get when its request failed: the node's
+    /// failure (and its cool-down), or for a handoff ask a miss (and the
+    /// node skipped for handoff asks in its window).
+    fn chunk_failed(&self, node: &Node, handoff: Option<Instant>, e: OpError) -> Status {
+        match handoff {
+            None => self.failed_node(node, e),
+            Some(until) => {
+                self.metrics.handoff.failures.fetch_add(1, Ordering::Relaxed);
+                if e.is_peer_failure() {
+                    node.skip_handoff(until);
+                }
+                Status::Miss
+            }
         }
     }
 
@@ -240,16 +270,50 @@ impl Client {
         let topo = self.topology();
         let mut out = vec![Status::Unavailable; keys.len()];
         let groups = self.group(&topo, keys.iter().copied(), &mut out);
-        let mut work: std::collections::VecDeque<(Arc<Node>, Vec<usize>)> = groups
+        self.exist_waves(groups.into_iter().map(|(node, idx)| (node, idx, None)).collect(), keys, &mut out);
+        if !topo.previous.is_empty() {
+            // Misses asked at previous owners (handoff.rs), a round per rank.
+            let cands = self.candidates_of_misses(&topo, keys.iter().copied(), &out);
+            for round in 0..crate::client::MAX_HANDOFF_ASKS {
+                let groups = crate::handoff::asks_of_round(&cands, round, |i| out[i] == Status::Miss);
+                if groups.is_empty() {
+                    break;
+                }
+                let asked: usize = groups.iter().map(|g| g.2.len()).sum();
+                self.metrics.handoff.asks.fetch_add(asked as u64, Ordering::Relaxed);
+                let mut there = vec![Status::Miss; keys.len()];
+                self.exist_waves(groups.into_iter().map(|(n, until, idx)| (n, idx, Some(until))).collect(), keys, &mut there);
+                for (o, t) in out.iter_mut().zip(there) {
+                    if *o == Status::Miss && t == Status::Ok {
+                        self.metrics.handoff.hits.fetch_add(1, Ordering::Relaxed);
+                        *o = Status::Ok;
+                    } else if *o == Status::Miss && t == Status::Mismatch {
+                        *o = Status::Mismatch;
+                    }
+                }
+            }
+        }
+        for s in &out {
+            self.metrics.count_exist(*s, 1);
+        }
+        out
+    }
+
+    /// Runs exist requests for `groups` (node, item indices, handoff window
+    /// end for a handoff ask) in waves, statuses into `out`.
+    fn exist_waves(&self, groups: Vec<(Arc<Node>, Vec<usize>, Option<Instant>)>, keys: &[&[u8]], out: &mut [Status]) {
+        let mut work: std::collections::VecDeque<(Arc<Node>, Vec<usize>, Option<Instant>)> = groups
             .into_iter()
-            .flat_map(|(node, idx)| idx.chunks(MAX_BATCH_KEYS).map(|c| (node.clone(), c.to_vec())).collect::<Vec<_>>())
+            .flat_map(|(node, idx, h)| {
+                idx.chunks(MAX_BATCH_KEYS).map(|c| (node.clone(), c.to_vec(), h)).collect::<Vec<_>>()
+            })
             .collect();
         while !work.is_empty() {
             let mut later = std::collections::VecDeque::new();
             let mut in_wave: Vec<(*const Node, usize)> = Vec::new();
             // Write every owner's requests of this wave first...
             let mut pending: Vec<Pending> = Vec::new();
-            while let Some((node, chunk)) = work.pop_front() {
+            while let Some((node, chunk, handoff)) = work.pop_front() {
                 let key = Arc::as_ptr(&node);
                 let n = match in_wave.iter_mut().find(|(k, _)| *k == key) {
                     Some((_, n)) => n,
@@ -259,29 +323,33 @@ impl Client {
                     }
                 };
                 if *n >= self.opts.max_conns_per_node {
-                    later.push_back((node, chunk));
+                    later.push_back((node, chunk, handoff));
                     continue;
                 }
                 *n += 1;
-                if let Some(p) = self.start_chunk(&node, chunk, keys, &mut out) {
+                if let Some(p) = self.start_chunk(&node, chunk, keys, out, handoff) {
                     pending.push(p);
                 }
             }
             // ...then read every answer (each frees its slot).
             for p in pending {
-                self.finish_chunk(p, &mut out);
+                self.finish_chunk(p, out);
             }
             work = later;
         }
-        for s in &out {
-            self.metrics.count_exist(*s, 1);
-        }
-        out
     }
 
     /// Takes a slot and a connection for one chunk and writes its request;
     /// None when it failed (its keys' statuses then say why).
-    fn start_chunk(&self, node: &Arc<Node>, chunk: Vec<usize>, keys: &[&[u8]], out: &mut [Status]) -> Option<Pending> {
+    fn start_chunk(
+        &self,
+        node: &Arc<Node>,
+        chunk: Vec<usize>,
+        keys: &[&[u8]],
+        out: &mut [Status],
+        handoff: Option<Instant>,
+    ) -> Option<Pending> {
+        let io = self.io_of(handoff);
         let geo: Geometry = self.geo;
         let (op, body) = if chunk.len() == 1 {
             (Op::Exist, KeyRequest::encode(&geo, keys[chunk[0]]))
@@ -289,19 +357,20 @@ impl Client {
             let ks: Vec<&[u8]> = chunk.iter().map(|&i| keys[i]).collect();
             (Op::BatchExist, wire::encode_batch_exist(&geo, &ks))
         };
-        let Some(slot) = node.sync_slot(self.opts.io_timeout) else {
+        let Some(slot) = node.sync_slot(io) else {
             crate::client::note_local(format!(
                 "node {}: all {} connections busy for the whole I/O timeout",
                 node.id, self.opts.max_conns_per_node
             ));
             // Every slot busy for the whole I/O timeout: local, not the node's fault.
-            chunk.iter().for_each(|&i| out[i] = Status::Timeout);
+            let s = if handoff.is_some() { Status::Miss } else { Status::Timeout };
+            chunk.iter().for_each(|&i| out[i] = s);
             return None;
         };
-        let (conn, reused) = match self.sync_checkout(node, false) {
+        let (conn, reused) = match self.sync_checkout(node, false, io) {
             Ok(c) => c,
             Err(e) => {
-                let s = self.failed_node(node, e);
+                let s = self.chunk_failed(node, handoff, e);
                 chunk.iter().for_each(|&i| out[i] = s);
                 return None;
             }
@@ -316,12 +385,13 @@ impl Client {
             body,
             idx: chunk,
             deadline: Instant::now(),
-            io_timeout: self.opts.io_timeout,
+            io_timeout: io,
+            handoff,
         };
         match self.send_retrying(&mut p) {
             Ok(()) => Some(p),
             Err(e) => {
-                let s = self.failed_node(node, e);
+                let s = self.chunk_failed(node, handoff, e);
                 p.idx.iter().for_each(|&i| out[i] = s);
                 None
             }
@@ -337,10 +407,11 @@ impl Client {
                 // The pooled connection was stale: once more on a new one.
                 self.metrics.stale_retries.fetch_add(1, Ordering::Relaxed);
                 p.node.drop_idle();
-                r = self.sync_checkout(&p.node, true).and_then(|(conn, _)| {
+                let io = self.io_of(p.handoff);
+                r = self.sync_checkout(&p.node, true, io).and_then(|(conn, _)| {
                     p.conn = conn;
                     p.reused = false;
-                    send(&mut p, self.opts.io_timeout)?;
+                    send(&mut p, io)?;
                     recv(&mut p)
                 });
             }
@@ -354,7 +425,7 @@ impl Client {
                 p.node.put_sync_conn(p.conn, self.opts.max_conns_per_node);
             }
             Err(e) => {
-                let s = self.failed_node(&p.node, e);
+                let s = self.chunk_failed(&p.node, p.handoff, e);
                 p.idx.iter().for_each(|&i| out[i] = s);
             }
         }

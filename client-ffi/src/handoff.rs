@@ -1,0 +1,342 @@
+//! Ring handoff (docs/ARCHITECTURE.md, "Ring transitions"): a key that
+//! misses at its owner is asked at its owners in the previous member sets
+//! the client holds (at most [`MAX_HANDOFF_ASKS`] distinct nodes, newest set
+//! first), each ask within `handoff_timeout_ms` and without a cool-down for
+//! the node asked. A get served there is copied to the current owner in the
+//! background, within the handle's byte budget; a delete inside a window
+//! also goes to every previous owner.
+//!
+//! Every hit found this way is checked as any hit is (header, key,
+//! geometry, CRC): the handoff changes where a page is looked for, never
+//! what may be served.
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Instant;
+
+use futures_util::future::join_all;
+use kv_common::page::PageHeader;
+use kv_common::status::Status;
+use kv_common::wire::{FLAG_HANDOFF, MAX_BATCH_KEYS};
+
+use crate::client::{
+    is_stale, BatchExistX, Client, DeleteX, Exchange, GetItem, GetManyX, GetX, Topology, MAX_HANDOFF_ASKS,
+    PIPELINE_WINDOW,
+};
+use crate::error::OpError;
+use crate::exchange::{self, GetReply};
+use crate::node::Node;
+
+/// A previous owner to ask, and the end of the window of the set naming it.
+pub(crate) type Candidate = (Arc<Node>, Instant);
+
+impl Client {
+    /// The previous owners to ask for `key`, which missed at `owner`:
+    /// distinct nodes other than the owner, newest set first, leaving out
+    /// nodes in their cool-down and nodes whose handoff ask failed in their
+    /// window.
+    pub(crate) fn handoff_candidates(&self, topo: &Topology, key: &[u8], owner: &Node) -> Vec<Candidate> {
+        let now = Instant::now();
+        let mut out: Vec<Candidate> = Vec::new();
+        for p in &topo.previous {
+            if out.len() == MAX_HANDOFF_ASKS {
+                break;
+            }
+            if p.until <= now {
+                continue;
+            }
+            let Some(i) = p.ring.owner(key) else { continue };
+            let n = &p.nodes[i];
+            let is_owner = n.id == owner.id && n.addr == owner.addr;
+            if is_owner || out.iter().any(|(c, _)| Arc::ptr_eq(c, n)) || n.handoff_skipped() || n.cooling() {
+                continue;
+            }
+            out.push((n.clone(), p.until));
+        }
+        out
+    }
+
+    /// The owner of `key` in the current set (None: no members).
+    fn owner_node(&self, topo: &Topology, key: &[u8]) -> Option<Arc<Node>> {
+        topo.ring.owner(key).map(|i| topo.nodes[i].clone())
+    }
+
+    /// Runs a handoff ask on `node` within `handoff_timeout_ms`. A failure
+    /// starts no cool-down: the node is skipped for handoff asks until
+    /// `until` and the caller keeps its miss.
+    pub(crate) async fn run_handoff<X: Exchange>(&self, node: &Arc<Node>, until: Instant, x: &mut X) -> Option<X::Out> {
+        let deadline = tokio::time::Instant::now() + self.opts.handoff_timeout;
+        let mut retried = false;
+        loop {
+            // All of the node's connections busy: a local wait, not the node's fault.
+            let slot = tokio::time::timeout_at(deadline, node.slot()).await.ok()?.ok()?;
+            let r = tokio::time::timeout_at(deadline, self.attempt(node, x, slot, retried))
+                .await
+                .unwrap_or(Err((OpError::Timeout, false)));
+            match r {
+                Ok(out) => return Some(out),
+                Err((e, reused)) if reused && !retried && is_stale(&e) => {
+                    node.drop_idle();
+                    retried = true;
+                }
+                Err((e, _)) => {
+                    self.metrics.handoff.failures.fetch_add(1, Ordering::Relaxed);
+                    if e.is_peer_failure() {
+                        node.skip_handoff(until);
+                    }
+                    return None;
+                }
+            }
+        }
+    }
+
+    /// A get that missed at `owner`, asked at the previous owners. Some:
+    /// a hit (its page is in `bufs`, and a copy goes to `owner`), or
+    /// another answer worth more than the miss (a mismatch, too small).
+    pub(crate) async fn handoff_get(
+        &self,
+        topo: &Topology,
+        owner: &Arc<Node>,
+        key: &[u8],
+        bufs: &mut [&mut [u8]],
+    ) -> Option<GetReply> {
+        let mut better = None;
+        for (node, until) in self.handoff_candidates(topo, key, owner) {
+            self.metrics.handoff.asks.fetch_add(1, Ordering::Relaxed);
+            let mut x = GetX { key, bufs: &mut *bufs, extra: FLAG_HANDOFF };
+            match self.run_handoff(&node, until, &mut x).await {
+                Some(r @ GetReply { status: Status::Ok, len }) => {
+                    self.metrics.handoff.hits.fetch_add(1, Ordering::Relaxed);
+                    self.copy_later(owner.clone(), key, bufs, len);
+                    return Some(r);
+                }
+                Some(r @ GetReply { status: Status::TooSmall, .. }) => return Some(r),
+                Some(r @ GetReply { status: Status::Mismatch, .. }) => better = Some(r),
+                _ => {}
+            }
+        }
+        better
+    }
+
+    /// Exists that missed at their owners (`out[i] == Miss`), asked at the
+    /// previous owners: a round per candidate rank, each a batch per node,
+    /// nodes concurrently. A hit there is KV_OK; a page there with another
+    /// geometry is KV_MISMATCH.
+    pub(crate) async fn handoff_exist(&self, topo: &Topology, keys: &[&[u8]], out: &mut [Status]) {
+        let cands = self.candidates_of_misses(topo, keys.iter().copied(), out);
+        for round in 0..MAX_HANDOFF_ASKS {
+            let groups = asks_of_round(&cands, round, |i| out[i] == Status::Miss);
+            if groups.is_empty() {
+                break;
+            }
+            let jobs = groups.into_iter().flat_map(|(node, until, idx)| {
+                idx.chunks(MAX_BATCH_KEYS).map(|c| (node.clone(), until, c.to_vec())).collect::<Vec<_>>()
+            });
+            let results = join_all(jobs.map(|(node, until, idx)| async move {
+                self.metrics.handoff.asks.fetch_add(idx.len() as u64, Ordering::Relaxed);
+                let mut x = BatchExistX { keys: idx.iter().map(|&i| keys[i]).collect(), extra: FLAG_HANDOFF };
+                (idx, self.run_handoff(&node, until, &mut x).await)
+            }))
+            .await;
+            for (idx, r) in results {
+                let Some(st) = r else { continue };
+                for (i, s) in idx.into_iter().zip(st) {
+                    if s == Status::Ok {
+                        self.metrics.handoff.hits.fetch_add(1, Ordering::Relaxed);
+                        out[i] = Status::Ok;
+                    } else if s == Status::Mismatch {
+                        out[i] = Status::Mismatch;
+                    }
+                }
+            }
+        }
+    }
+
+    /// For each key whose status is a miss, its handoff candidates (an
+    /// empty list for the others).
+    pub(crate) fn candidates_of_misses<'k>(
+        &self,
+        topo: &Topology,
+        keys: impl Iterator<Item = &'k [u8]>,
+        out: &[Status],
+    ) -> Vec<Vec<Candidate>> {
+        keys.enumerate()
+            .map(|(i, key)| {
+                if out[i] != Status::Miss {
+                    return Vec::new();
+                }
+                match self.owner_node(topo, key) {
+                    Some(owner) => self.handoff_candidates(topo, key, &owner),
+                    None => Vec::new(),
+                }
+            })
+            .collect()
+    }
+
+    /// Batch-get items that missed at their owners, asked at the previous
+    /// owners (pipelined per node); hits are copied to their owners. Counts
+    /// the final outcome of every item that missed.
+    pub(crate) async fn handoff_get_many(
+        &self,
+        topo: &Topology,
+        items: &mut [GetItem<'_, '_>],
+        out: &mut [(Status, usize)],
+    ) {
+        let missed: Vec<Status> = out.iter().map(|r| r.0).collect();
+        let cands = self.candidates_of_misses(topo, items.iter().map(|(k, _)| *k), &missed);
+        for round in 0..MAX_HANDOFF_ASKS {
+            let groups = asks_of_round(&cands, round, |i| out[i].0 == Status::Miss);
+            if groups.is_empty() {
+                break;
+            }
+            let mut slots: Vec<Option<&mut GetItem<'_, '_>>> = items.iter_mut().map(Some).collect();
+            let mut lanes = Vec::new();
+            for (node, until, idx) in groups {
+                let lane: Vec<(usize, &mut GetItem<'_, '_>)> =
+                    idx.into_iter().filter_map(|i| slots[i].take().map(|it| (i, it))).collect();
+                lanes.push((node, until, lane));
+            }
+            let results = join_all(lanes.into_iter().map(|(node, until, mut lane)| async move {
+                let mut got = Vec::with_capacity(lane.len());
+                for window in lane.chunks_mut(PIPELINE_WINDOW) {
+                    self.metrics.handoff.asks.fetch_add(window.len() as u64, Ordering::Relaxed);
+                    let idx: Vec<usize> = window.iter().map(|(i, _)| *i).collect();
+                    let mut x = GetManyX {
+                        items: window.iter_mut().map(|(_, item)| (item.0, &mut item.1[..])).collect(),
+                        extra: FLAG_HANDOFF,
+                    };
+                    let Some(replies) = self.run_handoff(&node, until, &mut x).await else { break };
+                    for ((i, r), (_, item)) in idx.into_iter().zip(replies).zip(window.iter()) {
+                        if r.status == Status::Ok {
+                            self.metrics.handoff.hits.fetch_add(1, Ordering::Relaxed);
+                            if let Some(owner) = self.owner_node(topo, item.0) {
+                                self.copy_later(owner, item.0, &item.1, r.len);
+                            }
+                        }
+                        got.push((i, r));
+                    }
+                }
+                got
+            }))
+            .await;
+            for (i, r) in results.into_iter().flatten() {
+                if matches!(r.status, Status::Ok | Status::Mismatch | Status::TooSmall) {
+                    out[i] = (r.status, r.len);
+                }
+            }
+        }
+        for (r, m) in out.iter().zip(missed) {
+            if m == Status::Miss {
+                let bytes = if r.0 == Status::Ok { r.1 as u64 } else { 0 };
+                self.metrics.count_get(r.0, bytes, r.1);
+            }
+        }
+    }
+
+    /// Deletes `key` at every previous owner other than `owner`; true when
+    /// one of them had it.
+    pub(crate) async fn handoff_delete(&self, topo: &Topology, owner: &Node, key: &[u8]) -> bool {
+        let now = Instant::now();
+        let mut asked: Vec<Arc<Node>> = Vec::new();
+        let mut removed = false;
+        for p in topo.previous.iter().filter(|p| p.until > now) {
+            let Some(i) = p.ring.owner(key) else { continue };
+            let n = &p.nodes[i];
+            if (n.id == owner.id && n.addr == owner.addr) || asked.iter().any(|a| Arc::ptr_eq(a, n)) {
+                continue;
+            }
+            asked.push(n.clone());
+            if self.run_handoff(n, p.until, &mut DeleteX { key }).await == Some(Status::Ok) {
+                removed = true;
+            }
+        }
+        removed
+    }
+
+    /// Writes a page found at a previous owner to its owner in the
+    /// background, from a copy of `bufs` (the caller may reuse them at
+    /// once), when the handle's copy budget allows; the owner refuses it if
+    /// the key was deleted meanwhile.
+    pub(crate) fn copy_later(&self, owner: Arc<Node>, key: &[u8], bufs: &[&mut [u8]], len: usize) {
+        let h = self.metrics.handoff.clone();
+        let Ok(rt) = tokio::runtime::Handle::try_current() else {
+            h.copies_failed.fetch_add(1, Ordering::Relaxed);
+            return;
+        };
+        let budget = self.opts.handoff_budget;
+        let n = len as u64;
+        let taken = h.inflight_bytes.fetch_update(Ordering::AcqRel, Ordering::Acquire, |cur| {
+            (cur + n <= budget).then_some(cur + n)
+        });
+        if taken.is_err() {
+            h.budget_drops.fetch_add(1, Ordering::Relaxed);
+            return;
+        }
+        let mut data = Vec::with_capacity(len);
+        for b in bufs {
+            let take = b.len().min(len - data.len());
+            data.extend_from_slice(&b[..take]);
+            if data.len() == len {
+                break;
+            }
+        }
+        let header = PageHeader::new(self.geo, key, n, crc32fast::hash(&data)).encode();
+        let key = key.to_vec();
+        let (connect, io) = (self.opts.connect_timeout, self.opts.io_timeout);
+        rt.spawn(async move {
+            let put = async {
+                let mut fresh = false;
+                loop {
+                    let slot = owner.slot().await?;
+                    let mut co = owner.checkout(slot, connect, fresh).await?;
+                    let reused = co.reused;
+                    match exchange::put(co.conn(), &header, &key, &[&data], FLAG_HANDOFF).await {
+                        Ok(()) => {
+                            co.release();
+                            return Ok(());
+                        }
+                        Err(e) if reused && !fresh && is_stale(&e) => {
+                            owner.drop_idle();
+                            fresh = true;
+                        }
+                        Err(e) => return Err(e),
+                    }
+                }
+            };
+            match tokio::time::timeout(io, put).await {
+                Ok(Ok(())) => {
+                    h.copies_stored.fetch_add(1, Ordering::Relaxed);
+                    h.copy_bytes.fetch_add(n, Ordering::Relaxed);
+                }
+                Ok(Err(OpError::Node(Status::Rejected, _))) => {
+                    h.copies_refused.fetch_add(1, Ordering::Relaxed);
+                }
+                _ => {
+                    h.copies_failed.fetch_add(1, Ordering::Relaxed);
+                }
+            }
+            h.inflight_bytes.fetch_sub(n, Ordering::AcqRel);
+        });
+    }
+}
+
+/// The asks of one round: items that `still` need one and have a candidate
+/// of that rank, grouped by node.
+pub(crate) fn asks_of_round(
+    cands: &[Vec<Candidate>],
+    round: usize,
+    still: impl Fn(usize) -> bool,
+) -> Vec<(Arc<Node>, Instant, Vec<usize>)> {
+    let mut groups: Vec<(Arc<Node>, Instant, Vec<usize>)> = Vec::new();
+    for (i, c) in cands.iter().enumerate() {
+        let Some((node, until)) = c.get(round) else { continue };
+        if !still(i) {
+            continue;
+        }
+        match groups.iter_mut().find(|g| Arc::ptr_eq(&g.0, node)) {
+            Some(g) => g.2.push(i),
+            None => groups.push((node.clone(), *until, vec![i])),
+        }
+    }
+    groups
+}
