@@ -11,7 +11,7 @@ start_bench_nodes() {
   members=""
   for i in 0 1 2; do
     env "$@" "$bin/kv-server" --listen 127.0.0.1:0 --dir "$work/n$i" --cap "$cap" --mem-cap 512M \
-      --log-level info >"$work/n$i.out" 2>"$work/n$i.log" &
+      --log-level info --drain-secs 0 >"$work/n$i.out" 2>"$work/n$i.log" &
     pids+=($!)
   done
   for i in 0 1 2; do

@@ -98,7 +98,7 @@ for i in 1 2 3; do
   dash="$dash http://127.0.0.1:$mport/"
   "$bin/kv-server" --listen 127.0.0.1:0 --dir "$work/n$i/disk0,$work/n$i/disk1" --cap 512M \
     --mem-cap 64M --mds "$mds" --group quickstart --id "n$i" --advertise 127.0.0.1:0 --weight $weight \
-    --metrics-listen "127.0.0.1:$mport" \
+    --metrics-listen "127.0.0.1:$mport" --drain-secs 1 \
     >"$work/node-$i.out" 2>"$work/node-$i.log" &
   pid=$!
   echo $pid >"$pids/node-$i.pid"

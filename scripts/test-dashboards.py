@@ -123,7 +123,7 @@ def main() -> int:
             metrics.append(m)
             start([f"{BIN}/kv-server", "--listen", "127.0.0.1:0", "--dir", f"nvme0/kv{i},nvme1/kv{i}",
                    "--cap", "48M", "--mem-cap", "8M", "--metrics-listen", m, "--mds", mds, "--group", "demo",
-                   "--id", f"gpu-node-{i}", "--advertise", "127.0.0.1:0", "--log-level", "warn"],
+                   "--id", f"gpu-node-{i}", "--advertise", "127.0.0.1:0", "--log-level", "warn", "--drain-secs", "0"],
                   "kv-server listening on ", f"{tmp}/n{i}.log")
         wait("two members", lambda: len(json.loads(http(mds, "/api/groups"))["groups"][0]["members"]) == 2
              if json.loads(http(mds, "/api/groups"))["groups"] else False)

@@ -61,7 +61,7 @@ class Node:
 
     def start(self, deadline_s: float = 30.0) -> "Node":
         args = [_bin("kv-server"), "--listen", self.listen, "--dir", self.dir, "--cap", self.cap,
-                "--log-level", "warn", *self.extra]
+                "--log-level", "warn", "--drain-secs", "0", *self.extra]
         self.proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
                                      preexec_fn=_die_with_parent)
         end = time.monotonic() + deadline_s

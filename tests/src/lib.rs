@@ -87,6 +87,11 @@ impl Node {
     pub fn start_bin(binary: &str, listen: &str, args: &[&str]) -> Node {
         let mut full = vec!["--listen", listen];
         full.extend_from_slice(args);
+        // Tests stop nodes often: no drain unless a test asks for one (the
+        // previous release's binary has no such flag).
+        if binary == "kv-server" && !args.contains(&"--drain-secs") {
+            full.extend_from_slice(&["--drain-secs", "0"]);
+        }
         let (child, addr, stderr_lines) = spawn_daemon(binary, &full, "kv-server listening on ");
         Node { child: Some(child), addr, stderr_lines }
     }
