@@ -89,7 +89,7 @@ impl PreviousSet {
     pub fn apply(&self, current: &[MemberRecord]) -> Vec<MemberRecord> {
         let mut out: Vec<MemberRecord> = current
             .iter()
-            .filter(|c| !self.joined.iter().any(|j| *j == c.id))
+            .filter(|c| !self.joined.contains(&c.id))
             .map(|c| MemberRecord { metrics_addr: None, ..c.clone() })
             .collect();
         out.extend(self.left.iter().cloned());
@@ -239,7 +239,7 @@ impl AbortHandle {
 }
 
 /// The largest answer accepted (a view of thousands of members fits).
-const MAX_REPLY: usize = 16 << 20;
+pub const MAX_REPLY: usize = 16 << 20;
 
 impl MdsClient {
     pub fn new(endpoints: Vec<String>, timeout: Duration) -> MdsClient {

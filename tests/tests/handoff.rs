@@ -396,3 +396,63 @@ fn static_member_lists_hand_off_too() {
     assert_eq!(c.core.topology().previous.len(), 1);
     assert_eq!(misses(&c), Vec::<usize>::new());
 }
+
+#[test]
+fn views_with_four_previous_sets_at_1000_members_stay_small() {
+    let _s = serial();
+    let t = tempfile::tempdir().unwrap();
+    let etcd = Etcd::start(t.path().to_path_buf());
+    let mds = Mds::start_with("127.0.0.1:0", &etcd.endpoint(), "120s", &["--handoff-secs", "120"]);
+    // 1,000 members registered through the API (records only: nobody
+    // dials them), from a few threads.
+    let t0 = Instant::now();
+    std::thread::scope(|s| {
+        for th in 0..8 {
+            let addr = mds.addr.clone();
+            s.spawn(move || {
+                let mut m = MdsClient::new(vec![addr], Duration::from_secs(10));
+                for i in (th..1000).step_by(8) {
+                    let req = kv_common::mds::RegisterRequest {
+                        addr: format!("gpu-node-{i:04}.cluster.example:7700"),
+                        weight: 1 + (i % 3) as u32,
+                        instance: String::new(),
+                        metrics_addr: Some(format!("gpu-node-{i:04}.cluster.example:9700")),
+                    };
+                    m.register("big", &format!("gpu-node-{i:04}"), &req).expect("register");
+                }
+            });
+        }
+    });
+    let registered = t0.elapsed();
+    // Four changes: three leaves and a join.
+    let mut m = MdsClient::new(vec![mds.addr.clone()], Duration::from_secs(10));
+    for id in ["gpu-node-0001", "gpu-node-0500", "gpu-node-0999"] {
+        m.deregister("big", id, "").unwrap();
+    }
+    let req = kv_common::mds::RegisterRequest {
+        addr: "gpu-node-1000.cluster.example:7700".into(),
+        weight: 1,
+        instance: String::new(),
+        metrics_addr: None,
+    };
+    m.register("big", "gpu-node-1000", &req).unwrap();
+    let v = m.view("big").unwrap();
+    assert_eq!(v.members.len(), 998);
+    assert_eq!(v.previous.len(), kv_common::mds::MAX_PREVIOUS_SETS, "{:?}", v.previous);
+    assert_eq!(v.previous[0].joined, ["gpu-node-1000"]);
+    assert_eq!(v.previous[3].left.len(), 3, "three sets back: before the three leaves");
+    let json = serde_json::to_vec(&v).unwrap();
+    let bare = serde_json::to_vec(&kv_common::mds::View { previous: vec![], ..v.clone() }).unwrap();
+    println!(
+        "handoff view size: {} bytes at 998 members with 4 previous sets ({} without them); 1,000 registrations in {registered:?}",
+        json.len(),
+        bare.len()
+    );
+    assert!(json.len() < bare.len() + 4096, "previous sets travel as small deltas");
+    assert!(json.len() < kv_common::mds::MAX_REPLY / 64, "far below the client's reply limit");
+    // A client following the group takes all four.
+    let c = BlockingClient::new(Vec::new(), geo(), Options::default()).unwrap();
+    assert!(c.start_discovery(vec![mds.addr.clone()], "big".into(), Duration::from_millis(500)).unwrap().is_ok());
+    assert_eq!(c.core.topology().previous.len(), 4);
+    assert_eq!(c.core.topology().previous[3].nodes.len(), 1000);
+}
