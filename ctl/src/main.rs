@@ -7,7 +7,8 @@
 //! without flags they use KVCELLAR_MDS / KVCELLAR_MEMBERS / KVCELLAR_GROUP.
 //! `stat` and `ping` talk to one node. `ring` shows a group's view from kv-mds and
 //! `stat --all` every member's statistics. `bench` measures a cluster beside
-//! the limits of this host.
+//! the limits of this host. `replay` replays a request trace the way an
+//! engine's L3 tier calls the group (docs/BENCHMARKS.md, "Trace replay").
 //!
 //! Every command presents the group's auth token when one is given
 //! (`--auth-token-file`, else KVCELLAR_AUTH_TOKEN_FILE); a refused token is
@@ -18,6 +19,7 @@
 mod bench;
 mod cluster;
 mod health;
+mod replay;
 mod target;
 mod top;
 
@@ -39,6 +41,7 @@ const EXAMPLES: &str = "Examples:
   kvctl get --members n1=10.0.0.7:7700,n2=10.0.0.8:7700 page-1 --out page.bin
   kvctl exist --node 10.0.0.7:7700 page-1
   kvctl bench --mds 10.0.0.1:7480 --op get --size 4M --threads 8 --duration 10
+  kvctl replay --mds 10.0.0.1:7480 --group prod traces/conversation_trace.jsonl --engines 4
   export KVCELLAR_MDS=10.0.0.1:7480 KVCELLAR_GROUP=prod; kvctl ring
   kvctl health --local --timeout-ms 3000      (a container's HEALTHCHECK)
 
@@ -50,7 +53,7 @@ const MAX_GET_BYTES: usize = 4 << 30;
 #[derive(Parser)]
 #[command(name = "kvctl", version, about = "kvcellar operator CLI", after_help = EXAMPLES)]
 struct Cli {
-    /// Print machine-readable JSON (put, get, exist, delete, stat, ring, ping, health).
+    /// Print machine-readable JSON (put, get, exist, delete, stat, ring, ping, health, replay).
     #[arg(long, global = true)]
     json: bool,
     /// Timeout in milliseconds of `stat`, `ring`, `ping` and `health` (the data commands take --options io_timeout_ms=...).
@@ -160,6 +163,10 @@ enum Cmd {
     },
     /// Measure put/get/exist throughput and latency against a cluster.
     Bench(bench::BenchArgs),
+    /// Replay a request trace as an engine's L3 tier (SGLang HiCache) would: per request a batch exist,
+    /// a get of the leading hits (verified byte for byte), a put of the rest; reports hits beside the
+    /// trace's ceiling and an LRU of the group's capacity. Exit 1 when any page was wrong.
+    Replay(replay::ReplayArgs),
     /// Whether a daemon is serving: exit 0 healthy, 1 not, 2 nothing found (for HEALTHCHECK and probes).
     Health {
         /// A /healthz address, HOST:PORT (kv-mds API port, kv-server --metrics-listen port).
@@ -410,6 +417,7 @@ fn run(cli: &Cli) -> Result<u8, String> {
             Ok(0)
         }
         Cmd::Bench(a) => bench::run(a, cli.json),
+        Cmd::Replay(a) => replay::run(a, cli.json, Duration::from_millis(cli.timeout_ms)),
         Cmd::Top { mds, group, members, interval_ms, iterations } => {
             let timeout = Duration::from_millis(cli.timeout_ms);
             let source = match target::resolve(members.as_deref(), None, mds.as_deref(), group.as_deref())

@@ -1,0 +1,665 @@
+//! `kvctl replay`: replays a request trace against a group the way an
+//! inference engine's L3 tier (SGLang HiCache) calls it, and reports what it
+//! got beside what the trace allows (docs/BENCHMARKS.md, "Trace replay").
+//!
+//! Per request: one batch exist over the request's page chain; the leading
+//! hits are the pages before the first status that is not ok; a batch get
+//! of those into caller buffers, each page compared byte for byte with the
+//! payload its key implies; then a batch put of the pages after the hits.
+
+mod model;
+mod report;
+mod trace;
+
+use std::collections::{BTreeMap, HashSet};
+use std::io::IsTerminal;
+use std::path::PathBuf;
+use std::process::{Command, Stdio};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use clap::Args;
+use kv_common::page::{Geometry, HEADER_LEN};
+use kv_common::size::{format_size, parse_size};
+use kv_common::status::Status;
+use kvclient::BlockingClient;
+
+use crate::target::{Cluster, Target};
+use trace::{PageId, Paging, Request};
+
+/// The default payload of a page: the shipped trace's 170,899 distinct full
+/// pages are 2.6 GiB of payload, 3.3 GiB on the nodes' disks.
+const DEFAULT_PAGE_BYTES: &str = "16K";
+/// The largest page payload kvctl replay accepts.
+const MAX_PAGE_BYTES: u64 = 64 << 20;
+/// Records are stored in 4 KiB-aligned extents (docs/ARCHITECTURE.md,
+/// "Store layout"): the disk footprint of a page.
+const EXTENT_ALIGN: u64 = 4096;
+/// Buffers a stream holds for one batch get or put, at most.
+const BATCH_BUFFER_BYTES: u64 = 64 << 20;
+/// Wrong pages printed one by one before only the count goes on.
+const WRONG_PAGES_PRINTED: u64 = 10;
+
+#[derive(Args, Debug)]
+pub struct ReplayArgs {
+    #[command(flatten)]
+    pub target: Target,
+    /// The trace: JSON lines with `timestamp` (ms from the trace's start), `input_length` (tokens) and
+    /// `hash_ids` (the prompt's chain of 512-token blocks), as traces/README.md describes.
+    #[arg(value_name = "TRACE")]
+    pub trace: PathBuf,
+    /// Run tag in every key, `replay/TAG/HASH_ID/PAGE` (default: a new tag from the time and the
+    /// process id, printed at the start, so that runs share no pages).
+    #[arg(long)]
+    pub tag: Option<String>,
+    /// Pages per 512-token block, K (it must divide 512; a page holds 512/K tokens), as an engine
+    /// with a smaller page size. Only full pages are stored: a partial last block gives
+    /// floor(its tokens / page tokens) pages.
+    #[arg(long, default_value_t = 1)]
+    pub pages_per_block: u32,
+    /// Payload bytes per page, such as 16K or 1M. The default, 16K, puts the shipped trace's whole
+    /// working set (170,899 distinct pages) at 2.6 GiB of payload, 3.3 GiB on disk.
+    #[arg(long, default_value = DEFAULT_PAGE_BYTES)]
+    pub page_bytes: String,
+    /// Concurrent engine streams (threads): request i goes to stream i % E, each stream in trace order.
+    #[arg(long, default_value_t = 1)]
+    pub engines: usize,
+    /// Time compression: a request at trace time t (counted from the first request replayed) is
+    /// issued t/S after the start; 0 issues requests as fast as the group answers.
+    #[arg(long, default_value_t = 0.0)]
+    pub speed: f64,
+    /// Replay the first N requests only (after --skip).
+    #[arg(long)]
+    pub limit: Option<usize>,
+    /// Pass over the first N requests of the trace.
+    #[arg(long, default_value_t = 0)]
+    pub skip: usize,
+    /// Stop issuing requests after this many seconds of wall time.
+    #[arg(long)]
+    pub duration: Option<f64>,
+    /// When the replay reaches trace time SECS (seconds from the trace's start, on the trace's
+    /// clock), run COMMAND with `sh -c` on a thread of its own (repeatable); the replay goes on,
+    /// the command's output goes to stderr and the report sums up the span after it.
+    #[arg(long = "event", value_name = "SECS=COMMAND")]
+    pub events: Vec<String>,
+    /// Trace time after each --event that the report sums up (requests, pages, leading hits), such as 60s or 2m.
+    #[arg(long, default_value = "60s")]
+    pub event_span: String,
+    /// Width of the hit-rate windows, such as 10s, 500ms or 1m; the clock is the trace's timestamps,
+    /// not wall time.
+    #[arg(long, default_value = "10s")]
+    pub window: String,
+    /// Group capacity for the LRU simulation, such as 3G (default: the sum of the members' disk
+    /// capacity from their statistics).
+    #[arg(long)]
+    pub capacity_bytes: Option<String>,
+    /// Prefill throughput of the engine in tokens per second: also report the prefill time the hits
+    /// saved, net of the time spent loading them (docs/BENCHMARKS.md, "Trace replay", has a figure).
+    #[arg(long)]
+    pub prefill_tokens_per_s: Option<f64>,
+}
+
+/// The options, checked.
+struct Plan {
+    paging: Paging,
+    page_bytes: usize,
+    tag: String,
+    engines: usize,
+    speed: f64,
+    duration: Option<Duration>,
+    window_ms: u64,
+    event_span_ms: u64,
+    events: Vec<Event>,
+    capacity: Option<u64>,
+    prefill: Option<f64>,
+}
+
+#[derive(Clone, Debug, PartialEq)]
+struct Event {
+    at_ms: u64,
+    command: String,
+}
+
+/// A time such as `10s`, `500ms`, `1.5m`, `1h` or a bare number of seconds, in ms.
+fn parse_time_ms(flag: &str, s: &str) -> Result<u64, String> {
+    let t = s.trim();
+    let split = t.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(t.len());
+    let (num, unit) = t.split_at(split);
+    let mult = match unit.trim() {
+        "" | "s" => 1000.0,
+        "ms" => 1.0,
+        "m" | "min" => 60_000.0,
+        "h" => 3_600_000.0,
+        _ => return Err(format!("{flag} {s:?}: unknown unit (use ms, s, m or h)")),
+    };
+    let v: f64 = num.parse().map_err(|_| format!("{flag} {s:?}: expected a time such as 10s"))?;
+    let ms = v * mult;
+    if !ms.is_finite() || ms > 1e15 {
+        return Err(format!("{flag} {s:?}: too large"));
+    }
+    Ok(ms.round() as u64)
+}
+
+/// `SECS=COMMAND`.
+fn parse_event(s: &str) -> Result<Event, String> {
+    let (at, cmd) = s.split_once('=').ok_or_else(|| format!("--event {s:?}: expected SECS=COMMAND"))?;
+    let at_ms = parse_time_ms("--event", at)?;
+    if cmd.trim().is_empty() {
+        return Err(format!("--event {s:?}: the command is empty"));
+    }
+    Ok(Event { at_ms, command: cmd.to_string() })
+}
+
+fn default_tag() -> String {
+    let secs = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
+    format!("{secs}-{}", std::process::id())
+}
+
+fn plan(a: &ReplayArgs) -> Result<Plan, String> {
+    let paging = Paging::new(a.pages_per_block)?;
+    let page_bytes = parse_size(&a.page_bytes).map_err(|e| format!("--page-bytes: {e}"))?;
+    if page_bytes == 0 || page_bytes > MAX_PAGE_BYTES {
+        return Err(format!("--page-bytes {}: give 1 byte to {}", a.page_bytes, format_size(MAX_PAGE_BYTES)));
+    }
+    let tag = a.tag.clone().unwrap_or_else(default_tag);
+    if tag.is_empty() || tag.len() > 128 || tag.contains(['/', '\0']) {
+        return Err(format!("--tag {tag:?}: give 1-128 bytes without '/' or NUL"));
+    }
+    if a.engines == 0 || a.engines > 4096 {
+        return Err(format!("--engines {}: give 1 to 4096", a.engines));
+    }
+    if !a.speed.is_finite() || a.speed < 0.0 {
+        return Err(format!("--speed {}: give 0 (as fast as possible) or a positive factor", a.speed));
+    }
+    let duration = match a.duration {
+        Some(d) if !(d.is_finite() && d > 0.0 && d < 1e9) => {
+            return Err(format!("--duration {d}: give a positive number of seconds"))
+        }
+        Some(d) => Some(Duration::from_secs_f64(d)),
+        None => None,
+    };
+    let window_ms = parse_time_ms("--window", &a.window)?;
+    if window_ms == 0 {
+        return Err(format!("--window {:?}: must be at least 1ms", a.window));
+    }
+    let event_span_ms = parse_time_ms("--event-span", &a.event_span)?;
+    let mut events = a.events.iter().map(|e| parse_event(e)).collect::<Result<Vec<_>, _>>()?;
+    events.sort_by_key(|e| e.at_ms);
+    let capacity =
+        a.capacity_bytes.as_deref().map(|c| parse_size(c).map_err(|e| format!("--capacity-bytes: {e}"))).transpose()?;
+    let prefill = match a.prefill_tokens_per_s {
+        Some(r) if !(r.is_finite() && r > 0.0) => {
+            return Err(format!("--prefill-tokens-per-s {r}: give a positive rate"));
+        }
+        r => r,
+    };
+    Ok(Plan {
+        paging,
+        page_bytes: page_bytes as usize,
+        tag,
+        engines: a.engines,
+        speed: a.speed,
+        duration,
+        window_ms,
+        event_span_ms,
+        events,
+        capacity,
+        prefill,
+    })
+}
+
+/// What one request got.
+#[derive(Clone, Debug, Default)]
+struct Outcome {
+    issued: bool,
+    /// Pages served and verified before the first that was not.
+    hits: u64,
+    /// Why the chain of leading hits ended (a status name, or "wrong").
+    end: Option<&'static str>,
+    /// Pages exist said were there whose get did not serve them (from
+    /// the first such page on).
+    get_missed: u64,
+    wrong: u64,
+    /// Exist + get, the time the engine waits on L3 before it can prefill.
+    l3_ns: u64,
+    get_ns: u64,
+    bytes_in: u64,
+    bytes_out: u64,
+    failed_puts: BTreeMap<&'static str, u64>,
+}
+
+/// The events and the commands they started.
+struct Events {
+    list: Vec<Event>,
+    next: AtomicUsize,
+    runs: Mutex<Vec<(usize, std::thread::JoinHandle<EventRun>)>>,
+    /// Events whose thread could not be started, and why.
+    failed: Mutex<Vec<(usize, String)>>,
+    t0: Instant,
+}
+
+/// How an event's command went.
+#[derive(Clone, Debug)]
+pub struct EventRun {
+    /// Wall seconds from the start of the replay.
+    pub started_s: f64,
+    pub ended_s: f64,
+    /// `exit 0`, `exit 3`, `signal 9`, `not started: ...`.
+    pub status: String,
+}
+
+impl Events {
+    /// The replay reached trace time `ts_ms`: start every event due.
+    fn reach(&self, ts_ms: u64) {
+        loop {
+            let k = self.next.load(Ordering::SeqCst);
+            if k >= self.list.len() || self.list[k].at_ms > ts_ms {
+                return;
+            }
+            if self.next.compare_exchange(k, k + 1, Ordering::SeqCst, Ordering::SeqCst).is_ok() {
+                self.fire(k);
+            }
+        }
+    }
+
+    fn fire(&self, k: usize) {
+        let ev = self.list[k].clone();
+        let t0 = self.t0;
+        let at = ev.at_ms as f64 / 1000.0;
+        eprintln!("kvctl replay: event at trace time {at} s: starting `{}`", ev.command);
+        let command = ev.command.clone();
+        let spawned = std::thread::Builder::new().name("replay-event".into()).spawn(move || {
+            let started_s = t0.elapsed().as_secs_f64();
+            let status = Command::new("sh")
+                .arg("-c")
+                .arg(&ev.command)
+                .stdin(Stdio::null())
+                .stdout(Stdio::from(std::io::stderr()))
+                .status();
+            let status = match status {
+                Ok(s) => match (s.code(), std::os::unix::process::ExitStatusExt::signal(&s)) {
+                    (Some(c), _) => format!("exit {c}"),
+                    (None, Some(sig)) => format!("signal {sig}"),
+                    (None, None) => "ended".to_string(),
+                },
+                Err(e) => format!("not started: {e}"),
+            };
+            let ended_s = t0.elapsed().as_secs_f64();
+            eprintln!(
+                "kvctl replay: event at trace time {at} s: `{}` ended ({status}) after {:.2} s",
+                ev.command,
+                ended_s - started_s
+            );
+            EventRun { started_s, ended_s, status }
+        });
+        match spawned {
+            Ok(h) => self.runs.lock().unwrap_or_else(|e| e.into_inner()).push((k, h)),
+            Err(e) => {
+                eprintln!("kvctl replay: event at trace time {at} s: `{command}` not started: {e}");
+                self.failed.lock().unwrap_or_else(|e| e.into_inner()).push((k, format!("not started: {e}")));
+            }
+        }
+    }
+
+    /// Waits for the commands started; one entry per event (None: not reached).
+    fn finish(&self) -> Vec<Option<EventRun>> {
+        let runs = std::mem::take(&mut *self.runs.lock().unwrap_or_else(|e| e.into_inner()));
+        let running = runs.iter().filter(|(_, h)| !h.is_finished()).count();
+        if running > 0 {
+            eprintln!("kvctl replay: waiting for {running} event command(s) to end");
+        }
+        let mut out = vec![None; self.list.len()];
+        let now = self.t0.elapsed().as_secs_f64();
+        for (k, why) in std::mem::take(&mut *self.failed.lock().unwrap_or_else(|e| e.into_inner())) {
+            out[k] = Some(EventRun { started_s: now, ended_s: now, status: why });
+        }
+        for (k, h) in runs {
+            out[k] = Some(h.join().unwrap_or_else(|_| EventRun {
+                started_s: 0.0,
+                ended_s: 0.0,
+                status: "the event thread failed".into(),
+            }));
+        }
+        out
+    }
+}
+
+/// The group's disk capacity from its members' statistics, and where it came from.
+fn group_capacity(target: &Target, timeout: Duration) -> Result<(u64, String), String> {
+    let members = match target.cluster()? {
+        Cluster::Mds { endpoints, group } => crate::cluster::fetch_view(&endpoints, &group, timeout)?.members,
+        Cluster::Members(m) => crate::cluster::member_records(&m)?,
+    };
+    let stats = crate::cluster::gather(&members, timeout);
+    let cap: u64 = stats.iter().flatten().map(|s| s.capacity_bytes).sum();
+    let down: Vec<&str> = members.iter().zip(&stats).filter(|(_, s)| s.is_err()).map(|(m, _)| m.id.as_str()).collect();
+    if down.len() == members.len() {
+        return Err(format!("no member answered for its statistics ({} members)", members.len()));
+    }
+    let source = if down.is_empty() {
+        format!("node statistics of {} members", members.len())
+    } else {
+        format!(
+            "node statistics of {} of {} members ({} unreachable)",
+            members.len() - down.len(),
+            members.len(),
+            down.join(", ")
+        )
+    };
+    Ok((cap, source))
+}
+
+/// Shared by the engine streams.
+struct Shared<'a> {
+    client: &'a BlockingClient,
+    plan: &'a Plan,
+    reqs: &'a [Request],
+    pages: &'a [Vec<PageId>],
+    events: &'a Events,
+    done: &'a AtomicU64,
+    wrong_seen: &'a AtomicU64,
+    t0: Instant,
+    first_ts: u64,
+}
+
+/// One engine stream: its requests in trace order.
+fn stream(s: &Shared<'_>, idx: Vec<usize>) -> Vec<(usize, Outcome)> {
+    let page_bytes = s.plan.page_bytes;
+    let batch = (BATCH_BUFFER_BYTES / page_bytes as u64).clamp(1, 1024) as usize;
+    let mut bufs: Vec<Vec<u8>> = Vec::new();
+    let mut out = Vec::with_capacity(idx.len());
+    let deadline = s.plan.duration.map(|d| s.t0 + d);
+    for i in idx {
+        let r = &s.reqs[i];
+        if s.plan.speed > 0.0 {
+            let wait = r.ts_ms.saturating_sub(s.first_ts) as f64 / 1000.0 / s.plan.speed;
+            // A time past what a clock holds is never reached: the stream ends.
+            let Some(due) = Duration::try_from_secs_f64(wait).ok().and_then(|w| s.t0.checked_add(w)) else {
+                break;
+            };
+            if deadline.is_some_and(|d| due >= d) {
+                break;
+            }
+            let now = Instant::now();
+            if due > now {
+                std::thread::sleep(due - now);
+            }
+        }
+        if deadline.is_some_and(|d| Instant::now() >= d) {
+            break;
+        }
+        s.events.reach(r.ts_ms);
+        let o = one_request(s, r, &s.pages[i], batch, &mut bufs);
+        s.done.fetch_add(1, Ordering::Relaxed);
+        out.push((i, o));
+    }
+    out
+}
+
+fn one_request(s: &Shared<'_>, r: &Request, pages: &[PageId], batch: usize, bufs: &mut Vec<Vec<u8>>) -> Outcome {
+    let mut o = Outcome { issued: true, ..Outcome::default() };
+    if pages.is_empty() {
+        return o;
+    }
+    let page_bytes = s.plan.page_bytes;
+    let keys: Vec<String> = pages.iter().map(|p| trace::key(&s.plan.tag, *p)).collect();
+    let refs: Vec<&[u8]> = keys.iter().map(|k| k.as_bytes()).collect();
+    let t = Instant::now();
+    let st = s.client.batch_exist(&refs);
+    let exist_ns = t.elapsed().as_nanos() as u64;
+    let lead = st.iter().position(|x| *x != Status::Ok).unwrap_or(keys.len());
+    if lead < keys.len() {
+        o.end = Some(st[lead].name());
+    }
+    // The leading hits into caller buffers, in batches; the first page not
+    // served (or not the page its key implies) ends the hits.
+    let t = Instant::now();
+    let mut stopped = false;
+    let mut from = 0;
+    while from < lead && !stopped {
+        let to = lead.min(from + batch);
+        while bufs.len() < to - from {
+            bufs.push(vec![0u8; page_bytes]);
+        }
+        let mut items: Vec<kvclient::client::GetItem<'_, '_>> =
+            refs[from..to].iter().zip(bufs.iter_mut()).map(|(k, b)| (*k, vec![&mut b[..]])).collect();
+        let res = s.client.batch_getv(&mut items);
+        drop(items);
+        for (j, &(st, n)) in res.iter().enumerate() {
+            let key = &keys[from + j];
+            if st == Status::Ok {
+                o.bytes_in += n as u64;
+                let data = &bufs[j][..n.min(page_bytes)];
+                if !trace::payload_matches(key.as_bytes(), data, page_bytes) {
+                    o.wrong += 1;
+                    let seen = s.wrong_seen.fetch_add(1, Ordering::Relaxed) + 1;
+                    if seen <= WRONG_PAGES_PRINTED {
+                        eprintln!(
+                            "kvctl replay: WRONG PAGE: {key} (trace line {}): {n} bytes served that are not the \
+                             {page_bytes} bytes this key's page holds",
+                            r.line
+                        );
+                    }
+                    if !stopped {
+                        stopped = true;
+                        o.end = Some("wrong");
+                    }
+                } else if !stopped {
+                    o.hits += 1;
+                }
+            } else if !stopped {
+                stopped = true;
+                o.end = Some(st.name());
+            }
+        }
+        from = to;
+    }
+    o.get_missed = lead as u64 - o.hits;
+    o.get_ns = t.elapsed().as_nanos() as u64;
+    o.l3_ns = exist_ns + o.get_ns;
+    // The pages after the leading hits, as the engine writes back what it
+    // computed.
+    let mut from = o.hits as usize;
+    while from < keys.len() {
+        let to = keys.len().min(from + batch);
+        while bufs.len() < to - from {
+            bufs.push(vec![0u8; page_bytes]);
+        }
+        for (k, b) in keys[from..to].iter().zip(bufs.iter_mut()) {
+            trace::fill_payload(k.as_bytes(), &mut b[..page_bytes]);
+        }
+        let items: Vec<(&[u8], Vec<&[u8]>)> =
+            refs[from..to].iter().zip(bufs.iter()).map(|(k, b)| (*k, vec![&b[..page_bytes]])).collect();
+        for st in s.client.batch_putv(&items) {
+            if st == Status::Ok {
+                o.bytes_out += page_bytes as u64;
+            } else {
+                *o.failed_puts.entry(st.name()).or_default() += 1;
+            }
+        }
+        from = to;
+    }
+    o
+}
+
+pub fn run(a: &ReplayArgs, json: bool, timeout: Duration) -> Result<u8, String> {
+    let plan = plan(a)?;
+    let name = a.trace.display().to_string();
+    let f = std::fs::File::open(&a.trace).map_err(|e| format!("{name}: {e}"))?;
+    let reqs = trace::parse(std::io::BufReader::new(f), &name, a.skip, a.limit)?;
+    let pages: Vec<Vec<PageId>> = reqs.iter().map(|r| plan.paging.pages(r)).collect();
+    let total_pages: u64 = pages.iter().map(|p| p.len() as u64).sum();
+    let distinct = pages.iter().flatten().collect::<HashSet<_>>().len() as u64;
+    let longest_key = pages.iter().flatten().map(|p| trace::key(&plan.tag, *p).len() as u64).max().unwrap_or(0);
+    let footprint = (HEADER_LEN as u64 + longest_key + plan.page_bytes as u64).div_ceil(EXTENT_ALIGN) * EXTENT_ALIGN;
+    let working = report::WorkingSet {
+        distinct_pages: distinct,
+        payload_bytes: distinct * plan.page_bytes as u64,
+        footprint_per_page: footprint,
+        disk_bytes: distinct * footprint,
+    };
+    eprintln!(
+        "kvctl replay: {name}: {} requests, {total_pages} pages ({} per block, {} tokens, {} each); tag {}",
+        reqs.len(),
+        plan.paging.per_block,
+        plan.paging.page_tokens(),
+        format_size(plan.page_bytes as u64),
+        plan.tag
+    );
+    eprintln!(
+        "kvctl replay: working set {distinct} distinct pages: {} of payload, {} on the nodes' disks ({} a page)",
+        format_size(working.payload_bytes),
+        format_size(working.disk_bytes),
+        format_size(footprint)
+    );
+    let geo = Geometry { page_size: plan.paging.page_tokens() as u32, tp_size: 1, ..Geometry::default() };
+    let client = a.target.client(geo)?;
+    // A refused token would fail every request: say so once, up front.
+    if client.exist(b"kvctl-replay-probe") == Status::Edenied {
+        let why = kvclient::client::take_last_failure().unwrap_or_default();
+        return Err(crate::denied_line(&why));
+    }
+    let capacity = match plan.capacity {
+        Some(c) => Some((c, "--capacity-bytes".to_string())),
+        None => match group_capacity(&a.target, timeout) {
+            Ok(c) => Some(c),
+            Err(e) => {
+                eprintln!("kvctl replay: no LRU simulation: {e} (give --capacity-bytes)");
+                None
+            }
+        },
+    };
+    if let Some((c, src)) = &capacity {
+        eprintln!(
+            "kvctl replay: group capacity {} ({src}) = {} pages of {}",
+            format_size(*c),
+            c / footprint,
+            format_size(footprint)
+        );
+    }
+
+    let t0 = Instant::now();
+    let events = Events {
+        list: plan.events.clone(),
+        next: AtomicUsize::new(0),
+        runs: Mutex::new(Vec::new()),
+        failed: Mutex::new(Vec::new()),
+        t0,
+    };
+    let done = AtomicU64::new(0);
+    let wrong_seen = AtomicU64::new(0);
+    let shared = Shared {
+        client: &client,
+        plan: &plan,
+        reqs: &reqs,
+        pages: &pages,
+        events: &events,
+        done: &done,
+        wrong_seen: &wrong_seen,
+        t0,
+        first_ts: reqs.first().map_or(0, |r| r.ts_ms),
+    };
+    let stop = AtomicBool::new(false);
+    let mut outcomes: Vec<Outcome> = vec![Outcome::default(); reqs.len()];
+    let total = reqs.len() as u64;
+    let wall = std::thread::scope(|sc| {
+        // A bar is a nicety: none when its thread cannot start.
+        let bar = std::io::stderr().is_terminal().then(|| {
+            let (done, stop) = (&done, &stop);
+            std::thread::Builder::new().spawn_scoped(sc, move || progress_bar(total, done, stop)).ok()
+        });
+        let mut handles = Vec::with_capacity(plan.engines);
+        for e in 0..plan.engines {
+            let idx: Vec<usize> = (e..reqs.len()).step_by(plan.engines).collect();
+            let shared = &shared;
+            match std::thread::Builder::new().name(format!("replay-{e}")).spawn_scoped(sc, move || stream(shared, idx))
+            {
+                Ok(h) => handles.push(h),
+                Err(err) => {
+                    eprintln!("kvctl replay: engine stream {e} not started ({err}): its requests are not issued")
+                }
+            }
+        }
+        for h in handles {
+            // A stream that failed leaves its requests unissued.
+            for (i, o) in h.join().unwrap_or_default() {
+                outcomes[i] = o;
+            }
+        }
+        let wall = t0.elapsed().as_secs_f64();
+        stop.store(true, Ordering::Relaxed);
+        if let Some(Some(b)) = bar {
+            let _ = b.join();
+        }
+        wall
+    });
+    let runs = events.finish();
+
+    let r = report::build(report::Input {
+        name: &name,
+        plan: &plan,
+        reqs: &reqs,
+        pages: &pages,
+        outcomes: &outcomes,
+        working,
+        capacity,
+        runs,
+        wall,
+    });
+    if json {
+        println!("{}", r.json());
+    } else {
+        r.print();
+    }
+    if r.wrong_pages > 0 {
+        eprintln!(
+            "kvctl replay: WRONG PAGES: {} page(s) were served with bytes other than the ones put under their key",
+            r.wrong_pages
+        );
+        return Ok(1);
+    }
+    Ok(0)
+}
+
+/// A bar of requests done, drawn on stderr until `stop` (started only
+/// when stderr is a terminal).
+fn progress_bar(total: u64, done: &AtomicU64, stop: &AtomicBool) {
+    let bar = indicatif::ProgressBar::new(total);
+    bar.set_draw_target(indicatif::ProgressDrawTarget::stderr());
+    bar.set_style(
+        indicatif::ProgressStyle::with_template("[{bar:30}] {pos}/{len} requests {elapsed}")
+            .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar())
+            .progress_chars("#>."),
+    );
+    while !stop.load(Ordering::Relaxed) {
+        bar.set_position(done.load(Ordering::Relaxed));
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    bar.finish_and_clear();
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn times_and_events_parse() {
+        assert_eq!(parse_time_ms("--window", "10s").unwrap(), 10_000);
+        assert_eq!(parse_time_ms("--window", "10").unwrap(), 10_000);
+        assert_eq!(parse_time_ms("--window", "500ms").unwrap(), 500);
+        assert_eq!(parse_time_ms("--window", "1.5m").unwrap(), 90_000);
+        assert_eq!(parse_time_ms("--window", "1h").unwrap(), 3_600_000);
+        assert!(parse_time_ms("--window", "10x").unwrap_err().contains("--window"));
+        assert!(parse_time_ms("--window", "").is_err());
+        assert!(parse_time_ms("--window", "-1s").is_err());
+        assert_eq!(
+            parse_event("120=kill -9 $(cat n2.pid)").unwrap(),
+            Event { at_ms: 120_000, command: "kill -9 $(cat n2.pid)".into() }
+        );
+        assert_eq!(parse_event("1.5=a=b").unwrap(), Event { at_ms: 1500, command: "a=b".into() });
+        assert!(parse_event("120").is_err());
+        assert!(parse_event("120= ").is_err());
+        assert!(parse_event("x=ls").is_err());
+    }
+}
