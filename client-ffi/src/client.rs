@@ -334,7 +334,7 @@ impl Client {
             }
             previous.retain(|p| p.until > now && p.epoch != epoch && !same_members(&p.nodes, &nodes));
             // Newest first; one set per epoch.
-            previous.sort_by(|a, b| b.epoch.cmp(&a.epoch));
+            previous.sort_by_key(|p| std::cmp::Reverse(p.epoch));
             previous.dedup_by_key(|p| p.epoch);
             previous.truncate(kv_common::mds::MAX_PREVIOUS_SETS);
         }

@@ -64,7 +64,18 @@ impl Client {
     /// Runs a handoff ask on `node` within `handoff_timeout_ms`. A failure
     /// starts no cool-down: the node is skipped for handoff asks until
     /// `until` and the caller keeps its miss.
-    pub(crate) async fn run_handoff<X: Exchange>(&self, node: &Arc<Node>, until: Instant, x: &mut X) -> Option<X::Out> {
+    pub(crate) async fn run_handoff<X: Exchange>(&self, node: &Arc<Node>, until: Instant, mut x: X) -> Option<X::Out> {
+        self.run_handoff_on(node, until, &mut x).await
+    }
+
+    /// As [`Client::run_handoff`], with the exchange borrowed (its buffers
+    /// are read after it).
+    pub(crate) async fn run_handoff_on<X: Exchange>(
+        &self,
+        node: &Arc<Node>,
+        until: Instant,
+        x: &mut X,
+    ) -> Option<X::Out> {
         let deadline = tokio::time::Instant::now() + self.opts.handoff_timeout;
         let mut retried = false;
         loop {
@@ -74,7 +85,10 @@ impl Client {
                 .await
                 .unwrap_or(Err((OpError::Timeout, false)));
             match r {
-                Ok(out) => return Some(out),
+                Ok(out) => {
+                    node.mark_ok();
+                    return Some(out);
+                }
                 Err((e, reused)) if reused && !retried && is_stale(&e) => {
                     node.drop_idle();
                     retried = true;
@@ -104,7 +118,7 @@ impl Client {
         for (node, until) in self.handoff_candidates(topo, key, owner) {
             self.metrics.handoff.asks.fetch_add(1, Ordering::Relaxed);
             let mut x = GetX { key, bufs: &mut *bufs, extra: FLAG_HANDOFF };
-            match self.run_handoff(&node, until, &mut x).await {
+            match self.run_handoff_on(&node, until, &mut x).await {
                 Some(r @ GetReply { status: Status::Ok, len }) => {
                     self.metrics.handoff.hits.fetch_add(1, Ordering::Relaxed);
                     self.copy_later(owner.clone(), key, bufs, len);
@@ -135,7 +149,7 @@ impl Client {
             let results = join_all(jobs.map(|(node, until, idx)| async move {
                 self.metrics.handoff.asks.fetch_add(idx.len() as u64, Ordering::Relaxed);
                 let mut x = BatchExistX { keys: idx.iter().map(|&i| keys[i]).collect(), extra: FLAG_HANDOFF };
-                (idx, self.run_handoff(&node, until, &mut x).await)
+                (idx, self.run_handoff_on(&node, until, &mut x).await)
             }))
             .await;
             for (idx, r) in results {
@@ -205,7 +219,7 @@ impl Client {
                         items: window.iter_mut().map(|(_, item)| (item.0, &mut item.1[..])).collect(),
                         extra: FLAG_HANDOFF,
                     };
-                    let Some(replies) = self.run_handoff(&node, until, &mut x).await else { break };
+                    let Some(replies) = self.run_handoff_on(&node, until, &mut x).await else { break };
                     for ((i, r), (_, item)) in idx.into_iter().zip(replies).zip(window.iter()) {
                         if r.status == Status::Ok {
                             self.metrics.handoff.hits.fetch_add(1, Ordering::Relaxed);
@@ -233,24 +247,23 @@ impl Client {
         }
     }
 
-    /// Deletes `key` at every previous owner other than `owner`; true when
-    /// one of them had it.
+    /// Deletes `key` at every previous owner other than `owner`, all at
+    /// once (so a dead one costs one handoff timeout, not one each); true
+    /// when one of them had it. Nodes skipped for asks are asked too: a
+    /// delete must reach every copy a later ask could find.
     pub(crate) async fn handoff_delete(&self, topo: &Topology, owner: &Node, key: &[u8]) -> bool {
         let now = Instant::now();
-        let mut asked: Vec<Arc<Node>> = Vec::new();
-        let mut removed = false;
+        let mut asked: Vec<(Arc<Node>, Instant)> = Vec::new();
         for p in topo.previous.iter().filter(|p| p.until > now) {
             let Some(i) = p.ring.owner(key) else { continue };
             let n = &p.nodes[i];
-            if (n.id == owner.id && n.addr == owner.addr) || asked.iter().any(|a| Arc::ptr_eq(a, n)) {
+            if (n.id == owner.id && n.addr == owner.addr) || asked.iter().any(|(a, _)| Arc::ptr_eq(a, n)) {
                 continue;
             }
-            asked.push(n.clone());
-            if self.run_handoff(n, p.until, &mut DeleteX { key }).await == Some(Status::Ok) {
-                removed = true;
-            }
+            asked.push((n.clone(), p.until));
         }
-        removed
+        let done = join_all(asked.iter().map(|(n, until)| self.run_handoff(n, *until, DeleteX { key }))).await;
+        done.contains(&Some(Status::Ok))
     }
 
     /// Writes a page found at a previous owner to its owner in the

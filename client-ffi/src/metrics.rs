@@ -79,8 +79,9 @@ pub struct HandoffCounters {
     /// Asks that failed (no answer in time, refused connection): that owner
     /// is skipped for the rest of its window.
     pub failures: AtomicU64,
-    /// Background copies to the current owner: stored, refused by it (the
-    /// key was deleted meanwhile), failed.
+    /// Background copies to the current owner: stored, refused by it
+    /// (REJECTED: the key was deleted meanwhile, or the owner is draining
+    /// or full), failed.
     pub copies_stored: AtomicU64,
     pub copies_refused: AtomicU64,
     pub copies_failed: AtomicU64,

@@ -78,6 +78,10 @@ fn main() -> ExitCode {
         eprintln!("kv-mds: error: --etcd names no endpoint");
         return ExitCode::from(2);
     }
+    if cli.handoff_secs > 7 * 86_400 {
+        eprintln!("kv-mds: error: --handoff-secs must be at most 604800 (a week)");
+        return ExitCode::from(2);
+    }
     if cli.max_conns == 0 {
         eprintln!("kv-mds: error: --max-conns must be at least 1");
         return ExitCode::from(2);

@@ -754,8 +754,10 @@ async fn store_put(
             tokio::task::spawn_blocking(move || store.put(buf)).await
         };
         drop(mem);
-        if let (Some((key, len)), Ok(Ok(_))) = (&copy, &res) {
-            if shared.handoff.refuses(kv_common::page::key_hash(key)) {
+        if let (Some((key, len)), Ok(Ok(stored))) = (&copy, &res) {
+            // Only what this copy stored is taken out again: a duplicate is
+            // a page put after the delete (or one the delete removes itself).
+            if *stored == PutOutcome::Stored && shared.handoff.refuses(kv_common::page::key_hash(key)) {
                 // Deleted while it was being stored: take it out again.
                 let (store, k) = (shared.store.clone(), key.clone());
                 let _ = tokio::task::spawn_blocking(move || store.delete(&k)).await;
