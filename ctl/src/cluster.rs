@@ -130,6 +130,12 @@ pub fn stat_all(group: &str, epoch: Option<u64>, members: &[MemberRecord], timeo
         total.bytes_written += s.bytes_written;
         total.evictions += s.evictions;
         total.failed_disks += s.failed_disks;
+        total.handoff_asks += s.handoff_asks;
+        total.handoff_hits += s.handoff_hits;
+        total.handoff_copies += s.handoff_copies;
+        total.handoff_copy_bytes += s.handoff_copy_bytes;
+        total.handoff_refused += s.handoff_refused;
+        total.tombstones += s.tombstones;
     }
     for s in &stats {
         down += usize::from(s.is_err());
@@ -149,6 +155,9 @@ pub fn stat_all(group: &str, epoch: Option<u64>, members: &[MemberRecord], timeo
             "memory_hit_pct": tiers(&total).0, "disk_hit_pct": tiers(&total).1, "memory_hits": total.mem_hits,
             "bytes_read": total.bytes_read, "bytes_written": total.bytes_written,
             "evictions": total.evictions, "failed_disks": total.failed_disks,
+            "handoff_asks": total.handoff_asks, "handoff_hits": total.handoff_hits,
+            "handoff_copies": total.handoff_copies, "handoff_copy_bytes": total.handoff_copy_bytes,
+            "handoff_refused": total.handoff_refused, "tombstones": total.tombstones,
             "nodes": members.len(), "unreachable": down,
         });
         println!("{}", serde_json::json!({"group": group, "epoch": epoch, "nodes": rows, "total": t}));
@@ -197,6 +206,7 @@ pub fn stat_all(group: &str, epoch: Option<u64>, members: &[MemberRecord], timeo
     };
     for (m, s) in members.iter().zip(&stats) {
         match s {
+            Ok(s) if s.draining => row(&mut t, &format!("{} (draining)", m.id), &m.addr, s),
             Ok(s) => row(&mut t, &m.id, &m.addr, s),
             Err(e) => {
                 t.add_row(vec![m.id.clone(), m.addr.clone(), format!("UNREACHABLE ({e})")]);
@@ -206,5 +216,21 @@ pub fn stat_all(group: &str, epoch: Option<u64>, members: &[MemberRecord], timeo
     let label = if down > 0 { format!("{} of {} nodes", members.len() - down, members.len()) } else { String::new() };
     row(&mut t, "TOTAL", &label, &total);
     println!("{t}");
+    println!("{}", handoff_line(&total));
     u8::from(down > 0)
+}
+
+/// What the ring handoff did at a node (or in total): keys asked there
+/// after a miss at their owner and found, copies stored there and refused,
+/// tombstones held (docs/ARCHITECTURE.md, "Ring transitions").
+pub fn handoff_line(s: &NodeStats) -> String {
+    format!(
+        "handoff  asked {}  found {}  copies stored {} ({})  refused {}  tombstones {}",
+        s.handoff_asks,
+        s.handoff_hits,
+        s.handoff_copies,
+        format_size(s.handoff_copy_bytes),
+        s.handoff_refused,
+        s.tombstones
+    )
 }

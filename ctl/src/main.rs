@@ -382,12 +382,17 @@ fn run(cli: &Cli) -> Result<u8, String> {
                 return Ok(0);
             }
             let ratio = if s.hits + s.misses > 0 { 100.0 * s.hits as f64 / (s.hits + s.misses) as f64 } else { 0.0 };
-            println!("node {addr}  version {}  up {}s  connections {}", s.version, s.uptime_secs, s.connections);
+            let draining = if s.draining { "  DRAINING (left its group; no puts)" } else { "" };
+            println!(
+                "node {addr}  version {}  up {}s  connections {}{draining}",
+                s.version, s.uptime_secs, s.connections
+            );
             println!(
                 "used {} of {}  objects {}  hits {}  misses {}  hit {ratio:.1}%  read {}  written {}  evictions {}  failed disks {}",
                 format_size(s.used_bytes), format_size(s.capacity_bytes), s.objects, s.hits, s.misses,
                 format_size(s.bytes_read), format_size(s.bytes_written), s.evictions, s.failed_disks
             );
+            println!("{}", cluster::handoff_line(&s));
             if s.mem_capacity_bytes > 0 {
                 println!(
                     "memory tier {} of {}  hits {}",

@@ -20,7 +20,7 @@ pub struct Target {
     /// Group to use with --mds (else KVCELLAR_GROUP, else "default").
     #[arg(long)]
     pub group: Option<String>,
-    /// Client options `key=value,...`: connect_timeout_ms, io_timeout_ms, max_conns_per_node, batch_concurrency, peer_cooldown_ms, auth_token_file, rdma_devices (`:`-separated), rdma_depth, rdma_numa, rdma_cache_mb.
+    /// Client options `key=value,...`: connect_timeout_ms, io_timeout_ms, max_conns_per_node, batch_concurrency, peer_cooldown_ms, auth_token_file, rdma_devices (`:`-separated), rdma_depth, rdma_numa, rdma_cache_mb, handoff_ms (0: handoff off), handoff_timeout_ms, handoff_budget_mb.
     #[arg(long, default_value = "")]
     pub options: String,
 }
