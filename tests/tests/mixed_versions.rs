@@ -60,7 +60,8 @@ fn previous_and_this_release_serve_one_group() {
     let d_new = t.path().join("new");
     let quiet = ["--no-sync", "--log-level", "info"];
     let old = Node::member(&old_server, "127.0.0.1:0", d_old.to_str().unwrap(), &eps, "g", "old", &quiet);
-    let new = Node::member("kv-server", "127.0.0.1:0", d_new.to_str().unwrap(), &eps, "g", "new", &quiet);
+    let drains = ["--no-sync", "--log-level", "info", "--drain-secs", "30"];
+    let new = Node::member("kv-server", "127.0.0.1:0", d_new.to_str().unwrap(), &eps, "g", "new", &drains);
     for replica in [&mds_old.addr, &mds_new.addr] {
         wait_until(Duration::from_secs(20), "both nodes in the view of each replica", || {
             MdsClient::new(vec![replica.clone()], Duration::from_secs(2))
@@ -107,6 +108,38 @@ fn previous_and_this_release_serve_one_group() {
     assert_eq!(code, 0, "{out}{err}");
     let (code, out, err) = run(&old_kvctl, &["get", "--node", &old.addr, "from-new"]);
     assert_eq!((code, out.as_str()), (0, "v2"), "{err}");
+
+    // The previous release's kvctl through this release's kv-mds: the view's
+    // new fields (previous sets, handoff_ms) are ignored.
+    let (code, out, err) = run(&old_kvctl, &["ring", "--mds", &mds_new.addr, "--group", "g"]);
+    assert_eq!(code, 0, "{out}{err}");
+    assert!(out.contains("old") && out.contains("new"), "{out}");
+    let (code, out, err) = run(&old_kvctl, &["put", "--mds", &mds_new.addr, "--group", "g", "old-via-new-mds", "x"]);
+    assert_eq!(code, 0, "{out}{err}");
+    let (code, out, err) = run(&old_kvctl, &["get", "--mds", &mds_new.addr, "--group", "g", "old-via-new-mds"]);
+    assert_eq!((code, out.as_str()), (0, "x"), "{err}");
+
+    // This release's client follows the old replica, whose views have no
+    // previous sets: it keeps the set it held itself, so a node of this
+    // release stopping (it drains) loses no hit.
+    let on_new: Vec<&String> = keys
+        .iter()
+        .filter(|k| {
+            let t = c.core.topology();
+            t.nodes[t.ring.owner(k.as_bytes()).unwrap()].id == "new"
+        })
+        .collect();
+    assert!(!on_new.is_empty());
+    new.signal(libc::SIGTERM);
+    wait_until(Duration::from_secs(20), "the client to drop the stopped node", || {
+        (c.core.topology().nodes.len() == 1).then_some(())
+    });
+    assert_eq!(c.core.topology().previous.len(), 1, "the set it held, kept without the view's help");
+    for k in &keys {
+        assert_eq!(c.getv(k.as_bytes(), &mut [&mut buf[..]]), Ok(buf.len()), "{k} after the stop");
+        assert!(buf == page(k), "{k}: wrong bytes");
+    }
+    assert!(c.core.metrics.handoff.hits.load(std::sync::atomic::Ordering::Relaxed) >= on_new.len() as u64);
 
     // A node of this release with a token refuses the old client clearly.
     let d_tok = t.path().join("tok");
