@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The Python package's tests against the REAL engine classes: SGLang 0.5.23
 # (its StorageBackendFactory loads kvcellar.hicache, its host pools built on
-# CPU) and LMCache 0.5.6 (its plugin loading, LocalCPUBackend and
+# CPU; test_hicache_replay.py replays a trace slice through them beside
+# `kvctl replay`) and LMCache 0.5.6 (its plugin loading, LocalCPUBackend and
 # RemoteBackend on CPU load kvcellar.lmcache). One venv each (they cannot
 # share one), made by scripts/engine-venvs.sh outside the clone; into each,
 # `pip install ./plugins` builds libkvclient.so (cargo, release) and ships it
@@ -34,7 +35,7 @@ tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 for engine in "${which[@]}"; do
   case $engine in
-    sglang) py=$SGLANG_PY; tests=(test_client.py test_hicache.py test_docs_snippets.py) ;;
+    sglang) py=$SGLANG_PY; tests=(test_client.py test_hicache.py test_hicache_replay.py test_docs_snippets.py) ;;
     lmcache) py=$LMCACHE_PY; tests=(test_lmcache.py test_docs_snippets.py) ;;
     *) echo "unknown engine $engine" >&2; exit 2 ;;
   esac
