@@ -65,7 +65,14 @@ typedef struct kv_geometry {
    names, e.g. mlx5_0:mlx5_1, one rail each), rdma_depth (32: work requests
    in flight per queue pair), rdma_numa (1: prefer rails on the calling
    thread's NUMA node), rdma_cache_mb (1024: registrations of buffers not
-   given to kv_register_memory kept per rail; 0: per operation). Every build
+   given to kv_register_memory kept per rail; 0: per operation),
+   handoff_ms (600000: after a change of the member set, how long a key
+   that misses at its owner is also asked at its previous owners, where the
+   kv-mds view does not say; 0 turns this ring handoff off), handoff_timeout_ms
+   (500: the longest one such ask may take), handoff_budget_mb (256: bytes of
+   pages found at a previous owner being copied to their owner at once).
+   Ring handoff assumes a key always names the same bytes: set handoff_ms=0
+   if keys are reused for other values. Every build
    takes the rdma_ keys; when RDMA cannot be used the handle serves over TCP,
    prints one line to stderr saying why and counts it in
    kvclient_rdma_fallbacks_total. Unknown keys are an error. Returns NULL on
@@ -96,7 +103,8 @@ int kv_get(kv_client *c, const char *key, void *buf, size_t cap, size_t *out_len
 int kv_getv(kv_client *c, const char *key, const kv_iovec *iov, size_t iovcnt, size_t *out_len);
 /* KV_OK only where a get by this client would hit (geometry compared). */
 int kv_exist(kv_client *c, const char *key);
-/* Removes key at its owner: KV_OK, or KV_MISS when it was not stored. */
+/* Removes key at its owner (and, inside a ring-handoff window, at its
+   previous owners): KV_OK, or KV_MISS when none of them stored it. */
 int kv_delete(kv_client *c, const char *key);
 
 /* Batches: item i uses iovcnt[i] consecutive entries of iov. Items fan out to
