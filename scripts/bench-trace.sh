@@ -1,0 +1,103 @@
+#!/usr/bin/env bash
+# Trace replays on a loopback cluster (docs/BENCHMARKS.md, "Trace replay"):
+#
+#   capacity  the whole trace as fast as it goes (--speed 0), 3 nodes, at two
+#             capacities: one the working set fits in, one about a third of it;
+#   events    a part of the trace time-compressed by SPEED (default 20), with a
+#             membership event at trace time EVENT_AT (default 1200 s): a join,
+#             a graceful stop, a kill -9 (back after 60 s of trace time) and a
+#             rolling restart of every node, each with handoff on and off,
+#             beside control runs without an event. The membership clocks
+#             (lease TTL, drain, handoff window) are divided by SPEED too.
+#
+# Each run gets a fresh cluster (scripts/trace-cluster.sh). Results (one
+# kvctl replay JSON per run and summary.txt) go to $KVCELLAR_WORK (default
+# target/bench-trace).
+#
+# Usage: scripts/bench-trace.sh [capacity|events|all]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+what=${1:-all}
+speed=${SPEED:-20}
+at=${EVENT_AT:-1200}
+work=${KVCELLAR_WORK:-$PWD/target/bench-trace}
+trace=traces/conversation_trace.jsonl
+bash scripts/deps.sh
+command -v curl >/dev/null || { echo "curl is needed (apt-get install curl)"; exit 1; }
+echo "== building (release)"
+cargo build --release --locked -q -p kv-server -p kv-mds -p kvctl --features kv-server/rdma,kvctl/rdma
+bin=$PWD/target/release
+mkdir -p "$work"
+cluster="$work/cluster"
+trap 'bash scripts/trace-cluster.sh "$cluster" down || true' EXIT INT TERM
+results="$work/results"
+mkdir -p "$results"
+
+replay() { # replay NAME [kvctl replay flags...]: one run on the cluster up now
+  local name=$1
+  shift
+  "$bin/kvctl" --json replay --mds "$(bash scripts/trace-cluster.sh "$cluster" mds)" --group trace \
+    "$@" "$trace" >"$results/$name.json" 2>"$results/$name.log" || {
+    echo "$name: kvctl replay failed:"
+    tail -5 "$results/$name.log"
+    return 1
+  }
+  python3 - "$results/$name.json" "$name" <<'EOF'
+import json, sys
+r = json.load(open(sys.argv[1]))
+lru = r.get("lru") or {}
+print(f"{sys.argv[2]}: {r['requests']} requests, {r['pages']} pages, hits {r['hits']} ({100*r['hit_rate']:.1f}%),"
+      f" ceiling {r['ceiling']['hits']} ({100*r['ceiling']['hit_rate']:.1f}%),"
+      f" LRU at {lru.get('capacity_pages', '?')} pages {lru.get('hits', '?')}; L3 p50 {r['l3_ms']['p50']:.2f} ms"
+      f" p99 {r['l3_ms']['p99']:.2f} ms; wrong pages {r['wrong_pages']}; {r['seconds']:.0f} s")
+EOF
+}
+
+if [ "$what" = capacity ] || [ "$what" = all ]; then
+  # The trace's working set at 16 KiB pages is about 3.3 GiB on disk.
+  for cap in 1500M 380M; do
+    bash scripts/trace-cluster.sh "$cluster" up 1 "$cap" 600
+    replay "capacity-3x$cap" --speed 0 --engines 4
+    bash scripts/trace-cluster.sh "$cluster" down
+  done
+fi
+
+if [ "$what" = events ] || [ "$what" = all ]; then
+  ev="bash scripts/trace-cluster.sh $cluster"
+  # Trace time replayed: up to the event, then the longest span measured.
+  span=60
+  rspan=400
+  dur=$(python3 -c "print(($at + $rspan + 20) / $speed)")
+  run_event() { # run_event NAME HANDOFF_SECS SPAN COMMAND
+    bash scripts/trace-cluster.sh "$cluster" up "$speed" 1500M "$2"
+    replay "$1" --speed "$speed" --engines 4 --duration "$dur" --event-span "$3" --event "$at=$4"
+    bash scripts/trace-cluster.sh "$cluster" down
+  }
+  crash_back=$(python3 -c "print(60 / $speed)")
+  for h in 600 0; do
+    run_event "control-h$h" "$h" "$span" "true"
+    run_event "join-h$h" "$h" "$span" "$ev join n4"
+    run_event "stop-h$h" "$h" "$span" "$ev stop n3"
+    run_event "crash-h$h" "$h" "$span" "$ev crash n3 $crash_back"
+    run_event "rolling-h$h" "$h" "$rspan" "$ev rolling"
+  done
+  python3 - "$results" "$at" "$span" "$rspan" "$speed" <<'EOF' | tee "$work/summary.txt"
+import json, sys, os
+d, at, span, rspan, speed = sys.argv[1], float(sys.argv[2]), float(sys.argv[3]), float(sys.argv[4]), sys.argv[5]
+def load(n): return json.load(open(os.path.join(d, n + ".json")))
+def span_hits(r, s):
+    return sum(w["hits"] for w in r["windows"] if at <= w["start_s"] < at + s)
+print(f"events at trace time {at:.0f} s, speed {speed} (membership clocks divided by {speed} too)")
+print(f"{'event':<9} {'handoff':<8} {'span s':>6} {'hits':>7} {'control':>8} {'loss %':>7} {'wrong':>6}")
+for ev in ["join", "stop", "crash", "rolling"]:
+    for h in ["600", "0"]:
+        r = load(f"{ev}-h{h}")
+        c = load(f"control-h{h}")
+        s = rspan if ev == "rolling" else span
+        hits, ctl = span_hits(r, s), span_hits(c, s)
+        loss = 100.0 * (ctl - hits) / ctl if ctl else 0.0
+        print(f"{ev:<9} {'on' if h != '0' else 'off':<8} {s:>6.0f} {hits:>7} {ctl:>8} {loss:>7.1f} {r['wrong_pages']:>6}")
+a, b = load("control-h600"), load("control-h0")
+print(f"control vs control (noise): {span_hits(a, span)} vs {span_hits(b, span)} hits in the {span:.0f} s span")
+EOF
+fi
