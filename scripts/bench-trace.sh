@@ -25,11 +25,12 @@ trace=traces/conversation_trace.jsonl
 bash scripts/deps.sh
 command -v curl >/dev/null || { echo "curl is needed (apt-get install curl)"; exit 1; }
 echo "== building (release)"
-cargo build --release --locked -q -p kv-server -p kv-mds -p kvctl --features kv-server/rdma,kvctl/rdma
+cargo build --release --locked --bins -q --features rdma
 bin=$PWD/target/release
 mkdir -p "$work"
 cluster="$work/cluster"
-trap 'bash scripts/trace-cluster.sh "$cluster" down || true' EXIT INT TERM
+trap 'bash scripts/trace-cluster.sh "$cluster" down || true' EXIT
+trap 'exit 130' INT TERM
 results="$work/results"
 mkdir -p "$results"
 
@@ -63,14 +64,19 @@ if [ "$what" = capacity ] || [ "$what" = all ]; then
 fi
 
 if [ "$what" = events ] || [ "$what" = all ]; then
-  ev="bash scripts/trace-cluster.sh $cluster"
-  # Trace time replayed: up to the event, then the longest span measured.
+  ev="bash scripts/trace-cluster.sh $(printf %q "$cluster")"
+  # Trace time replayed: up to the event, then the longest span measured
+  # (a request count, so event and control runs replay the same requests
+  # however fast the machine keeps up).
   span=60
   rspan=400
-  dur=$(python3 -c "print(($at + $rspan + 20) / $speed)")
+  limit=$(python3 -c "
+import json, sys
+end = ($at + $rspan + 20) * 1000
+print(sum(1 for l in open('$trace') if json.loads(l)['timestamp'] < end))")
   run_event() { # run_event NAME HANDOFF_SECS SPAN COMMAND
     bash scripts/trace-cluster.sh "$cluster" up "$speed" 1500M "$2"
-    replay "$1" --speed "$speed" --engines 4 --duration "$dur" --event-span "$3" --event "$at=$4"
+    replay "$1" --speed "$speed" --engines 4 --limit "$limit" --event-span "$3" --event "$at=$4"
     bash scripts/trace-cluster.sh "$cluster" down
   }
   crash_back=$(python3 -c "print(60 / $speed)")

@@ -58,7 +58,7 @@ start_node() { # start_node ID
   "$bin/kv-server" --listen "127.0.0.1:$port" --dir "$work/$id/disk" --cap "$(cat "$state/cap")" \
     --mds "$(cat "$state/mds")" --group trace --id "$id" --advertise "127.0.0.1:$port" \
     --drain-secs "$(cat "$state/drain")" --handoff-secs "$(cat "$state/handoff")" --log-level warn \
-    >>"$work/$id.out" 2>>"$work/$id.log" &
+    >"$work/$id.out" 2>>"$work/$id.log" &
   echo $! >"$state/$id.pid"
   await_line "$work/$id.out" $! kv-server
   await_member "$id"
@@ -99,6 +99,7 @@ case $cmd in
       curl -sf "http://127.0.0.1:$cport/health" >/dev/null 2>&1 && break
       sleep 0.1
     done
+    curl -sf "http://127.0.0.1:$cport/health" >/dev/null || { echo "etcd did not come up; see $work/etcd.log" >&2; exit 1; }
     "$bin/kv-mds" --listen 127.0.0.1:0 --etcd "127.0.0.1:$cport" --lease-ttl "$(cat "$state/ttl")s" \
       --handoff-secs "$(cat "$state/handoff")" >"$work/mds.out" 2>"$work/mds.log" &
     echo $! >"$state/mds.pid"

@@ -122,6 +122,9 @@ impl BlockingClient {
                 came_back: n.came_back.load(std::sync::atomic::Ordering::Relaxed),
             })
             .collect();
+        let now = std::time::Instant::now();
+        let open = topo.previous.iter().filter(|p| p.until > now).count() as u64;
+        self.core.metrics.handoff.sets.store(open, std::sync::atomic::Ordering::Relaxed);
         self.core.metrics.render(topo.epoch, self.core.discovery_error(), peers, &self.core.rdma_counters)
     }
 }

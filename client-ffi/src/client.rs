@@ -85,7 +85,13 @@ pub struct Client {
     swapping: std::sync::Mutex<()>,
     discovery_error: std::sync::Mutex<Option<String>>,
     pub metrics: Metrics,
+    /// Background handoff copies writing at once (the rest wait, within
+    /// the byte budget), so copies hold few of an owner's connections.
+    pub(crate) copy_slots: Arc<tokio::sync::Semaphore>,
 }
+
+/// Background handoff copies one handle writes at once.
+pub const HANDOFF_COPIES_AT_ONCE: usize = 4;
 
 /// One request exchange on a connection, re-runnable for a retry.
 pub(crate) trait Exchange {
@@ -240,6 +246,7 @@ impl Client {
             swapping: std::sync::Mutex::new(()),
             discovery_error: std::sync::Mutex::new(None),
             metrics: Metrics::default(),
+            copy_slots: Arc::new(tokio::sync::Semaphore::new(HANDOFF_COPIES_AT_ONCE)),
         };
         if !members.is_empty() {
             c.set_members(members);
@@ -304,6 +311,10 @@ impl Client {
             n
         };
         let nodes: Vec<Arc<Node>> = members.iter().map(&mut node_for).collect();
+        // A node back in the current set (a restart) is asked again.
+        for n in nodes.iter().filter(|n| !old.nodes.iter().any(|o| Arc::ptr_eq(o, n))) {
+            n.clear_handoff_skip();
+        }
         let ring = Arc::new(ring_of(&members));
         let local = self.epochs.fetch_add(1, Ordering::AcqRel) + 1;
         let epoch = epoch.unwrap_or(local);
@@ -513,9 +524,15 @@ impl Client {
             Err(e) => e.status(),
         };
         // Inside a handoff window the page may sit at any previous owner too:
-        // removed there as well, so no handoff serves it again.
-        if !topo.previous.is_empty() && self.handoff_delete(&topo, &node, key).await && s != Status::Ok {
-            s = Status::Ok;
+        // removed there as well, so no handoff serves it again. KV_OK when
+        // one had it; a previous owner that could not be reached is the
+        // answer (the delete is not done) unless the owner failed first.
+        if !topo.previous.is_empty() && matches!(s, Status::Ok | Status::Miss) {
+            match self.handoff_delete(&topo, &node, key).await {
+                Err(failed) => s = failed,
+                Ok(true) => s = Status::Ok,
+                Ok(false) => {}
+            }
         }
         self.metrics.count_delete(s)
     }

@@ -85,10 +85,7 @@ impl Client {
                 .await
                 .unwrap_or(Err((OpError::Timeout, false)));
             match r {
-                Ok(out) => {
-                    node.mark_ok();
-                    return Some(out);
-                }
+                Ok(out) => return Some(out),
                 Err((e, reused)) if reused && !retried && is_stale(&e) => {
                     node.drop_idle();
                     retried = true;
@@ -138,6 +135,10 @@ impl Client {
     /// geometry is KV_MISMATCH.
     pub(crate) async fn handoff_exist(&self, topo: &Topology, keys: &[&[u8]], out: &mut [Status]) {
         let cands = self.candidates_of_misses(topo, keys.iter().copied(), out);
+        // A page of another geometry at one previous owner does not stop
+        // the asks (another may hold this client's); it is the answer when
+        // none does.
+        let mut mismatch = vec![false; out.len()];
         for round in 0..MAX_HANDOFF_ASKS {
             let groups = asks_of_round(&cands, round, |i| out[i] == Status::Miss);
             if groups.is_empty() {
@@ -159,9 +160,14 @@ impl Client {
                         self.metrics.handoff.hits.fetch_add(1, Ordering::Relaxed);
                         out[i] = Status::Ok;
                     } else if s == Status::Mismatch {
-                        out[i] = Status::Mismatch;
+                        mismatch[i] = true;
                     }
                 }
+            }
+        }
+        for (o, m) in out.iter_mut().zip(mismatch) {
+            if m && *o == Status::Miss {
+                *o = Status::Mismatch;
             }
         }
     }
@@ -198,6 +204,7 @@ impl Client {
     ) {
         let missed: Vec<Status> = out.iter().map(|r| r.0).collect();
         let cands = self.candidates_of_misses(topo, items.iter().map(|(k, _)| *k), &missed);
+        let mut mismatch = vec![false; out.len()];
         for round in 0..MAX_HANDOFF_ASKS {
             let groups = asks_of_round(&cands, round, |i| out[i].0 == Status::Miss);
             if groups.is_empty() {
@@ -234,9 +241,16 @@ impl Client {
             }))
             .await;
             for (i, r) in results.into_iter().flatten() {
-                if matches!(r.status, Status::Ok | Status::Mismatch | Status::TooSmall) {
-                    out[i] = (r.status, r.len);
+                match r.status {
+                    Status::Ok | Status::TooSmall => out[i] = (r.status, r.len),
+                    Status::Mismatch => mismatch[i] = true,
+                    _ => {}
                 }
+            }
+        }
+        for (o, m) in out.iter_mut().zip(mismatch) {
+            if m && o.0 == Status::Miss {
+                *o = (Status::Mismatch, 0);
             }
         }
         for (r, m) in out.iter().zip(missed) {
@@ -248,10 +262,11 @@ impl Client {
     }
 
     /// Deletes `key` at every previous owner other than `owner`, all at
-    /// once (so a dead one costs one handoff timeout, not one each); true
-    /// when one of them had it. Nodes skipped for asks are asked too: a
+    /// once (so a dead one costs one handoff timeout, not one each).
+    /// Ok(true) when one of them had it; Err when one could not be reached
+    /// (its copy may remain). Nodes skipped for asks are asked too: a
     /// delete must reach every copy a later ask could find.
-    pub(crate) async fn handoff_delete(&self, topo: &Topology, owner: &Node, key: &[u8]) -> bool {
+    pub(crate) async fn handoff_delete(&self, topo: &Topology, owner: &Node, key: &[u8]) -> Result<bool, Status> {
         let now = Instant::now();
         let mut asked: Vec<(Arc<Node>, Instant)> = Vec::new();
         for p in topo.previous.iter().filter(|p| p.until > now) {
@@ -263,7 +278,10 @@ impl Client {
             asked.push((n.clone(), p.until));
         }
         let done = join_all(asked.iter().map(|(n, until)| self.run_handoff(n, *until, DeleteX { key }))).await;
-        done.contains(&Some(Status::Ok))
+        if done.contains(&None) {
+            return Err(Status::Unavailable);
+        }
+        Ok(done.contains(&Some(Status::Ok)))
     }
 
     /// Writes a page found at a previous owner to its owner in the
@@ -296,7 +314,11 @@ impl Client {
         let header = PageHeader::new(self.geo, key, n, crc32fast::hash(&data)).encode();
         let key = key.to_vec();
         let (connect, io) = (self.opts.connect_timeout, self.opts.io_timeout);
+        let gate = self.copy_slots.clone();
         rt.spawn(async move {
+            // A few copies at once per handle: they wait here, not in the
+            // owner's connection queue ahead of the caller's own requests.
+            let _turn = gate.acquire_owned().await;
             let put = async {
                 let mut fresh = false;
                 loop {

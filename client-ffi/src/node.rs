@@ -171,9 +171,9 @@ impl Node {
     }
 
     /// A handoff ask failed: skip this node for handoff asks until `until`
-    /// (the end of the window of the set that named it), or until it
-    /// answers a request again. Its own keys are not affected: no
-    /// cool-down starts.
+    /// (the end of the window of the set that named it), or until it joins
+    /// the current set again. Its own keys are not affected: no cool-down
+    /// starts.
     pub fn skip_handoff(&self, until: Instant) {
         let at = until.saturating_duration_since(self.epoch).as_nanos() as u64;
         self.handoff_skip_until.fetch_max(at.max(1), Ordering::Relaxed);
@@ -191,11 +191,15 @@ impl Node {
         self.sync_idle.lock().unwrap_or_else(|e| e.into_inner()).clear();
     }
 
-    /// The node answered: its cool-down, and a handoff skip, end.
     pub fn mark_ok(&self) {
         if self.cool_until.load(Ordering::Relaxed) != 0 && self.cool_until.swap(0, Ordering::Relaxed) != 0 {
             self.came_back.fetch_add(1, Ordering::Relaxed);
         }
+    }
+
+    /// Ends a handoff skip (the node joined the current set again: a
+    /// restart that came back).
+    pub fn clear_handoff_skip(&self) {
         if self.handoff_skip_until.load(Ordering::Relaxed) != 0 {
             self.handoff_skip_until.store(0, Ordering::Relaxed);
         }

@@ -274,6 +274,7 @@ impl Client {
         if !topo.previous.is_empty() {
             // Misses asked at previous owners (handoff.rs), a round per rank.
             let cands = self.candidates_of_misses(&topo, keys.iter().copied(), &out);
+            let mut mismatch = vec![false; keys.len()];
             for round in 0..crate::client::MAX_HANDOFF_ASKS {
                 let groups = crate::handoff::asks_of_round(&cands, round, |i| out[i] == Status::Miss);
                 if groups.is_empty() {
@@ -283,13 +284,18 @@ impl Client {
                 self.metrics.handoff.asks.fetch_add(asked as u64, Ordering::Relaxed);
                 let mut there = vec![Status::Miss; keys.len()];
                 self.exist_waves(groups.into_iter().map(|(n, until, idx)| (n, idx, Some(until))).collect(), keys, &mut there);
-                for (o, t) in out.iter_mut().zip(there) {
+                for ((o, t), m) in out.iter_mut().zip(there).zip(mismatch.iter_mut()) {
                     if *o == Status::Miss && t == Status::Ok {
                         self.metrics.handoff.hits.fetch_add(1, Ordering::Relaxed);
                         *o = Status::Ok;
-                    } else if *o == Status::Miss && t == Status::Mismatch {
-                        *o = Status::Mismatch;
+                    } else if t == Status::Mismatch {
+                        *m = true;
                     }
+                }
+            }
+            for (o, m) in out.iter_mut().zip(mismatch) {
+                if m && *o == Status::Miss {
+                    *o = Status::Mismatch;
                 }
             }
         }

@@ -74,12 +74,16 @@ pub struct PreviousSet {
 impl PreviousSet {
     /// The delta that turns `current` into `earlier`.
     pub fn between(current: &[MemberRecord], earlier: &[MemberRecord], epoch: u64, remaining_ms: u64) -> PreviousSet {
-        let same = |a: &MemberRecord, b: &MemberRecord| a.id == b.id && a.addr == b.addr && a.weight == b.weight;
-        let joined =
-            current.iter().filter(|c| !earlier.iter().any(|e| same(c, e))).map(|c| c.id.clone()).collect::<Vec<_>>();
+        use std::collections::HashSet;
+        fn placed(m: &MemberRecord) -> (&str, &str, u32) {
+            (m.id.as_str(), m.addr.as_str(), m.weight)
+        }
+        let cur: HashSet<(&str, &str, u32)> = current.iter().map(placed).collect();
+        let ear: HashSet<(&str, &str, u32)> = earlier.iter().map(placed).collect();
+        let joined = current.iter().filter(|c| !ear.contains(&placed(c))).map(|c| c.id.clone()).collect();
         let left = earlier
             .iter()
-            .filter(|e| !current.iter().any(|c| same(c, e)))
+            .filter(|e| !cur.contains(&placed(e)))
             .map(|e| MemberRecord { metrics_addr: None, ..e.clone() })
             .collect();
         PreviousSet { epoch, remaining_ms, joined, left }
@@ -87,9 +91,10 @@ impl PreviousSet {
 
     /// The earlier set itself, from the view's `current` members, sorted by id.
     pub fn apply(&self, current: &[MemberRecord]) -> Vec<MemberRecord> {
+        let joined: std::collections::HashSet<&str> = self.joined.iter().map(String::as_str).collect();
         let mut out: Vec<MemberRecord> = current
             .iter()
-            .filter(|c| !self.joined.contains(&c.id))
+            .filter(|c| !joined.contains(c.id.as_str()))
             .map(|c| MemberRecord { metrics_addr: None, ..c.clone() })
             .collect();
         out.extend(self.left.iter().cloned());

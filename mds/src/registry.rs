@@ -620,8 +620,14 @@ impl Registry {
                 .filter(|kv| seen > 0 && kv.mod_revision() == seen)
                 .and_then(|kv| serde_json::from_slice(kv.value()).ok());
             let mut lease = None;
-            if let (Some(old), true) = (replaced, self.handoff_secs() > 0) {
-                let l = etcd_call!(self, etcd.lease_grant(self.handoff_secs(), None).await)?.id();
+            // The history is best effort: without a lease for it, the
+            // epoch still moves (clients keep the set they held themselves).
+            let granted = match (&replaced, self.handoff_secs() > 0) {
+                (Some(_), true) => etcd_call!(self, etcd.lease_grant(self.handoff_secs(), None).await).ok(),
+                _ => None,
+            };
+            if let (Some(old), Some(g)) = (replaced, granted) {
+                let l = g.id();
                 lease = Some(l);
                 let delta = PreviousSet::between(&placement_only(&members), &old, seen as u64, 0);
                 let h = History { epoch: seen as u64, joined: delta.joined, left: delta.left };

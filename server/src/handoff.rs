@@ -19,6 +19,9 @@ use std::time::{Duration, Instant};
 /// refused until that one would have expired (never a page brought back).
 pub const MAX_TOMBSTONES: usize = 1 << 20;
 
+/// Most expired tombstones dropped by one call.
+const EXPIRE_STEP: usize = 1024;
+
 #[derive(Default)]
 struct Tombs {
     /// Key hash -> time of its latest delete.
@@ -58,8 +61,11 @@ impl Handoff {
         }
     }
 
+    /// Drops expired tombstones, a bounded number per call (the lock is
+    /// taken on the data path; a burst of deletes expires over many calls).
     fn expire(&self, t: &mut Tombs, now: Instant) {
-        while let Some(&(k, at)) = t.order.front() {
+        for _ in 0..EXPIRE_STEP {
+            let Some(&(k, at)) = t.order.front() else { break };
             if now.duration_since(at) < self.window {
                 break;
             }
@@ -102,10 +108,11 @@ impl Handoff {
         let now = Instant::now();
         let mut t = self.tombs.lock().unwrap_or_else(|e| e.into_inner());
         self.expire(&mut t, now);
-        t.refuse_until.is_some() || t.at.contains_key(&key_hash)
+        // An entry not yet expired by the bounded sweep is judged by its time.
+        t.refuse_until.is_some() || t.at.get(&key_hash).is_some_and(|&at| now.duration_since(at) < self.window)
     }
 
-    /// Tombstones held now.
+    /// Tombstones held now (expired ones not yet dropped included).
     pub fn tombstones(&self) -> u64 {
         let mut t = self.tombs.lock().unwrap_or_else(|e| e.into_inner());
         self.expire(&mut t, Instant::now());
