@@ -10,7 +10,8 @@
 #             beside control runs without an event. The membership clocks
 #             (lease TTL, drain, handoff window) are divided by SPEED too.
 #
-# Each run gets a fresh cluster (scripts/trace-cluster.sh). Results (one
+# Each run gets a fresh cluster (scripts/trace-cluster.sh) and the same key
+# tag, so every run places every page alike. Results (one
 # kvctl replay JSON per run and summary.txt) go to $KVCELLAR_WORK (default
 # target/bench-trace).
 #
@@ -58,7 +59,7 @@ if [ "$what" = capacity ] || [ "$what" = all ]; then
   # The trace's working set at 16 KiB pages is about 3.3 GiB on disk.
   for cap in 1500M 380M; do
     bash scripts/trace-cluster.sh "$cluster" up 1 "$cap" 600
-    replay "capacity-3x$cap" --speed 0 --engines 4
+    replay "capacity-3x$cap" --speed 0 --engines 4 --tag trace
     bash scripts/trace-cluster.sh "$cluster" down
   done
 fi
@@ -76,7 +77,7 @@ end = ($at + $rspan + 20) * 1000
 print(sum(1 for l in open('$trace') if json.loads(l)['timestamp'] < end))")
   run_event() { # run_event NAME HANDOFF_SECS SPAN COMMAND
     bash scripts/trace-cluster.sh "$cluster" up "$speed" 1500M "$2"
-    replay "$1" --speed "$speed" --engines 4 --limit "$limit" --event-span "$3" --event "$at=$4"
+    replay "$1" --speed "$speed" --engines 4 --limit "$limit" --tag trace --event-span "$3" --event "$at=$4"
     bash scripts/trace-cluster.sh "$cluster" down
   }
   crash_back=$(python3 -c "print(60 / $speed)")

@@ -94,6 +94,14 @@ pub struct NodeStats {
     pub handoff_refused: u64,
     #[serde(default)]
     pub tombstones: u64,
+    /// Pages this node pushed to their new owners while draining, their
+    /// record bytes, and pushes refused or failed.
+    #[serde(default)]
+    pub drain_pushed: u64,
+    #[serde(default)]
+    pub drain_pushed_bytes: u64,
+    #[serde(default)]
+    pub drain_push_failed: u64,
 }
 
 /// One op's service-time histogram on a node: the same series `/metrics`

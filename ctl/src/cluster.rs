@@ -136,6 +136,7 @@ pub fn stat_all(group: &str, epoch: Option<u64>, members: &[MemberRecord], timeo
         total.handoff_copy_bytes += s.handoff_copy_bytes;
         total.handoff_refused += s.handoff_refused;
         total.tombstones += s.tombstones;
+        total.drain_pushed += s.drain_pushed;
     }
     for s in &stats {
         down += usize::from(s.is_err());
@@ -225,12 +226,13 @@ pub fn stat_all(group: &str, epoch: Option<u64>, members: &[MemberRecord], timeo
 /// tombstones held (docs/ARCHITECTURE.md, "Ring transitions").
 pub fn handoff_line(s: &NodeStats) -> String {
     format!(
-        "handoff  asked {}  found {}  copies stored {} ({})  refused {}  tombstones {}",
+        "handoff  asked {}  found {}  copies stored {} ({})  refused {}  tombstones {}  pushed while draining {}",
         s.handoff_asks,
         s.handoff_hits,
         s.handoff_copies,
         format_size(s.handoff_copy_bytes),
         s.handoff_refused,
-        s.tombstones
+        s.tombstones,
+        s.drain_pushed
     )
 }

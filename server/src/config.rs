@@ -80,6 +80,9 @@ pub struct Cli {
     /// Seconds a delete keeps refusing handoff copies of its key (match kv-mds --handoff-secs); 0: refuse every handoff copy (default 600).
     #[arg(long)]
     pub handoff_secs: Option<u64>,
+    /// Do not push pages to their new owners while draining (with --mds, a draining node pushes its pages, most recently used first, to the owners in the group it left, until the drain ends).
+    #[arg(long)]
+    pub no_drain_push: bool,
 }
 
 const SERVER_EXAMPLES: &str = "Examples:
@@ -114,6 +117,7 @@ pub struct FileConfig {
     pub rdma_depth: Option<u32>,
     pub drain_secs: Option<f64>,
     pub handoff_secs: Option<u64>,
+    pub drain_push: Option<bool>,
 }
 
 /// Membership through kv-mds (`--mds`).
@@ -154,6 +158,8 @@ pub struct ServerConfig {
     pub drain: std::time::Duration,
     /// How long a delete refuses handoff copies (`--handoff-secs`).
     pub handoff: std::time::Duration,
+    /// Whether a draining node pushes its pages to their new owners.
+    pub drain_push: bool,
 }
 
 fn size(what: &str, s: &str) -> Result<u64, String> {
@@ -254,6 +260,7 @@ impl ServerConfig {
         }
         Ok(ServerConfig {
             drain: std::time::Duration::from_secs_f64(drain),
+            drain_push: !cli.no_drain_push && file.drain_push.unwrap_or(true),
             handoff: std::time::Duration::from_secs(handoff),
             membership,
             listen,

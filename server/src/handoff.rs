@@ -46,6 +46,13 @@ pub struct Handoff {
     pub copies: AtomicU64,
     pub copy_bytes: AtomicU64,
     pub refused: AtomicU64,
+    /// Pages this node pushed to their new owners while it drained, their
+    /// record bytes, and pushes the owners did not take.
+    pub pushed: AtomicU64,
+    pub pushed_bytes: AtomicU64,
+    pub push_failed: AtomicU64,
+    /// Set when the drain ends: pushing stops.
+    pub push_stop: std::sync::atomic::AtomicBool,
 }
 
 impl Handoff {
@@ -58,6 +65,10 @@ impl Handoff {
             copies: AtomicU64::new(0),
             copy_bytes: AtomicU64::new(0),
             refused: AtomicU64::new(0),
+            pushed: AtomicU64::new(0),
+            pushed_bytes: AtomicU64::new(0),
+            push_failed: AtomicU64::new(0),
+            push_stop: std::sync::atomic::AtomicBool::new(false),
         }
     }
 
@@ -123,6 +134,111 @@ impl Handoff {
         self.asks.fetch_add(asked as u64, Ordering::Relaxed);
         self.hits.fetch_add(found as u64, Ordering::Relaxed);
     }
+}
+
+/// Pushes this node's pages to their owners in `members` (the group after
+/// this node left it), most recently used first, as handoff copies, until
+/// `deadline`: what clients have not read from the draining node by the
+/// end of its drain is not lost with it, hottest first. One thread per
+/// owner (at most [`PUSH_THREADS`]), one connection each, one page at a
+/// time; an owner that fails is left for the rest of the drain. Returns
+/// the pages pushed.
+pub fn push_pages(
+    shared: &crate::server::Shared,
+    members: &[kv_common::mds::MemberRecord],
+    token: Option<&kv_common::auth::Token>,
+    deadline: Instant,
+) -> u64 {
+    use kv_common::ring::{Ring, RingMember};
+    if members.is_empty() {
+        return 0;
+    }
+    let ring = Ring::new(members.iter().map(|m| RingMember { id: m.id.clone(), weight: m.weight }).collect());
+    let mut queues: Vec<Vec<std::sync::Arc<[u8]>>> = vec![Vec::new(); members.len()];
+    let (store, h) = (&shared.store, &shared.handoff);
+    for k in store.keys_by_recency() {
+        if let Some(i) = ring.owner(&k) {
+            queues[i].push(k);
+        }
+    }
+    let before = h.pushed.load(Ordering::Relaxed);
+    std::thread::scope(|s| {
+        for (m, keys) in members.iter().zip(queues).filter(|(_, q)| !q.is_empty()).take(PUSH_THREADS) {
+            s.spawn(move || {
+                if let Err(e) = push_to(store, h, &m.addr, token, &keys, deadline) {
+                    tracing::warn!(owner = %m.id, addr = %m.addr, error = %e, "drain: pushing pages to this owner stopped");
+                }
+            });
+        }
+    });
+    h.pushed.load(Ordering::Relaxed) - before
+}
+
+/// Owners pushed to at once while draining.
+pub const PUSH_THREADS: usize = 16;
+
+fn push_to(
+    store: &crate::store::Store,
+    h: &Handoff,
+    addr: &str,
+    token: Option<&kv_common::auth::Token>,
+    keys: &[std::sync::Arc<[u8]>],
+    deadline: Instant,
+) -> std::io::Result<()> {
+    use kv_common::status::Status;
+    use kv_common::wire::{self, Hello, HelloVerdict, Op, ReqHeader, RspHeader, FLAG_HANDOFF, WIRE_VERSION};
+    use std::io::{Read, Write};
+    let left = || {
+        if h.push_stop.load(Ordering::Relaxed) {
+            return Duration::ZERO;
+        }
+        deadline.saturating_duration_since(Instant::now())
+    };
+    if left().is_zero() {
+        return Ok(());
+    }
+    let sa = std::net::ToSocketAddrs::to_socket_addrs(addr)?
+        .next()
+        .ok_or_else(|| std::io::Error::other(format!("{addr} resolves to no address")))?;
+    let mut s = std::net::TcpStream::connect_timeout(&sa, left().min(Duration::from_secs(3)))?;
+    s.set_nodelay(true)?;
+    s.set_read_timeout(Some(Duration::from_secs(5)))?;
+    s.set_write_timeout(Some(Duration::from_secs(5)))?;
+    s.write_all(&wire::client_hello(WIRE_VERSION, token.map(|t| t.as_bytes())))?;
+    let mut hb = [0u8; wire::HELLO_LEN];
+    s.read_exact(&mut hb)?;
+    let reply = Hello::decode(&hb).map_err(std::io::Error::other)?;
+    if !matches!(wire::judge_hello(WIRE_VERSION, &reply), HelloVerdict::Accepted { .. }) {
+        return Err(std::io::Error::other("the owner refused the hello"));
+    }
+    for (id, k) in keys.iter().enumerate() {
+        if left().is_zero() {
+            break;
+        }
+        let crate::store::GetOutcome::Hit(rec) = store.get(k, None) else { continue };
+        if rec.len() as u64 > reply.max_record {
+            continue;
+        }
+        let head = ReqHeader { op: Op::Put, flags: FLAG_HANDOFF, body_len: rec.len() as u32, req_id: id as u64 + 1 };
+        s.write_all(&head.encode())?;
+        s.write_all(rec.as_slice())?;
+        let mut rb = [0u8; wire::FRAME_HEADER_LEN];
+        s.read_exact(&mut rb)?;
+        let r = RspHeader::decode(&rb);
+        if r.req_id != id as u64 + 1 || r.body_len > 1 << 20 {
+            return Err(std::io::Error::other("the owner's answer is out of step"));
+        }
+        let mut body = vec![0u8; r.body_len as usize];
+        s.read_exact(&mut body)?;
+        if r.status == Status::Ok {
+            h.pushed.fetch_add(1, Ordering::Relaxed);
+            h.pushed_bytes.fetch_add(rec.len() as u64, Ordering::Relaxed);
+        } else {
+            // Refused (deleted in the window, full, draining too): next page.
+            h.push_failed.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+    Ok(())
 }
 
 #[cfg(test)]

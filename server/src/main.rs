@@ -103,23 +103,56 @@ fn run(cfg: ServerConfig) -> Result<(), String> {
         };
         let drain = cfg.drain;
         let draining = shared.clone();
+        // Where the drain pushes pages: the group's view, through kv-mds.
+        let push_to = cfg
+            .membership
+            .as_ref()
+            .filter(|_| cfg.drain_push)
+            .map(|m| (m.endpoints.clone(), m.group.clone(), cfg.auth_token.clone()));
         tokio::spawn(async move {
             kv_common::daemon::wait_for_signal().await;
             tracing::info!(drain_secs = drain.as_secs_f64(), "signal received: leaving the group, then draining");
             // Leave the group first, so clients stop routing here while
             // the node still answers what is in flight.
             draining.draining.store(true, std::sync::atomic::Ordering::SeqCst);
+            let ends = std::time::Instant::now() + drain;
             if let Some(m) = membership {
                 let _ = tokio::task::spawn_blocking(move || m.leave(std::time::Duration::from_secs(3))).await;
             }
             // The drain: gets, exists and deletes are answered (clients
-            // find this node's pages through the handoff), puts refused.
-            // A second signal ends it early.
+            // find this node's pages through the handoff), puts refused;
+            // meanwhile the node pushes its pages, most recently used
+            // first, to their owners in the group it left. A second signal
+            // ends it early.
+            let push = match (&push_to, drain.is_zero()) {
+                (Some((mds, group, token)), false) => {
+                    let (mds, group, token, shared) = (mds.clone(), group.clone(), token.clone(), draining.clone());
+                    Some(tokio::task::spawn_blocking(move || {
+                        let eps = mds.clone();
+                        let view = kv_common::mds::MdsClient::new(eps, std::time::Duration::from_secs(3))
+                            .with_token(token.clone())
+                            .view(&group);
+                        match view {
+                            Ok(v) => {
+                                let n = kv_server::handoff::push_pages(&shared, &v.members, token.as_ref(), ends);
+                                tracing::info!(pages = n, owners = v.members.len(), "drain: pages pushed to their owners");
+                            }
+                            Err(e) => tracing::warn!(error = %e, "drain: no view of the group: pages not pushed"),
+                        }
+                    }))
+                }
+                _ => None,
+            };
             if !drain.is_zero() {
                 tokio::select! {
-                    _ = tokio::time::sleep(drain) => tracing::info!("drain over: shutting down"),
+                    _ = tokio::time::sleep_until(ends.into()) => tracing::info!("drain over: shutting down"),
                     _ = kv_common::daemon::wait_for_signal() => tracing::info!("second signal: ending the drain"),
                 }
+            }
+            draining.handoff.push_stop.store(true, std::sync::atomic::Ordering::SeqCst);
+            if let Some(p) = push {
+                // Each push thread stops at its next page (or its 5 s I/O timeout).
+                let _ = p.await;
             }
             let _ = tx.send(true);
         });

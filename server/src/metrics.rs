@@ -376,6 +376,14 @@ impl Collector for StatsCollector {
             s.handoff_refused,
         )?;
         gauge(&mut e, "tombstones", "Keys deleted within the handoff window (their copies are refused)", s.tombstones)?;
+        counter(&mut e, "drain_pushed", "Pages pushed to their new owners while draining", s.drain_pushed)?;
+        counter(&mut e, "drain_pushed_bytes", "Record bytes pushed to new owners while draining", s.drain_pushed_bytes)?;
+        counter(
+            &mut e,
+            "drain_push_failed",
+            "Pages a draining node's new owners refused or did not take",
+            s.drain_push_failed,
+        )?;
         gauge(&mut e, "recovery_records", "Records recovered from the disks' journals at start", rec.records)?;
         gauge(
             &mut e,

@@ -116,6 +116,9 @@ impl Shared {
         s.handoff_copy_bytes = h.copy_bytes.load(Ordering::Relaxed);
         s.handoff_refused = h.refused.load(Ordering::Relaxed);
         s.tombstones = h.tombstones();
+        s.drain_pushed = h.pushed.load(Ordering::Relaxed);
+        s.drain_pushed_bytes = h.pushed_bytes.load(Ordering::Relaxed);
+        s.drain_push_failed = h.push_failed.load(Ordering::Relaxed);
         s
     }
 }

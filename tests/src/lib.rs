@@ -144,6 +144,12 @@ impl Node {
         }
     }
 
+    /// Waits up to `limit` for the node to exit by itself (after a drain).
+    pub fn wait_exit(mut self, limit: Duration) -> ExitStatus {
+        let mut c = self.child.take().expect("running");
+        wait_deadline(&mut c, limit)
+    }
+
     /// SIGTERM, then wait up to `limit` for the exit status.
     pub fn terminate(mut self, limit: Duration) -> ExitStatus {
         self.signal(libc::SIGTERM);

@@ -206,7 +206,8 @@ fn a_graceful_stop_inside_its_drain_loses_no_hit_and_a_restart_gets_its_keys_bac
     let g = Group::new("120");
     let _n1 = g.node("n1", &[]);
     let _n2 = g.node("n2", &[]);
-    let n3 = g.node("n3", &["--drain-secs", "30"]);
+    // The pull path alone: the push is tested on its own below.
+    let n3 = g.node("n3", &["--drain-secs", "30", "--no-drain-push"]);
     let c = g.client("");
     g.await_ids(&c, &["n1", "n2", "n3"]);
     write_all(&c);
@@ -228,6 +229,32 @@ fn a_graceful_stop_inside_its_drain_loses_no_hit_and_a_restart_gets_its_keys_bac
     let _n3 = g.node_at(&addr, "n3");
     g.await_ids(&c, &["n1", "n2", "n3"]);
     assert_eq!(misses(&c), Vec::<usize>::new());
+}
+
+#[test]
+fn a_draining_node_pushes_its_pages_to_their_new_owners() {
+    let _s = serial();
+    let g = Group::new("120");
+    let _n1 = g.node("n1", &[]);
+    let _n2 = g.node("n2", &[]);
+    let n3 = g.node("n3", &["--drain-secs", "4"]);
+    let c = g.client("");
+    g.await_ids(&c, &["n1", "n2", "n3"]);
+    write_all(&c);
+    let on_n3 = (0..PAGES).filter(|&i| owner(&c, i) == "n3").count() as u64;
+    let addr = n3.addr.clone();
+    n3.signal(libc::SIGTERM);
+    g.await_ids(&c, &["n1", "n2"]);
+    // Nobody reads during the drain; the node pushes, then exits by itself.
+    let st = wait_until(Duration::from_secs(10), "the push", || {
+        Conn::connect(&addr, Duration::from_secs(1)).ok()?.stats().ok().filter(|s| s.drain_pushed == on_n3)
+    });
+    assert_eq!(st.drain_push_failed, 0);
+    assert!(n3.wait_exit(Duration::from_secs(20)).success());
+    // The node is gone; every page is at its new owner.
+    let off = g.client("handoff_ms=0");
+    g.await_ids(&off, &["n1", "n2"]);
+    assert_eq!(misses(&off), Vec::<usize>::new(), "the pushed pages are hits at their new owners");
 }
 
 #[test]

@@ -60,7 +60,7 @@ fn previous_and_this_release_serve_one_group() {
     let d_new = t.path().join("new");
     let quiet = ["--no-sync", "--log-level", "info"];
     let old = Node::member(&old_server, "127.0.0.1:0", d_old.to_str().unwrap(), &eps, "g", "old", &quiet);
-    let drains = ["--no-sync", "--log-level", "info", "--drain-secs", "30"];
+    let drains = ["--no-sync", "--log-level", "info", "--drain-secs", "30", "--no-drain-push"];
     let new = Node::member("kv-server", "127.0.0.1:0", d_new.to_str().unwrap(), &eps, "g", "new", &drains);
     for replica in [&mds_old.addr, &mds_new.addr] {
         wait_until(Duration::from_secs(20), "both nodes in the view of each replica", || {

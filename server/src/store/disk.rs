@@ -596,6 +596,11 @@ impl Disk {
         Ok(st.index.peek(key).map(|e| e.header.record_len()))
     }
 
+    /// Every key in the index, most recently used first (a copy).
+    pub fn keys_by_recency(&self) -> Vec<Arc<[u8]>> {
+        lock(&self.state).index.iter().map(|(k, _)| k.clone()).collect()
+    }
+
     /// Every key in the index (a copy; for taking a disk back into service).
     pub fn keys(&self) -> Vec<Arc<[u8]>> {
         lock(&self.state).index.iter().map(|(k, _)| k.clone()).collect()

@@ -400,6 +400,23 @@ impl Store {
         Err(StoreError::NoDisk)
     }
 
+    /// Every key stored, most recently used first: each disk's keys in
+    /// their order, the disks interleaved.
+    pub fn keys_by_recency(&self) -> Vec<Arc<[u8]>> {
+        let lists: Vec<Vec<Arc<[u8]>>> = self.view().live().map(|d| d.keys_by_recency()).collect();
+        let mut out = Vec::with_capacity(lists.iter().map(Vec::len).sum());
+        let mut its: Vec<_> = lists.into_iter().map(Vec::into_iter).collect();
+        loop {
+            let before = out.len();
+            for it in &mut its {
+                out.extend(it.next());
+            }
+            if out.len() == before {
+                return out;
+            }
+        }
+    }
+
     /// Reads a record. With `geo`, a record of another geometry is a mismatch.
     pub fn get(&self, key: &[u8], geo: Option<&Geometry>) -> GetOutcome {
         let out = self.lookup(key, geo);
