@@ -16,6 +16,7 @@
 # target/bench-trace).
 #
 # Usage: scripts/bench-trace.sh [capacity|events|all]
+#        EVENTS="stop rolling" HANDOFFS=600 scripts/bench-trace.sh events   (a subset)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 what=${1:-all}
@@ -81,12 +82,17 @@ print(sum(1 for l in open('$trace') if json.loads(l)['timestamp'] < end))")
     bash scripts/trace-cluster.sh "$cluster" down
   }
   crash_back=$(python3 -c "print(60 / $speed)")
-  for h in 600 0; do
-    run_event "control-h$h" "$h" "$span" "true"
-    run_event "join-h$h" "$h" "$span" "$ev join n4"
-    run_event "stop-h$h" "$h" "$span" "$ev stop n3"
-    run_event "crash-h$h" "$h" "$span" "$ev crash n3 $crash_back"
-    run_event "rolling-h$h" "$h" "$rspan" "$ev rolling"
+  # EVENTS and HANDOFFS pick a subset (results of earlier runs are kept).
+  for h in ${HANDOFFS:-600 0}; do
+    for e in ${EVENTS:-control join stop crash rolling}; do
+      case $e in
+        control) run_event "control-h$h" "$h" "$span" "true" ;;
+        join) run_event "join-h$h" "$h" "$span" "$ev join n4" ;;
+        stop) run_event "stop-h$h" "$h" "$span" "$ev stop n3" ;;
+        crash) run_event "crash-h$h" "$h" "$span" "$ev crash n3 $crash_back" ;;
+        rolling) run_event "rolling-h$h" "$h" "$rspan" "$ev rolling" ;;
+      esac
+    done
   done
   python3 - "$results" "$at" "$span" "$rspan" "$speed" <<'EOF' | tee "$work/summary.txt"
 import json, sys, os

@@ -51,13 +51,15 @@ await_member() { # await_member ID [gone]
 }
 
 start_node() { # start_node ID
-  local id=$1 port
+  local id=$1 port push=""
+  # Handoff off is the behaviour before it: no push on drain either.
+  [ "$(cat "$state/handoff")" = 0 ] && push=--no-drain-push
   port=$(cat "$state/$id.port" 2>/dev/null || free_port)
   echo "$port" >"$state/$id.port"
   mkdir -p "$work/$id"
   "$bin/kv-server" --listen "127.0.0.1:$port" --dir "$work/$id/disk" --cap "$(cat "$state/cap")" \
     --mds "$(cat "$state/mds")" --group trace --id "$id" --advertise "127.0.0.1:$port" \
-    --drain-secs "$(cat "$state/drain")" --handoff-secs "$(cat "$state/handoff")" --log-level warn \
+    --drain-secs "$(cat "$state/drain")" --handoff-secs "$(cat "$state/handoff")" --log-level info $push \
     >"$work/$id.out" 2>>"$work/$id.log" &
   echo $! >"$state/$id.pid"
   await_line "$work/$id.out" $! kv-server

@@ -743,7 +743,8 @@ async fn store_put(
         if let Some((key, _)) = &copy {
             if shared.handoff.refuses(kv_common::page::key_hash(key)) {
                 shared.handoff.refused.fetch_add(1, Ordering::Relaxed);
-                let r = error_response(&req, Status::Rejected, "handoff copy of a key deleted within the handoff window");
+                let r =
+                    error_response(&req, Status::Rejected, "handoff copy of a key deleted within the handoff window");
                 let _ = tx.send(counted(&shared, req.op, t0, r)).await;
                 return;
             }
@@ -762,7 +763,8 @@ async fn store_put(
                 let (store, k) = (shared.store.clone(), key.clone());
                 let _ = tokio::task::spawn_blocking(move || store.delete(&k)).await;
                 shared.handoff.refused.fetch_add(1, Ordering::Relaxed);
-                let r = error_response(&req, Status::Rejected, "handoff copy of a key deleted within the handoff window");
+                let r =
+                    error_response(&req, Status::Rejected, "handoff copy of a key deleted within the handoff window");
                 let _ = tx.send(counted(&shared, req.op, t0, r)).await;
                 drop(permit);
                 return;

@@ -162,13 +162,21 @@ pub fn push_pages(
         }
     }
     let before = h.pushed.load(Ordering::Relaxed);
+    let owners: Vec<(&kv_common::mds::MemberRecord, Vec<std::sync::Arc<[u8]>>)> =
+        members.iter().zip(queues).filter(|(_, q)| !q.is_empty()).take(PUSH_THREADS).collect();
+    // Up to 4 connections an owner, PUSH_THREADS in all; each takes every
+    // n-th key, so each keeps the most-recently-used-first order.
+    let per = (PUSH_THREADS / owners.len().max(1)).clamp(1, 4);
     std::thread::scope(|s| {
-        for (m, keys) in members.iter().zip(queues).filter(|(_, q)| !q.is_empty()).take(PUSH_THREADS) {
-            s.spawn(move || {
-                if let Err(e) = push_to(store, h, &m.addr, token, &keys, deadline) {
-                    tracing::warn!(owner = %m.id, addr = %m.addr, error = %e, "drain: pushing pages to this owner stopped");
-                }
-            });
+        for (m, keys) in &owners {
+            for t in 0..per {
+                let mine: Vec<std::sync::Arc<[u8]>> = keys.iter().skip(t).step_by(per).cloned().collect();
+                s.spawn(move || {
+                    if let Err(e) = push_to(store, h, &m.addr, token, &mine, deadline) {
+                        tracing::warn!(owner = %m.id, addr = %m.addr, error = %e, "drain: pushing pages to this owner stopped");
+                    }
+                });
+            }
         }
     });
     h.pushed.load(Ordering::Relaxed) - before
@@ -211,35 +219,57 @@ fn push_to(
     if !matches!(wire::judge_hello(WIRE_VERSION, &reply), HelloVerdict::Accepted { .. }) {
         return Err(std::io::Error::other("the owner refused the hello"));
     }
+    // Several puts in flight (the owner answers them in any order, by id),
+    // within PUSH_WINDOW pages and PUSH_WINDOW_BYTES.
+    let mut inflight: std::collections::HashMap<u64, u64> = std::collections::HashMap::new();
+    let mut held = 0u64;
+    let answer = |s: &mut std::net::TcpStream, inflight: &mut std::collections::HashMap<u64, u64>| {
+        let mut rb = [0u8; wire::FRAME_HEADER_LEN];
+        s.read_exact(&mut rb)?;
+        let r = RspHeader::decode(&rb);
+        let Some(len) = inflight.remove(&r.req_id).filter(|_| r.body_len <= 1 << 20) else {
+            return Err(std::io::Error::other("the owner's answer is out of step"));
+        };
+        let mut body = vec![0u8; r.body_len as usize];
+        s.read_exact(&mut body)?;
+        if r.status == Status::Ok {
+            h.pushed.fetch_add(1, Ordering::Relaxed);
+            h.pushed_bytes.fetch_add(len, Ordering::Relaxed);
+        } else {
+            // Refused (deleted in the window, full, draining too): next page.
+            h.push_failed.fetch_add(1, Ordering::Relaxed);
+        }
+        Ok::<u64, std::io::Error>(len)
+    };
     for (id, k) in keys.iter().enumerate() {
         if left().is_zero() {
             break;
         }
         let crate::store::GetOutcome::Hit(rec) = store.get(k, None) else { continue };
-        if rec.len() as u64 > reply.max_record {
+        let len = rec.len() as u64;
+        if len > reply.max_record {
             continue;
         }
-        let head = ReqHeader { op: Op::Put, flags: FLAG_HANDOFF, body_len: rec.len() as u32, req_id: id as u64 + 1 };
+        let req_id = id as u64 + 1;
+        let head = ReqHeader { op: Op::Put, flags: FLAG_HANDOFF, body_len: len as u32, req_id };
         s.write_all(&head.encode())?;
         s.write_all(rec.as_slice())?;
-        let mut rb = [0u8; wire::FRAME_HEADER_LEN];
-        s.read_exact(&mut rb)?;
-        let r = RspHeader::decode(&rb);
-        if r.req_id != id as u64 + 1 || r.body_len > 1 << 20 {
-            return Err(std::io::Error::other("the owner's answer is out of step"));
+        drop(rec);
+        inflight.insert(req_id, len);
+        held += len;
+        while inflight.len() >= PUSH_WINDOW || held > PUSH_WINDOW_BYTES {
+            held -= answer(&mut s, &mut inflight)?;
         }
-        let mut body = vec![0u8; r.body_len as usize];
-        s.read_exact(&mut body)?;
-        if r.status == Status::Ok {
-            h.pushed.fetch_add(1, Ordering::Relaxed);
-            h.pushed_bytes.fetch_add(rec.len() as u64, Ordering::Relaxed);
-        } else {
-            // Refused (deleted in the window, full, draining too): next page.
-            h.push_failed.fetch_add(1, Ordering::Relaxed);
-        }
+    }
+    while !inflight.is_empty() {
+        answer(&mut s, &mut inflight)?;
     }
     Ok(())
 }
+
+/// Puts a push keeps in flight on one connection, and their bytes.
+const PUSH_WINDOW: usize = 8;
+const PUSH_WINDOW_BYTES: u64 = 16 << 20;
 
 #[cfg(test)]
 mod tests {

@@ -354,7 +354,12 @@ impl Collector for StatsCollector {
             "Connections accepted in protocol v1 (clients of the previous release)",
             s.v1_connections,
         )?;
-        gauge(&mut e, "draining", "1 while the node drains after a SIGTERM (left its group, takes no puts)", u64::from(s.draining))?;
+        gauge(
+            &mut e,
+            "draining",
+            "1 while the node drains after a SIGTERM (left its group, takes no puts)",
+            u64::from(s.draining),
+        )?;
         counter(
             &mut e,
             "handoff_asks",
@@ -377,7 +382,12 @@ impl Collector for StatsCollector {
         )?;
         gauge(&mut e, "tombstones", "Keys deleted within the handoff window (their copies are refused)", s.tombstones)?;
         counter(&mut e, "drain_pushed", "Pages pushed to their new owners while draining", s.drain_pushed)?;
-        counter(&mut e, "drain_pushed_bytes", "Record bytes pushed to new owners while draining", s.drain_pushed_bytes)?;
+        counter(
+            &mut e,
+            "drain_pushed_bytes",
+            "Record bytes pushed to new owners while draining",
+            s.drain_pushed_bytes,
+        )?;
         counter(
             &mut e,
             "drain_push_failed",
