@@ -335,7 +335,8 @@ impl Client {
                 match previous.iter().position(|p| p.epoch == e) {
                     Some(i) => {
                         let p = &previous[i];
-                        previous[i] = Arc::new(Previous { epoch: e, ring: p.ring.clone(), nodes: p.nodes.clone(), until });
+                        previous[i] =
+                            Arc::new(Previous { epoch: e, ring: p.ring.clone(), nodes: p.nodes.clone(), until });
                     }
                     None => {
                         let nodes = set.iter().map(&mut node_for).collect();

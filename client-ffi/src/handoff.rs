@@ -296,9 +296,9 @@ impl Client {
         };
         let budget = self.opts.handoff_budget;
         let n = len as u64;
-        let taken = h.inflight_bytes.fetch_update(Ordering::AcqRel, Ordering::Acquire, |cur| {
-            (cur + n <= budget).then_some(cur + n)
-        });
+        let taken = h
+            .inflight_bytes
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |cur| (cur + n <= budget).then_some(cur + n));
         if taken.is_err() {
             h.budget_drops.fetch_add(1, Ordering::Relaxed);
             return;

@@ -128,7 +128,10 @@ mod tests {
         assert!(Options::parse("io_timeout_ms=-1").unwrap_err().contains("whole number"));
         assert!(Options::parse("max_conns_per_node=0").unwrap_err().contains("at least 1"));
         let o = Options::parse("handoff_ms=0,handoff_timeout_ms=100,handoff_budget_mb=8").unwrap();
-        assert_eq!((o.handoff, o.handoff_timeout, o.handoff_budget), (Duration::ZERO, Duration::from_millis(100), 8 << 20));
+        assert_eq!(
+            (o.handoff, o.handoff_timeout, o.handoff_budget),
+            (Duration::ZERO, Duration::from_millis(100), 8 << 20)
+        );
         assert!(Options::parse("handoff_timeout_ms=0").unwrap_err().contains("at least 1"));
     }
 

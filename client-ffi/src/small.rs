@@ -17,7 +17,9 @@ use std::time::{Duration, Instant};
 use kv_common::page::Geometry;
 use kv_common::status::Status;
 use kv_common::wire::MAX_BATCH_KEYS;
-use kv_common::wire::{self, KeyRequest, Op, ReqHeader, RspHeader, FLAG_CHECK_GEOMETRY, FLAG_HANDOFF, FRAME_HEADER_LEN};
+use kv_common::wire::{
+    self, KeyRequest, Op, ReqHeader, RspHeader, FLAG_CHECK_GEOMETRY, FLAG_HANDOFF, FRAME_HEADER_LEN,
+};
 
 use crate::client::Client;
 use crate::error::OpError;
@@ -283,7 +285,11 @@ impl Client {
                 let asked: usize = groups.iter().map(|g| g.2.len()).sum();
                 self.metrics.handoff.asks.fetch_add(asked as u64, Ordering::Relaxed);
                 let mut there = vec![Status::Miss; keys.len()];
-                self.exist_waves(groups.into_iter().map(|(n, until, idx)| (n, idx, Some(until))).collect(), keys, &mut there);
+                self.exist_waves(
+                    groups.into_iter().map(|(n, until, idx)| (n, idx, Some(until))).collect(),
+                    keys,
+                    &mut there,
+                );
                 for ((o, t), m) in out.iter_mut().zip(there).zip(mismatch.iter_mut()) {
                     if *o == Status::Miss && t == Status::Ok {
                         self.metrics.handoff.hits.fetch_add(1, Ordering::Relaxed);

@@ -316,7 +316,13 @@ impl Registry {
 
     /// The view of `members` at `epoch`, with the previous sets the history
     /// keys among `kvs` (the group's keys) still hold.
-    async fn assemble(&self, group: &str, epoch: u64, members: Vec<MemberRecord>, kvs: &[etcd_client::KeyValue]) -> View {
+    async fn assemble(
+        &self,
+        group: &str,
+        epoch: u64,
+        members: Vec<MemberRecord>,
+        kvs: &[etcd_client::KeyValue],
+    ) -> View {
         let handoff_ms = Some(self.handoff.as_millis() as u64);
         let mut previous = Vec::new();
         if self.handoff.is_zero() || epoch == 0 {
@@ -342,8 +348,9 @@ impl Registry {
             if left == 0 {
                 break;
             }
-            let earlier = PreviousSet { epoch: h.epoch, remaining_ms: 0, joined: h.joined.clone(), left: h.left.clone() }
-                .apply(&set);
+            let earlier =
+                PreviousSet { epoch: h.epoch, remaining_ms: 0, joined: h.joined.clone(), left: h.left.clone() }
+                    .apply(&set);
             previous.push(PreviousSet::between(&members, &earlier, h.epoch, left));
             set = earlier;
             at = h.epoch;
@@ -666,7 +673,8 @@ impl Registry {
                 self.counters.epoch_bumps.fetch_add(1, Ordering::Relaxed);
                 tracing::info!(group, epoch = rev, members = now.len(), "member set changed: new epoch");
                 // The history as it is now (this transaction's key included).
-                let after = etcd_call!(self, etcd.get(history_prefix(group), Some(GetOptions::new().with_prefix())).await)?;
+                let after =
+                    etcd_call!(self, etcd.get(history_prefix(group), Some(GetOptions::new().with_prefix())).await)?;
                 return Ok(self.assemble(group, rev, now, after.kvs()).await);
             }
             // The members changed between the read and the transaction:
