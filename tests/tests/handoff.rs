@@ -86,6 +86,18 @@ impl Group {
     }
 }
 
+/// Nodes n1 and n2, every page written through a client that follows the
+/// group, then n3 joins: (n1 and n2, that client, n3).
+fn written_then_n3_joins(g: &Group) -> (Vec<Node>, BlockingClient, Node) {
+    let old = vec![g.node("n1", &[]), g.node("n2", &[])];
+    let c = g.client("");
+    g.await_ids(&c, &["n1", "n2"]);
+    write_all(&c);
+    let n3 = g.node("n3", &[]);
+    g.await_ids(&c, &["n1", "n2", "n3"]);
+    (old, c, n3)
+}
+
 fn write_all(c: &BlockingClient) {
     for i in 0..PAGES {
         assert_eq!(c.putv(&key(i), &[&page(i)]), Status::Ok, "put {i}");
@@ -345,13 +357,7 @@ fn handoff_off_is_the_old_behaviour() {
 fn a_page_of_another_geometry_at_a_previous_owner_is_a_mismatch_never_served() {
     let _s = serial();
     let g = Group::new("120");
-    let _n1 = g.node("n1", &[]);
-    let _n2 = g.node("n2", &[]);
-    let c = g.client("");
-    g.await_ids(&c, &["n1", "n2"]);
-    write_all(&c);
-    let _n3 = g.node("n3", &[]);
-    g.await_ids(&c, &["n1", "n2", "n3"]);
+    let (_old, c, _n3) = written_then_n3_joins(&g);
     let other = Geometry { model_hash: 12, ..geo() };
     let o = g.client_geo("", other);
     g.await_ids(&o, &["n1", "n2", "n3"]);
@@ -367,13 +373,7 @@ fn a_page_of_another_geometry_at_a_previous_owner_is_a_mismatch_never_served() {
 fn a_page_deleted_after_a_join_stays_deleted_also_with_a_copy_in_flight() {
     let _s = serial();
     let g = Group::new("120");
-    let _n1 = g.node("n1", &[]);
-    let _n2 = g.node("n2", &[]);
-    let c = g.client("");
-    g.await_ids(&c, &["n1", "n2"]);
-    write_all(&c);
-    let n3 = g.node("n3", &[]);
-    g.await_ids(&c, &["n1", "n2", "n3"]);
+    let (_old, c, n3) = written_then_n3_joins(&g);
     let moved: Vec<usize> = (0..PAGES).filter(|&i| owner(&c, i) == "n3").collect();
     let mut buf = vec![0u8; 8192];
     // A get starts a background copy; the delete follows at once.
