@@ -101,10 +101,10 @@ pub(crate) trait Exchange {
     fn run<'a>(&'a mut self, conn: &'a mut AsyncConn, geo: &'a Geometry) -> BoxFuture<'a, Result<Self::Out, OpError>>;
 }
 
-pub(crate) struct PutX<'b> {
-    pub(crate) header: [u8; 64],
-    pub(crate) key: &'b [u8],
-    pub(crate) bufs: &'b [&'b [u8]],
+struct PutX<'b> {
+    header: [u8; 64],
+    key: &'b [u8],
+    bufs: &'b [&'b [u8]],
 }
 
 impl Exchange for PutX<'_> {
@@ -147,15 +147,14 @@ impl Exchange for GetManyX<'_, '_> {
     }
 }
 
-pub(crate) struct ExistX<'b> {
-    pub(crate) key: &'b [u8],
-    pub(crate) extra: u8,
+struct ExistX<'b> {
+    key: &'b [u8],
 }
 
 impl Exchange for ExistX<'_> {
     type Out = Status;
     fn run<'a>(&'a mut self, conn: &'a mut AsyncConn, geo: &'a Geometry) -> BoxFuture<'a, Result<Status, OpError>> {
-        Box::pin(exchange::exist(conn, geo, self.key, self.extra))
+        Box::pin(exchange::exist(conn, geo, self.key))
     }
 }
 
@@ -190,10 +189,18 @@ fn ring_of(members: &[Member]) -> Ring {
     Ring::new(members.iter().map(|m| RingMember { id: m.id.clone(), weight: m.weight }).collect())
 }
 
+/// What places a node: its id, address and weight.
+type Placed<'a> = (&'a str, &'a str, u32);
+
+fn placed(n: &Node) -> Placed<'_> {
+    (n.id.as_str(), n.addr.as_str(), n.weight)
+}
+
 /// Whether two member sets place every key alike (same ids, addresses and
 /// weights, in any order).
 fn same_members(a: &[Arc<Node>], b: &[Arc<Node>]) -> bool {
-    a.len() == b.len() && a.iter().all(|n| b.iter().any(|m| m.id == n.id && m.addr == n.addr && m.weight == n.weight))
+    let b: std::collections::HashSet<Placed<'_>> = b.iter().map(|n| placed(n)).collect();
+    a.len() == b.len() && a.iter().all(|n| b.contains(&placed(n)))
 }
 
 pub(crate) fn is_stale(e: &OpError) -> bool {
@@ -288,15 +295,15 @@ impl Client {
         let now = Instant::now();
         // Nodes whose id, address and weight are unchanged are reused (with
         // their pools and health), from the current set or a previous one.
-        let mut made: Vec<Arc<Node>> = Vec::new();
+        let mut known: std::collections::HashMap<(String, String, u32), Arc<Node>> = old
+            .nodes
+            .iter()
+            .chain(old.previous.iter().flat_map(|p| p.nodes.iter()))
+            .map(|n| ((n.id.clone(), n.addr.clone(), n.weight), n.clone()))
+            .collect();
         let mut node_for = |m: &Member| -> Arc<Node> {
-            let same = |n: &&Arc<Node>| n.id == m.id && n.addr == m.addr && n.weight == m.weight;
-            if let Some(n) = made
-                .iter()
-                .find(same)
-                .or_else(|| old.nodes.iter().find(same))
-                .or_else(|| old.previous.iter().flat_map(|p| p.nodes.iter()).find(same))
-            {
+            let k = (m.id.clone(), m.addr.clone(), m.weight);
+            if let Some(n) = known.get(&k) {
                 return n.clone();
             }
             let n = Arc::new(Node::new(
@@ -307,12 +314,13 @@ impl Client {
                 self.opts.auth_token.clone(),
                 self.rdma.clone(),
             ));
-            made.push(n.clone());
+            known.insert(k, n.clone());
             n
         };
         let nodes: Vec<Arc<Node>> = members.iter().map(&mut node_for).collect();
         // A node back in the current set (a restart) is asked again.
-        for n in nodes.iter().filter(|n| !old.nodes.iter().any(|o| Arc::ptr_eq(o, n))) {
+        let was: std::collections::HashSet<*const Node> = old.nodes.iter().map(Arc::as_ptr).collect();
+        for n in nodes.iter().filter(|n| !was.contains(&Arc::as_ptr(n))) {
             n.clear_handoff_skip();
         }
         let ring = Arc::new(ring_of(&members));
@@ -501,7 +509,7 @@ impl Client {
             Ok(n) => n,
             Err(s) => return s,
         };
-        let mut s = match self.run_on(&node, &mut ExistX { key, extra: 0 }).await {
+        let mut s = match self.run_on(&node, &mut ExistX { key }).await {
             Ok(s) => s,
             Err(e) => e.status(),
         };

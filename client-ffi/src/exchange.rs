@@ -289,9 +289,9 @@ async fn get_inline(
     read_get_body(conn, geo, key, bufs, &h).await
 }
 
-pub async fn exist(conn: &mut AsyncConn, geo: &Geometry, key: &[u8], extra: u8) -> Result<Status, OpError> {
+pub async fn exist(conn: &mut AsyncConn, geo: &Geometry, key: &[u8]) -> Result<Status, OpError> {
     let req = KeyRequest::encode(geo, key);
-    let id = send(conn, Op::Exist, FLAG_CHECK_GEOMETRY | extra, &[&req]).await?;
+    let id = send(conn, Op::Exist, FLAG_CHECK_GEOMETRY, &[&req]).await?;
     let h = recv_header(conn, id).await?;
     let body = recv_small(conn, &h).await?;
     match h.status {

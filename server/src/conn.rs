@@ -743,8 +743,7 @@ async fn store_put(
         if let Some((key, _)) = &copy {
             if shared.handoff.refuses(kv_common::page::key_hash(key)) {
                 shared.handoff.refused.fetch_add(1, Ordering::Relaxed);
-                let r =
-                    error_response(&req, Status::Rejected, "handoff copy of a key deleted within the handoff window");
+                let r = error_response(&req, Status::Rejected, COPY_OF_DELETED);
                 let _ = tx.send(counted(&shared, req.op, t0, r)).await;
                 return;
             }
@@ -763,8 +762,7 @@ async fn store_put(
                 let (store, k) = (shared.store.clone(), key.clone());
                 let _ = tokio::task::spawn_blocking(move || store.delete(&k)).await;
                 shared.handoff.refused.fetch_add(1, Ordering::Relaxed);
-                let r =
-                    error_response(&req, Status::Rejected, "handoff copy of a key deleted within the handoff window");
+                let r = error_response(&req, Status::Rejected, COPY_OF_DELETED);
                 let _ = tx.send(counted(&shared, req.op, t0, r)).await;
                 drop(permit);
                 return;
@@ -880,6 +878,9 @@ async fn handle_get(shared: &Arc<Shared>, tx: &Out, req: &ReqHeader, body: &[u8]
         }
     }
 }
+
+/// Why a handoff copy is refused (REJECTED).
+const COPY_OF_DELETED: &str = "handoff copy of a key deleted within the handoff window";
 
 /// Counts a handoff ask's keys (EXIST, BATCH_EXIST with FLAG_HANDOFF).
 fn count_handoff(shared: &Shared, req: &ReqHeader, found: &[Presence]) {
