@@ -9,6 +9,9 @@
 #             rolling restart of every node, each with handoff on and off,
 #             beside control runs without an event. The membership clocks
 #             (lease TTL, drain, handoff window) are divided by SPEED too.
+#             WARM=SECS replays the trace up to SECS before the event as fast
+#             as possible (kvctl replay --warm-until) and only the rest at
+#             SPEED: with SPEED=1, the events at the trace's own pace.
 #
 # Each run gets a fresh cluster (scripts/trace-cluster.sh) and the same key
 # tag, so every run places every page alike. Results (one
@@ -17,6 +20,7 @@
 #
 # Usage: scripts/bench-trace.sh [capacity|events|all]
 #        EVENTS="stop rolling" HANDOFFS=600 scripts/bench-trace.sh events   (a subset)
+#        SPEED=1 WARM=30 scripts/bench-trace.sh events                     (real time)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 what=${1:-all}
@@ -34,6 +38,8 @@ cluster="$work/cluster"
 trap 'bash scripts/trace-cluster.sh "$cluster" down || true' EXIT
 trap 'exit 130' INT TERM
 results="$work/results"
+# Runs at another pace go to a directory of their own.
+[ "$speed" = 20 ] && [ -z "${WARM:-}" ] || results="$work/results-speed$speed${WARM:+-warm$WARM}"
 mkdir -p "$results"
 
 replay() { # replay NAME [kvctl replay flags...]: one run on the cluster up now
@@ -72,13 +78,21 @@ if [ "$what" = events ] || [ "$what" = all ]; then
   # however fast the machine keeps up).
   span=60
   rspan=400
-  limit=$(python3 -c "
+  # The runs of one span replay the same requests (the control the longest:
+  # every run is a prefix of it, and what a request gets depends only on
+  # those before it).
+  limit_for() { # limit_for SPAN
+    python3 -c "
 import json, sys
-end = ($at + $rspan + 20) * 1000
-print(sum(1 for l in open('$trace') if json.loads(l)['timestamp'] < end))")
+end = ($at + $1 + 20) * 1000
+print(sum(1 for l in open('$trace') if json.loads(l)['timestamp'] < end))"
+  }
+  warm=()
+  [ -n "${WARM:-}" ] && warm=(--warm-until "$((at - WARM))")
   run_event() { # run_event NAME HANDOFF_SECS SPAN COMMAND
     bash scripts/trace-cluster.sh "$cluster" up "$speed" 1500M "$2"
-    replay "$1" --speed "$speed" --engines 4 --limit "$limit" --tag trace --event-span "$3" --event "$at=$4"
+    replay "$1" --speed "$speed" "${warm[@]}" --engines 4 --limit "$(limit_for "$3")" --tag trace \
+      --event-span "$3" --event "$at=$4"
     bash scripts/trace-cluster.sh "$cluster" down
   }
   crash_back=$(python3 -c "print(60 / $speed)")
@@ -86,7 +100,7 @@ print(sum(1 for l in open('$trace') if json.loads(l)['timestamp'] < end))")
   for h in ${HANDOFFS:-600 0}; do
     for e in ${EVENTS:-control join stop crash rolling}; do
       case $e in
-        control) run_event "control-h$h" "$h" "$span" "true" ;;
+        control) run_event "control-h$h" "$h" "$rspan" "true" ;;
         join) run_event "join-h$h" "$h" "$span" "$ev join n4" ;;
         stop) run_event "stop-h$h" "$h" "$span" "$ev stop n3" ;;
         crash) run_event "crash-h$h" "$h" "$span" "$ev crash n3 $crash_back" ;;
@@ -97,7 +111,11 @@ print(sum(1 for l in open('$trace') if json.loads(l)['timestamp'] < end))")
   python3 - "$results" "$at" "$span" "$rspan" "$speed" <<'EOF' | tee "$work/summary.txt"
 import json, sys, os
 d, at, span, rspan, speed = sys.argv[1], float(sys.argv[2]), float(sys.argv[3]), float(sys.argv[4]), sys.argv[5]
-def load(n): return json.load(open(os.path.join(d, n + ".json")))
+def load(n):
+    try:
+        return json.load(open(os.path.join(d, n + ".json")))
+    except OSError:
+        return None
 def span_hits(r, s):
     return sum(w["hits"] for w in r["windows"] if at <= w["start_s"] < at + s)
 print(f"events at trace time {at:.0f} s, speed {speed} (membership clocks divided by {speed} too)")
@@ -106,11 +124,13 @@ for ev in ["join", "stop", "crash", "rolling"]:
     for h in ["600", "0"]:
         r = load(f"{ev}-h{h}")
         c = load(f"control-h{h}")
+        if r is None or c is None:
+            continue
         s = rspan if ev == "rolling" else span
         hits, ctl = span_hits(r, s), span_hits(c, s)
         loss = 100.0 * (ctl - hits) / ctl if ctl else 0.0
         print(f"{ev:<9} {'on' if h != '0' else 'off':<8} {s:>6.0f} {hits:>7} {ctl:>8} {loss:>7.1f} {r['wrong_pages']:>6}")
 a, b = load("control-h600"), load("control-h0")
-print(f"control vs control (noise): {span_hits(a, span)} vs {span_hits(b, span)} hits in the {span:.0f} s span")
+if a and b: print(f"control vs control (noise): {span_hits(a, span)} vs {span_hits(b, span)} hits in the {span:.0f} s span")
 EOF
 fi

@@ -16,7 +16,7 @@ use std::io::IsTerminal;
 use std::path::PathBuf;
 use std::process::{Command, Stdio};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
-use std::sync::Mutex;
+use std::sync::{Condvar, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use clap::Args;
@@ -69,6 +69,11 @@ pub struct ReplayArgs {
     /// issued t/S after the start; 0 issues requests as fast as the group answers.
     #[arg(long, default_value_t = 0.0)]
     pub speed: f64,
+    /// With --speed: issue the requests before trace time SECS as fast as possible (filling the
+    /// group), then, once every stream is past them, the rest at --speed counted from SECS. Measures
+    /// a membership event at a real pace without replaying the hour before it at that pace.
+    #[arg(long, value_name = "SECS")]
+    pub warm_until: Option<String>,
     /// Replay the first N requests only (after --skip).
     #[arg(long)]
     pub limit: Option<usize>,
@@ -107,6 +112,8 @@ struct Plan {
     tag: String,
     engines: usize,
     speed: f64,
+    /// Trace time (ms from the trace's start) before which requests go as fast as possible.
+    warm_until_ms: Option<u64>,
     duration: Option<Duration>,
     window_ms: u64,
     event_span_ms: u64,
@@ -172,6 +179,10 @@ fn plan(a: &ReplayArgs) -> Result<Plan, String> {
     if !a.speed.is_finite() || a.speed < 0.0 {
         return Err(format!("--speed {}: give 0 (as fast as possible) or a positive factor", a.speed));
     }
+    let warm_until_ms = a.warm_until.as_deref().map(|w| parse_time_ms("--warm-until", w)).transpose()?;
+    if warm_until_ms.is_some() && a.speed == 0.0 {
+        return Err("--warm-until: give a --speed too (without one every request goes as fast as possible)".into());
+    }
     let duration = match a.duration {
         Some(d) if !(d.is_finite() && d > 0.0 && d < 1e9) => {
             return Err(format!("--duration {d}: give a positive number of seconds"))
@@ -200,6 +211,7 @@ fn plan(a: &ReplayArgs) -> Result<Plan, String> {
         tag,
         engines: a.engines,
         speed: a.speed,
+        warm_until_ms,
         duration,
         window_ms,
         event_span_ms,
@@ -350,6 +362,41 @@ fn group_capacity(target: &Target, timeout: Duration) -> Result<(u64, String), S
     Ok((cap, source))
 }
 
+/// The end of the warm-up (--warm-until): the paced part starts when every
+/// stream has issued its requests before the warm-up's end, so that no stream
+/// runs paced requests beside another's warm-up burst.
+struct WarmGate {
+    /// Streams still warming up.
+    left: Mutex<usize>,
+    ended: Condvar,
+    /// When the last stream arrived: the wall-clock origin of the paced part.
+    paced_t0: OnceLock<Instant>,
+}
+
+impl WarmGate {
+    fn new(streams: usize) -> Self {
+        WarmGate { left: Mutex::new(streams), ended: Condvar::new(), paced_t0: OnceLock::new() }
+    }
+
+    /// One stream is done warming up (or never will: `wait` false, for a
+    /// stream that did not start); with `wait`, returns when all are, with
+    /// the origin of the paced part.
+    fn arrive(&self, wait: bool) -> Instant {
+        let mut left = self.left.lock().unwrap_or_else(|e| e.into_inner());
+        *left = left.saturating_sub(1);
+        if *left == 0 {
+            self.paced_t0.get_or_init(Instant::now);
+            self.ended.notify_all();
+        }
+        while wait && *left > 0 {
+            left = self.ended.wait(left).unwrap_or_else(|e| e.into_inner());
+        }
+        // Set once the last stream arrived; a stream that does not wait may
+        // leave before, and does not use the origin.
+        self.paced_t0.get().copied().unwrap_or_else(Instant::now)
+    }
+}
+
 /// Shared by the engine streams.
 struct Shared<'a> {
     client: &'a BlockingClient,
@@ -361,6 +408,7 @@ struct Shared<'a> {
     wrong_seen: &'a AtomicU64,
     t0: Instant,
     first_ts: u64,
+    warm: &'a WarmGate,
 }
 
 /// One engine stream: its requests in trace order.
@@ -370,12 +418,18 @@ fn stream(s: &Shared<'_>, idx: Vec<usize>) -> Vec<(usize, Outcome)> {
     let mut bufs: Vec<Vec<u8>> = Vec::new();
     let mut out = Vec::with_capacity(idx.len());
     let deadline = s.plan.duration.map(|d| s.t0 + d);
+    // Without --warm-until the pace counts from the first request replayed.
+    let mut pace = s.plan.warm_until_ms.is_none().then_some((s.t0, s.first_ts));
     for i in idx {
         let r = &s.reqs[i];
-        if s.plan.speed > 0.0 {
-            let wait = r.ts_ms.saturating_sub(s.first_ts) as f64 / 1000.0 / s.plan.speed;
+        if pace.is_none() && s.plan.warm_until_ms.is_some_and(|w| r.ts_ms >= w) {
+            let w = s.plan.warm_until_ms.unwrap_or(0);
+            pace = Some((s.warm.arrive(true), w));
+        }
+        if let (true, Some((origin, from_ts))) = (s.plan.speed > 0.0, pace) {
+            let wait = r.ts_ms.saturating_sub(from_ts) as f64 / 1000.0 / s.plan.speed;
             // A time past what a clock holds is never reached: the stream ends.
-            let Some(due) = Duration::try_from_secs_f64(wait).ok().and_then(|w| s.t0.checked_add(w)) else {
+            let Some(due) = Duration::try_from_secs_f64(wait).ok().and_then(|w| origin.checked_add(w)) else {
                 break;
             };
             if deadline.is_some_and(|d| due >= d) {
@@ -393,6 +447,10 @@ fn stream(s: &Shared<'_>, idx: Vec<usize>) -> Vec<(usize, Outcome)> {
         let o = one_request(s, r, &s.pages[i], batch, &mut bufs);
         s.done.fetch_add(1, Ordering::Relaxed);
         out.push((i, o));
+    }
+    if pace.is_none() {
+        // Never reached the paced part: the others need not wait for it.
+        s.warm.arrive(false);
     }
     out
 }
@@ -547,6 +605,7 @@ pub fn run(a: &ReplayArgs, json: bool, timeout: Duration) -> Result<u8, String> 
         failed: Mutex::new(Vec::new()),
         t0,
     };
+    let warm = WarmGate::new(plan.engines);
     let done = AtomicU64::new(0);
     let wrong_seen = AtomicU64::new(0);
     let shared = Shared {
@@ -559,6 +618,7 @@ pub fn run(a: &ReplayArgs, json: bool, timeout: Duration) -> Result<u8, String> 
         wrong_seen: &wrong_seen,
         t0,
         first_ts: reqs.first().map_or(0, |r| r.ts_ms),
+        warm: &warm,
     };
     let stop = AtomicBool::new(false);
     let mut outcomes: Vec<Outcome> = vec![Outcome::default(); reqs.len()];
@@ -577,6 +637,7 @@ pub fn run(a: &ReplayArgs, json: bool, timeout: Duration) -> Result<u8, String> 
             {
                 Ok(h) => handles.push(h),
                 Err(err) => {
+                    warm.arrive(false);
                     eprintln!("kvctl replay: engine stream {e} not started ({err}): its requests are not issued")
                 }
             }
@@ -661,5 +722,29 @@ mod tests {
         assert!(parse_event("120").is_err());
         assert!(parse_event("120= ").is_err());
         assert!(parse_event("x=ls").is_err());
+    }
+
+    #[test]
+    fn the_paced_part_starts_when_every_stream_is_warm() {
+        let gate = WarmGate::new(3);
+        // One stream never started: it does not hold the others.
+        gate.arrive(false);
+        let before = Instant::now();
+        let origins: Vec<Instant> = std::thread::scope(|sc| {
+            let a = sc.spawn(|| gate.arrive(true));
+            let b = sc.spawn(|| {
+                std::thread::sleep(Duration::from_millis(50));
+                gate.arrive(true)
+            });
+            vec![a.join().unwrap(), b.join().unwrap()]
+        });
+        assert_eq!(origins[0], origins[1], "one origin for every stream");
+        assert!(
+            origins[0] >= before + Duration::from_millis(50),
+            "the origin is the last stream's arrival: {:?}",
+            origins[0] - before
+        );
+        // Later arrivals (none expected) do not wait and see the same origin.
+        assert_eq!(gate.arrive(true), origins[0]);
     }
 }

@@ -63,6 +63,8 @@ pub struct Report {
     pub page_bytes: u64,
     pub engines: usize,
     pub speed: f64,
+    /// Trace time (ms) before which the requests went as fast as possible.
+    pub warm_until_ms: Option<u64>,
     pub wall: f64,
     pub slice_requests: u64,
     pub requests: u64,
@@ -113,6 +115,7 @@ pub fn build(i: Input<'_>) -> Report {
         page_bytes: plan.page_bytes as u64,
         engines: plan.engines,
         speed: plan.speed,
+        warm_until_ms: plan.warm_until_ms,
         wall: i.wall,
         slice_requests: i.reqs.len() as u64,
         requests: issued.len() as u64,
@@ -234,7 +237,8 @@ impl Report {
         json!({
             "trace": self.name, "tag": self.tag,
             "pages_per_block": self.per_block, "page_tokens": self.page_tokens, "page_bytes": self.page_bytes,
-            "engines": self.engines, "speed": self.speed, "seconds": self.wall,
+            "engines": self.engines, "speed": self.speed,
+            "warm_until_s": self.warm_until_ms.map(|w| w as f64 / 1000.0), "seconds": self.wall,
             "requests": self.requests, "requests_in_slice": self.slice_requests,
             "pages": self.pages, "hits": self.hits, "hit_rate": rate(self.hits, self.pages),
             "ceiling": {"hits": self.ceiling, "hit_rate": rate(self.ceiling, self.pages)},
@@ -265,7 +269,13 @@ impl Report {
     }
 
     pub fn print(&self) {
-        let speed = if self.speed > 0.0 { format!("speed {}x", self.speed) } else { "as fast as possible".into() };
+        let speed = match (self.speed > 0.0, self.warm_until_ms) {
+            (false, _) => "as fast as possible".to_string(),
+            (true, None) => format!("speed {}x", self.speed),
+            (true, Some(w)) => {
+                format!("as fast as possible up to trace time {} s, then speed {}x", w as f64 / 1000.0, self.speed)
+            }
+        };
         println!(
             "replay of {}: {} of {} requests in {:.1} s, {} engine stream(s), {speed}, tag {}",
             self.name, self.requests, self.slice_requests, self.wall, self.engines, self.tag
