@@ -102,6 +102,25 @@ pub struct NodeStats {
     pub drain_pushed_bytes: u64,
     #[serde(default)]
     pub drain_push_failed: u64,
+    /// `ack = "memory"` (docs/ARCHITECTURE.md, "Acknowledging puts"): puts
+    /// answered once held in memory; bytes held and not yet on a disk, and
+    /// their bound; puts answered on media because the bound was reached;
+    /// pages written by the flushers, and pages they could not write (which
+    /// then miss). All 0 with `ack = "media"`.
+    #[serde(default)]
+    pub ack_memory: bool,
+    #[serde(default)]
+    pub acked_in_memory: u64,
+    #[serde(default)]
+    pub unflushed_bytes: u64,
+    #[serde(default)]
+    pub unflushed_max_bytes: u64,
+    #[serde(default)]
+    pub ack_fallbacks: u64,
+    #[serde(default)]
+    pub flushed: u64,
+    #[serde(default)]
+    pub flush_failed: u64,
 }
 
 /// One op's service-time histogram on a node: the same series `/metrics`

@@ -137,6 +137,12 @@ pub fn stat_all(group: &str, epoch: Option<u64>, members: &[MemberRecord], timeo
         total.handoff_refused += s.handoff_refused;
         total.tombstones += s.tombstones;
         total.drain_pushed += s.drain_pushed;
+        total.ack_memory |= s.ack_memory;
+        total.acked_in_memory += s.acked_in_memory;
+        total.unflushed_bytes += s.unflushed_bytes;
+        total.unflushed_max_bytes += s.unflushed_max_bytes;
+        total.ack_fallbacks += s.ack_fallbacks;
+        total.flush_failed += s.flush_failed;
     }
     for s in &stats {
         down += usize::from(s.is_err());
@@ -159,6 +165,8 @@ pub fn stat_all(group: &str, epoch: Option<u64>, members: &[MemberRecord], timeo
             "handoff_asks": total.handoff_asks, "handoff_hits": total.handoff_hits,
             "handoff_copies": total.handoff_copies, "handoff_copy_bytes": total.handoff_copy_bytes,
             "handoff_refused": total.handoff_refused, "tombstones": total.tombstones,
+            "acked_in_memory": total.acked_in_memory, "unflushed_bytes": total.unflushed_bytes,
+            "ack_fallbacks": total.ack_fallbacks, "flush_failed": total.flush_failed,
             "nodes": members.len(), "unreachable": down,
         });
         println!("{}", serde_json::json!({"group": group, "epoch": epoch, "nodes": rows, "total": t}));
@@ -218,6 +226,9 @@ pub fn stat_all(group: &str, epoch: Option<u64>, members: &[MemberRecord], timeo
     row(&mut t, "TOTAL", &label, &total);
     println!("{t}");
     println!("{}", handoff_line(&total));
+    if total.ack_memory {
+        println!("{}", ack_line(&total));
+    }
     u8::from(down > 0)
 }
 
@@ -234,5 +245,19 @@ pub fn handoff_line(s: &NodeStats) -> String {
         s.handoff_refused,
         s.tombstones,
         s.drain_pushed
+    )
+}
+
+/// Puts acknowledged from memory (`--ack memory` on some node): how many,
+/// the bytes not yet on a disk against their bound, the puts that waited
+/// for media at the bound, and pages the flushers could not write.
+pub fn ack_line(s: &NodeStats) -> String {
+    format!(
+        "ack memory  acknowledged {}  unflushed {} of {}  on media at the bound {}  not written {}",
+        s.acked_in_memory,
+        format_size(s.unflushed_bytes),
+        format_size(s.unflushed_max_bytes),
+        s.ack_fallbacks,
+        s.flush_failed
     )
 }

@@ -139,6 +139,7 @@ fn store_cfg(dir: &Path, cap: u64, sync: bool) -> StoreConfig {
         mem_cap: 0,
         sync_writes: sync,
         pool_bytes: 512 << 20,
+        ack_memory_max: None,
     }
 }
 

@@ -80,6 +80,12 @@ pub struct Cli {
     /// Seconds a delete keeps refusing handoff copies of its key (match kv-mds --handoff-secs); 0: refuse every handoff copy (default 600).
     #[arg(long)]
     pub handoff_secs: Option<u64>,
+    /// When a put is answered: `media` (default: once the page and its index entry are on media; a power loss takes back no acknowledged page) or `memory` (once the page is in the memory tier and queued for its disk: needs --mem-cap; a crash or power loss loses the puts not yet flushed, which then miss cleanly).
+    #[arg(long, value_name = "media|memory")]
+    pub ack: Option<String>,
+    /// With --ack memory: bytes acknowledged and not yet on a disk, at most (e.g. 1G; default a quarter of --mem-cap); past it puts are answered on media.
+    #[arg(long)]
+    pub ack_memory_max: Option<String>,
     /// Do not push pages to their new owners while draining (with --mds, a draining node pushes its pages, most recently used first, to the owners in the group it left, until the drain ends).
     #[arg(long)]
     pub no_drain_push: bool,
@@ -118,6 +124,8 @@ pub struct FileConfig {
     pub drain_secs: Option<f64>,
     pub handoff_secs: Option<u64>,
     pub drain_push: Option<bool>,
+    pub ack: Option<String>,
+    pub ack_memory_max: Option<String>,
 }
 
 /// Membership through kv-mds (`--mds`).
@@ -218,6 +226,28 @@ impl ServerConfig {
             Some(s) => size("mem-cap", &s)?,
             None => 0,
         };
+        let ack_memory_max = match cli.ack.or(file.ack).as_deref().unwrap_or("media") {
+            "media" => {
+                if cli.ack_memory_max.is_some() || file.ack_memory_max.is_some() {
+                    return Err("--ack-memory-max is for --ack memory".into());
+                }
+                None
+            }
+            "memory" => {
+                if mem_cap == 0 {
+                    return Err("--ack memory needs a memory tier: give --mem-cap".into());
+                }
+                let max = match cli.ack_memory_max.or(file.ack_memory_max) {
+                    Some(s) => size("ack-memory-max", &s)?,
+                    None => mem_cap / 4,
+                };
+                if max == 0 || max > mem_cap {
+                    return Err("--ack-memory-max must be more than 0 and at most --mem-cap".into());
+                }
+                Some(max)
+            }
+            other => return Err(format!("--ack: {other:?} is not one of media, memory")),
+        };
         let max_record = size("max-record", &cli.max_record.or(file.max_record).unwrap_or("256M".into()))?;
         if !(4096..=(u32::MAX as u64)).contains(&max_record) {
             return Err("--max-record must be between 4K and 4G".into());
@@ -269,6 +299,7 @@ impl ServerConfig {
                 mem_cap,
                 sync_writes: !(cli.no_sync || file.no_sync.unwrap_or(false)),
                 pool_bytes: 256 << 20,
+                ack_memory_max,
             },
             log_level,
             max_conns,

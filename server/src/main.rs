@@ -55,7 +55,15 @@ fn run(cfg: ServerConfig) -> Result<(), String> {
             torn_journal_bytes = r.torn_journal_bytes, "disk recovered"
         );
     }
-    let mut shared = Shared::new(Arc::new(store), cfg.max_record, cfg.max_inflight);
+    let store = Arc::new(store);
+    // With --ack memory: writers of what was acknowledged from memory, two
+    // a disk (their puts share each disk's group commits).
+    let flushers = (2 * store.disks().len()).clamp(2, 16);
+    Store::start_flushers(&store, flushers).map_err(|e| format!("cannot start the write-behind flushers: {e}"))?;
+    if let Some(max) = cfg.store.ack_memory_max {
+        tracing::info!(max_unflushed_bytes = max, flushers, "puts acknowledged once in memory (--ack memory)");
+    }
+    let mut shared = Shared::new(store, cfg.max_record, cfg.max_inflight);
     shared.recovery = kv_server::server::Recovery {
         records: reports.iter().map(|r| r.records).sum(),
         reclaimed: reports.iter().map(|r| r.reclaimed).sum(),

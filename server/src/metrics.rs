@@ -394,6 +394,27 @@ impl Collector for StatsCollector {
             "Pages a draining node's new owners refused or did not take",
             s.drain_push_failed,
         )?;
+        counter(&mut e, "acked_in_memory", "Puts answered once held in memory (--ack memory)", s.acked_in_memory)?;
+        gauge(&mut e, "unflushed_bytes", "Bytes acknowledged from memory and not yet on a disk", s.unflushed_bytes)?;
+        gauge(
+            &mut e,
+            "unflushed_max_bytes",
+            "Bound on unflushed bytes (--ack-memory-max); 0 with --ack media",
+            s.unflushed_max_bytes,
+        )?;
+        counter(
+            &mut e,
+            "ack_fallbacks",
+            "Puts answered on media because the unflushed bytes were at their bound",
+            s.ack_fallbacks,
+        )?;
+        counter(&mut e, "flushed", "Pages acknowledged from memory and then written to their disk", s.flushed)?;
+        counter(
+            &mut e,
+            "flush_failed",
+            "Pages acknowledged from memory that could not be written (they now miss)",
+            s.flush_failed,
+        )?;
         gauge(&mut e, "recovery_records", "Records recovered from the disks' journals at start", rec.records)?;
         gauge(
             &mut e,

@@ -73,6 +73,7 @@ impl Node {
             mem_cap,
             sync_writes: false,
             pool_bytes: 16 << 20,
+            ack_memory_max: None,
         };
         let (store, _) = Store::open(&cfg).unwrap();
         let mut shared = Shared::new(Arc::new(store), 8 << 20, 64 << 20);

@@ -32,6 +32,20 @@ pub trait Device: Send + Sync {
     fn sync_journal(&self, f: &File) -> io::Result<()> {
         f.sync_data()
     }
+    /// Writes as [`Device::write_at`], but on a device that acks on media
+    /// the write may be durable only after the next [`Device::commit`]: the
+    /// store then makes a put's data and its journal entry durable in one
+    /// group commit instead of two in a row.
+    fn write_deferred(&self, buf: &[u8], off: u64) -> io::Result<()> {
+        self.write_at(buf, off)
+    }
+    /// Makes every deferred write finished before the call durable, then the
+    /// journal `f` (data first: an entry is never on media before its data
+    /// through this call).
+    fn commit(&self, f: &File) -> io::Result<()> {
+        self.sync()?;
+        self.sync_journal(f)
+    }
 }
 
 /// The real device: one file, O_DIRECT when the filesystem supports it.
@@ -177,6 +191,15 @@ impl Device for FileDevice {
     fn acks_on_media(&self) -> bool {
         self.group.is_some()
     }
+
+    fn write_deferred(&self, buf: &[u8], off: u64) -> io::Result<()> {
+        self.file.write_all_at(buf, off)
+    }
+
+    fn commit(&self, f: &File) -> io::Result<()> {
+        self.file.sync_data()?;
+        f.sync_data()
+    }
 }
 
 /// A device wrapper whose I/O can be made to fail (tests, fault drills).
@@ -232,6 +255,16 @@ impl Device for FaultyDevice {
     fn sync_journal(&self, f: &File) -> io::Result<()> {
         self.check()?;
         self.inner.sync_journal(f)
+    }
+
+    fn write_deferred(&self, buf: &[u8], off: u64) -> io::Result<()> {
+        self.check()?;
+        self.inner.write_deferred(buf, off)
+    }
+
+    fn commit(&self, f: &File) -> io::Result<()> {
+        self.check()?;
+        self.inner.commit(f)
     }
 }
 
@@ -325,6 +358,11 @@ impl PowerLossDevice {
 
 impl Device for PowerLossDevice {
     fn write_at(&self, buf: &[u8], off: u64) -> io::Result<()> {
+        self.write_deferred(buf, off)?;
+        self.group.sync_after(|| self.flush())
+    }
+
+    fn write_deferred(&self, buf: &[u8], off: u64) -> io::Result<()> {
         let id = {
             let mut st = self.lock();
             if st.cut {
@@ -340,7 +378,12 @@ impl Device for PowerLossDevice {
         if let Some(p) = self.lock().pending.iter_mut().find(|p| p.0 == id) {
             p.3 = true;
         }
-        self.group.sync_after(|| self.flush())
+        Ok(())
+    }
+
+    fn commit(&self, f: &File) -> io::Result<()> {
+        self.flush()?;
+        self.sync_journal(f)
     }
 
     fn read_at(&self, buf: &mut [u8], off: u64) -> io::Result<()> {

@@ -393,8 +393,9 @@ impl Disk {
         true
     }
 
-    /// Stores a validated record (`rec` holds exactly its bytes).
-    pub fn put(&self, rec: &mut PooledBuf, key: &[u8], header: &PageHeader) -> Result<PutResult, DiskError> {
+    /// Stores a validated record (`rec` holds exactly its bytes, zero-padded
+    /// to the extent alignment: [`PooledBuf::pad_to_align`]).
+    pub fn put(&self, rec: &PooledBuf, key: &[u8], header: &PageHeader) -> Result<PutResult, DiskError> {
         if self.is_failed() {
             return Err(DiskError::Failed(self.id.clone()));
         }
@@ -427,9 +428,15 @@ impl Disk {
             st.used += alloc_len;
             off
         };
-        let padded = rec.pad_to_align();
-        debug_assert_eq!(padded as u64, alloc_len);
-        if let Err(e) = self.dev.write_at(rec.prefix(padded), off) {
+        let padded = alloc_len as usize;
+        // With a journal group (acks on media) the data and the journal
+        // entry are made durable together below; otherwise the write is.
+        let written = if self.journal_group.is_some() {
+            self.dev.write_deferred(rec.prefix(padded), off)
+        } else {
+            self.dev.write_at(rec.prefix(padded), off)
+        };
+        if let Err(e) = written {
             let mut st = lock(&self.state);
             st.alloc.free(off, alloc_len);
             st.used -= alloc_len;
@@ -461,16 +468,20 @@ impl Disk {
         self.appends_since_sync.fetch_add(1, Ordering::Relaxed);
         st.index.put(key.into(), Entry { ext, header: *header, header_bytes });
         drop(st);
-        // The entry on media before the answer (one flush for every put
-        // appended before it began), so a power loss cannot take back an
-        // acknowledged page whose data is already on media. Readers may
-        // serve the record meanwhile: its data is durable.
+        // The data, then the entry, on media before the answer: one group
+        // commit (a data flush and a journal flush) for every put appended
+        // before it began, so concurrent puts share both flushes. Readers
+        // may serve the record meanwhile (its bytes are written, if not yet
+        // durable). An entry that reaches media before its data (the kernel
+        // writes the journal back when it likes) and then loses it to a
+        // power cut names a record that fails its checksum on read and is
+        // dropped: never served.
         if let Some(g) = &self.journal_group {
             if let Err(e) = g.sync_after(|| {
                 let file = lock(&self.journal).file();
-                self.dev.sync_journal(&file)
+                self.dev.commit(&file)
             }) {
-                return Err(self.io_failed("index journal sync", &e));
+                return Err(self.io_failed("data and index journal sync", &e));
             }
         }
         Ok(PutResult::Stored)

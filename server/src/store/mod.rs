@@ -8,6 +8,7 @@
 
 pub mod alloc;
 pub mod arena;
+pub mod behind;
 pub mod buf;
 pub mod device;
 pub mod disk;
@@ -45,6 +46,10 @@ pub struct StoreConfig {
     pub sync_writes: bool,
     /// Bytes of idle I/O buffers kept for reuse.
     pub pool_bytes: usize,
+    /// `ack = "memory"`: puts are answered once held in memory, at most
+    /// this many bytes held and not yet on a disk (needs a memory tier).
+    /// None: answered once on media (`ack = "media"`).
+    pub ack_memory_max: Option<u64>,
 }
 
 /// Why a store operation failed (mapped to a wire status in one place).
@@ -189,6 +194,10 @@ impl DownDeletes {
 
 const DOWN_DELETES_MAX: usize = 1 << 20;
 
+/// How long closing the store waits for the flushers to write what was
+/// acknowledged from memory.
+pub const FLUSH_AT_CLOSE: Duration = Duration::from_secs(60);
+
 /// How often the directories of disks out of service are checked for a
 /// repaired filesystem.
 pub const REVIVE_EVERY: Duration = Duration::from_secs(5);
@@ -229,6 +238,8 @@ pub struct Store {
     revivals: Vec<std::sync::atomic::AtomicU32>,
     down_deletes: Mutex<DownDeletes>,
     mem: Option<mem::MemTier>,
+    /// Puts acknowledged from memory and not yet on a disk.
+    behind: Option<Arc<behind::WriteBehind>>,
     pool: BufPool,
     c: Counters,
     started: Instant,
@@ -266,6 +277,9 @@ impl Store {
         if cfg.disks.is_empty() {
             return Err("no --dir given".into());
         }
+        if cfg.ack_memory_max.is_some() && cfg.mem_cap == 0 {
+            return Err("ack = \"memory\" needs a memory tier (--mem-cap)".into());
+        }
         let opened: Vec<Result<(Disk, RecoveryReport), String>> = std::thread::scope(|s| {
             let handles: Vec<_> = cfg
                 .disks
@@ -299,6 +313,7 @@ impl Store {
             last_revive: Mutex::new(Instant::now()),
             down_deletes: Mutex::new(DownDeletes::default()),
             mem: (cfg.mem_cap > 0).then(|| mem::MemTier::new(cfg.mem_cap)),
+            behind: cfg.ack_memory_max.map(|max| Arc::new(behind::WriteBehind::new(max))),
             // With a memory tier, buffers come from an arena of its size
             // (plus the pool's) faulted in ahead of use.
             pool: BufPool::with_arena(
@@ -346,7 +361,9 @@ impl Store {
         self.view().live().cloned().collect()
     }
 
-    /// Stores a whole record held in `rec`. Blocking.
+    /// Stores a whole record held in `rec`. Blocking. With `ack = "memory"`
+    /// it returns once the record is held for a flusher (or, past the
+    /// bound, once on media).
     pub fn put(&self, mut rec: PooledBuf) -> Result<PutOutcome, StoreError> {
         let (header, key) = parse_record(rec.as_slice())?;
         // The node refuses a page whose payload does not match its CRC, so
@@ -356,48 +373,107 @@ impl Store {
             return Err(StoreError::BadPayload);
         }
         let key = key.to_vec();
-        let mut v = self.view();
-        if v.live().any(|d| d.contains(&key)) {
+        if self.view().live().any(|d| d.contains(&key)) || self.behind.as_ref().is_some_and(|b| b.contains(&key)) {
             self.c.put_duplicates.fetch_add(1, Ordering::Relaxed);
             return Ok(PutOutcome::Duplicate);
         }
         let generation = self.mem.as_ref().map_or(0, |m| m.generation());
-        for attempt in 0..2 {
-            if attempt > 0 {
-                v = self.view();
+        rec.pad_to_align();
+        let rec = Arc::new(rec);
+        if let Some(b) = &self.behind {
+            if b.hold(&key, rec.clone()) {
+                self.c.puts.fetch_add(1, Ordering::Relaxed);
+                self.c.bytes_written.fetch_add(rec.len() as u64, Ordering::Relaxed);
+                if let Some(m) = &self.mem {
+                    m.replace(&key, rec, generation);
+                }
+                return Ok(PutOutcome::Stored);
             }
-            let Some(Slot::Live(disk)) = v.ring.owner(&key).map(|m| &v.slots[v.disk_of[m]]) else {
+            if b.contains(&key) {
+                self.c.put_duplicates.fetch_add(1, Ordering::Relaxed);
+                return Ok(PutOutcome::Duplicate);
+            }
+            b.c.fallbacks.fetch_add(1, Ordering::Relaxed);
+        }
+        let out = self.put_on_disk(&rec, &key, &header);
+        match out {
+            Ok(PutOutcome::Stored) => {
+                self.c.puts.fetch_add(1, Ordering::Relaxed);
+                self.c.bytes_written.fetch_add(rec.len() as u64, Ordering::Relaxed);
+                if let Some(m) = &self.mem {
+                    // A copy still held from before the disk evicted
+                    // the key must not shadow the page just stored.
+                    m.replace(&key, rec, generation);
+                }
+            }
+            Ok(PutOutcome::Duplicate) => {
+                self.c.put_duplicates.fetch_add(1, Ordering::Relaxed);
+            }
+            Err(_) => {
                 self.c.put_rejected.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+        out
+    }
+
+    /// Writes a padded record to the disk that owns its key (another, once,
+    /// if that disk fails meanwhile).
+    fn put_on_disk(&self, rec: &PooledBuf, key: &[u8], header: &PageHeader) -> Result<PutOutcome, StoreError> {
+        for _ in 0..2 {
+            let v = self.view();
+            let Some(Slot::Live(disk)) = v.ring.owner(key).map(|m| &v.slots[v.disk_of[m]]) else {
                 return Err(StoreError::NoDisk);
             };
-            match disk.put(&mut rec, &key, &header) {
-                Ok(PutResult::Duplicate) => {
-                    self.c.put_duplicates.fetch_add(1, Ordering::Relaxed);
-                    return Ok(PutOutcome::Duplicate);
-                }
-                Ok(PutResult::Stored) => {
-                    self.c.puts.fetch_add(1, Ordering::Relaxed);
-                    self.c.bytes_written.fetch_add(rec.len() as u64, Ordering::Relaxed);
-                    if let Some(m) = &self.mem {
-                        // A copy still held from before the disk evicted
-                        // the key must not shadow the page just stored.
-                        m.replace(&key, Arc::new(rec), generation);
-                    }
-                    return Ok(PutOutcome::Stored);
-                }
+            match disk.put(rec, key, header) {
+                Ok(PutResult::Duplicate) => return Ok(PutOutcome::Duplicate),
+                Ok(PutResult::Stored) => return Ok(PutOutcome::Stored),
                 Err(DiskError::Failed(_)) => self.rebuild_ring(),
-                Err(DiskError::Full(d)) => {
-                    self.c.put_rejected.fetch_add(1, Ordering::Relaxed);
-                    return Err(StoreError::Full(d));
-                }
+                Err(DiskError::Full(d)) => return Err(StoreError::Full(d)),
                 Err(DiskError::TooLarge(n)) => {
-                    self.c.put_rejected.fetch_add(1, Ordering::Relaxed);
                     return Err(StoreError::TooLarge(format!("{n} bytes exceed the disk cap")));
                 }
             }
         }
-        self.c.put_rejected.fetch_add(1, Ordering::Relaxed);
         Err(StoreError::NoDisk)
+    }
+
+    /// Runs a flusher of the write-behind (`ack = "memory"`) until the
+    /// store stops or is dropped (it holds the store only while it writes).
+    fn flusher(store: std::sync::Weak<Store>, b: Arc<behind::WriteBehind>) {
+        loop {
+            let Some((key, rec)) = b.next() else {
+                if b.stopping() || store.strong_count() == 0 {
+                    return;
+                }
+                continue;
+            };
+            let Some(s) = store.upgrade() else {
+                b.done(&key, false);
+                return;
+            };
+            let written = match PageHeader::decode(rec.as_slice()) {
+                Ok(header) => match s.put_on_disk(&rec, &key, &header) {
+                    Ok(_) => true,
+                    Err(e) => {
+                        tracing::warn!(key = %String::from_utf8_lossy(&key), error = %e, "write-behind: page not written: it now misses");
+                        false
+                    }
+                },
+                Err(_) => false,
+            };
+            drop(s);
+            b.done(&key, written);
+        }
+    }
+
+    /// Starts `n` flusher threads when puts are acknowledged from memory.
+    pub fn start_flushers(store: &Arc<Store>, n: usize) -> io::Result<()> {
+        let Some(b) = &store.behind else { return Ok(()) };
+        for i in 0..n.max(1) {
+            let (w, b) = (Arc::downgrade(store), b.clone());
+            std::thread::Builder::new().name(format!("flush-{i}")).spawn(move || Store::flusher(w, b))?;
+        }
+        Ok(())
     }
 
     /// Every key stored, most recently used first: each disk's keys in
@@ -470,6 +546,17 @@ impl Store {
                 return GetOutcome::Hit(rec);
             }
         }
+        if let Some(rec) = self.behind.as_ref().and_then(|b| b.get(key)) {
+            // Acknowledged from memory, not yet on its disk, and no longer
+            // in the memory tier.
+            if let (Some(g), Ok(h)) = (geo, PageHeader::decode(rec.as_slice())) {
+                if !g.matches(&h) {
+                    return GetOutcome::Mismatch;
+                }
+            }
+            self.c.mem_hits.fetch_add(1, Ordering::Relaxed);
+            return GetOutcome::Hit(rec);
+        }
         let generation = self.mem.as_ref().map_or(0, |m| m.generation());
         let mut damaged = false;
         for d in self.view().live() {
@@ -521,8 +608,9 @@ impl Store {
                 None => {}
             }
         }
-        // A page still in the memory tier after its disk evicted it is served.
-        if let Some(rec) = self.mem.as_ref().and_then(|m| m.peek(key)) {
+        // A page still in the memory tier after its disk evicted it, or not
+        // yet on its disk (ack = "memory"), is served.
+        if let Some(rec) = self.in_memory(key) {
             return Ok(match (geo, PageHeader::decode(rec.as_slice())) {
                 (Some(g), Ok(h)) if !g.matches(&h) => Presence::Mismatch,
                 _ => Presence::Present,
@@ -544,7 +632,7 @@ impl Store {
                 .map(|(k, f)| match f {
                     Some(true) => Presence::Present,
                     Some(false) => Presence::Mismatch,
-                    None => match self.mem.as_ref().and_then(|m| m.peek(k)) {
+                    None => match self.in_memory(k) {
                         Some(rec) => match (geo, PageHeader::decode(rec.as_slice())) {
                             (Some(g), Ok(h)) if !g.matches(&h) => Presence::Mismatch,
                             _ => Presence::Present,
@@ -556,9 +644,15 @@ impl Store {
         )
     }
 
+    /// The record held in memory under `key`: in the memory tier, or held
+    /// for a flusher. Recency is not refreshed.
+    fn in_memory(&self, key: &[u8]) -> Option<Arc<PooledBuf>> {
+        self.mem.as_ref().and_then(|m| m.peek(key)).or_else(|| self.behind.as_ref().and_then(|b| b.get(key)))
+    }
+
     /// Bytes a get of `key` would return, if it is stored (memory only).
     pub fn record_size(&self, key: &[u8]) -> Option<u64> {
-        if let Some(rec) = self.mem.as_ref().and_then(|m| m.peek(key)) {
+        if let Some(rec) = self.in_memory(key) {
             return Some(rec.len() as u64);
         }
         self.view().live().find_map(|d| d.record_len(key))
@@ -567,7 +661,7 @@ impl Store {
     /// As [`Store::record_size`] without waiting: None when a disk's index
     /// lock is busy, so async code can ask again off the reactor.
     pub fn try_record_size(&self, key: &[u8]) -> Option<Option<u64>> {
-        if let Some(rec) = self.mem.as_ref().and_then(|m| m.peek(key)) {
+        if let Some(rec) = self.in_memory(key) {
             return Some(Some(rec.len() as u64));
         }
         for d in self.view().live() {
@@ -585,8 +679,10 @@ impl Store {
         // Disks first, then memory: the memory removal bumps the generation
         // after the record is gone from disk, so a get that read it from
         // disk before the delete cannot put it back into memory after.
+        // Not yet on its disk first: this waits for a flush of the key in
+        // progress, so the disks' delete below comes after its write.
+        let mut any = self.behind.as_ref().is_some_and(|b| b.remove(key));
         let v = self.view();
-        let mut any = false;
         for d in v.live() {
             any |= d.delete(key);
         }
@@ -809,6 +905,16 @@ impl Store {
 
     /// Clean stop: every disk checkpoints and marks itself clean.
     pub fn close(&self) -> io::Result<()> {
+        if let Some(b) = &self.behind {
+            // What was acknowledged from memory goes to its disks first.
+            let held = b.bytes();
+            let left = b.stop_and_flush(FLUSH_AT_CLOSE);
+            if left > 0 {
+                tracing::error!(pages = left, "write-behind not flushed in time: those pages are lost");
+            } else if held > 0 {
+                tracing::info!(bytes = held, "write-behind flushed");
+            }
+        }
         let mut first_err = None;
         for d in self.view().live() {
             if let Err(e) = d.close() {
@@ -888,6 +994,13 @@ impl Store {
             group: None,
             latency: Vec::new(),
             disks,
+            ack_memory: self.behind.is_some(),
+            acked_in_memory: self.behind.as_ref().map_or(0, |b| ld(&b.c.acked)),
+            unflushed_bytes: self.behind.as_ref().map_or(0, |b| b.bytes()),
+            unflushed_max_bytes: self.behind.as_ref().map_or(0, |b| b.max_bytes()),
+            ack_fallbacks: self.behind.as_ref().map_or(0, |b| ld(&b.c.fallbacks)),
+            flushed: self.behind.as_ref().map_or(0, |b| ld(&b.c.flushed)),
+            flush_failed: self.behind.as_ref().map_or(0, |b| ld(&b.c.flush_failed)),
             ..NodeStats::default()
         }
     }
