@@ -406,6 +406,22 @@ mod tests {
     }
 
     #[test]
+    fn ack_modes() {
+        let base = ["--listen", "127.0.0.1:1", "--dir", "/a", "--cap", "1G"];
+        let with = |more: &[&str]| cli(&[&base[..], more].concat());
+        assert_eq!(with(&[]).unwrap().store.ack_memory_max, None, "media by default");
+        assert_eq!(with(&["--ack", "media"]).unwrap().store.ack_memory_max, None);
+        let e = with(&["--ack", "memory"]).unwrap_err();
+        assert!(e.contains("needs a memory tier"), "{e}");
+        assert_eq!(with(&["--ack", "memory", "--mem-cap", "8G"]).unwrap().store.ack_memory_max, Some(2 << 30));
+        let c = with(&["--ack", "memory", "--mem-cap", "8G", "--ack-memory-max", "1G"]).unwrap();
+        assert_eq!(c.store.ack_memory_max, Some(1 << 30));
+        assert!(with(&["--ack", "memory", "--mem-cap", "1G", "--ack-memory-max", "2G"]).is_err());
+        assert!(with(&["--ack-memory-max", "1G"]).unwrap_err().contains("for --ack memory"));
+        assert!(with(&["--ack", "disk"]).unwrap_err().contains("not one of media, memory"));
+    }
+
+    #[test]
     fn membership_flags() {
         let base = ["--listen", "127.0.0.1:1", "--dir", "/a", "--cap", "1G"];
         let with = |more: &[&str]| cli(&[&base[..], more].concat());
