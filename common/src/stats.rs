@@ -121,6 +121,15 @@ pub struct NodeStats {
     pub flushed: u64,
     #[serde(default)]
     pub flush_failed: u64,
+    /// Prefetch warming: pages an exist found only on disk and read into
+    /// the memory tier; gets served from memory of such a page (once each);
+    /// pages not warmed because the warming budget was spent.
+    #[serde(default)]
+    pub warmed: u64,
+    #[serde(default)]
+    pub warmed_read: u64,
+    #[serde(default)]
+    pub warm_skipped: u64,
 }
 
 /// One op's service-time histogram on a node: the same series `/metrics`

@@ -143,6 +143,10 @@ pub fn stat_all(group: &str, epoch: Option<u64>, members: &[MemberRecord], timeo
         total.unflushed_max_bytes += s.unflushed_max_bytes;
         total.ack_fallbacks += s.ack_fallbacks;
         total.flush_failed += s.flush_failed;
+        total.warmed += s.warmed;
+        total.warmed_read += s.warmed_read;
+        total.warm_skipped += s.warm_skipped;
+        total.mem_capacity_bytes += s.mem_capacity_bytes;
     }
     for s in &stats {
         down += usize::from(s.is_err());
@@ -167,6 +171,7 @@ pub fn stat_all(group: &str, epoch: Option<u64>, members: &[MemberRecord], timeo
             "handoff_refused": total.handoff_refused, "tombstones": total.tombstones,
             "acked_in_memory": total.acked_in_memory, "unflushed_bytes": total.unflushed_bytes,
             "ack_fallbacks": total.ack_fallbacks, "flush_failed": total.flush_failed,
+            "warmed": total.warmed, "warmed_read": total.warmed_read, "warm_skipped": total.warm_skipped,
             "nodes": members.len(), "unreachable": down,
         });
         println!("{}", serde_json::json!({"group": group, "epoch": epoch, "nodes": rows, "total": t}));
@@ -228,6 +233,12 @@ pub fn stat_all(group: &str, epoch: Option<u64>, members: &[MemberRecord], timeo
     println!("{}", handoff_line(&total));
     if total.ack_memory {
         println!("{}", ack_line(&total));
+    }
+    if total.mem_capacity_bytes > 0 {
+        println!(
+            "warming  pages warmed {}  then read {}  not warmed (budget) {}",
+            total.warmed, total.warmed_read, total.warm_skipped
+        );
     }
     u8::from(down > 0)
 }

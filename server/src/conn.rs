@@ -916,6 +916,7 @@ fn handle_small(shared: &Shared, req: &ReqHeader, body: &[u8]) -> Option<Respons
             Ok(kr) => {
                 let p = store.try_exist(kr.key, check.then_some(&kr.geometry))?;
                 count_handoff(shared, req, std::slice::from_ref(&p));
+                store.warm(&[kr.key], std::slice::from_ref(&p));
                 respond(req, presence_status(p), 0, Body::Empty)
             }
             Err(e) => error_response(req, Status::BadRequest, &e.to_string()),
@@ -924,6 +925,7 @@ fn handle_small(shared: &Shared, req: &ReqHeader, body: &[u8]) -> Option<Respons
             Ok((geo, keys)) => {
                 let found = store.try_exist_batch(&keys, check.then_some(&geo))?;
                 count_handoff(shared, req, &found);
+                store.warm(&keys, &found);
                 let st: Vec<Status> = found.into_iter().map(presence_status).collect();
                 respond(req, Status::Ok, 0, Body::Bytes(wire::encode_batch_status(&st)))
             }
@@ -944,6 +946,7 @@ fn handle_blocking(shared: &Shared, req: &ReqHeader, body: &[u8]) -> Response {
             Ok(kr) => {
                 let p = store.exist(kr.key, check.then_some(&kr.geometry));
                 count_handoff(shared, req, std::slice::from_ref(&p));
+                store.warm(&[kr.key], std::slice::from_ref(&p));
                 respond(req, presence_status(p), 0, Body::Empty)
             }
             Err(e) => error_response(req, Status::BadRequest, &e.to_string()),
@@ -952,6 +955,7 @@ fn handle_blocking(shared: &Shared, req: &ReqHeader, body: &[u8]) -> Response {
             Ok((geo, keys)) => {
                 let found: Vec<Presence> = keys.iter().map(|k| store.exist(k, check.then_some(&geo))).collect();
                 count_handoff(shared, req, &found);
+                store.warm(&keys, &found);
                 let st: Vec<Status> = found.into_iter().map(presence_status).collect();
                 respond(req, Status::Ok, 0, Body::Bytes(wire::encode_batch_status(&st)))
             }

@@ -60,6 +60,8 @@ fn run(cfg: ServerConfig) -> Result<(), String> {
     // a disk (their puts share each disk's group commits).
     let flushers = (2 * store.disks().len()).clamp(2, 16);
     Store::start_flushers(&store, flushers).map_err(|e| format!("cannot start the write-behind flushers: {e}"))?;
+    // With a memory tier: readers of pages an exist found only on disk.
+    Store::start_warmers(&store, 2).map_err(|e| format!("cannot start the prefetch warmers: {e}"))?;
     if let Some(max) = cfg.store.ack_memory_max {
         tracing::info!(max_unflushed_bytes = max, flushers, "puts acknowledged once in memory (--ack memory)");
     }

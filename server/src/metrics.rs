@@ -415,6 +415,9 @@ impl Collector for StatsCollector {
             "Pages acknowledged from memory that could not be written (they now miss)",
             s.flush_failed,
         )?;
+        counter(&mut e, "warmed", "Pages an exist found only on disk, read into the memory tier", s.warmed)?;
+        counter(&mut e, "warmed_read", "Gets served from memory of a warmed page (once each)", s.warmed_read)?;
+        counter(&mut e, "warm_skipped", "Pages not warmed: the warming budget was spent", s.warm_skipped)?;
         gauge(&mut e, "recovery_records", "Records recovered from the disks' journals at start", rec.records)?;
         gauge(
             &mut e,

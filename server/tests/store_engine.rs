@@ -894,3 +894,40 @@ fn after_a_power_loss_memory_acks_are_served_whole_or_missed() {
         acked.len()
     );
 }
+
+/// Prefetch warming: an exist that finds a page only on disk has it read
+/// into the memory tier, so the get that follows is served from memory and
+/// counted as warmed-then-read; pages in memory are not warmed again.
+#[test]
+fn an_exist_warms_pages_found_only_on_disk() {
+    let t = tempfile::tempdir().unwrap();
+    let ds = dirs(&t, 1);
+    // A tier of 4 MiB (a warming budget of 512 KiB): of 100 pages of 60
+    // KiB, the first ones fall out of it.
+    let s = Arc::new(Store::open(&cfg(&ds, 64 << 20, 4 << 20)).unwrap().0);
+    Store::start_warmers(&s, 2).unwrap();
+    for i in 0..100 {
+        assert_eq!(put(&s, &format!("w-{i}"), 60 << 10).unwrap(), PutOutcome::Stored);
+    }
+    let cold: Vec<String> = (0..4).map(|i| format!("w-{i}")).collect();
+    let keys: Vec<&[u8]> = cold.iter().map(|k| k.as_bytes()).collect();
+    let found: Vec<Presence> = keys.iter().map(|k| s.exist(k, Some(&geo()))).collect();
+    assert!(found.iter().all(|p| *p == Presence::Present));
+    let before = s.stats();
+    s.warm(&keys, &found);
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while s.stats().warmed < before.warmed + 4 && std::time::Instant::now() < deadline {
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+    assert_eq!(s.stats().warmed, before.warmed + 4, "the 4 cold pages warmed");
+    for k in &cold {
+        assert_eq!(get(&s, k).as_deref(), Some(&payload(k, 60 << 10)[..]));
+    }
+    let after = s.stats();
+    assert_eq!(after.mem_hits - before.mem_hits, 4, "served from memory");
+    assert_eq!(after.warmed_read, 4, "each warmed page read once");
+    // Pages in memory are not warmed again.
+    s.warm(&keys, &found);
+    std::thread::sleep(std::time::Duration::from_millis(50));
+    assert_eq!(s.stats().warmed, after.warmed);
+}

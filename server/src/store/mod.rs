@@ -14,6 +14,7 @@ pub mod device;
 pub mod disk;
 pub mod journal;
 pub mod mem;
+pub mod warm;
 
 use std::collections::HashSet;
 use std::io;
@@ -194,6 +195,12 @@ impl DownDeletes {
 
 const DOWN_DELETES_MAX: usize = 1 << 20;
 
+/// Bytes of pages being warmed at once, at most: an eighth of the memory
+/// tier, up to 256 MiB.
+pub fn warm_budget(mem_cap: u64) -> u64 {
+    (mem_cap / 8).min(256 << 20)
+}
+
 /// How long closing the store waits for the flushers to write what was
 /// acknowledged from memory.
 pub const FLUSH_AT_CLOSE: Duration = Duration::from_secs(60);
@@ -240,6 +247,8 @@ pub struct Store {
     mem: Option<mem::MemTier>,
     /// Puts acknowledged from memory and not yet on a disk.
     behind: Option<Arc<behind::WriteBehind>>,
+    /// Reads pages an exist found on disk into the memory tier.
+    warmer: Option<Arc<warm::Warmer>>,
     pool: BufPool,
     c: Counters,
     started: Instant,
@@ -314,6 +323,7 @@ impl Store {
             down_deletes: Mutex::new(DownDeletes::default()),
             mem: (cfg.mem_cap > 0).then(|| mem::MemTier::new(cfg.mem_cap)),
             behind: cfg.ack_memory_max.map(|max| Arc::new(behind::WriteBehind::new(max))),
+            warmer: (cfg.mem_cap > 0).then(|| Arc::new(warm::Warmer::new(warm_budget(cfg.mem_cap)))),
             // With a memory tier, buffers come from an arena of its size
             // (plus the pool's) faulted in ahead of use.
             pool: BufPool::with_arena(
@@ -466,6 +476,68 @@ impl Store {
         }
     }
 
+    /// After an exist: queues the pages `found` present that are only on
+    /// disk for warming (never blocks: a disk index busy skips the page).
+    pub fn warm(&self, keys: &[&[u8]], found: &[Presence]) {
+        let Some(w) = &self.warmer else { return };
+        let mut v = None;
+        for (k, p) in keys.iter().zip(found) {
+            if *p != Presence::Present || self.in_memory(k).is_some() {
+                continue;
+            }
+            let v = v.get_or_insert_with(|| self.view());
+            if let Some(len) = v.live().find_map(|d| d.try_record_len(k).ok().flatten()) {
+                w.offer(k, len);
+            }
+        }
+    }
+
+    /// Reads `key` from its disk into the memory tier; true when it entered.
+    fn warm_one(&self, key: &[u8]) -> bool {
+        let Some(m) = &self.mem else { return false };
+        let generation = m.generation();
+        for d in self.view().live() {
+            match d.get(key, None, &self.pool, false) {
+                Ok(Lookup::Hit(buf)) => {
+                    m.insert(key, Arc::new(buf), generation);
+                    return true;
+                }
+                Ok(Lookup::Miss) => {}
+                Ok(_) => return false,
+                Err(_) => {
+                    self.rebuild_ring();
+                    return false;
+                }
+            }
+        }
+        false
+    }
+
+    fn warmer(store: std::sync::Weak<Store>, w: Arc<warm::Warmer>) {
+        loop {
+            let Some((key, len)) = w.next() else {
+                if store.strong_count() == 0 {
+                    return;
+                }
+                continue;
+            };
+            let Some(s) = store.upgrade() else { return };
+            let warmed = s.warm_one(&key);
+            drop(s);
+            w.done(&key, len, warmed);
+        }
+    }
+
+    /// Starts `n` warmer threads when there is a memory tier.
+    pub fn start_warmers(store: &Arc<Store>, n: usize) -> io::Result<()> {
+        let Some(w) = &store.warmer else { return Ok(()) };
+        for i in 0..n.max(1) {
+            let (s, w) = (Arc::downgrade(store), w.clone());
+            std::thread::Builder::new().name(format!("warm-{i}")).spawn(move || Store::warmer(s, w))?;
+        }
+        Ok(())
+    }
+
     /// Starts `n` flusher threads when puts are acknowledged from memory.
     pub fn start_flushers(store: &Arc<Store>, n: usize) -> io::Result<()> {
         let Some(b) = &store.behind else { return Ok(()) };
@@ -524,6 +596,9 @@ impl Store {
         self.c.mem_hits.fetch_add(1, Ordering::Relaxed);
         self.c.hits.fetch_add(1, Ordering::Relaxed);
         self.c.bytes_read.fetch_add(rec.len() as u64, Ordering::Relaxed);
+        if let Some(w) = &self.warmer {
+            w.note_read(key);
+        }
         Some(GetOutcome::Hit(rec))
     }
 
@@ -543,6 +618,9 @@ impl Store {
                     }
                 }
                 self.c.mem_hits.fetch_add(1, Ordering::Relaxed);
+                if let Some(w) = &self.warmer {
+                    w.note_read(key);
+                }
                 return GetOutcome::Hit(rec);
             }
         }
@@ -1001,6 +1079,9 @@ impl Store {
             ack_fallbacks: self.behind.as_ref().map_or(0, |b| ld(&b.c.fallbacks)),
             flushed: self.behind.as_ref().map_or(0, |b| ld(&b.c.flushed)),
             flush_failed: self.behind.as_ref().map_or(0, |b| ld(&b.c.flush_failed)),
+            warmed: self.warmer.as_ref().map_or(0, |w| ld(&w.c.warmed)),
+            warmed_read: self.warmer.as_ref().map_or(0, |w| ld(&w.c.warmed_read)),
+            warm_skipped: self.warmer.as_ref().map_or(0, |w| ld(&w.c.skipped)),
             ..NodeStats::default()
         }
     }

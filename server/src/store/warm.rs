@@ -1,0 +1,162 @@
+//! Prefetch warming (docs/ARCHITECTURE.md, "Prefetch warming"): engines ask
+//! a batch exist over a prefix, then get the leading hits a few
+//! milliseconds later. A page an exist found only on disk is read into the
+//! memory tier meanwhile by a warmer thread, so the get is served from
+//! memory. Bounded: at most `budget` bytes queued or being read; past it a
+//! page is not warmed (its get reads the disk, as without warming).
+//!
+//! The memory tier is an LRU and a warmed page enters it as the most
+//! recent: it evicts the least recently used pages, each of which was last
+//! used before this page was asked for.
+
+use std::collections::{HashSet, VecDeque};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Condvar, Mutex, MutexGuard};
+use std::time::Duration;
+
+#[derive(Default)]
+struct State {
+    queue: VecDeque<(Box<[u8]>, u64)>,
+    /// Keys queued or being read (a key asked twice is warmed once).
+    pending: HashSet<Box<[u8]>>,
+    bytes: u64,
+    /// Keys warmed and not yet read by a get (bounded by [`WARMED_KEYS`]).
+    warmed: HashSet<Box<[u8]>>,
+}
+
+/// Warmed keys remembered for the warmed-then-read counter; past it the set
+/// starts over (the counter then undercounts, nothing else changes).
+const WARMED_KEYS: usize = 65_536;
+
+#[derive(Default)]
+pub struct Counters {
+    /// Pages read into the memory tier after an exist found them on disk.
+    pub warmed: AtomicU64,
+    /// Gets served from memory of a page warmed and not read since.
+    pub warmed_read: AtomicU64,
+    /// Pages not warmed: the budget was spent.
+    pub skipped: AtomicU64,
+}
+
+pub struct Warmer {
+    budget: u64,
+    st: Mutex<State>,
+    work: Condvar,
+    /// Keys in `warmed`, read without the lock on every memory hit.
+    outstanding: AtomicU64,
+    pub c: Counters,
+}
+
+/// How long an idle warmer sleeps before it looks whether its store is gone.
+pub const IDLE_WAKE: Duration = Duration::from_millis(200);
+
+impl Warmer {
+    pub fn new(budget: u64) -> Warmer {
+        Warmer {
+            budget,
+            st: Mutex::new(State::default()),
+            work: Condvar::new(),
+            outstanding: AtomicU64::new(0),
+            c: Counters::default(),
+        }
+    }
+
+    fn lock(&self) -> MutexGuard<'_, State> {
+        self.st.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Queues `key` (a record of `len` bytes) for warming; never blocks on I/O.
+    pub fn offer(&self, key: &[u8], len: u64) {
+        let mut st = self.lock();
+        if st.pending.contains(key) {
+            return;
+        }
+        if st.bytes + len > self.budget {
+            drop(st);
+            self.c.skipped.fetch_add(1, Ordering::Relaxed);
+            return;
+        }
+        st.bytes += len;
+        st.pending.insert(key.into());
+        st.queue.push_back((key.into(), len));
+        drop(st);
+        self.work.notify_one();
+    }
+
+    /// The next key to read and its record length, or None after
+    /// [`IDLE_WAKE`] with nothing queued.
+    pub fn next(&self) -> Option<(Box<[u8]>, u64)> {
+        let mut st = self.lock();
+        loop {
+            if let Some(front) = st.queue.pop_front() {
+                return Some(front);
+            }
+            let (g, t) = self.work.wait_timeout(st, IDLE_WAKE).unwrap_or_else(|e| e.into_inner());
+            st = g;
+            if t.timed_out() && st.queue.is_empty() {
+                return None;
+            }
+        }
+    }
+
+    /// The read of `key` (from [`Warmer::next`]) is over; `warmed` if it
+    /// entered the memory tier.
+    pub fn done(&self, key: &[u8], len: u64, warmed: bool) {
+        let mut st = self.lock();
+        st.bytes -= len;
+        st.pending.remove(key);
+        if warmed {
+            if st.warmed.len() >= WARMED_KEYS {
+                st.warmed.clear();
+            }
+            st.warmed.insert(key.into());
+            self.outstanding.store(st.warmed.len() as u64, Ordering::Relaxed);
+            self.c.warmed.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    /// A get served `key` from memory: counts it once if it was warmed.
+    pub fn note_read(&self, key: &[u8]) {
+        if self.outstanding.load(Ordering::Relaxed) == 0 {
+            return;
+        }
+        let mut st = self.lock();
+        if st.warmed.remove(key) {
+            self.outstanding.store(st.warmed.len() as u64, Ordering::Relaxed);
+            self.c.warmed_read.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    /// Bytes queued or being read.
+    pub fn bytes(&self) -> u64 {
+        self.lock().bytes
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bounded_once_per_key_and_counted() {
+        let w = Warmer::new(10);
+        w.offer(b"a", 4);
+        w.offer(b"a", 4);
+        w.offer(b"b", 4);
+        w.offer(b"c", 4);
+        assert_eq!(w.bytes(), 8, "a once, b, and c past the budget");
+        assert_eq!(w.c.skipped.load(Ordering::Relaxed), 1);
+        let (k, len) = w.next().unwrap();
+        assert_eq!((&*k, len), (&b"a"[..], 4));
+        w.done(&k, len, true);
+        let (k, len) = w.next().unwrap();
+        w.done(&k, len, false);
+        assert_eq!(w.bytes(), 0);
+        w.note_read(b"b");
+        w.note_read(b"a");
+        w.note_read(b"a");
+        assert_eq!(w.c.warmed.load(Ordering::Relaxed), 1);
+        assert_eq!(w.c.warmed_read.load(Ordering::Relaxed), 1, "counted once, warmed keys only");
+        assert!(w.next().is_none());
+    }
+}
