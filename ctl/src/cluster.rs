@@ -143,6 +143,7 @@ pub fn stat_all(group: &str, epoch: Option<u64>, members: &[MemberRecord], timeo
         total.unflushed_max_bytes += s.unflushed_max_bytes;
         total.ack_fallbacks += s.ack_fallbacks;
         total.flush_failed += s.flush_failed;
+        total.flushed += s.flushed;
         total.warmed += s.warmed;
         total.warmed_read += s.warmed_read;
         total.warm_skipped += s.warm_skipped;
@@ -170,7 +171,8 @@ pub fn stat_all(group: &str, epoch: Option<u64>, members: &[MemberRecord], timeo
             "handoff_copies": total.handoff_copies, "handoff_copy_bytes": total.handoff_copy_bytes,
             "handoff_refused": total.handoff_refused, "tombstones": total.tombstones,
             "acked_in_memory": total.acked_in_memory, "unflushed_bytes": total.unflushed_bytes,
-            "ack_fallbacks": total.ack_fallbacks, "flush_failed": total.flush_failed,
+            "ack_fallbacks": total.ack_fallbacks, "flush_failed": total.flush_failed, "flushed": total.flushed,
+            "unflushed_max_bytes": total.unflushed_max_bytes,
             "warmed": total.warmed, "warmed_read": total.warmed_read, "warm_skipped": total.warm_skipped,
             "nodes": members.len(), "unreachable": down,
         });
@@ -235,10 +237,7 @@ pub fn stat_all(group: &str, epoch: Option<u64>, members: &[MemberRecord], timeo
         println!("{}", ack_line(&total));
     }
     if total.mem_capacity_bytes > 0 {
-        println!(
-            "warming  pages warmed {}  then read {}  not warmed (budget) {}",
-            total.warmed, total.warmed_read, total.warm_skipped
-        );
+        println!("{}", warm_line(&total));
     }
     u8::from(down > 0)
 }
@@ -271,4 +270,10 @@ pub fn ack_line(s: &NodeStats) -> String {
         s.ack_fallbacks,
         s.flush_failed
     )
+}
+
+/// Prefetch warming at a node with a memory tier (docs/ARCHITECTURE.md,
+/// "Prefetch warming").
+pub fn warm_line(s: &NodeStats) -> String {
+    format!("warming  pages warmed {}  then read {}  not warmed (budget) {}", s.warmed, s.warmed_read, s.warm_skipped)
 }

@@ -393,6 +393,12 @@ fn run(cli: &Cli) -> Result<u8, String> {
                 format_size(s.bytes_read), format_size(s.bytes_written), s.evictions, s.failed_disks
             );
             println!("{}", cluster::handoff_line(&s));
+            if s.ack_memory {
+                println!("{}", cluster::ack_line(&s));
+            }
+            if s.mem_capacity_bytes > 0 {
+                println!("{}", cluster::warm_line(&s));
+            }
             if s.mem_capacity_bytes > 0 {
                 println!(
                     "memory tier {} of {}  hits {}",

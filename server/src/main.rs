@@ -138,6 +138,13 @@ fn run(cfg: ServerConfig) -> Result<(), String> {
                 (Some((mds, group, token)), false) => {
                     let (mds, group, token, shared) = (mds.clone(), group.clone(), token.clone(), draining.clone());
                     Some(tokio::task::spawn_blocking(move || {
+                        // Pages acknowledged from memory reach their disk
+                        // first (puts are refused now), so the push, which
+                        // lists the disks, sends them too.
+                        let left = shared.store.flush_behind(ends.saturating_duration_since(std::time::Instant::now()));
+                        if left > 0 {
+                            tracing::warn!(pages = left, "drain: pages acknowledged from memory not yet on disk are not pushed");
+                        }
                         let eps = mds.clone();
                         let view = kv_common::mds::MdsClient::new(eps, std::time::Duration::from_secs(3))
                             .with_token(token.clone())

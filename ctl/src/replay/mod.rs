@@ -420,10 +420,26 @@ fn stream(s: &Shared<'_>, idx: Vec<usize>) -> Vec<(usize, Outcome)> {
     let deadline = s.plan.duration.map(|d| s.t0 + d);
     // Without --warm-until the pace counts from the first request replayed.
     let mut pace = s.plan.warm_until_ms.is_none().then_some((s.t0, s.first_ts));
+    // A stream that ends (or fails) before the paced part lets the others go on.
+    struct Arrival<'a> {
+        gate: &'a WarmGate,
+        arrived: bool,
+    }
+    impl Drop for Arrival<'_> {
+        fn drop(&mut self) {
+            if !self.arrived {
+                self.gate.arrive(false);
+            }
+        }
+    }
+    let mut guard = Arrival { gate: s.warm, arrived: pace.is_some() };
     for i in idx {
         let r = &s.reqs[i];
         if pace.is_none() && s.plan.warm_until_ms.is_some_and(|w| r.ts_ms >= w) {
-            let w = s.plan.warm_until_ms.unwrap_or(0);
+            // Counted from the warm-up's end, or from the first request
+            // replayed when --skip starts the slice after it.
+            let w = s.plan.warm_until_ms.unwrap_or(0).max(s.first_ts);
+            guard.arrived = true;
             pace = Some((s.warm.arrive(true), w));
         }
         if let (true, Some((origin, from_ts))) = (s.plan.speed > 0.0, pace) {
@@ -448,10 +464,7 @@ fn stream(s: &Shared<'_>, idx: Vec<usize>) -> Vec<(usize, Outcome)> {
         s.done.fetch_add(1, Ordering::Relaxed);
         out.push((i, o));
     }
-    if pace.is_none() {
-        // Never reached the paced part: the others need not wait for it.
-        s.warm.arrive(false);
-    }
+    drop(guard);
     out
 }
 

@@ -148,6 +148,7 @@ impl WriteBehind {
 
     /// A flusher is done with `key` (written, or given up on).
     pub fn done(&self, key: &[u8], written: bool) {
+        let written = written && !std::thread::panicking();
         let mut st = self.lock();
         if let Some(h) = st.held.remove(key) {
             st.bytes -= h.rec.capacity() as u64;
@@ -165,6 +166,22 @@ impl WriteBehind {
         let mut st = self.lock();
         st.stopping = true;
         self.changed.notify_all();
+        while !st.held.is_empty() {
+            let now = std::time::Instant::now();
+            if now >= deadline {
+                break;
+            }
+            st = self.changed.wait_timeout(st, deadline - now).unwrap_or_else(|e| e.into_inner()).0;
+        }
+        st.held.len()
+    }
+
+    /// Returns once nothing is held (or `timeout` passed), without
+    /// stopping: for a drain, whose puts are refused, before it lists the
+    /// pages on disk. The number still held.
+    pub fn wait_empty(&self, timeout: Duration) -> usize {
+        let deadline = std::time::Instant::now() + timeout;
+        let mut st = self.lock();
         while !st.held.is_empty() {
             let now = std::time::Instant::now();
             if now >= deadline {

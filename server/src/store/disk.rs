@@ -483,6 +483,12 @@ impl Disk {
             }) {
                 return Err(self.io_failed("data and index journal sync", &e));
             }
+            // A flush outside the group commit (the journal's periodic one)
+            // may have been told of a write-back error: nothing on a failed
+            // disk is acknowledged.
+            if self.is_failed() {
+                return Err(DiskError::Failed(self.id.clone()));
+            }
         }
         Ok(PutResult::Stored)
     }

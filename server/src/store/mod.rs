@@ -195,6 +195,14 @@ impl DownDeletes {
 
 const DOWN_DELETES_MAX: usize = 1 << 20;
 
+/// Whether a record held in memory would be a hit for `geo`.
+fn presence_of(rec: &PooledBuf, geo: Option<&Geometry>) -> Presence {
+    match (geo, PageHeader::decode(rec.as_slice())) {
+        (Some(g), Ok(h)) if !g.matches(&h) => Presence::Mismatch,
+        _ => Presence::Present,
+    }
+}
+
 /// Bytes of pages being warmed at once, at most: an eighth of the memory
 /// tier, up to 256 MiB.
 pub fn warm_budget(mem_cap: u64) -> u64 {
@@ -383,14 +391,16 @@ impl Store {
             return Err(StoreError::BadPayload);
         }
         let key = key.to_vec();
-        if self.view().live().any(|d| d.contains(&key)) || self.behind.as_ref().is_some_and(|b| b.contains(&key)) {
+        // Held for a flusher first: a flusher lets go of a key only once its
+        // disk has it, so this order never misses a key between the two.
+        if self.behind.as_ref().is_some_and(|b| b.contains(&key)) || self.view().live().any(|d| d.contains(&key)) {
             self.c.put_duplicates.fetch_add(1, Ordering::Relaxed);
             return Ok(PutOutcome::Duplicate);
         }
         let generation = self.mem.as_ref().map_or(0, |m| m.generation());
         rec.pad_to_align();
         let rec = Arc::new(rec);
-        if let Some(b) = &self.behind {
+        if let Some(b) = self.behind.as_ref().filter(|_| self.can_store(&key, rec.len() as u64)) {
             if b.hold(&key, rec.clone()) {
                 self.c.puts.fetch_add(1, Ordering::Relaxed);
                 self.c.bytes_written.fetch_add(rec.len() as u64, Ordering::Relaxed);
@@ -403,7 +413,9 @@ impl Store {
                 self.c.put_duplicates.fetch_add(1, Ordering::Relaxed);
                 return Ok(PutOutcome::Duplicate);
             }
-            b.c.fallbacks.fetch_add(1, Ordering::Relaxed);
+            if !b.stopping() {
+                b.c.fallbacks.fetch_add(1, Ordering::Relaxed);
+            }
         }
         let out = self.put_on_disk(&rec, &key, &header);
         match out {
@@ -424,6 +436,17 @@ impl Store {
             }
         }
         out
+    }
+
+    /// Whether a disk in service owns `key` and can hold a record of `len`
+    /// bytes (what a put acknowledged from memory must be able to become;
+    /// otherwise the put takes the media path and gets its error).
+    fn can_store(&self, key: &[u8], len: u64) -> bool {
+        let v = self.view();
+        match v.ring.owner(key).map(|m| &v.slots[v.disk_of[m]]) {
+            Some(Slot::Live(d)) => !d.is_failed() && buf::align_up(len) <= d.cap(),
+            _ => false,
+        }
     }
 
     /// Writes a padded record to the disk that owns its key (another, once,
@@ -457,11 +480,17 @@ impl Store {
                 }
                 continue;
             };
-            let Some(s) = store.upgrade() else {
-                b.done(&key, false);
-                return;
-            };
-            let written = match PageHeader::decode(rec.as_slice()) {
+            // Lets go of the key whatever happens below (a delete of it waits
+            // until then).
+            struct Release<'a>(&'a behind::WriteBehind, &'a [u8], bool);
+            impl Drop for Release<'_> {
+                fn drop(&mut self) {
+                    self.0.done(self.1, self.2);
+                }
+            }
+            let mut release = Release(&b, &key, false);
+            let Some(s) = store.upgrade() else { return };
+            release.2 = match PageHeader::decode(rec.as_slice()) {
                 Ok(header) => match s.put_on_disk(&rec, &key, &header) {
                     Ok(_) => true,
                     Err(e) => {
@@ -472,7 +501,7 @@ impl Store {
                 Err(_) => false,
             };
             drop(s);
-            b.done(&key, written);
+            drop(release);
         }
     }
 
@@ -526,6 +555,13 @@ impl Store {
             drop(s);
             w.done(&key, len, warmed);
         }
+    }
+
+    /// Waits (up to `timeout`) until every put acknowledged from memory is
+    /// on its disk, without refusing new ones (a draining node refuses them
+    /// itself). The number of pages still held.
+    pub fn flush_behind(&self, timeout: Duration) -> usize {
+        self.behind.as_ref().map_or(0, |b| b.wait_empty(timeout))
     }
 
     /// Starts `n` warmer threads when there is a memory tier.
@@ -679,6 +715,10 @@ impl Store {
         geo: Option<&Geometry>,
         probe: impl Fn(&Disk, &[u8], Option<&Geometry>) -> Result<Option<bool>, disk::Busy>,
     ) -> Result<Presence, disk::Busy> {
+        // Held for a flusher first (see `put`), then the disks, then memory.
+        if let Some(rec) = self.behind.as_ref().and_then(|b| b.get(key)) {
+            return Ok(presence_of(&rec, geo));
+        }
         for d in self.view().live() {
             match probe(d, key, geo)? {
                 Some(true) => return Ok(Presence::Present),
@@ -700,9 +740,19 @@ impl Store {
     /// [`Store::try_exist`] for a batch: each disk's index lock is taken once
     /// for all keys. None when a lock is busy.
     pub fn try_exist_batch(&self, keys: &[&[u8]], geo: Option<&Geometry>) -> Option<Vec<Presence>> {
+        // Held for a flusher first (see `put`).
+        let held: Vec<Option<Presence>> = match &self.behind {
+            Some(b) => keys.iter().map(|k| b.get(k).map(|rec| presence_of(&rec, geo))).collect(),
+            None => vec![None; keys.len()],
+        };
         let mut found: Vec<Option<bool>> = vec![None; keys.len()];
         for d in self.view().live() {
             d.try_exist_many(keys, geo, &mut found).ok()?;
+        }
+        for (f, h) in found.iter_mut().zip(&held) {
+            if let Some(p) = h {
+                *f = Some(*p == Presence::Present);
+            }
         }
         Some(
             keys.iter()

@@ -65,9 +65,13 @@ impl Warmer {
         self.st.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Queues `key` (a record of `len` bytes) for warming; never blocks on I/O.
+    /// Queues `key` (a record of `len` bytes) for warming; never waits (a
+    /// busy lock skips the page: this runs on the reactor).
     pub fn offer(&self, key: &[u8], len: u64) {
-        let mut st = self.lock();
+        let Ok(mut st) = self.st.try_lock() else {
+            self.c.skipped.fetch_add(1, Ordering::Relaxed);
+            return;
+        };
         if st.pending.contains(key) {
             return;
         }
@@ -105,22 +109,27 @@ impl Warmer {
         let mut st = self.lock();
         st.bytes -= len;
         st.pending.remove(key);
+        let mut dropped = None;
         if warmed {
             if st.warmed.len() >= WARMED_KEYS {
-                st.warmed.clear();
+                // Freed after the lock is let go.
+                dropped = Some(std::mem::take(&mut st.warmed));
             }
             st.warmed.insert(key.into());
             self.outstanding.store(st.warmed.len() as u64, Ordering::Relaxed);
             self.c.warmed.fetch_add(1, Ordering::Relaxed);
         }
+        drop(st);
+        drop(dropped);
     }
 
     /// A get served `key` from memory: counts it once if it was warmed.
+    /// Never waits (it runs on the reactor): a busy lock leaves it uncounted.
     pub fn note_read(&self, key: &[u8]) {
         if self.outstanding.load(Ordering::Relaxed) == 0 {
             return;
         }
-        let mut st = self.lock();
+        let Ok(mut st) = self.st.try_lock() else { return };
         if st.warmed.remove(key) {
             self.outstanding.store(st.warmed.len() as u64, Ordering::Relaxed);
             self.c.warmed_read.fetch_add(1, Ordering::Relaxed);
