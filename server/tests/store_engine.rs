@@ -661,6 +661,44 @@ fn a_failed_disk_closes_its_files_and_is_taken_back_while_running() {
     assert!(placed > 10);
 }
 
+/// Four writer threads put pages of 4-196 KiB under `prefix` until at
+/// least 300 are acknowledged (or 30 s), then `cut` runs with puts in
+/// flight and the writers stop at their first failure. Returns the pages
+/// acknowledged and every page tried, as (key, payload length).
+#[allow(clippy::type_complexity)]
+fn storm_until_cut(s: &Store, prefix: &str, cut: impl Fn()) -> (Vec<(String, usize)>, Vec<(String, usize)>) {
+    let acked: Mutex<Vec<(String, usize)>> = Mutex::default();
+    let tried: Mutex<Vec<(String, usize)>> = Mutex::default();
+    let stop = std::sync::atomic::AtomicBool::new(false);
+    std::thread::scope(|sc| {
+        for th in 0..4 {
+            let (acked, tried, stop) = (&acked, &tried, &stop);
+            sc.spawn(move || {
+                for i in 0.. {
+                    if stop.load(Ordering::SeqCst) {
+                        break;
+                    }
+                    let key = format!("{prefix}-{th}-{i}");
+                    let len = 4096 + (i * 7919 + th * 104_729) % (192 << 10);
+                    tried.lock().unwrap().push((key.clone(), len));
+                    match put(s, &key, len) {
+                        Ok(PutOutcome::Stored) => acked.lock().unwrap().push((key, len)),
+                        Ok(PutOutcome::Duplicate) => panic!("{key} is new"),
+                        Err(_) => break, // the power is off
+                    }
+                }
+            });
+        }
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+        while acked.lock().unwrap().len() < 300 && std::time::Instant::now() < deadline {
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+        cut();
+        stop.store(true, Ordering::SeqCst);
+    });
+    (acked.into_inner().unwrap(), tried.into_inner().unwrap())
+}
+
 /// Power loss (issue 11, item 6): through the Device seam, every write no
 /// flush covered becomes garbage and the journal loses what it had not
 /// flushed. Every put acknowledged before the cut must come back whole
@@ -683,46 +721,16 @@ fn after_a_power_loss_every_acknowledged_put_is_served_whole() {
     let (s, _) = Store::open_with(&c, &make).unwrap();
     let journal = d.join(kv_server::store::journal::JOURNAL_FILE);
     let baseline = std::fs::metadata(&journal).unwrap().len();
-    let acked: Mutex<Vec<(String, usize)>> = Mutex::default();
-    let tried: Mutex<Vec<(String, usize)>> = Mutex::default();
-    let stop = std::sync::atomic::AtomicBool::new(false);
-    std::thread::scope(|sc| {
-        for th in 0..4 {
-            let (s, acked, tried, stop) = (&s, &acked, &tried, &stop);
-            sc.spawn(move || {
-                for i in 0.. {
-                    if stop.load(Ordering::SeqCst) {
-                        break;
-                    }
-                    let key = format!("pl-{th}-{i}");
-                    let len = 4096 + (i * 7919 + th * 104_729) % (192 << 10);
-                    tried.lock().unwrap().push((key.clone(), len));
-                    match put(s, &key, len) {
-                        Ok(PutOutcome::Stored) => acked.lock().unwrap().push((key, len)),
-                        Ok(PutOutcome::Duplicate) => panic!("{key} is new"),
-                        Err(_) => break, // the power is off
-                    }
-                }
-            });
-        }
-        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
-        while acked.lock().unwrap().len() < 300 && std::time::Instant::now() < deadline {
-            std::thread::sleep(std::time::Duration::from_millis(5));
-        }
-        // Cut with puts in flight on every thread.
-        cuts.lock().unwrap()[0].cut();
-        stop.store(true, Ordering::SeqCst);
-    });
+    // Cut with puts in flight on every thread.
+    let (acked, tried) = storm_until_cut(&s, "pl", || cuts.lock().unwrap()[0].cut());
     drop(s); // no close(): the power is off
     let (garbled, journal_lost) =
         cuts.lock().unwrap()[0].apply(&d.join(kv_server::store::disk::DATA_FILE), &journal, baseline).unwrap();
     let c2 = cfg(std::slice::from_ref(&d), 512 << 20, 0);
     let (s2, _) = Store::open(&c2).unwrap();
-    let acked = acked.into_inner().unwrap();
     for (key, len) in &acked {
         assert_eq!(get(&s2, key).as_deref(), Some(&payload(key, *len)[..]), "acknowledged {key} lost or wrong");
     }
-    let tried = tried.into_inner().unwrap();
     let mut in_flight_served = 0;
     for (key, len) in tried.iter().filter(|k| !acked.contains(k)) {
         if let Some(p) = get(&s2, key) {
@@ -838,33 +846,7 @@ fn after_a_power_loss_memory_acks_are_served_whole_or_missed() {
     Store::start_flushers(&s, 2).unwrap();
     let journal = d.join(kv_server::store::journal::JOURNAL_FILE);
     let baseline = std::fs::metadata(&journal).unwrap().len();
-    let acked: Mutex<Vec<(String, usize)>> = Mutex::default();
-    let stop = std::sync::atomic::AtomicBool::new(false);
-    std::thread::scope(|sc| {
-        for th in 0..4 {
-            let (s, acked, stop) = (&s, &acked, &stop);
-            sc.spawn(move || {
-                for i in 0.. {
-                    if stop.load(Ordering::SeqCst) {
-                        break;
-                    }
-                    let key = format!("pm-{th}-{i}");
-                    let len = 4096 + (i * 7919 + th * 104_729) % (192 << 10);
-                    match put(s, &key, len) {
-                        Ok(PutOutcome::Stored) => acked.lock().unwrap().push((key, len)),
-                        Ok(PutOutcome::Duplicate) => panic!("{key} is new"),
-                        Err(_) => break, // the power is off
-                    }
-                }
-            });
-        }
-        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
-        while acked.lock().unwrap().len() < 300 && std::time::Instant::now() < deadline {
-            std::thread::sleep(std::time::Duration::from_millis(5));
-        }
-        cuts.lock().unwrap()[0].cut();
-        stop.store(true, Ordering::SeqCst);
-    });
+    let (acked, _) = storm_until_cut(&s, "pm", || cuts.lock().unwrap()[0].cut());
     let unflushed = s.stats().unflushed_bytes;
     drop(s); // no close(): the power is off (the flushers fail and let go)
     cuts.lock().unwrap()[0].apply(&d.join(kv_server::store::disk::DATA_FILE), &journal, baseline).unwrap();
@@ -880,7 +862,6 @@ fn after_a_power_loss_memory_acks_are_served_whole_or_missed() {
             Err(e) => panic!("reopen: {e}"),
         }
     };
-    let acked = acked.into_inner().unwrap();
     let mut served = 0;
     for (key, len) in &acked {
         if let Some(p) = get(&s2, key) {

@@ -162,18 +162,9 @@ impl WriteBehind {
     /// Stops taking records; returns once every record held is written (or
     /// given up on) or `timeout` passed. The number still held.
     pub fn stop_and_flush(&self, timeout: Duration) -> usize {
-        let deadline = std::time::Instant::now() + timeout;
-        let mut st = self.lock();
-        st.stopping = true;
+        self.lock().stopping = true;
         self.changed.notify_all();
-        while !st.held.is_empty() {
-            let now = std::time::Instant::now();
-            if now >= deadline {
-                break;
-            }
-            st = self.changed.wait_timeout(st, deadline - now).unwrap_or_else(|e| e.into_inner()).0;
-        }
-        st.held.len()
+        self.wait_empty(timeout)
     }
 
     /// Returns once nothing is held (or `timeout` passed), without
