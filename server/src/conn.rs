@@ -150,6 +150,28 @@ impl Out {
     }
 }
 
+/// A connection's response buffer: smaller responses are written from it,
+/// larger bodies straight from their own buffer.
+const WRITE_BUFFER: usize = 64 * 1024;
+
+/// Writes all of `a` then `b` with vectored writes.
+async fn write_all_vectored(
+    w: &mut tokio::net::tcp::OwnedWriteHalf,
+    mut a: &[u8],
+    mut b: &[u8],
+) -> std::io::Result<()> {
+    while !a.is_empty() || !b.is_empty() {
+        let n = w.write_vectored(&[std::io::IoSlice::new(a), std::io::IoSlice::new(b)]).await?;
+        if n == 0 {
+            return Err(std::io::ErrorKind::WriteZero.into());
+        }
+        let from_a = n.min(a.len());
+        a = &a[from_a..];
+        b = &b[n - from_a..];
+    }
+    Ok(())
+}
+
 impl Out {
     async fn send(&self, r: Response) {
         if *self.dead.borrow() {
@@ -169,11 +191,19 @@ impl Out {
         }
         let deadline = Instant::now() + self.timeout + frame_allowance(len as u32);
         let res = tokio::time::timeout_at(deadline, async {
-            w.write_all(&r.header).await?;
-            match &r.body {
-                Body::Empty => {}
-                Body::Bytes(b) => w.write_all(b).await?,
-                Body::Record(rec) => w.write_all(rec.as_slice()).await?,
+            let body: &[u8] = match &r.body {
+                Body::Empty => &[],
+                Body::Bytes(b) => b,
+                Body::Record(rec) => rec.as_slice(),
+            };
+            if w.buffer().is_empty() && body.len() >= WRITE_BUFFER {
+                // A body the buffer cannot hold: header and body in one
+                // vectored write (one system call, not one for the header
+                // and one for the body), straight from the record's buffer.
+                write_all_vectored(w.get_mut(), &r.header, body).await?;
+            } else {
+                w.write_all(&r.header).await?;
+                w.write_all(body).await?;
             }
             w.flush().await
         })
@@ -272,7 +302,7 @@ pub async fn serve(stream: TcpStream, peer: SocketAddr, shared: Arc<Shared>, mut
     keepalive(&stream);
     let (rd, wr) = stream.into_split();
     let mut rd = BufReader::with_capacity(64 * 1024, rd);
-    let mut wr = BufWriter::with_capacity(64 * 1024, wr);
+    let mut wr = BufWriter::with_capacity(WRITE_BUFFER, wr);
     match handshake(&mut rd, &mut wr, &shared, peer).await {
         Ok(true) => {}
         Ok(false) => return,
