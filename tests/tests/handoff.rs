@@ -445,7 +445,19 @@ fn views_with_four_previous_sets_at_1000_members_stay_small() {
                         instance: String::new(),
                         metrics_addr: Some(format!("gpu-node-{i:04}.cluster.example:9700")),
                     };
-                    m.register("big", &format!("gpu-node-{i:04}"), &req).expect("register");
+                    // A slow etcd (a loaded machine) answers 503: a node
+                    // registering retries, and so does this.
+                    let deadline = Instant::now() + Duration::from_secs(60);
+                    loop {
+                        match m.register("big", &format!("gpu-node-{i:04}"), &req) {
+                            Ok(_) => break,
+                            Err(e) if Instant::now() < deadline => {
+                                let _ = e;
+                                std::thread::sleep(Duration::from_millis(50));
+                            }
+                            Err(e) => panic!("register: {e:?}"),
+                        }
+                    }
                 }
             });
         }
