@@ -75,6 +75,15 @@ impl MemTier {
         self.lock().lru.get(key).cloned()
     }
 
+    /// Sets `out[i]` for each of `keys` held, under one lock (no recency
+    /// change, no buffer reference taken).
+    pub fn contains_many(&self, keys: &[&[u8]], out: &mut [bool]) {
+        let g = self.lock();
+        for (k, o) in keys.iter().zip(out.iter_mut()) {
+            *o = g.lru.contains(*k);
+        }
+    }
+
     /// Looks without refreshing recency.
     pub fn peek(&self, key: &[u8]) -> Option<Arc<PooledBuf>> {
         self.lock().lru.peek(key).cloned()

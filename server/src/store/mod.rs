@@ -505,20 +505,36 @@ impl Store {
         }
     }
 
-    /// After an exist: queues the pages `found` present that are only on
-    /// disk for warming (never blocks: a disk index busy skips the page).
+    /// After an exist: hands the keys `found` present to a warmer, which
+    /// reads those only on disk into the memory tier. On the reactor: one
+    /// buffer and a lock never waited for.
     pub fn warm(&self, keys: &[&[u8]], found: &[Presence]) {
         let Some(w) = &self.warmer else { return };
-        let mut v = None;
-        for (k, p) in keys.iter().zip(found) {
-            if *p != Presence::Present || self.in_memory(k).is_some() {
+        if !found.contains(&Presence::Present) {
+            return;
+        }
+        let present = keys.iter().zip(found).filter(|(_, p)| **p == Presence::Present).map(|(k, _)| *k);
+        w.offer_keys(warm::encode_keys(present));
+    }
+
+    /// On a warmer: queues the keys of `packed` that are only on disk.
+    fn sort_for_warming(&self, w: &warm::Warmer, packed: &[u8]) {
+        let Some(m) = &self.mem else { return };
+        let keys = warm::decode_keys(packed);
+        let mut in_mem = vec![false; keys.len()];
+        m.contains_many(&keys, &mut in_mem);
+        let v = self.view();
+        let mut queued = 0;
+        for (k, held) in keys.into_iter().zip(in_mem) {
+            if held || self.behind.as_ref().is_some_and(|b| b.contains(k)) {
                 continue;
             }
-            let v = v.get_or_insert_with(|| self.view());
-            if let Some(len) = v.live().find_map(|d| d.try_record_len(k).ok().flatten()) {
+            if let Some(len) = v.live().find_map(|d| d.record_len(k)) {
                 w.offer(k, len);
+                queued += 1;
             }
         }
+        w.sorted(queued);
     }
 
     /// Reads `key` from its disk into the memory tier; true when it entered.
@@ -544,16 +560,21 @@ impl Store {
 
     fn warmer(store: std::sync::Weak<Store>, w: Arc<warm::Warmer>) {
         loop {
-            let Some((key, len)) = w.next() else {
+            let Some(work) = w.next() else {
                 if store.strong_count() == 0 {
                     return;
                 }
                 continue;
             };
             let Some(s) = store.upgrade() else { return };
-            let warmed = s.warm_one(&key);
+            match work {
+                warm::Work::Sort(packed) => s.sort_for_warming(&w, &packed),
+                warm::Work::Read(key, len) => {
+                    let warmed = s.warm_one(&key);
+                    w.done(&key, len, warmed);
+                }
+            }
             drop(s);
-            w.done(&key, len, warmed);
         }
     }
 

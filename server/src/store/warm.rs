@@ -16,12 +16,56 @@ use std::time::Duration;
 
 #[derive(Default)]
 struct State {
+    /// Keys an exist found present, not yet sorted out (each buffer a run
+    /// of u16 length + key): the warmers look up which are only on disk,
+    /// off the reactor. Bounded by [`MAX_BATCHES`].
+    batches: VecDeque<Vec<u8>>,
     queue: VecDeque<(Box<[u8]>, u64)>,
     /// Keys queued or being read (a key asked twice is warmed once).
     pending: HashSet<Box<[u8]>>,
     bytes: u64,
     /// Keys warmed and not yet read by a get (bounded by [`WARMED_KEYS`]).
     warmed: HashSet<Box<[u8]>>,
+}
+
+/// Exist batches waiting to be sorted out, at most; past it a batch is
+/// not warmed.
+const MAX_BATCHES: usize = 64;
+
+/// Fruitless batches in a row before batches are sampled.
+const IDLE_AFTER: u64 = 8;
+/// One batch in this many is sorted while warming finds nothing to do.
+const SAMPLE: u64 = 32;
+
+/// What a warmer does next.
+pub enum Work {
+    /// Keys found present: which are only on disk ([`decode_keys`]).
+    Sort(Vec<u8>),
+    /// A page to read into the memory tier, and its record length.
+    Read(Box<[u8]>, u64),
+}
+
+/// Packs `keys` for [`Warmer::offer_keys`].
+pub fn encode_keys<'a>(keys: impl Iterator<Item = &'a [u8]>) -> Vec<u8> {
+    let mut out = Vec::new();
+    for k in keys {
+        let Ok(n) = u16::try_from(k.len()) else { continue };
+        out.extend_from_slice(&n.to_le_bytes());
+        out.extend_from_slice(k);
+    }
+    out
+}
+
+/// The keys packed by [`encode_keys`].
+pub fn decode_keys(mut b: &[u8]) -> Vec<&[u8]> {
+    let mut out = Vec::new();
+    while b.len() >= 2 {
+        let n = usize::from(u16::from_le_bytes([b[0], b[1]]));
+        let Some(k) = b.get(2..2 + n) else { break };
+        out.push(k);
+        b = &b[2 + n..];
+    }
+    out
 }
 
 /// Warmed keys remembered for the warmed-then-read counter; past it the set
@@ -44,6 +88,12 @@ pub struct Warmer {
     work: Condvar,
     /// Keys in `warmed`, read without the lock on every memory hit.
     outstanding: AtomicU64,
+    /// Batches sorted in a row that had nothing to warm (every page already
+    /// in memory): past [`IDLE_AFTER`] only one batch in [`SAMPLE`] is
+    /// looked at, so a node whose tier holds what is asked spends nearly
+    /// nothing on warming; one page to warm brings back every batch.
+    fruitless: AtomicU64,
+    offered: AtomicU64,
     pub c: Counters,
 }
 
@@ -57,6 +107,8 @@ impl Warmer {
             st: Mutex::new(State::default()),
             work: Condvar::new(),
             outstanding: AtomicU64::new(0),
+            fruitless: AtomicU64::new(0),
+            offered: AtomicU64::new(0),
             c: Counters::default(),
         }
     }
@@ -87,17 +139,50 @@ impl Warmer {
         self.work.notify_one();
     }
 
-    /// The next key to read and its record length, or None after
+    /// Queues keys an exist found present (packed by [`encode_keys`]) for a
+    /// warmer to sort out; never waits (this runs on the reactor).
+    pub fn offer_keys(&self, packed: Vec<u8>) {
+        let n = self.offered.fetch_add(1, Ordering::Relaxed);
+        if self.fruitless.load(Ordering::Relaxed) >= IDLE_AFTER && n % SAMPLE != 0 {
+            return;
+        }
+        let Ok(mut st) = self.st.try_lock() else {
+            self.c.skipped.fetch_add(1, Ordering::Relaxed);
+            return;
+        };
+        if st.batches.len() >= MAX_BATCHES {
+            drop(st);
+            self.c.skipped.fetch_add(1, Ordering::Relaxed);
+            return;
+        }
+        st.batches.push_back(packed);
+        drop(st);
+        self.work.notify_one();
+    }
+
+    /// A batch was sorted: `queued` of its pages were offered for reading.
+    pub fn sorted(&self, queued: usize) {
+        if queued == 0 {
+            self.fruitless.fetch_add(1, Ordering::Relaxed);
+        } else {
+            self.fruitless.store(0, Ordering::Relaxed);
+        }
+    }
+
+    /// The next thing to do (pages to read first), or None after
     /// [`IDLE_WAKE`] with nothing queued.
-    pub fn next(&self) -> Option<(Box<[u8]>, u64)> {
+    pub fn next(&self) -> Option<Work> {
         let mut st = self.lock();
         loop {
-            if let Some(front) = st.queue.pop_front() {
-                return Some(front);
+            if let Some((k, len)) = st.queue.pop_front() {
+                return Some(Work::Read(k, len));
+            }
+            if let Some(b) = st.batches.pop_front() {
+                return Some(Work::Sort(b));
             }
             let (g, t) = self.work.wait_timeout(st, IDLE_WAKE).unwrap_or_else(|e| e.into_inner());
             st = g;
-            if t.timed_out() && st.queue.is_empty() {
+            if t.timed_out() && st.queue.is_empty() && st.batches.is_empty() {
                 return None;
             }
         }
@@ -155,10 +240,10 @@ mod tests {
         w.offer(b"c", 4);
         assert_eq!(w.bytes(), 8, "a once, b, and c past the budget");
         assert_eq!(w.c.skipped.load(Ordering::Relaxed), 1);
-        let (k, len) = w.next().unwrap();
+        let Some(Work::Read(k, len)) = w.next() else { panic!("a read first") };
         assert_eq!((&*k, len), (&b"a"[..], 4));
         w.done(&k, len, true);
-        let (k, len) = w.next().unwrap();
+        let Some(Work::Read(k, len)) = w.next() else { panic!("a read") };
         w.done(&k, len, false);
         assert_eq!(w.bytes(), 0);
         w.note_read(b"b");
@@ -167,5 +252,9 @@ mod tests {
         assert_eq!(w.c.warmed.load(Ordering::Relaxed), 1);
         assert_eq!(w.c.warmed_read.load(Ordering::Relaxed), 1, "counted once, warmed keys only");
         assert!(w.next().is_none());
+        let packed = encode_keys([&b"x"[..], &b"yz"[..]].into_iter());
+        assert_eq!(decode_keys(&packed), vec![&b"x"[..], &b"yz"[..]]);
+        w.offer_keys(packed);
+        assert!(matches!(w.next(), Some(Work::Sort(_))));
     }
 }
