@@ -761,16 +761,15 @@ impl Store {
     /// [`Store::try_exist`] for a batch: each disk's index lock is taken once
     /// for all keys. None when a lock is busy.
     pub fn try_exist_batch(&self, keys: &[&[u8]], geo: Option<&Geometry>) -> Option<Vec<Presence>> {
-        // Held for a flusher first (see `put`).
-        let held: Vec<Option<Presence>> = match &self.behind {
-            Some(b) => keys.iter().map(|k| b.get(k).map(|rec| presence_of(&rec, geo))).collect(),
-            None => vec![None; keys.len()],
-        };
+        // Held for a flusher first (see `put`); nothing to allocate without
+        // a write-behind.
+        let held: Option<Vec<Option<Presence>>> =
+            self.behind.as_ref().map(|b| keys.iter().map(|k| b.get(k).map(|rec| presence_of(&rec, geo))).collect());
         let mut found: Vec<Option<bool>> = vec![None; keys.len()];
         for d in self.view().live() {
             d.try_exist_many(keys, geo, &mut found).ok()?;
         }
-        for (f, h) in found.iter_mut().zip(&held) {
+        for (f, h) in found.iter_mut().zip(held.iter().flatten()) {
             if let Some(p) = h {
                 *f = Some(*p == Presence::Present);
             }

@@ -117,13 +117,10 @@ impl Warmer {
         self.st.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Queues `key` (a record of `len` bytes) for warming; never waits (a
-    /// busy lock skips the page: this runs on the reactor).
+    /// Queues `key` (a record of `len` bytes) for warming (on a warmer
+    /// thread, after sorting a batch: it may wait for the lock).
     pub fn offer(&self, key: &[u8], len: u64) {
-        let Ok(mut st) = self.st.try_lock() else {
-            self.c.skipped.fetch_add(1, Ordering::Relaxed);
-            return;
-        };
+        let mut st = self.lock();
         if st.pending.contains(key) {
             return;
         }
