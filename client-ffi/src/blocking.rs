@@ -64,7 +64,11 @@ impl BlockingClient {
 
     pub fn getv(&self, key: &[u8], bufs: &mut [&mut [u8]]) -> Result<usize, (Status, usize)> {
         let t0 = std::time::Instant::now();
-        let r = self.rt.block_on(self.core.getv(key, bufs));
+        // On the caller's thread where it can be (see `small.rs`).
+        let r = match self.core.getv_blocking(key, bufs) {
+            Some(r) => r,
+            None => self.rt.block_on(self.core.getv(key, bufs)),
+        };
         self.core.metrics.timed("get", t0);
         r
     }

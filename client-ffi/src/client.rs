@@ -378,7 +378,7 @@ impl Client {
     }
 
     /// The node owning `key`, or the status to answer without the network.
-    fn route(&self, topo: &Topology, key: &[u8]) -> Result<Arc<Node>, Status> {
+    pub(crate) fn route(&self, topo: &Topology, key: &[u8]) -> Result<Arc<Node>, Status> {
         let Some(i) = topo.ring.owner(key) else {
             note_failure("no members: give a member list or start discovery".into());
             return Err(Status::Unavailable);

@@ -16,7 +16,7 @@ use crate::error::OpError;
 use crate::node::AsyncConn;
 
 /// Largest error/answer body read into memory (anything else is a record).
-const MAX_SMALL_ANSWER: u32 = 1 << 20;
+pub(crate) const MAX_SMALL_ANSWER: u32 = 1 << 20;
 
 /// Payloads smaller than this go inline even on a connection with a queue
 /// pair: a small record costs less over TCP than a registration lookup and
@@ -166,7 +166,7 @@ async fn recv_small(conn: &mut AsyncConn, h: &RspHeader) -> Result<Vec<u8>, OpEr
     Ok(body)
 }
 
-fn refused(status: Status, body: &[u8]) -> OpError {
+pub(crate) fn refused(status: Status, body: &[u8]) -> OpError {
     OpError::Node(status, String::from_utf8_lossy(body).into_owned())
 }
 
@@ -411,6 +411,33 @@ pub async fn get_pipelined(
 }
 
 /// The body of one GET answer, leaving the connection at the next frame.
+/// Checks the page header and key that open a get's answer of `body_len`
+/// bytes (`hk`: the header, then as many bytes as `key` has) against what
+/// was asked: Ok(header) when its payload fits in `cap` bytes, else the
+/// reply the item gets (the caller drains the rest of the body).
+pub(crate) fn check_get_head(
+    geo: &Geometry,
+    key: &[u8],
+    body_len: u64,
+    hk: &[u8],
+    cap: usize,
+) -> Result<PageHeader, GetReply> {
+    let no = |status, len| Err(GetReply { status, len });
+    let mut hb = [0u8; HEADER_LEN];
+    hb.copy_from_slice(&hk[..HEADER_LEN]);
+    let ph = match PageHeader::decode(&hb) {
+        Ok(ph) if ph.record_len() == body_len => ph,
+        _ => return no(Status::Corrupt, 0),
+    };
+    if ph.key_len as usize != key.len() || ph.check_key(key).is_err() || !geo.matches(&ph) || &hk[HEADER_LEN..] != key {
+        return no(Status::Mismatch, 0);
+    }
+    if ph.payload_len as usize > cap {
+        return no(Status::TooSmall, ph.payload_len as usize);
+    }
+    Ok(ph)
+}
+
 async fn read_get_body(
     conn: &mut AsyncConn,
     geo: &Geometry,
@@ -429,37 +456,24 @@ async fn read_get_body(
         };
     }
     let body_len = h.body_len as u64;
-    if body_len < (HEADER_LEN + key.len()) as u64 {
+    let head = HEADER_LEN + key.len();
+    if body_len < head as u64 {
         drain(conn, body_len).await?;
         return done(Status::Corrupt, 0);
     }
-    let mut hb = [0u8; HEADER_LEN];
-    conn.stream.read_exact(&mut hb).await?;
-    let rest = body_len - HEADER_LEN as u64;
-    let ph = match PageHeader::decode(&hb) {
-        Ok(ph) if ph.record_len() == body_len => ph,
-        _ => {
-            drain(conn, rest).await?;
-            return done(Status::Corrupt, 0);
+    // The page header and the key in one read (the key's length is the
+    // one asked for; a body at least that long holds both).
+    let mut hk = [0u8; HEADER_LEN + kv_common::page::MAX_KEY_LEN];
+    conn.stream.read_exact(&mut hk[..head]).await?;
+    let cap: usize = bufs.iter().map(|b| b.len()).sum();
+    let ph = match check_get_head(geo, key, body_len, &hk[..head], cap) {
+        Ok(ph) => ph,
+        Err(r) => {
+            drain(conn, body_len - head as u64).await?;
+            return Ok(r);
         }
     };
-    if ph.key_len as usize != key.len() || ph.check_key(key).is_err() || !geo.matches(&ph) {
-        drain(conn, rest).await?;
-        return done(Status::Mismatch, 0);
-    }
     let need = ph.payload_len as usize;
-    let cap: usize = bufs.iter().map(|b| b.len()).sum();
-    if need > cap {
-        drain(conn, rest).await?;
-        return done(Status::TooSmall, need);
-    }
-    let mut kb = [0u8; kv_common::page::MAX_KEY_LEN];
-    let kb = &mut kb[..key.len()];
-    conn.stream.read_exact(kb).await?;
-    if kb != key {
-        drain(conn, need as u64).await?;
-        return done(Status::Mismatch, 0);
-    }
     let mut crc = crc32fast::Hasher::new();
     let mut left = need;
     for seg in bufs.iter_mut() {

@@ -1,20 +1,22 @@
-//! Small requests (exist, batch exist) driven on the caller's own thread
-//! with blocking sockets: the request to every owner is written first, then
-//! every answer read, so the caller wakes straight from its socket. Through
-//! the async core each answer costs an extra thread wake-up (the runtime's
-//! worker sees the readiness and unparks the caller), which on a loaded
-//! machine is most of an exist's latency. Big transfers stay on the async
-//! core, where a wake-up is negligible against megabytes.
+//! Small requests (exist, batch exist) and single gets driven on the
+//! caller's own thread with blocking sockets: the request to every owner is
+//! written first, then every answer read, so the caller wakes straight from
+//! its socket. Through the async core each answer costs an extra thread
+//! wake-up (the runtime's worker sees the readiness and unparks the caller),
+//! which on a loaded machine is most of an exist's latency and a good part
+//! of a small get's. Batches of gets and puts stay on the async core, which
+//! keeps every owner's connection busy at once.
 //!
 //! Routing, node health (cool-downs) and statuses are the core's.
 
 use std::io::{Read, Write};
 use std::net::TcpStream;
+use std::os::fd::AsRawFd;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use kv_common::page::Geometry;
+use kv_common::page::{Geometry, HEADER_LEN, MAX_KEY_LEN};
 use kv_common::status::Status;
 use kv_common::wire::MAX_BATCH_KEYS;
 use kv_common::wire::{
@@ -23,6 +25,7 @@ use kv_common::wire::{
 
 use crate::client::Client;
 use crate::error::OpError;
+use crate::exchange::{check_get_head, refused, GetReply, MAX_SMALL_ANSWER};
 use crate::node::Node;
 
 /// A blocking connection after the hello.
@@ -67,12 +70,64 @@ impl SyncConn {
                 return Err(OpError::Timeout);
             }
             self.set_read_timeout(left, slack, cap)?;
+            let want = &mut buf[got..];
+            // MSG_WAITALL: the kernel gathers the whole buffer before the
+            // call returns (or the timeout or a signal ends it early, with
+            // what came so far), so a body that arrives in several segments
+            // costs one call, not one a segment.
+            // SAFETY: the pointer and length are those of `want`, a live
+            // mutable slice the kernel writes at most `want.len()` bytes of.
+            let n =
+                unsafe { libc::recv(self.stream.as_raw_fd(), want.as_mut_ptr().cast(), want.len(), libc::MSG_WAITALL) };
+            match n {
+                0 => return Err(OpError::Io(std::io::ErrorKind::UnexpectedEof.into())),
+                n if n > 0 => got += n as usize,
+                _ => {
+                    let e = std::io::Error::last_os_error();
+                    if e.kind() != std::io::ErrorKind::Interrupted {
+                        return Err(timeout_or_io(e));
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Reads at least `min` bytes into `buf`, and whatever more has come
+    /// (up to its length): the bytes read.
+    fn read_at_least(
+        &mut self,
+        buf: &mut [u8],
+        min: usize,
+        deadline: Instant,
+        slack: Duration,
+        cap: Duration,
+    ) -> Result<usize, OpError> {
+        let mut got = 0;
+        while got < min {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return Err(OpError::Timeout);
+            }
+            self.set_read_timeout(left, slack, cap)?;
             match self.stream.read(&mut buf[got..]) {
                 Ok(0) => return Err(OpError::Io(std::io::ErrorKind::UnexpectedEof.into())),
                 Ok(n) => got += n,
                 Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
                 Err(e) => return Err(timeout_or_io(e)),
             }
+        }
+        Ok(got)
+    }
+
+    /// Reads and discards `n` bytes (the rest of an answer not served, so
+    /// the connection stays in step).
+    fn skip(&mut self, mut n: usize, deadline: Instant, slack: Duration, cap: Duration) -> Result<(), OpError> {
+        let mut sink = [0u8; 8192];
+        while n > 0 {
+            let k = n.min(sink.len());
+            self.read_full(&mut sink[..k], deadline, slack, cap)?;
+            n -= k;
         }
         Ok(())
     }
@@ -162,20 +217,7 @@ fn recv(p: &mut Pending) -> Result<Vec<Status>, OpError> {
     // One request is in flight on this connection, so whatever arrives is
     // this answer: read header and (usually) body with one call.
     let mut first = [0u8; 1024];
-    let mut got = 0;
-    while got < FRAME_HEADER_LEN {
-        let left = p.deadline.saturating_duration_since(Instant::now());
-        if left.is_zero() {
-            return Err(OpError::Timeout);
-        }
-        p.conn.set_read_timeout(left, slack, cap)?;
-        match p.conn.stream.read(&mut first[got..]) {
-            Ok(0) => return Err(OpError::Io(std::io::ErrorKind::UnexpectedEof.into())),
-            Ok(n) => got += n,
-            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
-            Err(e) => return Err(timeout_or_io(e)),
-        }
-    }
+    let got = p.conn.read_at_least(&mut first, FRAME_HEADER_LEN, p.deadline, slack, cap)?;
     let mut hb = [0u8; FRAME_HEADER_LEN];
     hb.copy_from_slice(&first[..FRAME_HEADER_LEN]);
     let h = RspHeader::decode(&hb);
@@ -201,6 +243,90 @@ fn recv(p: &mut Pending) -> Result<Vec<Status>, OpError> {
         }
         (_, s) => Err(OpError::Node(s, String::from_utf8_lossy(&body).into_owned())),
     }
+}
+
+/// One get on `conn`, answered into `bufs` (one request in flight, so
+/// whatever arrives is its answer): Ok when the whole answer was read, the
+/// connection then between frames and fit to pool again.
+fn get_on(
+    conn: &mut SyncConn,
+    geo: &Geometry,
+    key: &[u8],
+    bufs: &mut [&mut [u8]],
+    io: Duration,
+) -> Result<GetReply, OpError> {
+    let deadline = Instant::now() + io;
+    let (slack, cap) = (io / 16, io);
+    conn.set_write_timeout(io)?;
+    let req_id = conn.next_id;
+    conn.next_id += 1;
+    let req = KeyRequest::encode(geo, key);
+    let h = ReqHeader { op: Op::Get, flags: FLAG_CHECK_GEOMETRY, body_len: req.len() as u32, req_id }.encode();
+    let mut frame = Vec::with_capacity(FRAME_HEADER_LEN + req.len());
+    frame.extend_from_slice(&h);
+    frame.extend_from_slice(&req);
+    conn.stream.write_all(&frame).map_err(timeout_or_io)?;
+    // The frame header, and with it (an answer is written at once) the
+    // page header and the key, in one read.
+    let head = HEADER_LEN + key.len();
+    let mut first = [0u8; FRAME_HEADER_LEN + HEADER_LEN + MAX_KEY_LEN];
+    let first = &mut first[..FRAME_HEADER_LEN + head];
+    let got = conn.read_at_least(first, FRAME_HEADER_LEN, deadline, slack, cap)?;
+    let mut hb = [0u8; FRAME_HEADER_LEN];
+    hb.copy_from_slice(&first[..FRAME_HEADER_LEN]);
+    let h = RspHeader::decode(&hb);
+    if h.req_id != req_id {
+        return Err(OpError::Protocol(format!("answer to request {} while waiting for {req_id}", h.req_id)));
+    }
+    let (body_len, have) = (h.body_len as usize, got - FRAME_HEADER_LEN);
+    if have > body_len {
+        return Err(OpError::Protocol(format!("{have} bytes after a {body_len}-byte answer")));
+    }
+    let reply = |status, len| Ok(GetReply { status, len });
+    if h.status != Status::Ok {
+        if h.body_len > MAX_SMALL_ANSWER {
+            return Err(OpError::Protocol(format!("unexpected {body_len}-byte answer")));
+        }
+        let mut body = vec![0u8; body_len];
+        body[..have].copy_from_slice(&first[FRAME_HEADER_LEN..got]);
+        conn.read_full(&mut body[have..], deadline, slack, cap)?;
+        return match h.status {
+            Status::Miss | Status::Mismatch => reply(h.status, 0),
+            // Read whole: this get alone is not served (a node's internal
+            // failure reads as unavailable, never negative).
+            s => reply(refused(s, &body).status(), 0),
+        };
+    }
+    if body_len < head {
+        conn.skip(body_len - have, deadline, slack, cap)?;
+        return reply(Status::Corrupt, 0);
+    }
+    conn.read_full(&mut first[got..], deadline, slack, cap)?;
+    let room: usize = bufs.iter().map(|b| b.len()).sum();
+    let ph = match check_get_head(geo, key, body_len as u64, &first[FRAME_HEADER_LEN..], room) {
+        Ok(ph) => ph,
+        Err(r) => {
+            conn.skip(body_len - head, deadline, slack, cap)?;
+            return Ok(r);
+        }
+    };
+    // The payload straight into the caller's buffers, then its CRC.
+    let need = ph.payload_len as usize;
+    let mut crc = crc32fast::Hasher::new();
+    let mut left = need;
+    for seg in bufs.iter_mut() {
+        if left == 0 {
+            break;
+        }
+        let take = seg.len().min(left);
+        conn.read_full(&mut seg[..take], deadline, slack, cap)?;
+        crc.update(&seg[..take]);
+        left -= take;
+    }
+    if crc.finalize() != ph.payload_crc {
+        return reply(Status::Corrupt, 0);
+    }
+    reply(Status::Ok, need)
 }
 
 fn is_stale(e: &OpError) -> bool {
@@ -441,6 +567,61 @@ impl Client {
                 p.idx.iter().for_each(|&i| out[i] = s);
             }
         }
+    }
+
+    /// One get on the caller's thread (see the module docs): Ok(length) on
+    /// a hit, else the status (and for KV_TOO_SMALL the size needed). None
+    /// when the async core must take it: the handle has RDMA, or a handoff
+    /// set is open (a miss then asks the previous owners).
+    pub fn getv_blocking(&self, key: &[u8], bufs: &mut [&mut [u8]]) -> Option<Result<usize, (Status, usize)>> {
+        if self.rdma.is_some() {
+            return None;
+        }
+        let topo = self.topology();
+        if !topo.previous.is_empty() {
+            return None;
+        }
+        let node = match self.route(&topo, key) {
+            Ok(n) => n,
+            Err(s) => return Some(Err(self.metrics.count_get(s, 0, 0))),
+        };
+        let io = self.opts.io_timeout;
+        let Some(_slot) = node.sync_slot(io) else {
+            crate::client::note_local(format!(
+                "node {}: all {} connections busy for the whole I/O timeout",
+                node.id, self.opts.max_conns_per_node
+            ));
+            return Some(Err(self.metrics.count_get(Status::Timeout, 0, 0)));
+        };
+        let mut fresh = false;
+        let reply = loop {
+            let (mut conn, reused) = match self.sync_checkout(&node, fresh, io) {
+                Ok(c) => c,
+                Err(e) => return Some(Err(self.metrics.count_get(self.failed_node(&node, e), 0, 0))),
+            };
+            match get_on(&mut conn, &self.geo, key, bufs, io) {
+                Ok(r) => {
+                    node.mark_ok();
+                    node.put_sync_conn(conn, self.opts.max_conns_per_node);
+                    break r;
+                }
+                // A pooled connection the node has closed: once more on a
+                // new one (a get may be asked twice).
+                Err(e) if reused && !fresh && is_stale(&e) => {
+                    self.metrics.stale_retries.fetch_add(1, Ordering::Relaxed);
+                    node.drop_idle();
+                    fresh = true;
+                }
+                Err(e) => return Some(Err(self.metrics.count_get(self.failed_node(&node, e), 0, 0))),
+            }
+        };
+        Some(match reply {
+            GetReply { status: Status::Ok, len } => {
+                self.metrics.count_get(Status::Ok, len as u64, 0);
+                Ok(len)
+            }
+            GetReply { status, len } => Err(self.metrics.count_get(status, 0, len)),
+        })
     }
 
     /// One key's exist status on the caller's thread.
