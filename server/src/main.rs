@@ -35,10 +35,14 @@ fn run(cfg: ServerConfig) -> Result<(), String> {
         .thread_name("kv-server")
         .build()
         .map_err(|e| format!("cannot start the runtime: {e}"))?;
-    // Bind first: a port in use is reported before any disk work.
-    let listener = rt
-        .block_on(tokio::net::TcpListener::bind(cfg.listen))
-        .map_err(|e| format!("cannot listen on {}: {e}", cfg.listen))?;
+    // Bind first: a port in use is reported before any disk work. The
+    // socket listens only once the node is ready (below): until then a
+    // client's connect is refused at once instead of waiting on a node that
+    // cannot answer yet.
+    let socket = {
+        let _rt = rt.enter();
+        bind_data_port(cfg.listen).map_err(|e| format!("cannot listen on {}: {e}", cfg.listen))?
+    };
     let metrics = match cfg.metrics_listen {
         Some(a) => Some(
             rt.block_on(tokio::net::TcpListener::bind(a))
@@ -65,6 +69,16 @@ fn run(cfg: ServerConfig) -> Result<(), String> {
     if let Some(max) = cfg.store.ack_memory_max {
         tracing::info!(max_unflushed_bytes = max, flushers, "puts acknowledged once in memory (--ack memory)");
     }
+    // Serve at full speed from the first request: the memory tier's arena
+    // is faulted in (it started before the disks recovered) before the
+    // node listens. A bound on the wait keeps a slow machine serving.
+    let ready = store.wait_memory_ready(MEMORY_READY_LIMIT);
+    if !ready {
+        tracing::warn!(
+            waited_secs = MEMORY_READY_LIMIT.as_secs(),
+            "memory tier not faulted in yet: serving anyway (early requests may be slower)"
+        );
+    }
     let mut shared = Shared::new(store, cfg.max_record, cfg.max_inflight);
     shared.recovery = kv_server::server::Recovery {
         records: reports.iter().map(|r| r.records).sum(),
@@ -83,6 +97,10 @@ fn run(cfg: ServerConfig) -> Result<(), String> {
         tracing::warn!("{w}");
     }
     let shared = Arc::new(shared);
+    let listener = {
+        let _rt = rt.enter();
+        socket.listen(LISTEN_BACKLOG).map_err(|e| format!("cannot listen on {}: {e}", cfg.listen))?
+    };
     let addr = listener.local_addr().map_err(|e| e.to_string())?;
     let (tx, rx) = tokio::sync::watch::channel(false);
     rt.block_on(async move {
@@ -184,6 +202,26 @@ fn run(cfg: ServerConfig) -> Result<(), String> {
     Ok(())
 }
 
+/// How long a starting node waits for its memory tier to be faulted in
+/// before it serves anyway (a gigabyte takes well under a second where
+/// measured; docs/BENCHMARKS.md, "Ready means fast").
+const MEMORY_READY_LIMIT: std::time::Duration = std::time::Duration::from_secs(60);
+
+/// Connections the kernel queues before the node accepts them.
+const LISTEN_BACKLOG: u32 = 1024;
+
+/// The data port, bound (so a port in use fails the start at once) but not
+/// yet listening.
+fn bind_data_port(addr: std::net::SocketAddr) -> std::io::Result<tokio::net::TcpSocket> {
+    let s = match addr {
+        std::net::SocketAddr::V4(_) => tokio::net::TcpSocket::new_v4()?,
+        std::net::SocketAddr::V6(_) => tokio::net::TcpSocket::new_v6()?,
+    };
+    s.set_reuseaddr(true)?;
+    s.bind(addr)?;
+    Ok(s)
+}
+
 /// Starts RDMA when devices are named: the memory tier is registered whole,
 /// and heap buffers are registered on first use and forgotten before they
 /// are freed. Anything in the way means TCP, one log line and the fallback
@@ -222,4 +260,30 @@ fn start_rdma(shared: &mut Shared, settings: &kv_common::rdma::Settings) {
     let devices: Vec<&str> = rt.rails().iter().map(|r| r.device.as_str()).collect();
     tracing::info!(rails = %devices.join(":"), depth = settings.depth, "RDMA serving");
     shared.rdma = Some(rt);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A port another server listens on fails the start at once; until the
+    /// node is ready a client's connect is refused at once, not left waiting.
+    #[test]
+    fn a_bound_port_refuses_until_it_listens() {
+        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("runtime");
+        let _rt = rt.enter();
+        let other = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+        let taken = bind_data_port(other.local_addr().expect("addr")).map(|_| ()).expect_err("the port is taken");
+        assert_eq!(taken.kind(), std::io::ErrorKind::AddrInUse);
+        let socket = bind_data_port("127.0.0.1:0".parse().expect("addr")).expect("bind");
+        let addr = socket.local_addr().expect("addr");
+        let t0 = std::time::Instant::now();
+        let e = std::net::TcpStream::connect_timeout(&addr, std::time::Duration::from_secs(5)).expect_err("refused");
+        assert_eq!(e.kind(), std::io::ErrorKind::ConnectionRefused);
+        assert!(t0.elapsed() < std::time::Duration::from_secs(2), "refused at once");
+        let listener = socket.listen(LISTEN_BACKLOG).expect("listen");
+        assert_eq!(listener.local_addr().expect("addr"), addr);
+        std::net::TcpStream::connect_timeout(&addr, std::time::Duration::from_secs(5))
+            .expect("connects once listening");
+    }
 }

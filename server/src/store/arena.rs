@@ -1,32 +1,41 @@
 //! A memory arena for the buffers the memory tier holds (`--mem-cap`),
-//! faulted in ahead of use by a background thread.
+//! faulted in ahead of use by background threads.
 //!
 //! Without it every put while the memory tier fills needs fresh memory (the
 //! tier keeps the put's own buffer), and fresh memory costs a page fault and
 //! a kernel page clear per 4 KiB: on the VMs measured here that held puts to
 //! a third of the disk's speed until the tier was full. The arena is one
 //! anonymous mapping of the tier's size plus the buffer pool's, touched once
-//! at start in the background; buffers are carved from it best-fit (4 KiB
-//! granularity, free neighbours merged) and fall back to the heap when it has
-//! no room.
+//! at start by a few threads while the disks recover (the node listens only
+//! when they are done: docs/ARCHITECTURE.md, "Starting"); buffers are carved
+//! from it best-fit (4 KiB granularity, free neighbours merged) and fall back
+//! to the heap when it has no room.
 
 use std::ptr::NonNull;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::Duration;
 
 use super::alloc::Allocator;
 use super::buf::ALIGN;
+
+/// Threads that fault the arena in at start, at most (fewer on a machine
+/// with fewer cores).
+const WARM_THREADS: usize = 4;
 
 pub struct Arena {
     base: NonNull<u8>,
     len: usize,
     /// Free ranges: the disks' best-fit extent allocator, over the mapping.
     free: Mutex<Allocator>,
-    /// Bytes faulted in so far by the warm-up thread.
+    /// Bytes faulted in so far by the warm-up threads.
     warmed: AtomicUsize,
     stop: AtomicBool,
     /// The kernel does not know MADV_POPULATE_WRITE.
     no_populate: AtomicBool,
+    /// Set (and waiters woken) when the warm-up has ended, done or not.
+    over: Mutex<bool>,
+    over_cv: Condvar,
 }
 
 // SAFETY: the arena hands out disjoint ranges (under its lock); the mapping
@@ -42,7 +51,7 @@ impl Arena {
     }
 
     /// Maps `len` bytes (rounded up to [`ALIGN`]) and starts faulting them
-    /// in on a background thread. None when the mapping fails (the caller
+    /// in on background threads. None when the mapping fails (the caller
     /// then uses the heap only).
     pub fn new(len: usize) -> Option<Arc<Arena>> {
         let len = len.div_ceil(ALIGN).checked_mul(ALIGN)?;
@@ -89,40 +98,72 @@ impl Arena {
             warmed: AtomicUsize::new(0),
             stop: AtomicBool::new(false),
             no_populate: AtomicBool::new(false),
+            over: Mutex::new(false),
+            over_cv: Condvar::new(),
         });
         if !warm {
+            a.warm_up_over();
             return Some(a);
         }
-        let w = Arc::downgrade(&a);
+        // Several threads (page clearing is CPU work), each taking the next
+        // 4 MiB step, holding only a weak reference between steps so
+        // dropping the store is not delayed. The last one to end says so.
+        let threads = std::thread::available_parallelism().map_or(1, |n| n.get()).clamp(1, WARM_THREADS);
+        let (next, running) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(threads)));
         let started = std::time::Instant::now();
-        let spawned = std::thread::Builder::new().name("kv-arena-warm".into()).spawn(move || {
-            // In 4 MiB steps, holding only a weak reference between steps so
-            // dropping the store is not delayed.
-            let step = 4 << 20;
-            let mut off = 0;
-            while off < len {
-                let Some(a) = w.upgrade() else { return };
-                if a.stop.load(Ordering::Relaxed) {
+        for i in 0..threads {
+            let (w, next, left) = (Arc::downgrade(&a), next.clone(), running.clone());
+            let spawned = std::thread::Builder::new().name(format!("kv-arena-warm-{i}")).spawn(move || {
+                const STEP: usize = 4 << 20;
+                loop {
+                    let Some(a) = w.upgrade() else { return };
+                    let off = next.fetch_add(STEP, Ordering::Relaxed);
+                    let end = (off + STEP).min(len);
+                    let ended = off >= len || a.stop.load(Ordering::Relaxed);
+                    let failed = if ended { None } else { a.populate(off, end).err() };
+                    if let Some(e) = &failed {
+                        tracing::warn!(error = %e, at = off, "stopped faulting in the memory arena");
+                    }
+                    if !ended && failed.is_none() {
+                        a.warmed.fetch_add(end - off, Ordering::AcqRel);
+                        continue;
+                    }
+                    if left.fetch_sub(1, Ordering::AcqRel) == 1 {
+                        let done = a.warmed.load(Ordering::Acquire);
+                        if done == len {
+                            tracing::info!(
+                                bytes = len,
+                                threads,
+                                ms = started.elapsed().as_millis() as u64,
+                                "memory arena faulted in (the memory tier fills without page faults)"
+                            );
+                        }
+                        a.warm_up_over();
+                    }
                     return;
                 }
-                let end = (off + step).min(len);
-                if let Err(e) = a.populate(off, end) {
-                    tracing::warn!(error = %e, faulted_in = off, "stopped faulting in the memory arena");
-                    return;
+            });
+            if spawned.is_err() {
+                tracing::warn!("cannot start an arena warm-up thread: part of the tier faults in on first use");
+                if running.fetch_sub(1, Ordering::AcqRel) == 1 {
+                    a.warm_up_over();
                 }
-                a.warmed.store(end, Ordering::Release);
-                off = end;
             }
-            tracing::info!(
-                bytes = len,
-                ms = started.elapsed().as_millis() as u64,
-                "memory arena faulted in (the memory tier fills without page faults)"
-            );
-        });
-        if spawned.is_err() {
-            tracing::warn!("cannot start the arena warm-up thread: pages fault in on first use");
         }
         Some(a)
+    }
+
+    fn warm_up_over(&self) {
+        *self.over.lock().unwrap_or_else(|e| e.into_inner()) = true;
+        self.over_cv.notify_all();
+    }
+
+    /// Waits up to `limit` for the warm-up to end: true when it has (all
+    /// faulted in, or given up as logged), false at the limit.
+    pub fn wait_warm_up(&self, limit: Duration) -> bool {
+        let g = self.over.lock().unwrap_or_else(|e| e.into_inner());
+        let (g, _) = self.over_cv.wait_timeout_while(g, limit, |over| !*over).unwrap_or_else(|e| e.into_inner());
+        *g
     }
 
     /// Faults in [off, end). MADV_POPULATE_WRITE (Linux 5.14+) maps the
@@ -271,10 +312,7 @@ mod tests {
     #[test]
     fn warms_up() {
         let a = Arena::new(8 << 20).unwrap();
-        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
-        while a.warmed().0 < a.warmed().1 {
-            assert!(std::time::Instant::now() < deadline, "warm-up did not finish");
-            std::thread::sleep(std::time::Duration::from_millis(5));
-        }
+        assert!(a.wait_warm_up(Duration::from_secs(30)), "warm-up did not finish");
+        assert_eq!(a.warmed().0, a.warmed().1, "every byte faulted in");
     }
 }

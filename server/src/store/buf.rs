@@ -194,6 +194,11 @@ impl BufPool {
         BufPool { arena, ..BufPool::new(max_bytes) }
     }
 
+    /// The arena new buffers come from, if any.
+    pub fn arena(&self) -> Option<&Arc<Arena>> {
+        self.arena.as_ref()
+    }
+
     /// A buffer with capacity `align_up(cap)` and length 0.
     pub fn get(&self, cap: usize) -> PooledBuf {
         let cap = align_up(cap.max(1) as u64) as usize;

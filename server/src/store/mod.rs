@@ -297,6 +297,12 @@ impl Store {
         if cfg.ack_memory_max.is_some() && cfg.mem_cap == 0 {
             return Err("ack = \"memory\" needs a memory tier (--mem-cap)".into());
         }
+        // With a memory tier, buffers come from an arena of its size (plus
+        // the pool's), faulted in by its own thread while the disks recover.
+        let arena = match (cfg.mem_cap > 0).then(|| (cfg.mem_cap as usize).checked_add(cfg.pool_bytes)).flatten() {
+            Some(len) => arena::Arena::new(len),
+            None => None,
+        };
         let opened: Vec<Result<(Disk, RecoveryReport), String>> = std::thread::scope(|s| {
             let handles: Vec<_> = cfg
                 .disks
@@ -332,15 +338,7 @@ impl Store {
             mem: (cfg.mem_cap > 0).then(|| mem::MemTier::new(cfg.mem_cap)),
             behind: cfg.ack_memory_max.map(|max| Arc::new(behind::WriteBehind::new(max))),
             warmer: (cfg.mem_cap > 0).then(|| Arc::new(warm::Warmer::new(warm_budget(cfg.mem_cap)))),
-            // With a memory tier, buffers come from an arena of its size
-            // (plus the pool's) faulted in ahead of use.
-            pool: BufPool::with_arena(
-                cfg.pool_bytes,
-                match (cfg.mem_cap > 0).then(|| (cfg.mem_cap as usize).checked_add(cfg.pool_bytes)).flatten() {
-                    Some(len) => arena::Arena::new(len),
-                    None => None,
-                },
-            ),
+            pool: BufPool::with_arena(cfg.pool_bytes, arena),
             c: Counters::default(),
             started: Instant::now(),
         };
@@ -368,6 +366,13 @@ impl Store {
     // and a ring search), and searching all disks keeps records findable
     // after a disk failure or a cap change moved placement. Placement only
     // decides where a put goes.
+
+    /// Waits up to `limit` until the memory tier's arena is faulted in, so
+    /// that a node starts serving at full speed (docs/ARCHITECTURE.md,
+    /// "Starting"): true when it is (or there is none), false at the limit.
+    pub fn wait_memory_ready(&self, limit: std::time::Duration) -> bool {
+        self.pool.arena().is_none_or(|a| a.wait_warm_up(limit))
+    }
 
     pub fn pool(&self) -> &BufPool {
         &self.pool
