@@ -28,7 +28,7 @@ use tokio::sync::{watch, OwnedSemaphorePermit};
 use tokio::time::Instant;
 
 use crate::server::Shared;
-use crate::store::{GetOutcome, PooledBuf, Presence, PutOutcome, StoreError};
+use crate::store::{GetOutcome, Held, PooledBuf, Presence, PutOutcome, StoreError};
 
 /// Time allowed for the hello, for a frame once its first byte arrived (plus
 /// [`frame_allowance`] for its body), and for a response to be taken: the
@@ -779,7 +779,17 @@ async fn store_put(
             }
         }
         let store = shared.store.clone();
-        let res = {
+        let res = if store.acks_in_memory() {
+            // Most puts end in memory (held for a flusher): on this task,
+            // without the hop to a blocking thread and back.
+            match store.put_held(buf) {
+                Held::Done(r) => Ok(r),
+                Held::ToMedia(p) => {
+                    let _io = shared.io_slots.acquire().await.expect("semaphore open");
+                    tokio::task::spawn_blocking(move || store.put_to_media(p)).await
+                }
+            }
+        } else {
             let _io = shared.io_slots.acquire().await.expect("semaphore open");
             tokio::task::spawn_blocking(move || store.put(buf)).await
         };

@@ -74,6 +74,23 @@ pub enum PutOutcome {
     Duplicate,
 }
 
+/// How far [`Store::put_held`] got with a put.
+pub enum Held {
+    /// Settled without disk I/O: refused, a duplicate, or acknowledged
+    /// from memory.
+    Done(Result<PutOutcome, StoreError>),
+    /// It must reach media first: pass it to [`Store::put_to_media`].
+    ToMedia(ToMedia),
+}
+
+/// A put checked and padded, on its way to media.
+pub struct ToMedia {
+    rec: Arc<PooledBuf>,
+    key: Vec<u8>,
+    header: PageHeader,
+    generation: u64,
+}
+
 pub enum GetOutcome {
     Hit(Arc<PooledBuf>),
     Mismatch,
@@ -387,20 +404,41 @@ impl Store {
     /// Stores a whole record held in `rec`. Blocking. With `ack = "memory"`
     /// it returns once the record is held for a flusher (or, past the
     /// bound, once on media).
-    pub fn put(&self, mut rec: PooledBuf) -> Result<PutOutcome, StoreError> {
-        let (header, key) = parse_record(rec.as_slice())?;
+    pub fn put(&self, rec: PooledBuf) -> Result<PutOutcome, StoreError> {
+        match self.put_held(rec) {
+            Held::Done(r) => r,
+            Held::ToMedia(p) => self.put_to_media(p),
+        }
+    }
+
+    /// Whether puts may be acknowledged from memory (`ack = "memory"`):
+    /// then [`Store::put_held`] finishes most puts without disk I/O, on the
+    /// caller's thread.
+    pub fn acks_in_memory(&self) -> bool {
+        self.behind.is_some()
+    }
+
+    /// The part of a put that needs no disk I/O: the payload's CRC, the
+    /// duplicate check and, with `ack = "memory"`, holding the page for a
+    /// flusher. Done when that settled it; else the put goes to media
+    /// ([`Store::put_to_media`], which blocks).
+    pub fn put_held(&self, mut rec: PooledBuf) -> Held {
+        let (header, key) = match parse_record(rec.as_slice()) {
+            Ok(hk) => hk,
+            Err(e) => return Held::Done(Err(e.into())),
+        };
         // The node refuses a page whose payload does not match its CRC, so
         // nothing it stores can fail the reader's check through its writer.
         let payload = &rec.as_slice()[kv_common::page::HEADER_LEN + key.len()..];
         if crc32fast::hash(payload) != header.payload_crc {
-            return Err(StoreError::BadPayload);
+            return Held::Done(Err(StoreError::BadPayload));
         }
         let key = key.to_vec();
         // Held for a flusher first: a flusher lets go of a key only once its
         // disk has it, so this order never misses a key between the two.
         if self.behind.as_ref().is_some_and(|b| b.contains(&key)) || self.view().live().any(|d| d.contains(&key)) {
             self.c.put_duplicates.fetch_add(1, Ordering::Relaxed);
-            return Ok(PutOutcome::Duplicate);
+            return Held::Done(Ok(PutOutcome::Duplicate));
         }
         let generation = self.mem.as_ref().map_or(0, |m| m.generation());
         rec.pad_to_align();
@@ -412,16 +450,23 @@ impl Store {
                 if let Some(m) = &self.mem {
                     m.replace(&key, rec, generation);
                 }
-                return Ok(PutOutcome::Stored);
+                return Held::Done(Ok(PutOutcome::Stored));
             }
             if b.contains(&key) {
                 self.c.put_duplicates.fetch_add(1, Ordering::Relaxed);
-                return Ok(PutOutcome::Duplicate);
+                return Held::Done(Ok(PutOutcome::Duplicate));
             }
             if !b.stopping() {
                 b.c.fallbacks.fetch_add(1, Ordering::Relaxed);
             }
         }
+        Held::ToMedia(ToMedia { rec, key, header, generation })
+    }
+
+    /// The rest of a put [`Store::put_held`] did not settle: the record on
+    /// its disk (acknowledged once on media), then in the memory tier.
+    pub fn put_to_media(&self, p: ToMedia) -> Result<PutOutcome, StoreError> {
+        let ToMedia { rec, key, header, generation } = p;
         let out = self.put_on_disk(&rec, &key, &header);
         match out {
             Ok(PutOutcome::Stored) => {
