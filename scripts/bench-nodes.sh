@@ -5,13 +5,14 @@
 # waits until each listens and has faulted its memory arena in (a node's
 # first minute is not its steady state; up to 60 s), prints how long that
 # took, sets $members (`n0=ADDR,...`) and appends the PIDs to $pids.
-# $BENCH_NODE_ARGS, if set, is added to every node's flags.
+# $BENCH_NODE_ARGS, if set, is added to every node's flags; $BENCH_MEM_CAP
+# replaces the 512 MiB tier.
 start_bench_nodes() {
   local cap=$1 i a ms
   shift
   members=""
   for i in 0 1 2; do
-    env "$@" "$bin/kv-server" --listen 127.0.0.1:0 --dir "$work/n$i" --cap "$cap" --mem-cap 512M \
+    env "$@" "$bin/kv-server" --listen 127.0.0.1:0 --dir "$work/n$i" --cap "$cap" --mem-cap "${BENCH_MEM_CAP:-512M}" \
       --log-level info --drain-secs 0 ${BENCH_NODE_ARGS:-} >"$work/n$i.out" 2>"$work/n$i.log" &
     pids+=($!)
   done

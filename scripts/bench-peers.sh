@@ -132,7 +132,12 @@ start_kvcellar() {
 }
 start_kvcellar-mem() {
   local work=$1
-  BENCH_NODE_ARGS="--ack memory" start_bench_nodes 8G
+  # Memory acks get the DRAM a Mooncake storage process gets ($MC_SEGMENT,
+  # 2 GiB), half of it for pages not yet flushed, so a run's puts are
+  # acknowledged from memory as the peers' are rather than falling back to
+  # media past the default bound (a quarter of the tier).
+  BENCH_MEM_CAP=${MC_SEGMENT:-2G} BENCH_NODE_ARGS="--ack memory --ack-memory-max $(( $(sz "${MC_SEGMENT:-2G}") / 2 ))" \
+    start_bench_nodes 8G
   target=$members
 }
 start_dfkv() {
