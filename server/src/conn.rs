@@ -112,6 +112,24 @@ async fn read_exact_by(rd: &mut BufReader<OwnedReadHalf>, buf: &mut [u8], deadli
     }
 }
 
+/// Fills `buf` by `deadline` like [`read_exact_by`], but past the bytes
+/// already buffered it reads straight from the socket into `buf`: a page's
+/// body then costs no copy out of the read buffer (which otherwise takes
+/// every read shorter than its 64 KiB capacity, the whole of a small page).
+async fn read_body_by(rd: &mut BufReader<OwnedReadHalf>, buf: &mut [u8], deadline: Instant) -> Result<(), ConnError> {
+    let held = rd.buffer();
+    let k = held.len().min(buf.len());
+    buf[..k].copy_from_slice(&held[..k]);
+    rd.consume(k);
+    if k == buf.len() {
+        return Ok(());
+    }
+    match tokio::time::timeout_at(deadline, rd.get_mut().read_exact(&mut buf[k..])).await {
+        Ok(r) => r.map(|_| ()).map_err(ConnError::from),
+        Err(_) => Err(ConnError::Timeout),
+    }
+}
+
 /// The write half, shared by the tasks answering this connection's requests:
 /// each writes its own response (no hand-off to a writer task, so an answer
 /// costs no extra task wake-up). Each response must be written within 30 s
@@ -613,7 +631,7 @@ async fn read_put(
     let deadline = deadline.max(Instant::now() + shared.frame_timeout + frame_allowance(req.body_len));
     let mut buf = shared.store.pool().get(len);
     buf.full_mut()[..HEADER_LEN].copy_from_slice(&head);
-    read_exact_by(rd, &mut buf.full_mut()[HEADER_LEN..len], deadline).await?;
+    read_body_by(rd, &mut buf.full_mut()[HEADER_LEN..len], deadline).await?;
     buf.set_len(len);
     let t0 = Instant::now();
     let shared = shared.clone();
