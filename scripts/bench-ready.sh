@@ -12,7 +12,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 runs=${1:-3}
-cargo build --release --bins -q
+cargo build --release --locked --bins -q --features rdma
 one() { # BIN_DIR LABEL
   local bin=$1 label=$2 work i a t0 t1 t2 put get ms members=""
   work=$(mktemp -d)
