@@ -797,19 +797,27 @@ async fn store_put(
             }
         }
         let store = shared.store.clone();
-        let res = if store.acks_in_memory() {
+        // Err: why the put's task failed (a panic), answered as Internal.
+        let res: Result<Result<PutOutcome, StoreError>, String> = if store.acks_in_memory() {
             // Most puts end in memory (held for a flusher): on this task,
-            // without the hop to a blocking thread and back.
-            match store.put_held(buf) {
-                Held::Done(r) => Ok(r),
-                Held::ToMedia(p) => {
+            // without the hop to a blocking thread and back. A record too
+            // large to check here, or a disk lock busy now, takes the hop.
+            let held = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| store.try_put_held(buf)));
+            match held {
+                Ok(Ok(Held::Done(r))) => Ok(r),
+                Ok(Ok(Held::ToMedia(p))) => {
                     let _io = shared.io_slots.acquire().await.expect("semaphore open");
-                    tokio::task::spawn_blocking(move || store.put_to_media(p)).await
+                    tokio::task::spawn_blocking(move || store.put_to_media(p)).await.map_err(|e| e.to_string())
                 }
+                Ok(Err(buf)) => {
+                    let _io = shared.io_slots.acquire().await.expect("semaphore open");
+                    tokio::task::spawn_blocking(move || store.put(buf)).await.map_err(|e| e.to_string())
+                }
+                Err(_) => Err("a put panicked".to_string()),
             }
         } else {
             let _io = shared.io_slots.acquire().await.expect("semaphore open");
-            tokio::task::spawn_blocking(move || store.put(buf)).await
+            tokio::task::spawn_blocking(move || store.put(buf)).await.map_err(|e| e.to_string())
         };
         drop(mem);
         if let (Some((key, len)), Ok(Ok(stored))) = (&copy, &res) {

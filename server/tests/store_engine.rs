@@ -824,6 +824,41 @@ fn memory_acks_serve_at_once_flush_behind_and_keep_deletes() {
     }
 }
 
+/// With `ack = "memory"` a put checked on an async thread never holds it:
+/// a small page is settled there, a record past `INLINE_PUT_MAX` (its CRC
+/// alone takes milliseconds) is handed back whole for the blocking path,
+/// which then stores it.
+#[test]
+fn memory_acked_puts_are_settled_inline_only_when_small() {
+    use kv_server::store::{Held, INLINE_PUT_MAX};
+    let t = tempfile::tempdir().unwrap();
+    let ds = dirs(&t, 1);
+    let mut c = cfg(&ds, 256 << 20, 64 << 20);
+    c.ack_memory_max = Some(16 << 20);
+    let s = Arc::new(Store::open(&c).unwrap().0);
+    let small = build_record(geo(), b"inline-small", &payload("inline-small", 64 << 10));
+    match s.try_put_held(s.pool().copy_of(&small)) {
+        Ok(Held::Done(Ok(PutOutcome::Stored))) => {}
+        _ => panic!("a small page is acknowledged from memory on the caller's thread"),
+    }
+    match s.try_put_held(s.pool().copy_of(&small)) {
+        Ok(Held::Done(Ok(PutOutcome::Duplicate))) => {}
+        _ => panic!("a second put of a held key is a duplicate"),
+    }
+    // Flushers from here on (a close waits for them to write what is held).
+    Store::start_flushers(&s, 1).unwrap();
+    let large = build_record(geo(), b"inline-large", &payload("inline-large", INLINE_PUT_MAX));
+    let back = match s.try_put_held(s.pool().copy_of(&large)) {
+        Err(rec) => rec,
+        Ok(_) => panic!("a record over INLINE_PUT_MAX is not checked on an async thread"),
+    };
+    assert_eq!(back.as_slice(), &large[..], "handed back whole");
+    assert_eq!(s.put(back).unwrap(), PutOutcome::Stored);
+    assert_eq!(get(&s, "inline-large").as_deref(), Some(&payload("inline-large", INLINE_PUT_MAX)[..]));
+    assert_eq!(get(&s, "inline-small").as_deref(), Some(&payload("inline-small", 64 << 10)[..]));
+    s.close().unwrap();
+}
+
 /// `ack = "memory"` and a power loss: puts acknowledged and not yet flushed
 /// are lost, and then miss; every page served after the restart is whole
 /// (never torn, never another page's bytes).

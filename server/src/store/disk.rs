@@ -627,6 +627,11 @@ impl Disk {
         !self.is_failed() && lock(&self.state).index.contains(key)
     }
 
+    /// As [`Disk::contains`], but gives up instead of waiting for the lock.
+    pub fn try_contains(&self, key: &[u8]) -> Result<bool, Busy> {
+        Ok(!self.is_failed() && self.try_state()?.index.contains(key))
+    }
+
     /// Removes a record. True when it was present.
     pub fn delete(&self, key: &[u8]) -> bool {
         if self.is_failed() {

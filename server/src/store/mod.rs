@@ -74,7 +74,7 @@ pub enum PutOutcome {
     Duplicate,
 }
 
-/// How far [`Store::put_held`] got with a put.
+/// How far [`Store::try_put_held`] got with a put.
 pub enum Held {
     /// Settled without disk I/O: refused, a duplicate, or acknowledged
     /// from memory.
@@ -211,6 +211,11 @@ impl DownDeletes {
 }
 
 const DOWN_DELETES_MAX: usize = 1 << 20;
+
+/// The largest record [`Store::try_put_held`] checks on an async thread:
+/// its payload CRC takes tens of microseconds; a larger record's CRC (a
+/// 256 MiB record's takes tens of milliseconds) runs on a blocking thread.
+pub const INLINE_PUT_MAX: usize = 1 << 20;
 
 /// Whether a record held in memory would be a hit for `geo`.
 fn presence_of(rec: &PooledBuf, geo: Option<&Geometry>) -> Presence {
@@ -405,40 +410,75 @@ impl Store {
     /// it returns once the record is held for a flusher (or, past the
     /// bound, once on media).
     pub fn put(&self, rec: PooledBuf) -> Result<PutOutcome, StoreError> {
-        match self.put_held(rec) {
+        let held = match self.held_with(rec, |d, k| Ok::<_, std::convert::Infallible>(d.contains(k))) {
+            Ok(h) => h,
+            Err((_, never)) => match never {},
+        };
+        match held {
             Held::Done(r) => r,
             Held::ToMedia(p) => self.put_to_media(p),
         }
     }
 
     /// Whether puts may be acknowledged from memory (`ack = "memory"`):
-    /// then [`Store::put_held`] finishes most puts without disk I/O, on the
-    /// caller's thread.
+    /// then [`Store::try_put_held`] finishes most puts without disk I/O, on
+    /// the caller's thread.
     pub fn acks_in_memory(&self) -> bool {
         self.behind.is_some()
     }
 
-    /// The part of a put that needs no disk I/O: the payload's CRC, the
-    /// duplicate check and, with `ack = "memory"`, holding the page for a
-    /// flusher. Done when that settled it; else the put goes to media
-    /// ([`Store::put_to_media`], which blocks).
-    pub fn put_held(&self, mut rec: PooledBuf) -> Held {
+    /// The part of a put that needs no disk I/O, for async code: the
+    /// payload's CRC, the duplicate check and, with `ack = "memory"`,
+    /// holding the page for a flusher. Done when that settled it; ToMedia
+    /// when the put must reach media first ([`Store::put_to_media`], which
+    /// blocks). It never waits: a record over [`INLINE_PUT_MAX`] (its CRC
+    /// alone would hold the caller's thread too long) or a disk index lock
+    /// busy now (a flusher or a checkpoint holds it across I/O) gives the
+    /// record back, for [`Store::put`] on a blocking thread.
+    pub fn try_put_held(&self, rec: PooledBuf) -> Result<Held, PooledBuf> {
+        if rec.len() > INLINE_PUT_MAX {
+            return Err(rec);
+        }
+        self.held_with(rec, Disk::try_contains).map_err(|(rec, disk::Busy)| rec)
+    }
+
+    /// [`Store::try_put_held`] with `contains` asking a disk whether it
+    /// holds a key: Err (the record back, and why) only when `contains`
+    /// gave up.
+    fn held_with<E>(
+        &self,
+        mut rec: PooledBuf,
+        contains: impl Fn(&Disk, &[u8]) -> Result<bool, E>,
+    ) -> Result<Held, (PooledBuf, E)> {
         let (header, key) = match parse_record(rec.as_slice()) {
             Ok(hk) => hk,
-            Err(e) => return Held::Done(Err(e.into())),
+            Err(e) => return Ok(Held::Done(Err(e.into()))),
         };
         // The node refuses a page whose payload does not match its CRC, so
         // nothing it stores can fail the reader's check through its writer.
         let payload = &rec.as_slice()[kv_common::page::HEADER_LEN + key.len()..];
         if crc32fast::hash(payload) != header.payload_crc {
-            return Held::Done(Err(StoreError::BadPayload));
+            return Ok(Held::Done(Err(StoreError::BadPayload)));
         }
         let key = key.to_vec();
         // Held for a flusher first: a flusher lets go of a key only once its
         // disk has it, so this order never misses a key between the two.
-        if self.behind.as_ref().is_some_and(|b| b.contains(&key)) || self.view().live().any(|d| d.contains(&key)) {
+        let mut present = self.behind.as_ref().is_some_and(|b| b.contains(&key));
+        if !present {
+            for d in self.view().live() {
+                match contains(d.as_ref(), &key) {
+                    Ok(false) => {}
+                    Ok(true) => {
+                        present = true;
+                        break;
+                    }
+                    Err(e) => return Err((rec, e)),
+                }
+            }
+        }
+        if present {
             self.c.put_duplicates.fetch_add(1, Ordering::Relaxed);
-            return Held::Done(Ok(PutOutcome::Duplicate));
+            return Ok(Held::Done(Ok(PutOutcome::Duplicate)));
         }
         let generation = self.mem.as_ref().map_or(0, |m| m.generation());
         rec.pad_to_align();
@@ -450,20 +490,20 @@ impl Store {
                 if let Some(m) = &self.mem {
                     m.replace(&key, rec, generation);
                 }
-                return Held::Done(Ok(PutOutcome::Stored));
+                return Ok(Held::Done(Ok(PutOutcome::Stored)));
             }
             if b.contains(&key) {
                 self.c.put_duplicates.fetch_add(1, Ordering::Relaxed);
-                return Held::Done(Ok(PutOutcome::Duplicate));
+                return Ok(Held::Done(Ok(PutOutcome::Duplicate)));
             }
             if !b.stopping() {
                 b.c.fallbacks.fetch_add(1, Ordering::Relaxed);
             }
         }
-        Held::ToMedia(ToMedia { rec, key, header, generation })
+        Ok(Held::ToMedia(ToMedia { rec, key, header, generation }))
     }
 
-    /// The rest of a put [`Store::put_held`] did not settle: the record on
+    /// The rest of a put [`Store::try_put_held`] did not settle: the record on
     /// its disk (acknowledged once on media), then in the memory tier.
     pub fn put_to_media(&self, p: ToMedia) -> Result<PutOutcome, StoreError> {
         let ToMedia { rec, key, header, generation } = p;
