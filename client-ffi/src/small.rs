@@ -585,8 +585,11 @@ impl Client {
             Ok(n) => n,
             Err(s) => return Some(Err(self.metrics.count_get(s, 0, 0))),
         };
-        let io = self.opts.io_timeout;
-        let Some(_slot) = node.sync_slot(io) else {
+        // One deadline for the whole get: the wait for a slot, a connect,
+        // the exchange and its one retry (`io_timeout_ms` bounds a request).
+        let deadline = Instant::now() + self.opts.io_timeout;
+        let left = || deadline.saturating_duration_since(Instant::now());
+        let Some(_slot) = node.sync_slot(left()) else {
             crate::client::note_local(format!(
                 "node {}: all {} connections busy for the whole I/O timeout",
                 node.id, self.opts.max_conns_per_node
@@ -595,10 +598,18 @@ impl Client {
         };
         let mut fresh = false;
         let reply = loop {
+            let io = left();
+            if io.is_zero() {
+                return Some(Err(self.metrics.count_get(Status::Timeout, 0, 0)));
+            }
             let (mut conn, reused) = match self.sync_checkout(&node, fresh, io) {
                 Ok(c) => c,
                 Err(e) => return Some(Err(self.metrics.count_get(self.failed_node(&node, e), 0, 0))),
             };
+            let io = left();
+            if io.is_zero() {
+                return Some(Err(self.metrics.count_get(Status::Timeout, 0, 0)));
+            }
             match get_on(&mut conn, &self.geo, key, bufs, io) {
                 Ok(r) => {
                     node.mark_ok();

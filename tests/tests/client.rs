@@ -84,6 +84,41 @@ fn a_node_that_never_answers_times_out() {
     drop(silent);
 }
 
+/// `io_timeout_ms` bounds a whole get, the wait for a connection slot
+/// included: with one slot to a node that stopped answering, a second get
+/// queued behind the first ends by its own deadline, not one wait for the
+/// slot plus a connect plus a whole exchange after it.
+#[test]
+fn a_get_waiting_for_a_slot_keeps_to_its_io_timeout() {
+    let t = tempfile::tempdir().unwrap();
+    let nodes = Node::cluster(&t, 1, &[]);
+    let c = Arc::new(client(
+        &Node::members(&nodes),
+        "max_conns_per_node=1,io_timeout_ms=1000,connect_timeout_ms=1000,peer_cooldown_ms=0",
+    ));
+    assert_eq!(c.putv(b"k", &[b"value"]), Status::Ok);
+    assert_eq!(get(&c, "k", 64).unwrap(), b"value", "a connection is pooled");
+    nodes[0].signal(libc::SIGSTOP);
+    let first = {
+        let c = c.clone();
+        std::thread::spawn(move || {
+            let t0 = Instant::now();
+            (get(&c, "k", 64), t0.elapsed())
+        })
+    };
+    // The second get starts once the first holds the only slot.
+    std::thread::sleep(Duration::from_millis(100));
+    let t0 = Instant::now();
+    let second = get(&c, "k", 64);
+    let took = t0.elapsed();
+    let (first, first_took) = first.join().unwrap();
+    nodes[0].signal(libc::SIGCONT);
+    assert_eq!(first, Err(Status::Timeout), "{first_took:?}");
+    // Timeout, or Unavailable when the slot came free too late to finish a connect.
+    assert!(matches!(second, Err(Status::Timeout | Status::Unavailable)), "{second:?}");
+    assert!(took < Duration::from_millis(1600), "the second get took {took:?} (I/O timeout 1 s)");
+}
+
 #[test]
 fn a_failing_peer_cools_down_then_is_tried_again() {
     let dead = free_port();
