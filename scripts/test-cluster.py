@@ -244,7 +244,10 @@ def main() -> int:
         check("partition: worst latency bounded by the I/O timeout", w.worst_ms(t_cut) <= IO_TIMEOUT_MS + 500,
               f"worst get {w.worst_ms(t_cut):.0f} ms (io_timeout_ms={IO_TIMEOUT_MS}); "
               f"{w.slow(t_cut, 1e18, 200)} gets over 200 ms; out of the ring after {t_out - t_cut:.2f} s")
-        check("partition: then fast misses", w.worst_ms(after) < 100,
+        # A get that waited on the cut-off node would take a handoff ask's
+        # 500 ms or the 1 s I/O timeout; 250 ms leaves room for one stall of
+        # this 2-core machine (a run once saw 128 ms) without hiding that.
+        check("partition: then fast misses", w.worst_ms(after) < 250,
               f"worst get after removal {w.worst_ms(after):.1f} ms; {s['wrong']} wrong")
         # Compose gave the container its service name as an alias on the
         # network; a plain `network connect` would not restore it.
