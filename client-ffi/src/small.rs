@@ -608,6 +608,8 @@ impl Client {
             };
             let io = left();
             if io.is_zero() {
+                // Unused: back to the pool.
+                node.put_sync_conn(conn, self.opts.max_conns_per_node);
                 return Some(Err(self.metrics.count_get(Status::Timeout, 0, 0)));
             }
             match get_on(&mut conn, &self.geo, key, bufs, io) {
