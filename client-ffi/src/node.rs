@@ -32,10 +32,12 @@ pub struct Node {
     pub addr: String,
     pub weight: u32,
     idle: Mutex<Vec<AsyncConn>>,
-    /// Blocking connections for small requests driven on the caller's thread.
-    sync_idle: Mutex<Vec<crate::small::SyncConn>>,
-    /// Blocking connections in use, capped like the async ones.
-    sync_in_use: Mutex<usize>,
+    /// Blocking connections for small requests driven on the caller's
+    /// thread: slots and idle connections under one lock, so a request
+    /// takes its slot and a pooled connection in one acquisition and gives
+    /// both back in one.
+    sync: Mutex<SyncPool>,
+    /// Signalled when a slot frees and someone waits for one.
     sync_freed: std::sync::Condvar,
     max_conns: usize,
     slots: Arc<Semaphore>,
@@ -86,16 +88,58 @@ impl Checkout {
     }
 }
 
-/// A blocking-connection slot; freed on drop.
+/// A node's blocking connections: slots in use (capped like the async
+/// ones), callers waiting for a slot, and idle connections.
+#[derive(Default)]
+struct SyncPool {
+    in_use: usize,
+    waiters: usize,
+    idle: Vec<crate::small::SyncConn>,
+}
+
+/// A blocking-connection slot, with the pooled connection taken with it (if
+/// any) and the one to pool when it is freed. Freed on drop: one lock, and a
+/// wake-up only when a caller waits (a condition variable's notify is a
+/// system call even with no waiter, and small requests free a slot each).
 pub struct SyncSlot {
     node: Arc<Node>,
+    idle: Option<crate::small::SyncConn>,
+    back: Option<crate::small::SyncConn>,
+}
+
+impl SyncSlot {
+    /// The pooled connection taken with the slot (None: none was idle).
+    pub fn take_idle(&mut self) -> Option<crate::small::SyncConn> {
+        self.idle.take()
+    }
+
+    /// Closes the pooled connection taken with the slot (a stale one's
+    /// fellows are suspect).
+    pub fn discard_idle(&mut self) {
+        self.idle = None;
+    }
+
+    /// Pools `c` (between frames, after a clean exchange) when the slot is freed.
+    pub fn keep(&mut self, c: crate::small::SyncConn) {
+        self.back = Some(c);
+    }
 }
 
 impl Drop for SyncSlot {
     fn drop(&mut self) {
-        let mut n = self.node.sync_in_use.lock().unwrap_or_else(|e| e.into_inner());
-        *n -= 1;
-        self.node.sync_freed.notify_one();
+        let wake = {
+            let mut pool = self.node.sync.lock().unwrap_or_else(|e| e.into_inner());
+            pool.in_use -= 1;
+            for c in [self.back.take(), self.idle.take()].into_iter().flatten() {
+                if pool.idle.len() < self.node.max_conns {
+                    pool.idle.push(c);
+                }
+            }
+            pool.waiters > 0
+        };
+        if wake {
+            self.node.sync_freed.notify_one();
+        }
     }
 }
 
@@ -113,8 +157,7 @@ impl Node {
             addr,
             weight,
             idle: Mutex::new(Vec::new()),
-            sync_idle: Mutex::new(Vec::new()),
-            sync_in_use: Mutex::new(0),
+            sync: Mutex::new(SyncPool::default()),
             sync_freed: std::sync::Condvar::new(),
             max_conns,
             slots: Arc::new(Semaphore::new(max_conns)),
@@ -188,7 +231,7 @@ impl Node {
         }
         // Idle connections to a failing node are suspect too.
         self.idle.lock().unwrap_or_else(|e| e.into_inner()).clear();
-        self.sync_idle.lock().unwrap_or_else(|e| e.into_inner()).clear();
+        self.sync.lock().unwrap_or_else(|e| e.into_inner()).idle.clear();
     }
 
     pub fn mark_ok(&self) {
@@ -205,32 +248,24 @@ impl Node {
         }
     }
 
-    /// Takes one of the node's blocking-connection slots, waiting up to
-    /// `wait` for one to free (None then: a local timeout).
+    /// Takes one of the node's blocking-connection slots, and an idle
+    /// connection if there is one, waiting up to `wait` for a slot to free
+    /// (None then: a local timeout).
     pub fn sync_slot(self: &Arc<Node>, wait: Duration) -> Option<SyncSlot> {
         let deadline = std::time::Instant::now() + wait;
-        let mut n = self.sync_in_use.lock().unwrap_or_else(|e| e.into_inner());
-        while *n >= self.max_conns {
+        let mut pool = self.sync.lock().unwrap_or_else(|e| e.into_inner());
+        while pool.in_use >= self.max_conns {
             let left = deadline.saturating_duration_since(std::time::Instant::now());
             if left.is_zero() {
                 return None;
             }
-            n = self.sync_freed.wait_timeout(n, left).unwrap_or_else(|e| e.into_inner()).0;
+            pool.waiters += 1;
+            pool = self.sync_freed.wait_timeout(pool, left).unwrap_or_else(|e| e.into_inner()).0;
+            pool.waiters -= 1;
         }
-        *n += 1;
-        Some(SyncSlot { node: self.clone() })
-    }
-
-    pub fn take_sync_conn(&self) -> Option<crate::small::SyncConn> {
-        self.sync_idle.lock().unwrap_or_else(|e| e.into_inner()).pop()
-    }
-
-    /// Pools a blocking connection (at most `max` kept; extra ones close).
-    pub fn put_sync_conn(&self, c: crate::small::SyncConn, max: usize) {
-        let mut g = self.sync_idle.lock().unwrap_or_else(|e| e.into_inner());
-        if g.len() < max {
-            g.push(c);
-        }
+        pool.in_use += 1;
+        let idle = pool.idle.pop();
+        Some(SyncSlot { node: self.clone(), idle, back: None })
     }
 
     pub fn idle_conns(&self) -> usize {
@@ -268,7 +303,7 @@ impl Node {
     /// idle connections): the other idle ones share its fate.
     pub fn drop_idle(&self) {
         self.idle.lock().unwrap_or_else(|e| e.into_inner()).clear();
-        self.sync_idle.lock().unwrap_or_else(|e| e.into_inner()).clear();
+        self.sync.lock().unwrap_or_else(|e| e.into_inner()).idle.clear();
     }
 }
 

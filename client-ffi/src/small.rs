@@ -26,7 +26,7 @@ use kv_common::wire::{
 use crate::client::Client;
 use crate::error::OpError;
 use crate::exchange::{check_get_head, refused, GetReply, MAX_SMALL_ANSWER};
-use crate::node::Node;
+use crate::node::{Node, SyncSlot};
 
 /// A blocking connection after the hello.
 pub struct SyncConn {
@@ -178,7 +178,7 @@ fn timeout_or_io(e: std::io::Error) -> OpError {
 /// One request in flight on one connection.
 struct Pending {
     /// Holds one of the node's blocking-connection slots until dropped.
-    _slot: crate::node::SyncSlot,
+    slot: SyncSlot,
     node: Arc<Node>,
     conn: SyncConn,
     reused: bool,
@@ -336,11 +336,19 @@ fn is_stale(e: &OpError) -> bool {
 }
 
 impl Client {
-    fn sync_checkout(&self, node: &Arc<Node>, fresh: bool, io: Duration) -> Result<(SyncConn, bool), OpError> {
-        if !fresh {
-            if let Some(c) = node.take_sync_conn() {
-                return Ok((c, true));
-            }
+    /// A connection for a held slot: the idle one taken with it (unless
+    /// `fresh`), else a new one.
+    fn sync_checkout(
+        &self,
+        slot: &mut SyncSlot,
+        node: &Arc<Node>,
+        fresh: bool,
+        io: Duration,
+    ) -> Result<(SyncConn, bool), OpError> {
+        if fresh {
+            slot.discard_idle();
+        } else if let Some(c) = slot.take_idle() {
+            return Ok((c, true));
         }
         Ok((connect(node, self.opts.connect_timeout.min(io))?, false))
     }
@@ -363,7 +371,7 @@ impl Client {
             Err(e) if p.reused && is_stale(&e) => {
                 self.metrics.stale_retries.fetch_add(1, Ordering::Relaxed);
                 p.node.drop_idle();
-                let (conn, _) = self.sync_checkout(&p.node, true, io)?;
+                let (conn, _) = self.sync_checkout(&mut p.slot, &p.node, true, io)?;
                 p.conn = conn;
                 p.reused = false;
                 send(p, io)
@@ -495,7 +503,7 @@ impl Client {
             let ks: Vec<&[u8]> = chunk.iter().map(|&i| keys[i]).collect();
             (Op::BatchExist, wire::encode_batch_exist(&geo, &ks))
         };
-        let Some(slot) = node.sync_slot(io) else {
+        let Some(mut slot) = node.sync_slot(io) else {
             crate::client::note_local(format!(
                 "node {}: all {} connections busy for the whole I/O timeout",
                 node.id, self.opts.max_conns_per_node
@@ -505,7 +513,7 @@ impl Client {
             chunk.iter().for_each(|&i| out[i] = s);
             return None;
         };
-        let (conn, reused) = match self.sync_checkout(node, false, io) {
+        let (conn, reused) = match self.sync_checkout(&mut slot, node, false, io) {
             Ok(c) => c,
             Err(e) => {
                 let s = self.chunk_failed(node, handoff, e);
@@ -514,7 +522,7 @@ impl Client {
             }
         };
         let mut p = Pending {
-            _slot: slot,
+            slot,
             node: node.clone(),
             conn,
             reused,
@@ -546,7 +554,7 @@ impl Client {
                 self.metrics.stale_retries.fetch_add(1, Ordering::Relaxed);
                 p.node.drop_idle();
                 let io = self.io_of(p.handoff);
-                r = self.sync_checkout(&p.node, true, io).and_then(|(conn, _)| {
+                r = self.sync_checkout(&mut p.slot, &p.node, true, io).and_then(|(conn, _)| {
                     p.conn = conn;
                     p.reused = false;
                     send(&mut p, io)?;
@@ -560,7 +568,7 @@ impl Client {
                 for (i, s) in p.idx.iter().zip(st) {
                     out[*i] = s;
                 }
-                p.node.put_sync_conn(p.conn, self.opts.max_conns_per_node);
+                p.slot.keep(p.conn);
             }
             Err(e) => {
                 let s = self.chunk_failed(&p.node, p.handoff, e);
@@ -589,7 +597,7 @@ impl Client {
         // the exchange and its one retry (`io_timeout_ms` bounds a request).
         let deadline = Instant::now() + self.opts.io_timeout;
         let left = || deadline.saturating_duration_since(Instant::now());
-        let Some(_slot) = node.sync_slot(left()) else {
+        let Some(mut slot) = node.sync_slot(left()) else {
             crate::client::note_local(format!(
                 "node {}: all {} connections busy for the whole I/O timeout",
                 node.id, self.opts.max_conns_per_node
@@ -602,20 +610,20 @@ impl Client {
             if io.is_zero() {
                 return Some(Err(self.metrics.count_get(Status::Timeout, 0, 0)));
             }
-            let (mut conn, reused) = match self.sync_checkout(&node, fresh, io) {
+            let (mut conn, reused) = match self.sync_checkout(&mut slot, &node, fresh, io) {
                 Ok(c) => c,
                 Err(e) => return Some(Err(self.metrics.count_get(self.failed_node(&node, e), 0, 0))),
             };
             let io = left();
             if io.is_zero() {
                 // Unused: back to the pool.
-                node.put_sync_conn(conn, self.opts.max_conns_per_node);
+                slot.keep(conn);
                 return Some(Err(self.metrics.count_get(Status::Timeout, 0, 0)));
             }
             match get_on(&mut conn, &self.geo, key, bufs, io) {
                 Ok(r) => {
                     node.mark_ok();
-                    node.put_sync_conn(conn, self.opts.max_conns_per_node);
+                    slot.keep(conn);
                     break r;
                 }
                 // A pooled connection the node has closed: once more on a
