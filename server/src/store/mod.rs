@@ -605,8 +605,9 @@ impl Store {
         if !found.contains(&Presence::Present) {
             return;
         }
-        let present = keys.iter().zip(found).filter(|(_, p)| **p == Presence::Present).map(|(k, _)| *k);
-        w.offer_keys(warm::encode_keys(present));
+        w.offer_keys(|| {
+            warm::encode_keys(keys.iter().zip(found).filter(|(_, p)| **p == Presence::Present).map(|(k, _)| *k))
+        });
     }
 
     /// On a warmer: queues the keys of `packed` that are only on disk.

@@ -136,13 +136,15 @@ impl Warmer {
         self.work.notify_one();
     }
 
-    /// Queues keys an exist found present (packed by [`encode_keys`]) for a
-    /// warmer to sort out; never waits (this runs on the reactor).
-    pub fn offer_keys(&self, packed: Vec<u8>) {
+    /// Queues keys an exist found present (packed by `pack`, with
+    /// [`encode_keys`], only when the batch is taken) for a warmer to sort
+    /// out; never waits (this runs on the reactor).
+    pub fn offer_keys(&self, pack: impl FnOnce() -> Vec<u8>) {
         let n = self.offered.fetch_add(1, Ordering::Relaxed);
         if self.fruitless.load(Ordering::Relaxed) >= IDLE_AFTER && n % SAMPLE != 0 {
             return;
         }
+        let packed = pack();
         let Ok(mut st) = self.st.try_lock() else {
             self.c.skipped.fetch_add(1, Ordering::Relaxed);
             return;
@@ -251,7 +253,7 @@ mod tests {
         assert!(w.next().is_none());
         let packed = encode_keys([&b"x"[..], &b"yz"[..]].into_iter());
         assert_eq!(decode_keys(&packed), vec![&b"x"[..], &b"yz"[..]]);
-        w.offer_keys(packed);
+        w.offer_keys(|| packed);
         assert!(matches!(w.next(), Some(Work::Sort(_))));
     }
 }
