@@ -23,6 +23,10 @@ pub enum Workload {
     Get,
     Exist,
     BatchExist,
+    /// What an engine does on a prefix hit: a batch exist, a pause of
+    /// `--gap-ms`, then a batch get of the same keys (reading the stored
+    /// keys once each, oldest first). The get alone is timed.
+    ExistGet,
 }
 
 #[derive(Args, Debug)]
@@ -61,6 +65,12 @@ pub struct BenchArgs {
     /// Skip the raw loopback measurement.
     #[arg(long)]
     pub no_raw: bool,
+    /// exist-get: milliseconds between the exist and the get.
+    #[arg(long, default_value_t = 5)]
+    pub gap_ms: u64,
+    /// exist-get: leave the exist out (the same gets, unannounced).
+    #[arg(long)]
+    pub no_exist: bool,
 }
 
 struct Outcome {
@@ -283,7 +293,7 @@ pub fn run(a: &BenchArgs, json: bool) -> Result<u8, String> {
     let page: Vec<u8> = (0..size).map(|i| (i * 131 % 251) as u8).collect();
     let mut extra = BTreeMap::new();
     // Keys the read workloads cycle through, stored first (not measured).
-    if matches!(a.op, Workload::Get | Workload::Exist | Workload::BatchExist) {
+    if matches!(a.op, Workload::Get | Workload::Exist | Workload::BatchExist | Workload::ExistGet) {
         let populate = a.keys.max(a.batch) as u64;
         let (o, _) = drive(a.threads.min(populate as usize), populate, None, &|_, i| {
             (client.putv(key(i).as_bytes(), &[&page]), 0)
@@ -308,6 +318,9 @@ pub fn run(a: &BenchArgs, json: bool) -> Result<u8, String> {
             })
         })
         .collect();
+    // exist-get: the gets alone, timed apart from the exist and the pause.
+    let get_times: Vec<std::sync::Mutex<(hdrhistogram::Histogram<u64>, u64)>> =
+        (0..a.threads).map(|_| std::sync::Mutex::new((new_histogram(), 0))).collect();
     let op: Box<dyn Fn(usize, u64) -> (Status, u64) + Sync> = match a.op {
         Workload::Put if a.batch == 1 => Box::new(|_, i| {
             let s = client.putv(key(i + 1_000_000_000).as_bytes(), &[&page]);
@@ -336,10 +349,42 @@ pub fn run(a: &BenchArgs, json: bool) -> Result<u8, String> {
             let worst = st.iter().copied().find(|s| *s != Status::Ok).unwrap_or(Status::Ok);
             (worst, 0)
         }),
+        Workload::ExistGet => Box::new(|t, i| {
+            let refs: Vec<&[u8]> =
+                (0..a.batch as u64).map(|j| names[((i * a.batch as u64 + j) % keys) as usize].as_bytes()).collect();
+            if !a.no_exist {
+                let st = client.batch_exist(&refs);
+                if let Some(s) = st.iter().copied().find(|s| *s != Status::Ok) {
+                    return (s, 0);
+                }
+                std::thread::sleep(Duration::from_millis(a.gap_ms));
+            }
+            let t0 = Instant::now();
+            let r = get_batch(&client, &names, i, a.batch, &mut batch_bufs[t].lock().expect("bufs"));
+            let ns = t0.elapsed().as_nanos() as u64;
+            let mut g = get_times[t].lock().expect("get times");
+            let _ = g.0.record(ns.max(1));
+            g.1 += ns;
+            r
+        }),
     };
     let (o, secs) = drive(a.threads, a.count, duration, &*op);
     let ops = o.latencies_ns.len();
     let gbps = o.bytes as f64 / secs / 1e9;
+    if a.op == Workload::ExistGet {
+        let mut h = new_histogram();
+        let mut busy_ns = 0u64;
+        for g in &get_times {
+            let g = g.lock().expect("get times");
+            let _ = h.add(&g.0);
+            busy_ns += g.1;
+        }
+        extra.insert("get_p50_us", percentile(&h, 0.50));
+        extra.insert("get_p99_us", percentile(&h, 0.99));
+        // Bytes over the time the threads spent in gets (the pauses left out).
+        let busy = busy_ns as f64 / 1e9 / a.threads as f64;
+        extra.insert("get_gb_per_sec", if busy > 0.0 { o.bytes as f64 / busy / 1e9 } else { 0.0 });
+    }
     // The limit on this host, in the same run: the same messages through
     // plain sockets (a get or put moves `size` bytes one way).
     if !a.no_raw {
@@ -348,14 +393,14 @@ pub fn run(a: &BenchArgs, json: bool) -> Result<u8, String> {
         let fanout = if a.op == Workload::BatchExist { members.min(a.batch).max(1) } else { 1 };
         let (send, recv) = match a.op {
             Workload::Put => (size * a.batch + 16, 16),
-            Workload::Get => (16, size * a.batch + 16),
+            Workload::Get | Workload::ExistGet => (16, size * a.batch + 16),
             Workload::Exist => (80, 16),
             Workload::BatchExist => (40 + a.batch.div_ceil(fanout) * 40, 20 + a.batch.div_ceil(fanout)),
         };
         let raw_count = ops.clamp(100, 20_000);
         let raw =
             raw_loopback(a.threads, fanout, send, recv, raw_count, None).map_err(|e| format!("raw loopback: {e}"))?;
-        if matches!(a.op, Workload::Put | Workload::Get) {
+        if matches!(a.op, Workload::Put | Workload::Get | Workload::ExistGet) {
             extra.insert("raw_loopback_gb_per_sec", raw.bytes_per_sec / 1e9);
             extra.insert("ratio_loopback", gbps / (raw.bytes_per_sec / 1e9));
         } else {
@@ -414,6 +459,12 @@ pub fn run(a: &BenchArgs, json: bool) -> Result<u8, String> {
                 extra["raw_p50_us"],
                 extra["raw_p99_us"],
                 100.0 * extra["ratio_loopback"]
+            );
+        }
+        if let Some(g) = extra.get("get_gb_per_sec") {
+            println!(
+                "gets alone (exist and pause left out): {g:.3} GB/s, p50 {:.0} us  p99 {:.0} us",
+                extra["get_p50_us"], extra["get_p99_us"]
             );
         }
         if let Some(r) = extra.get("raw_disk_gb_per_sec") {
