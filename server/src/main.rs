@@ -60,9 +60,10 @@ fn run(cfg: ServerConfig) -> Result<(), String> {
         );
     }
     let store = Arc::new(store);
-    // With --ack memory: writers of what was acknowledged from memory, two
-    // a disk (their puts share each disk's group commits).
-    let flushers = (2 * store.disks().len()).clamp(2, 16);
+    // With --ack memory: writers of what was acknowledged from memory,
+    // eight a disk (their puts share each disk's group commits: with two,
+    // a group held at most two records and the queue drained slower).
+    let flushers = (8 * store.disks().len()).clamp(8, 64);
     Store::start_flushers(&store, flushers).map_err(|e| format!("cannot start the write-behind flushers: {e}"))?;
     // With a memory tier: readers of pages an exist found only on disk.
     Store::start_warmers(&store, 2).map_err(|e| format!("cannot start the prefetch warmers: {e}"))?;
