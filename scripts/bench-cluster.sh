@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The client benchmarks of issue 3: three kv-server nodes on loopback (512 MiB memory
+# The client benchmarks (docs/BENCHMARKS.md, "Client and cluster"): three kv-server nodes on loopback (512 MiB memory
 # tier on, disks under a temp dir), kvctl bench with 8 threads, each workload
 # run RUNS times (default 3); every line is printed with the limit measured in
 # the same run. Nodes are stopped (by PID) at the end.

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Load held (issue 11, item 2): three release nodes under 64 client threads
+# Load held (docs/BENCHMARKS.md, "Load held"): three release nodes under 64 client threads
 # and 1,050 idle connections for KVCELLAR_LOAD_SECS (default 60); prints
 # throughput, latency against the I/O timeout, and each node's RSS and open
 # fds idle, at peak and after (tests/tests/load.rs). A benchmark, not a CI

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The cost of the nodes' latency histograms (issue 12), histograms on and
+# The cost of the nodes' latency histograms (docs/BENCHMARKS.md), histograms on and
 # off (KVCELLAR_LATENCY_HISTOGRAMS=0), two ways:
 # 1. instructions (repeatable whatever the machine's noise): one node under
 #    valgrind's callgrind serves the same 4,000 gets of 64 KiB from its

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Browser test of the dashboards (issue 12): a real etcd, kv-mds and two
+"""Browser test of the dashboards: a real etcd, kv-mds and two
 kv-server nodes on loopback under load (kvctl bench), then headless Chromium
 renders the node's and the MDS's page; the rendered text is checked (hit
 rate, disk rows, ring members, each member's health) and a screenshot of each

@@ -1,4 +1,4 @@
-/* kvclient.h: the C ABI of libkvclient.so (kvcellar DESIGN.md §4).
+/* kvclient.h: the C ABI of libkvclient.so (README.md, "C ABI conventions").
  *
  * Conventions:
  * - Every function returns a status code (int) unless noted. Positive codes

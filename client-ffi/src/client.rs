@@ -1,4 +1,4 @@
-//! The async client core: routing over a weighted Ketama ring (DESIGN §3),
+//! The async client core: routing over a weighted Ketama ring (docs/PROTOCOL.md §4),
 //! one exclusive pooled connection per request, zero-copy scatter/gather
 //! with the payload CRC computed as bytes stream, batches fanned out to
 //! their owners, and peer cool-downs.

@@ -152,7 +152,7 @@ impl Conn {
         Ok((r.header.status, r.body))
     }
 
-    /// Gets and verifies a page (DESIGN §2): header, key, geometry, payload CRC.
+    /// Gets and verifies a page (docs/PROTOCOL.md §3): header, key, geometry, payload CRC.
     pub fn get(&mut self, geo: &Geometry, key: &[u8]) -> Result<GetResult, ClientError> {
         let (st, rec) = self.get_record(Some(geo), key)?;
         if st != Status::Ok {
@@ -198,7 +198,7 @@ impl Conn {
     }
 }
 
-/// Checks a served record against the request (DESIGN §2).
+/// Checks a served record against the request (docs/PROTOCOL.md §3).
 pub fn verify(geo: &Geometry, key: &[u8], rec: &[u8]) -> GetResult {
     let Ok((h, k)) = parse_record(rec) else {
         return GetResult::NotServed(Status::Corrupt);

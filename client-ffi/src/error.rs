@@ -25,7 +25,7 @@ pub enum OpError {
 }
 
 impl OpError {
-    /// The status the caller sees (DESIGN §4: positive = recompute).
+    /// The status the caller sees (README.md, "C ABI conventions": positive = recompute).
     pub fn status(&self) -> Status {
         match self {
             OpError::Io(_) | OpError::Unavailable | OpError::Protocol(_) => Status::Unavailable,

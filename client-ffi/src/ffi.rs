@@ -1,4 +1,4 @@
-//! The C ABI of DESIGN.md §4 (`include/kvclient.h`). All raw-pointer
+//! The C ABI (`include/kvclient.h`; README.md, "C ABI conventions"). All raw-pointer
 //! handling of the library lives here: every export checks its pointers
 //! (NULL is `KV_EINVAL`, never a crash), catches panics at the boundary
 //! (`KV_EINTERNAL`, message in `kv_last_error`), and converts C views into
@@ -169,7 +169,7 @@ fn client(c: *const kv_client) -> Result<handles::Call, c_int> {
     handles::enter(c as usize).ok_or_else(|| einval("client handle is closed or was never opened"))
 }
 
-/// The per-item segment limit (DESIGN §4: limits apply per item).
+/// The per-item segment limit (README.md, "C ABI conventions": limits apply per item).
 fn item_iovcnt(n: usize) -> Result<(), c_int> {
     if n > MAX_ITEM_IOVCNT {
         return Err(einval(format!("iovcnt {n} of one item is over {MAX_ITEM_IOVCNT}")));
@@ -261,7 +261,7 @@ fn done(s: Status) -> c_int {
     code(s)
 }
 
-/// Opens a client. See DESIGN.md §4 and the header.
+/// Opens a client. See README.md, "C ABI conventions" and the header.
 ///
 /// # Safety
 /// `members` and `options` are NULL (options only) or NUL-terminated

@@ -1,4 +1,4 @@
-//! Member lists: `id=host:port[@weight],...` (DESIGN.md §4).
+//! Member lists: `id=host:port[@weight],...` (README.md, "C ABI conventions").
 //!
 //! Addresses are kept as given and resolved each time a connection is
 //! opened (`node.rs`, `small.rs`), not once here: a node that comes back

@@ -1,4 +1,4 @@
-//! The `kv_open` options string: `key=value,...` (DESIGN.md §4). Unknown keys
+//! The `kv_open` options string: `key=value,...` (README.md, "C ABI conventions"). Unknown keys
 //! are an error, so a typo never silently runs with a default.
 
 use std::time::Duration;

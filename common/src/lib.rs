@@ -1,6 +1,6 @@
 //! `kv-common`: the types every kvcellar part agrees on.
 //!
-//! It owns the page record of DESIGN.md §2 ([`page`]), the weighted Ketama
+//! It owns the page record of docs/PROTOCOL.md §3 ([`page`]), the weighted Ketama
 //! placement of §3 ([`ring`]), the data-plane wire frames ([`wire`], byte tables
 //! in docs/PROTOCOL.md), the status codes shared by the wire and the C ABI
 //! ([`status`]), the node statistics record ([`stats`]) and size parsing

@@ -1,4 +1,4 @@
-//! The page record of DESIGN.md §2: `header (64 B) | key | payload`.
+//! The page record of docs/PROTOCOL.md §3: `header (64 B) | key | payload`.
 //!
 //! The client builds the header on put and checks it on get; a node validates
 //! it on put and compares its geometry on exist, but never rewrites it.
@@ -262,7 +262,7 @@ pub(crate) fn le_u64(b: &[u8], at: usize) -> u64 {
 mod tests {
     use super::*;
 
-    /// The record of shared/reference/vectors.json, computed independently.
+    /// The worked example of docs/PROTOCOL.md §3.1, computed independently.
     pub(crate) fn reference_geometry() -> Geometry {
         Geometry {
             model_hash: 20817,

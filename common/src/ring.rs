@@ -1,4 +1,4 @@
-//! Weighted Ketama placement (DESIGN.md §3), shared by the client ring and a
+//! Weighted Ketama placement (docs/PROTOCOL.md §4), shared by the client ring and a
 //! node's choice among its disks so any tool can recompute where a key lives.
 
 use xxhash_rust::xxh3::xxh3_64;

@@ -1,4 +1,4 @@
-//! Status codes shared by the wire protocol and the C ABI (DESIGN.md §4).
+//! Status codes shared by the wire protocol and the C ABI (README.md, "C ABI conventions").
 //! Numbers are never reused: a retired code stays reserved.
 
 /// Outcome of one operation. Positive codes mean "not served: recompute";

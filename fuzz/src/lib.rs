@@ -89,7 +89,7 @@ pub fn rdma(data: &[u8]) {
     }
 }
 
-/// The page record (DESIGN §2): header, key and payload. What parses holds
+/// The page record (docs/PROTOCOL.md §3): header, key and payload. What parses holds
 /// together: the key fits the record, the lengths agree.
 pub fn page(data: &[u8]) {
     if let Ok((h, key)) = kv_common::page::parse_record(data) {

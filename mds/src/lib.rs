@@ -1,4 +1,4 @@
-//! `kv-mds`: the stateless membership service over etcd (DESIGN.md §5).
+//! `kv-mds`: the stateless membership service over etcd (docs/PROTOCOL.md §6).
 //!
 //! Any number of replicas run side by side with no leader; each is an etcd
 //! client and nothing else keeps state. Nodes register and heartbeat to any

@@ -1,7 +1,7 @@
 //! The membership logic over etcd: node records bound to leases, and views
 //! whose epoch is an etcd revision.
 //!
-//! Keys (DESIGN.md §5), for a group `G`:
+//! Keys (docs/PROTOCOL.md §6), for a group `G`:
 //! - `/kvcellar/v1/groups/G/members/ID`: a node record (JSON `MemberRecord`),
 //!   bound to a lease this service granted for the node.
 //! - `/kvcellar/v1/groups/G/epoch`: a digest of the member set it names.

@@ -54,7 +54,7 @@ __all__ = [
 
 
 class Status(enum.IntEnum):
-    """Status codes of the C ABI (DESIGN §4). Positive: not served, recompute."""
+    """Status codes of the C ABI (README.md, "C ABI conventions"). Positive: not served, recompute."""
 
     OK = 0
     MISS = 1

@@ -5,7 +5,7 @@ Load it with ``--hicache-storage-backend dynamic`` and the extra config
 "class_name": "KvcellarStorage", "interface_v1": 1, "mds": "host:port,...",
 "group": "default"}`` (docs/plugins/sglang.md has every key).
 
-Page identity (DESIGN §2):
+Page identity (docs/PROTOCOL.md §3):
 
 - The KEY carries what makes ranks hold different bytes for one token hash:
   ``{tenant/}{hash}.{tag}`` plus ``.tp{rank}-{size}`` for MHA (never for MLA,

@@ -220,7 +220,7 @@ def test_members_by_name_are_resolved_per_connection(cluster):
 def test_rdma_options_fall_back_to_tcp_and_say_why(cluster):
     """rdma_devices names a device this machine does not have: the client
     serves over TCP, counts one fallback, and registering a pool is a
-    checked no-op (issue 13)."""
+    checked no-op."""
     with Client(cluster.members, geometry=GEO, options="rdma_devices=mlx5_0,rdma_depth=16") as c:
         pool = bytearray(4 << 20)
         assert c.register_memory(pool) is Status.OK

@@ -1,6 +1,6 @@
 """The expositions of real daemons and of the client, parsed whole by the
 Prometheus project's own OpenMetrics parser (``prometheus_client``), after a
-known workload through the Python ``Client`` (issue 12)."""
+known workload through the Python ``Client``."""
 
 from __future__ import annotations
 

@@ -2,10 +2,11 @@
 //!
 //! It owns the multi-disk page store ([`store`]), the data-plane listener
 //! ([`server`]) and per-connection handler ([`conn`]), configuration
-//! ([`config`]) and the metrics endpoint ([`metrics`]). It speaks the wire
-//! protocol of `kv-common` and never rewrites a page record: it validates,
-//! stores and returns the client's bytes. Membership (`--mds`) arrives with
-//! the MDS issue.
+//! ([`config`]), the metrics endpoint ([`metrics`]), its membership in a
+//! group through kv-mds (`--mds`, [`membership`]) and ring handoff
+//! ([`handoff`]). It speaks the wire protocol of `kv-common` and never
+//! rewrites a page record: it validates, stores and returns the client's
+//! bytes.
 
 pub mod config;
 pub mod conn;

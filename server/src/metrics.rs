@@ -443,7 +443,7 @@ fn reply(code: StatusCode, ctype: &'static str, body: impl Into<Bytes>) -> Reply
     r.headers_mut().insert(hyper::header::CONTENT_TYPE, hyper::header::HeaderValue::from_static(ctype));
     r.headers_mut().insert(hyper::header::CACHE_CONTROL, hyper::header::HeaderValue::from_static("no-store"));
     // The MDS dashboard (another origin) reads /api/stats and /healthz;
-    // nothing here needs the token (DESIGN: the metrics port stays inside).
+    // nothing here needs the token (the metrics port stays inside the cluster network: docs/DEPLOY.md).
     r.headers_mut().insert(hyper::header::ACCESS_CONTROL_ALLOW_ORIGIN, hyper::header::HeaderValue::from_static("*"));
     r
 }

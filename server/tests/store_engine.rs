@@ -1,4 +1,5 @@
-//! Store engine tests without sockets: the behaviours issue 2 lists.
+//! Store engine tests without sockets: the behaviours of a node's store that
+//! docs/ARCHITECTURE.md ("The node") and docs/RELIABILITY.md describe.
 
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
@@ -87,7 +88,7 @@ fn round_trip_write_once_and_delete() {
     let st = s.stats();
     assert_eq!(st.objects, 49);
     assert!(st.disks.iter().all(|d| d.objects > 0), "both disks used: {st:?}");
-    // Placement follows DESIGN §3 among disk0, disk1.
+    // Placement follows docs/PROTOCOL.md §4 among disk0, disk1.
     let ring = kv_common::Ring::new(vec![
         kv_common::ring::RingMember { id: "disk0".into(), weight: 1 },
         kv_common::ring::RingMember { id: "disk1".into(), weight: 1 },
@@ -699,7 +700,7 @@ fn storm_until_cut(s: &Store, prefix: &str, cut: impl Fn()) -> (Vec<(String, usi
     (acked.into_inner().unwrap(), tried.into_inner().unwrap())
 }
 
-/// Power loss (issue 11, item 6): through the Device seam, every write no
+/// Power loss (docs/RELIABILITY.md): through the Device seam, every write no
 /// flush covered becomes garbage and the journal loses what it had not
 /// flushed. Every put acknowledged before the cut must come back whole
 /// (data and journal entry were both on media before the answer); a put in

@@ -30,7 +30,7 @@ pub fn bin(name: &str) -> PathBuf {
     // to test a binary older than the sources it is built from.
     let built = std::fs::metadata(&p).and_then(|m| m.modified()).expect("binary mtime");
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).parent().expect("workspace root");
-    // The crates each binary is built from (DESIGN.md §1 dependency order).
+    // The crates each binary is built from (dependency order, docs/ARCHITECTURE.md "Parts").
     let sources: &[&str] = match name {
         "kv-server" => &["common", "server"],
         "kvctl" => &["common", "client-ffi", "ctl"],

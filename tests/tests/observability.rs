@@ -1,4 +1,4 @@
-//! Observability (issue 12): the expositions of real daemons after a known
+//! Observability (docs/METRICS.md): the expositions of real daemons after a known
 //! workload carry exact values; every metric docs/METRICS.md names and every
 //! query of the Grafana board exists in a live scrape; the dashboards are
 //! self-contained; `kvctl top` reads a live group.

@@ -1,4 +1,4 @@
-//! RDMA asked for where there is none (issue 13): with the `rdma` build (and
+//! RDMA asked for where there is none (docs/ARCHITECTURE.md, "Transports"): with the `rdma` build (and
 //! without it) on a machine with no RDMA device, a node started with
 //! `--rdma-dev` and a client opened with `rdma_devices` serve everything
 //! over TCP, each says why in one log line, and each counts one fallback.

@@ -159,7 +159,7 @@ fn sigkill_during_eviction_and_compaction_keeps_the_newest_records() {
 
     let node = Node::start(&args);
     let mut c = conn(&node.addr);
-    // Where each key lives: DESIGN §3 over disk0 and disk1 (weight 1 each).
+    // Where each key lives: docs/PROTOCOL.md §4 over disk0 and disk1 (weight 1 each).
     let ring = kv_common::Ring::new(vec![
         kv_common::ring::RingMember { id: "disk0".into(), weight: 1 },
         kv_common::ring::RingMember { id: "disk1".into(), weight: 1 },

@@ -1,5 +1,5 @@
 //! A 4 MiB get into a caller buffer allocates almost nothing: the payload
-//! goes from the socket straight into the caller's memory (DESIGN §4).
+//! goes from the socket straight into the caller's memory (README.md, "C ABI conventions").
 //! Its own test binary, so the counting allocator sees only this test.
 
 use std::alloc::{GlobalAlloc, Layout, System};

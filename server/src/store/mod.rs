@@ -1,4 +1,4 @@
-//! The multi-disk page store: placement among disks (DESIGN.md §3), an
+//! The multi-disk page store: placement among disks (docs/PROTOCOL.md §4), an
 //! optional memory tier, counters. Blocking API: the server calls the
 //! I/O methods from the blocking pool, never on the async reactor.
 //!
@@ -295,7 +295,7 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
-/// Weight of a disk in placement: its cap in GiB, at least 1 (DESIGN §3).
+/// Weight of a disk in placement: its cap in GiB, at least 1 (docs/PROTOCOL.md §4).
 pub fn disk_weight(cap: u64) -> u32 {
     (cap >> 30).clamp(1, u32::MAX as u64) as u32
 }
