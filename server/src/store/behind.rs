@@ -124,6 +124,18 @@ impl WriteBehind {
     /// The next record to write, marked as being written; None once
     /// stopping with nothing left, or after [`IDLE_WAKE`] with nothing to do.
     pub fn next(&self) -> Option<(Box<[u8]>, Arc<PooledBuf>)> {
+        self.next_batch(1, 0).pop()
+    }
+
+    /// Records to write, in the order they were acknowledged, each marked
+    /// as being written: at least one, then more while there are fewer than
+    /// `max` and their bytes are under `max_bytes` (large records go alone,
+    /// so several flushers keep several writes in flight). Waits for the
+    /// first only. Empty once stopping with nothing left, or after
+    /// [`IDLE_WAKE`] with nothing to do.
+    pub fn next_batch(&self, max: usize, max_bytes: u64) -> Vec<(Box<[u8]>, Arc<PooledBuf>)> {
+        let mut out = Vec::new();
+        let mut bytes = 0u64;
         let mut st = self.lock();
         loop {
             while let Some(key) = st.queue.pop_front() {
@@ -131,17 +143,21 @@ impl WriteBehind {
                     if !h.writing {
                         h.writing = true;
                         let rec = h.rec.clone();
-                        return Some((key, rec));
+                        bytes += rec.capacity() as u64;
+                        out.push((key, rec));
+                        if out.len() >= max || bytes >= max_bytes {
+                            break;
+                        }
                     }
                 }
             }
-            if st.stopping {
-                return None;
+            if !out.is_empty() || st.stopping {
+                return out;
             }
             let (g, timeout) = self.changed.wait_timeout(st, IDLE_WAKE).unwrap_or_else(|e| e.into_inner());
             st = g;
             if timeout.timed_out() && st.queue.is_empty() {
-                return None;
+                return out;
             }
         }
     }
@@ -222,6 +238,29 @@ mod tests {
         assert_eq!(wb.c.flushed.load(Ordering::Relaxed), 1);
         assert_eq!(wb.c.flush_failed.load(Ordering::Relaxed), 1);
         assert!(wb.next().is_none(), "idle: back after IDLE_WAKE");
+    }
+
+    #[test]
+    fn a_batch_is_bounded_by_count_and_bytes_and_keeps_the_order() {
+        let pool = BufPool::new(0);
+        let wb = WriteBehind::new(64 * 4096);
+        for k in [&b"a"[..], b"b", b"c", b"d", b"e"] {
+            assert!(wb.hold(k, rec(&pool, 4096)));
+        }
+        assert!(wb.remove(b"b"));
+        let keys = |v: Vec<(Box<[u8]>, Arc<PooledBuf>)>| v.into_iter().map(|(k, _)| k).collect::<Vec<_>>();
+        let first = keys(wb.next_batch(2, 1 << 20));
+        assert_eq!(first, vec![b"a"[..].into(), b"c"[..].into()], "two at most, a removed key skipped");
+        let big = wb.get(b"d").unwrap().capacity() as u64;
+        assert_eq!(keys(wb.next_batch(16, big)), vec![b"d"[..].into()], "past the bytes after one");
+        assert!(wb.get(b"e").is_some());
+        let rest = wb.next_batch(16, 0);
+        assert_eq!(keys(rest), vec![b"e"[..].into()], "at least one");
+        for k in [&b"a"[..], b"c", b"d", b"e"] {
+            wb.done(k, true);
+        }
+        assert_eq!(wb.bytes(), 0);
+        assert!(wb.next_batch(16, 1 << 20).is_empty(), "idle: back after IDLE_WAKE");
     }
 
     #[test]

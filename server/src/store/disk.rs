@@ -396,6 +396,36 @@ impl Disk {
     /// Stores a validated record (`rec` holds exactly its bytes, zero-padded
     /// to the extent alignment: [`PooledBuf::pad_to_align`]).
     pub fn put(&self, rec: &PooledBuf, key: &[u8], header: &PageHeader) -> Result<PutResult, DiskError> {
+        let r = self.write_and_enter(rec, key, header)?;
+        if matches!(r, PutResult::Stored) {
+            self.commit()?;
+        }
+        Ok(r)
+    }
+
+    /// Stores several records with one group commit for them all (a
+    /// write-behind flusher's batch): each is written and entered in the
+    /// index as by [`Disk::put`], then one data flush and one journal flush
+    /// cover every one of them. A record is `Stored` only once that commit
+    /// succeeded.
+    pub fn put_many(&self, items: &[(&PooledBuf, &[u8], &PageHeader)]) -> Vec<Result<PutResult, DiskError>> {
+        let mut out: Vec<Result<PutResult, DiskError>> =
+            items.iter().map(|(rec, key, header)| self.write_and_enter(rec, key, header)).collect();
+        if out.iter().any(|r| matches!(r, Ok(PutResult::Stored))) {
+            if let Err(e) = self.commit() {
+                tracing::debug!(disk = %self.id, error = %e, "batch commit failed");
+                for r in out.iter_mut().filter(|r| matches!(r, Ok(PutResult::Stored))) {
+                    *r = Err(DiskError::Failed(self.id.clone()));
+                }
+            }
+        }
+        out
+    }
+
+    /// The first part of a put: the record written to a new extent and
+    /// entered in the journal and the index (served from then on), not yet
+    /// made durable ([`Disk::commit`]).
+    fn write_and_enter(&self, rec: &PooledBuf, key: &[u8], header: &PageHeader) -> Result<PutResult, DiskError> {
         if self.is_failed() {
             return Err(DiskError::Failed(self.id.clone()));
         }
@@ -468,14 +498,18 @@ impl Disk {
         self.appends_since_sync.fetch_add(1, Ordering::Relaxed);
         st.index.put(key.into(), Entry { ext, header: *header, header_bytes });
         drop(st);
-        // The data, then the entry, on media before the answer: one group
-        // commit (a data flush and a journal flush) for every put appended
-        // before it began, so concurrent puts share both flushes. Readers
-        // may serve the record meanwhile (its bytes are written, if not yet
-        // durable). An entry that reaches media before its data (the kernel
-        // writes the journal back when it likes) and then loses it to a
-        // power cut names a record that fails its checksum on read and is
-        // dropped: never served.
+        Ok(PutResult::Stored)
+    }
+
+    /// The second part of a put: the data, then the entries, on media before
+    /// the answer: one group commit (a data flush and a journal flush) for
+    /// every put entered before it began, so concurrent puts share both
+    /// flushes. Readers may serve a record meanwhile (its bytes are written,
+    /// if not yet durable). An entry that reaches media before its data (the
+    /// kernel writes the journal back when it likes) and then loses it to a
+    /// power cut names a record that fails its checksum on read and is
+    /// dropped: never served.
+    fn commit(&self) -> Result<(), DiskError> {
         if let Some(g) = &self.journal_group {
             if let Err(e) = g.sync_after(|| {
                 let file = lock(&self.journal).file();
@@ -490,7 +524,7 @@ impl Disk {
                 return Err(DiskError::Failed(self.id.clone()));
             }
         }
-        Ok(PutResult::Stored)
+        Ok(())
     }
 
     /// Reads a record. With `geo`, a record of another geometry is a

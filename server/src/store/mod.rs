@@ -217,6 +217,13 @@ const DOWN_DELETES_MAX: usize = 1 << 20;
 /// 256 MiB record's takes tens of milliseconds) runs on a blocking thread.
 pub const INLINE_PUT_MAX: usize = 1 << 20;
 
+/// Records a write-behind flusher takes at once, and their bytes (past
+/// which it takes no more): each disk's share of them is made durable by one
+/// group commit. Records of 1 MiB and more go alone, so the flushers keep
+/// as many large writes in flight as before.
+pub const FLUSH_BATCH: usize = 16;
+pub const FLUSH_BATCH_BYTES: u64 = 1 << 20;
+
 /// Whether a record held in memory would be a hit for `geo`.
 fn presence_of(rec: &PooledBuf, geo: Option<&Geometry>) -> Presence {
     match (geo, PageHeader::decode(rec.as_slice())) {
@@ -562,36 +569,92 @@ impl Store {
         Err(StoreError::NoDisk)
     }
 
+    /// Writes a flusher's batch: the records of each disk with one group
+    /// commit for them all ([`Disk::put_many`]); a record on a disk that
+    /// failed meanwhile is placed again alone ([`Store::put_on_disk`]).
+    fn put_on_disk_many(&self, batch: &[(Box<[u8]>, Arc<PooledBuf>)]) -> Vec<Result<PutOutcome, StoreError>> {
+        let mut out: Vec<Result<PutOutcome, StoreError>> = Vec::with_capacity(batch.len());
+        let mut headers = Vec::with_capacity(batch.len());
+        for (_, rec) in batch {
+            match PageHeader::decode(rec.as_slice()) {
+                Ok(h) => {
+                    headers.push(Some(h));
+                    out.push(Err(StoreError::NoDisk));
+                }
+                Err(e) => {
+                    headers.push(None);
+                    out.push(Err(StoreError::BadRecord(e)));
+                }
+            }
+        }
+        let v = self.view();
+        // Items by the disk that owns them (index into the view's slots).
+        let mut groups: Vec<(usize, Vec<usize>)> = Vec::new();
+        for (i, (key, _)) in batch.iter().enumerate() {
+            let (Some(_), Some(m)) = (&headers[i], v.ring.owner(key)) else { continue };
+            let slot = v.disk_of[m];
+            match groups.iter_mut().find(|g| g.0 == slot) {
+                Some(g) => g.1.push(i),
+                None => groups.push((slot, vec![i])),
+            }
+        }
+        for (slot, idx) in groups {
+            let Slot::Live(disk) = &v.slots[slot] else { continue };
+            let items: Vec<(&PooledBuf, &[u8], &PageHeader)> =
+                idx.iter().filter_map(|&i| headers[i].as_ref().map(|h| (&*batch[i].1, &batch[i].0[..], h))).collect();
+            for (&i, r) in idx.iter().zip(disk.put_many(&items)) {
+                out[i] = match r {
+                    Ok(PutResult::Stored) => Ok(PutOutcome::Stored),
+                    Ok(PutResult::Duplicate) => Ok(PutOutcome::Duplicate),
+                    Err(DiskError::Failed(_)) => {
+                        self.rebuild_ring();
+                        match &headers[i] {
+                            Some(h) => self.put_on_disk(&batch[i].1, &batch[i].0, h),
+                            None => continue,
+                        }
+                    }
+                    Err(DiskError::Full(d)) => Err(StoreError::Full(d)),
+                    Err(DiskError::TooLarge(n)) => Err(StoreError::TooLarge(format!("{n} bytes exceed the disk cap"))),
+                };
+            }
+        }
+        out
+    }
+
     /// Runs a flusher of the write-behind (`ack = "memory"`) until the
     /// store stops or is dropped (it holds the store only while it writes).
+    /// A flusher takes up to [`FLUSH_BATCH`] records ([`FLUSH_BATCH_BYTES`])
+    /// at once and commits each disk's share of them together.
     fn flusher(store: std::sync::Weak<Store>, b: Arc<behind::WriteBehind>) {
         loop {
-            let Some((key, rec)) = b.next() else {
+            let batch = b.next_batch(FLUSH_BATCH, FLUSH_BATCH_BYTES);
+            if batch.is_empty() {
                 if b.stopping() || store.strong_count() == 0 {
                     return;
                 }
                 continue;
-            };
-            // Lets go of the key whatever happens below (a delete of it waits
-            // until then).
-            struct Release<'a>(&'a behind::WriteBehind, &'a [u8], bool);
+            }
+            // Lets go of the keys whatever happens below (a delete of one
+            // waits until then).
+            struct Release<'a>(&'a behind::WriteBehind, Vec<(&'a [u8], bool)>);
             impl Drop for Release<'_> {
                 fn drop(&mut self) {
-                    self.0.done(self.1, self.2);
+                    for (key, written) in &self.1 {
+                        self.0.done(key, *written);
+                    }
                 }
             }
-            let mut release = Release(&b, &key, false);
+            let mut release = Release(&b, batch.iter().map(|(k, _)| (&k[..], false)).collect());
             let Some(s) = store.upgrade() else { return };
-            release.2 = match PageHeader::decode(rec.as_slice()) {
-                Ok(header) => match s.put_on_disk(&rec, &key, &header) {
+            for ((key, written), r) in release.1.iter_mut().zip(s.put_on_disk_many(&batch)) {
+                *written = match r {
                     Ok(_) => true,
                     Err(e) => {
-                        tracing::warn!(key = %String::from_utf8_lossy(&key), error = %e, "write-behind: page not written: it now misses");
+                        tracing::warn!(key = %String::from_utf8_lossy(key), error = %e, "write-behind: page not written: it now misses");
                         false
                     }
-                },
-                Err(_) => false,
-            };
+                };
+            }
             drop(s);
             drop(release);
         }
