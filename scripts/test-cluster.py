@@ -115,6 +115,33 @@ def view(mds_port_key="KVC_MDS1_PORT") -> list:
         return sorted(m["id"] for m in json.load(r)["members"])
 
 
+def view_epoch(mds_port_key="KVC_MDS1_PORT") -> int:
+    url = f"http://127.0.0.1:{PORTS[mds_port_key]}/v1/groups/{GROUP}/view"
+    with urllib.request.urlopen(url, timeout=3) as r:
+        return int(json.load(r)["epoch"])
+
+
+def wait_for_steady_epoch(quiet: float, seconds: float) -> tuple:
+    """Waits until the view's epoch has not moved for `quiet` seconds (a
+    restarted kv-mds or etcd member settling); returns (seconds it took,
+    epochs it moved). Fails after `seconds`."""
+    t0 = time.time()
+    first = last = view_epoch()
+    since = time.time()
+    while time.time() - t0 < seconds:
+        time.sleep(0.25)
+        try:
+            e = view_epoch()
+        except Exception:  # noqa: BLE001 - a 503 while etcd elects a leader: not steady
+            since = time.time()
+            continue
+        if e != last:
+            last, since = e, time.time()
+        elif time.time() - since >= quiet:
+            return time.time() - t0, last - first
+    raise SystemExit(f"FAIL: the epoch did not settle within {seconds} s (moved {last - first})")
+
+
 def wait_for(what: str, pred, seconds: float) -> float:
     """Polls pred every 0.1 s; returns the seconds it took, fails after `seconds`."""
     t0 = time.time()
@@ -286,7 +313,11 @@ def main() -> int:
         sh("docker", "start", container("etcd1"), container("mds1"))
         wait_for("mds1 answering", lambda: len(view()) == 3, 60)
 
-        # 7. The same name, a new address, no epoch change.
+        # 7. The same name, a new address, no epoch change (counted from
+        # an epoch that has settled after the restarts of step 6).
+        settle_s, settle_moved = wait_for_steady_epoch(TTL_S / 2, 60)
+        report["move_settle_s"] = round(settle_s, 1)
+        report["move_settle_epochs"] = settle_moved
         ip_of = lambda c: sh("docker", "inspect", "-f", f'{{{{(index .NetworkSettings.Networks "{net}").IPAddress}}}}', c).strip()  # noqa: E731
         old_ip = ip_of(container("node1"))
         new_ip = SUBNET.rsplit(".", 1)[0] + ".200"
