@@ -556,17 +556,24 @@ impl Store {
             let Some(Slot::Live(disk)) = v.ring.owner(key).map(|m| &v.slots[v.disk_of[m]]) else {
                 return Err(StoreError::NoDisk);
             };
-            match disk.put(rec, key, header) {
-                Ok(PutResult::Duplicate) => return Ok(PutOutcome::Duplicate),
-                Ok(PutResult::Stored) => return Ok(PutOutcome::Stored),
-                Err(DiskError::Failed(_)) => self.rebuild_ring(),
-                Err(DiskError::Full(d)) => return Err(StoreError::Full(d)),
-                Err(DiskError::TooLarge(n)) => {
-                    return Err(StoreError::TooLarge(format!("{n} bytes exceed the disk cap")));
-                }
+            match Self::put_outcome(disk.put(rec, key, header)) {
+                Some(r) => return r,
+                None => self.rebuild_ring(),
             }
         }
         Err(StoreError::NoDisk)
+    }
+
+    /// A disk's answer to a put, as the store's; None when the disk failed
+    /// (the caller rebuilds the ring and places the record again).
+    fn put_outcome(r: Result<PutResult, DiskError>) -> Option<Result<PutOutcome, StoreError>> {
+        Some(match r {
+            Ok(PutResult::Duplicate) => Ok(PutOutcome::Duplicate),
+            Ok(PutResult::Stored) => Ok(PutOutcome::Stored),
+            Err(DiskError::Failed(_)) => return None,
+            Err(DiskError::Full(d)) => Err(StoreError::Full(d)),
+            Err(DiskError::TooLarge(n)) => Err(StoreError::TooLarge(format!("{n} bytes exceed the disk cap"))),
+        })
     }
 
     /// Writes a flusher's batch: the records of each disk with one group
@@ -574,48 +581,36 @@ impl Store {
     /// failed meanwhile is placed again alone ([`Store::put_on_disk`]).
     fn put_on_disk_many(&self, batch: &[(Box<[u8]>, Arc<PooledBuf>)]) -> Vec<Result<PutOutcome, StoreError>> {
         let mut out: Vec<Result<PutOutcome, StoreError>> = Vec::with_capacity(batch.len());
-        let mut headers = Vec::with_capacity(batch.len());
-        for (_, rec) in batch {
-            match PageHeader::decode(rec.as_slice()) {
-                Ok(h) => {
-                    headers.push(Some(h));
-                    out.push(Err(StoreError::NoDisk));
-                }
-                Err(e) => {
-                    headers.push(None);
-                    out.push(Err(StoreError::BadRecord(e)));
-                }
-            }
-        }
         let v = self.view();
-        // Items by the disk that owns them (index into the view's slots).
-        let mut groups: Vec<(usize, Vec<usize>)> = Vec::new();
-        for (i, (key, _)) in batch.iter().enumerate() {
-            let (Some(_), Some(m)) = (&headers[i], v.ring.owner(key)) else { continue };
+        // Items by the disk that owns them (index into the view's slots),
+        // each with its header; a record without an owner is not written.
+        let mut groups: Vec<(usize, Vec<(usize, PageHeader)>)> = Vec::new();
+        for (i, (key, rec)) in batch.iter().enumerate() {
+            let header = match PageHeader::decode(rec.as_slice()) {
+                Ok(h) => h,
+                Err(e) => {
+                    out.push(Err(StoreError::BadRecord(e)));
+                    continue;
+                }
+            };
+            out.push(Err(StoreError::NoDisk));
+            let Some(m) = v.ring.owner(key) else { continue };
             let slot = v.disk_of[m];
             match groups.iter_mut().find(|g| g.0 == slot) {
-                Some(g) => g.1.push(i),
-                None => groups.push((slot, vec![i])),
+                Some(g) => g.1.push((i, header)),
+                None => groups.push((slot, vec![(i, header)])),
             }
         }
-        for (slot, idx) in groups {
+        for (slot, items) in groups {
             let Slot::Live(disk) = &v.slots[slot] else { continue };
-            let items: Vec<(&PooledBuf, &[u8], &PageHeader)> =
-                idx.iter().filter_map(|&i| headers[i].as_ref().map(|h| (&*batch[i].1, &batch[i].0[..], h))).collect();
-            for (&i, r) in idx.iter().zip(disk.put_many(&items)) {
-                out[i] = match r {
-                    Ok(PutResult::Stored) => Ok(PutOutcome::Stored),
-                    Ok(PutResult::Duplicate) => Ok(PutOutcome::Duplicate),
-                    Err(DiskError::Failed(_)) => {
-                        self.rebuild_ring();
-                        match &headers[i] {
-                            Some(h) => self.put_on_disk(&batch[i].1, &batch[i].0, h),
-                            None => continue,
-                        }
-                    }
-                    Err(DiskError::Full(d)) => Err(StoreError::Full(d)),
-                    Err(DiskError::TooLarge(n)) => Err(StoreError::TooLarge(format!("{n} bytes exceed the disk cap"))),
-                };
+            let recs: Vec<(&PooledBuf, &[u8], &PageHeader)> =
+                items.iter().map(|(i, h)| (&*batch[*i].1, &batch[*i].0[..], h)).collect();
+            for ((i, h), r) in items.iter().zip(disk.put_many(&recs)) {
+                out[*i] = Self::put_outcome(r).unwrap_or_else(|| {
+                    // Its disk failed meanwhile: placed again alone.
+                    self.rebuild_ring();
+                    self.put_on_disk(&batch[*i].1, &batch[*i].0, h)
+                });
             }
         }
         out
