@@ -1,4 +1,4 @@
-# Sourced by the benchmark scripts (bench-cluster.sh, bench-metrics.sh):
+# Sourced by the benchmark scripts (bench-cluster.sh, bench-pages.sh, bench-warm.sh, ...
 # start_bench_nodes CAP [VAR=VALUE...] starts three kv-server nodes from
 # $bin on loopback, each with one disk directory $work/n<i> capped at CAP
 # and a 512 MiB memory tier, the VAR=VALUE pairs in their environment; it
@@ -35,3 +35,15 @@ start_bench_nodes() {
     echo "node $i: memory arena faulted in${ms:+ in $ms ms}"
   done
 }
+
+# stop_bench_nodes: ends the processes whose PIDs are in $pids (TERM, by
+# PID) and reaps them.
+stop_bench_nodes() {
+  for p in "${pids[@]}"; do kill -TERM "$p" 2>/dev/null || true; done
+  wait 2>/dev/null || true
+}
+
+# size_bytes SIZE: a size such as 64K, 1M or 2G (or plain bytes) in bytes.
+size_bytes() { python3 -c "
+s = '$1'; m = {'K': 1 << 10, 'M': 1 << 20, 'G': 1 << 30}
+print(int(s[:-1]) * m[s[-1]] if s[-1] in m else int(s))"; }

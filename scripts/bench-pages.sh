@@ -29,19 +29,12 @@ rm -rf "$work"
 mkdir -p "$work"
 results=$work/results.jsonl
 pids=()
-cleanup() {
-  for p in "${pids[@]}"; do kill -TERM "$p" 2>/dev/null || true; done
-  wait 2>/dev/null || true
-}
-trap cleanup EXIT
-trap 'exit 130' INT TERM
 source scripts/bench-nodes.sh
+trap stop_bench_nodes EXIT
+trap 'exit 130' INT TERM
 
 # bytes BYTES SIZE: batches of 8 pages of SIZE that make about BYTES.
 batches() { python3 -c "import sys; from math import ceil; print(max(8, ceil($1 / (8 * $2))))"; }
-size_bytes() { python3 -c "
-s = '$1'; m = {'K': 1 << 10, 'M': 1 << 20, 'G': 1 << 30}
-print(int(s[:-1]) * m[s[-1]] if s[-1] in m else int(s))"; }
 
 one_arm() { # one_arm NAME BINDIR RUN
   local name=$1 run=$3 size sb
@@ -71,7 +64,7 @@ print(f\"{j['arm']:<7} run {j['run']} {j['op']:<4} {j['size'] >> 10:>5} KiB: {j[
       f\"{'' if set(j['statuses']) <= {'ok'} else '  statuses ' + str(j['statuses'])}\")"
     done
   done
-  cleanup
+  stop_bench_nodes
   pids=()
   rm -rf "$work" # this arm's disks (several GiB)
 }

@@ -26,16 +26,10 @@ bin=$PWD/target/release
 rm -rf "$work"
 mkdir -p "$work"
 pids=()
-cleanup() {
-  for p in "${pids[@]}"; do kill -TERM "$p" 2>/dev/null || true; done
-  wait 2>/dev/null || true
-}
-trap cleanup EXIT
-trap 'exit 130' INT TERM
 source scripts/bench-nodes.sh
-sb=$(python3 -c "
-s = '$size'; m = {'K': 1 << 10, 'M': 1 << 20, 'G': 1 << 30}
-print(int(s[:-1]) * m[s[-1]] if s[-1] in m else int(s))")
+trap stop_bench_nodes EXIT
+trap 'exit 130' INT TERM
+sb=$(size_bytes "$size")
 # Twice the three tiers' bytes; the oldest quarter is read.
 keys=$(python3 -c "print(2 * 3 * (512 << 20) // $sb)")
 count=$(python3 -c "print(max(1, $keys // 4 // $batch))")
@@ -63,7 +57,7 @@ j = json.loads(sys.stdin.read())
 print(f\"{j['arm']:<11} run {j['run']}: gets {j['get_gb_per_sec']:.3f} GB/s, p50 {j['get_p50_us']:.0f} us p99 {j['get_p99_us']:.0f} us;\"
       f\" warmed $w, warmed then read $wr, past the budget $ws\"
       f\"{'' if set(j['statuses']) <= {'ok'} else '  statuses ' + str(j['statuses'])}\")"
-  cleanup
+  stop_bench_nodes
   pids=()
   rm -rf "$work"
 }
