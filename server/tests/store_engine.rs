@@ -872,6 +872,108 @@ fn a_flush_batch_on_a_failing_disk_is_placed_again_on_the_others() {
     }
 }
 
+/// A device that counts the vectored writes it is given (and their
+/// buffers), over the real file device.
+struct CountingDevice {
+    inner: FileDevice,
+    runs: Arc<Mutex<Vec<usize>>>,
+}
+
+impl kv_server::store::Device for CountingDevice {
+    fn write_at(&self, buf: &[u8], off: u64) -> std::io::Result<()> {
+        self.inner.write_at(buf, off)
+    }
+    fn read_at(&self, buf: &mut [u8], off: u64) -> std::io::Result<()> {
+        self.inner.read_at(buf, off)
+    }
+    fn file_len(&self) -> std::io::Result<u64> {
+        self.inner.file_len()
+    }
+    fn set_len(&self, len: u64) -> std::io::Result<()> {
+        self.inner.set_len(len)
+    }
+    fn sync(&self) -> std::io::Result<()> {
+        self.inner.sync()
+    }
+    fn acks_on_media(&self) -> bool {
+        self.inner.acks_on_media()
+    }
+    fn write_deferred(&self, buf: &[u8], off: u64) -> std::io::Result<()> {
+        self.inner.write_deferred(buf, off)
+    }
+    fn write_deferred_vectored(&self, bufs: &[&[u8]], off: u64) -> std::io::Result<()> {
+        self.runs.lock().unwrap().push(bufs.len());
+        self.inner.write_deferred_vectored(bufs, off)
+    }
+    fn commit(&self, f: &std::fs::File) -> std::io::Result<()> {
+        self.inner.commit(f)
+    }
+}
+
+/// A flusher's batch for one disk is one run of its data file, written
+/// with one vectored write and cut in one extent a record: every record is
+/// served after a restart, and a record of the run deleted frees its own
+/// extent (its neighbours stay served, and records written after it too).
+#[test]
+fn a_flush_batch_is_one_write_cut_in_one_extent_a_record() {
+    let t = tempfile::tempdir().unwrap();
+    let ds = dirs(&t, 1);
+    let mut c = cfg(&ds, 256 << 20, 64 << 20);
+    c.sync_writes = true;
+    c.ack_memory_max = Some(32 << 20);
+    let runs: Arc<Mutex<Vec<usize>>> = Arc::default();
+    let r = runs.clone();
+    let make = move |p: &Path, sync: bool| -> std::io::Result<Box<dyn kv_server::store::Device>> {
+        Ok(Box::new(CountingDevice { inner: FileDevice::open(p, sync)?, runs: r.clone() }))
+    };
+    let s = Arc::new(Store::open_with(&c, &make).unwrap().0);
+    let keys: Vec<String> = (0..48).map(|i| format!("run-{i}")).collect();
+    for key in &keys {
+        assert_eq!(put(&s, key, 60 << 10).unwrap(), PutOutcome::Stored);
+    }
+    assert_eq!(s.stats().acked_in_memory, 48, "all held: no flusher yet");
+    Store::start_flushers(&s, 1).unwrap();
+    wait_flushed(&s);
+    let st = s.stats();
+    assert_eq!((st.flushed, st.flush_failed), (48, 0));
+    let seen = runs.lock().unwrap().clone();
+    assert!(seen.iter().any(|&n| n > 1), "batches written as runs: {seen:?}");
+    assert_eq!(seen.iter().sum::<usize>(), 48, "every record written once: {seen:?}");
+    // Every other record deleted: each frees its own extent.
+    for key in keys.iter().step_by(2) {
+        assert!(s.delete(key.as_bytes()));
+    }
+    s.close().unwrap();
+    drop(s);
+    let reopen = || {
+        let mut c2 = cfg(&ds, 256 << 20, 64 << 20);
+        c2.sync_writes = true;
+        c2.ack_memory_max = Some(32 << 20);
+        Arc::new(Store::open(&c2).unwrap().0)
+    };
+    let s = reopen();
+    for (i, key) in keys.iter().enumerate() {
+        let want = (i % 2 == 1).then(|| payload(key, 60 << 10));
+        assert_eq!(get(&s, key), want, "{key} after the restart");
+    }
+    // New records after the deletes.
+    let used_before = s.stats().disks[0].used_bytes;
+    let more: Vec<String> = (0..24).map(|i| format!("hole-{i}")).collect();
+    for key in &more {
+        assert_eq!(put(&s, key, 60 << 10).unwrap(), PutOutcome::Stored);
+    }
+    Store::start_flushers(&s, 1).unwrap();
+    wait_flushed(&s);
+    assert_eq!(s.stats().flush_failed, 0);
+    assert!(s.stats().disks[0].used_bytes > used_before);
+    s.close().unwrap();
+    drop(s);
+    let (s, _) = Store::open(&cfg(&ds, 256 << 20, 0)).unwrap();
+    for key in keys.iter().skip(1).step_by(2).chain(&more) {
+        assert_eq!(get(&s, key).as_deref(), Some(&payload(key, 60 << 10)[..]), "{key} on media");
+    }
+}
+
 /// With `ack = "memory"` a put checked on an async thread never holds it:
 /// a small page is settled there, a record past `INLINE_PUT_MAX` (its CRC
 /// alone takes milliseconds) is handed back whole for the blocking path,

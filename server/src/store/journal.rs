@@ -303,6 +303,25 @@ impl Journal {
         Ok(())
     }
 
+    /// Appends several entries with one write (as [`Journal::append`] of
+    /// each in turn).
+    pub fn append_many<'e>(&mut self, entries: impl IntoIterator<Item = Entry<'e>>) -> io::Result<()> {
+        self.scratch.clear();
+        let mut n = 0;
+        for e in entries {
+            encode(&e, &mut self.scratch);
+            n += 1;
+        }
+        self.file.write_all_at(&self.scratch, self.tail)?;
+        self.tail += self.scratch.len() as u64;
+        self.entries += n;
+        if let Some((copy, kept)) = &mut self.since_snapshot {
+            copy.extend_from_slice(&self.scratch);
+            *kept += n;
+        }
+        Ok(())
+    }
+
     /// The open file, for an `fdatasync` taken outside the journal's lock.
     pub fn file(&self) -> Arc<File> {
         self.file.clone()
