@@ -31,6 +31,12 @@ struct State {
     /// skipped when it comes up).
     queue: VecDeque<Box<[u8]>>,
     bytes: u64,
+    /// Of `bytes`, those of records waiting for a flusher (not being
+    /// written), and how many.
+    waiting_bytes: u64,
+    waiting: usize,
+    /// Batches being written now.
+    writing: usize,
     stopping: bool,
 }
 
@@ -49,6 +55,14 @@ pub struct Counters {
 
 pub struct WriteBehind {
     max_bytes: u64,
+    /// A batch: at most this many records, and no more once their bytes
+    /// reach `batch_bytes` (a record that large goes alone).
+    batch: usize,
+    batch_bytes: u64,
+    /// While fewer batches than this are being written, a flusher takes
+    /// what waits at once; past it, only a full batch (or what waited
+    /// [`LINGER`]), so under load records gather into large writes.
+    eager: usize,
     st: Mutex<State>,
     /// Work queued, a flush finished, or stopping.
     changed: Condvar,
@@ -58,9 +72,38 @@ pub struct WriteBehind {
 /// How long an idle flusher sleeps before it looks whether its store is gone.
 pub const IDLE_WAKE: Duration = Duration::from_millis(200);
 
+/// The longest a record waits for a batch to fill while other batches are
+/// being written.
+pub const LINGER: Duration = Duration::from_millis(2);
+
 impl WriteBehind {
+    /// Batches of one record, taken at once (tests).
     pub fn new(max_bytes: u64) -> WriteBehind {
-        WriteBehind { max_bytes, st: Mutex::new(State::default()), changed: Condvar::new(), c: Counters::default() }
+        WriteBehind::with_batches(max_bytes, 1, 0, usize::MAX)
+    }
+
+    /// Up to `max_bytes` held; flushers take batches of up to `batch`
+    /// records and `batch_bytes`, at once while fewer than `eager` batches
+    /// are being written (say, one a disk), else once a batch is full.
+    pub fn with_batches(max_bytes: u64, batch: usize, batch_bytes: u64, eager: usize) -> WriteBehind {
+        WriteBehind {
+            max_bytes,
+            batch: batch.max(1),
+            batch_bytes,
+            eager: eager.max(1),
+            st: Mutex::new(State::default()),
+            changed: Condvar::new(),
+            c: Counters::default(),
+        }
+    }
+
+    /// Whether a flusher should take what waits now.
+    fn ready(&self, st: &State) -> bool {
+        st.waiting > 0
+            && (st.stopping
+                || st.writing < self.eager
+                || st.waiting >= self.batch
+                || st.waiting_bytes >= self.batch_bytes)
     }
 
     fn lock(&self) -> MutexGuard<'_, State> {
@@ -86,11 +129,18 @@ impl WriteBehind {
             return false;
         }
         st.bytes += size;
+        st.waiting_bytes += size;
+        st.waiting += 1;
         st.held.insert(key.into(), Held { rec, writing: false });
         st.queue.push_back(key.into());
+        // A flusher waiting for more is woken only once it would take the
+        // batch; one that lingers wakes by itself.
+        let wake = self.ready(&st);
         drop(st);
         self.c.acked.fetch_add(1, Ordering::Relaxed);
-        self.changed.notify_all();
+        if wake {
+            self.changed.notify_one();
+        }
         true
     }
 
@@ -113,6 +163,8 @@ impl WriteBehind {
         match st.held.remove(key) {
             Some(h) => {
                 st.bytes -= h.rec.capacity() as u64;
+                st.waiting_bytes -= h.rec.capacity() as u64;
+                st.waiting -= 1;
                 drop(st);
                 self.changed.notify_all();
                 true
@@ -121,57 +173,110 @@ impl WriteBehind {
         }
     }
 
-    /// The next record to write, marked as being written; None once
-    /// stopping with nothing left, or after [`IDLE_WAKE`] with nothing to do.
+    /// The next record to write, marked as being written (a batch of one,
+    /// finished by [`WriteBehind::done`]); None once stopping with nothing
+    /// left, or after [`IDLE_WAKE`] with nothing to do.
     pub fn next(&self) -> Option<(Box<[u8]>, Arc<PooledBuf>)> {
-        self.next_batch(1, 0).pop()
-    }
-
-    /// Records to write, in the order they were acknowledged, each marked
-    /// as being written: at least one, then more while there are fewer than
-    /// `max` and their bytes are under `max_bytes` (large records go alone,
-    /// so several flushers keep several writes in flight). Waits for the
-    /// first only. Empty once stopping with nothing left, or after
-    /// [`IDLE_WAKE`] with nothing to do.
-    pub fn next_batch(&self, max: usize, max_bytes: u64) -> Vec<(Box<[u8]>, Arc<PooledBuf>)> {
-        let mut out = Vec::new();
-        let mut bytes = 0u64;
         let mut st = self.lock();
         loop {
-            while let Some(key) = st.queue.pop_front() {
-                if let Some(h) = st.held.get_mut(&key) {
-                    if !h.writing {
-                        h.writing = true;
-                        let rec = h.rec.clone();
-                        bytes += rec.capacity() as u64;
-                        out.push((key, rec));
-                        if out.len() >= max || bytes >= max_bytes {
-                            break;
-                        }
-                    }
+            if st.waiting > 0 {
+                let out = self.take(&mut st, 1);
+                if !out.is_empty() {
+                    return out.into_iter().next();
                 }
             }
-            if !out.is_empty() || st.stopping {
-                return out;
+            if st.stopping {
+                return None;
             }
             let (g, timeout) = self.changed.wait_timeout(st, IDLE_WAKE).unwrap_or_else(|e| e.into_inner());
             st = g;
-            if timeout.timed_out() && st.queue.is_empty() {
-                return out;
+            if timeout.timed_out() && st.waiting == 0 {
+                return None;
             }
         }
     }
 
-    /// A flusher is done with `key` (written, or given up on).
-    pub fn done(&self, key: &[u8], written: bool) {
-        let written = written && !std::thread::panicking();
+    /// A batch to write, in the order the records were acknowledged, each
+    /// marked as being written: at least one, then more up to the batch's
+    /// count and bytes. Taken at once while few batches are being written;
+    /// otherwise when a batch is full, or what waits has waited [`LINGER`].
+    /// Finished by [`WriteBehind::done_batch`]. Empty once stopping with
+    /// nothing left, or after [`IDLE_WAKE`] with nothing to do.
+    pub fn next_batch(&self) -> Vec<(Box<[u8]>, Arc<PooledBuf>)> {
         let mut st = self.lock();
-        if let Some(h) = st.held.remove(key) {
-            st.bytes -= h.rec.capacity() as u64;
+        let mut lingered = false;
+        loop {
+            if (lingered && st.waiting > 0) || self.ready(&st) {
+                let out = self.take(&mut st, self.batch);
+                if !out.is_empty() {
+                    return out;
+                }
+            }
+            if st.stopping && st.waiting == 0 {
+                return Vec::new();
+            }
+            let wait = if st.waiting > 0 { LINGER } else { IDLE_WAKE };
+            let (g, timeout) = self.changed.wait_timeout(st, wait).unwrap_or_else(|e| e.into_inner());
+            st = g;
+            if timeout.timed_out() {
+                if st.waiting == 0 {
+                    return Vec::new();
+                }
+                lingered = true;
+            }
         }
+    }
+
+    /// Takes up to `max` waiting records (and `batch_bytes`) off the queue
+    /// as one batch being written.
+    fn take(&self, st: &mut State, max: usize) -> Vec<(Box<[u8]>, Arc<PooledBuf>)> {
+        let mut out = Vec::new();
+        let mut bytes = 0u64;
+        while let Some(key) = st.queue.pop_front() {
+            let Some(h) = st.held.get_mut(&key) else { continue };
+            if h.writing {
+                continue;
+            }
+            h.writing = true;
+            let rec = h.rec.clone();
+            bytes += rec.capacity() as u64;
+            out.push((key, rec));
+            if out.len() >= max || bytes >= self.batch_bytes {
+                break;
+            }
+        }
+        st.waiting -= out.len();
+        st.waiting_bytes -= bytes;
+        if !out.is_empty() {
+            st.writing += 1;
+        }
+        out
+    }
+
+    /// A flusher is done with the batch of one `key` ([`WriteBehind::next`]).
+    pub fn done(&self, key: &[u8], written: bool) {
+        self.done_batch([(key, written)]);
+    }
+
+    /// A flusher is done with a batch: each key written, or given up on.
+    pub fn done_batch<'k>(&self, keys: impl IntoIterator<Item = (&'k [u8], bool)>) {
+        let ok = !std::thread::panicking();
+        let (mut written, mut failed) = (0, 0);
+        let mut st = self.lock();
+        for (key, w) in keys {
+            if let Some(h) = st.held.remove(key) {
+                st.bytes -= h.rec.capacity() as u64;
+            }
+            if w && ok {
+                written += 1;
+            } else {
+                failed += 1;
+            }
+        }
+        st.writing = st.writing.saturating_sub(1);
         drop(st);
-        let c = if written { &self.c.flushed } else { &self.c.flush_failed };
-        c.fetch_add(1, Ordering::Relaxed);
+        self.c.flushed.fetch_add(written, Ordering::Relaxed);
+        self.c.flush_failed.fetch_add(failed, Ordering::Relaxed);
         self.changed.notify_all();
     }
 
@@ -243,24 +348,52 @@ mod tests {
     #[test]
     fn a_batch_is_bounded_by_count_and_bytes_and_keeps_the_order() {
         let pool = BufPool::new(0);
-        let wb = WriteBehind::new(64 * 4096);
+        let keys = |v: Vec<(Box<[u8]>, Arc<PooledBuf>)>| v.into_iter().map(|(k, _)| k).collect::<Vec<_>>();
+        let wb = WriteBehind::with_batches(64 * 4096, 2, 1 << 20, usize::MAX);
         for k in [&b"a"[..], b"b", b"c", b"d", b"e"] {
             assert!(wb.hold(k, rec(&pool, 4096)));
         }
         assert!(wb.remove(b"b"));
-        let keys = |v: Vec<(Box<[u8]>, Arc<PooledBuf>)>| v.into_iter().map(|(k, _)| k).collect::<Vec<_>>();
-        let first = keys(wb.next_batch(2, 1 << 20));
-        assert_eq!(first, vec![b"a"[..].into(), b"c"[..].into()], "two at most, a removed key skipped");
-        let big = wb.get(b"d").unwrap().capacity() as u64;
-        assert_eq!(keys(wb.next_batch(16, big)), vec![b"d"[..].into()], "past the bytes after one");
-        assert!(wb.get(b"e").is_some());
-        let rest = wb.next_batch(16, 0);
-        assert_eq!(keys(rest), vec![b"e"[..].into()], "at least one");
-        for k in [&b"a"[..], b"c", b"d", b"e"] {
-            wb.done(k, true);
-        }
+        assert_eq!(keys(wb.next_batch()), vec![b"a"[..].into(), b"c"[..].into()], "two at most, a removed key skipped");
+        assert_eq!(keys(wb.next_batch()), vec![b"d"[..].into(), b"e"[..].into()]);
+        wb.done_batch([(&b"a"[..], true), (b"c", true)]);
+        wb.done_batch([(&b"d"[..], true), (b"e", false)]);
         assert_eq!(wb.bytes(), 0);
-        assert!(wb.next_batch(16, 1 << 20).is_empty(), "idle: back after IDLE_WAKE");
+        assert_eq!(wb.c.flushed.load(Ordering::Relaxed), 3);
+        assert_eq!(wb.c.flush_failed.load(Ordering::Relaxed), 1);
+        assert!(wb.next_batch().is_empty(), "idle: back after IDLE_WAKE");
+        // By bytes: a record as large as a batch goes alone.
+        let big = rec(&pool, 4096).capacity() as u64;
+        let wb = WriteBehind::with_batches(64 * 4096, 16, big, usize::MAX);
+        assert!(wb.hold(b"x", rec(&pool, 4096)));
+        assert!(wb.hold(b"y", rec(&pool, 4096)));
+        assert_eq!(keys(wb.next_batch()), vec![b"x"[..].into()], "past the bytes after one");
+        assert_eq!(keys(wb.next_batch()), vec![b"y"[..].into()]);
+    }
+
+    /// While a batch is being written, the next is taken only once full, or
+    /// after it waited LINGER: under load, records gather into large writes.
+    #[test]
+    fn under_load_records_gather_into_full_batches() {
+        let pool = BufPool::new(0);
+        let keys = |v: Vec<(Box<[u8]>, Arc<PooledBuf>)>| v.into_iter().map(|(k, _)| k).collect::<Vec<_>>();
+        let wb = WriteBehind::with_batches(64 * 4096, 3, 1 << 20, 1);
+        assert!(wb.hold(b"a", rec(&pool, 4096)));
+        assert_eq!(keys(wb.next_batch()), vec![b"a"[..].into()], "nothing being written: taken at once");
+        assert!(wb.hold(b"b", rec(&pool, 4096)));
+        let t = std::time::Instant::now();
+        assert_eq!(keys(wb.next_batch()), vec![b"b"[..].into()], "alone after lingering");
+        assert!(t.elapsed() >= LINGER, "waited for more: {:?}", t.elapsed());
+        for k in [&b"c"[..], b"d", b"e", b"f"] {
+            assert!(wb.hold(k, rec(&pool, 4096)));
+        }
+        assert_eq!(keys(wb.next_batch()), vec![b"c"[..].into(), b"d"[..].into(), b"e"[..].into()], "a full batch");
+        wb.done_batch([(&b"a"[..], true)]);
+        wb.done_batch([(&b"b"[..], true)]);
+        wb.done_batch([(&b"c"[..], true), (b"d", true), (b"e", true)]);
+        assert_eq!(keys(wb.next_batch()), vec![b"f"[..].into()], "nothing being written again: at once");
+        wb.done_batch([(&b"f"[..], true)]);
+        assert_eq!(wb.bytes(), 0);
     }
 
     #[test]

@@ -218,9 +218,11 @@ const DOWN_DELETES_MAX: usize = 1 << 20;
 pub const INLINE_PUT_MAX: usize = 1 << 20;
 
 /// Records a write-behind flusher takes at once, and their bytes (past
-/// which it takes no more): each disk's share of them is made durable by one
-/// group commit. Records of 1 MiB and more go alone, so the flushers keep
-/// as many large writes in flight as before.
+/// which it takes no more): each disk's share of them is one vectored write
+/// and one group commit. Records of 1 MiB and more go alone, so the
+/// flushers keep several large writes in flight. While a batch a disk is
+/// being written, the next waits until it is full (or has waited
+/// `behind::LINGER`): under load, small records gather into large writes.
 pub const FLUSH_BATCH: usize = 16;
 pub const FLUSH_BATCH_BYTES: u64 = 1 << 20;
 
@@ -365,7 +367,9 @@ impl Store {
             last_revive: Mutex::new(Instant::now()),
             down_deletes: Mutex::new(DownDeletes::default()),
             mem: (cfg.mem_cap > 0).then(|| mem::MemTier::new(cfg.mem_cap)),
-            behind: cfg.ack_memory_max.map(|max| Arc::new(behind::WriteBehind::new(max))),
+            behind: cfg.ack_memory_max.map(|max| {
+                Arc::new(behind::WriteBehind::with_batches(max, FLUSH_BATCH, FLUSH_BATCH_BYTES, cfg.disks.len()))
+            }),
             warmer: (cfg.mem_cap > 0).then(|| Arc::new(warm::Warmer::new(warm_budget(cfg.mem_cap)))),
             pool: BufPool::with_arena(cfg.pool_bytes, arena),
             c: Counters::default(),
@@ -622,7 +626,7 @@ impl Store {
     /// at once and commits each disk's share of them together.
     fn flusher(store: std::sync::Weak<Store>, b: Arc<behind::WriteBehind>) {
         loop {
-            let batch = b.next_batch(FLUSH_BATCH, FLUSH_BATCH_BYTES);
+            let batch = b.next_batch();
             if batch.is_empty() {
                 if b.stopping() || store.strong_count() == 0 {
                     return;
@@ -634,9 +638,7 @@ impl Store {
             struct Release<'a>(&'a behind::WriteBehind, Vec<(&'a [u8], bool)>);
             impl Drop for Release<'_> {
                 fn drop(&mut self) {
-                    for (key, written) in &self.1 {
-                        self.0.done(key, *written);
-                    }
+                    self.0.done_batch(self.1.iter().map(|&(k, w)| (k, w)));
                 }
             }
             let mut release = Release(&b, batch.iter().map(|(k, _)| (&k[..], false)).collect());
