@@ -974,6 +974,54 @@ fn a_flush_batch_is_one_write_cut_in_one_extent_a_record() {
     }
 }
 
+/// Puts acknowledged on media from many threads at once are written
+/// together: runs of several records in one vectored write, each put
+/// answered only after its run's group commit, every page served after a
+/// restart; a key put twice at once is stored once.
+#[test]
+fn concurrent_media_puts_are_gathered_into_runs() {
+    let t = tempfile::tempdir().unwrap();
+    let ds = dirs(&t, 1);
+    let mut c = cfg(&ds, 256 << 20, 0);
+    c.sync_writes = true;
+    let runs: Arc<Mutex<Vec<usize>>> = Arc::default();
+    let r = runs.clone();
+    let make = move |p: &Path, sync: bool| -> std::io::Result<Box<dyn kv_server::store::Device>> {
+        Ok(Box::new(CountingDevice { inner: FileDevice::open(p, sync)?, runs: r.clone() }))
+    };
+    let s = Arc::new(Store::open_with(&c, &make).unwrap().0);
+    let threads = 8;
+    let barrier = Barrier::new(threads);
+    let outcomes: Mutex<Vec<PutOutcome>> = Mutex::default();
+    std::thread::scope(|sc| {
+        for t in 0..threads {
+            let (s, barrier, outcomes) = (&s, &barrier, &outcomes);
+            sc.spawn(move || {
+                barrier.wait();
+                for i in 0..40 {
+                    // Every thread also puts one shared key.
+                    let key = if i == 20 { "same".to_string() } else { format!("g-{t}-{i}") };
+                    let o = put(s, &key, 20 << 10).unwrap();
+                    outcomes.lock().unwrap().push(o);
+                }
+            });
+        }
+    });
+    let outcomes = outcomes.into_inner().unwrap();
+    assert_eq!(outcomes.iter().filter(|o| **o == PutOutcome::Stored).count(), threads * 39 + 1);
+    let seen = runs.lock().unwrap().clone();
+    assert!(seen.iter().any(|&n| n > 1), "some puts written as runs: {seen:?}");
+    drop(s);
+    let (s, _) = Store::open(&cfg(&ds, 256 << 20, 0)).unwrap();
+    for t in 0..threads {
+        for i in (0..40).filter(|&i| i != 20) {
+            let key = format!("g-{t}-{i}");
+            assert_eq!(get(&s, &key).as_deref(), Some(&payload(&key, 20 << 10)[..]), "{key}");
+        }
+    }
+    assert_eq!(get(&s, "same").as_deref(), Some(&payload("same", 20 << 10)[..]));
+}
+
 /// With `ack = "memory"` a put checked on an async thread never holds it:
 /// a small page is settled there, a record past `INLINE_PUT_MAX` (its CRC
 /// alone takes milliseconds) is handed back whole for the blocking path,

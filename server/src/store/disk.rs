@@ -15,7 +15,7 @@ use std::io;
 use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 
 use kv_common::page::{Geometry, PageHeader, HEADER_LEN};
 use kv_common::stats::DiskStats;
@@ -159,11 +159,37 @@ pub struct Disk {
     /// that puts each put's journal entry on media before its answer.
     journal_group: Option<super::device::GroupSync>,
     journal_errno: std::sync::atomic::AtomicI32,
+    /// Puts waiting to be written together ([`Disk::put_gathered`]).
+    gather: Gather,
     /// One checkpoint at a time.
     checkpointing: Mutex<()>,
     /// Keys recovered after an unclean stop, waiting for a payload check.
     scrub_queue: Mutex<Vec<Arc<[u8]>>>,
     _lock: File,
+}
+
+/// Puts on media waiting for the one that writes them together: while one
+/// put writes a run, the others queue here, and the next to lead takes them
+/// all (up to a flusher's batch).
+#[derive(Default)]
+struct Gather {
+    st: Mutex<GatherState>,
+    /// A run written (the next may lead), or answers given.
+    cv: Condvar,
+}
+
+#[derive(Default)]
+struct GatherState {
+    pending: Vec<Arc<Pending>>,
+    writing: bool,
+}
+
+/// One put waiting in [`Gather`], and its answer once given.
+struct Pending {
+    rec: Arc<PooledBuf>,
+    key: Box<[u8]>,
+    header: PageHeader,
+    out: Mutex<Option<Result<PutResult, DiskError>>>,
 }
 
 fn take_dir_lock(dir: &Path) -> io::Result<File> {
@@ -323,6 +349,7 @@ impl Disk {
             appends_since_sync: AtomicU64::new(0),
             journal_group: acks_on_media.then(super::device::GroupSync::default),
             journal_errno: std::sync::atomic::AtomicI32::new(0),
+            gather: Gather::default(),
             checkpointing: Mutex::new(()),
             scrub_queue: Mutex::new(scrub_queue),
             _lock: lockf,
@@ -409,9 +436,21 @@ impl Disk {
     /// cover every one of them. A record is `Stored` only once that commit
     /// succeeded.
     pub fn put_many(&self, items: &[(&PooledBuf, &[u8], &PageHeader)]) -> Vec<Result<PutResult, DiskError>> {
-        let mut out = self
-            .write_and_enter_run(items)
-            .unwrap_or_else(|| items.iter().map(|(rec, key, header)| self.write_and_enter(rec, key, header)).collect());
+        let mut out = self.enter_many(items);
+        self.commit_many(&mut out);
+        out
+    }
+
+    /// Writes and enters several records: one run when they fit in one
+    /// ([`Disk::write_and_enter_run`]), else one by one.
+    fn enter_many(&self, items: &[(&PooledBuf, &[u8], &PageHeader)]) -> Vec<Result<PutResult, DiskError>> {
+        self.write_and_enter_run(items)
+            .unwrap_or_else(|| items.iter().map(|(rec, key, header)| self.write_and_enter(rec, key, header)).collect())
+    }
+
+    /// The group commit of records just entered: a record is `Stored`
+    /// only once it succeeded.
+    fn commit_many(&self, out: &mut [Result<PutResult, DiskError>]) {
         if out.iter().any(|r| matches!(r, Ok(PutResult::Stored))) {
             if let Err(e) = self.commit() {
                 tracing::debug!(disk = %self.id, error = %e, "batch commit failed");
@@ -420,7 +459,102 @@ impl Disk {
                 }
             }
         }
-        out
+    }
+
+    /// The records of the largest size gathered ([`Disk::put_gathered`]):
+    /// larger ones are written alone, several at once.
+    pub const GATHER_BELOW: usize = 1 << 20;
+
+    /// A put acknowledged on media, written together with the others
+    /// waiting: while one put writes a run of records and its journal
+    /// entries, puts arriving queue; the next to lead takes all that queued
+    /// (up to a flusher's batch) as one run, so a burst of small puts
+    /// becomes a few large writes instead of one small write each. The
+    /// leader commits its run (one group commit) and answers each put in it.
+    /// A record of [`Disk::GATHER_BELOW`] or more, or a disk whose writes
+    /// are on media as they return, goes straight to [`Disk::put`].
+    pub fn put_gathered(&self, rec: &Arc<PooledBuf>, key: &[u8], header: &PageHeader) -> Result<PutResult, DiskError> {
+        if self.journal_group.is_none() || rec.len() >= Self::GATHER_BELOW {
+            return self.put(rec, key, header);
+        }
+        let me = Arc::new(Pending { rec: rec.clone(), key: key.into(), header: *header, out: Mutex::new(None) });
+        let mut g = lock(&self.gather.st);
+        g.pending.push(me.clone());
+        loop {
+            if let Some(r) = lock(&me.out).take() {
+                return r;
+            }
+            if !g.writing && !g.pending.is_empty() {
+                // Lead: take what waits (this put among it, unless a leader
+                // before took it and answers it soon).
+                g.writing = true;
+                let mut bytes = 0;
+                let n = g
+                    .pending
+                    .iter()
+                    .take_while(|p| {
+                        let fits = bytes < super::FLUSH_BATCH_BYTES;
+                        bytes += p.rec.len() as u64;
+                        fits
+                    })
+                    .count()
+                    .min(super::FLUSH_BATCH);
+                let run: Vec<Arc<Pending>> = g.pending.drain(..n.max(1)).collect();
+                drop(g);
+                self.write_gathered(run);
+                g = lock(&self.gather.st);
+                continue;
+            }
+            g = self.gather.cv.wait(g).unwrap_or_else(|e| e.into_inner());
+        }
+    }
+
+    /// A leader's part of [`Disk::put_gathered`]: the run written and
+    /// entered, the next leader let in, the run committed, each put
+    /// answered. A panic on the way still answers every put and lets the
+    /// next lead.
+    fn write_gathered(&self, run: Vec<Arc<Pending>>) {
+        struct Answer<'a> {
+            disk: &'a Disk,
+            run: Vec<Arc<Pending>>,
+            out: Vec<Result<PutResult, DiskError>>,
+            released: bool,
+        }
+        impl Answer<'_> {
+            /// Lets the next leader in.
+            fn release(&mut self) {
+                if !self.released {
+                    self.released = true;
+                    lock(&self.disk.gather.st).writing = false;
+                    self.disk.gather.cv.notify_all();
+                }
+            }
+        }
+        impl Drop for Answer<'_> {
+            fn drop(&mut self) {
+                let mut out = std::mem::take(&mut self.out).into_iter();
+                for p in &self.run {
+                    let r = out.next().unwrap_or_else(|| Err(DiskError::Failed(self.disk.id.clone())));
+                    *lock(&p.out) = Some(r);
+                }
+                // Under the lock, so a put that checks its answer and then
+                // waits cannot miss this wake-up.
+                let mut g = lock(&self.disk.gather.st);
+                if !self.released {
+                    g.writing = false;
+                }
+                drop(g);
+                self.disk.gather.cv.notify_all();
+            }
+        }
+        let mut a = Answer { disk: self, run, out: Vec::new(), released: false };
+        let items: Vec<(&PooledBuf, &[u8], &PageHeader)> =
+            a.run.iter().map(|p| (&*p.rec, &p.key[..], &p.header)).collect();
+        let mut out = self.enter_many(&items);
+        drop(items);
+        self.commit_many(&mut out);
+        a.release();
+        a.out = out;
     }
 
     /// The first part of a put: the record written to a new extent and

@@ -554,13 +554,13 @@ impl Store {
 
     /// Writes a padded record to the disk that owns its key (another, once,
     /// if that disk fails meanwhile).
-    fn put_on_disk(&self, rec: &PooledBuf, key: &[u8], header: &PageHeader) -> Result<PutOutcome, StoreError> {
+    fn put_on_disk(&self, rec: &Arc<PooledBuf>, key: &[u8], header: &PageHeader) -> Result<PutOutcome, StoreError> {
         for _ in 0..2 {
             let v = self.view();
             let Some(Slot::Live(disk)) = v.ring.owner(key).map(|m| &v.slots[v.disk_of[m]]) else {
                 return Err(StoreError::NoDisk);
             };
-            match Self::put_outcome(disk.put(rec, key, header)) {
+            match Self::put_outcome(disk.put_gathered(rec, key, header)) {
                 Some(r) => return r,
                 None => self.rebuild_ring(),
             }
