@@ -86,14 +86,15 @@ pub fn read_token_file(path: &Path) -> Result<Token, String> {
     Token::new(text.trim_ascii()).map_err(|e| format!("{}: {e}", what()))
 }
 
-/// A warning when the token file can be read by users other than its owner
-/// (mode bits for group or others), None when it is private.
+/// A warning when the token file is open to more than its owner and its
+/// group's reading (any bit for others, or group write), None otherwise:
+/// 600, or 640 with the service's group as docs/DEPLOY.md sets it.
 pub fn loose_permissions(path: &Path) -> Option<String> {
     use std::os::unix::fs::PermissionsExt;
     let mode = std::fs::metadata(path).ok()?.permissions().mode();
-    (mode & 0o077 != 0).then(|| {
+    (mode & 0o037 != 0).then(|| {
         format!(
-            "auth token file {} has mode {:o}: other users may read it (chmod 600 or 640)",
+            "auth token file {} has mode {:o}: other users may read or change it (chmod 600 or 640)",
             path.display(),
             mode & 0o777
         )
@@ -180,8 +181,13 @@ mod tests {
         std::fs::write(&p, "tok-a").unwrap();
         std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o600)).unwrap();
         assert_eq!(loose_permissions(&p), None);
-        std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o644)).unwrap();
-        assert!(loose_permissions(&p).unwrap().contains("644"));
+        // The documented mode: readable by the service's group only.
+        std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o640)).unwrap();
+        assert_eq!(loose_permissions(&p), None, "640 (root:kvcellar) is what docs/DEPLOY.md asks for");
+        for loose in [0o644, 0o660, 0o604] {
+            std::fs::set_permissions(&p, std::fs::Permissions::from_mode(loose)).unwrap();
+            assert!(loose_permissions(&p).unwrap().contains(&format!("{loose:o}")), "{loose:o}");
+        }
         let mut g = GroupTokens::default();
         assert!(g.is_open());
         g.add_group_spec(&format!("ga={}", p.display())).unwrap();
