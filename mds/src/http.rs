@@ -252,7 +252,7 @@ async fn handle(
         Call::Health => return health(mds).await,
         Call::Metrics => return metrics(mds, registry).await,
         Call::Dashboard => return html(crate::metrics::DASHBOARD),
-        Call::Groups => return json(StatusCode::OK, &*crate::metrics::overview(mds).await),
+        Call::Groups => return groups(mds, tokens, &req).await,
         Call::View { group, .. }
         | Call::Register { group, .. }
         | Call::Heartbeat { group, .. }
@@ -270,8 +270,30 @@ async fn handle(
         Call::Health => health(mds).await,
         Call::Metrics => metrics(mds, registry).await,
         Call::Dashboard => html(crate::metrics::DASHBOARD),
-        Call::Groups => json(StatusCode::OK, &*crate::metrics::overview(mds).await),
+        Call::Groups => groups(mds, tokens, &req).await,
     }
+}
+
+/// `/api/groups`: every group's view for the dashboard. A token-protected
+/// group's members (ids, addresses, metrics addresses) are shown only to a
+/// request that carries that group's token, as its view is; to anyone else
+/// its epoch and member count.
+async fn groups(mds: &Mds, tokens: &kv_common::auth::GroupTokens, req: &Request<Incoming>) -> Reply {
+    let ov = crate::metrics::overview(mds).await;
+    let mut v = match serde_json::to_value(&*ov) {
+        Ok(v) => v,
+        Err(e) => return error(StatusCode::INTERNAL_SERVER_ERROR, format!("cannot encode the groups: {e}")),
+    };
+    if let Some(groups) = v.get_mut("groups").and_then(|g| g.as_array_mut()) {
+        for g in groups {
+            let name = g.get("group").and_then(|n| n.as_str()).unwrap_or_default().to_string();
+            if !authorized(tokens, &name, req) {
+                g["members"] = serde_json::Value::Array(Vec::new());
+                g["hidden"] = serde_json::Value::Bool(true);
+            }
+        }
+    }
+    json(StatusCode::OK, &v)
 }
 
 /// An API call as its request line names it (see the table at the top).

@@ -90,6 +90,11 @@ impl Collector for Counters {
 pub struct GroupInfo {
     pub group: String,
     pub epoch: u64,
+    /// How many members the view holds (also when `members` is hidden).
+    pub member_count: usize,
+    /// The group is token-protected and the request did not carry its
+    /// token: `members` is left empty (`/api/groups` serves anyone).
+    pub hidden: bool,
     pub members: Vec<MemberInfo>,
 }
 
@@ -151,7 +156,7 @@ pub async fn read_overview(mds: &Mds) -> Overview {
             let v = mds.reg.view(&g).await?;
             let ring = Ring::new(v.members.iter().map(|m| RingMember { id: m.id.clone(), weight: m.weight }).collect());
             let shares = ring.shares();
-            let members = v
+            let members: Vec<MemberInfo> = v
                 .members
                 .into_iter()
                 .enumerate()
@@ -168,7 +173,7 @@ pub async fn read_overview(mds: &Mds) -> Overview {
                     metrics_addr: m.metrics_addr,
                 })
                 .collect();
-            out.push(GroupInfo { group: g, epoch: v.epoch, members });
+            out.push(GroupInfo { group: g, epoch: v.epoch, member_count: members.len(), hidden: false, members });
         }
         Ok::<_, crate::RegError>(out)
     };

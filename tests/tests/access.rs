@@ -99,6 +99,27 @@ fn tokens_keep_strangers_and_other_groups_out() {
     let denied_calls: u64 =
         body.lines().find_map(|l| l.strip_prefix("kvmds_denied_requests_total ")).and_then(|v| v.parse().ok()).unwrap();
     assert!(denied_calls >= 2, "{body}");
+    // The dashboard's data shows a protected group's members only with its
+    // token: to anyone else, its epoch and member count.
+    let groups = |c: &MdsClient| {
+        let (code, body) = c.request(&eps, "GET", "/api/groups", None, Duration::ZERO).unwrap();
+        assert_eq!(code, 200);
+        let v: serde_json::Value = serde_json::from_slice(&body).unwrap();
+        let g = |name: &str| v["groups"].as_array().unwrap().iter().find(|g| g["group"] == name).unwrap().clone();
+        (g("ga"), g("gb"), String::from_utf8_lossy(&body).to_string())
+    };
+    let (ga, gb, body) = groups(&probe);
+    for g in [&ga, &gb] {
+        assert_eq!(g["hidden"], true, "{body}");
+        assert_eq!(g["member_count"], 1, "{body}");
+        assert_eq!(g["members"].as_array().unwrap().len(), 0, "{body}");
+    }
+    assert!(!body.contains(&na.addr) && !body.contains(&nb.addr), "addresses shown without a token: {body}");
+    let (ga, gb, body) =
+        groups(&MdsClient::new(vec![eps.clone()], Duration::from_secs(2)).with_token(Some(token_a.clone())));
+    assert_eq!(ga["hidden"], false, "{body}");
+    assert_eq!(ga["members"][0]["id"], "na", "{body}");
+    assert_eq!(gb["hidden"], true, "group A's token does not show group B: {body}");
 
     // Discovery with the token serves; without it (or with B's) it is KV_EDENIED.
     let opts_a = format!("auth_token_file={tok_a},io_timeout_ms=3000,connect_timeout_ms=1000");
