@@ -5,13 +5,19 @@
 # the same run. Nodes are stopped (by PID) at the end.
 #
 # Usage: scripts/bench-cluster.sh [RUNS] [WORK_DIR]
+#   KVCELLAR_BIN=DIR   kv-server and kvctl from DIR (say, a release build of
+#                      an earlier commit, to alternate with this tree's)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 runs=${1:-3}
 work=${2:-$(mktemp -d)}
 mkdir -p "$work"
-cargo build --release --bins -q --features rdma
-bin=target/release
+if [ -n "${KVCELLAR_BIN:-}" ]; then
+  bin=$KVCELLAR_BIN
+else
+  cargo build --release --bins -q --features rdma
+  bin=target/release
+fi
 pids=()
 cleanup() { for p in "${pids[@]}"; do kill -TERM "$p" 2>/dev/null || true; done; wait 2>/dev/null || true; }
 trap cleanup EXIT INT TERM
