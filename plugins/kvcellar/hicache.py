@@ -210,12 +210,17 @@ class KvcellarStorage(HiCacheStorage):
 
     def _tag(self, pool_name: str, pool: Any, path: str) -> str:
         k = (pool_name, path)
-        t = self._tags.get(k)
+        tags = self._tags
+        t = tags.get(k)
         if t is None:
             ident = pool_identity(pool)
             ident.update(model=self.model, pool=pool_name, path=path)
             t = hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
-            self._tags[k] = t
+            # Kept only if no pool was registered meanwhile (that starts a
+            # new map): this tag digests the pool this call was given.
+            with self._lock:
+                if self._tags is tags:
+                    tags[k] = t
         return t
 
     def _tp_sharded(self, pool_name: str) -> bool:

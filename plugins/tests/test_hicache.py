@@ -260,6 +260,32 @@ def test_mla_side_pools_written_by_the_right_ranks(cluster):
             b.close()
 
 
+def test_a_tag_of_the_old_pool_is_not_kept_for_a_pool_registered_meanwhile(cluster, monkeypatch):
+    """A pool registered while a key tag is being computed: the old pool's
+    tag answers that call, but is not kept for the new pool's keys."""
+    import kvcellar.hicache as hc
+
+    pool = make_pool("mha", layout="page_first")
+    b = make_backend(cluster, pool)
+    inner = getattr(b, "_backend", b)
+    real = hc.pool_identity
+
+    def identity_while_a_pool_is_registered(p):
+        with inner._lock:  # what register_mem_pool_host does
+            inner._tags = {}
+        return real(p)
+
+    try:
+        inner._tags = {}
+        monkeypatch.setattr(hc, "pool_identity", identity_while_a_pool_is_registered)
+        old = inner._tag("kv", pool, "v1")
+        monkeypatch.setattr(hc, "pool_identity", real)
+        assert ("kv", "v1") not in inner._tags, "the old pool's tag was kept for the new pool"
+        assert inner._tag("kv", make_pool("mha", layout="layer_first"), "v1") != old
+    finally:
+        b.close()
+
+
 def test_a_key_collision_is_a_mismatch_never_a_wrong_page(cluster, monkeypatch):
     """The header's model_hash is the safety net under the key: with the
     key tag forced equal, another layout's page is refused, not served."""
