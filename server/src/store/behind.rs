@@ -173,27 +173,11 @@ impl WriteBehind {
         }
     }
 
-    /// The next record to write, marked as being written (a batch of one,
-    /// finished by [`WriteBehind::done`]); None once stopping with nothing
-    /// left, or after [`IDLE_WAKE`] with nothing to do.
+    /// The next batch's first record (tests: with [`WriteBehind::new`] a
+    /// batch is one record), finished by [`WriteBehind::done`].
+    #[cfg(test)]
     pub fn next(&self) -> Option<(Box<[u8]>, Arc<PooledBuf>)> {
-        let mut st = self.lock();
-        loop {
-            if st.waiting > 0 {
-                let out = self.take(&mut st, 1);
-                if !out.is_empty() {
-                    return out.into_iter().next();
-                }
-            }
-            if st.stopping {
-                return None;
-            }
-            let (g, timeout) = self.changed.wait_timeout(st, IDLE_WAKE).unwrap_or_else(|e| e.into_inner());
-            st = g;
-            if timeout.timed_out() && st.waiting == 0 {
-                return None;
-            }
-        }
+        self.next_batch().into_iter().next()
     }
 
     /// A batch to write, in the order the records were acknowledged, each
@@ -254,6 +238,7 @@ impl WriteBehind {
     }
 
     /// A flusher is done with the batch of one `key` ([`WriteBehind::next`]).
+    #[cfg(test)]
     pub fn done(&self, key: &[u8], written: bool) {
         self.done_batch([(key, written)]);
     }

@@ -174,7 +174,7 @@ pub struct Disk {
 #[derive(Default)]
 struct Gather {
     st: Mutex<GatherState>,
-    /// A run written (the next may lead), or answers given.
+    /// A run answered: its puts return, and the next may lead.
     cv: Condvar,
 }
 
@@ -509,26 +509,16 @@ impl Disk {
         }
     }
 
-    /// A leader's part of [`Disk::put_gathered`]: the run written and
-    /// entered, the next leader let in, the run committed, each put
-    /// answered. A panic on the way still answers every put and lets the
-    /// next lead.
+    /// A leader's part of [`Disk::put_gathered`]: the run written, entered
+    /// and committed, then each put answered and the next leader let in
+    /// (holding the lead through the commit lets the puts arriving
+    /// meanwhile form the next run). A panic on the way still answers every
+    /// put and lets the next lead.
     fn write_gathered(&self, run: Vec<Arc<Pending>>) {
         struct Answer<'a> {
             disk: &'a Disk,
             run: Vec<Arc<Pending>>,
             out: Vec<Result<PutResult, DiskError>>,
-            released: bool,
-        }
-        impl Answer<'_> {
-            /// Lets the next leader in.
-            fn release(&mut self) {
-                if !self.released {
-                    self.released = true;
-                    lock(&self.disk.gather.st).writing = false;
-                    self.disk.gather.cv.notify_all();
-                }
-            }
         }
         impl Drop for Answer<'_> {
             fn drop(&mut self) {
@@ -539,21 +529,16 @@ impl Disk {
                 }
                 // Under the lock, so a put that checks its answer and then
                 // waits cannot miss this wake-up.
-                let mut g = lock(&self.disk.gather.st);
-                if !self.released {
-                    g.writing = false;
-                }
-                drop(g);
+                lock(&self.disk.gather.st).writing = false;
                 self.disk.gather.cv.notify_all();
             }
         }
-        let mut a = Answer { disk: self, run, out: Vec::new(), released: false };
+        let mut a = Answer { disk: self, run, out: Vec::new() };
         let items: Vec<(&PooledBuf, &[u8], &PageHeader)> =
             a.run.iter().map(|p| (&*p.rec, &p.key[..], &p.header)).collect();
         let mut out = self.enter_many(&items);
         drop(items);
         self.commit_many(&mut out);
-        a.release();
         a.out = out;
     }
 
@@ -602,14 +587,8 @@ impl Disk {
             self.dev.write_at(rec.prefix(padded), off)
         };
         if let Err(e) = written {
-            let mut st = lock(&self.state);
-            st.alloc.free(off, alloc_len);
-            st.used -= alloc_len;
-            drop(st);
-            return Err(match e.raw_os_error() {
-                Some(libc::ENOSPC) | Some(libc::EDQUOT) => DiskError::Full(self.id.clone()),
-                _ => self.io_failed("data write", &e),
-            });
+            self.give_back(off, alloc_len);
+            return Err(self.data_write_failed(&e));
         }
         let mut header_bytes = [0u8; HEADER_LEN];
         header_bytes.copy_from_slice(&rec.as_slice()[..HEADER_LEN]);
@@ -684,16 +663,13 @@ impl Disk {
         };
         let bufs: Vec<&[u8]> = fresh.iter().map(|&i| items[i].0.prefix(lens[i] as usize)).collect();
         if let Err(e) = self.dev.write_deferred_vectored(&bufs, base) {
-            let mut st = lock(&self.state);
-            st.alloc.free(base, total);
-            st.used -= total;
-            drop(st);
-            let full = matches!(e.raw_os_error(), Some(libc::ENOSPC) | Some(libc::EDQUOT));
-            if !full {
-                self.io_failed("data write", &e);
-            }
+            self.give_back(base, total);
+            let err = self.data_write_failed(&e);
             for &i in &fresh {
-                out[i] = Err(if full { DiskError::Full(self.id.clone()) } else { DiskError::Failed(self.id.clone()) });
+                out[i] = Err(match &err {
+                    DiskError::Full(d) => DiskError::Full(d.clone()),
+                    _ => DiskError::Failed(self.id.clone()),
+                });
             }
             return Some(out);
         }
@@ -748,6 +724,22 @@ impl Disk {
         }
         drop(st);
         Some(out)
+    }
+
+    /// Returns an extent allocated for a write that failed.
+    fn give_back(&self, off: u64, len: u64) {
+        let mut st = lock(&self.state);
+        st.alloc.free(off, len);
+        st.used -= len;
+    }
+
+    /// What a failed data write means: the disk is full, or it is taken out
+    /// of service.
+    fn data_write_failed(&self, e: &io::Error) -> DiskError {
+        match e.raw_os_error() {
+            Some(libc::ENOSPC) | Some(libc::EDQUOT) => DiskError::Full(self.id.clone()),
+            _ => self.io_failed("data write", e),
+        }
     }
 
     /// The second part of a put: the data, then the entries, on media before

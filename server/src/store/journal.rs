@@ -291,16 +291,7 @@ impl Journal {
     /// Appends one entry (buffered: survives a process crash at once, the
     /// device after the next sync of [`Journal::file`]).
     pub fn append(&mut self, e: Entry<'_>) -> io::Result<()> {
-        self.scratch.clear();
-        encode(&e, &mut self.scratch);
-        self.file.write_all_at(&self.scratch, self.tail)?;
-        self.tail += self.scratch.len() as u64;
-        self.entries += 1;
-        if let Some((copy, n)) = &mut self.since_snapshot {
-            copy.extend_from_slice(&self.scratch);
-            *n += 1;
-        }
-        Ok(())
+        self.append_many([e])
     }
 
     /// Appends several entries with one write (as [`Journal::append`] of
