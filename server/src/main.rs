@@ -100,7 +100,7 @@ fn run(cfg: ServerConfig) -> Result<(), String> {
     let shared = Arc::new(shared);
     let listener = {
         let _rt = rt.enter();
-        socket.listen(LISTEN_BACKLOG).map_err(|e| format!("cannot listen on {}: {e}", cfg.listen))?
+        listen_data_port(socket).map_err(|e| format!("cannot listen on {}: {e}", cfg.listen))?
     };
     let addr = listener.local_addr().map_err(|e| e.to_string())?;
     let (tx, rx) = tokio::sync::watch::channel(false);
@@ -213,14 +213,30 @@ const LISTEN_BACKLOG: u32 = 1024;
 
 /// The data port, bound (so a port in use fails the start at once) but not
 /// yet listening.
+///
+/// SO_REUSEADDR lets a restarted node rebind its port past the old one's
+/// TIME_WAIT sockets, but a bound, not yet listening socket that has it
+/// shares its port with any other such socket: a port the kernel picked
+/// (port 0) could be bound by another process too, and one of the two then
+/// fails at `listen`. So a picked port is bound without it and gets it only
+/// just before it listens ([`listen_data_port`]), which is what the
+/// connections it accepts inherit.
 fn bind_data_port(addr: std::net::SocketAddr) -> std::io::Result<tokio::net::TcpSocket> {
     let s = match addr {
         std::net::SocketAddr::V4(_) => tokio::net::TcpSocket::new_v4()?,
         std::net::SocketAddr::V6(_) => tokio::net::TcpSocket::new_v6()?,
     };
-    s.set_reuseaddr(true)?;
+    if addr.port() != 0 {
+        s.set_reuseaddr(true)?;
+    }
     s.bind(addr)?;
     Ok(s)
+}
+
+/// Starts listening on the port [`bind_data_port`] bound, with SO_REUSEADDR.
+fn listen_data_port(s: tokio::net::TcpSocket) -> std::io::Result<tokio::net::TcpListener> {
+    s.set_reuseaddr(true)?;
+    s.listen(LISTEN_BACKLOG)
 }
 
 /// Starts RDMA when devices are named: the memory tier is registered whole,
@@ -282,9 +298,43 @@ mod tests {
         let e = std::net::TcpStream::connect_timeout(&addr, std::time::Duration::from_secs(5)).expect_err("refused");
         assert_eq!(e.kind(), std::io::ErrorKind::ConnectionRefused);
         assert!(t0.elapsed() < std::time::Duration::from_secs(2), "refused at once");
-        let listener = socket.listen(LISTEN_BACKLOG).expect("listen");
+        let listener = listen_data_port(socket).expect("listen");
         assert_eq!(listener.local_addr().expect("addr"), addr);
         std::net::TcpStream::connect_timeout(&addr, std::time::Duration::from_secs(5))
             .expect("connects once listening");
+    }
+
+    /// A port the kernel picked is the node's alone from the bind on: another
+    /// socket with SO_REUSEADDR cannot bind it before the node listens. Once
+    /// the node has served on it and stopped, a restart on that port number
+    /// binds at once although the closed connections sit in TIME_WAIT.
+    #[test]
+    fn a_picked_port_is_ours_alone_and_rebinds_after_a_stop() {
+        use std::io::{Read, Write};
+        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("runtime");
+        let _rt = rt.enter();
+        let ours = bind_data_port("127.0.0.1:0".parse().expect("addr")).expect("bind");
+        let addr = ours.local_addr().expect("addr");
+        let other = tokio::net::TcpSocket::new_v4().expect("socket");
+        other.set_reuseaddr(true).expect("reuseaddr");
+        let e = other.bind(addr).expect_err("the picked port is ours alone");
+        assert_eq!(e.kind(), std::io::ErrorKind::AddrInUse);
+        drop(other);
+        // Serve one connection and close it from the node's side first, so
+        // the node's end is the one left in TIME_WAIT.
+        let listener = listen_data_port(ours).expect("listen");
+        let std_listener = listener.into_std().expect("std");
+        std_listener.set_nonblocking(false).expect("blocking");
+        let mut client = std::net::TcpStream::connect(addr).expect("connect");
+        let (mut served, _) = std_listener.accept().expect("accept");
+        served.write_all(b"x").expect("write");
+        drop(served);
+        let mut b = [0u8; 1];
+        assert_eq!(client.read(&mut b).expect("read"), 1);
+        assert_eq!(client.read(&mut b).expect("eof"), 0);
+        drop(std_listener);
+        drop(client);
+        let again = bind_data_port(addr).expect("a restart rebinds its port past TIME_WAIT");
+        listen_data_port(again).expect("and listens");
     }
 }
