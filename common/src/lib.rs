@@ -1,17 +1,26 @@
-//! `kv-common`: the types every kvcellar part agrees on.
+//! `kv-common`: the types every kvcellar part agrees on, and the few pieces
+//! two parts share.
 //!
 //! It owns the page record of docs/PROTOCOL.md §3 ([`page`]), the weighted Ketama
 //! placement of §3 ([`ring`]), the data-plane wire frames ([`wire`], byte tables
 //! in docs/PROTOCOL.md), the status codes shared by the wire and the C ABI
-//! ([`status`]), the node statistics record ([`stats`]) and size parsing
-//! ([`size`]). It performs no disk I/O and opens no sockets: encoders and
-//! decoders here work on byte slices so that every part (and every fuzz target)
-//! uses the same checked code.
+//! ([`status`]), the node statistics record ([`stats`]), size parsing
+//! ([`size`]) and auth tokens ([`auth`]). Encoders and decoders work on byte
+//! slices, so every part (and every fuzz target) uses the same checked code.
+//!
+//! Two modules do I/O: [`mds`], the one small blocking HTTP client of the
+//! membership API (used by nodes, the client library and kvctl), and
+//! [`rdma`], the RDMA transport (its engine behind the `rdma` feature).
+//! Behind the `daemon` feature, for kv-server and kv-mds only: logging and
+//! signals ([`daemon`]) and the accept loop every listener shares
+//! ([`listen`]).
 
 pub mod auth;
 pub mod cli;
 #[cfg(feature = "daemon")]
 pub mod daemon;
+#[cfg(feature = "daemon")]
+pub mod listen;
 pub mod mds;
 pub mod page;
 pub mod rdma;

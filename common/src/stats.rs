@@ -55,6 +55,10 @@ pub struct NodeStats {
     /// Connections refused at the connection cap (`--max-conns`).
     #[serde(default)]
     pub refused_connections: u64,
+    /// Connections closed before their hello: none within the hello
+    /// deadline, or the oldest closed to make room for new ones.
+    #[serde(default)]
+    pub closed_before_hello: u64,
     /// Gets that found their record damaged (dropped, answered as a miss;
     /// included in `misses`).
     #[serde(default)]

@@ -40,10 +40,6 @@ const READ_TIMEOUT: Duration = Duration::from_secs(10);
 /// task and a connection for up to `MAX_WAIT_MS`.
 pub const MAX_LONG_POLLS: usize = 2048;
 
-/// Refusals (503 at the connection cap) being written at once; more
-/// connections over the cap are closed without a word.
-const MAX_REFUSING: usize = 64;
-
 /// Limits of one API listener.
 #[derive(Debug, Clone)]
 pub struct Limits {
@@ -114,95 +110,54 @@ fn query_u64(query: &str, key: &str) -> Result<Option<u64>, String> {
     Ok(None)
 }
 
-/// Serves the API until `shutdown` turns true.
-pub async fn serve(
-    listener: TcpListener,
-    mds: Arc<Mds>,
-    limits: Limits,
-    mut shutdown: tokio::sync::watch::Receiver<bool>,
-) {
-    let conns = Arc::new(tokio::sync::Semaphore::new(limits.max_conns));
-    let polls = Arc::new(tokio::sync::Semaphore::new(limits.max_long_polls));
-    let mut refused_logged: Option<std::time::Instant> = None;
-    let refusing = Arc::new(std::sync::atomic::AtomicUsize::new(0));
-    let limits_cap = limits.max_conns;
-    let tokens = Arc::new(limits.tokens.clone());
-    let registry = Arc::new(crate::metrics::registry(&mds));
-    loop {
-        let (stream, peer) = tokio::select! {
-            r = listener.accept() => match r {
-                Ok(x) => x,
-                Err(e) => {
-                    // EMFILE and the like: wait a little rather than spin.
-                    tracing::warn!(error = %e, "accept failed");
-                    tokio::time::sleep(Duration::from_millis(50)).await;
-                    continue;
-                }
-            },
-            _ = shutdown.changed() => return,
-        };
-        let Ok(permit) = conns.clone().try_acquire_owned() else {
-            mds.reg.counters.refused_conns.fetch_add(1, Ordering::Relaxed);
-            // One line a minute at most, whatever the rate of refusals.
-            if refused_logged.is_none_or(|t| t.elapsed() > Duration::from_secs(60)) {
-                refused_logged = Some(std::time::Instant::now());
-                tracing::warn!(%peer, cap = limits.max_conns, "connection cap reached: refusing connections (503)");
-            }
-            // The refusals being written are bounded too: beyond them a
-            // connection is just closed.
-            if refusing.load(Ordering::Relaxed) < MAX_REFUSING {
-                refusing.fetch_add(1, Ordering::Relaxed);
-                let refusing = refusing.clone();
-                tokio::spawn(async move {
-                    refuse(stream, limits_cap).await;
-                    refusing.fetch_sub(1, Ordering::Relaxed);
-                });
-            }
-            continue;
-        };
-        let mds = mds.clone();
-        let polls = polls.clone();
-        let tokens = tokens.clone();
-        let registry = registry.clone();
-        tokio::spawn(async move {
-            let _permit = permit;
-            let svc = hyper::service::service_fn(move |req| {
-                let mds = mds.clone();
-                let polls = polls.clone();
-                let tokens = tokens.clone();
-                let registry = registry.clone();
-                async move { Ok::<_, Infallible>(handle(&mds, &polls, &tokens, &registry, peer, req).await) }
-            });
-            let conn = hyper::server::conn::http1::Builder::new()
-                .timer(hyper_util::rt::TokioTimer::new())
-                .header_read_timeout(READ_TIMEOUT)
-                .serve_connection(hyper_util::rt::TokioIo::new(stream), svc);
-            if let Err(e) = conn.await {
-                tracing::debug!(%peer, error = %e, "connection ended with an error");
-            }
-        });
-    }
+/// Serves the API until `shutdown` turns true, through the daemons' shared
+/// accept loop ([`kv_common::listen`]): at most `max_conns` connections,
+/// each admitted on its first bytes (within READ_TIMEOUT), more answered
+/// 503; on shutdown a request in flight has a second to end.
+pub async fn serve(listener: TcpListener, mds: Arc<Mds>, limits: Limits, shutdown: tokio::sync::watch::Receiver<bool>) {
+    let gate = kv_common::listen::Gate::new("API", limits.max_conns, READ_TIMEOUT, Duration::from_secs(1));
+    let api = Api {
+        registry: Arc::new(crate::metrics::registry(&mds)),
+        polls: Arc::new(tokio::sync::Semaphore::new(limits.max_long_polls)),
+        tokens: Arc::new(limits.tokens.clone()),
+        max_conns: limits.max_conns,
+        mds,
+    };
+    kv_common::listen::run(listener, gate, Arc::default(), Arc::new(api), shutdown).await;
 }
 
-/// The answer to a connection over the cap: a 503 saying so, then close.
-async fn refuse(mut stream: tokio::net::TcpStream, cap: usize) {
-    use tokio::io::AsyncWriteExt;
-    let body = format!("{{\"error\":\"kv-mds is at its connection cap ({cap}): retry or use another replica\"}}");
-    let reply = format!(
-        "HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
-        body.len()
-    );
-    let _ = tokio::time::timeout(Duration::from_secs(1), async {
-        use tokio::io::AsyncReadExt;
-        stream.write_all(reply.as_bytes()).await?;
-        // Send the FIN, then take what the peer sent: closing with its
-        // request unread would reset the connection and could lose the reply.
-        stream.shutdown().await?;
-        let mut sink = [0u8; 4096];
-        while stream.read(&mut sink).await? > 0 {}
-        Ok::<_, std::io::Error>(())
-    })
-    .await;
+/// The API as a service of the shared accept loop.
+struct Api {
+    mds: Arc<Mds>,
+    polls: Arc<tokio::sync::Semaphore>,
+    tokens: Arc<kv_common::auth::GroupTokens>,
+    registry: Arc<prometheus_client::registry::Registry>,
+    max_conns: usize,
+}
+
+impl kv_common::listen::Service for Api {
+    async fn serve(self: Arc<Self>, conn: kv_common::listen::Accepted) {
+        let peer = conn.peer;
+        let api = self.clone();
+        let svc = hyper::service::service_fn(move |req| {
+            let api = api.clone();
+            async move { Ok::<_, Infallible>(handle(&api.mds, &api.polls, &api.tokens, &api.registry, peer, req).await) }
+        });
+        let busy = format!(
+            "{{\"error\":\"kv-mds is at its connection cap ({}): retry or use another replica\"}}",
+            self.max_conns
+        );
+        if kv_common::listen::serve_http(conn, svc, &busy, READ_TIMEOUT).await == kv_common::listen::HttpEnd::Refused {
+            self.mds.reg.counters.refused_conns.fetch_add(1, Ordering::Relaxed);
+            // One line a minute at most, whatever the rate of refusals.
+            static LOGGED: std::sync::Mutex<Option<std::time::Instant>> = std::sync::Mutex::new(None);
+            let mut last = LOGGED.lock().unwrap_or_else(|e| e.into_inner());
+            if last.is_none_or(|t| t.elapsed() > Duration::from_secs(60)) {
+                *last = Some(std::time::Instant::now());
+                tracing::warn!(%peer, cap = self.max_conns, "connection cap reached: refusing connections (503)");
+            }
+        }
+    }
 }
 
 /// Whether `req` carries the token `group` needs (any, when it needs none).

@@ -18,7 +18,7 @@ use kv_common::rdma::bootstrap::{self, Answer, Endpoint, Segment};
 use kv_common::rdma::engine::{Link, WrOp};
 use kv_common::status::Status;
 use kv_common::wire::{self, Hello, KeyRequest, Op, ReqHeader, RspHeader, WireError};
-use kv_common::wire::{ClientHello, HELLO_ACCEPTED, HELLO_DENIED, HELLO_VERSION_REFUSED};
+use kv_common::wire::{ClientHello, HELLO_ACCEPTED, HELLO_BUSY, HELLO_DENIED, HELLO_VERSION_REFUSED};
 use kv_common::wire::{FLAG_CHECK_GEOMETRY, FRAME_HEADER_LEN, HELLO_LEN, RSP_FLAG_DUPLICATE, WIRE_VERSION};
 use kv_common::wire::{FLAG_HANDOFF, FLAG_RDMA, RSP_FLAG_RDMA, RSP_FLAG_RDMA_FAILED};
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader, BufWriter};
@@ -315,7 +315,10 @@ impl Next {
     }
 }
 
-pub async fn serve(stream: TcpStream, peer: SocketAddr, shared: Arc<Shared>, mut shutdown: watch::Receiver<bool>) {
+/// Serves one connection of the data port: the hello, then frames until
+/// the peer closes, the connection idles out or the node shuts down.
+pub async fn serve(conn: kv_common::listen::Accepted, shared: Arc<Shared>) {
+    let kv_common::listen::Accepted { stream, peer, opening, mut shutdown } = conn;
     let _ = stream.set_nodelay(true);
     keepalive(&stream);
     let (rd, wr) = stream.into_split();
@@ -325,14 +328,35 @@ pub async fn serve(stream: TcpStream, peer: SocketAddr, shared: Arc<Shared>, mut
     // into their buffers past it, and small frames still come in batches.
     let mut rd = BufReader::with_capacity(8 * 1024, rd);
     let mut wr = BufWriter::with_capacity(WRITE_BUFFER, wr);
-    match handshake(&mut rd, &mut wr, &shared, peer).await {
-        Ok(true) => {}
-        Ok(false) => return,
+    match handshake(&mut rd, &mut wr, &shared, peer, &opening).await {
+        Ok(Greeted::Accepted) => {}
+        Ok(Greeted::Denied) => return,
+        Ok(Greeted::Busy) => {
+            // Close after the peer's FIN, so the answer is not lost to a
+            // reset; the accept loop's hello deadline bounds the wait.
+            let _ = wr.shutdown().await;
+            let mut sink = [0u8; 4096];
+            while matches!(rd.read(&mut sink).await, Ok(n) if n > 0) {}
+            return;
+        }
         Err(e) => {
             tracing::warn!(%peer, reason = %e, "closing connection: bad hello");
             return;
         }
     }
+    shared.connections.fetch_add(1, Ordering::Relaxed);
+    serve_frames(rd, wr, peer, &shared, &mut shutdown).await;
+    shared.connections.fetch_sub(1, Ordering::Relaxed);
+}
+
+/// The frames of an admitted connection, until it ends.
+async fn serve_frames(
+    mut rd: BufReader<OwnedReadHalf>,
+    wr: BufWriter<tokio::net::tcp::OwnedWriteHalf>,
+    peer: SocketAddr,
+    shared: &Arc<Shared>,
+    shutdown: &mut watch::Receiver<bool>,
+) {
     let (dead, mut dead_rx) = watch::channel(false);
     let tx = Arc::new(Out {
         w: tokio::sync::Mutex::new(wr),
@@ -355,7 +379,7 @@ pub async fn serve(stream: TcpStream, peer: SocketAddr, shared: Arc<Shared>, mut
             match draining_until {
                 None => tokio::select! {
                     biased;
-                    _ = crate::server::stopped(&mut shutdown) => Next::Shutdown,
+                    _ = crate::server::stopped(shutdown) => Next::Shutdown,
                     // A response could not be written: stop reading too.
                     _ = crate::server::stopped(&mut dead_rx) => Next::Close,
                     r = rd.fill_buf() => Next::read(r),
@@ -394,7 +418,7 @@ pub async fn serve(stream: TcpStream, peer: SocketAddr, shared: Arc<Shared>, mut
             }
         }
         let Ok(permit) = inflight.clone().acquire_owned().await else { break };
-        if let Err(e) = read_request(&mut rd, &tx, &shared, permit).await {
+        if let Err(e) = read_request(&mut rd, &tx, shared, permit).await {
             match e {
                 ConnError::Io(ref io) if io.kind() == std::io::ErrorKind::UnexpectedEof => {
                     tracing::debug!(%peer, "peer closed inside a frame")
@@ -409,14 +433,25 @@ pub async fn serve(stream: TcpStream, peer: SocketAddr, shared: Arc<Shared>, mut
     tx.close().await;
 }
 
-/// The hello (docs/PROTOCOL.md §1): agrees on a version and checks the
-/// auth token. Ok(false): refused and answered (the caller closes).
+/// How a hello ended (each but an error was answered).
+enum Greeted {
+    Accepted,
+    /// A missing or wrong token: the caller closes.
+    Denied,
+    /// The node is at its connection cap: the caller closes gracefully.
+    Busy,
+}
+
+/// The hello (docs/PROTOCOL.md §1): agrees on a version, checks the auth
+/// token, then takes one of the node's connection slots (a client that may
+/// connect but finds none is told "busy").
 async fn handshake(
     rd: &mut BufReader<OwnedReadHalf>,
     wr: &mut BufWriter<tokio::net::tcp::OwnedWriteHalf>,
     shared: &Shared,
     peer: SocketAddr,
-) -> Result<bool, ConnError> {
+    opening: &kv_common::listen::Opening,
+) -> Result<Greeted, ConnError> {
     let deadline = Instant::now() + shared.frame_timeout;
     let mut h = [0u8; HELLO_LEN];
     read_exact_by(rd, &mut h, deadline).await?;
@@ -441,22 +476,45 @@ async fn handshake(
         // client then says hello in v2).
         Some(t) => version >= 2 && t.matches(&offered),
     };
-    let status = if allowed { HELLO_ACCEPTED } else { HELLO_DENIED };
-    // A refused v1 client is told the version that carries a token (the
-    // previous release's client then prints "node speaks protocol v2").
-    let reply_version = if allowed { version } else { WIRE_VERSION };
-    let reply = Hello { version: reply_version, status, max_record: shared.limits.max_record };
+    let greeted = match allowed {
+        false => Greeted::Denied,
+        true if opening.admit() => Greeted::Accepted,
+        true => Greeted::Busy,
+    };
+    let reply = match greeted {
+        Greeted::Accepted => Hello { version, status: HELLO_ACCEPTED, max_record: shared.limits.max_record },
+        // A refused v1 client is told the version that carries a token (the
+        // previous release's client then prints "node speaks protocol v2").
+        Greeted::Denied => Hello { version: WIRE_VERSION, status: HELLO_DENIED, max_record: shared.limits.max_record },
+        Greeted::Busy => Hello { version: WIRE_VERSION, status: HELLO_BUSY, max_record: 0 },
+    };
     wr.write_all(&reply.encode()).await?;
     wr.flush().await?;
-    if !allowed {
-        shared.denied.fetch_add(1, Ordering::Relaxed);
-        log_denied(shared, peer, version, token_len > 0);
-        return Ok(false);
+    match greeted {
+        Greeted::Denied => {
+            shared.denied.fetch_add(1, Ordering::Relaxed);
+            log_denied(shared, peer, version, token_len > 0);
+        }
+        Greeted::Busy => {
+            shared.refused.fetch_add(1, Ordering::Relaxed);
+            log_busy(peer);
+        }
+        Greeted::Accepted if version < 2 => {
+            shared.v1_accepted.fetch_add(1, Ordering::Relaxed);
+        }
+        Greeted::Accepted => {}
     }
-    if version < 2 {
-        shared.v1_accepted.fetch_add(1, Ordering::Relaxed);
+    Ok(greeted)
+}
+
+/// Logs a connection refused at the cap: one line a minute at most.
+fn log_busy(peer: SocketAddr) {
+    static LOGGED: std::sync::Mutex<Option<std::time::Instant>> = std::sync::Mutex::new(None);
+    let mut last = LOGGED.lock().unwrap_or_else(|e| e.into_inner());
+    if last.is_none_or(|t| t.elapsed() > Duration::from_secs(60)) {
+        *last = Some(std::time::Instant::now());
+        tracing::warn!(%peer, "connection cap reached: refusing connections (--max-conns; one line a minute at most)");
     }
-    Ok(true)
 }
 
 /// Logs a refused peer: one line per 10 s at most, with the count of
@@ -1032,7 +1090,7 @@ fn handle_blocking(shared: &Shared, req: &ReqHeader, body: &[u8]) -> Response {
             Err(e) => error_response(req, Status::BadRequest, &e.to_string()),
         },
         Op::Stats => {
-            let json = serde_json::to_vec(&shared.stats()).unwrap_or_default();
+            let json = serde_json::to_vec(&*shared.stats()).unwrap_or_default();
             respond(req, Status::Ok, 0, Body::Bytes(json))
         }
         _ => handle_small(shared, req, body).unwrap_or_else(|| error_response(req, Status::Internal, "misrouted op")),

@@ -350,6 +350,12 @@ impl Collector for StatsCollector {
         )?;
         counter(
             &mut e,
+            "connections_closed_before_hello",
+            "Connections closed before their hello: none in 5 s, or the oldest of too many waiting",
+            s.closed_before_hello,
+        )?;
+        counter(
+            &mut e,
             "v1_connections",
             "Connections accepted in protocol v1 (clients of the previous release)",
             s.v1_connections,
@@ -490,7 +496,7 @@ async fn handle(
         .await
         .ok(),
         "/api/stats" => tokio::task::spawn_blocking(move || {
-            let body = serde_json::to_vec(&shared.stats()).unwrap_or_default();
+            let body = serde_json::to_vec(&*shared.stats()).unwrap_or_default();
             reply(StatusCode::OK, "application/json", body)
         })
         .await
@@ -508,40 +514,36 @@ async fn handle(
 /// The node's dashboard: one page, no external resources.
 pub const DASHBOARD: &str = include_str!("dashboard.html");
 
-/// Serves the metrics endpoint until shutdown. Connections are HTTP/1.1
-/// (keep-alive allowed), with a header read timeout.
-pub async fn serve(
-    listener: TcpListener,
-    shared: Arc<Shared>,
-    registry: Registry,
-    mut shutdown: watch::Receiver<bool>,
-) {
-    let registry = Arc::new(registry);
+/// Connections the metrics port serves at once (scrapers, dashboards and
+/// a few people; past it a 503).
+pub const MAX_CONNS: usize = 64;
+
+/// Serves the metrics endpoint until shutdown through the daemons' shared
+/// accept loop ([`kv_common::listen`]): at most [`MAX_CONNS`] connections,
+/// each admitted on its first bytes (10 s for them), HTTP/1.1 with
+/// keep-alive and a header read timeout.
+pub async fn serve(listener: TcpListener, shared: Arc<Shared>, registry: Registry, shutdown: watch::Receiver<bool>) {
     let history = Arc::new(Mutex::new(History::default()));
     tokio::spawn(sampler(shared.clone(), history.clone(), shutdown.clone()));
-    loop {
-        let (stream, _) = tokio::select! {
-            _ = crate::server::stopped(&mut shutdown) => return,
-            a = listener.accept() => match a {
-                Ok(a) => a,
-                Err(_) => { tokio::time::sleep(Duration::from_millis(50)).await; continue; }
-            },
-        };
-        let (shared, registry, history) = (shared.clone(), registry.clone(), history.clone());
-        let mut stop = shutdown.clone();
-        tokio::spawn(async move {
-            let svc =
-                hyper::service::service_fn(move |req| handle(req, shared.clone(), registry.clone(), history.clone()));
-            let conn = hyper::server::conn::http1::Builder::new()
-                .timer(hyper_util::rt::TokioTimer::new())
-                .header_read_timeout(Duration::from_secs(10))
-                .serve_connection(hyper_util::rt::TokioIo::new(stream), svc);
-            tokio::pin!(conn);
-            tokio::select! {
-                _ = conn.as_mut() => {}
-                _ = crate::server::stopped(&mut stop) => conn.as_mut().graceful_shutdown(),
-            }
+    let gate = kv_common::listen::Gate::new("metrics port", MAX_CONNS, Duration::from_secs(10), Duration::from_secs(5));
+    let service = Arc::new(MetricsPort { shared, registry: Arc::new(registry), history });
+    kv_common::listen::run(listener, gate, Arc::default(), service, shutdown).await;
+}
+
+struct MetricsPort {
+    shared: Arc<Shared>,
+    registry: Arc<Registry>,
+    history: Arc<Mutex<History>>,
+}
+
+impl kv_common::listen::Service for MetricsPort {
+    async fn serve(self: Arc<Self>, conn: kv_common::listen::Accepted) {
+        let me = self.clone();
+        let svc = hyper::service::service_fn(move |req| {
+            handle(req, me.shared.clone(), me.registry.clone(), me.history.clone())
         });
+        let busy = format!("{{\"error\":\"the metrics port is at its connection cap ({MAX_CONNS}): retry\"}}");
+        kv_common::listen::serve_http(conn, svc, &busy, Duration::from_secs(10)).await;
     }
 }
 
@@ -648,7 +650,7 @@ async fn sampler(shared: Arc<Shared>, history: Arc<Mutex<History>>, mut shutdown
         }
         let sh = shared.clone();
         if let Ok(s) = tokio::task::spawn_blocking(move || sh.stats()).await {
-            history.lock().unwrap_or_else(|e| e.into_inner()).push(std::time::Instant::now(), s);
+            history.lock().unwrap_or_else(|e| e.into_inner()).push(std::time::Instant::now(), (*s).clone());
         }
     }
 }

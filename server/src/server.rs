@@ -3,7 +3,6 @@
 //! accepting, lets connections finish what they started, then checkpoints
 //! the store so the next start trusts it.
 
-use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -37,6 +36,11 @@ pub struct Shared {
     pub v1_accepted: AtomicU64,
     /// Connections refused at the connection cap.
     pub refused: AtomicU64,
+    /// The last statistics gathered ([`Shared::stats`]).
+    pub snapshot: Fresh<NodeStats>,
+    /// What the data port's accept loop counts (connections closed before
+    /// their hello).
+    pub listener: Arc<kv_common::listen::Counters>,
     /// When a refused peer was last logged (one line per 10 s at most) and
     /// how many refusals went unlogged since.
     pub denied_log: std::sync::Mutex<(Option<std::time::Instant>, u64)>,
@@ -62,6 +66,45 @@ pub struct Shared {
     pub draining: std::sync::atomic::AtomicBool,
 }
 
+/// A value gathered at most once at a time and shared by every caller that
+/// waited for that gather. Gathering the node's statistics takes each
+/// disk's index lock: with this, any number of scrapers and dashboards cost
+/// the puts at most one gather in flight, and each caller still gets values
+/// taken after its call began (never a stale copy).
+pub struct Fresh<T> {
+    last: std::sync::Mutex<Option<(std::time::Instant, Arc<T>)>>,
+    /// Gathers run, and callers between taking their start time and the lock.
+    pub gathers: AtomicU64,
+    pub waiting: AtomicU64,
+}
+
+impl<T> Default for Fresh<T> {
+    fn default() -> Fresh<T> {
+        Fresh { last: std::sync::Mutex::new(None), gathers: AtomicU64::new(0), waiting: AtomicU64::new(0) }
+    }
+}
+
+impl<T> Fresh<T> {
+    /// The value of a gather that began after this call did: the last one
+    /// when it qualifies, else a new one by `gather` (blocking).
+    pub fn get(&self, gather: impl FnOnce() -> T) -> Arc<T> {
+        let asked = std::time::Instant::now();
+        self.waiting.fetch_add(1, Ordering::SeqCst);
+        let mut g = self.last.lock().unwrap_or_else(|e| e.into_inner());
+        self.waiting.fetch_sub(1, Ordering::SeqCst);
+        if let Some((began, v)) = &*g {
+            if *began >= asked {
+                return v.clone();
+            }
+        }
+        let began = std::time::Instant::now();
+        let v = Arc::new(gather());
+        self.gathers.fetch_add(1, Ordering::Relaxed);
+        *g = Some((began, v.clone()));
+        v
+    }
+}
+
 /// What the disks' recovery found at start, summed over the disks.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct Recovery {
@@ -85,6 +128,8 @@ impl Shared {
             denied: AtomicU64::new(0),
             v1_accepted: AtomicU64::new(0),
             refused: AtomicU64::new(0),
+            listener: Arc::default(),
+            snapshot: Fresh::default(),
             denied_log: std::sync::Mutex::new((None, 0)),
             ops: crate::metrics::OpMetrics::default(),
             recovery: Recovery::default(),
@@ -99,12 +144,21 @@ impl Shared {
         }
     }
 
-    pub fn stats(&self) -> NodeStats {
+    /// The node's statistics, as of a moment after the call began: the one
+    /// record the STATS op, `/metrics`, `/api/stats`, the health checks and
+    /// the dashboard all read ([`Fresh`]: one gather at a time, shared by
+    /// the callers that waited for it). Blocking: call it off the reactor.
+    pub fn stats(&self) -> Arc<NodeStats> {
+        self.snapshot.get(|| self.gather())
+    }
+
+    fn gather(&self) -> NodeStats {
         let mut s = self.store.stats();
         s.connections = self.connections.load(Ordering::Relaxed);
         s.denied_connections = self.denied.load(Ordering::Relaxed);
         s.v1_connections = self.v1_accepted.load(Ordering::Relaxed);
         s.refused_connections = self.refused.load(Ordering::Relaxed);
+        s.closed_before_hello = self.listener.openings_closed.load(Ordering::Relaxed);
         s.node_id = self.node_id.clone();
         s.group = self.group.clone();
         s.latency = self.ops.latencies();
@@ -125,90 +179,43 @@ impl Shared {
 
 /// Serves on `listener` until `shutdown` turns true, then drains and
 /// checkpoints. Returns the checkpoint's result.
+///
+/// The accept loop is the one every listener shares
+/// ([`kv_common::listen`]): a connection is admitted to one of `max_conns`
+/// slots only once its hello is accepted; before that it counts against a
+/// small budget of openings with a short deadline, so sockets that never say
+/// hello cannot hold the slots of clients that do.
 pub async fn run(
     listener: TcpListener,
     shared: Arc<Shared>,
     max_conns: usize,
-    mut shutdown: watch::Receiver<bool>,
+    shutdown: watch::Receiver<bool>,
 ) -> std::io::Result<()> {
-    let conns = Arc::new(Semaphore::new(max_conns));
-    let mut tasks = tokio::task::JoinSet::new();
     let upkeep = tokio::spawn(upkeep(shared.store.clone(), shutdown.clone()));
-    let mut backoff = Duration::from_millis(5);
-    let refusing = Arc::new(std::sync::atomic::AtomicUsize::new(0));
-    let mut refused_logged: Option<std::time::Instant> = None;
-    loop {
-        let accepted = tokio::select! {
-            biased;
-            _ = crate::server::stopped(&mut shutdown) => break,
-            a = listener.accept() => a,
-        };
-        let (stream, peer): (_, SocketAddr) = match accepted {
-            Ok(a) => {
-                backoff = Duration::from_millis(5);
-                a
-            }
-            Err(e) => {
-                // EMFILE and friends: wait and retry rather than spin or die.
-                tracing::warn!(error = %e, "accept failed; retrying");
-                tokio::time::sleep(backoff).await;
-                backoff = (backoff * 2).min(Duration::from_secs(1));
-                continue;
-            }
-        };
-        let Ok(permit) = conns.clone().try_acquire_owned() else {
-            // At the cap: a clear refusal (a hello saying so), not a wait in
-            // the backlog. Refusals being written are bounded too.
-            shared.refused.fetch_add(1, Ordering::Relaxed);
-            if refused_logged.is_none_or(|t| t.elapsed() > Duration::from_secs(60)) {
-                refused_logged = Some(std::time::Instant::now());
-                tracing::warn!(%peer, cap = max_conns, "connection cap reached: refusing connections (one line a minute at most)");
-            }
-            if refusing.load(Ordering::Relaxed) < 64 {
-                refusing.fetch_add(1, Ordering::Relaxed);
-                let refusing = refusing.clone();
-                tokio::spawn(async move {
-                    refuse(stream).await;
-                    refusing.fetch_sub(1, Ordering::Relaxed);
-                });
-            }
-            continue;
-        };
-        while tasks.try_join_next().is_some() {}
-        let shared = shared.clone();
-        let rx = shutdown.clone();
-        tasks.spawn(async move {
-            shared.connections.fetch_add(1, Ordering::Relaxed);
-            crate::conn::serve(stream, peer, shared.clone(), rx).await;
-            shared.connections.fetch_sub(1, Ordering::Relaxed);
-            drop(permit);
-        });
-    }
-    drop(listener);
-    tracing::info!(connections = tasks.len(), "shutting down: finishing requests in flight");
-    while tasks.join_next().await.is_some() {}
+    let hello_deadline = HELLO_DEADLINE.min(shared.frame_timeout);
+    // Connections end their own drain within DRAIN_MAX plus the time to
+    // finish the frame they are in; this bound is only for one stuck past it.
+    let drain_limit = shared.frame_timeout * 2 + Duration::from_secs(10);
+    let gate = kv_common::listen::Gate::new("data port", max_conns, hello_deadline, drain_limit);
+    let counters = shared.listener.clone();
+    kv_common::listen::run(listener, gate, counters, Arc::new(DataPlane(shared.clone())), shutdown).await;
     let _ = upkeep.await;
     let store = shared.store.clone();
     let r = tokio::task::spawn_blocking(move || store.close()).await;
     r.unwrap_or_else(|e| Err(std::io::Error::other(e.to_string())))
 }
 
-/// Answers a connection over the cap: takes its hello, answers "busy" and
-/// closes after the peer's FIN (so the answer is not lost to a reset), all
-/// within a second.
-async fn refuse(mut stream: tokio::net::TcpStream) {
-    use kv_common::wire::{Hello, HELLO_BUSY, HELLO_LEN, WIRE_VERSION};
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let _ = tokio::time::timeout(Duration::from_secs(1), async {
-        let mut h = [0u8; HELLO_LEN];
-        stream.read_exact(&mut h).await?;
-        stream.write_all(&Hello { version: WIRE_VERSION, status: HELLO_BUSY, max_record: 0 }.encode()).await?;
-        stream.shutdown().await?;
-        let mut sink = [0u8; 4096];
-        while stream.read(&mut sink).await? > 0 {}
-        Ok::<_, std::io::Error>(())
-    })
-    .await;
+/// Time a new connection has for its hello (its first bytes come within a
+/// round trip of the connect).
+pub const HELLO_DEADLINE: Duration = Duration::from_secs(5);
+
+/// The data plane as a service of the shared accept loop.
+struct DataPlane(Arc<Shared>);
+
+impl kv_common::listen::Service for DataPlane {
+    async fn serve(self: Arc<Self>, conn: kv_common::listen::Accepted) {
+        crate::conn::serve(conn, self.0.clone()).await;
+    }
 }
 
 async fn upkeep(store: Arc<Store>, mut shutdown: watch::Receiver<bool>) {
@@ -231,4 +238,47 @@ async fn upkeep(store: Arc<Store>, mut shutdown: watch::Receiver<bool>) {
 /// Resolves once shutdown has been signalled (or its sender is gone).
 pub async fn stopped(rx: &mut watch::Receiver<bool>) {
     let _ = rx.wait_for(|s| *s).await.map(|_| ());
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Callers that arrive while a gather runs wait for the next one and
+    /// share it: eight scrapers during one slow gather cost one more gather,
+    /// not seven, and every one of them gets values taken after it asked.
+    #[test]
+    fn callers_during_a_gather_share_the_next_one() {
+        let fresh = Arc::new(Fresh::<u64>::default());
+        let (entered_tx, entered_rx) = std::sync::mpsc::channel();
+        let (release_tx, release_rx) = std::sync::mpsc::channel::<()>();
+        let first = {
+            let fresh = fresh.clone();
+            std::thread::spawn(move || {
+                *fresh.get(|| {
+                    entered_tx.send(()).expect("signal");
+                    release_rx.recv().expect("release");
+                    1
+                })
+            })
+        };
+        entered_rx.recv().expect("the first gather runs");
+        let late: Vec<_> = (0..7)
+            .map(|_| {
+                let fresh = fresh.clone();
+                std::thread::spawn(move || *fresh.get(|| 2))
+            })
+            .collect();
+        let t0 = std::time::Instant::now();
+        while fresh.waiting.load(Ordering::SeqCst) < 7 {
+            assert!(t0.elapsed() < Duration::from_secs(10), "the late callers wait");
+            std::thread::yield_now();
+        }
+        release_tx.send(()).expect("release");
+        assert_eq!(first.join().expect("join"), 1);
+        for t in late {
+            assert_eq!(t.join().expect("join"), 2, "a late caller never gets the gather that began before it");
+        }
+        assert_eq!(fresh.gathers.load(Ordering::Relaxed), 2);
+    }
 }

@@ -358,6 +358,24 @@ fn connections_beyond_the_cap_are_refused_clearly() {
     c.ping(b"a slot again").unwrap();
 }
 
+/// Sockets that never say hello hold no connection slot: however many are
+/// open, clients that do say hello get in, up to the cap, and the stats
+/// count only them. (Before, each silent socket held a slot for the whole
+/// frame timeout, so a few refreshed every 30 s locked every client out.)
+#[test]
+fn silent_sockets_cannot_lock_clients_out() {
+    let s = TestServer::start_with(2);
+    let silent: Vec<TcpStream> = (0..8).map(|_| TcpStream::connect(s.addr).unwrap()).collect();
+    let mut a = s.conn();
+    let _b = s.conn();
+    let st = a.stats().unwrap();
+    assert_eq!((st.connections, st.refused_connections), (2, 0), "{st:?}");
+    // The cap still holds for clients that said hello.
+    let e = Conn::connect(&s.addr.to_string(), Duration::from_secs(5)).err().unwrap();
+    assert!(e.to_string().contains("connection cap"), "{e}");
+    drop(silent);
+}
+
 /// Connects until the node has a free slot again (it frees one when a
 /// closed connection's task ends, a moment after the close).
 fn kv_e2e_wait_conn(addr: SocketAddr) -> Conn {

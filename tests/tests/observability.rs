@@ -333,3 +333,54 @@ fn dashboards_are_self_contained_and_kvctl_top_reads_the_group() {
     assert_eq!(status, 0);
     assert!(out.contains("MEM-HIT%") && out.contains("DISK-HIT%"), "{out}");
 }
+
+/// The node's metrics port holds at most 64 connections: past them a clear
+/// 503, and the port serves again once they close. Silent sockets (no
+/// bytes) are closed at their deadline and never hold a slot, and sockets
+/// that never say hello on the data port are counted.
+#[test]
+fn the_metrics_port_caps_its_connections() {
+    use std::io::{Read, Write};
+    let t = tier(&[]);
+    // 64 keep-alive connections, each answered once (so admitted), held open.
+    let held: Vec<std::net::TcpStream> = (0..64)
+        .map(|_| {
+            let mut s = std::net::TcpStream::connect(&t.metrics).unwrap();
+            s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+            s.write_all(b"GET /healthz HTTP/1.1\r\nhost: x\r\n\r\n").unwrap();
+            let mut seen = Vec::new();
+            let mut b = [0u8; 512];
+            while !seen.ends_with(b"ok\n") {
+                let n = s.read(&mut b).unwrap();
+                assert!(n > 0, "answered: {}", String::from_utf8_lossy(&seen));
+                seen.extend_from_slice(&b[..n]);
+            }
+            assert!(seen.starts_with(b"HTTP/1.1 200"));
+            s
+        })
+        .collect();
+    // The 65th is told why it is refused.
+    let refused = wait_until(Duration::from_secs(20), "a 503 past the cap", || {
+        let mut s = std::net::TcpStream::connect(&t.metrics).ok()?;
+        s.set_read_timeout(Some(Duration::from_secs(5))).ok()?;
+        s.write_all(b"GET /healthz HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n").ok()?;
+        let mut out = String::new();
+        let _ = s.read_to_string(&mut out);
+        out.starts_with("HTTP/1.1 503").then_some(out)
+    });
+    assert!(refused.contains("connection cap (64)"), "{refused}");
+    drop(held);
+    wait_until(Duration::from_secs(20), "the port serves again", || {
+        (get(&t.metrics, "/healthz").0 == 200).then_some(())
+    });
+    // A socket that never says hello on the data port is closed and counted.
+    let mut silent = std::net::TcpStream::connect(t.node.addr.as_str()).unwrap();
+    silent.set_read_timeout(Some(Duration::from_secs(15))).unwrap();
+    let mut b = [0u8; 1];
+    assert!(matches!(silent.read(&mut b), Ok(0) | Err(_)), "closed within its hello deadline");
+    let closed = wait_until(Duration::from_secs(20), "the close counted", || {
+        let (_, text) = get(&t.metrics, "/metrics");
+        sample(&text, "kvcellar_connections_closed_before_hello_total", &[]).filter(|v| *v >= 1.0)
+    });
+    assert!(closed >= 1.0);
+}
