@@ -197,12 +197,23 @@ impl View {
 /// collision only makes a disk taken back forget one more key): a disk taken
 /// back forgets them, its index still holds them. Bounded; past the bound a
 /// disk taken back starts empty.
+///
+/// A revival scans a disk's keys against a snapshot of the set (an `Arc`,
+/// taken under the lock in O(1)), not under the lock: deletes go on during
+/// the scan, and those recorded meanwhile are also kept by key in
+/// `since_snapshot` and applied to the revived disk when it is put back.
 #[derive(Default)]
 struct DownDeletes {
-    keys: HashSet<u64>,
+    keys: Arc<HashSet<u64>>,
     hasher: std::hash::RandomState,
     overflowed: bool,
+    /// During a revival's scan: the keys deleted since its snapshot (None
+    /// past [`SINCE_SNAPSHOT_MAX`]: the revived disks are then checked whole).
+    since_snapshot: Option<Option<Vec<Vec<u8>>>>,
 }
+
+/// Keys deleted during a revival's scan that are kept by key.
+const SINCE_SNAPSHOT_MAX: usize = 1 << 16;
 
 impl DownDeletes {
     fn hash(&self, key: &[u8]) -> u64 {
@@ -283,6 +294,8 @@ pub struct Store {
     /// Per slot: times its disk was taken back into service (the back-off).
     revivals: Vec<std::sync::atomic::AtomicU32>,
     down_deletes: Mutex<DownDeletes>,
+    /// Called at the start of each disk's revival scan (tests).
+    revival_hook: Mutex<Option<RevivalHook>>,
     mem: Option<mem::MemTier>,
     /// Puts acknowledged from memory and not yet on a disk.
     behind: Option<Arc<behind::WriteBehind>>,
@@ -292,6 +305,9 @@ pub struct Store {
     c: Counters,
     started: Instant,
 }
+
+/// See [`Store::on_revival_scan`].
+pub type RevivalHook = Box<dyn Fn() + Send + Sync>;
 
 /// A device factory: the real one opens `data.kvc` with O_DIRECT.
 pub type DeviceFactory<'a> = &'a (dyn Fn(&Path, bool) -> io::Result<Box<dyn Device>> + Sync);
@@ -366,6 +382,7 @@ impl Store {
             reopen: None,
             last_revive: Mutex::new(Instant::now()),
             down_deletes: Mutex::new(DownDeletes::default()),
+            revival_hook: Mutex::new(None),
             mem: (cfg.mem_cap > 0).then(|| mem::MemTier::new(cfg.mem_cap)),
             behind: cfg.ack_memory_max.map(|max| {
                 Arc::new(behind::WriteBehind::with_batches(max, FLUSH_BATCH, FLUSH_BATCH_BYTES, cfg.disks.len()))
@@ -995,9 +1012,16 @@ impl Store {
                 let mut dd = lock(&self.down_deletes);
                 if dd.keys.len() < DOWN_DELETES_MAX {
                     let h = dd.hash(key);
-                    dd.keys.insert(h);
+                    // Copies the set only when a revival's scan holds a snapshot.
+                    Arc::make_mut(&mut dd.keys).insert(h);
                 } else {
                     dd.overflowed = true;
+                }
+                if let Some(since) = &mut dd.since_snapshot {
+                    match since {
+                        Some(keys) if keys.len() < SINCE_SNAPSHOT_MAX => keys.push(key.to_vec()),
+                        _ => *since = None,
+                    }
                 }
             }
             // A disk taken back between our view and the record above did
@@ -1123,6 +1147,13 @@ impl Store {
     /// recorded since are checked under the lock. Never creates a directory
     /// or a marker: a mount point with nothing mounted stays out. Returns
     /// how many disks came back.
+    /// Calls `hook` at the start of each disk's revival scan (for tests of
+    /// what may run meanwhile).
+    #[doc(hidden)]
+    pub fn on_revival_scan(&self, hook: RevivalHook) {
+        *lock(&self.revival_hook) = Some(hook);
+    }
+
     pub fn revive_disks(&self) -> usize {
         let Some(reopen) = &self.reopen else { return 0 };
         let v = self.view();
@@ -1159,33 +1190,53 @@ impl Store {
         if opened.is_empty() {
             return 0;
         }
-        // The scan, with the view unlocked: operations go on meanwhile.
+        // The scan, with the view and the deletes unlocked: operations go on
+        // meanwhile. It checks against a snapshot of the deletes recorded;
+        // those recorded during it are kept by key and applied below.
+        let (snapshot, hasher, overflowed) = {
+            let mut dd = lock(&self.down_deletes);
+            dd.since_snapshot = Some(Some(Vec::new()));
+            (dd.keys.clone(), dd.hasher.clone(), dd.overflowed)
+        };
+        let hash = |k: &[u8]| std::hash::BuildHasher::hash_one(&hasher, k);
         let mut scanned = Vec::new();
         for (i, d, rep, t0) in opened {
+            if let Some(hook) = &*lock(&self.revival_hook) {
+                hook();
+            }
             let others = self.view();
             let mut forgot = 0u64;
-            let dd = lock(&self.down_deletes);
-            let seen = dd.keys.len();
             for k in d.keys() {
-                if dd.overflowed || dd.keys.contains(&dd.hash(&k)) || others.live().any(|o| o.contains(&k)) {
+                if overflowed || snapshot.contains(&hash(&k)) || others.live().any(|o| o.contains(&k)) {
                     d.delete(&k);
                     forgot += 1;
                 }
             }
-            drop(dd);
-            scanned.push((i, d, rep, t0, forgot, seen));
+            scanned.push((i, d, rep, t0, forgot));
         }
+        drop(snapshot);
         let mut w = self.view.write().unwrap_or_else(|e| e.into_inner());
         let mut dd = lock(&self.down_deletes);
+        let since = dd.since_snapshot.take().flatten();
         let mut next = w.slots.clone();
         let n = scanned.len();
-        for (i, d, rep, t0, mut forgot, seen) in scanned {
-            // Deletes recorded since the scan (few): checked now.
-            if dd.overflowed || dd.keys.len() != seen {
-                for k in d.keys() {
-                    if dd.overflowed || dd.keys.contains(&dd.hash(&k)) {
-                        d.delete(&k);
-                        forgot += 1;
+        for (i, d, rep, t0, mut forgot) in scanned {
+            // Deletes recorded during the scan (few, by key); past their
+            // bound, or past the set's, the disk is checked whole.
+            match &since {
+                Some(keys) if !dd.overflowed => {
+                    for k in keys {
+                        if d.delete(k) {
+                            forgot += 1;
+                        }
+                    }
+                }
+                _ => {
+                    for k in d.keys() {
+                        if dd.overflowed || dd.keys.contains(&dd.hash(&k)) {
+                            d.delete(&k);
+                            forgot += 1;
+                        }
                     }
                 }
             }
@@ -1288,6 +1339,7 @@ impl Store {
             denied_connections: 0,
             v1_connections: 0,
             refused_connections: 0,
+            closed_before_hello: 0,
             misses_corrupt: ld(&self.c.misses_corrupt),
             misses_absent: ld(&self.c.misses_absent),
             disk_hits: ld(&self.c.disk_hits),
