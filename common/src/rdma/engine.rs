@@ -122,10 +122,27 @@ struct LinkCore {
 impl Drop for LinkCore {
     fn drop(&mut self) {
         let qp = self.qp.get_mut().unwrap_or_else(|e| e.into_inner()).take();
-        drop(qp);
-        // The device no longer touches memory of requests that failed.
-        drop(self.tracker.take_limbo());
+        destroy_then_release(qp, &self.tracker);
     }
+}
+
+/// Destroys a queue pair, then lets go of the memory of its failed requests
+/// (the device no longer touches it). A destroy that fails (the verbs
+/// layer panics) is caught so it takes no caller down, and that memory is
+/// then leaked instead: the queue pair may still be live and DMA into it,
+/// so it must never be reused. False when the destroy failed.
+fn destroy_then_release(qp: Option<Box<dyn QueuePair>>, tracker: &Tracker) -> bool {
+    let destroyed = match qp {
+        None => true,
+        Some(qp) => std::panic::catch_unwind(std::panic::AssertUnwindSafe(move || drop(qp))).is_ok(),
+    };
+    let limbo = tracker.take_limbo();
+    if destroyed {
+        drop(limbo);
+    } else {
+        std::mem::forget(limbo);
+    }
+    destroyed
 }
 
 struct QpSource<'a>(&'a LinkCore);
@@ -329,6 +346,13 @@ impl Runtime {
             if let Some(log) = self.logger.get() {
                 log(&format!("using TCP: {reason}"));
             }
+        }
+    }
+
+    /// One line to the logger set by [`Runtime::set_logger`] (if any).
+    fn log(&self, line: &str) {
+        if let Some(log) = self.logger.get() {
+            log(line);
         }
     }
 
@@ -547,11 +571,11 @@ impl Link {
     pub fn close(&self) {
         self.core.tracker.close("queue pair closed");
         let qp = self.core.qp.lock().unwrap_or_else(|e| e.into_inner()).take();
-        if let Some(qp) = qp {
-            // A destroy that fails must not take the caller down with it.
-            let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(move || drop(qp)));
+        if !destroy_then_release(qp, &self.core.tracker) {
+            self.rt.log(
+                "a queue pair could not be destroyed: the memory of its failed requests is kept (leaked), never reused",
+            );
         }
-        drop(self.core.tracker.take_limbo());
     }
 }
 
@@ -581,6 +605,8 @@ pub mod fake {
         /// Registrations of clients (true) or of nodes (false) fail, as
         /// when pinned memory is exhausted.
         refuse_registrations: Option<bool>,
+        /// Destroying a queue pair fails (the verbs layer panics).
+        fail_destroys: bool,
         mrs: HashMap<u32, FakeMr>,
         next_key: u32,
         qps: HashMap<u32, Arc<Mutex<FakeQpState>>>,
@@ -620,6 +646,11 @@ pub mod fake {
         /// from now on (as with RLIMIT_MEMLOCK spent).
         pub fn refuse_registrations(&self, of_clients: bool) {
             self.0.lock().unwrap().refuse_registrations = Some(of_clients);
+        }
+
+        /// Makes destroying a queue pair fail from now on (it stays live).
+        pub fn fail_destroys(&self) {
+            self.0.lock().unwrap().fail_destroys = true;
         }
 
         pub fn registrations(&self) -> usize {
@@ -663,7 +694,12 @@ pub mod fake {
 
     impl Drop for FakeQp {
         fn drop(&mut self) {
-            self.net.0.lock().unwrap().qps.remove(&self.qpn);
+            let mut f = self.net.0.lock().unwrap_or_else(|e| e.into_inner());
+            if f.fail_destroys {
+                drop(f);
+                panic!("ibv_destroy_qp failed (stand-in)");
+            }
+            f.qps.remove(&self.qpn);
         }
     }
 
@@ -937,6 +973,30 @@ mod tests {
             }
             assert_eq!(Arc::strong_count(&src), 1);
             drop(dst);
+        });
+    }
+
+    /// A queue pair whose destroy fails may still be live: the memory of
+    /// its failed requests is leaked, never freed for reuse (before, it was
+    /// freed anyway), and the failure takes no caller down.
+    #[test]
+    fn a_queue_pair_that_cannot_be_destroyed_keeps_its_memory() {
+        rt().block_on(async {
+            let net = FakeNet::default();
+            let client = runtime(&net, &["mlx5_0"], 200);
+            let node = node_runtime(&net, &["mlx5_0"], 200);
+            let (_c, n) = pair(&client, &node);
+            let mut dst = vec![0u8; 4096];
+            let (seg, _reg) = client.segment(0, dst.as_mut_ptr() as usize, 4096).unwrap();
+            let src = Arc::new(vec![7u8; 4096]);
+            net.swallow_all();
+            let e = n.transfer(WrOp::Write, src.as_ptr() as usize, 4096, &[seg], src.clone()).await.unwrap_err();
+            assert_eq!(e, RdmaError::Timeout(Duration::from_millis(200)));
+            assert!(Arc::strong_count(&src) > 1, "held while the queue pair lives");
+            net.fail_destroys();
+            n.close();
+            assert_eq!(Arc::strong_count(&src), 2, "kept: the device may still write from it");
+            drop(n);
         });
     }
 
