@@ -472,9 +472,18 @@ impl Client {
                     later.push_back((node, chunk, handoff));
                     continue;
                 }
-                *n += 1;
-                if let Some(p) = self.start_chunk(&node, chunk, keys, out, handoff) {
-                    pending.push(p);
+                // Waiting for a slot while holding others could wait on
+                // another thread that holds the rest and waits for ours:
+                // only the wave's first chunk may wait; the others take a
+                // free slot or go to the next wave (which begins holding none).
+                let may_wait = pending.is_empty();
+                match self.start_chunk(&node, chunk, keys, out, handoff, may_wait) {
+                    Ok(Some(p)) => {
+                        *n += 1;
+                        pending.push(p);
+                    }
+                    Ok(None) => *n += 1,
+                    Err(chunk) => later.push_back((node, chunk, handoff)),
                 }
             }
             // ...then read every answer (each frees its slot).
@@ -486,7 +495,8 @@ impl Client {
     }
 
     /// Takes a slot and a connection for one chunk and writes its request;
-    /// None when it failed (its keys' statuses then say why).
+    /// None when it failed (its keys' statuses then say why). Without
+    /// `may_wait`, a chunk finding every slot busy is handed back (`Err`).
     fn start_chunk(
         &self,
         node: &Arc<Node>,
@@ -494,7 +504,8 @@ impl Client {
         keys: &[&[u8]],
         out: &mut [Status],
         handoff: Option<Instant>,
-    ) -> Option<Pending> {
+        may_wait: bool,
+    ) -> Result<Option<Pending>, Vec<usize>> {
         let io = self.io_of(handoff);
         let geo: Geometry = self.geo;
         let (op, body) = if chunk.len() == 1 {
@@ -503,7 +514,10 @@ impl Client {
             let ks: Vec<&[u8]> = chunk.iter().map(|&i| keys[i]).collect();
             (Op::BatchExist, wire::encode_batch_exist(&geo, &ks))
         };
-        let Some(mut slot) = node.sync_slot(io) else {
+        let Some(mut slot) = node.sync_slot(if may_wait { io } else { Duration::ZERO }) else {
+            if !may_wait {
+                return Err(chunk);
+            }
             crate::client::note_local(format!(
                 "node {}: all {} connections busy for the whole I/O timeout",
                 node.id, self.opts.max_conns_per_node
@@ -511,14 +525,14 @@ impl Client {
             // Every slot busy for the whole I/O timeout: local, not the node's fault.
             let s = if handoff.is_some() { Status::Miss } else { Status::Timeout };
             chunk.iter().for_each(|&i| out[i] = s);
-            return None;
+            return Ok(None);
         };
         let (conn, reused) = match self.sync_checkout(&mut slot, node, false, io) {
             Ok(c) => c,
             Err(e) => {
                 let s = self.chunk_failed(node, handoff, e);
                 chunk.iter().for_each(|&i| out[i] = s);
-                return None;
+                return Ok(None);
             }
         };
         let mut p = Pending {
@@ -535,11 +549,11 @@ impl Client {
             handoff,
         };
         match self.send_retrying(&mut p) {
-            Ok(()) => Some(p),
+            Ok(()) => Ok(Some(p)),
             Err(e) => {
                 let s = self.chunk_failed(node, handoff, e);
                 p.idx.iter().for_each(|&i| out[i] = s);
-                None
+                Ok(None)
             }
         }
     }

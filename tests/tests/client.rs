@@ -377,3 +377,39 @@ fn a_batch_exist_of_many_chunks_to_one_owner_with_one_slot_answers_at_once() {
     assert_eq!(st[17], Status::Ok);
     assert_eq!(st.iter().filter(|s| **s == Status::Miss).count(), keys.len() - 1, "{:?}", &st[..20]);
 }
+
+/// Two threads batching more chunks of exist to one owner than it has
+/// slots never hold parts of each other's slots while waiting for the rest
+/// (before, each could take one of two slots, wait for the other and answer
+/// TIMEOUT after the I/O timeout): every round answers at once and right.
+#[test]
+fn concurrent_batch_exists_over_the_slot_cap_never_wait_on_each_other() {
+    let t = tempfile::tempdir().unwrap();
+    let nodes = Node::cluster(&t, 1, &[]);
+    let c = Arc::new(client(&Node::members(&nodes), "max_conns_per_node=2,io_timeout_ms=3000"));
+    assert_eq!(c.putv(b"e-5", &[b"present"]), Status::Ok);
+    // Three chunks of 4096 keys each: more than the two slots.
+    let keys: Arc<Vec<String>> = Arc::new((0..12_000).map(|i| format!("e-{i}")).collect());
+    let barrier = Arc::new(std::sync::Barrier::new(2));
+    let threads: Vec<_> = (0..2)
+        .map(|_| {
+            let (c, keys, barrier) = (c.clone(), keys.clone(), barrier.clone());
+            std::thread::spawn(move || {
+                let refs: Vec<&[u8]> = keys.iter().map(|k| k.as_bytes()).collect();
+                for round in 0..8 {
+                    barrier.wait();
+                    let t0 = Instant::now();
+                    let st = c.batch_exist(&refs);
+                    let took = t0.elapsed();
+                    assert!(!st.contains(&Status::Timeout), "round {round}: a TIMEOUT after {took:?}");
+                    assert_eq!(st[5], Status::Ok);
+                    assert_eq!(st.iter().filter(|s| **s == Status::Miss).count(), keys.len() - 1);
+                    assert!(took < Duration::from_secs(2), "round {round} took {took:?}");
+                }
+            })
+        })
+        .collect();
+    for th in threads {
+        th.join().unwrap();
+    }
+}
