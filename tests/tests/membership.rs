@@ -477,13 +477,32 @@ fn a_replica_at_its_limits_refuses_clearly_and_serves_on() {
     let ok = || m.request(&mds.addr, "GET", "/v1/groups/g/view", None, Duration::ZERO).map(|(s, _)| s).ok();
     assert_eq!(ok(), Some(200));
 
-    // Three silent connections fill the cap: the next one is told so (503).
-    let silent: Vec<std::net::TcpStream> = (0..3).map(|_| std::net::TcpStream::connect(&mds.addr).unwrap()).collect();
+    // Silent connections (no bytes yet) hold no slot: calls are still served.
+    let silent: Vec<std::net::TcpStream> = (0..6).map(|_| std::net::TcpStream::connect(&mds.addr).unwrap()).collect();
+    assert_eq!(ok(), Some(200), "silent sockets cannot crowd callers out");
+    // Three kept-alive connections, each answered once, fill the cap: the
+    // next one is told so (503).
+    let held: Vec<std::net::TcpStream> = (0..3)
+        .map(|_| {
+            let mut s = std::net::TcpStream::connect(&mds.addr).unwrap();
+            s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+            s.write_all(b"GET /healthz HTTP/1.1\r\nhost: x\r\n\r\n").unwrap();
+            let mut seen = Vec::new();
+            let mut b = [0u8; 1024];
+            while !String::from_utf8_lossy(&seen).contains("\r\n\r\n") {
+                let n = s.read(&mut b).unwrap();
+                assert!(n > 0, "answered");
+                seen.extend_from_slice(&b[..n]);
+            }
+            s
+        })
+        .collect();
     let (status, body) = wait_until(Duration::from_secs(5), "a 503 at the cap", || {
         m.request(&mds.addr, "GET", "/v1/groups/g/view", None, Duration::ZERO).ok().filter(|(s, _)| *s == 503)
     });
     assert_eq!(status, 503);
     assert!(String::from_utf8_lossy(&body).contains("connection cap (3)"), "{}", String::from_utf8_lossy(&body));
+    drop(held);
     drop(silent);
     wait_until(Duration::from_secs(5), "served again below the cap", || (ok() == Some(200)).then_some(()));
 
