@@ -6,7 +6,7 @@ use std::io::IoSlice;
 
 use kv_common::page::{Geometry, PageHeader, HEADER_LEN};
 use kv_common::rdma::bootstrap::{encode_segments, Segment, MAX_SEGMENTS};
-use kv_common::rdma::engine::Registration;
+use kv_common::rdma::engine::{PeerAccess, Registration};
 use kv_common::status::Status;
 use kv_common::wire::{self, KeyRequest, Op, ReqHeader, RspHeader, FLAG_CHECK_GEOMETRY, FRAME_HEADER_LEN};
 use kv_common::wire::{FLAG_RDMA, RSP_FLAG_RDMA, RSP_FLAG_RDMA_FAILED};
@@ -24,9 +24,15 @@ pub(crate) const MAX_SMALL_ANSWER: u32 = 1 << 20;
 pub const RDMA_MIN_PAYLOAD: usize = 16 << 10;
 
 /// Names buffers `(address, length)` as segments of the connection's queue
-/// pair, registering them as needed (cached). None: this request goes over
-/// TCP (no queue pair, a small payload, or a registration that failed).
-fn rdma_segments(conn: &AsyncConn, bufs: &[(usize, usize)]) -> Option<(Vec<Segment>, Vec<Registration>)> {
+/// pair for the node to `access` (a put's are only read, so read-only
+/// memory can be sent), registering them as needed (cached). None: this
+/// request goes over TCP (no queue pair, a small payload, or a registration
+/// that failed).
+fn rdma_segments(
+    conn: &AsyncConn,
+    bufs: &[(usize, usize)],
+    access: PeerAccess,
+) -> Option<(Vec<Segment>, Vec<Registration>)> {
     let link = conn.rdma.as_ref()?;
     let total: usize = bufs.iter().map(|b| b.1).sum();
     if total < RDMA_MIN_PAYLOAD || bufs.len() > MAX_SEGMENTS {
@@ -36,7 +42,7 @@ fn rdma_segments(conn: &AsyncConn, bufs: &[(usize, usize)]) -> Option<(Vec<Segme
     let mut segs = Vec::with_capacity(bufs.len());
     let mut regs = Vec::with_capacity(bufs.len());
     for &(addr, len) in bufs.iter().filter(|b| b.1 > 0) {
-        let (s, r) = rt.segment(link.rail(), addr, len).ok()?;
+        let (s, r) = rt.segment_for(link.rail(), addr, len, access).ok()?;
         segs.push(s);
         regs.push(r);
     }
@@ -210,7 +216,7 @@ async fn put_rdma(
     bufs: &[&[u8]],
 ) -> Result<bool, OpError> {
     let ranges: Vec<(usize, usize)> = bufs.iter().map(|b| (b.as_ptr() as usize, b.len())).collect();
-    if let Some((segs, regs)) = rdma_segments(conn, &ranges) {
+    if let Some((segs, regs)) = rdma_segments(conn, &ranges, PeerAccess::Reads) {
         let rt = conn.rdma.as_ref().map(|l| l.runtime().clone());
         // The node reads the payload from these buffers by RDMA READ.
         let mut tail = Vec::with_capacity(2 + segs.len() * 16);
@@ -257,7 +263,7 @@ async fn get_rdma(
     extra: u8,
 ) -> Result<Option<GetReply>, OpError> {
     let ranges = ranges_mut(bufs);
-    if let Some((segs, regs)) = rdma_segments(conn, &ranges) {
+    if let Some((segs, regs)) = rdma_segments(conn, &ranges, PeerAccess::Writes) {
         let rt = conn.rdma.as_ref().map(|l| l.runtime().clone());
         let mut body = Vec::with_capacity(2 + segs.len() * 16 + 32 + key.len());
         encode_segments(&segs, &mut body);
@@ -362,7 +368,7 @@ pub async fn get_pipelined(
     let mut by_rdma = if rt.is_some() { vec![false; items.len()] } else { Vec::new() };
     for (i, (key, bufs)) in items.iter_mut().enumerate() {
         let mut flags = FLAG_CHECK_GEOMETRY | extra;
-        let segs = if rt.is_some() { rdma_segments(conn, &ranges_mut(bufs)) } else { None };
+        let segs = if rt.is_some() { rdma_segments(conn, &ranges_mut(bufs), PeerAccess::Writes) } else { None };
         let body = match segs {
             None => KeyRequest::encode(geo, key),
             Some((segs, r)) => {

@@ -339,3 +339,47 @@ fn a_failed_registration_turns_rdma_off_with_one_fallback() {
     assert!(node.counters().peer_fallbacks.load(Ordering::Relaxed) >= 1);
     assert!(c2.stats_text().contains("kvclient_rdma_peer_fallbacks_total 1\n"), "{}", c2.stats_text());
 }
+
+/// A put from read-only memory (`mmap(PROT_READ)`) goes by RDMA: its
+/// buffer is registered for the node's reads only, which needs no write
+/// permission (before, every registration asked for write access, the
+/// kernel refused it for a read-only mapping, and that one put turned RDMA
+/// off for the whole client). A get into writable memory still goes by RDMA.
+#[test]
+fn a_put_from_read_only_memory_goes_by_rdma_and_rdma_stays_on() {
+    let net = FakeNet::default();
+    let node = Node::start(Some(node_engine(&net, "mlx5_0")));
+    let crt = engine(&net, "mlx5_0");
+    let c = client(&node, crt.clone());
+    let len = 256 << 10;
+    let p = page(40, len);
+    // SAFETY: a fresh anonymous mapping of `len` bytes, filled, then made
+    // read-only; unmapped at the end of the test after its last use.
+    let ro = unsafe {
+        let m = libc::mmap(
+            std::ptr::null_mut(),
+            len,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+            -1,
+            0,
+        );
+        assert_ne!(m, libc::MAP_FAILED);
+        std::ptr::copy_nonoverlapping(p.as_ptr(), m as *mut u8, len);
+        assert_eq!(libc::mprotect(m, len, libc::PROT_READ), 0);
+        m
+    };
+    // SAFETY: the mapping above, `len` bytes, readable until munmap below.
+    let view: &[u8] = unsafe { std::slice::from_raw_parts(ro as *const u8, len) };
+    assert_eq!(c.putv(b"ro", &[view]), Status::Ok);
+    assert_eq!(read(node.counters()), len as u64, "the node read the page by RDMA");
+    assert!(!crt.is_off(), "RDMA stays on");
+    assert_eq!(crt.counters().fallbacks.load(Ordering::Relaxed), 0);
+    let mut out = vec![0u8; len];
+    assert_eq!(c.getv(b"ro", &mut [&mut out[..]]), Ok(len));
+    assert_eq!(out, p);
+    assert_eq!(written(node.counters()), len as u64, "the get went by RDMA too");
+    drop(c);
+    // SAFETY: unmapping the mapping made above; `view` is not used after.
+    unsafe { libc::munmap(ro, len) };
+}

@@ -73,10 +73,18 @@ pub trait QueuePair: Send + Sync {
 /// and reads it); a node's registers it for local access only, so no peer
 /// can reach the node's memory.
 pub trait Backend: Send + Sync {
-    fn register(&self, rail: usize, addr: usize, len: usize) -> Result<Mr, String>;
+    /// Registers `[addr, addr+len)`. A client's backend lets the peer
+    /// `access` it; a node's ignores `access` (local access only).
+    fn register(&self, rail: usize, addr: usize, len: usize, access: PeerAccess) -> Result<Mr, String>;
     fn create_qp(&self, rail: usize, depth: u32) -> Result<Box<dyn QueuePair>, String>;
     /// The rail's GID (to match a peer's rail; zero when unknown).
     fn gid(&self, rail: usize) -> [u8; 16];
+}
+
+/// Whether a registration failed because pinned memory ran out (ENOMEM,
+/// the memlock limit): then every later one would fail too.
+fn out_of_pinned_memory(e: &str) -> bool {
+    e.contains("os error 12") || e.contains("Cannot allocate memory")
 }
 
 /// The rail of `rails` (device name, GID) to pair with a peer's endpoint:
@@ -98,15 +106,27 @@ pub fn match_rail(peer: &Endpoint, rails: &[(String, [u8; 16])]) -> Option<usize
     })
 }
 
+/// What the peer does with a client's buffer: writes into it (a get's
+/// destination, and regions the caller pins) or only reads it (a put's
+/// source). A read-only registration needs no write permission on the
+/// memory, so a put from a read-only mapping (`mmap(PROT_READ)`) goes by
+/// RDMA too; asking for write access there is refused by the kernel.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PeerAccess {
+    Writes,
+    Reads,
+}
+
 struct RailRegistrar {
     backend: Arc<dyn Backend>,
     rail: usize,
+    access: PeerAccess,
 }
 
 impl Registrar for RailRegistrar {
     type Mr = Mr;
     fn register(&self, addr: usize, len: usize) -> Result<Mr, String> {
-        self.backend.register(self.rail, addr, len)
+        self.backend.register(self.rail, addr, len, self.access)
     }
 }
 
@@ -244,7 +264,10 @@ pub struct Runtime {
     backend: Arc<dyn Backend>,
     rails: Vec<RailSpec>,
     rail_counters: Vec<Arc<RailCounters>>,
+    /// Per rail: registrations the peer may write (and the pinned regions),
+    /// and those it may only read (put sources not inside the former).
     caches: Vec<Mutex<RegCache<RailRegistrar>>>,
+    read_caches: Vec<Mutex<RegCache<RailRegistrar>>>,
     counters: Arc<Counters>,
     settings: Settings,
     next: AtomicUsize,
@@ -298,12 +321,16 @@ impl Runtime {
         timeout: Duration,
     ) -> Result<Arc<Runtime>, String> {
         let rail_counters = rails.iter().map(|r| counters.rail(&r.device)).collect();
-        let caches = (0..rails.len())
-            .map(|rail| {
-                let reg = RailRegistrar { backend: backend.clone(), rail };
-                Mutex::new(RegCache::new(reg, cache_cap, counters.clone()))
-            })
-            .collect();
+        let caches_for = |access| {
+            (0..rails.len())
+                .map(|rail| {
+                    let reg = RailRegistrar { backend: backend.clone(), rail, access };
+                    Mutex::new(RegCache::new(reg, cache_cap, counters.clone()))
+                })
+                .collect()
+        };
+        let caches = caches_for(PeerAccess::Writes);
+        let read_caches = caches_for(PeerAccess::Reads);
         let poll = Arc::new(Poll {
             links: Mutex::new(Vec::new()),
             posted: Mutex::new(0),
@@ -321,6 +348,7 @@ impl Runtime {
             rails,
             rail_counters,
             caches,
+            read_caches,
             counters,
             settings,
             next: AtomicUsize::new(0),
@@ -418,27 +446,62 @@ impl Runtime {
     pub fn invalidate(&self, addr: usize, len: usize) {
         for rail in 0..self.rails.len() {
             self.cache(rail).invalidate(addr, len);
+            self.read_caches[rail].lock().unwrap_or_else(|e| e.into_inner()).invalidate(addr, len);
         }
     }
 
-    /// The registration covering a buffer on `rail` (cached or new). A
-    /// failure turns RDMA off ([`Runtime::turn_off`]).
+    /// The registration covering a buffer on `rail` that the peer may write
+    /// (cached or new; a node's are local only).
     pub fn registration(&self, rail: usize, addr: usize, len: usize) -> Result<Registration, String> {
+        self.registration_for(rail, addr, len, PeerAccess::Writes)
+    }
+
+    /// The registration covering a buffer on `rail` for `access`: for a
+    /// read, a pinned or cached writable one covering it if there is one,
+    /// else a read-only one. Pinned memory running out (ENOMEM: the memlock
+    /// limit is spent) turns RDMA off ([`Runtime::turn_off`]); any other
+    /// failure is this buffer's alone (its request goes over TCP).
+    pub fn registration_for(
+        &self,
+        rail: usize,
+        addr: usize,
+        len: usize,
+        access: PeerAccess,
+    ) -> Result<Registration, String> {
         if self.is_off() {
             return Err("RDMA is off".into());
         }
-        let r = self.cache(rail).get(addr, len);
+        let r = match access {
+            PeerAccess::Writes => self.cache(rail).get(addr, len),
+            PeerAccess::Reads => match self.cache(rail).lookup(addr, len) {
+                Some(r) => Ok(r),
+                None => self.read_caches[rail].lock().unwrap_or_else(|e| e.into_inner()).get(addr, len),
+            },
+        };
         if let Err(e) = &r {
-            self.turn_off(&format!("{}: memory registration failed: {e}", self.rails[rail].device));
+            if out_of_pinned_memory(e) {
+                self.turn_off(&format!("{}: memory registration failed: {e}", self.rails[rail].device));
+            }
         }
         r
     }
 
-    /// A segment naming a buffer for the peer, and the registration to keep
-    /// while the request that names it runs.
+    /// A segment naming a buffer the peer writes into, and the registration
+    /// to keep while the request that names it runs.
     pub fn segment(&self, rail: usize, addr: usize, len: usize) -> Result<(Segment, Registration), String> {
+        self.segment_for(rail, addr, len, PeerAccess::Writes)
+    }
+
+    /// A segment naming a buffer for the peer to `access`.
+    pub fn segment_for(
+        &self,
+        rail: usize,
+        addr: usize,
+        len: usize,
+        access: PeerAccess,
+    ) -> Result<(Segment, Registration), String> {
         let len32 = u32::try_from(len).map_err(|_| "buffer over 4 GiB".to_string())?;
-        let r = self.registration(rail, addr, len)?;
+        let r = self.registration_for(rail, addr, len, access)?;
         Ok((Segment { addr: addr as u64, rkey: r.mr.rkey, len: len32 }, r))
     }
 
@@ -598,7 +661,9 @@ pub mod fake {
     /// A registration: the range, the "old pages" the device still reaches
     /// once the caller's memory was replaced under it, and whether peers
     /// may reach it (remote access).
-    type FakeMr = (usize, usize, Option<Box<[u8]>>, bool);
+    /// Start, length, the old pages' copy, and what a peer may do with it
+    /// (None: a node's registration, out of peers' reach).
+    type FakeMr = (usize, usize, Option<Box<[u8]>>, Option<PeerAccess>);
 
     #[derive(Default)]
     struct Fabric {
@@ -703,15 +768,57 @@ pub mod fake {
         }
     }
 
+    /// Whether every page of `[addr, addr+len)` is mapped writable (read
+    /// from /proc/self/maps, as the kernel checks a registration asking for
+    /// write access).
+    fn writable(addr: usize, len: usize) -> bool {
+        let Ok(maps) = std::fs::read_to_string("/proc/self/maps") else { return true };
+        let end = addr.saturating_add(len);
+        let mut at = addr;
+        let mut spans: Vec<(usize, usize, bool)> = maps
+            .lines()
+            .filter_map(|l| {
+                let mut f = l.split_whitespace();
+                let (range, perms) = (f.next()?, f.next()?);
+                let (a, b) = range.split_once('-')?;
+                Some((
+                    usize::from_str_radix(a, 16).ok()?,
+                    usize::from_str_radix(b, 16).ok()?,
+                    perms.as_bytes().get(1) == Some(&b'w'),
+                ))
+            })
+            .collect();
+        spans.sort_unstable();
+        for (a, b, w) in spans {
+            if b <= at || a > at {
+                continue;
+            }
+            if !w {
+                return false;
+            }
+            at = b;
+            if at >= end {
+                return true;
+            }
+        }
+        at >= end
+    }
+
     impl Backend for FakeBackend {
-        fn register(&self, _rail: usize, addr: usize, len: usize) -> Result<Mr, String> {
+        fn register(&self, _rail: usize, addr: usize, len: usize, access: PeerAccess) -> Result<Mr, String> {
             let mut f = self.net.0.lock().unwrap();
             if f.refuse_registrations == Some(self.remote_access) {
                 return Err("Cannot allocate memory (os error 12)".into());
             }
+            // As the kernel: write access (a client's for a peer's writes,
+            // a node's local write) needs memory mapped writable.
+            let writes = !self.remote_access || access == PeerAccess::Writes;
+            if writes && !writable(addr, len) {
+                return Err("Bad address (os error 14)".into());
+            }
             f.next_key += 1;
             let key = f.next_key;
-            f.mrs.insert(key, (addr, len, None, self.remote_access));
+            f.mrs.insert(key, (addr, len, None, self.remote_access.then_some(access)));
             Ok(Mr { lkey: key, rkey: key, keep: Box::new(FakeMrKeep(self.net.clone(), key)) })
         }
 
@@ -769,9 +876,16 @@ pub mod fake {
                 // (the old pages if the memory was replaced), None when the
                 // key does not cover the range.
                 let mut reach = |key: u32, addr: u64, remote: bool| -> Option<u64> {
-                    let (a, l, shadow, remote_ok) = f.mrs.get_mut(&key)?;
+                    let (a, l, shadow, peer) = f.mrs.get_mut(&key)?;
                     let (a, l) = (*a, *l);
-                    if remote && !*remote_ok {
+                    // A remote write needs the peer's write access; a remote
+                    // read either.
+                    let allowed = match (wr.op, *peer) {
+                        (_, None) => false,
+                        (WrOp::Write, Some(p)) => p == PeerAccess::Writes,
+                        (WrOp::Read, Some(_)) => true,
+                    };
+                    if remote && !allowed {
                         return None;
                     }
                     if (addr as usize) < a || (addr as usize).saturating_add(wr.len as usize) > a + l {

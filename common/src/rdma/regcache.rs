@@ -178,6 +178,24 @@ impl<R: Registrar> RegCache<R> {
         true
     }
 
+    /// A pinned or cached registration covering `[addr, addr+len)`, without
+    /// registering anything.
+    pub fn lookup(&mut self, addr: usize, len: usize) -> Option<Arc<Region<R::Mr>>> {
+        if len == 0 || addr.checked_add(len).is_none() {
+            return None;
+        }
+        let over = self.overlapping(addr, len);
+        let (s, i) = over
+            .iter()
+            .filter(|o| o.3)
+            .min_by_key(|&&(s, i, pinned, _)| (!pinned, self.map[&s][i].region.len))
+            .map(|&(s, i, _, _)| (s, i))?;
+        self.tick += 1;
+        let e = &mut self.map.get_mut(&s).expect("present")[i];
+        e.last_use = self.tick;
+        Some(e.region.clone())
+    }
+
     /// The registration covering `[addr, addr+len)`: a pinned or cached one,
     /// else a new cached one (widened to whole pages, replacing cached ones
     /// it covers), evicting least recently used cached ones over the cap.

@@ -21,7 +21,7 @@ use sideway::ibverbs::AccessFlags;
 
 use super::bootstrap::Endpoint;
 use super::completion::Wc;
-use super::engine::{Backend, Mr, QueuePair, Wr, WrOp};
+use super::engine::{Backend, Mr, PeerAccess, QueuePair, Wr, WrOp};
 use super::RailSpec;
 
 /// Reads (RDMA READ) a queue pair may have outstanding as initiator, and
@@ -84,11 +84,14 @@ impl Verbs {
         Ok(())
     }
 
-    fn access(&self) -> AccessFlags {
-        if self.remote_access {
-            AccessFlags::LocalWrite | AccessFlags::RemoteWrite | AccessFlags::RemoteRead
-        } else {
-            AccessFlags::LocalWrite
+    /// A client lets its peer write (a get's destination, pinned pools) or
+    /// only read (a put's source: no write permission needed, so read-only
+    /// mappings register); a node's memory is local only.
+    fn access(&self, peer: PeerAccess) -> AccessFlags {
+        match (self.remote_access, peer) {
+            (true, PeerAccess::Writes) => AccessFlags::LocalWrite | AccessFlags::RemoteWrite | AccessFlags::RemoteRead,
+            (true, PeerAccess::Reads) => AccessFlags::RemoteRead,
+            (false, _) => AccessFlags::LocalWrite,
         }
     }
 }
@@ -106,7 +109,7 @@ fn psn() -> u32 {
 }
 
 impl Backend for Verbs {
-    fn register(&self, rail: usize, addr: usize, len: usize) -> Result<Mr, String> {
+    fn register(&self, rail: usize, addr: usize, len: usize, access: PeerAccess) -> Result<Mr, String> {
         let r = &self.rails[rail];
         // SAFETY: the caller guarantees `[addr, addr+len)` stays mapped while
         // the registration lives: the client's callers by the
@@ -114,7 +117,7 @@ impl Backend for Verbs {
         // call, the node by keeping the buffer (or arena) alive in the
         // operation's hold, and by invalidating cached registrations before
         // it frees memory.
-        let mr = unsafe { r.pd.reg_mr(addr, len, self.access()) }.map_err(|e| {
+        let mr = unsafe { r.pd.reg_mr(addr, len, self.access(access)) }.map_err(|e| {
             format!("cannot register {len} bytes on {}: {e} (is RLIMIT_MEMLOCK unlimited?)", r.spec.device)
         })?;
         Ok(Mr { lkey: mr.lkey(), rkey: mr.rkey(), keep: Box::new(mr) })
@@ -142,7 +145,7 @@ impl Backend for Verbs {
         attr.setup_state(QueuePairState::Init)
             .setup_pkey_index(0)
             .setup_port(r.spec.port)
-            .setup_access_flags(self.access());
+            .setup_access_flags(self.access(PeerAccess::Writes));
         qp.modify(&attr).map_err(|e| format!("cannot take the queue pair to INIT: {e}"))?;
         let local = Endpoint {
             depth: depth as u16,
