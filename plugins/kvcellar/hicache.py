@@ -45,7 +45,8 @@ from kvcellar._sglang_api import (
     PoolTransferResult,
     StorageMetrics,
 )
-from kvcellar.client import Client, ClosedError, Geometry, Status
+from kvcellar._misses import Misses
+from kvcellar.client import Client, Geometry, Status
 from kvcellar.config import NAME, ConfigError, identity_hash, resolve
 
 log = logging.getLogger("kvcellar.hicache")
@@ -87,6 +88,7 @@ class KvcellarStorage(HiCacheStorage):
 
     def __init__(self, storage_config: HiCacheStorageConfig, kwargs: Optional[dict] = None) -> None:
         self.storage_config = storage_config
+        self._misses = Misses(log)
         cfg = dict(storage_config.extra_config or {})
         where = "hicache extra_config"
         self.settings = resolve({k: cfg.get(k) for k in CLUSTER_KEYS}, where=where)
@@ -272,17 +274,11 @@ class KvcellarStorage(HiCacheStorage):
 
     def _guarded(self, what: str, default: Any, fn: Any) -> Any:
         """Runs a store step; a closed client or any failure is `default`
-        (a miss), never an exception into SGLang."""
+        (a miss), never an exception into SGLang (:mod:`kvcellar._misses`)."""
         c = self._c()
         if c is None:
             return default
-        try:
-            return fn(c)
-        except ClosedError:
-            return default
-        except Exception as e:  # noqa: BLE001
-            log.error("kvcellar: %s failed: %s", what, e)
-            return default
+        return self._misses.run(what, default, lambda: fn(c))
 
     @staticmethod
     def _store_missing(c: Client, full: List[str], put: Any) -> Tuple[List[bool], List[int]]:

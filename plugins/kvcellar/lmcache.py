@@ -31,11 +31,11 @@ import concurrent.futures
 import ctypes
 import hashlib
 import math
-import threading
 import zlib
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from kvcellar._lmcache_api import RemoteConnector, RemoteMetadata, make_logger
+from kvcellar._misses import Misses
 from kvcellar.client import Client, ClosedError, Geometry, GetResult, Status
 from kvcellar.config import NAME, ConfigError, identity_hash, resolve
 
@@ -105,8 +105,7 @@ class KvcellarConnector(RemoteConnector):
         self.batch_rounds = int(self.settings.options.get("batch_concurrency", 8))
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=ints["max_inflight"],
                                                            thread_name_prefix="kvcellar-lmcache")
-        self._logged: set = set()
-        self._log_lock = threading.Lock()
+        self._misses = Misses(log)
         log.info(
             "kvcellar LMCache connector ready: %s, group %s, model %s, worker %s/%s, chunk meta %s",
             f"mds {','.join(self.settings.mds)}" if self.settings.mds else f"members {self.settings.members}",
@@ -154,11 +153,7 @@ class KvcellarConnector(RemoteConnector):
     # -- plumbing -------------------------------------------------------------------
 
     def _error(self, what: str, e: BaseException) -> None:
-        cause = f"{what}: {type(e).__name__}"
-        with self._log_lock:
-            first = cause not in self._logged
-            self._logged.add(cause)
-        (log.error if first else log.debug)("kvcellar: %s failed: %s", what, e)
+        self._misses.error(what, e)
 
     def _bound(self, items: int) -> float:
         return self.timeout_s * max(1, math.ceil(items / max(1, self.batch_rounds)))
@@ -203,14 +198,9 @@ class KvcellarConnector(RemoteConnector):
                 )
 
     def _sync(self, what: str, default: Any, fn: Callable[[], Any]) -> Any:
-        """A synchronous method's body: a failure is `default`, logged."""
-        try:
-            return fn()
-        except ClosedError:
-            return default
-        except Exception as e:  # noqa: BLE001
-            self._error(what, e)
-            return default
+        """A synchronous method's body: a failure is `default`, logged
+        (:mod:`kvcellar._misses`)."""
+        return self._misses.run(what, default, fn)
 
     # -- existence ------------------------------------------------------------------
 
