@@ -353,31 +353,41 @@ async fn bootstrap(conn: &mut AsyncConn, rt: &Arc<Runtime>) -> Result<Result<Lin
         Ok(l) => l,
         Err(e) => return Ok(Err((format!("no local queue pair: {e}"), false))),
     };
-    let body = link.local().encode_request();
-    let req_id = conn.next_id;
-    conn.next_id += 1;
-    let h = ReqHeader { op: Op::RdmaConnect, flags: 0, body_len: body.len() as u32, req_id };
-    let mut frame = h.encode().to_vec();
-    frame.extend_from_slice(&body);
-    conn.stream.write_all(&frame).await?;
-    let mut hb = [0u8; FRAME_HEADER_LEN];
-    conn.stream.read_exact(&mut hb).await?;
-    let rh = RspHeader::decode(&hb);
-    if rh.req_id != req_id || rh.body_len > 4096 {
-        return Err(OpError::Protocol("unexpected answer to RDMA_CONNECT".into()));
+    let mut mine = link.local().clone();
+    loop {
+        let body = mine.encode_request();
+        let req_id = conn.next_id;
+        conn.next_id += 1;
+        let h = ReqHeader { op: Op::RdmaConnect, flags: 0, body_len: body.len() as u32, req_id };
+        let mut frame = h.encode().to_vec();
+        frame.extend_from_slice(&body);
+        conn.stream.write_all(&frame).await?;
+        let mut hb = [0u8; FRAME_HEADER_LEN];
+        conn.stream.read_exact(&mut hb).await?;
+        let rh = RspHeader::decode(&hb);
+        if rh.req_id != req_id || rh.body_len > 4096 {
+            return Err(OpError::Protocol("unexpected answer to RDMA_CONNECT".into()));
+        }
+        let mut ab = vec![0u8; rh.body_len as usize];
+        conn.stream.read_exact(&mut ab).await?;
+        if rh.status != kv_common::status::Status::Ok {
+            return Ok(Err((format!("RDMA_CONNECT refused: {}", String::from_utf8_lossy(&ab)), true)));
+        }
+        return Ok(match Answer::decode(&ab) {
+            Ok(Answer::Accepted(theirs)) => accept(&link, &theirs).map(|()| link).map_err(|e| (e, false)),
+            Ok(Answer::NotOffered(why)) => Err((why, true)),
+            Ok(Answer::SetupFailed(why)) => Err((format!("the node could not set up a queue pair: {why}"), false)),
+            // A node of the previous release speaks version 1: say it again
+            // without the read limits (the queue pair then issues no more
+            // READs than the smaller of its own limits).
+            Ok(Answer::VersionRefused(1)) if mine.reads.is_some() => {
+                mine.reads = None;
+                continue;
+            }
+            Ok(Answer::VersionRefused(v)) => Err((format!("the node speaks RDMA bootstrap version {v}"), true)),
+            Err(e) => Err((e.to_string(), true)),
+        });
     }
-    let mut ab = vec![0u8; rh.body_len as usize];
-    conn.stream.read_exact(&mut ab).await?;
-    if rh.status != kv_common::status::Status::Ok {
-        return Ok(Err((format!("RDMA_CONNECT refused: {}", String::from_utf8_lossy(&ab)), true)));
-    }
-    Ok(match Answer::decode(&ab) {
-        Ok(Answer::Accepted(theirs)) => accept(&link, &theirs).map(|()| link).map_err(|e| (e, false)),
-        Ok(Answer::NotOffered(why)) => Err((why, true)),
-        Ok(Answer::SetupFailed(why)) => Err((format!("the node could not set up a queue pair: {why}"), false)),
-        Ok(Answer::VersionRefused(v)) => Err((format!("the node speaks RDMA bootstrap version {v}"), true)),
-        Err(e) => Err((e.to_string(), true)),
-    })
 }
 
 fn accept(link: &Link, theirs: &Endpoint) -> Result<(), String> {

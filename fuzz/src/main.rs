@@ -227,6 +227,7 @@ fn seeds() {
             qpn: 0x1234,
             psn: 0xab_cdef,
             device: "mlx5_0".into(),
+            reads: None,
         };
         write("frame", "rdma_connect", &hdr(Op::RdmaConnect, &ep.encode_request()));
         write("rdma", "endpoint", &ep.encode_request());

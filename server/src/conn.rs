@@ -815,6 +815,11 @@ fn rdma_connect(shared: &Shared, tx: &Out, req: &ReqHeader, body: &[u8]) -> Resp
                     Ok(link) => {
                         let mut local = link.local().clone();
                         local.depth = depth as u16;
+                        if remote.reads.is_none() {
+                            // A client of the previous release: answered in
+                            // its version (1), without the read limits.
+                            local.reads = None;
+                        }
                         tracing::debug!(peer = %tx.peer, device = %local.device, qpn = local.qpn, remote_qpn = remote.qpn, "RDMA queue pair connected");
                         *tx.rdma.lock().unwrap_or_else(|e| e.into_inner()) = Some(Arc::new(link));
                         Answer::Accepted(local)

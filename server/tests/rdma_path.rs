@@ -383,3 +383,130 @@ fn a_put_from_read_only_memory_goes_by_rdma_and_rdma_stays_on() {
     // SAFETY: unmapping the mapping made above; `view` is not used after.
     unsafe { libc::munmap(ro, len) };
 }
+
+/// Reads a request frame (header and body) off a raw connection.
+fn read_frame(s: &mut std::net::TcpStream) -> (kv_common::wire::ReqHeader, Vec<u8>) {
+    use std::io::Read;
+    let mut hb = [0u8; kv_common::wire::FRAME_HEADER_LEN];
+    s.read_exact(&mut hb).unwrap();
+    let h = kv_common::wire::ReqHeader::decode(&hb, &kv_common::wire::Limits { max_record: 64 << 20 }).unwrap();
+    let mut body = vec![0u8; h.body_len as usize];
+    s.read_exact(&mut body).unwrap();
+    (h, body)
+}
+
+/// Writes an OK answer with `body` to request `h`.
+fn answer(s: &mut std::net::TcpStream, h: &kv_common::wire::ReqHeader, body: &[u8]) {
+    use std::io::Write;
+    let rh = kv_common::wire::RspHeader {
+        status: Status::Ok,
+        op: h.op as u8,
+        flags: 0,
+        body_len: body.len() as u32,
+        req_id: h.req_id,
+    };
+    s.write_all(&rh.encode()).unwrap();
+    s.write_all(body).unwrap();
+}
+
+/// A client of the previous release says RDMA_CONNECT in bootstrap version
+/// 1 (no read limits): the node answers in version 1, byte for byte what
+/// that client decodes, and its queue pair issues no more READs than the
+/// smaller of its own card's limits.
+#[test]
+fn a_client_of_the_previous_release_is_answered_in_bootstrap_version_1() {
+    use kv_common::rdma::bootstrap::Answer;
+    use std::io::{Read, Write};
+    let net = FakeNet::default();
+    net.set_read_limits("mlx5_0", 8, 16);
+    let node = Node::start(Some(node_engine(&net, "mlx5_0")));
+    let crt = engine(&net, "mlx5_9");
+    let mut s = std::net::TcpStream::connect(node.addr).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    s.write_all(&kv_common::wire::client_hello(2, None)).unwrap();
+    let mut hello = [0u8; kv_common::wire::HELLO_LEN];
+    s.read_exact(&mut hello).unwrap();
+    assert_eq!(kv_common::wire::Hello::decode(&hello).unwrap().status, kv_common::wire::HELLO_ACCEPTED);
+    let link = crt.link(0, 8).unwrap();
+    let mut old = link.local().clone();
+    old.reads = None;
+    let body = old.encode_request();
+    assert_eq!(&body[0..2], &[1, 0], "what the previous release sends");
+    let h = kv_common::wire::ReqHeader {
+        op: kv_common::wire::Op::RdmaConnect,
+        flags: 0,
+        body_len: body.len() as u32,
+        req_id: 1,
+    };
+    s.write_all(&h.encode()).unwrap();
+    s.write_all(&body).unwrap();
+    let mut rb = [0u8; kv_common::wire::FRAME_HEADER_LEN];
+    s.read_exact(&mut rb).unwrap();
+    let rh = kv_common::wire::RspHeader::decode(&rb);
+    assert_eq!(rh.status, Status::Ok);
+    let mut ab = vec![0u8; rh.body_len as usize];
+    s.read_exact(&mut ab).unwrap();
+    assert_eq!(&ab[0..4], &[1, 0, 0, 0], "accepted, in version 1");
+    assert_eq!(ab.len(), 4 + 31 + ab[4 + 30] as usize, "no bytes past the device name");
+    let Answer::Accepted(theirs) = Answer::decode(&ab).unwrap() else { panic!("accepted") };
+    assert_eq!(theirs.reads, None);
+    assert_eq!(net.read_depth(theirs.qpn), Some(8), "the smaller of the node card's limits");
+}
+
+/// Against a node of the previous release (bootstrap version 1 only) the
+/// client is refused its version 2 request, says it again in version 1,
+/// and then moves pages by RDMA; its queue pair issues no more READs than
+/// the smaller of its own card's limits.
+#[test]
+fn a_node_of_the_previous_release_is_asked_again_in_bootstrap_version_1() {
+    use kv_common::rdma::bootstrap::{Answer, Endpoint};
+    use std::io::{Read, Write};
+    let net = FakeNet::default();
+    net.set_read_limits("mlx5_9", 4, 16);
+    let old_node = node_engine(&net, "mlx5_0");
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap();
+    // The previous release's node, as far as the bootstrap goes.
+    let script = std::thread::spawn(move || {
+        let (mut s, _) = listener.accept().unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        let mut hello = [0u8; kv_common::wire::HELLO_LEN];
+        s.read_exact(&mut hello).unwrap();
+        let reply = kv_common::wire::Hello { version: 2, status: kv_common::wire::HELLO_ACCEPTED, max_record: 8 << 20 };
+        s.write_all(&reply.encode()).unwrap();
+        let mut versions = Vec::new();
+        let mut link = None;
+        let mut qpn = 0;
+        loop {
+            let (h, body) = read_frame(&mut s);
+            if h.op != kv_common::wire::Op::RdmaConnect {
+                // The put: by RDMA once the queue pair is up.
+                answer(&mut s, &h, b"");
+                return (versions, h.flags & kv_common::wire::FLAG_RDMA != 0, qpn, link.is_some());
+            }
+            versions.push(u16::from_le_bytes([body[0], body[1]]));
+            match Endpoint::decode_request(&body) {
+                Ok(remote) if remote.reads.is_none() => {
+                    let l = old_node.link(0, 8).unwrap();
+                    l.connect(&remote).unwrap();
+                    let mut local = l.local().clone();
+                    local.reads = None;
+                    qpn = remote.qpn;
+                    answer(&mut s, &h, &Answer::Accepted(local).encode());
+                    link = Some(l);
+                }
+                // A version it does not speak.
+                _ => answer(&mut s, &h, &Answer::VersionRefused(1).encode()),
+            }
+        }
+    });
+    let crt = engine(&net, "mlx5_9");
+    let m = vec![Member { id: "n0".into(), addr: addr.to_string(), weight: 1 }];
+    let c = BlockingClient::over(Client::with_rdma(m, geo(), Options::default(), crt.clone())).unwrap();
+    assert_eq!(c.putv(b"k", &[&page(1, 256 << 10)]), Status::Ok);
+    let (versions, by_rdma, qpn, linked) = script.join().unwrap();
+    assert_eq!(versions, vec![2, 1], "asked in version 2, then again in 1");
+    assert!(linked && by_rdma, "the put named segments: RDMA is up");
+    assert_eq!(crt.counters().fallbacks.load(Ordering::Relaxed), 0);
+    assert_eq!(net.read_depth(qpn), Some(4), "the smaller of the client card's limits");
+}

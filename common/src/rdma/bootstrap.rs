@@ -12,7 +12,7 @@
 use crate::page::{le_u16, le_u32, le_u64};
 
 /// The bootstrap version this code speaks.
-pub const BOOTSTRAP_VERSION: u16 = 1;
+pub const BOOTSTRAP_VERSION: u16 = 2;
 /// Answer codes.
 pub const ACCEPTED: u16 = 0;
 pub const VERSION_REFUSED: u16 = 1;
@@ -41,6 +41,31 @@ pub struct Endpoint {
     pub psn: u32,
     /// The device this end uses (for logs and counters).
     pub device: String,
+    /// The RDMA READs this end's device serves and issues at once (version
+    /// 2; None from a peer of version 1, and in a version 1 request).
+    pub reads: Option<ReadLimits>,
+}
+
+/// Outstanding RDMA READs of one end's device: as the responder
+/// (`max_qp_rd_atom`) and as the initiator (`max_qp_init_rd_atom`). A queue
+/// pair may issue no more at once than its own initiator limit and the
+/// peer's responder limit: more breaks the queue pair at the peer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ReadLimits {
+    pub responder: u8,
+    pub initiator: u8,
+}
+
+impl ReadLimits {
+    /// The READs a queue pair with these local limits may have in flight
+    /// towards a peer that said `theirs`; against a peer of version 1
+    /// (limits unknown), the smaller of the local two.
+    pub fn initiator_depth(&self, theirs: Option<ReadLimits>) -> u8 {
+        match theirs {
+            Some(t) => self.initiator.min(t.responder),
+            None => self.initiator.min(self.responder),
+        }
+    }
 }
 
 const FIXED: usize = 33;
@@ -66,18 +91,36 @@ impl Endpoint {
         out.extend_from_slice(&self.psn.to_le_bytes());
         out.push(self.device.len() as u8);
         out.extend_from_slice(self.device.as_bytes());
+        if let Some(r) = self.reads {
+            out.push(r.responder);
+            out.push(r.initiator);
+        }
     }
 
-    fn get(b: &[u8]) -> Result<Endpoint, BootstrapError> {
+    /// The version this endpoint is said in: 2 with read limits, else 1.
+    pub fn version(&self) -> u16 {
+        if self.reads.is_some() {
+            2
+        } else {
+            1
+        }
+    }
+
+    fn get(b: &[u8], version: u16) -> Result<Endpoint, BootstrapError> {
         // `b` starts after the version.
         if b.len() < FIXED - 2 {
             return Err(BootstrapError::Short(b.len() + 2));
         }
         let n = b[30] as usize;
-        if b.len() != FIXED - 2 + n {
+        let trailer = if version >= 2 { 2 } else { 0 };
+        if b.len() != FIXED - 2 + n + trailer {
             return Err(BootstrapError::Invalid("device name length does not match the body"));
         }
-        let device = std::str::from_utf8(&b[31..])
+        let reads = (trailer == 2).then(|| ReadLimits { responder: b[31 + n], initiator: b[32 + n] });
+        if reads.is_some_and(|r| r.responder == 0 || r.initiator == 0) {
+            return Err(BootstrapError::Invalid("read limits of 0"));
+        }
+        let device = std::str::from_utf8(&b[31..31 + n])
             .ok()
             .filter(|d| !d.is_empty() && d.bytes().all(|c| c.is_ascii_graphic()))
             .ok_or(BootstrapError::Invalid("device name is not printable ASCII"))?
@@ -93,6 +136,7 @@ impl Endpoint {
             qpn: le_u32(b, 22),
             psn: le_u32(b, 26),
             device,
+            reads,
         };
         if e.depth == 0 || u32::from(e.depth) > super::MAX_DEPTH {
             return Err(BootstrapError::Invalid("depth out of range 1..=1024"));
@@ -109,25 +153,29 @@ impl Endpoint {
         Ok(e)
     }
 
-    /// The RDMA_CONNECT request body.
+    /// The RDMA_CONNECT request body, in [`Endpoint::version`] (a node of
+    /// the previous release speaks only 1: it answers a version 2 request
+    /// with [`Answer::VersionRefused`]`(1)`, and the client asks again
+    /// without the read limits).
     pub fn encode_request(&self) -> Vec<u8> {
-        let mut out = Vec::with_capacity(FIXED + self.device.len());
-        out.extend_from_slice(&BOOTSTRAP_VERSION.to_le_bytes());
+        let mut out = Vec::with_capacity(FIXED + 2 + self.device.len());
+        out.extend_from_slice(&self.version().to_le_bytes());
         self.put(&mut out);
         out
     }
 
-    /// Decodes a request. A version this end does not speak is
-    /// [`BootstrapError::Version`]: answer with [`Answer::VersionRefused`].
+    /// Decodes a request (version 1 or 2). A version this end does not
+    /// speak is [`BootstrapError::Version`]: answer with
+    /// [`Answer::VersionRefused`].
     pub fn decode_request(b: &[u8]) -> Result<Endpoint, BootstrapError> {
         if b.len() < 2 {
             return Err(BootstrapError::Short(b.len()));
         }
         let v = le_u16(b, 0);
-        if v != BOOTSTRAP_VERSION {
+        if !(1..=BOOTSTRAP_VERSION).contains(&v) {
             return Err(BootstrapError::Version { theirs: v });
         }
-        Endpoint::get(&b[2..])
+        Endpoint::get(&b[2..], v)
     }
 }
 
@@ -146,11 +194,14 @@ pub enum Answer {
 }
 
 impl Answer {
+    /// The answer body. An accepted one is said in the version of the
+    /// endpoint it carries (the node answers in the request's version).
     pub fn encode(&self) -> Vec<u8> {
         let mut out = Vec::with_capacity(64);
         out.extend_from_slice(&BOOTSTRAP_VERSION.to_le_bytes());
         let (code, text) = match self {
             Answer::Accepted(e) => {
+                out[0..2].copy_from_slice(&e.version().to_le_bytes());
                 out.extend_from_slice(&ACCEPTED.to_le_bytes());
                 e.put(&mut out);
                 return out;
@@ -178,7 +229,7 @@ impl Answer {
         let (v, code) = (le_u16(b, 0), le_u16(b, 2));
         let text = || String::from_utf8_lossy(&b[4..b.len().min(4 + MAX_REASON)]).into_owned();
         match code {
-            ACCEPTED if v == BOOTSTRAP_VERSION => Ok(Answer::Accepted(Endpoint::get(&b[4..])?)),
+            ACCEPTED if (1..=BOOTSTRAP_VERSION).contains(&v) => Ok(Answer::Accepted(Endpoint::get(&b[4..], v)?)),
             ACCEPTED => Err(BootstrapError::Version { theirs: v }),
             VERSION_REFUSED => Ok(Answer::VersionRefused(v)),
             NOT_OFFERED => Ok(Answer::NotOffered(text())),
@@ -258,7 +309,43 @@ mod tests {
             qpn: 0x1234,
             psn: 0xabcdef,
             device: "mlx5_0".into(),
+            reads: None,
         }
+    }
+
+    /// Version 2 carries the read limits after the device name; version 1
+    /// (the previous release) is still read and answered in its own words.
+    #[test]
+    fn version_2_carries_read_limits_and_version_1_is_still_spoken() {
+        let v2 = Endpoint { reads: Some(ReadLimits { responder: 8, initiator: 16 }), ..ep() };
+        let b = v2.encode_request();
+        assert_eq!(&b[0..2], &[2, 0]);
+        assert_eq!(b.len(), 33 + 6 + 2);
+        assert_eq!(&b[b.len() - 2..], &[8, 16]);
+        assert_eq!(Endpoint::decode_request(&b).unwrap(), v2);
+        let a = Answer::Accepted(v2.clone()).encode();
+        assert_eq!(&a[0..2], &[2, 0], "answered in the request's version");
+        assert_eq!(Answer::decode(&a).unwrap(), Answer::Accepted(v2.clone()));
+        // The previous release's request and answer, byte for byte.
+        let v1 = ep().encode_request();
+        assert_eq!(&v1[0..2], &[1, 0]);
+        assert_eq!(Endpoint::decode_request(&v1).unwrap(), ep());
+        assert_eq!(&Answer::Accepted(ep()).encode()[0..2], &[1, 0]);
+        // A version 2 request cut to the version 1 length, or limits of 0.
+        let mut cut = b.clone();
+        cut.truncate(b.len() - 2);
+        assert!(Endpoint::decode_request(&cut).is_err());
+        let mut zero = b.clone();
+        *zero.last_mut().unwrap() = 0;
+        assert!(Endpoint::decode_request(&zero).is_err());
+        // The depth of READs a queue pair may issue.
+        let mine = ReadLimits { responder: 16, initiator: 16 };
+        assert_eq!(mine.initiator_depth(Some(ReadLimits { responder: 4, initiator: 16 })), 4);
+        assert_eq!(
+            ReadLimits { responder: 8, initiator: 16 }.initiator_depth(None),
+            8,
+            "old peer: the smaller local limit"
+        );
     }
 
     #[test]
@@ -287,8 +374,8 @@ mod tests {
     #[test]
     fn versions_and_bad_bodies_are_refused_with_a_reason() {
         let mut b = ep().encode_request();
-        b[0] = 2;
-        assert_eq!(Endpoint::decode_request(&b), Err(BootstrapError::Version { theirs: 2 }));
+        b[0] = 3;
+        assert_eq!(Endpoint::decode_request(&b), Err(BootstrapError::Version { theirs: 3 }));
         assert!(Endpoint::decode_request(&[1]).is_err());
         let good = ep().encode_request();
         assert!(matches!(Endpoint::decode_request(&good[..20]), Err(BootstrapError::Short(_))));

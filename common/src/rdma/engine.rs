@@ -66,6 +66,11 @@ pub trait QueuePair: Send + Sync {
     fn post(&self, wrs: &[Wr]) -> Result<(), String>;
     /// Appends the completions ready now.
     fn poll(&self, out: &mut Vec<Wc>) -> Result<(), String>;
+    /// The RDMA READs this queue pair may have in flight, once connected
+    /// (its own initiator limit and the peer's responder limit).
+    fn read_depth(&self) -> Option<u8> {
+        None
+    }
 }
 
 /// A device family: registers memory and makes queue pairs, per rail.
@@ -88,22 +93,24 @@ fn out_of_pinned_memory(e: &str) -> bool {
 }
 
 /// The rail of `rails` (device name, GID) to pair with a peer's endpoint:
-/// the same device name (hosts built alike name their rails alike), else
 /// the same subnet (InfiniBand: the 64-bit GID prefix; RoCE with IPv4: the
-/// /24 of the address in the GID), else None (any rail: round-robin). On
-/// rail-optimised fabrics a rail only reaches the same rail elsewhere.
+/// /24 of the address in the GID), else the same device name (hosts built
+/// alike name their rails alike; this is for peers whose GIDs say nothing),
+/// else None (any rail: round-robin). On rail-optimised fabrics a rail only
+/// reaches the same rail elsewhere, and the subnet is what says which one
+/// that is: device names are only a host's own numbering.
 pub fn match_rail(peer: &Endpoint, rails: &[(String, [u8; 16])]) -> Option<usize> {
-    if let Some(i) = rails.iter().position(|(d, _)| *d == peer.device) {
-        return Some(i);
-    }
     let v4 = |g: &[u8; 16]| g[..12] == [0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0xff, 0xff];
     let zero = |g: &[u8; 16]| g.iter().all(|&b| b == 0);
-    if zero(&peer.gid) {
-        return None;
+    if !zero(&peer.gid) {
+        let subnet = rails.iter().position(|(_, g)| {
+            !zero(g) && if v4(&peer.gid) { v4(g) && g[12..15] == peer.gid[12..15] } else { g[..8] == peer.gid[..8] }
+        });
+        if subnet.is_some() {
+            return subnet;
+        }
     }
-    rails.iter().position(|(_, g)| {
-        !zero(g) && if v4(&peer.gid) { v4(g) && g[12..15] == peer.gid[12..15] } else { g[..8] == peer.gid[..8] }
-    })
+    rails.iter().position(|(d, _)| *d == peer.device)
 }
 
 /// What the peer does with a client's buffer: writes into it (a get's
@@ -531,6 +538,11 @@ impl Link {
         &self.local
     }
 
+    /// The RDMA READs this queue pair may have in flight (once connected).
+    pub fn read_depth(&self) -> Option<u8> {
+        self.core.qp.lock().unwrap_or_else(|e| e.into_inner()).as_ref().and_then(|q| q.read_depth())
+    }
+
     pub fn rail(&self) -> usize {
         self.rail
     }
@@ -656,13 +668,12 @@ impl Drop for Link {
 #[cfg(any(test, feature = "testing"))]
 pub mod fake {
     use super::*;
+    use crate::rdma::bootstrap::ReadLimits;
     use std::collections::HashMap;
 
     /// A registration: the range, the "old pages" the device still reaches
-    /// once the caller's memory was replaced under it, and whether peers
-    /// may reach it (remote access).
-    /// Start, length, the old pages' copy, and what a peer may do with it
-    /// (None: a node's registration, out of peers' reach).
+    /// once the caller's memory was replaced under it (a copy), and what a
+    /// peer may do with it (None: a node's registration, out of peers' reach).
     type FakeMr = (usize, usize, Option<Box<[u8]>>, Option<PeerAccess>);
 
     #[derive(Default)]
@@ -672,6 +683,8 @@ pub mod fake {
         refuse_registrations: Option<bool>,
         /// Destroying a queue pair fails (the verbs layer panics).
         fail_destroys: bool,
+        /// Read limits of devices by name (16 and 16 when not set).
+        read_limits: HashMap<String, ReadLimits>,
         mrs: HashMap<u32, FakeMr>,
         next_key: u32,
         qps: HashMap<u32, Arc<Mutex<FakeQpState>>>,
@@ -686,6 +699,8 @@ pub mod fake {
         fail_with: Option<u32>,
         /// Never complete (a lost completion).
         swallow: bool,
+        /// The READs it may issue at once, set when connected.
+        read_depth: Option<u8>,
     }
 
     /// One in-process fabric; each [`FakeBackend`] on it is a host.
@@ -711,6 +726,22 @@ pub mod fake {
         /// from now on (as with RLIMIT_MEMLOCK spent).
         pub fn refuse_registrations(&self, of_clients: bool) {
             self.0.lock().unwrap().refuse_registrations = Some(of_clients);
+        }
+
+        /// Sets the outstanding-read limits of the devices named `device`.
+        pub fn set_read_limits(&self, device: &str, responder: u8, initiator: u8) {
+            self.0.lock().unwrap().read_limits.insert(device.into(), ReadLimits { responder, initiator });
+        }
+
+        /// The READs the queue pair numbered `qpn` may issue (once connected).
+        pub fn read_depth(&self, qpn: u32) -> Option<u8> {
+            let f = self.0.lock().unwrap_or_else(|e| e.into_inner());
+            f.qps.get(&qpn).and_then(|q| q.lock().unwrap().read_depth)
+        }
+
+        pub fn read_limits(&self, device: &str) -> ReadLimits {
+            let f = self.0.lock().unwrap_or_else(|e| e.into_inner());
+            f.read_limits.get(device).copied().unwrap_or(ReadLimits { responder: 16, initiator: 16 })
         }
 
         /// Makes destroying a queue pair fail from now on (it stays live).
@@ -847,6 +878,7 @@ pub mod fake {
                 qpn: self.qpn,
                 psn: (self.qpn * 7) & 0xff_ffff,
                 device: self.device.clone(),
+                reads: Some(self.net.read_limits(&self.device)),
             }
         }
 
@@ -854,8 +886,15 @@ pub mod fake {
             if !self.net.0.lock().unwrap().qps.contains_key(&remote.qpn) {
                 return Err(format!("no queue pair {} on the fabric", remote.qpn));
             }
-            self.state.lock().unwrap().peer = Some(remote.qpn);
+            let depth = self.net.read_limits(&self.device).initiator_depth(remote.reads);
+            let mut st = self.state.lock().unwrap();
+            st.peer = Some(remote.qpn);
+            st.read_depth = Some(depth);
             Ok(())
+        }
+
+        fn read_depth(&self) -> Option<u8> {
+            self.state.lock().unwrap().read_depth
         }
 
         fn post(&self, wrs: &[Wr]) -> Result<(), String> {
@@ -1148,6 +1187,22 @@ mod tests {
         });
     }
 
+    /// Each end's queue pair issues no more READs at once than its own
+    /// device and the peer's serve: a node whose card allows 16 facing a
+    /// client whose card serves 4 issues 4 (before, each end clamped only
+    /// to its own device, and the 5th READ in flight broke the queue pair).
+    #[test]
+    fn queue_pairs_issue_no_more_reads_than_the_peer_serves() {
+        let net = FakeNet::default();
+        net.set_read_limits("cx-client", 4, 8);
+        net.set_read_limits("cx-node", 16, 16);
+        let client = runtime(&net, &["cx-client"], 5_000);
+        let node = node_runtime(&net, &["cx-node"], 5_000);
+        let (c, n) = pair(&client, &node);
+        assert_eq!(n.read_depth(), Some(4), "the node reads no faster than the client's card serves");
+        assert_eq!(c.read_depth(), Some(8), "the client's own initiator limit");
+    }
+
     #[test]
     fn a_node_pairs_a_peer_with_the_same_rail() {
         let ep = |device: &str, gid: [u8; 16]| Endpoint {
@@ -1159,6 +1214,7 @@ mod tests {
             qpn: 1,
             psn: 1,
             device: device.into(),
+            reads: None,
         };
         let ib = |prefix: u8, id: u8| {
             let mut g = [0u8; 16];
@@ -1176,7 +1232,9 @@ mod tests {
             g
         };
         let rails = vec![("mlx5_0".to_string(), ib(1, 1)), ("mlx5_1".to_string(), ib(2, 1))];
-        assert_eq!(match_rail(&ep("mlx5_1", ib(9, 9)), &rails), Some(1), "same name first");
+        assert_eq!(match_rail(&ep("mlx5_1", ib(9, 9)), &rails), Some(1), "same name when no subnet matches");
+        assert_eq!(match_rail(&ep("mlx5_0", ib(2, 7)), &rails), Some(1), "the subnet before the name");
+        assert_eq!(match_rail(&ep("mlx5_0", [0; 16]), &rails), Some(0), "the name when the GID says nothing");
         assert_eq!(match_rail(&ep("ibp1", ib(2, 7)), &rails), Some(1), "same subnet prefix");
         assert_eq!(match_rail(&ep("ibp1", ib(3, 7)), &rails), None);
         let roce = vec![("eth0".to_string(), v4(10, 0, 1, 5)), ("eth1".to_string(), v4(10, 0, 2, 5))];

@@ -19,7 +19,7 @@ use sideway::ibverbs::queue_pair::{
 };
 use sideway::ibverbs::AccessFlags;
 
-use super::bootstrap::Endpoint;
+use super::bootstrap::{Endpoint, ReadLimits};
 use super::completion::Wc;
 use super::engine::{Backend, Mr, PeerAccess, QueuePair, Wr, WrOp};
 use super::RailSpec;
@@ -156,6 +156,7 @@ impl Backend for Verbs {
             qpn: qp.qp_number(),
             psn: psn(),
             device: r.spec.device.clone(),
+            reads: Some(ReadLimits { responder: r.rd_atom, initiator: r.init_rd_atom }),
         };
         Ok(Box::new(VerbsQp {
             qp: Mutex::new(qp),
@@ -164,6 +165,7 @@ impl Backend for Verbs {
             gid_index: r.spec.gid_index,
             rd_atom: r.rd_atom,
             init_rd_atom: r.init_rd_atom,
+            read_depth: std::sync::atomic::AtomicU8::new(0),
         }))
     }
 
@@ -179,6 +181,8 @@ struct VerbsQp {
     gid_index: u8,
     rd_atom: u8,
     init_rd_atom: u8,
+    /// The READs it may issue at once (0 until connected).
+    read_depth: std::sync::atomic::AtomicU8,
 }
 
 impl QueuePair for VerbsQp {
@@ -187,6 +191,9 @@ impl QueuePair for VerbsQp {
     }
 
     fn connect(&self, remote: &Endpoint) -> Result<(), String> {
+        // READs in flight: no more than this device issues and the peer's
+        // serves (an older peer says nothing: the smaller local limit).
+        let depth = ReadLimits { responder: self.rd_atom, initiator: self.init_rd_atom }.initiator_depth(remote.reads);
         let mut qp = self.qp.lock().unwrap_or_else(|e| e.into_inner());
         let mut attr = QueuePairAttribute::new();
         attr.setup_state(QueuePairState::ReadyToReceive)
@@ -211,8 +218,14 @@ impl QueuePair for VerbsQp {
             .setup_timeout(14)
             .setup_retry_cnt(7)
             .setup_rnr_retry(7)
-            .setup_max_read_atomic(self.init_rd_atom);
-        qp.modify(&attr).map_err(|e| format!("cannot take the queue pair to RTS: {e}"))
+            .setup_max_read_atomic(depth);
+        qp.modify(&attr).map_err(|e| format!("cannot take the queue pair to RTS: {e}"))?;
+        self.read_depth.store(depth, std::sync::atomic::Ordering::Relaxed);
+        Ok(())
+    }
+
+    fn read_depth(&self) -> Option<u8> {
+        Some(self.read_depth.load(std::sync::atomic::Ordering::Relaxed)).filter(|&d| d > 0)
     }
 
     fn post(&self, wrs: &[Wr]) -> Result<(), String> {
