@@ -77,8 +77,8 @@ pub struct Client {
     pub geo: Geometry,
     /// The RDMA engine when `rdma_devices` named usable devices (else TCP),
     /// and its counters (a fallback counts even without an engine).
-    pub rdma: Option<Arc<kv_common::rdma::engine::Runtime>>,
-    pub rdma_counters: Arc<kv_common::rdma::Counters>,
+    pub rdma: Option<Arc<kv_rdma::engine::Runtime>>,
+    pub rdma_counters: Arc<kv_rdma::Counters>,
     topo: RwLock<Arc<Topology>>,
     epochs: AtomicU64,
     /// Serialises member-set swaps (read old, build, install, as one step).
@@ -211,12 +211,11 @@ pub(crate) fn is_stale(e: &OpError) -> bool {
 
 impl Client {
     pub fn new(members: Vec<Member>, geo: Geometry, opts: Options) -> Client {
-        let rdma_counters = Arc::new(kv_common::rdma::Counters::default());
-        let role = kv_common::rdma::Role::Client;
-        let rdma =
-            kv_common::rdma::start(&opts.rdma, role, &rdma_counters, opts.rdma_cache_bytes, opts.io_timeout, |l| {
-                eprintln!("kvcellar: RDMA: {l}")
-            });
+        let rdma_counters = Arc::new(kv_rdma::Counters::default());
+        let role = kv_rdma::Role::Client;
+        let rdma = kv_rdma::start(&opts.rdma, role, &rdma_counters, opts.rdma_cache_bytes, opts.io_timeout, |l| {
+            eprintln!("kvcellar: RDMA: {l}")
+        });
         if let Some(rt) = &rdma {
             rt.set_logger(Box::new(|l| eprintln!("kvcellar: RDMA: {l}")));
         }
@@ -230,7 +229,7 @@ impl Client {
         members: Vec<Member>,
         geo: Geometry,
         opts: Options,
-        rdma: Arc<kv_common::rdma::engine::Runtime>,
+        rdma: Arc<kv_rdma::engine::Runtime>,
     ) -> Client {
         let counters = rdma.counters().clone();
         Client::build(members, geo, opts, Some(rdma), counters)
@@ -240,8 +239,8 @@ impl Client {
         members: Vec<Member>,
         geo: Geometry,
         opts: Options,
-        rdma: Option<Arc<kv_common::rdma::engine::Runtime>>,
-        rdma_counters: Arc<kv_common::rdma::Counters>,
+        rdma: Option<Arc<kv_rdma::engine::Runtime>>,
+        rdma_counters: Arc<kv_rdma::Counters>,
     ) -> Client {
         let c = Client {
             opts,

@@ -5,11 +5,11 @@
 use std::io::IoSlice;
 
 use kv_common::page::{Geometry, PageHeader, HEADER_LEN};
-use kv_common::rdma::bootstrap::{encode_segments, Segment, MAX_SEGMENTS};
-use kv_common::rdma::engine::{PeerAccess, Registration};
 use kv_common::status::Status;
 use kv_common::wire::{self, KeyRequest, Op, ReqHeader, RspHeader, FLAG_CHECK_GEOMETRY, FRAME_HEADER_LEN};
 use kv_common::wire::{FLAG_RDMA, RSP_FLAG_RDMA, RSP_FLAG_RDMA_FAILED};
+use kv_rdma::bootstrap::{encode_segments, Segment, MAX_SEGMENTS};
+use kv_rdma::engine::{PeerAccess, Registration};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 use crate::error::OpError;
@@ -54,7 +54,7 @@ fn rdma_segments(
 /// address, so the device used the old pages). Forget the cached ones for
 /// these buffers; the retry, inline, and later requests use the memory
 /// there now. Pinned regions (`kv_register_memory`) are the caller's word.
-fn forget_registrations(rt: Option<&std::sync::Arc<kv_common::rdma::engine::Runtime>>, ranges: &[(usize, usize)]) {
+fn forget_registrations(rt: Option<&std::sync::Arc<kv_rdma::engine::Runtime>>, ranges: &[(usize, usize)]) {
     if let Some(rt) = rt {
         for &(a, l) in ranges {
             rt.invalidate(a, l);

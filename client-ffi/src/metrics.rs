@@ -178,7 +178,7 @@ impl Metrics {
         epoch: u64,
         last_error: Option<String>,
         peers: Vec<PeerSnapshot>,
-        rdma: &kv_common::rdma::Counters,
+        rdma: &kv_rdma::Counters,
     ) -> String {
         let mut r = Registry::with_prefix("kvclient");
         r.register(

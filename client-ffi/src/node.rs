@@ -8,9 +8,9 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use kv_common::auth::Token;
-use kv_common::rdma::bootstrap::{Answer, Endpoint};
-use kv_common::rdma::engine::{Link, Runtime};
 use kv_common::wire::{Op, ReqHeader, RspHeader, FRAME_HEADER_LEN, WIRE_VERSION};
+use kv_rdma::bootstrap::{Answer, Endpoint};
+use kv_rdma::engine::{Link, Runtime};
 use tokio::net::TcpStream;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 

@@ -15,7 +15,7 @@ pub struct Options {
     pub auth_token: Option<kv_common::auth::Token>,
     /// `rdma_devices` (`:`-separated), `rdma_depth`, `rdma_numa` (1: prefer
     /// rails on the calling thread's NUMA node).
-    pub rdma: kv_common::rdma::Settings,
+    pub rdma: kv_rdma::Settings,
     /// `rdma_cache_mb`: bytes of cached registrations of buffers not
     /// registered with `kv_register_memory`, per rail (0: register per op).
     pub rdma_cache_bytes: usize,
@@ -40,7 +40,7 @@ impl Default for Options {
             batch_concurrency: 8,
             peer_cooldown: Duration::from_millis(2000),
             auth_token: None,
-            rdma: kv_common::rdma::Settings::default(),
+            rdma: kv_rdma::Settings::default(),
             rdma_cache_bytes: 1 << 30,
             handoff: Duration::from_secs(600),
             handoff_timeout: Duration::from_millis(500),
@@ -82,7 +82,7 @@ impl Options {
                 continue;
             }
             if k == "rdma_devices" {
-                o.rdma.devices = kv_common::rdma::parse_devices(v).map_err(|e| format!("option rdma_devices: {e}"))?;
+                o.rdma.devices = kv_rdma::parse_devices(v).map_err(|e| format!("option rdma_devices: {e}"))?;
                 continue;
             }
             let n: u64 = v.parse().map_err(|_| format!("option {k}: {v:?} is not a whole number"))?;
@@ -96,8 +96,8 @@ impl Options {
                 "rdma_depth" => {
                     o.rdma.depth = u32::try_from(positive(n)?)
                         .ok()
-                        .filter(|&d| d <= kv_common::rdma::MAX_DEPTH)
-                        .ok_or_else(|| format!("option rdma_depth must be 1..={}", kv_common::rdma::MAX_DEPTH))?
+                        .filter(|&d| d <= kv_rdma::MAX_DEPTH)
+                        .ok_or_else(|| format!("option rdma_depth must be 1..={}", kv_rdma::MAX_DEPTH))?
                 }
                 "rdma_numa" if n <= 1 => o.rdma.numa_local = n == 1,
                 "rdma_numa" => return Err("option rdma_numa must be 0 or 1".into()),

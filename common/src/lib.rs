@@ -8,9 +8,9 @@
 //! ([`size`]) and auth tokens ([`auth`]). Encoders and decoders work on byte
 //! slices, so every part (and every fuzz target) uses the same checked code.
 //!
-//! Two modules do I/O: [`mds`], the one small blocking HTTP client of the
-//! membership API (used by nodes, the client library and kvctl), and
-//! [`rdma`], the RDMA transport (its engine behind the `rdma` feature).
+//! One module does I/O: [`mds`], the one small blocking HTTP client of the
+//! membership API (used by nodes, the client library and kvctl). The RDMA
+//! transport is its own crate, `kv-rdma`.
 //! Behind the `daemon` feature, for kv-server and kv-mds only: logging and
 //! signals ([`daemon`]) and the accept loop every listener shares
 //! ([`listen`]).
@@ -23,7 +23,6 @@ pub mod daemon;
 pub mod listen;
 pub mod mds;
 pub mod page;
-pub mod rdma;
 pub mod ring;
 pub mod size;
 pub mod stats;

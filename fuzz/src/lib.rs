@@ -74,7 +74,7 @@ pub fn frame(data: &[u8]) {
 /// decodes a client's endpoint and segments, the client the node's answer.
 /// What decodes re-encodes to the same bytes and stays within its limits.
 pub fn rdma(data: &[u8]) {
-    use kv_common::rdma::bootstrap::{self, Answer, Endpoint};
+    use kv_rdma::bootstrap::{self, Answer, Endpoint};
     if let Ok(e) = Endpoint::decode_request(data) {
         assert_eq!(e.encode_request(), data, "an endpoint re-encodes byte for byte");
         assert!(e.qpn < 1 << 24 && e.psn < 1 << 24 && (1..=5).contains(&e.mtu));

@@ -161,7 +161,7 @@ pub struct ServerConfig {
     /// Where it was read from, for the start-up permission check.
     pub auth_token_file: Option<PathBuf>,
     /// `--rdma-dev` and `--rdma-depth` (no devices: TCP only).
-    pub rdma: kv_common::rdma::Settings,
+    pub rdma: kv_rdma::Settings,
     /// How long a SIGTERM'd node drains (`--drain-secs`).
     pub drain: std::time::Duration,
     /// How long a delete refuses handoff copies (`--handoff-secs`).
@@ -273,13 +273,13 @@ impl ServerConfig {
         if max_conns == 0 {
             return Err("--max-conns must be at least 1".into());
         }
-        let devices = kv_common::rdma::parse_devices(&cli.rdma_dev.or(file.rdma_dev).unwrap_or_default())
+        let devices = kv_rdma::parse_devices(&cli.rdma_dev.or(file.rdma_dev).unwrap_or_default())
             .map_err(|e| format!("--rdma-dev: {e}"))?;
-        let depth = cli.rdma_depth.or(file.rdma_depth).unwrap_or(kv_common::rdma::DEFAULT_DEPTH);
-        if !(1..=kv_common::rdma::MAX_DEPTH).contains(&depth) {
-            return Err(format!("--rdma-depth must be 1..={}", kv_common::rdma::MAX_DEPTH));
+        let depth = cli.rdma_depth.or(file.rdma_depth).unwrap_or(kv_rdma::DEFAULT_DEPTH);
+        if !(1..=kv_rdma::MAX_DEPTH).contains(&depth) {
+            return Err(format!("--rdma-depth must be 1..={}", kv_rdma::MAX_DEPTH));
         }
-        let rdma = kv_common::rdma::Settings { devices, depth, numa_local: true };
+        let rdma = kv_rdma::Settings { devices, depth, numa_local: true };
         let drain = cli.drain_secs.or(file.drain_secs).unwrap_or(30.0);
         if !(0.0..=86_400.0).contains(&drain) {
             return Err("--drain-secs must be between 0 and 86400".into());

@@ -14,13 +14,13 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use kv_common::page::{PageHeader, HEADER_LEN};
-use kv_common::rdma::bootstrap::{self, Answer, Endpoint, Segment};
-use kv_common::rdma::engine::{Link, WrOp};
 use kv_common::status::Status;
 use kv_common::wire::{self, Hello, KeyRequest, Op, ReqHeader, RspHeader, WireError};
 use kv_common::wire::{ClientHello, HELLO_ACCEPTED, HELLO_BUSY, HELLO_DENIED, HELLO_VERSION_REFUSED};
 use kv_common::wire::{FLAG_CHECK_GEOMETRY, FRAME_HEADER_LEN, HELLO_LEN, RSP_FLAG_DUPLICATE, WIRE_VERSION};
 use kv_common::wire::{FLAG_HANDOFF, FLAG_RDMA, RSP_FLAG_RDMA, RSP_FLAG_RDMA_FAILED};
+use kv_rdma::bootstrap::{self, Answer, Endpoint, Segment};
+use kv_rdma::engine::{Link, WrOp};
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader, BufWriter};
 use tokio::net::tcp::OwnedReadHalf;
 use tokio::net::TcpStream;

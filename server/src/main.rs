@@ -243,14 +243,14 @@ fn listen_data_port(s: tokio::net::TcpSocket) -> std::io::Result<tokio::net::Tcp
 /// and heap buffers are registered on first use and forgotten before they
 /// are freed. Anything in the way means TCP, one log line and the fallback
 /// counter at 1.
-fn start_rdma(shared: &mut Shared, settings: &kv_common::rdma::Settings) {
+fn start_rdma(shared: &mut Shared, settings: &kv_rdma::Settings) {
     shared.rdma_depth = settings.depth;
     let counters = shared.rdma_counters.clone();
     // The node pairs each client with its rail (same device or subnet), so
     // NUMA choice is the clients' (the node's threads are not pinned).
-    let settings = &kv_common::rdma::Settings { numa_local: false, ..settings.clone() };
-    let role = kv_common::rdma::Role::Node;
-    let rt = kv_common::rdma::start(settings, role, &counters, 4 << 30, std::time::Duration::from_secs(5), |line| {
+    let settings = &kv_rdma::Settings { numa_local: false, ..settings.clone() };
+    let role = kv_rdma::Role::Node;
+    let rt = kv_rdma::start(settings, role, &counters, 4 << 30, std::time::Duration::from_secs(5), |line| {
         tracing::warn!("RDMA: {line}")
     });
     let Some(rt) = rt else {

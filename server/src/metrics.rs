@@ -222,7 +222,7 @@ impl Collector for StatsCollector {
             "Build of this node (value 1): version and the transports it was built with",
             MetricType::Gauge,
             [(
-                [("version", env!("CARGO_PKG_VERSION")), ("transport", kv_common::rdma::build_transports())],
+                [("version", env!("CARGO_PKG_VERSION")), ("transport", kv_rdma::build_transports())],
                 ConstGauge::new(1u64),
             )],
         )?;

@@ -52,10 +52,10 @@ pub struct Shared {
     pub node_id: Option<String>,
     pub group: Option<String>,
     /// RDMA counters of this process (always present: a fallback counts).
-    pub rdma_counters: Arc<kv_common::rdma::Counters>,
+    pub rdma_counters: Arc<kv_rdma::Counters>,
     /// The RDMA engine when devices were named and usable (else TCP only),
     /// and the depth this node grants per queue pair.
-    pub rdma: Option<Arc<kv_common::rdma::engine::Runtime>>,
+    pub rdma: Option<Arc<kv_rdma::engine::Runtime>>,
     pub rdma_depth: u32,
     /// Why this node offers no RDMA (told to clients that ask).
     pub rdma_off: String,
@@ -135,9 +135,9 @@ impl Shared {
             recovery: Recovery::default(),
             node_id: None,
             group: None,
-            rdma_counters: Arc::new(kv_common::rdma::Counters::default()),
+            rdma_counters: Arc::new(kv_rdma::Counters::default()),
             rdma: None,
-            rdma_depth: kv_common::rdma::DEFAULT_DEPTH,
+            rdma_depth: kv_rdma::DEFAULT_DEPTH,
             rdma_off: "no RDMA device named on this node (--rdma-dev)".into(),
             handoff: crate::handoff::Handoff::new(std::time::Duration::from_secs(600)),
             draining: std::sync::atomic::AtomicBool::new(false),

@@ -1,5 +1,5 @@
 //! The RDMA data path end to end, in one process, over the stand-in fabric
-//! (kv_common::rdma::engine::fake): a real node (its connection code, store
+//! (kv_rdma::engine::fake): a real node (its connection code, store
 //! and RDMA engine) and a real client (its bootstrap, registration cache and
 //! verification), with only the NIC replaced by in-process copies that
 //! check keys and bounds as a NIC does. What this cannot show (the verbs,
@@ -12,10 +12,10 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use kv_common::page::Geometry;
-use kv_common::rdma::engine::fake::{FakeBackend, FakeNet};
-use kv_common::rdma::engine::Runtime;
-use kv_common::rdma::{Counters, RailSpec, Settings};
 use kv_common::status::Status;
+use kv_rdma::engine::fake::{FakeBackend, FakeNet};
+use kv_rdma::engine::Runtime;
+use kv_rdma::{Counters, RailSpec, Settings};
 use kv_server::server::{self, Shared};
 use kv_server::store::{DiskSpec, Store, StoreConfig};
 use kvclient::client::{Client, GetItem};
@@ -415,7 +415,7 @@ fn answer(s: &mut std::net::TcpStream, h: &kv_common::wire::ReqHeader, body: &[u
 /// smaller of its own card's limits.
 #[test]
 fn a_client_of_the_previous_release_is_answered_in_bootstrap_version_1() {
-    use kv_common::rdma::bootstrap::Answer;
+    use kv_rdma::bootstrap::Answer;
     use std::io::{Read, Write};
     let net = FakeNet::default();
     net.set_read_limits("mlx5_0", 8, 16);
@@ -459,7 +459,7 @@ fn a_client_of_the_previous_release_is_answered_in_bootstrap_version_1() {
 /// the smaller of its own card's limits.
 #[test]
 fn a_node_of_the_previous_release_is_asked_again_in_bootstrap_version_1() {
-    use kv_common::rdma::bootstrap::{Answer, Endpoint};
+    use kv_rdma::bootstrap::{Answer, Endpoint};
     use std::io::{Read, Write};
     let net = FakeNet::default();
     net.set_read_limits("mlx5_9", 4, 16);

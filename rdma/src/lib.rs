@@ -1,5 +1,9 @@
-//! The RDMA transport's parts that need no device (docs/ARCHITECTURE.md,
-//! "Transports"): device names, rail and NUMA choice from sysfs
+//! `kv-rdma`: the RDMA transport (docs/ARCHITECTURE.md, "Transports"). The
+//! node and the client reach it through the engine ([`engine::Runtime`],
+//! [`engine::Link`]) and the bootstrap ([`bootstrap`]); nothing else of the
+//! workspace depends on it, and it depends on nothing of the workspace.
+//!
+//! The parts that need no device: device names, rail and NUMA choice from sysfs
 //! ([`sysfs`]), the queue-pair bootstrap carried as an op on an accepted data
 //! connection ([`bootstrap`]), the memory registration cache ([`regcache`]),
 //! completion matching with timeouts ([`completion`]), the counters both ends

@@ -9,10 +9,22 @@
 //! Also here: the memory segments a request names (address, length, key) so
 //! the node can move the payload by RDMA.
 
-use crate::page::{le_u16, le_u32, le_u64};
-
 /// The bootstrap version this code speaks.
 pub const BOOTSTRAP_VERSION: u16 = 2;
+
+fn le_u16(b: &[u8], at: usize) -> u16 {
+    u16::from_le_bytes([b[at], b[at + 1]])
+}
+
+fn le_u32(b: &[u8], at: usize) -> u32 {
+    u32::from_le_bytes([b[at], b[at + 1], b[at + 2], b[at + 3]])
+}
+
+fn le_u64(b: &[u8], at: usize) -> u64 {
+    let mut a = [0u8; 8];
+    a.copy_from_slice(&b[at..at + 8]);
+    u64::from_le_bytes(a)
+}
 /// Answer codes.
 pub const ACCEPTED: u16 = 0;
 pub const VERSION_REFUSED: u16 = 1;
