@@ -65,7 +65,8 @@ typedef struct kv_geometry {
    names, e.g. mlx5_0:mlx5_1, one rail each), rdma_depth (32: work requests
    in flight per queue pair), rdma_numa (1: prefer rails on the calling
    thread's NUMA node), rdma_cache_mb (1024: registrations of buffers not
-   given to kv_register_memory kept per rail; 0: per operation),
+   given to kv_register_memory kept per rail, for gets and for puts each;
+   0: per operation),
    handoff_ms (600000: after a change of the member set, how long a key
    that misses at its owner is also asked at its previous owners, where the
    kv-mds view does not say; 0 turns this ring handoff off), handoff_timeout_ms

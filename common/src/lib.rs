@@ -8,8 +8,9 @@
 //! ([`size`]) and auth tokens ([`auth`]). Encoders and decoders work on byte
 //! slices, so every part (and every fuzz target) uses the same checked code.
 //!
-//! One module does I/O: [`mds`], the one small blocking HTTP client of the
-//! membership API (used by nodes, the client library and kvctl). The RDMA
+//! Without the `daemon` feature one module does I/O: [`mds`], the one small
+//! blocking HTTP client of the membership API (used by nodes, the client
+//! library and kvctl). The RDMA
 //! transport is its own crate, `kv-rdma`.
 //! Behind the `daemon` feature, for kv-server and kv-mds only: logging and
 //! signals ([`daemon`]) and the accept loop every listener shares

@@ -8,19 +8,22 @@
 //!    data plane: its hello was accepted; HTTP: its first bytes arrived).
 //!    Openings have their own small budget ([`Gate::max_opening`]) and a
 //!    short deadline ([`Gate::opening_deadline`]). When the budget is full,
-//!    the oldest opening is closed to make room, so sockets that never speak,
-//!    however often they are refreshed, cannot keep a real client from
-//!    getting in: its hello arrives within a round trip and is taken first.
+//!    the oldest opening is closed to make room once it is [`MIN_AGE`] old
+//!    (until then new connections wait in the kernel's backlog, so a burst
+//!    of real clients reconnecting at once is not cut off), so sockets that
+//!    never speak, however often they are refreshed, cannot keep a real
+//!    client from getting in: its hello arrives within a round trip.
 //! 2. **Admitted**, once the service calls [`Opening::admit`]: the
 //!    connection holds one of [`Gate::max_conns`] slots until it ends. At the
 //!    cap `admit` says no and the service answers its own clear refusal (a
 //!    "busy" hello, a 503); until that answer is written the connection is
 //!    still an opening, so refusals are bounded by the same budget.
 //!
-//! On shutdown the loop stops accepting and waits for its connections, each
-//! of which watches the same shutdown signal and ends in its own way (the
-//! data plane answers what was sent, HTTP ends after the request in flight),
-//! for at most [`Gate::drain_limit`].
+//! On shutdown the loop stops accepting, closes the openings, and waits for
+//! the admitted connections, each of which watches the same shutdown signal
+//! and ends in its own way (the data plane answers what was sent, HTTP ends
+//! after the request in flight), for at most [`Gate::drain_limit`] (None:
+//! as long as they take).
 
 use std::collections::VecDeque;
 use std::future::Future;
@@ -44,17 +47,38 @@ pub struct Gate {
     /// Time from accept until the service must have admitted the connection.
     pub opening_deadline: Duration,
     /// Longest wait for connections to end after shutdown (then they are
-    /// dropped, which closes them).
-    pub drain_limit: Duration,
+    /// dropped, which closes them); None: no limit.
+    pub drain_limit: Option<Duration>,
 }
 
 /// Openings kept by default: far above what real clients have in their
 /// first round trip at once, far below a connection cap.
 pub const MAX_OPENING: usize = 256;
 
+/// The youngest opening closed to make room: a real client's hello comes
+/// within a round trip, so one this old is not about to say it.
+pub const MIN_AGE: Duration = Duration::from_secs(1);
+
+/// What [`Opening::admit`] found.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Admission {
+    /// Admitted: the connection holds one of the listener's slots.
+    Admitted,
+    /// Every slot is taken: the service answers its refusal ("busy", 503).
+    Full,
+    /// This opening was already closed to make room (or shutdown began):
+    /// the connection ends without an answer.
+    Closed,
+}
+
 impl Gate {
     /// A gate with the default opening budget.
-    pub fn new(name: &'static str, max_conns: usize, opening_deadline: Duration, drain_limit: Duration) -> Gate {
+    pub fn new(
+        name: &'static str,
+        max_conns: usize,
+        opening_deadline: Duration,
+        drain_limit: Option<Duration>,
+    ) -> Gate {
         Gate { name, max_conns, max_opening: MAX_OPENING, opening_deadline, drain_limit }
     }
 }
@@ -87,7 +111,8 @@ pub struct Accepted {
 /// The openings of one listener, oldest first.
 struct Openings {
     next: u64,
-    queue: VecDeque<(u64, Arc<Notify>)>,
+    /// Id, what closes it, and when it was accepted.
+    queue: VecDeque<(u64, Arc<Notify>, Instant)>,
 }
 
 struct Slots {
@@ -107,20 +132,19 @@ pub struct Opening {
 }
 
 impl Opening {
-    /// Takes an admitted slot. False when every slot is taken (the service
-    /// answers its refusal and closes) or when this opening was already
-    /// closed to make room.
-    pub fn admit(&self) -> bool {
+    /// Takes an admitted slot, if one is free and this opening is still
+    /// open.
+    pub fn admit(&self) -> Admission {
         let mut g = lock(&self.slots.openings);
-        let Some(at) = g.queue.iter().position(|(id, _)| *id == self.id) else {
-            return false;
+        let Some(at) = g.queue.iter().position(|(id, _, _)| *id == self.id) else {
+            return Admission::Closed;
         };
         let Ok(permit) = self.slots.conns.clone().try_acquire_owned() else {
-            return false;
+            return Admission::Full;
         };
         g.queue.remove(at);
         *lock(&self.permit) = Some(permit);
-        true
+        Admission::Admitted
     }
 
     /// Whether [`Opening::admit`] said yes.
@@ -132,7 +156,7 @@ impl Opening {
 impl Drop for Opening {
     fn drop(&mut self) {
         let mut g = lock(&self.slots.openings);
-        g.queue.retain(|(id, _)| *id != self.id);
+        g.queue.retain(|(id, _, _)| *id != self.id);
     }
 }
 
@@ -160,9 +184,13 @@ where
     if !matches!(stream.peek(&mut [0u8; 1]).await, Ok(n) if n > 0) {
         return HttpEnd::Served;
     }
-    if !opening.admit() {
-        refuse_http(&mut stream, busy).await;
-        return HttpEnd::Refused;
+    match opening.admit() {
+        Admission::Admitted => {}
+        Admission::Full => {
+            refuse_http(&mut stream, busy).await;
+            return HttpEnd::Refused;
+        }
+        Admission::Closed => return HttpEnd::Served,
     }
     let conn = hyper::server::conn::http1::Builder::new()
         .timer(hyper_util::rt::TokioTimer::new())
@@ -227,7 +255,28 @@ pub async fn run<S: Service>(
     let mut tasks = tokio::task::JoinSet::new();
     let mut backoff = Duration::from_millis(5);
     let mut closed_logged: Option<Instant> = None;
-    loop {
+    'accept: loop {
+        // The budget full of openings younger than MIN_AGE: new connections
+        // wait in the backlog until one ends or is old enough to close.
+        loop {
+            let wait = {
+                let g = lock(&slots.openings);
+                match g.queue.front() {
+                    Some((_, _, since)) if g.queue.len() >= gate.max_opening.max(1) => {
+                        MIN_AGE.saturating_sub(since.elapsed())
+                    }
+                    _ => Duration::ZERO,
+                }
+            };
+            if wait.is_zero() {
+                break;
+            }
+            tokio::select! {
+                biased;
+                _ = stopped(&mut shutdown) => break 'accept,
+                _ = tokio::time::sleep(wait.min(Duration::from_millis(5))) => {}
+            }
+        }
         let accepted = tokio::select! {
             biased;
             _ = stopped(&mut shutdown) => break,
@@ -249,7 +298,7 @@ pub async fn run<S: Service>(
         let (id, kick) = {
             let mut g = lock(&slots.openings);
             if g.queue.len() >= gate.max_opening.max(1) {
-                if let Some((_, oldest)) = g.queue.pop_front() {
+                if let Some((_, oldest, _)) = g.queue.pop_front() {
                     oldest.notify_one();
                     slots.counters.openings_closed.fetch_add(1, Ordering::Relaxed);
                     if closed_logged.is_none_or(|t| t.elapsed() > Duration::from_secs(60)) {
@@ -262,20 +311,22 @@ pub async fn run<S: Service>(
             let id = g.next;
             g.next += 1;
             let kick = Arc::new(Notify::new());
-            g.queue.push_back((id, kick.clone()));
+            g.queue.push_back((id, kick.clone(), Instant::now()));
             (id, kick)
         };
         while tasks.try_join_next().is_some() {}
         let permit = Arc::new(Mutex::new(None));
         let opening = Opening { id, slots: slots.clone(), permit: permit.clone() };
         let conn = Accepted { stream, peer, opening, shutdown: shutdown.clone() };
+        let mut stop = shutdown.clone();
         let deadline = tokio::time::Instant::now() + gate.opening_deadline;
         let service = service.clone();
         let slots = slots.clone();
         let name = gate.name;
         tasks.spawn(async move {
-            // Ends the connection if it is still opening at its deadline or
-            // when it is closed to make room; never once admitted.
+            // Ends the connection if it is still opening at its deadline,
+            // when it is closed to make room, or at shutdown; never once
+            // admitted (the service then ends it its own way).
             let watchdog = async {
                 tokio::select! {
                     _ = tokio::time::sleep_until(deadline) => {
@@ -287,6 +338,11 @@ pub async fn run<S: Service>(
                     }
                     _ = kick.notified() => {
                         tracing::debug!(listener = name, %peer, "closing the oldest unfinished opening");
+                    }
+                    _ = stopped(&mut stop) => {
+                        if lock(&permit).is_some() {
+                            std::future::pending::<()>().await;
+                        }
                     }
                 }
             };
@@ -301,7 +357,13 @@ pub async fn run<S: Service>(
     if !tasks.is_empty() {
         tracing::info!(listener = gate.name, connections = tasks.len(), "shutting down: finishing requests in flight");
     }
-    let _ = tokio::time::timeout(gate.drain_limit, async { while tasks.join_next().await.is_some() {} }).await;
+    let drain = async { while tasks.join_next().await.is_some() {} };
+    match gate.drain_limit {
+        Some(limit) => {
+            let _ = tokio::time::timeout(limit, drain).await;
+        }
+        None => drain.await,
+    }
 }
 
 #[cfg(test)]
@@ -319,7 +381,7 @@ mod tests {
             if conn.stream.read_exact(&mut b).await.is_err() || b[0] != b'h' {
                 return;
             }
-            let answer = if conn.opening.admit() { b'a' } else { b'b' };
+            let answer = if conn.opening.admit() == Admission::Admitted { b'a' } else { b'b' };
             let _ = conn.stream.write_all(&[answer]).await;
             if answer == b'b' {
                 return;
@@ -371,7 +433,7 @@ mod tests {
             max_conns: 2,
             max_opening: 4,
             opening_deadline: Duration::from_secs(2),
-            drain_limit: Duration::from_secs(5),
+            drain_limit: Some(Duration::from_secs(5)),
         };
         let (addr, counters, _tx, _h) = start(gate).await;
         // Twice the cap of silent sockets, and more than the opening budget.
@@ -409,7 +471,7 @@ mod tests {
             max_conns: 1,
             max_opening: 4,
             opening_deadline: Duration::from_secs(5),
-            drain_limit: Duration::from_secs(5),
+            drain_limit: Some(Duration::from_secs(5)),
         };
         let (addr, _counters, tx, h) = start(gate).await;
         let (a, answer) = hello(addr).await;
@@ -424,6 +486,8 @@ mod tests {
             assert!(t0.elapsed() < Duration::from_secs(10), "the slot came back");
             tokio::time::sleep(Duration::from_millis(10)).await;
         };
+        // A socket that never says hello does not hold the shutdown up.
+        let _silent = TcpStream::connect(addr).await.expect("connect");
         tx.send(true).expect("signal");
         // The loop waits for the open connection, which still answers.
         s.write_all(b"y").await.expect("write");
@@ -431,7 +495,9 @@ mod tests {
         s.read_exact(&mut b).await.expect("answered during the drain");
         assert!(!h.is_finished());
         drop(s);
+        let t0 = Instant::now();
         tokio::time::timeout(Duration::from_secs(5), h).await.expect("stops once connections end").expect("join");
+        assert!(t0.elapsed() < Duration::from_secs(2), "openings are closed at shutdown (deadline 5 s)");
         assert!(TcpStream::connect(addr).await.is_err(), "no longer accepting");
     }
 }

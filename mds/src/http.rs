@@ -115,7 +115,7 @@ fn query_u64(query: &str, key: &str) -> Result<Option<u64>, String> {
 /// each admitted on its first bytes (within READ_TIMEOUT), more answered
 /// 503; on shutdown a request in flight has a second to end.
 pub async fn serve(listener: TcpListener, mds: Arc<Mds>, limits: Limits, shutdown: tokio::sync::watch::Receiver<bool>) {
-    let gate = kv_common::listen::Gate::new("API", limits.max_conns, READ_TIMEOUT, Duration::from_secs(1));
+    let gate = kv_common::listen::Gate::new("API", limits.max_conns, READ_TIMEOUT, Some(Duration::from_secs(1)));
     let api = Api {
         registry: Arc::new(crate::metrics::registry(&mds)),
         polls: Arc::new(tokio::sync::Semaphore::new(limits.max_long_polls)),

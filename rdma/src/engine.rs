@@ -95,13 +95,15 @@ fn out_of_pinned_memory(e: &str) -> bool {
 /// The rail of `rails` (device name, GID) to pair with a peer's endpoint:
 /// the same subnet (InfiniBand: the 64-bit GID prefix; RoCE with IPv4: the
 /// /24 of the address in the GID), else the same device name (hosts built
-/// alike name their rails alike; this is for peers whose GIDs say nothing),
-/// else None (any rail: round-robin). On rail-optimised fabrics a rail only
-/// reaches the same rail elsewhere, and the subnet is what says which one
-/// that is: device names are only a host's own numbering.
+/// alike name their rails alike), else None (any rail: round-robin). On
+/// rail-optimised fabrics a rail only reaches the same rail elsewhere, and
+/// a subnet set for each rail says which one that is. A GID that says
+/// nothing (zero, or the link-local prefix fe80::/64, the default subnet
+/// prefix every InfiniBand port has unless the subnet manager sets another)
+/// is no subnet: those pair by name.
 pub fn match_rail(peer: &Endpoint, rails: &[(String, [u8; 16])]) -> Option<usize> {
     let v4 = |g: &[u8; 16]| g[..12] == [0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0xff, 0xff];
-    let zero = |g: &[u8; 16]| g.iter().all(|&b| b == 0);
+    let zero = |g: &[u8; 16]| g.iter().all(|&b| b == 0) || g[..8] == [0xfe, 0x80, 0, 0, 0, 0, 0, 0];
     if !zero(&peer.gid) {
         let subnet = rails.iter().position(|(_, g)| {
             !zero(g) && if v4(&peer.gid) { v4(g) && g[12..15] == peer.gid[12..15] } else { g[..8] == peer.gid[..8] }
@@ -933,6 +935,17 @@ mod tests {
         assert_eq!(match_rail(&ep("mlx5_1", ib(9, 9)), &rails), Some(1), "same name when no subnet matches");
         assert_eq!(match_rail(&ep("mlx5_0", ib(2, 7)), &rails), Some(1), "the subnet before the name");
         assert_eq!(match_rail(&ep("mlx5_0", [0; 16]), &rails), Some(0), "the name when the GID says nothing");
+        // The default subnet prefix (fe80::/64) on every port says nothing
+        // either: pairing by it would put every peer on the first rail.
+        let local = |id: u8| {
+            let mut g = [0u8; 16];
+            g[0] = 0xfe;
+            g[1] = 0x80;
+            g[15] = id;
+            g
+        };
+        let default = vec![("mlx5_0".to_string(), local(1)), ("mlx5_1".to_string(), local(2))];
+        assert_eq!(match_rail(&ep("mlx5_1", local(9)), &default), Some(1), "by name under the default prefix");
         assert_eq!(match_rail(&ep("ibp1", ib(2, 7)), &rails), Some(1), "same subnet prefix");
         assert_eq!(match_rail(&ep("ibp1", ib(3, 7)), &rails), None);
         let roce = vec![("eth0".to_string(), v4(10, 0, 1, 5)), ("eth1".to_string(), v4(10, 0, 2, 5))];

@@ -6,12 +6,14 @@
 //! Not run on hardware yet: docs/ARCHITECTURE.md, "Transports", lists what
 //! has and has not run, and the test plan for the first site with RDMA.
 
+use std::mem::ManuallyDrop;
 use std::sync::{Arc, Mutex};
 
 use sideway::ibverbs::address::{AddressHandleAttribute, Gid};
 use sideway::ibverbs::completion::{BasicCompletionQueue, PollCompletionQueueError};
 use sideway::ibverbs::device::{DeviceInfo, DeviceList};
 use sideway::ibverbs::device_context::{DeviceContext, Mtu};
+use sideway::ibverbs::memory_region::RegisterMemoryRegionErrorKind;
 use sideway::ibverbs::protection_domain::ProtectionDomain;
 use sideway::ibverbs::queue_pair::{
     BasicQueuePair, PostSendGuard, QueuePair as _, QueuePairAttribute, QueuePairState, SetScatterGatherEntry,
@@ -118,7 +120,13 @@ impl Backend for Verbs {
         // operation's hold, and by invalidating cached registrations before
         // it frees memory.
         let mr = unsafe { r.pd.reg_mr(addr, len, self.access(access)) }.map_err(|e| {
-            format!("cannot register {len} bytes on {}: {e} (is RLIMIT_MEMLOCK unlimited?)", r.spec.device)
+            // The errno's text ("Cannot allocate memory (os error 12)" when
+            // pinned memory ran out) is what the engine tells apart.
+            let why = match &e.0 {
+                RegisterMemoryRegionErrorKind::Ibverbs(io) => io.to_string(),
+                other => other.to_string(),
+            };
+            format!("cannot register {len} bytes on {}: {why} (is RLIMIT_MEMLOCK unlimited?)", r.spec.device)
         })?;
         Ok(Mr { lkey: mr.lkey(), rkey: mr.rkey(), keep: Box::new(mr) })
     }
@@ -159,8 +167,8 @@ impl Backend for Verbs {
             reads: Some(ReadLimits { responder: r.rd_atom, initiator: r.init_rd_atom }),
         };
         Ok(Box::new(VerbsQp {
-            qp: Mutex::new(qp),
-            cq,
+            qp: ManuallyDrop::new(Mutex::new(qp)),
+            cq: ManuallyDrop::new(cq),
             local,
             gid_index: r.spec.gid_index,
             rd_atom: r.rd_atom,
@@ -175,14 +183,37 @@ impl Backend for Verbs {
 }
 
 struct VerbsQp {
-    qp: Mutex<BasicQueuePair>,
-    cq: Arc<BasicCompletionQueue>,
+    /// Destroyed by hand ([`Drop`]): the queue pair first, then its
+    /// completion queue, and neither when the queue pair's destroy fails.
+    qp: ManuallyDrop<Mutex<BasicQueuePair>>,
+    cq: ManuallyDrop<Arc<BasicCompletionQueue>>,
     local: Endpoint,
     gid_index: u8,
     rd_atom: u8,
     init_rd_atom: u8,
     /// The READs it may issue at once (0 until connected).
     read_depth: std::sync::atomic::AtomicU8,
+}
+
+impl Drop for VerbsQp {
+    /// `sideway` panics when a destroy fails. A queue pair that could not be
+    /// destroyed still holds its completion queue, whose destroy would then
+    /// fail and panic again while the first unwinds (an abort): so the queue
+    /// pair's destroy is caught, and on failure the completion queue is
+    /// leaked with it (the engine leaks the failed requests' memory too),
+    /// and the panic goes on to the engine, which catches it.
+    fn drop(&mut self) {
+        // SAFETY: `qp` is taken exactly once, here, and not used after.
+        let qp = unsafe { ManuallyDrop::take(&mut self.qp) };
+        let destroyed = std::panic::catch_unwind(std::panic::AssertUnwindSafe(move || drop(qp)));
+        match destroyed {
+            Ok(()) => {
+                // SAFETY: `cq` is taken exactly once, here, and not used after.
+                drop(unsafe { ManuallyDrop::take(&mut self.cq) });
+            }
+            Err(panic) => std::panic::resume_unwind(panic),
+        }
+    }
 }
 
 impl QueuePair for VerbsQp {

@@ -330,7 +330,7 @@ pub async fn serve(conn: kv_common::listen::Accepted, shared: Arc<Shared>) {
     let mut wr = BufWriter::with_capacity(WRITE_BUFFER, wr);
     match handshake(&mut rd, &mut wr, &shared, peer, &opening).await {
         Ok(Greeted::Accepted) => {}
-        Ok(Greeted::Denied) => return,
+        Ok(Greeted::Denied | Greeted::Closed) => return,
         Ok(Greeted::Busy) => {
             // Close after the peer's FIN, so the answer is not lost to a
             // reset; the accept loop's hello deadline bounds the wait.
@@ -440,6 +440,8 @@ enum Greeted {
     Denied,
     /// The node is at its connection cap: the caller closes gracefully.
     Busy,
+    /// The connection was closed before it could be admitted: no answer.
+    Closed,
 }
 
 /// The hello (docs/PROTOCOL.md §1): agrees on a version, checks the auth
@@ -476,10 +478,15 @@ async fn handshake(
         // client then says hello in v2).
         Some(t) => version >= 2 && t.matches(&offered),
     };
+    use kv_common::listen::Admission;
     let greeted = match allowed {
         false => Greeted::Denied,
-        true if opening.admit() => Greeted::Accepted,
-        true => Greeted::Busy,
+        true => match opening.admit() {
+            Admission::Admitted => Greeted::Accepted,
+            Admission::Full => Greeted::Busy,
+            // Closed to make room, or the node is stopping: no answer.
+            Admission::Closed => return Ok(Greeted::Closed),
+        },
     };
     let reply = match greeted {
         Greeted::Accepted => Hello { version, status: HELLO_ACCEPTED, max_record: shared.limits.max_record },
@@ -487,6 +494,7 @@ async fn handshake(
         // previous release's client then prints "node speaks protocol v2").
         Greeted::Denied => Hello { version: WIRE_VERSION, status: HELLO_DENIED, max_record: shared.limits.max_record },
         Greeted::Busy => Hello { version: WIRE_VERSION, status: HELLO_BUSY, max_record: 0 },
+        Greeted::Closed => return Ok(Greeted::Closed),
     };
     wr.write_all(&reply.encode()).await?;
     wr.flush().await?;
@@ -502,7 +510,7 @@ async fn handshake(
         Greeted::Accepted if version < 2 => {
             shared.v1_accepted.fetch_add(1, Ordering::Relaxed);
         }
-        Greeted::Accepted => {}
+        Greeted::Accepted | Greeted::Closed => {}
     }
     Ok(greeted)
 }

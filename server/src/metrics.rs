@@ -525,7 +525,8 @@ pub const MAX_CONNS: usize = 64;
 pub async fn serve(listener: TcpListener, shared: Arc<Shared>, registry: Registry, shutdown: watch::Receiver<bool>) {
     let history = Arc::new(Mutex::new(History::default()));
     tokio::spawn(sampler(shared.clone(), history.clone(), shutdown.clone()));
-    let gate = kv_common::listen::Gate::new("metrics port", MAX_CONNS, Duration::from_secs(10), Duration::from_secs(5));
+    let gate =
+        kv_common::listen::Gate::new("metrics port", MAX_CONNS, Duration::from_secs(10), Some(Duration::from_secs(5)));
     let service = Arc::new(MetricsPort { shared, registry: Arc::new(registry), history });
     kv_common::listen::run(listener, gate, Arc::default(), service, shutdown).await;
 }

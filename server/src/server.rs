@@ -193,10 +193,10 @@ pub async fn run(
 ) -> std::io::Result<()> {
     let upkeep = tokio::spawn(upkeep(shared.store.clone(), shutdown.clone()));
     let hello_deadline = HELLO_DEADLINE.min(shared.frame_timeout);
-    // Connections end their own drain within DRAIN_MAX plus the time to
-    // finish the frame they are in; this bound is only for one stuck past it.
-    let drain_limit = shared.frame_timeout * 2 + Duration::from_secs(10);
-    let gate = kv_common::listen::Gate::new("data port", max_conns, hello_deadline, drain_limit);
+    // No limit on the drain: connections end their own within DRAIN_MAX plus
+    // the frame they are in, and the checkpoint below must come after every
+    // request they started.
+    let gate = kv_common::listen::Gate::new("data port", max_conns, hello_deadline, None);
     let counters = shared.listener.clone();
     kv_common::listen::run(listener, gate, counters, Arc::new(DataPlane(shared.clone())), shutdown).await;
     let _ = upkeep.await;

@@ -1135,6 +1135,13 @@ impl Store {
         *w = Arc::new(View::new(carried, next));
     }
 
+    /// Calls `hook` at the start of each disk's revival scan (for tests of
+    /// what may run meanwhile).
+    #[doc(hidden)]
+    pub fn on_revival_scan(&self, hook: RevivalHook) {
+        *lock(&self.revival_hook) = Some(hook);
+    }
+
     /// Takes disks out of service back when their directory holds the disk
     /// marker again and the disk opens (its index recovered as at a start).
     /// A disk is tried once its filesystem was remounted (the marker was
@@ -1143,17 +1150,12 @@ impl Store {
     /// taken back, up to an hour), so a disk failing on a bad sector does not
     /// flap. A disk taken back forgets the keys deleted while it was out and
     /// the keys stored on another disk meanwhile (the newer copy wins); the
-    /// scan runs before the store's view is locked, and only the deletes
-    /// recorded since are checked under the lock. Never creates a directory
+    /// scan runs against a snapshot of the deletes recorded, with neither the
+    /// store's view nor the deletes locked (deletes go on meanwhile), and
+    /// only the deletes recorded since, kept by key, are applied under the
+    /// lock. Never creates a directory
     /// or a marker: a mount point with nothing mounted stays out. Returns
     /// how many disks came back.
-    /// Calls `hook` at the start of each disk's revival scan (for tests of
-    /// what may run meanwhile).
-    #[doc(hidden)]
-    pub fn on_revival_scan(&self, hook: RevivalHook) {
-        *lock(&self.revival_hook) = Some(hook);
-    }
-
     pub fn revive_disks(&self) -> usize {
         let Some(reopen) = &self.reopen else { return 0 };
         let v = self.view();
@@ -1198,6 +1200,14 @@ impl Store {
             dd.since_snapshot = Some(Some(Vec::new()));
             (dd.keys.clone(), dd.hasher.clone(), dd.overflowed)
         };
+        // Deletes stop being kept by key when this revival ends, however.
+        struct EndSince<'a>(&'a Mutex<DownDeletes>);
+        impl Drop for EndSince<'_> {
+            fn drop(&mut self) {
+                lock(self.0).since_snapshot = None;
+            }
+        }
+        let _end = EndSince(&self.down_deletes);
         let hash = |k: &[u8]| std::hash::BuildHasher::hash_one(&hasher, k);
         let mut scanned = Vec::new();
         for (i, d, rep, t0) in opened {
