@@ -80,20 +80,21 @@ fn run(cfg: ServerConfig) -> Result<(), String> {
             "memory tier not faulted in yet: serving anyway (early requests may be slower)"
         );
     }
-    let mut shared = Shared::new(store, cfg.max_record, cfg.max_inflight);
-    shared.recovery = kv_server::server::Recovery {
-        records: reports.iter().map(|r| r.records).sum(),
-        reclaimed: reports.iter().map(|r| r.reclaimed).sum(),
-        seconds: started.elapsed().as_secs_f64(),
+    let settings = kv_server::server::NodeSettings {
+        idle_timeout: cfg.idle_timeout,
+        token: cfg.auth_token.clone(),
+        handoff_window: cfg.handoff,
+        node_id: cfg.membership.as_ref().map(|m| m.id.clone()),
+        group: cfg.membership.as_ref().map(|m| m.group.clone()),
+        recovery: kv_server::server::Recovery {
+            records: reports.iter().map(|r| r.records).sum(),
+            reclaimed: reports.iter().map(|r| r.reclaimed).sum(),
+            seconds: started.elapsed().as_secs_f64(),
+        },
+        ..kv_server::server::NodeSettings::new(cfg.max_record, cfg.max_inflight)
     };
-    if let Some(m) = &cfg.membership {
-        shared.node_id = Some(m.id.clone());
-        shared.group = Some(m.group.clone());
-    }
-    shared.idle_timeout = cfg.idle_timeout;
+    let mut shared = Shared::new(store, settings);
     start_rdma(&mut shared, &cfg.rdma);
-    shared.token = cfg.auth_token.clone();
-    shared.handoff = kv_server::handoff::Handoff::new(cfg.handoff);
     if let Some(w) = cfg.auth_token_file.as_deref().and_then(kv_common::auth::loose_permissions) {
         tracing::warn!("{w}");
     }

@@ -105,6 +105,47 @@ impl<T> Fresh<T> {
     }
 }
 
+/// What a node is configured with, for the state its connections share
+/// ([`Shared::new`]). [`NodeSettings::new`] has the defaults of the
+/// configuration keys (docs/DEPLOY.md).
+#[derive(Debug, Clone)]
+pub struct NodeSettings {
+    /// The largest record taken (`--max-record`), told in the hello.
+    pub max_record: u64,
+    /// Bytes of put bodies and unsent get records held at once (`--max-inflight`).
+    pub max_inflight: u64,
+    /// A connection idle this long is closed (`--idle-timeout`; None: never).
+    pub idle_timeout: Option<std::time::Duration>,
+    /// Time for a begun frame and for a response to be taken (tests shorten it).
+    pub frame_timeout: std::time::Duration,
+    /// The group's auth token (`--auth-token-file`).
+    pub token: Option<kv_common::auth::Token>,
+    /// How long a deleted key's copies are refused (`--handoff-secs`).
+    pub handoff_window: std::time::Duration,
+    /// `--id` and `--group` when the node joins a group.
+    pub node_id: Option<String>,
+    pub group: Option<String>,
+    /// What the disks' recovery found at start.
+    pub recovery: Recovery,
+}
+
+impl NodeSettings {
+    /// The defaults, with these limits.
+    pub fn new(max_record: u64, max_inflight: u64) -> NodeSettings {
+        NodeSettings {
+            max_record,
+            max_inflight,
+            idle_timeout: Some(std::time::Duration::from_secs(120)),
+            frame_timeout: crate::conn::FRAME_TIMEOUT,
+            token: None,
+            handoff_window: std::time::Duration::from_secs(600),
+            node_id: None,
+            group: None,
+            recovery: Recovery::default(),
+        }
+    }
+}
+
 /// What the disks' recovery found at start, summed over the disks.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct Recovery {
@@ -114,7 +155,20 @@ pub struct Recovery {
 }
 
 impl Shared {
-    pub fn new(store: Arc<Store>, max_record: u64, max_inflight: u64) -> Shared {
+    /// The state of a node over `store`, built from its settings. (RDMA,
+    /// when devices are named, is started on it afterwards.)
+    pub fn new(store: Arc<Store>, settings: NodeSettings) -> Shared {
+        let NodeSettings {
+            max_record,
+            max_inflight,
+            idle_timeout,
+            frame_timeout,
+            token,
+            handoff_window,
+            node_id,
+            group,
+            recovery,
+        } = settings;
         let units = max_inflight.div_ceil(4096).min(Semaphore::MAX_PERMITS as u64) as usize;
         Shared {
             store,
@@ -122,9 +176,9 @@ impl Shared {
             inflight_bytes: Arc::new(Semaphore::new(units)),
             io_slots: Semaphore::new(64),
             connections: AtomicU64::new(0),
-            idle_timeout: Some(std::time::Duration::from_secs(120)),
-            frame_timeout: crate::conn::FRAME_TIMEOUT,
-            token: None,
+            idle_timeout,
+            frame_timeout,
+            token,
             denied: AtomicU64::new(0),
             v1_accepted: AtomicU64::new(0),
             refused: AtomicU64::new(0),
@@ -132,14 +186,14 @@ impl Shared {
             snapshot: Fresh::default(),
             denied_log: std::sync::Mutex::new((None, 0)),
             ops: crate::metrics::OpMetrics::default(),
-            recovery: Recovery::default(),
-            node_id: None,
-            group: None,
+            recovery,
+            node_id,
+            group,
             rdma_counters: Arc::new(kv_rdma::Counters::default()),
             rdma: None,
             rdma_depth: kv_rdma::DEFAULT_DEPTH,
             rdma_off: "no RDMA device named on this node (--rdma-dev)".into(),
-            handoff: crate::handoff::Handoff::new(std::time::Duration::from_secs(600)),
+            handoff: crate::handoff::Handoff::new(handoff_window),
             draining: std::sync::atomic::AtomicBool::new(false),
         }
     }

@@ -9,7 +9,7 @@ use std::time::Duration;
 use kv_common::page::{build_record, Geometry};
 use kv_common::status::Status;
 use kv_common::wire::{Hello, Op, ReqHeader, HELLO_LEN, WIRE_VERSION};
-use kv_server::server::{self, Shared};
+use kv_server::server::{self, NodeSettings, Shared};
 use kv_server::store::{DiskSpec, Store, StoreConfig};
 use kvclient::conn::GetResult;
 use kvclient::Conn;
@@ -52,13 +52,13 @@ impl TestServer {
         let tmp = tempfile::tempdir().unwrap();
         let dirs: Vec<PathBuf> = (0..2).map(|i| tmp.path().join(format!("d{i}"))).collect();
         let (store, _) = Store::open(&store_config(&dirs)).unwrap();
-        let mut shared = Shared::new(Arc::new(store), 8 << 20, 64 << 20);
-        if idle.is_some() {
-            shared.idle_timeout = idle;
-        }
-        if let Some(f) = frame {
-            shared.frame_timeout = f;
-        }
+        let defaults = NodeSettings::new(8 << 20, 64 << 20);
+        let settings = NodeSettings {
+            idle_timeout: idle.or(defaults.idle_timeout),
+            frame_timeout: frame.unwrap_or(defaults.frame_timeout),
+            ..defaults
+        };
+        let shared = Shared::new(Arc::new(store), settings);
         let shared = Arc::new(shared);
         let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
         let listener = rt.block_on(tokio::net::TcpListener::bind("127.0.0.1:0")).unwrap();

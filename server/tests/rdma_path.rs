@@ -16,7 +16,7 @@ use kv_common::status::Status;
 use kv_rdma::engine::fake::{FakeBackend, FakeNet};
 use kv_rdma::engine::Runtime;
 use kv_rdma::{Counters, RailSpec, Settings};
-use kv_server::server::{self, Shared};
+use kv_server::server::{self, NodeSettings, Shared};
 use kv_server::store::{DiskSpec, Store, StoreConfig};
 use kvclient::client::{Client, GetItem};
 use kvclient::members::Member;
@@ -76,7 +76,7 @@ impl Node {
             ack_memory_max: None,
         };
         let (store, _) = Store::open(&cfg).unwrap();
-        let mut shared = Shared::new(Arc::new(store), 8 << 20, 64 << 20);
+        let mut shared = Shared::new(Arc::new(store), NodeSettings::new(8 << 20, 64 << 20));
         if let Some(rt) = &rdma {
             if let Some((a, l)) = shared.store.pool().arena_range() {
                 rt.pin(a, l).unwrap();
