@@ -10,7 +10,11 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 runs=${1:-3}
-work=${2:-$(mktemp -d)}
+# A work dir of our own is removed at the end (the nodes' disks hold GBs,
+# and runs alternated in one session would otherwise fill the disk and slow
+# the later ones); one given is kept, logs and all.
+own_work=0
+if [ -n "${2:-}" ]; then work=$2; else work=$(mktemp -d); own_work=1; fi
 mkdir -p "$work"
 if [ -n "${KVCELLAR_BIN:-}" ]; then
   bin=$KVCELLAR_BIN
@@ -19,7 +23,12 @@ else
   bin=target/release
 fi
 pids=()
-cleanup() { for p in "${pids[@]}"; do kill -TERM "$p" 2>/dev/null || true; done; wait 2>/dev/null || true; }
+cleanup() {
+  for p in "${pids[@]}"; do kill -TERM "$p" 2>/dev/null || true; done
+  wait 2>/dev/null || true
+  [ "$own_work" = 1 ] && rm -rf "$work"
+  return 0
+}
 trap cleanup EXIT INT TERM
 source scripts/bench-nodes.sh
 start_bench_nodes 8G
