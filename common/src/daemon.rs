@@ -29,3 +29,42 @@ pub async fn wait_for_signal() {
         }
     }
 }
+
+/// Says yes at most once per `every`: for a log line that a flood of the
+/// same event (refusals, denied tokens) must not repeat for each event.
+/// `const`, so it can be a `static` beside the code that logs.
+#[derive(Debug)]
+pub struct Throttle {
+    every: std::time::Duration,
+    last: std::sync::Mutex<Option<std::time::Instant>>,
+}
+
+impl Throttle {
+    pub const fn new(every: std::time::Duration) -> Throttle {
+        Throttle { every, last: std::sync::Mutex::new(None) }
+    }
+
+    /// True the first time, then once `every` has passed since the last yes.
+    pub fn ready(&self) -> bool {
+        let mut last = self.last.lock().unwrap_or_else(|e| e.into_inner());
+        if last.is_some_and(|t| t.elapsed() < self.every) {
+            return false;
+        }
+        *last = Some(std::time::Instant::now());
+        true
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_throttle_says_yes_once_per_period() {
+        let t = Throttle::new(std::time::Duration::from_secs(3600));
+        assert!(t.ready());
+        assert!(!t.ready() && !t.ready());
+        let t = Throttle::new(std::time::Duration::ZERO);
+        assert!(t.ready() && t.ready());
+    }
+}

@@ -146,11 +146,6 @@ impl Opening {
         *lock(&self.permit) = Some(permit);
         Admission::Admitted
     }
-
-    /// Whether [`Opening::admit`] said yes.
-    pub fn admitted(&self) -> bool {
-        lock(&self.permit).is_some()
-    }
 }
 
 impl Drop for Opening {
@@ -254,7 +249,7 @@ pub async fn run<S: Service>(
     });
     let mut tasks = tokio::task::JoinSet::new();
     let mut backoff = Duration::from_millis(5);
-    let mut closed_logged: Option<Instant> = None;
+    let closed_logged = crate::daemon::Throttle::new(Duration::from_secs(60));
     'accept: loop {
         // The budget full of openings younger than MIN_AGE: new connections
         // wait in the backlog until one ends or is old enough to close.
@@ -301,8 +296,7 @@ pub async fn run<S: Service>(
                 if let Some((_, oldest, _)) = g.queue.pop_front() {
                     oldest.notify_one();
                     slots.counters.openings_closed.fetch_add(1, Ordering::Relaxed);
-                    if closed_logged.is_none_or(|t| t.elapsed() > Duration::from_secs(60)) {
-                        closed_logged = Some(Instant::now());
+                    if closed_logged.ready() {
                         tracing::warn!(listener = gate.name, budget = gate.max_opening,
                             "connections that have not said hello fill their budget: closing the oldest (one line a minute at most)");
                     }

@@ -150,10 +150,8 @@ impl kv_common::listen::Service for Api {
         if kv_common::listen::serve_http(conn, svc, &busy, READ_TIMEOUT).await == kv_common::listen::HttpEnd::Refused {
             self.mds.reg.counters.refused_conns.fetch_add(1, Ordering::Relaxed);
             // One line a minute at most, whatever the rate of refusals.
-            static LOGGED: std::sync::Mutex<Option<std::time::Instant>> = std::sync::Mutex::new(None);
-            let mut last = LOGGED.lock().unwrap_or_else(|e| e.into_inner());
-            if last.is_none_or(|t| t.elapsed() > Duration::from_secs(60)) {
-                *last = Some(std::time::Instant::now());
+            static LOGGED: kv_common::daemon::Throttle = kv_common::daemon::Throttle::new(Duration::from_secs(60));
+            if LOGGED.ready() {
                 tracing::warn!(%peer, cap = self.max_conns, "connection cap reached: refusing connections (503)");
             }
         }
@@ -173,16 +171,12 @@ fn authorized(tokens: &kv_common::auth::GroupTokens, group: &str, req: &Request<
 
 /// The 401 of a refused call, logged once a minute at most.
 fn denied(mds: &Mds, group: &str, peer: std::net::SocketAddr, req: &Request<Incoming>) -> Reply {
-    static LOGGED: std::sync::Mutex<Option<std::time::Instant>> = std::sync::Mutex::new(None);
+    static LOGGED: kv_common::daemon::Throttle = kv_common::daemon::Throttle::new(Duration::from_secs(60));
     mds.reg.counters.denied.fetch_add(1, Ordering::Relaxed);
-    {
-        let mut last = LOGGED.lock().unwrap_or_else(|e| e.into_inner());
-        if last.is_none_or(|t| t.elapsed() > Duration::from_secs(60)) {
-            *last = Some(std::time::Instant::now());
-            let had = req.headers().contains_key(hyper::header::AUTHORIZATION);
-            tracing::warn!(%peer, group, path = req.uri().path(), "refused a call: {} auth token (one line a minute at most; kvmds_denied_requests_total counts all)",
-                if had { "wrong" } else { "no" });
-        }
+    if LOGGED.ready() {
+        let had = req.headers().contains_key(hyper::header::AUTHORIZATION);
+        tracing::warn!(%peer, group, path = req.uri().path(), "refused a call: {} auth token (one line a minute at most; kvmds_denied_requests_total counts all)",
+            if had { "wrong" } else { "no" });
     }
     let mut r = error(StatusCode::UNAUTHORIZED, format!("missing or wrong auth token for group {group}"));
     r.headers_mut().insert(hyper::header::WWW_AUTHENTICATE, hyper::header::HeaderValue::from_static("Bearer"));

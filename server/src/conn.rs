@@ -517,10 +517,8 @@ async fn handshake(
 
 /// Logs a connection refused at the cap: one line a minute at most.
 fn log_busy(peer: SocketAddr) {
-    static LOGGED: std::sync::Mutex<Option<std::time::Instant>> = std::sync::Mutex::new(None);
-    let mut last = LOGGED.lock().unwrap_or_else(|e| e.into_inner());
-    if last.is_none_or(|t| t.elapsed() > Duration::from_secs(60)) {
-        *last = Some(std::time::Instant::now());
+    static LOGGED: kv_common::daemon::Throttle = kv_common::daemon::Throttle::new(Duration::from_secs(60));
+    if LOGGED.ready() {
         tracing::warn!(%peer, "connection cap reached: refusing connections (--max-conns; one line a minute at most)");
     }
 }

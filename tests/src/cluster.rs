@@ -15,6 +15,36 @@ pub fn free_port() -> u16 {
 
 /// Polls `f` every 20 ms until it returns Some, or panics with `what`
 /// after `limit`.
+/// A kept-alive HTTP connection to `addr` whose `GET /healthz` was answered
+/// 200 (so the listener admitted it and it holds one of its slots), left
+/// open. Panics with the answer when it is not a 200.
+pub fn held_http_connection(addr: &str) -> std::net::TcpStream {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(addr).expect("connect");
+    s.set_read_timeout(Some(Duration::from_secs(10))).expect("timeout");
+    s.write_all(b"GET /healthz HTTP/1.1\r\nhost: x\r\n\r\n").expect("request");
+    let mut seen = Vec::new();
+    let mut b = [0u8; 1024];
+    let body_from = loop {
+        if let Some(i) = seen.windows(4).position(|w| w == b"\r\n\r\n") {
+            break i + 4;
+        }
+        let n = s.read(&mut b).expect("answer");
+        assert!(n > 0, "closed before an answer: {}", String::from_utf8_lossy(&seen));
+        seen.extend_from_slice(&b[..n]);
+    };
+    let head = String::from_utf8_lossy(&seen[..body_from]).to_ascii_lowercase();
+    assert!(head.starts_with("http/1.1 200"), "{head}");
+    let len: usize =
+        head.lines().find_map(|l| l.strip_prefix("content-length:")).and_then(|v| v.trim().parse().ok()).unwrap_or(0);
+    while seen.len() < body_from + len {
+        let n = s.read(&mut b).expect("body");
+        assert!(n > 0, "closed inside the body");
+        seen.extend_from_slice(&b[..n]);
+    }
+    s
+}
+
 pub fn wait_until<T>(limit: Duration, what: &str, mut f: impl FnMut() -> Option<T>) -> T {
     let deadline = Instant::now() + limit;
     loop {

@@ -482,21 +482,7 @@ fn a_replica_at_its_limits_refuses_clearly_and_serves_on() {
     assert_eq!(ok(), Some(200), "silent sockets cannot crowd callers out");
     // Three kept-alive connections, each answered once, fill the cap: the
     // next one is told so (503).
-    let held: Vec<std::net::TcpStream> = (0..3)
-        .map(|_| {
-            let mut s = std::net::TcpStream::connect(&mds.addr).unwrap();
-            s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
-            s.write_all(b"GET /healthz HTTP/1.1\r\nhost: x\r\n\r\n").unwrap();
-            let mut seen = Vec::new();
-            let mut b = [0u8; 1024];
-            while !String::from_utf8_lossy(&seen).contains("\r\n\r\n") {
-                let n = s.read(&mut b).unwrap();
-                assert!(n > 0, "answered");
-                seen.extend_from_slice(&b[..n]);
-            }
-            s
-        })
-        .collect();
+    let held: Vec<std::net::TcpStream> = (0..3).map(|_| kv_e2e::cluster::held_http_connection(&mds.addr)).collect();
     let (status, body) = wait_until(Duration::from_secs(5), "a 503 at the cap", || {
         m.request(&mds.addr, "GET", "/v1/groups/g/view", None, Duration::ZERO).ok().filter(|(s, _)| *s == 503)
     });

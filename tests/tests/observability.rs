@@ -343,22 +343,7 @@ fn the_metrics_port_caps_its_connections() {
     use std::io::{Read, Write};
     let t = tier(&[]);
     // 64 keep-alive connections, each answered once (so admitted), held open.
-    let held: Vec<std::net::TcpStream> = (0..64)
-        .map(|_| {
-            let mut s = std::net::TcpStream::connect(&t.metrics).unwrap();
-            s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
-            s.write_all(b"GET /healthz HTTP/1.1\r\nhost: x\r\n\r\n").unwrap();
-            let mut seen = Vec::new();
-            let mut b = [0u8; 512];
-            while !seen.ends_with(b"ok\n") {
-                let n = s.read(&mut b).unwrap();
-                assert!(n > 0, "answered: {}", String::from_utf8_lossy(&seen));
-                seen.extend_from_slice(&b[..n]);
-            }
-            assert!(seen.starts_with(b"HTTP/1.1 200"));
-            s
-        })
-        .collect();
+    let held: Vec<std::net::TcpStream> = (0..64).map(|_| kv_e2e::cluster::held_http_connection(&t.metrics)).collect();
     // The 65th is told why it is refused.
     let refused = wait_until(Duration::from_secs(20), "a 503 past the cap", || {
         let mut s = std::net::TcpStream::connect(&t.metrics).ok()?;
