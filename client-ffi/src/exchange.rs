@@ -7,8 +7,8 @@ use std::io::IoSlice;
 use kv_common::page::{Geometry, PageHeader, HEADER_LEN};
 use kv_common::status::Status;
 use kv_common::wire::{self, KeyRequest, Op, ReqHeader, RspHeader, FLAG_CHECK_GEOMETRY, FRAME_HEADER_LEN};
+use kv_common::wire::{encode_segments, Segment, MAX_SEGMENTS};
 use kv_common::wire::{FLAG_RDMA, RSP_FLAG_RDMA, RSP_FLAG_RDMA_FAILED};
-use kv_rdma::bootstrap::{encode_segments, Segment, MAX_SEGMENTS};
 use kv_rdma::engine::{PeerAccess, Registration};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 

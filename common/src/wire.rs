@@ -46,7 +46,7 @@ pub const RSP_FLAG_DUPLICATE: u16 = 1;
 /// Request flag (GET, PUT): the payload moves by RDMA over the queue pair
 /// this connection set up with RDMA_CONNECT. A GET body is then a segment
 /// list followed by the key request; a PUT body is the record's header and
-/// key followed by a segment list instead of the payload (rdma::bootstrap).
+/// key followed by a segment list instead of the payload ([`Segment`]).
 pub const FLAG_RDMA: u8 = 2;
 /// Request flag (GET, EXIST, BATCH_EXIST, PUT): a handoff request
 /// (docs/ARCHITECTURE.md, "Ring transitions"). On GET and EXIST: the key
@@ -400,6 +400,68 @@ pub fn decode_batch_status(b: &[u8]) -> Result<Vec<Status>, WireError> {
     Ok(b[4..].iter().map(|&x| Status::from_wire(x)).collect())
 }
 
+/// Most segments one request may name.
+pub const MAX_SEGMENTS: usize = 1024;
+/// Bytes of one segment.
+pub const SEGMENT_LEN: usize = 16;
+
+/// A piece of the peer's registered memory that a request names (docs/PROTOCOL.md
+/// §2.8): where a payload goes (a GET with [`FLAG_RDMA`]) or comes from (a PUT
+/// with it) when it does not travel inline in the frame.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Segment {
+    pub addr: u64,
+    pub rkey: u32,
+    pub len: u32,
+}
+
+/// Appends `u16 count` and the segments.
+pub fn encode_segments(segs: &[Segment], out: &mut Vec<u8>) {
+    out.extend_from_slice(&(segs.len() as u16).to_le_bytes());
+    for s in segs {
+        out.extend_from_slice(&s.addr.to_le_bytes());
+        out.extend_from_slice(&s.rkey.to_le_bytes());
+        out.extend_from_slice(&s.len.to_le_bytes());
+    }
+}
+
+/// Splits a body that starts with a segment list: the segments, and the
+/// bytes after them.
+pub fn split_segments(b: &[u8]) -> Result<(Vec<Segment>, &[u8]), WireError> {
+    if b.len() < 2 {
+        return Err(WireError::Malformed("segment list"));
+    }
+    let end = 2 + le_u16(b, 0) as usize * SEGMENT_LEN;
+    if b.len() < end {
+        return Err(WireError::Malformed("segment list (longer than the body)"));
+    }
+    Ok((decode_segments(&b[..end])?, &b[end..]))
+}
+
+/// Decodes what [`encode_segments`] wrote, which must fill `b` exactly.
+pub fn decode_segments(b: &[u8]) -> Result<Vec<Segment>, WireError> {
+    if b.len() < 2 {
+        return Err(WireError::Malformed("segment list"));
+    }
+    let n = le_u16(b, 0) as usize;
+    if n == 0 || n > MAX_SEGMENTS {
+        return Err(WireError::Malformed("segment list (count out of range 1..=1024)"));
+    }
+    if b.len() != 2 + n * SEGMENT_LEN {
+        return Err(WireError::Malformed("segment list (length does not match its count)"));
+    }
+    let segs: Vec<Segment> = (0..n)
+        .map(|i| {
+            let o = 2 + i * SEGMENT_LEN;
+            Segment { addr: le_u64(b, o), rkey: le_u32(b, o + 8), len: le_u32(b, o + 12) }
+        })
+        .collect();
+    if segs.iter().any(|s| s.len == 0 || s.addr.checked_add(u64::from(s.len)).is_none()) {
+        return Err(WireError::Malformed("segment list (an empty segment or one that wraps the address space)"));
+    }
+    Ok(segs)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -506,5 +568,27 @@ mod tests {
             let cut = cut.min(body.len());
             prop_assert!(decode_batch_exist(&body[..body.len() - cut]).is_err());
         }
+    }
+
+    #[test]
+    fn segments_are_checked() {
+        let segs = [Segment { addr: 0x7f00_0000_0000, rkey: 9, len: 4096 }, Segment { addr: 1, rkey: 2, len: 3 }];
+        let mut b = Vec::new();
+        encode_segments(&segs, &mut b);
+        assert_eq!(b.len(), 2 + 32);
+        assert_eq!(decode_segments(&b).unwrap(), segs);
+        assert!(decode_segments(&b[..b.len() - 1]).is_err());
+        assert!(decode_segments(&[0, 0]).is_err());
+        let mut wrap = Vec::new();
+        encode_segments(&[Segment { addr: u64::MAX, rkey: 1, len: 2 }], &mut wrap);
+        assert!(decode_segments(&wrap).is_err());
+        let mut with_tail = b.clone();
+        with_tail.extend_from_slice(b"key");
+        let (s, rest) = split_segments(&with_tail).unwrap();
+        assert_eq!((s.as_slice(), rest), (&segs[..], &b"key"[..]));
+        assert!(split_segments(&b[..20]).is_err());
+        let mut empty = Vec::new();
+        encode_segments(&[Segment { addr: 1, rkey: 1, len: 0 }], &mut empty);
+        assert!(decode_segments(&empty).is_err());
     }
 }

@@ -74,7 +74,7 @@ pub fn frame(data: &[u8]) {
 /// decodes a client's endpoint and segments, the client the node's answer.
 /// What decodes re-encodes to the same bytes and stays within its limits.
 pub fn rdma(data: &[u8]) {
-    use kv_rdma::bootstrap::{self, Answer, Endpoint};
+    use kv_rdma::bootstrap::{Answer, Endpoint};
     if let Ok(e) = Endpoint::decode_request(data) {
         assert_eq!(e.encode_request(), data, "an endpoint re-encodes byte for byte");
         assert!(e.qpn < 1 << 24 && e.psn < 1 << 24 && (1..=5).contains(&e.mtu));
@@ -82,9 +82,10 @@ pub fn rdma(data: &[u8]) {
     if let Ok(a) = Answer::decode(data) {
         assert_eq!(Answer::decode(&a.encode()).as_ref(), Ok(&a), "an answer round-trips");
     }
-    if let Ok((segs, rest)) = bootstrap::split_segments(data) {
-        assert!(!segs.is_empty() && segs.len() <= bootstrap::MAX_SEGMENTS);
-        assert_eq!(rest.len() + 2 + segs.len() * bootstrap::SEGMENT_LEN, data.len());
+    use kv_common::wire::{split_segments, MAX_SEGMENTS, SEGMENT_LEN};
+    if let Ok((segs, rest)) = split_segments(data) {
+        assert!(!segs.is_empty() && segs.len() <= MAX_SEGMENTS);
+        assert_eq!(rest.len() + 2 + segs.len() * SEGMENT_LEN, data.len());
         assert!(segs.iter().all(|s| s.len > 0 && s.addr.checked_add(u64::from(s.len)).is_some()));
     }
 }

@@ -217,7 +217,8 @@ fn seeds() {
     write("frame", "delete", &hdr(Op::Delete, b"\x01\x00k"));
     write("frame", "hello_v2", &wire::client_hello(2, Some(b"token")));
     {
-        use kv_rdma::bootstrap::{encode_segments, Answer, Endpoint, Segment};
+        use kv_common::wire::{encode_segments, Segment};
+        use kv_rdma::bootstrap::{Answer, Endpoint};
         let ep = Endpoint {
             depth: 32,
             port: 1,

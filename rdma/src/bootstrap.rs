@@ -6,11 +6,13 @@
 //! bootstrap version says which, and a node without RDMA says why; either
 //! way the connection carries on over TCP.
 //!
-//! Also here: the memory segments a request names (address, length, key) so
-//! the node can move the payload by RDMA.
+//! The memory segments a request names (address, length, key) so the node
+//! can move the payload by RDMA are part of the frame: `kv_common::wire`.
 
 /// The bootstrap version this code speaks.
 pub const BOOTSTRAP_VERSION: u16 = 2;
+
+pub use kv_common::wire::{Segment, MAX_SEGMENTS};
 
 fn le_u16(b: &[u8], at: usize) -> u16 {
     u16::from_le_bytes([b[at], b[at + 1]])
@@ -20,20 +22,11 @@ fn le_u32(b: &[u8], at: usize) -> u32 {
     u32::from_le_bytes([b[at], b[at + 1], b[at + 2], b[at + 3]])
 }
 
-fn le_u64(b: &[u8], at: usize) -> u64 {
-    let mut a = [0u8; 8];
-    a.copy_from_slice(&b[at..at + 8]);
-    u64::from_le_bytes(a)
-}
 /// Answer codes.
 pub const ACCEPTED: u16 = 0;
 pub const VERSION_REFUSED: u16 = 1;
 pub const NOT_OFFERED: u16 = 2;
 pub const SETUP_FAILED: u16 = 3;
-/// Most segments one request may name.
-pub const MAX_SEGMENTS: usize = 1024;
-/// Bytes of one segment.
-pub const SEGMENT_LEN: usize = 16;
 /// Longest reason text in an answer.
 pub const MAX_REASON: usize = 1024;
 
@@ -251,62 +244,6 @@ impl Answer {
     }
 }
 
-/// A piece of registered memory at the other end: where a payload goes (a
-/// get) or comes from (a put).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Segment {
-    pub addr: u64,
-    pub rkey: u32,
-    pub len: u32,
-}
-
-/// Appends `u16 count` and the segments.
-pub fn encode_segments(segs: &[Segment], out: &mut Vec<u8>) {
-    out.extend_from_slice(&(segs.len() as u16).to_le_bytes());
-    for s in segs {
-        out.extend_from_slice(&s.addr.to_le_bytes());
-        out.extend_from_slice(&s.rkey.to_le_bytes());
-        out.extend_from_slice(&s.len.to_le_bytes());
-    }
-}
-
-/// Splits a body that starts with a segment list: the segments, and the
-/// bytes after them.
-pub fn split_segments(b: &[u8]) -> Result<(Vec<Segment>, &[u8]), BootstrapError> {
-    if b.len() < 2 {
-        return Err(BootstrapError::Short(b.len()));
-    }
-    let end = 2 + le_u16(b, 0) as usize * SEGMENT_LEN;
-    if b.len() < end {
-        return Err(BootstrapError::Invalid("segment list longer than the body"));
-    }
-    Ok((decode_segments(&b[..end])?, &b[end..]))
-}
-
-/// Decodes what [`encode_segments`] wrote, which must fill `b` exactly.
-pub fn decode_segments(b: &[u8]) -> Result<Vec<Segment>, BootstrapError> {
-    if b.len() < 2 {
-        return Err(BootstrapError::Short(b.len()));
-    }
-    let n = le_u16(b, 0) as usize;
-    if n == 0 || n > MAX_SEGMENTS {
-        return Err(BootstrapError::Invalid("segment count out of range 1..=1024"));
-    }
-    if b.len() != 2 + n * SEGMENT_LEN {
-        return Err(BootstrapError::Invalid("segment list length does not match its count"));
-    }
-    let segs: Vec<Segment> = (0..n)
-        .map(|i| {
-            let o = 2 + i * SEGMENT_LEN;
-            Segment { addr: le_u64(b, o), rkey: le_u32(b, o + 8), len: le_u32(b, o + 12) }
-        })
-        .collect();
-    if segs.iter().any(|s| s.len == 0 || s.addr.checked_add(u64::from(s.len)).is_none()) {
-        return Err(BootstrapError::Invalid("empty segment or one that wraps the address space"));
-    }
-    Ok(segs)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -416,27 +353,5 @@ mod tests {
         let long = Answer::NotOffered("é".repeat(MAX_REASON)).encode();
         assert!(long.len() <= 4 + MAX_REASON);
         assert!(matches!(Answer::decode(&long), Ok(Answer::NotOffered(_))));
-    }
-
-    #[test]
-    fn segments_are_checked() {
-        let segs = [Segment { addr: 0x7f00_0000_0000, rkey: 9, len: 4096 }, Segment { addr: 1, rkey: 2, len: 3 }];
-        let mut b = Vec::new();
-        encode_segments(&segs, &mut b);
-        assert_eq!(b.len(), 2 + 32);
-        assert_eq!(decode_segments(&b).unwrap(), segs);
-        assert!(decode_segments(&b[..b.len() - 1]).is_err());
-        assert!(decode_segments(&[0, 0]).is_err());
-        let mut wrap = Vec::new();
-        encode_segments(&[Segment { addr: u64::MAX, rkey: 1, len: 2 }], &mut wrap);
-        assert!(decode_segments(&wrap).is_err());
-        let mut with_tail = b.clone();
-        with_tail.extend_from_slice(b"key");
-        let (s, rest) = split_segments(&with_tail).unwrap();
-        assert_eq!((s.as_slice(), rest), (&segs[..], &b"key"[..]));
-        assert!(split_segments(&b[..20]).is_err());
-        let mut empty = Vec::new();
-        encode_segments(&[Segment { addr: 1, rkey: 1, len: 0 }], &mut empty);
-        assert!(decode_segments(&empty).is_err());
     }
 }

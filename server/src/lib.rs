@@ -1,7 +1,9 @@
 //! `kv-server`: the kvcellar cache node.
 //!
 //! It owns the multi-disk page store ([`store`]), the data-plane listener
-//! ([`server`]) and per-connection handler ([`conn`]), configuration
+//! ([`server`]) and per-connection handler ([`conn`]; its framing in
+//! `frame`, the operations in `ops`, and the payload's way in and out when
+//! not inline in [`transport`], whose one implementation is [`rdma`]), configuration
 //! ([`config`]), the metrics endpoint ([`metrics`]), its membership in a
 //! group through kv-mds (`--mds`, [`membership`]) and ring handoff
 //! ([`handoff`]). It speaks the wire protocol of `kv-common` and never
@@ -10,8 +12,12 @@
 
 pub mod config;
 pub mod conn;
+mod frame;
 pub mod handoff;
 pub mod membership;
 pub mod metrics;
+mod ops;
+pub mod rdma;
 pub mod server;
 pub mod store;
+pub mod transport;

@@ -94,7 +94,7 @@ fn run(cfg: ServerConfig) -> Result<(), String> {
         ..kv_server::server::NodeSettings::new(cfg.max_record, cfg.max_inflight)
     };
     let mut shared = Shared::new(store, settings);
-    start_rdma(&mut shared, &cfg.rdma);
+    shared.fabric = Arc::new(kv_server::rdma::Rdma::start(&cfg.rdma, &shared.store));
     if let Some(w) = cfg.auth_token_file.as_deref().and_then(kv_common::auth::loose_permissions) {
         tracing::warn!("{w}");
     }
@@ -238,46 +238,6 @@ fn bind_data_port(addr: std::net::SocketAddr) -> std::io::Result<tokio::net::Tcp
 fn listen_data_port(s: tokio::net::TcpSocket) -> std::io::Result<tokio::net::TcpListener> {
     s.set_reuseaddr(true)?;
     s.listen(LISTEN_BACKLOG)
-}
-
-/// Starts RDMA when devices are named: the memory tier is registered whole,
-/// and heap buffers are registered on first use and forgotten before they
-/// are freed. Anything in the way means TCP, one log line and the fallback
-/// counter at 1.
-fn start_rdma(shared: &mut Shared, settings: &kv_rdma::Settings) {
-    shared.rdma_depth = settings.depth;
-    let counters = shared.rdma_counters.clone();
-    // The node pairs each client with its rail (same device or subnet), so
-    // NUMA choice is the clients' (the node's threads are not pinned).
-    let settings = &kv_rdma::Settings { numa_local: false, ..settings.clone() };
-    let role = kv_rdma::Role::Node;
-    let rt = kv_rdma::start(settings, role, &counters, 4 << 30, std::time::Duration::from_secs(5), |line| {
-        tracing::warn!("RDMA: {line}")
-    });
-    let Some(rt) = rt else {
-        if let Some(why) = counters.fallback_reason() {
-            shared.rdma_off = format!("this node serves over TCP only: {why}");
-        }
-        return;
-    };
-    rt.set_logger(Box::new(|line| tracing::warn!("RDMA: {line}")));
-    if let Some((addr, len)) = shared.store.pool().arena_range() {
-        // A failure turns RDMA off (logged once, counted as the fallback).
-        if rt.pin(addr, len).is_err() {
-            shared.rdma_off =
-                format!("this node serves over TCP only: {}", counters.fallback_reason().unwrap_or_default());
-            return;
-        }
-    }
-    let weak = Arc::downgrade(&rt);
-    kv_server::store::set_free_hook(Box::new(move |addr, len| {
-        if let Some(rt) = weak.upgrade() {
-            rt.invalidate(addr, len);
-        }
-    }));
-    let devices: Vec<&str> = rt.rails().iter().map(|r| r.device.as_str()).collect();
-    tracing::info!(rails = %devices.join(":"), depth = settings.depth, "RDMA serving");
-    shared.rdma = Some(rt);
 }
 
 #[cfg(test)]

@@ -222,28 +222,12 @@ impl Collector for StatsCollector {
             "Build of this node (value 1): version and the transports it was built with",
             MetricType::Gauge,
             [(
-                [("version", env!("CARGO_PKG_VERSION")), ("transport", kv_rdma::build_transports())],
+                [("version", env!("CARGO_PKG_VERSION")), ("transport", self.shared.fabric.built())],
                 ConstGauge::new(1u64),
             )],
         )?;
         gauge(&mut e, "uptime_seconds", "Seconds since the node started", s.uptime_secs)?;
-        for f in self.shared.rdma_counters.families() {
-            let kind = if f.counter { MetricType::Counter } else { MetricType::Gauge };
-            let mut m = e.encode_descriptor(f.name, f.help, None, kind)?;
-            for (labels, v) in &f.series {
-                if labels.is_empty() {
-                    match kind {
-                        MetricType::Counter => ConstCounter::new(*v).encode(m)?,
-                        _ => ConstGauge::new(*v).encode(m)?,
-                    }
-                    break;
-                }
-                match kind {
-                    MetricType::Counter => ConstCounter::new(*v).encode(m.encode_family(labels)?)?,
-                    _ => ConstGauge::new(*v).encode(m.encode_family(labels)?)?,
-                }
-            }
-        }
+        self.shared.fabric.encode_metrics(&mut e)?;
         family(
             &mut e,
             "hits",

@@ -51,14 +51,10 @@ pub struct Shared {
     /// `--id` and `--group` when the node joins a group.
     pub node_id: Option<String>,
     pub group: Option<String>,
-    /// RDMA counters of this process (always present: a fallback counts).
-    pub rdma_counters: Arc<kv_rdma::Counters>,
-    /// The RDMA engine when devices were named and usable (else TCP only),
-    /// and the depth this node grants per queue pair.
-    pub rdma: Option<Arc<kv_rdma::engine::Runtime>>,
-    pub rdma_depth: u32,
-    /// Why this node offers no RDMA (told to clients that ask).
-    pub rdma_off: String,
+    /// The transport that reaches clients' memory ([`crate::transport`]):
+    /// sets up a connection's when asked, and counts (TCP only until one is
+    /// started on the node).
+    pub fabric: Arc<dyn crate::transport::Fabric>,
     /// Tombstones and counters of ring handoff (docs/ARCHITECTURE.md).
     pub handoff: crate::handoff::Handoff,
     /// True from a SIGTERM until the drain ends: the node has left its group
@@ -155,8 +151,9 @@ pub struct Recovery {
 }
 
 impl Shared {
-    /// The state of a node over `store`, built from its settings. (RDMA,
-    /// when devices are named, is started on it afterwards.)
+    /// The state of a node over `store`, built from its settings. (A
+    /// transport reaching clients' memory, when configured, is set in
+    /// [`Shared::fabric`] afterwards.)
     pub fn new(store: Arc<Store>, settings: NodeSettings) -> Shared {
         let NodeSettings {
             max_record,
@@ -189,10 +186,7 @@ impl Shared {
             recovery,
             node_id,
             group,
-            rdma_counters: Arc::new(kv_rdma::Counters::default()),
-            rdma: None,
-            rdma_depth: kv_rdma::DEFAULT_DEPTH,
-            rdma_off: "no RDMA device named on this node (--rdma-dev)".into(),
+            fabric: Arc::new(crate::rdma::Rdma::unconfigured()),
             handoff: crate::handoff::Handoff::new(handoff_window),
             draining: std::sync::atomic::AtomicBool::new(false),
         }

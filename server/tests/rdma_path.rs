@@ -16,6 +16,7 @@ use kv_common::status::Status;
 use kv_rdma::engine::fake::{FakeBackend, FakeNet};
 use kv_rdma::engine::Runtime;
 use kv_rdma::{Counters, RailSpec, Settings};
+use kv_server::rdma::Rdma;
 use kv_server::server::{self, NodeSettings, Shared};
 use kv_server::store::{DiskSpec, Store, StoreConfig};
 use kvclient::client::{Client, GetItem};
@@ -52,7 +53,7 @@ fn engine_as(net: &FakeNet, device: &str, remote_access: bool) -> Arc<Runtime> {
 
 struct Node {
     addr: SocketAddr,
-    shared: Arc<Shared>,
+    fabric: Arc<Rdma>,
     stop: tokio::sync::watch::Sender<bool>,
     thread: Option<std::thread::JoinHandle<std::io::Result<()>>>,
     _tmp: tempfile::TempDir,
@@ -77,13 +78,11 @@ impl Node {
         };
         let (store, _) = Store::open(&cfg).unwrap();
         let mut shared = Shared::new(Arc::new(store), NodeSettings::new(8 << 20, 64 << 20));
-        if let Some(rt) = &rdma {
-            if let Some((a, l)) = shared.store.pool().arena_range() {
-                rt.pin(a, l).unwrap();
-            }
-            shared.rdma_counters = rt.counters().clone();
-        }
-        shared.rdma = rdma;
+        let fabric = Arc::new(match rdma {
+            Some(rt) => Rdma::over(rt, &shared.store),
+            None => Rdma::unconfigured(),
+        });
+        shared.fabric = fabric.clone();
         let shared = Arc::new(shared);
         let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
         let listener = rt.block_on(tokio::net::TcpListener::bind("127.0.0.1:0")).unwrap();
@@ -91,11 +90,11 @@ impl Node {
         let (stop, rx) = tokio::sync::watch::channel(false);
         let s2 = shared.clone();
         let thread = Some(std::thread::spawn(move || rt.block_on(server::run(listener, s2, 64, rx))));
-        Node { addr, shared, stop, thread, _tmp: tmp }
+        Node { addr, fabric, stop, thread, _tmp: tmp }
     }
 
     fn counters(&self) -> &Counters {
-        &self.shared.rdma_counters
+        self.fabric.counters()
     }
 }
 

@@ -1,0 +1,436 @@
+//! The operations of the data protocol (docs/PROTOCOL.md §3), above the
+//! framing ([`crate::frame`]): each request's task runs one and writes its
+//! answer. A put has one pipeline whatever way its payload came (inline in
+//! the frame, or filled from the client's memory by a transport:
+//! [`crate::transport`]), and a get one answer (the record inline, or
+//! delivered to the client's memory).
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+
+use kv_common::page::{PageHeader, HEADER_LEN};
+use kv_common::status::Status;
+use kv_common::wire::{self, KeyRequest, Op, ReqHeader, Segment};
+use kv_common::wire::{
+    FLAG_CHECK_GEOMETRY, FLAG_HANDOFF, FLAG_RDMA, RSP_FLAG_DUPLICATE, RSP_FLAG_RDMA, RSP_FLAG_RDMA_FAILED,
+};
+use tokio::sync::OwnedSemaphorePermit;
+use tokio::time::Instant;
+
+use crate::frame::{error_response, respond, Body, Out, Response};
+use crate::server::Shared;
+use crate::store::{GetOutcome, Held, PooledBuf, Presence, PutOutcome, StoreError};
+use crate::transport::Slot;
+
+/// A connection as its requests see it: where answers go, and the client's
+/// memory when a transport reaches it.
+pub struct Session {
+    pub out: Out,
+    pub remote: Slot,
+}
+
+/// Counts an answered request and its service time (from `t0`, when the
+/// whole request was in hand).
+pub fn counted(shared: &Shared, op: Op, t0: Instant, r: Response) -> Response {
+    shared.ops.record(op, r.status, t0.elapsed());
+    r
+}
+
+/// The one place internal store errors become wire statuses.
+fn store_error_status(e: &StoreError) -> Status {
+    match e {
+        StoreError::BadRecord(_) => Status::BadRequest,
+        // The client computed the CRC over what it meant to send: bytes
+        // damaged on the way (not a caller error; the put may be retried).
+        StoreError::BadPayload => Status::Corrupt,
+        StoreError::NoDisk => Status::Unavailable,
+        StoreError::Full(_) | StoreError::TooLarge(_) => Status::Rejected,
+    }
+}
+
+/// Runs a request other than PUT whose body is in hand, answering on `s`.
+/// Ops answered from memory alone are answered here, on the reader's task;
+/// the rest get a task of their own.
+pub async fn dispatch(
+    shared: &Arc<Shared>,
+    s: &Arc<Session>,
+    req: ReqHeader,
+    body: Vec<u8>,
+    permit: OwnedSemaphorePermit,
+) {
+    let t0 = Instant::now();
+    if !matches!(req.op, Op::Get | Op::RdmaConnect | Op::Delete) {
+        if let Some(r) = handle_small(shared, &req, &body) {
+            s.out.send(counted(shared, req.op, t0, r)).await;
+            drop(permit);
+            return;
+        }
+    }
+    let (shared, s) = (shared.clone(), s.clone());
+    tokio::spawn(async move {
+        let r = match req.op {
+            Op::Get => {
+                let r = handle_get(&shared, &s, &req, &body).await;
+                if req.flags & FLAG_HANDOFF != 0 {
+                    shared.handoff.count_asks(1, usize::from(r.status == Status::Ok.to_wire()));
+                }
+                r
+            }
+            Op::RdmaConnect => connect(&shared, &s, req, body).await,
+            Op::Delete => delete(&shared, &req, &body).await,
+            // An index lock was busy (a put, a checkpoint copy) or the op
+            // must take locks: answered from the blocking pool instead of
+            // making the reactor wait.
+            _ => {
+                let s2 = shared.clone();
+                // Blocking-pool work waits for an I/O slot like a get does.
+                let _io = shared.io_slots.acquire().await.expect("semaphore open");
+                tokio::task::spawn_blocking(move || handle_blocking(&s2, &req, &body))
+                    .await
+                    .unwrap_or_else(|_| error_response(&req, Status::Internal, "internal error"))
+            }
+        };
+        s.out.send(counted(&shared, req.op, t0, r)).await;
+        drop(permit);
+    });
+}
+
+/// Sets up the connection's remote memory (RDMA_CONNECT) through the node's
+/// transport; creating and connecting a queue pair are system calls, so off
+/// the reactor.
+async fn connect(shared: &Arc<Shared>, s: &Arc<Session>, req: ReqHeader, body: Vec<u8>) -> Response {
+    let (fabric, peer) = (shared.fabric.clone(), s.out.peer);
+    match tokio::task::spawn_blocking(move || fabric.connect(peer, &body)).await {
+        Ok(Ok(setup)) => {
+            if let Some(remote) = setup.remote {
+                s.remote.set(remote);
+            }
+            respond(&req, Status::Ok, 0, Body::Bytes(setup.answer))
+        }
+        Ok(Err(e)) => error_response(&req, Status::BadRequest, &e),
+        Err(_) => error_response(&req, Status::Internal, "internal error"),
+    }
+}
+
+/// DELETE: appends to the index journal (a system call, so off the reactor).
+async fn delete(shared: &Arc<Shared>, req: &ReqHeader, body: &[u8]) -> Response {
+    let k = match wire::decode_key(body) {
+        Ok(k) => k,
+        Err(e) => return error_response(req, Status::BadRequest, &e.to_string()),
+    };
+    // The tombstone first: a handoff copy stored meanwhile is then removed
+    // by this delete or by itself.
+    shared.handoff.deleted(kv_common::page::key_hash(k));
+    let (store, k) = (shared.store.clone(), k.to_vec());
+    // Blocking-pool work waits for an I/O slot like a get does.
+    let _io = shared.io_slots.acquire().await.expect("semaphore open");
+    match tokio::task::spawn_blocking(move || store.delete(&k)).await {
+        Ok(true) => respond(req, Status::Ok, 0, Body::Empty),
+        Ok(false) => respond(req, Status::Miss, 0, Body::Empty),
+        Err(_) => error_response(req, Status::Internal, "internal error"),
+    }
+}
+
+/// A put's record buffer of `len` bytes starting with `head`, and its share
+/// of `--max-inflight` (waited for: the node's memory bounds the puts it
+/// takes at once).
+pub async fn reserve(shared: &Shared, len: usize, head: &[u8]) -> (PooledBuf, OwnedSemaphorePermit) {
+    let units = (len as u64).div_ceil(4096).max(1) as u32;
+    let mem = shared.inflight_bytes.clone().acquire_many_owned(units).await.expect("semaphore open");
+    let mut buf = shared.store.pool().get(len);
+    buf.full_mut()[..head.len()].copy_from_slice(head);
+    (buf, mem)
+}
+
+/// Where a put's payload is.
+pub enum Payload {
+    /// In the record buffer already (it came inline in the frame).
+    Inline(PooledBuf, OwnedSemaphorePermit),
+    /// In the client's memory: the record's header and key came in the
+    /// frame (`pre`), the payload is filled from `segs`.
+    Remote { pre: Vec<u8>, segs: Vec<Segment>, record_len: usize },
+}
+
+/// The put pipeline: the payload into the record's buffer, then the store,
+/// then the answer.
+pub async fn put(shared: Arc<Shared>, s: Arc<Session>, req: ReqHeader, payload: Payload, permit: OwnedSemaphorePermit) {
+    let t0 = Instant::now();
+    let (buf, mem) = match payload {
+        Payload::Inline(buf, mem) => (buf, mem),
+        Payload::Remote { pre, segs, record_len } => {
+            let Some(remote) = s.remote.get() else {
+                let r = transport_failed(&req, "no RDMA queue pair on this connection");
+                return s.out.send(counted(&shared, req.op, t0, r)).await;
+            };
+            let (buf, mem) = reserve(&shared, record_len, &pre).await;
+            match remote.fill(buf, pre.len(), record_len - pre.len(), &segs).await {
+                Ok(mut buf) => {
+                    buf.set_len(record_len);
+                    (buf, mem)
+                }
+                Err(e) => {
+                    tracing::warn!(peer = %s.out.peer, error = %e, "RDMA read of a put failed; the client sends it over TCP");
+                    s.remote.failed(&remote);
+                    let r = transport_failed(&req, &e);
+                    return s.out.send(counted(&shared, req.op, t0, r)).await;
+                }
+            }
+        }
+    };
+    let r = store_put(&shared, &req, buf, mem).await;
+    s.out.send(counted(&shared, req.op, t0, r)).await;
+    drop(permit);
+}
+
+/// The transfer could not be made: nothing was done, the client sends the
+/// request again inline.
+fn transport_failed(req: &ReqHeader, why: &str) -> Response {
+    respond(req, Status::Unavailable, RSP_FLAG_RDMA_FAILED, Body::Bytes(format!("rdma: {why}").into_bytes()))
+}
+
+/// Answers a get hit: delivered into the request's segments when it named
+/// some and the connection's remote memory works (the body then holds the
+/// header and key only), else with the whole record inline.
+async fn answer_hit(
+    s: &Session,
+    req: &ReqHeader,
+    rec: Arc<PooledBuf>,
+    segs: &[Segment],
+    budget: Option<OwnedSemaphorePermit>,
+) -> Response {
+    let inline = |rec: Arc<PooledBuf>, budget| {
+        let mut r = respond(req, Status::Ok, 0, Body::Record(rec));
+        r.budget = budget;
+        r
+    };
+    if segs.is_empty() {
+        return inline(rec, budget);
+    }
+    let Some(remote) = s.remote.get() else { return inline(rec, budget) };
+    let Ok(h) = PageHeader::decode(rec.as_slice()) else { return inline(rec, budget) };
+    let pre = HEADER_LEN + usize::from(h.key_len);
+    let room: u64 = segs.iter().map(|s| u64::from(s.len)).sum();
+    if rec.len().saturating_sub(pre) as u64 > room {
+        // As over TCP: the caller learns the size it needs.
+        return respond(req, Status::TooSmall, 0, Body::Bytes(rec.as_slice()[..pre].to_vec()));
+    }
+    match remote.deliver(rec.clone(), pre, segs).await {
+        Ok(()) => respond(req, Status::Ok, RSP_FLAG_RDMA, Body::Bytes(rec.as_slice()[..pre].to_vec())),
+        Err(e) => {
+            tracing::warn!(peer = %s.out.peer, error = %e, "RDMA write of a get failed; answering over TCP");
+            s.remote.failed(&remote);
+            inline(rec, budget)
+        }
+    }
+}
+
+/// Stores a received record: the put's answer.
+async fn store_put(shared: &Arc<Shared>, req: &ReqHeader, buf: PooledBuf, mem: OwnedSemaphorePermit) -> Response {
+    {
+        if shared.draining.load(Ordering::Relaxed) {
+            return error_response(req, Status::Rejected, "the node is draining (shutting down): it takes no puts");
+        }
+        // A handoff copy of a key deleted within the window is refused
+        // (handoff.rs); `copy` is its key and payload length.
+        let copy = (req.flags & FLAG_HANDOFF != 0).then(|| record_key(buf.as_slice())).flatten();
+        if let Some((key, _)) = &copy {
+            if shared.handoff.refuses(kv_common::page::key_hash(key)) {
+                shared.handoff.refused.fetch_add(1, Ordering::Relaxed);
+                return error_response(req, Status::Rejected, COPY_OF_DELETED);
+            }
+        }
+        let store = shared.store.clone();
+        // Err: why the put's task failed (a panic), answered as Internal.
+        let res: Result<Result<PutOutcome, StoreError>, String> = if store.acks_in_memory() {
+            // Most puts end in memory (held for a flusher): on this task,
+            // without the hop to a blocking thread and back. A record too
+            // large to check here, or a disk lock busy now, takes the hop.
+            let held = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| store.try_put_held(buf)));
+            match held {
+                Ok(Ok(Held::Done(r))) => Ok(r),
+                Ok(Ok(Held::ToMedia(p))) => {
+                    let _io = shared.io_slots.acquire().await.expect("semaphore open");
+                    tokio::task::spawn_blocking(move || store.put_to_media(p)).await.map_err(|e| e.to_string())
+                }
+                Ok(Err(buf)) => {
+                    let _io = shared.io_slots.acquire().await.expect("semaphore open");
+                    tokio::task::spawn_blocking(move || store.put(buf)).await.map_err(|e| e.to_string())
+                }
+                Err(_) => Err("a put panicked".to_string()),
+            }
+        } else {
+            let _io = shared.io_slots.acquire().await.expect("semaphore open");
+            tokio::task::spawn_blocking(move || store.put(buf)).await.map_err(|e| e.to_string())
+        };
+        drop(mem);
+        if let (Some((key, len)), Ok(Ok(stored))) = (&copy, &res) {
+            // Only what this copy stored is taken out again: a duplicate is
+            // a page put after the delete (or one the delete removes itself).
+            if *stored == PutOutcome::Stored && shared.handoff.refuses(kv_common::page::key_hash(key)) {
+                // Deleted while it was being stored: take it out again.
+                let (store, k) = (shared.store.clone(), key.clone());
+                let _ = tokio::task::spawn_blocking(move || store.delete(&k)).await;
+                shared.handoff.refused.fetch_add(1, Ordering::Relaxed);
+                return error_response(req, Status::Rejected, COPY_OF_DELETED);
+            }
+            shared.handoff.copies.fetch_add(1, Ordering::Relaxed);
+            shared.handoff.copy_bytes.fetch_add(*len, Ordering::Relaxed);
+        }
+        match res {
+            Ok(Ok(PutOutcome::Stored)) => respond(req, Status::Ok, 0, Body::Empty),
+            Ok(Ok(PutOutcome::Duplicate)) => respond(req, Status::Ok, RSP_FLAG_DUPLICATE, Body::Empty),
+            Ok(Err(e)) => error_response(req, store_error_status(&e), &e.to_string()),
+            Err(e) => {
+                tracing::error!(error = %e, "put task failed");
+                error_response(req, Status::Internal, "internal error")
+            }
+        }
+    }
+}
+
+async fn handle_get(shared: &Arc<Shared>, s: &Session, req: &ReqHeader, body: &[u8]) -> Response {
+    let (segs, body) = if req.flags & FLAG_RDMA != 0 {
+        match wire::split_segments(body) {
+            Ok(s) => s,
+            Err(e) => return error_response(req, Status::BadRequest, &e.to_string()),
+        }
+    } else {
+        (Vec::new(), body)
+    };
+    let kr = match KeyRequest::decode(body) {
+        Ok(k) => k,
+        Err(e) => return error_response(req, Status::BadRequest, &e.to_string()),
+    };
+    let check = req.flags & FLAG_CHECK_GEOMETRY != 0;
+    let geo = kr.geometry;
+    // A page in the memory tier is answered here, without a hop to the
+    // blocking pool (its buffer is shared, not copied; it is bounded by
+    // --mem-cap, not by the in-flight budget).
+    match shared.store.get_cached(kr.key, check.then_some(&geo)) {
+        Some(GetOutcome::Hit(rec)) => return answer_hit(s, req, rec, &segs, None).await,
+        Some(GetOutcome::Mismatch) => return respond(req, Status::Mismatch, 0, Body::Empty),
+        _ => {}
+    }
+    // The record's bytes count against --max-inflight until written out.
+    // Its size comes from the index without blocking this reactor thread
+    // behind a put, an eviction or a checkpoint holding the index lock.
+    let size = match shared.store.try_record_size(kr.key) {
+        Some(s) => s,
+        None => {
+            let (store, key) = (shared.store.clone(), kr.key.to_vec());
+            let _io = shared.io_slots.acquire().await.expect("semaphore open");
+            tokio::task::spawn_blocking(move || store.record_size(&key)).await.unwrap_or(None)
+        }
+    };
+    let Some(size) = size else {
+        shared.store.count_miss();
+        return respond(req, Status::Miss, 0, Body::Empty);
+    };
+    let units = size.div_ceil(4096).clamp(1, shared.limits.max_record.div_ceil(4096)) as u32;
+    let budget = shared.inflight_bytes.clone().acquire_many_owned(units).await.expect("semaphore open");
+    let key = kr.key.to_vec();
+    let store = shared.store.clone();
+    let res = {
+        let _io = shared.io_slots.acquire().await.expect("semaphore open");
+        tokio::task::spawn_blocking(move || store.get(&key, check.then_some(&geo))).await
+    };
+    match res {
+        Ok(GetOutcome::Hit(rec)) => answer_hit(s, req, rec, &segs, Some(budget)).await,
+        Ok(GetOutcome::Mismatch) => respond(req, Status::Mismatch, 0, Body::Empty),
+        Ok(GetOutcome::Miss) => respond(req, Status::Miss, 0, Body::Empty),
+        Err(e) => {
+            tracing::error!(error = %e, "get task failed");
+            error_response(req, Status::Internal, "internal error")
+        }
+    }
+}
+
+/// Why a handoff copy is refused (REJECTED).
+const COPY_OF_DELETED: &str = "handoff copy of a key deleted within the handoff window";
+
+/// Counts a handoff ask's keys (EXIST, BATCH_EXIST with FLAG_HANDOFF).
+fn count_handoff(shared: &Shared, req: &ReqHeader, found: &[Presence]) {
+    if req.flags & FLAG_HANDOFF != 0 {
+        let hits = found.iter().filter(|p| matches!(p, Presence::Present)).count();
+        shared.handoff.count_asks(found.len(), hits);
+    }
+}
+
+/// The key of a received record and its payload length (None: not a
+/// record; the store refuses it with the reason).
+fn record_key(rec: &[u8]) -> Option<(Vec<u8>, u64)> {
+    let h = PageHeader::decode(rec).ok()?;
+    let key = rec.get(HEADER_LEN..HEADER_LEN + usize::from(h.key_len))?;
+    Some((key.to_vec(), h.payload_len))
+}
+
+fn presence_status(p: Presence) -> Status {
+    match p {
+        Presence::Present => Status::Ok,
+        Presence::Mismatch => Status::Mismatch,
+        Presence::Absent => Status::Miss,
+    }
+}
+
+/// Requests answered from memory alone, inline on the reactor; None when
+/// that would mean waiting for a lock (then [`handle_blocking`] answers).
+fn handle_small(shared: &Shared, req: &ReqHeader, body: &[u8]) -> Option<Response> {
+    let store = &shared.store;
+    let check = req.flags & FLAG_CHECK_GEOMETRY != 0;
+    Some(match req.op {
+        Op::Exist => match KeyRequest::decode(body) {
+            Ok(kr) => {
+                let p = store.try_exist(kr.key, check.then_some(&kr.geometry))?;
+                count_handoff(shared, req, std::slice::from_ref(&p));
+                store.warm(&[kr.key], std::slice::from_ref(&p));
+                respond(req, presence_status(p), 0, Body::Empty)
+            }
+            Err(e) => error_response(req, Status::BadRequest, &e.to_string()),
+        },
+        Op::BatchExist => match wire::decode_batch_exist(body) {
+            Ok((geo, keys)) => {
+                let found = store.try_exist_batch(&keys, check.then_some(&geo))?;
+                count_handoff(shared, req, &found);
+                store.warm(&keys, &found);
+                let st: Vec<Status> = found.into_iter().map(presence_status).collect();
+                respond(req, Status::Ok, 0, Body::Bytes(wire::encode_batch_status(&st)))
+            }
+            Err(e) => error_response(req, Status::BadRequest, &e.to_string()),
+        },
+        Op::Ping => respond(req, Status::Ok, 0, Body::Bytes(body.to_vec())),
+        Op::Stats => return None,
+        Op::Put | Op::Get | Op::Delete | Op::RdmaConnect => error_response(req, Status::Internal, "misrouted op"),
+    })
+}
+
+/// The same requests, allowed to wait for locks (blocking pool only).
+fn handle_blocking(shared: &Shared, req: &ReqHeader, body: &[u8]) -> Response {
+    let store = &shared.store;
+    let check = req.flags & FLAG_CHECK_GEOMETRY != 0;
+    match req.op {
+        Op::Exist => match KeyRequest::decode(body) {
+            Ok(kr) => {
+                let p = store.exist(kr.key, check.then_some(&kr.geometry));
+                count_handoff(shared, req, std::slice::from_ref(&p));
+                store.warm(&[kr.key], std::slice::from_ref(&p));
+                respond(req, presence_status(p), 0, Body::Empty)
+            }
+            Err(e) => error_response(req, Status::BadRequest, &e.to_string()),
+        },
+        Op::BatchExist => match wire::decode_batch_exist(body) {
+            Ok((geo, keys)) => {
+                let found: Vec<Presence> = keys.iter().map(|k| store.exist(k, check.then_some(&geo))).collect();
+                count_handoff(shared, req, &found);
+                store.warm(&keys, &found);
+                let st: Vec<Status> = found.into_iter().map(presence_status).collect();
+                respond(req, Status::Ok, 0, Body::Bytes(wire::encode_batch_status(&st)))
+            }
+            Err(e) => error_response(req, Status::BadRequest, &e.to_string()),
+        },
+        Op::Stats => {
+            let json = serde_json::to_vec(&*shared.stats()).unwrap_or_default();
+            respond(req, Status::Ok, 0, Body::Bytes(json))
+        }
+        _ => handle_small(shared, req, body).unwrap_or_else(|| error_response(req, Status::Internal, "misrouted op")),
+    }
+}
