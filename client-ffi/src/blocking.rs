@@ -129,6 +129,6 @@ impl BlockingClient {
         let now = std::time::Instant::now();
         let open = topo.previous.iter().filter(|p| p.until > now).count() as u64;
         self.core.metrics.handoff.sets.store(open, std::sync::atomic::Ordering::Relaxed);
-        self.core.metrics.render(topo.epoch, self.core.discovery_error(), peers, &self.core.rdma_counters)
+        self.core.metrics.render(topo.epoch, self.core.discovery_error(), peers, self.core.fabric.counters())
     }
 }

@@ -14,6 +14,7 @@ use kv_common::ring::{Ring, RingMember};
 use kv_common::status::Status;
 use kv_common::wire::MAX_BATCH_KEYS;
 
+use crate::conn::is_stale;
 use crate::error::OpError;
 use crate::exchange::{self, GetReply};
 use crate::members::Member;
@@ -75,10 +76,10 @@ pub const MAX_HANDOFF_ASKS: usize = 2;
 pub struct Client {
     pub opts: Options,
     pub geo: Geometry,
-    /// The RDMA engine when `rdma_devices` named usable devices (else TCP),
-    /// and its counters (a fallback counts even without an engine).
-    pub rdma: Option<Arc<kv_rdma::engine::Runtime>>,
-    pub rdma_counters: Arc<kv_rdma::Counters>,
+    /// The transport that moves payloads between the caller's memory and
+    /// the nodes' (RDMA when `rdma_devices` named usable devices; else none,
+    /// and every payload travels inline over TCP).
+    pub fabric: crate::rdma::Fabric,
     topo: RwLock<Arc<Topology>>,
     epochs: AtomicU64,
     /// Serialises member-set swaps (read old, build, install, as one step).
@@ -203,23 +204,10 @@ fn same_members(a: &[Arc<Node>], b: &[Arc<Node>]) -> bool {
     a.len() == b.len() && a.iter().all(|n| b.contains(&placed(n)))
 }
 
-pub(crate) fn is_stale(e: &OpError) -> bool {
-    matches!(e, OpError::Io(io) if matches!(io.kind(),
-        std::io::ErrorKind::UnexpectedEof | std::io::ErrorKind::ConnectionReset
-        | std::io::ErrorKind::BrokenPipe | std::io::ErrorKind::ConnectionAborted))
-}
-
 impl Client {
     pub fn new(members: Vec<Member>, geo: Geometry, opts: Options) -> Client {
-        let rdma_counters = Arc::new(kv_rdma::Counters::default());
-        let role = kv_rdma::Role::Client;
-        let rdma = kv_rdma::start(&opts.rdma, role, &rdma_counters, opts.rdma_cache_bytes, opts.io_timeout, |l| {
-            eprintln!("kvcellar: RDMA: {l}")
-        });
-        if let Some(rt) = &rdma {
-            rt.set_logger(Box::new(|l| eprintln!("kvcellar: RDMA: {l}")));
-        }
-        Client::build(members, geo, opts, rdma, rdma_counters)
+        let fabric = crate::rdma::Fabric::start(&opts);
+        Client::build(members, geo, opts, fabric)
     }
 
     /// A client over a given RDMA engine (its counters are the engine's):
@@ -231,22 +219,14 @@ impl Client {
         opts: Options,
         rdma: Arc<kv_rdma::engine::Runtime>,
     ) -> Client {
-        let counters = rdma.counters().clone();
-        Client::build(members, geo, opts, Some(rdma), counters)
+        Client::build(members, geo, opts, crate::rdma::Fabric::over(rdma))
     }
 
-    fn build(
-        members: Vec<Member>,
-        geo: Geometry,
-        opts: Options,
-        rdma: Option<Arc<kv_rdma::engine::Runtime>>,
-        rdma_counters: Arc<kv_rdma::Counters>,
-    ) -> Client {
+    fn build(members: Vec<Member>, geo: Geometry, opts: Options, fabric: crate::rdma::Fabric) -> Client {
         let c = Client {
             opts,
             geo,
-            rdma,
-            rdma_counters,
+            fabric,
             topo: RwLock::new(Arc::new(Topology { ring: Arc::default(), nodes: vec![], epoch: 0, previous: vec![] })),
             epochs: AtomicU64::new(0),
             swapping: std::sync::Mutex::new(()),
@@ -311,7 +291,7 @@ impl Client {
                 m.weight,
                 self.opts.max_conns_per_node,
                 self.opts.auth_token.clone(),
-                self.rdma.clone(),
+                self.fabric.offer(),
             ));
             known.insert(k, n.clone());
             n

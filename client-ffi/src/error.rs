@@ -19,6 +19,9 @@ pub enum OpError {
     Protocol(String),
     #[error("node answered {0:?}: {1}")]
     Node(Status, String),
+    /// The node could not be reached at all (a tool's connect).
+    #[error("cannot connect to {addr}: {source}")]
+    Connect { addr: String, source: std::io::Error },
     /// The node refused the auth token at the hello (KV_EDENIED).
     #[error("the node refused this client's auth token (missing or wrong for the group)")]
     Denied,
@@ -29,6 +32,8 @@ impl OpError {
     pub fn status(&self) -> Status {
         match self {
             OpError::Io(_) | OpError::Unavailable | OpError::Protocol(_) => Status::Unavailable,
+            OpError::Connect { source, .. } if source.kind() == std::io::ErrorKind::TimedOut => Status::Timeout,
+            OpError::Connect { .. } => Status::Unavailable,
             OpError::Timeout | OpError::LocalTimeout => Status::Timeout,
             OpError::Node(Status::BadRequest, _) => Status::Einval,
             // A node's internal failure (or a status this client does not
@@ -41,7 +46,12 @@ impl OpError {
 
     /// Whether the failure says the peer is unhealthy (start its cool-down).
     pub fn is_peer_failure(&self) -> bool {
-        matches!(self, OpError::Io(_) | OpError::Timeout | OpError::Protocol(_))
+        matches!(self, OpError::Io(_) | OpError::Connect { .. } | OpError::Timeout | OpError::Protocol(_))
+    }
+
+    /// A node's answer that is not what was asked for, with its reason.
+    pub fn refused(status: Status, body: &[u8]) -> OpError {
+        OpError::Node(status, String::from_utf8_lossy(body).into_owned())
     }
 }
 

@@ -705,15 +705,12 @@ pub unsafe extern "C" fn kv_register_memory(c: *mut kv_client, base: *mut c_void
         if base.is_null() && len > 0 {
             return einval("base is NULL");
         }
-        match (&cl.core.rdma, len) {
-            (Some(rt), 1..) => match rt.pin(base as usize, len) {
-                Ok(()) => KV_OK,
-                Err(e) => {
-                    set_error(format!("cannot register memory for RDMA: {e}"));
-                    KV_UNAVAILABLE
-                }
-            },
-            _ => KV_OK,
+        match cl.core.fabric.pin(base as usize, len) {
+            Ok(()) => KV_OK,
+            Err(e) => {
+                set_error(e);
+                KV_UNAVAILABLE
+            }
         }
     })
 }
@@ -730,9 +727,9 @@ pub unsafe extern "C" fn kv_unregister_memory(c: *mut kv_client, base: *mut c_vo
             Ok(cl) => cl,
             Err(e) => return e,
         };
-        match &cl.core.rdma {
-            Some(rt) if !rt.unpin(base as usize) => KV_MISS,
-            _ => KV_OK,
+        match cl.core.fabric.unpin(base as usize) {
+            true => KV_OK,
+            false => KV_MISS,
         }
     })
 }

@@ -20,9 +20,9 @@ use kv_common::status::Status;
 use kv_common::wire::{FLAG_HANDOFF, MAX_BATCH_KEYS};
 
 use crate::client::{
-    is_stale, BatchExistX, Client, DeleteX, Exchange, GetItem, GetManyX, GetX, Topology, MAX_HANDOFF_ASKS,
-    PIPELINE_WINDOW,
+    BatchExistX, Client, DeleteX, Exchange, GetItem, GetManyX, GetX, Topology, MAX_HANDOFF_ASKS, PIPELINE_WINDOW,
 };
+use crate::conn::is_stale;
 use crate::error::OpError;
 use crate::exchange::{self, GetReply};
 use crate::node::Node;

@@ -22,9 +22,11 @@ pub mod members;
 pub mod metrics;
 pub mod node;
 pub mod options;
+pub mod rdma;
 pub mod small;
 
 pub use blocking::BlockingClient;
 pub use client::Client;
-pub use conn::{ClientError, Conn};
+pub use conn::Conn;
+pub use error::OpError;
 pub use options::Options;

@@ -8,23 +8,15 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use kv_common::auth::Token;
-use kv_common::wire::{Op, ReqHeader, RspHeader, FRAME_HEADER_LEN, WIRE_VERSION};
-use kv_rdma::bootstrap::{Answer, Endpoint};
-use kv_rdma::engine::{Link, Runtime};
-use tokio::net::TcpStream;
+use kv_common::wire::{Op, WIRE_VERSION};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
+use crate::conn::{Async, Conn};
 use crate::error::OpError;
+use crate::rdma::{Answered, Offer, Remote, Setup};
 
-/// An open connection after the hello.
-pub struct AsyncConn {
-    pub stream: TcpStream,
-    pub next_id: u64,
-    pub max_record: u64,
-    /// The queue pair RDMA_CONNECT set up on this connection (None: the
-    /// payloads of this connection go over TCP).
-    pub rdma: Option<Link>,
-}
+/// A connection of the async core.
+pub type AsyncConn = Conn<Async>;
 
 pub struct Node {
     pub id: String,
@@ -56,11 +48,8 @@ pub struct Node {
     /// The protocol version the last hello with this node agreed on: the
     /// next connection starts with it (see hello.rs).
     proto: AtomicU16,
-    /// The client's RDMA engine (None: TCP only).
-    rdma: Option<Arc<Runtime>>,
-    /// False once the node said it offers no RDMA (or did not understand
-    /// the bootstrap): its connections stay TCP and are not asked again.
-    rdma_offered: std::sync::atomic::AtomicBool,
+    /// Whether its connections ask for RDMA (until it says it offers none).
+    pub offer: Offer,
 }
 
 /// A connection checked out of a node's pool. It goes back to the pool only
@@ -94,7 +83,7 @@ impl Checkout {
 struct SyncPool {
     in_use: usize,
     waiters: usize,
-    idle: Vec<crate::small::SyncConn>,
+    idle: Vec<Conn>,
 }
 
 /// A blocking-connection slot, with the pooled connection taken with it (if
@@ -103,13 +92,13 @@ struct SyncPool {
 /// system call even with no waiter, and small requests free a slot each).
 pub struct SyncSlot {
     node: Arc<Node>,
-    idle: Option<crate::small::SyncConn>,
-    back: Option<crate::small::SyncConn>,
+    idle: Option<Conn>,
+    back: Option<Conn>,
 }
 
 impl SyncSlot {
     /// The pooled connection taken with the slot (None: none was idle).
-    pub fn take_idle(&mut self) -> Option<crate::small::SyncConn> {
+    pub fn take_idle(&mut self) -> Option<Conn> {
         self.idle.take()
     }
 
@@ -120,7 +109,7 @@ impl SyncSlot {
     }
 
     /// Pools `c` (between frames, after a clean exchange) when the slot is freed.
-    pub fn keep(&mut self, c: crate::small::SyncConn) {
+    pub fn keep(&mut self, c: Conn) {
         self.back = Some(c);
     }
 }
@@ -144,14 +133,7 @@ impl Drop for SyncSlot {
 }
 
 impl Node {
-    pub fn new(
-        id: String,
-        addr: String,
-        weight: u32,
-        max_conns: usize,
-        token: Option<Token>,
-        rdma: Option<Arc<Runtime>>,
-    ) -> Node {
+    pub fn new(id: String, addr: String, weight: u32, max_conns: usize, token: Option<Token>, offer: Offer) -> Node {
         Node {
             id,
             addr,
@@ -169,25 +151,7 @@ impl Node {
             came_back: AtomicU64::new(0),
             token,
             proto: AtomicU16::new(WIRE_VERSION),
-            rdma_offered: std::sync::atomic::AtomicBool::new(rdma.is_some()),
-            rdma,
-        }
-    }
-
-    /// Whether this node is known to serve no RDMA.
-    pub fn rdma_refused(&self) -> bool {
-        self.rdma.is_some() && !self.rdma_offered.load(Ordering::Relaxed)
-    }
-
-    /// The node answered without RDMA: count it; when `for_good` (it offers
-    /// none, or speaks no bootstrap we know) say so once and stop asking;
-    /// else (a queue pair could not be set up) only this connection is TCP.
-    fn no_rdma(&self, why: &str, for_good: bool) {
-        if let Some(rt) = &self.rdma {
-            rt.counters().peer_fallbacks.fetch_add(1, Ordering::Relaxed);
-            if for_good && self.rdma_offered.swap(false, Ordering::Relaxed) {
-                eprintln!("kvcellar: RDMA: node {} ({}) is served over TCP: {why}", self.id, self.addr);
-            }
+            offer,
         }
     }
 
@@ -308,109 +272,45 @@ impl Node {
 }
 
 /// Resolves the node's address again (a name may point elsewhere since the
-/// last connection), connects to the first address that answers and agrees
-/// on a protocol version (hello.rs).
+/// last connection), connects to the first address that answers, agrees
+/// on a protocol version (hello.rs) and sets up the connection's RDMA when
+/// the node is asked for it.
 async fn connect(node: &Node) -> Result<AsyncConn, OpError> {
     let mut version = node.hello_version();
     for _ in 0..crate::hello::MAX_TRIES {
-        let mut stream = TcpStream::connect(node.addr.as_str()).await.map_err(OpError::Io)?;
-        stream.set_nodelay(true).map_err(OpError::Io)?;
-        // Keep-alive probes notice a peer that vanished without a FIN.
-        set_keepalive(&stream);
-        match crate::hello::say_async(&mut stream, version, node.token.as_ref()).await? {
-            crate::hello::Step::Done { version, max_record } => {
+        match Conn::<Async>::open(&node.addr, node.token.as_ref(), version).await? {
+            Ok((mut conn, version)) => {
                 node.agreed_version(version);
-                let mut conn = AsyncConn { stream, next_id: 1, max_record, rdma: None };
-                let asking = node.rdma.as_ref().filter(|rt| node.rdma_offered.load(Ordering::Relaxed) && !rt.is_off());
-                if let Some(rt) = asking {
-                    match bootstrap(&mut conn, rt).await {
-                        Ok(Ok(link)) => conn.rdma = Some(link),
-                        Ok(Err((why, for_good))) => node.no_rdma(&why, for_good),
-                        // A node from before RDMA closes on the unknown op:
-                        // connect again, without asking.
-                        Err(e) => {
-                            let why = format!("it closed the connection on RDMA_CONNECT ({e}); an older node?");
-                            node.no_rdma(&why, true);
-                            continue;
-                        }
+                let name = format!("{} ({})", node.id, node.addr);
+                let Some(mut setup) = node.offer.start(&name) else { return Ok(conn) };
+                match ask_remote(&mut conn, &mut setup, &name).await {
+                    Ok(remote) => {
+                        conn.socket.remote = remote;
+                        return Ok(conn);
                     }
+                    // A node from before RDMA closes on the unknown op:
+                    // connect again, without asking.
+                    Err(e) => setup.closed(&name, &e),
                 }
-                return Ok(conn);
             }
-            crate::hello::Step::Again(v) => version = v,
+            Err(v) => version = v,
         }
     }
     Err(crate::hello::unsettled())
 }
 
-/// Sets up the connection's queue pair (docs/PROTOCOL.md, RDMA_CONNECT):
-/// Ok(Ok(link)) when connected, Ok(Err((why, for_good))) when it was not
-/// (the connection goes on over TCP; `for_good`: the node offers no RDMA at
-/// all), Err when the connection failed.
-async fn bootstrap(conn: &mut AsyncConn, rt: &Arc<Runtime>) -> Result<Result<Link, (String, bool)>, OpError> {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let link = match rt.link(rt.next_rail(), rt.settings().depth) {
-        Ok(l) => l,
-        Err(e) => return Ok(Err((format!("no local queue pair: {e}"), false))),
-    };
-    let mut mine = link.local().clone();
+/// Sets the connection's queue pair up (RDMA_CONNECT): Some when
+/// connected, None when the connection goes on over TCP, Err when the
+/// connection failed.
+async fn ask_remote(conn: &mut AsyncConn, setup: &mut Setup<'_>, name: &str) -> Result<Option<Remote>, OpError> {
     loop {
-        let body = mine.encode_request();
-        let req_id = conn.next_id;
-        conn.next_id += 1;
-        let h = ReqHeader { op: Op::RdmaConnect, flags: 0, body_len: body.len() as u32, req_id };
-        let mut frame = h.encode().to_vec();
-        frame.extend_from_slice(&body);
-        conn.stream.write_all(&frame).await?;
-        let mut hb = [0u8; FRAME_HEADER_LEN];
-        conn.stream.read_exact(&mut hb).await?;
-        let rh = RspHeader::decode(&hb);
-        if rh.req_id != req_id || rh.body_len > 4096 {
-            return Err(OpError::Protocol("unexpected answer to RDMA_CONNECT".into()));
+        let id = conn.send(Op::RdmaConnect, 0, &[&setup.request()]).await?;
+        let h = conn.recv_header(id).await?;
+        let body = conn.recv_small(&h, 4096).await?;
+        match setup.answered(h.status, &body, name) {
+            Answered::Connected(remote) => return Ok(Some(remote)),
+            Answered::Again => continue,
+            Answered::Tcp => return Ok(None),
         }
-        let mut ab = vec![0u8; rh.body_len as usize];
-        conn.stream.read_exact(&mut ab).await?;
-        if rh.status != kv_common::status::Status::Ok {
-            return Ok(Err((format!("RDMA_CONNECT refused: {}", String::from_utf8_lossy(&ab)), true)));
-        }
-        return Ok(match Answer::decode(&ab) {
-            Ok(Answer::Accepted(theirs)) => accept(&link, &theirs).map(|()| link).map_err(|e| (e, false)),
-            Ok(Answer::NotOffered(why)) => Err((why, true)),
-            Ok(Answer::SetupFailed(why)) => Err((format!("the node could not set up a queue pair: {why}"), false)),
-            // A node of the previous release speaks version 1: say it again
-            // without the read limits (the queue pair then issues no more
-            // READs than the smaller of its own limits).
-            Ok(Answer::VersionRefused(1)) if mine.reads.is_some() => {
-                mine.reads = None;
-                continue;
-            }
-            Ok(Answer::VersionRefused(v)) => Err((format!("the node speaks RDMA bootstrap version {v}"), true)),
-            Err(e) => Err((e.to_string(), true)),
-        });
-    }
-}
-
-fn accept(link: &Link, theirs: &Endpoint) -> Result<(), String> {
-    link.connect(theirs).map_err(|e| format!("cannot connect the queue pair: {e}"))
-}
-
-/// Turns on TCP keep-alive (idle 30 s) on the socket.
-fn set_keepalive(stream: &TcpStream) -> bool {
-    use std::os::fd::AsRawFd;
-    let fd = stream.as_raw_fd();
-    let on: libc::c_int = 1;
-    let idle: libc::c_int = 30;
-    let len = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
-    // SAFETY: setsockopt on a valid socket descriptor owned by `stream`, with
-    // pointers to live c_ints and their exact size.
-    unsafe {
-        libc::setsockopt(fd, libc::SOL_SOCKET, libc::SO_KEEPALIVE, &on as *const _ as *const libc::c_void, len) == 0
-            && libc::setsockopt(
-                fd,
-                libc::IPPROTO_TCP,
-                libc::TCP_KEEPIDLE,
-                &idle as *const _ as *const libc::c_void,
-                len,
-            ) == 0
     }
 }

@@ -9,9 +9,6 @@
 //!
 //! Routing, node health (cool-downs) and statuses are the core's.
 
-use std::io::{Read, Write};
-use std::net::TcpStream;
-use std::os::fd::AsRawFd;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -19,160 +16,25 @@ use std::time::{Duration, Instant};
 use kv_common::page::{Geometry, HEADER_LEN, MAX_KEY_LEN};
 use kv_common::status::Status;
 use kv_common::wire::MAX_BATCH_KEYS;
-use kv_common::wire::{
-    self, KeyRequest, Op, ReqHeader, RspHeader, FLAG_CHECK_GEOMETRY, FLAG_HANDOFF, FRAME_HEADER_LEN,
-};
+use kv_common::wire::{self, KeyRequest, Op, FLAG_CHECK_GEOMETRY, FLAG_HANDOFF, FRAME_HEADER_LEN};
 
 use crate::client::Client;
+use crate::conn::{answer_to, is_stale, Blocking, Conn};
 use crate::error::OpError;
-use crate::exchange::{check_get_head, refused, GetReply, MAX_SMALL_ANSWER};
+use crate::exchange::{check_get_head, GetReply, MAX_SMALL_ANSWER};
 use crate::node::{Node, SyncSlot};
 
-/// A blocking connection after the hello.
-pub struct SyncConn {
-    stream: TcpStream,
-    next_id: u64,
-    /// The socket's read and write timeouts as last set (each setsockopt is
-    /// a syscall; they are set only when they must change).
-    read_timeout: Duration,
-    write_timeout: Duration,
-}
-
-impl SyncConn {
-    fn set_write_timeout(&mut self, t: Duration) -> std::io::Result<()> {
-        if t != self.write_timeout {
-            self.stream.set_write_timeout(Some(t))?;
-            self.write_timeout = t;
-        }
-        Ok(())
-    }
-
-    /// Makes a read give up no earlier than `left` and at most `slack`
-    /// after it. The timeout set is `left + slack/2` (at most `cap`), so the
-    /// microseconds by which `left` differs between requests do not cost a
-    /// setsockopt each.
-    fn set_read_timeout(&mut self, left: Duration, slack: Duration, cap: Duration) -> std::io::Result<()> {
-        if left > self.read_timeout || left + slack < self.read_timeout {
-            let t = (left + slack / 2).min(cap).max(left).max(Duration::from_micros(1));
-            self.stream.set_read_timeout(Some(t))?;
-            self.read_timeout = t;
-        }
-        Ok(())
-    }
-
-    /// Fills `buf` by `deadline` (each read's timeout recomputed, so a peer
-    /// trickling bytes cannot hold the caller past it).
-    fn read_full(&mut self, buf: &mut [u8], deadline: Instant, slack: Duration, cap: Duration) -> Result<(), OpError> {
-        let mut got = 0;
-        while got < buf.len() {
-            let left = deadline.saturating_duration_since(Instant::now());
-            if left.is_zero() {
-                return Err(OpError::Timeout);
-            }
-            self.set_read_timeout(left, slack, cap)?;
-            let want = &mut buf[got..];
-            // MSG_WAITALL: the kernel gathers the whole buffer before the
-            // call returns (or the timeout or a signal ends it early, with
-            // what came so far), so a body that arrives in several segments
-            // costs one call, not one a segment.
-            // SAFETY: the pointer and length are those of `want`, a live
-            // mutable slice the kernel writes at most `want.len()` bytes of.
-            let n =
-                unsafe { libc::recv(self.stream.as_raw_fd(), want.as_mut_ptr().cast(), want.len(), libc::MSG_WAITALL) };
-            match n {
-                0 => return Err(OpError::Io(std::io::ErrorKind::UnexpectedEof.into())),
-                n if n > 0 => got += n as usize,
-                _ => {
-                    let e = std::io::Error::last_os_error();
-                    if e.kind() != std::io::ErrorKind::Interrupted {
-                        return Err(timeout_or_io(e));
-                    }
-                }
-            }
-        }
-        Ok(())
-    }
-
-    /// Reads at least `min` bytes into `buf`, and whatever more has come
-    /// (up to its length): the bytes read.
-    fn read_at_least(
-        &mut self,
-        buf: &mut [u8],
-        min: usize,
-        deadline: Instant,
-        slack: Duration,
-        cap: Duration,
-    ) -> Result<usize, OpError> {
-        let mut got = 0;
-        while got < min {
-            let left = deadline.saturating_duration_since(Instant::now());
-            if left.is_zero() {
-                return Err(OpError::Timeout);
-            }
-            self.set_read_timeout(left, slack, cap)?;
-            match self.stream.read(&mut buf[got..]) {
-                Ok(0) => return Err(OpError::Io(std::io::ErrorKind::UnexpectedEof.into())),
-                Ok(n) => got += n,
-                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
-                Err(e) => return Err(timeout_or_io(e)),
-            }
-        }
-        Ok(got)
-    }
-
-    /// Reads and discards `n` bytes (the rest of an answer not served, so
-    /// the connection stays in step).
-    fn skip(&mut self, mut n: usize, deadline: Instant, slack: Duration, cap: Duration) -> Result<(), OpError> {
-        let mut sink = [0u8; 8192];
-        while n > 0 {
-            let k = n.min(sink.len());
-            self.read_full(&mut sink[..k], deadline, slack, cap)?;
-            n -= k;
-        }
-        Ok(())
-    }
-}
-
-fn connect(node: &Node, timeout: Duration) -> Result<SyncConn, OpError> {
-    let mut version = node.hello_version();
-    for _ in 0..crate::hello::MAX_TRIES {
-        let mut stream = dial(node, timeout)?;
-        stream.set_nodelay(true)?;
-        stream.set_read_timeout(Some(timeout))?;
-        stream.set_write_timeout(Some(timeout))?;
-        match crate::hello::say_sync(&mut stream, version, node.token.as_ref())? {
-            crate::hello::Step::Done { version, .. } => {
-                node.agreed_version(version);
-                return Ok(SyncConn { stream, next_id: 1, read_timeout: timeout, write_timeout: timeout });
-            }
-            crate::hello::Step::Again(v) => version = v,
-        }
-    }
-    Err(crate::hello::unsettled())
-}
-
-/// Connects to the first of the node's addresses that answers.
-fn dial(node: &Node, timeout: Duration) -> Result<TcpStream, OpError> {
-    // Resolved again on every connect (see members.rs).
-    let mut last = None;
-    for a in crate::members::resolve(&node.addr)? {
-        match TcpStream::connect_timeout(&a, timeout) {
-            Ok(s) => return Ok(s),
-            Err(e) => last = Some(e),
-        }
-    }
-    Err(match last {
-        Some(e) if e.kind() == std::io::ErrorKind::TimedOut => OpError::Timeout,
-        Some(e) => OpError::Io(e),
-        None => OpError::Io(std::io::ErrorKind::NotFound.into()),
-    })
-}
-
-fn timeout_or_io(e: std::io::Error) -> OpError {
-    match e.kind() {
-        std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut => OpError::Timeout,
+/// Connects to `node` (a new blocking connection), starting in the
+/// protocol version it last agreed on.
+fn connect(node: &Node, timeout: Duration) -> Result<Conn, OpError> {
+    let unreachable = |e: std::io::Error| match e.kind() {
+        std::io::ErrorKind::TimedOut => OpError::Timeout,
         _ => OpError::Io(e),
-    }
+    };
+    let (conn, version) =
+        Conn::<Blocking>::open(&node.addr, timeout, node.token.as_ref(), node.hello_version(), unreachable)?;
+    node.agreed_version(version);
+    Ok(conn)
 }
 
 /// One request in flight on one connection.
@@ -180,7 +42,7 @@ struct Pending {
     /// Holds one of the node's blocking-connection slots until dropped.
     slot: SyncSlot,
     node: Arc<Node>,
-    conn: SyncConn,
+    conn: Conn,
     reused: bool,
     req_id: u64,
     op: Op,
@@ -199,15 +61,9 @@ struct Pending {
 fn send(p: &mut Pending, io_timeout: Duration) -> Result<(), OpError> {
     p.deadline = Instant::now() + io_timeout;
     p.io_timeout = io_timeout;
-    p.conn.set_write_timeout(io_timeout)?;
-    p.req_id = p.conn.next_id;
-    p.conn.next_id += 1;
     let flags = FLAG_CHECK_GEOMETRY | if p.handoff.is_some() { FLAG_HANDOFF } else { 0 };
-    let h = ReqHeader { op: p.op, flags, body_len: p.body.len() as u32, req_id: p.req_id }.encode();
-    let mut frame = Vec::with_capacity(FRAME_HEADER_LEN + p.body.len());
-    frame.extend_from_slice(&h);
-    frame.extend_from_slice(&p.body);
-    p.conn.stream.write_all(&frame).map_err(timeout_or_io)
+    p.req_id = p.conn.write_frame(p.op, flags, &p.body, io_timeout)?;
+    Ok(())
 }
 
 fn recv(p: &mut Pending) -> Result<Vec<Status>, OpError> {
@@ -218,12 +74,7 @@ fn recv(p: &mut Pending) -> Result<Vec<Status>, OpError> {
     // this answer: read header and (usually) body with one call.
     let mut first = [0u8; 1024];
     let got = p.conn.read_at_least(&mut first, FRAME_HEADER_LEN, p.deadline, slack, cap)?;
-    let mut hb = [0u8; FRAME_HEADER_LEN];
-    hb.copy_from_slice(&first[..FRAME_HEADER_LEN]);
-    let h = RspHeader::decode(&hb);
-    if h.req_id != p.req_id {
-        return Err(OpError::Protocol(format!("answer to request {} while waiting for {}", h.req_id, p.req_id)));
-    }
+    let h = answer_to(&first, p.req_id)?;
     let body_len = h.body_len as usize;
     if body_len > 1 << 20 || got > FRAME_HEADER_LEN + body_len {
         return Err(OpError::Protocol(format!("unexpected {}-byte answer", got.max(body_len))));
@@ -249,7 +100,7 @@ fn recv(p: &mut Pending) -> Result<Vec<Status>, OpError> {
 /// whatever arrives is its answer): Ok when the whole answer was read, the
 /// connection then between frames and fit to pool again.
 fn get_on(
-    conn: &mut SyncConn,
+    conn: &mut Conn,
     geo: &Geometry,
     key: &[u8],
     bufs: &mut [&mut [u8]],
@@ -257,27 +108,14 @@ fn get_on(
 ) -> Result<GetReply, OpError> {
     let deadline = Instant::now() + io;
     let (slack, cap) = (io / 16, io);
-    conn.set_write_timeout(io)?;
-    let req_id = conn.next_id;
-    conn.next_id += 1;
-    let req = KeyRequest::encode(geo, key);
-    let h = ReqHeader { op: Op::Get, flags: FLAG_CHECK_GEOMETRY, body_len: req.len() as u32, req_id }.encode();
-    let mut frame = Vec::with_capacity(FRAME_HEADER_LEN + req.len());
-    frame.extend_from_slice(&h);
-    frame.extend_from_slice(&req);
-    conn.stream.write_all(&frame).map_err(timeout_or_io)?;
+    let req_id = conn.write_frame(Op::Get, FLAG_CHECK_GEOMETRY, &KeyRequest::encode(geo, key), io)?;
     // The frame header, and with it (an answer is written at once) the
     // page header and the key, in one read.
     let head = HEADER_LEN + key.len();
     let mut first = [0u8; FRAME_HEADER_LEN + HEADER_LEN + MAX_KEY_LEN];
     let first = &mut first[..FRAME_HEADER_LEN + head];
     let got = conn.read_at_least(first, FRAME_HEADER_LEN, deadline, slack, cap)?;
-    let mut hb = [0u8; FRAME_HEADER_LEN];
-    hb.copy_from_slice(&first[..FRAME_HEADER_LEN]);
-    let h = RspHeader::decode(&hb);
-    if h.req_id != req_id {
-        return Err(OpError::Protocol(format!("answer to request {} while waiting for {req_id}", h.req_id)));
-    }
+    let h = answer_to(first, req_id)?;
     let (body_len, have) = (h.body_len as usize, got - FRAME_HEADER_LEN);
     if have > body_len {
         return Err(OpError::Protocol(format!("{have} bytes after a {body_len}-byte answer")));
@@ -294,7 +132,7 @@ fn get_on(
             Status::Miss | Status::Mismatch => reply(h.status, 0),
             // Read whole: this get alone is not served (a node's internal
             // failure reads as unavailable, never negative).
-            s => reply(refused(s, &body).status(), 0),
+            s => reply(OpError::refused(s, &body).status(), 0),
         };
     }
     if body_len < head {
@@ -329,12 +167,6 @@ fn get_on(
     reply(Status::Ok, need)
 }
 
-fn is_stale(e: &OpError) -> bool {
-    matches!(e, OpError::Io(io) if matches!(io.kind(),
-        std::io::ErrorKind::UnexpectedEof | std::io::ErrorKind::ConnectionReset
-        | std::io::ErrorKind::BrokenPipe | std::io::ErrorKind::ConnectionAborted))
-}
-
 impl Client {
     /// A connection for a held slot: the idle one taken with it (unless
     /// `fresh`), else a new one.
@@ -344,7 +176,7 @@ impl Client {
         node: &Arc<Node>,
         fresh: bool,
         io: Duration,
-    ) -> Result<(SyncConn, bool), OpError> {
+    ) -> Result<(Conn, bool), OpError> {
         if fresh {
             slot.discard_idle();
         } else if let Some(c) = slot.take_idle() {
@@ -596,7 +428,7 @@ impl Client {
     /// when the async core must take it: the handle has RDMA, or a handoff
     /// set is open (a miss then asks the previous owners).
     pub fn getv_blocking(&self, key: &[u8], bufs: &mut [&mut [u8]]) -> Option<Result<usize, (Status, usize)>> {
-        if self.rdma.is_some() {
+        if self.fabric.is_on() {
             return None;
         }
         let topo = self.topology();

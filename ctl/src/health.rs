@@ -144,7 +144,7 @@ fn check_node(addr: SocketAddr, timeout: Duration) -> Result<String, String> {
         Ok(c) => c,
         // It answered its hello, so it serves; its disks cannot be asked
         // without the group's token.
-        Err(kvclient::ClientError::Denied { .. }) => {
+        Err(kvclient::OpError::Denied) => {
             return Ok("serving (disks not checked: give the group's auth token to check them)".into())
         }
         Err(e) => return Err(e.to_string()),

@@ -247,7 +247,7 @@ fn an_invalid_record_is_refused_and_the_connection_carries_on() {
     let mut rec = build_record(g, b"k", b"payload");
     rec[64] = b'X'; // key differs from its hash
     let err = c.put_parts(&[&rec]).unwrap_err();
-    assert!(matches!(err, kvclient::ClientError::Refused { status: Status::BadRequest, .. }), "{err}");
+    assert!(matches!(err, kvclient::OpError::Node(Status::BadRequest, _)), "{err}");
     // A header claiming an absurd payload length (its CRC valid): refused,
     // nothing overflows, the connection carries on.
     let mut h = kv_common::page::PageHeader::new(g, b"k", 0, 0);
@@ -255,16 +255,16 @@ fn an_invalid_record_is_refused_and_the_connection_carries_on() {
     let mut rec = h.encode().to_vec();
     rec.extend_from_slice(&[b'k'; 36]);
     let err = c.put_parts(&[&rec]).unwrap_err();
-    assert!(matches!(err, kvclient::ClientError::Refused { status: Status::BadRequest, .. }), "{err}");
+    assert!(matches!(err, kvclient::OpError::Node(Status::BadRequest, _)), "{err}");
     let mut rec = build_record(g, b"k", b"payload");
     let last = rec.len() - 1;
     rec[last] ^= 1; // payload no longer matches its CRC: damaged on the way
     let err = c.put_parts(&[&rec]).unwrap_err();
     assert!(err.to_string().contains("payload checksum"), "{err}");
-    assert!(matches!(err, kvclient::ClientError::Refused { status: Status::Corrupt, .. }), "{err}");
+    assert!(matches!(err, kvclient::OpError::Node(Status::Corrupt, _)), "{err}");
     // A record over the node's max_record (8 MiB here) is refused up front.
     let err = c.put(&g, b"big", &vec![0u8; 9 << 20]).unwrap_err();
-    assert!(matches!(err, kvclient::ClientError::Refused { status: Status::Rejected, .. }), "{err}");
+    assert!(matches!(err, kvclient::OpError::Node(Status::Rejected, _)), "{err}");
     assert!(c.put(&g, b"ok", b"fine").unwrap());
     assert_eq!(c.exist(None, b"k").unwrap(), Status::Miss);
     // Malformed small bodies: BAD_REQUEST, connection stays.

@@ -79,7 +79,7 @@ fn rdma_asked_for_without_a_device_means_tcp_one_log_line_and_one_fallback() {
     let snap = c.stats_text();
     assert!(snap.contains("kvclient_rdma_fallbacks_total 1\n"), "{snap}");
     assert!(snap.contains("kvclient_rdma_completions_total 0\n"), "{snap}");
-    let why = c.core.rdma_counters.fallback_reason().expect("a reason");
+    let why = c.core.fabric.counters().fallback_reason().expect("a reason");
     assert!(
         expected_reason(if cfg!(feature = "rdma") { "rdma" } else { "tcp" }).iter().any(|r| why.contains(r)),
         "{why}"
