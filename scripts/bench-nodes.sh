@@ -1,39 +1,38 @@
 # Sourced by the benchmark scripts (bench-cluster.sh, bench-pages.sh, bench-warm.sh, ...
 # start_bench_nodes CAP [VAR=VALUE...] starts three kv-server nodes from
-# $bin on loopback, each with one disk directory $work/n<i> capped at CAP
-# and a 512 MiB memory tier, the VAR=VALUE pairs in their environment; it
-# waits until each listens and has faulted its memory arena in (a node's
-# first minute is not its steady state; up to 60 s), prints how long that
-# took, sets $members (`n0=ADDR,...`) and appends the PIDs to $pids.
+# $bin on loopback with kv-local, each with one disk directory under
+# $work/n<i> capped at CAP and a 512 MiB memory tier, the VAR=VALUE pairs in
+# their environment; it waits until each listens and has faulted its memory
+# arena in (a node's first minute is not its steady state; up to 60 s),
+# prints how long that took, sets $members (`n1=ADDR,...`) and appends
+# kv-local's PID to $pids (SIGTERM to it stops the nodes).
 # $BENCH_NODE_ARGS, if set, is added to every node's flags; $BENCH_MEM_CAP
 # replaces the 512 MiB tier.
 start_bench_nodes() {
-  local cap=$1 i a ms
+  local cap=$1 out envs=() kv
   shift
-  members=""
-  for i in 0 1 2; do
-    env "$@" "$bin/kv-server" --listen 127.0.0.1:0 --dir "$work/n$i" --cap "$cap" --mem-cap "${BENCH_MEM_CAP:-512M}" \
-      --log-level info --drain-secs 0 ${BENCH_NODE_ARGS:-} >"$work/n$i.out" 2>"$work/n$i.log" &
-    pids+=($!)
+  for kv in "$@"; do envs+=(--env "$kv"); done
+  # kv-local (the one loopback-cluster starter) from this tree's release
+  # build, starting the nodes of $bin (which may be another build's).
+  local here
+  here=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+  [ -x "$here/target/release/kv-local" ] || (cd "$here" && cargo build --release -q -p kv-e2e --bin kv-local)
+  out="$work/kv-local.out"
+  rm -f "$out"
+  # shellcheck disable=SC2086
+  "$here/target/release/kv-local" --work "$work" --mds 0 --nodes 3 --id-prefix n --wait-arena \
+    --bin-dir "$(cd "$bin" && pwd)" "${envs[@]}" \
+    -- --cap "$cap" --mem-cap "${BENCH_MEM_CAP:-512M}" --log-level info --drain-secs 0 ${BENCH_NODE_ARGS:-} \
+    >"$out" 2>"$work/kv-local.log" </dev/null &
+  pids+=($!)
+  for _ in $(seq 900); do
+    grep -qx ready "$out" 2>/dev/null && break
+    kill -0 "${pids[-1]}" 2>/dev/null || { echo "the nodes did not start"; cat "$work/kv-local.log"; exit 1; }
+    sleep 0.1
   done
-  for i in 0 1 2; do
-    a=
-    for _ in $(seq 300); do
-      a=$(sed -n 's/^kv-server listening on //p' "$work/n$i.out" 2>/dev/null || true)
-      [ -n "$a" ] && break
-      sleep 0.1
-    done
-    [ -n "$a" ] || { echo "node $i did not start"; cat "$work/n$i.log"; exit 1; }
-    members="${members}n$i=$a,"
-  done
-  for i in 0 1 2; do
-    for _ in $(seq 600); do
-      grep -q "memory arena faulted in" "$work/n$i.log" 2>/dev/null && break
-      sleep 0.1
-    done
-    ms=$(sed -n 's/.*memory arena faulted in.* ms=\([0-9]*\).*/\1/p' "$work/n$i.log" | head -1)
-    echo "node $i: memory arena faulted in${ms:+ in $ms ms}"
-  done
+  grep -qx ready "$out" || { echo "the nodes did not come up within 90 s"; cat "$work/kv-local.log"; exit 1; }
+  sed -n 's/^\(node [^ ]*: memory arena faulted in.*\)/\1/p' "$out"
+  members=$(sed -n 's/^members //p' "$out")
 }
 
 # stop_bench_nodes: ends the processes whose PIDs are in $pids (TERM, by

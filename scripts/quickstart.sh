@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # The main job: a local kvcellar cluster on loopback.
 #
-# Builds release binaries, then starts under a work dir: etcd, two kv-mds
-# replicas and three kv-server nodes (two disk dirs each; node n3 has weight
-# 2), all on 127.0.0.1. Shows `kvctl ring`, a 4 MiB page round trip through
+# Builds release binaries, then starts under a work dir, with kv-local: etcd,
+# two kv-mds replicas and three kv-server nodes (two disk dirs each; node n3
+# has weight 2), all on 127.0.0.1. Shows `kvctl ring`, a 4 MiB page round trip through
 # the group, a short `kvctl bench` (with `kvctl top` during its gets), and
 # `kvctl stat --all`, and where the dashboards are. Then stops everything it
 # started (also on Ctrl-C).
@@ -16,20 +16,17 @@ cd "$(dirname "$0")/.."
 work=${KVCELLAR_WORK:-$PWD/.kvcellar-work}
 pids="$work/pids"
 
-# Stops what a run started, newest first: nodes (they deregister), then the
-# MDS replicas, then etcd. Only PIDs this script recorded are signalled.
+# Stops the cluster a run started: kv-local (whose PID this script
+# recorded) stops its nodes (they deregister), the MDS replicas and etcd.
 stop_all() {
-  [ -d "$pids" ] || return 0
-  for f in "$pids"/node-*.pid "$pids"/mds-*.pid "$pids"/etcd.pid; do
-    [ -f "$f" ] || continue
-    pid=$(cat "$f")
-    if kill -0 "$pid" 2>/dev/null; then
-      kill -TERM "$pid" 2>/dev/null || true
-      for _ in $(seq 100); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
-      kill -0 "$pid" 2>/dev/null && kill -KILL "$pid" 2>/dev/null || true
-    fi
-    rm -f "$f"
-  done
+  [ -f "$pids/kv-local.pid" ] || return 0
+  pid=$(cat "$pids/kv-local.pid")
+  if kill -0 "$pid" 2>/dev/null; then
+    kill -TERM "$pid" 2>/dev/null || true
+    for _ in $(seq 300); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
+    kill -0 "$pid" 2>/dev/null && kill -KILL "$pid" 2>/dev/null || true
+  fi
+  rm -f "$pids/kv-local.pid"
   echo "== stopped everything the quickstart started (logs in $work)"
 }
 
@@ -41,7 +38,6 @@ keep=0
 [ "${1:-}" = "--keep" ] && keep=1
 
 bash scripts/deps.sh
-command -v curl >/dev/null || { echo "curl is needed (apt-get install curl)"; exit 1; }
 echo "== building (release)"
 cargo build --release --bins -q --features rdma
 bin=$PWD/target/release
@@ -49,70 +45,26 @@ mkdir -p "$work" "$pids"
 stop_all >/dev/null   # a cluster left running by an earlier --keep
 [ $keep -eq 1 ] || trap stop_all EXIT INT TERM
 
-free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
-
-# Waits (up to 30 s) for a daemon's "NAME listening on ADDR" line; prints ADDR.
-await_addr() { # await_addr OUTFILE PID NAME
-  local out=$1 pid=$2 name=$3 addr=""
-  for _ in $(seq 300); do
-    addr=$(sed -n "s/^$name listening on //p" "$out" 2>/dev/null || true)
-    [ -n "$addr" ] && { echo "$addr"; return 0; }
-    kill -0 "$pid" 2>/dev/null || { echo "$name failed to start; see ${out%.out}.log" >&2; return 1; }
-    sleep 0.1
-  done
-  echo "$name did not come up within 30 s; see ${out%.out}.log" >&2
-  return 1
-}
-
-# etcd, on two free ports, from an empty data dir each run.
-cport=$(free_port); pport=$(free_port)
-rm -rf "$work/etcd"
-etcd --name kvcellar --data-dir "$work/etcd" \
-  --listen-client-urls "http://127.0.0.1:$cport" --advertise-client-urls "http://127.0.0.1:$cport" \
-  --listen-peer-urls "http://127.0.0.1:$pport" --initial-advertise-peer-urls "http://127.0.0.1:$pport" \
-  --initial-cluster "kvcellar=http://127.0.0.1:$pport" --initial-cluster-state new \
-  --log-level warn >"$work/etcd.log" 2>&1 &
-echo $! >"$pids/etcd.pid"
-for _ in $(seq 300); do
-  curl -sf "http://127.0.0.1:$cport/health" >/dev/null 2>&1 && break
+# etcd, two kv-mds replicas and three nodes (two disk dirs each, n3 of
+# weight 2), started by kv-local (the same code the tests start clusters
+# with); it prints each part's address, then "ready".
+rm -f "$work/cluster.out"
+setsid "$bin/kv-local" --work "$work" --nodes 3 --disks 2 --mds 2 --group quickstart --weights 1,1,2 --metrics \
+  -- --cap 512M --mem-cap 64M --drain-secs 1 >"$work/cluster.out" 2>"$work/kv-local.log" </dev/null &
+echo $! >"$pids/kv-local.pid"
+for _ in $(seq 900); do
+  grep -qx ready "$work/cluster.out" 2>/dev/null && break
+  kill -0 "$(cat "$pids/kv-local.pid")" 2>/dev/null || { echo "the cluster did not start; see $work/kv-local.log and $work/*.log"; exit 1; }
   sleep 0.1
 done
-curl -sf "http://127.0.0.1:$cport/health" >/dev/null || { echo "etcd did not come up; see $work/etcd.log"; exit 1; }
-echo "== etcd on 127.0.0.1:$cport"
-
-mds=""
-for i in 1 2; do
-  "$bin/kv-mds" --listen 127.0.0.1:0 --etcd "127.0.0.1:$cport" --lease-ttl 10s \
-    >"$work/mds-$i.out" 2>"$work/mds-$i.log" &
-  pid=$!
-  echo $pid >"$pids/mds-$i.pid"
-  addr=$(await_addr "$work/mds-$i.out" $pid kv-mds)
-  echo "== kv-mds replica $i (pid $pid) on $addr"
-  mds=${mds:+$mds,}$addr
-done
-
-dash=""
-for i in 1 2 3; do
-  weight=1; [ $i -eq 3 ] && weight=2
-  mport=$(free_port)
-  dash="$dash http://127.0.0.1:$mport/"
-  "$bin/kv-server" --listen 127.0.0.1:0 --dir "$work/n$i/disk0,$work/n$i/disk1" --cap 512M \
-    --mem-cap 64M --mds "$mds" --group quickstart --id "n$i" --advertise 127.0.0.1:0 --weight $weight \
-    --metrics-listen "127.0.0.1:$mport" --drain-secs 1 \
-    >"$work/node-$i.out" 2>"$work/node-$i.log" &
-  pid=$!
-  echo $pid >"$pids/node-$i.pid"
-  addr=$(await_addr "$work/node-$i.out" $pid kv-server)
-  echo "== kv-server n$i (pid $pid, weight $weight) on $addr, disks under $work/n$i"
-done
-
-# Wait (up to 30 s) until the group lists all three nodes.
-for _ in $(seq 300); do
-  n=$("$bin/kvctl" ring --mds "$mds" --group quickstart --json 2>/dev/null |
-    python3 -c 'import json,sys; print(len(json.load(sys.stdin)["members"]))' 2>/dev/null || echo 0)
-  [ "$n" = 3 ] && break
-  sleep 0.1
-done
+grep -qx ready "$work/cluster.out" || { echo "the cluster did not come up within 90 s; see $work/*.log"; exit 1; }
+sed -n 's/^etcd /== etcd on /p' "$work/cluster.out"
+mds=$(sed -n 's/^mds //p' "$work/cluster.out")
+echo "== kv-mds replicas on $mds"
+while read -r kind id addr pid _; do
+  if [ "$kind" = node ]; then echo "== kv-server $id (${pid/=/ }) on $addr, disks under $work/$id"; fi
+done <"$work/cluster.out"
+dash=$(awk '/^node /{for (i = 1; i <= NF; i++) if ($i ~ /^metrics=/) printf " http://%s/", substr($i, 9)}' "$work/cluster.out")
 echo "== kvctl ring --mds $mds --group quickstart"
 "$bin/kvctl" ring --mds "$mds" --group quickstart
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Browser test of the dashboards: a real etcd, kv-mds and two
-kv-server nodes on loopback under load (kvctl bench), then headless Chromium
+kv-server nodes on loopback (started by kv-local) under load (kvctl bench), then headless Chromium
 renders the node's and the MDS's page; the rendered text is checked (hit
 rate, disk rows, ring members, each member's health) and a screenshot of each
 is saved. Run by scripts/test-dashboards.sh (which installs Chromium).
@@ -17,7 +17,6 @@ import re
 import select
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -28,12 +27,6 @@ ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
 BIN = os.environ.get("KVCELLAR_BIN_DIR") or os.path.join(ROOT, "target", "debug")
 procs: list[subprocess.Popen] = []
 WORK = "."  # the daemons' working directory: disk dirs are given relative to it
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def http(addr: str, path: str) -> str:
@@ -72,6 +65,24 @@ def start(args: list[str], announce: str | None = None, log: str | None = None) 
     raise SystemExit(f"dashboards: {args[0]} did not start")
 
 
+def start_cluster(args: list[str]) -> list[str]:
+    """Starts kv-local and returns the lines it printed up to "ready"."""
+    p = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=open(os.path.join(WORK, "kv-local.log"), "w"),
+                         stdin=subprocess.DEVNULL, text=True)
+    procs.append(p)
+    lines: list[str] = []
+    end = time.monotonic() + 90
+    while time.monotonic() < end:
+        r, _, _ = select.select([p.stdout], [], [], max(0.0, end - time.monotonic()))
+        line = p.stdout.readline() if r else ""
+        if not line:
+            break
+        if line.strip() == "ready":
+            return lines
+        lines.append(line.strip())
+    raise SystemExit("dashboards: kv-local did not bring the cluster up (see kv-local.log)")
+
+
 def chromium(url: str, png: str | None, width: int, height: int) -> str:
     """The rendered DOM (with png: also a screenshot), after the page's
     timers ran for a few (virtual) seconds."""
@@ -107,26 +118,12 @@ def main() -> int:
     WORK = tmp
     failures: list[str] = []
     try:
-        cport, pport = free_port(), free_port()
-        etcd = f"127.0.0.1:{cport}"
-        start([shutil.which("etcd") or "/usr/bin/etcd", "--data-dir", f"{tmp}/etcd",
-               "--listen-client-urls", f"http://{etcd}", "--advertise-client-urls", f"http://{etcd}",
-               "--listen-peer-urls", f"http://127.0.0.1:{pport}",
-               "--initial-advertise-peer-urls", f"http://127.0.0.1:{pport}",
-               "--initial-cluster", f"default=http://127.0.0.1:{pport}"], log=f"{tmp}/etcd.log")
-        wait("etcd", lambda: "true" in http(etcd, "/health"))
-        mds = start([f"{BIN}/kv-mds", "--listen", "127.0.0.1:0", "--etcd", etcd, "--lease-ttl", "10s"],
-                    "kv-mds listening on ", f"{tmp}/mds.log")
-        metrics = []
-        for i in (1, 2):
-            m = f"127.0.0.1:{free_port()}"
-            metrics.append(m)
-            start([f"{BIN}/kv-server", "--listen", "127.0.0.1:0", "--dir", f"nvme0/kv{i},nvme1/kv{i}",
-                   "--cap", "48M", "--mem-cap", "8M", "--metrics-listen", m, "--mds", mds, "--group", "demo",
-                   "--id", f"gpu-node-{i}", "--advertise", "127.0.0.1:0", "--log-level", "warn", "--drain-secs", "0"],
-                  "kv-server listening on ", f"{tmp}/n{i}.log")
-        wait("two members", lambda: len(json.loads(http(mds, "/api/groups"))["groups"][0]["members"]) == 2
-             if json.loads(http(mds, "/api/groups"))["groups"] else False)
+        # etcd, one kv-mds and two nodes, by kv-local (the one loopback-cluster starter).
+        lines = start_cluster([f"{BIN}/kv-local", "--work", tmp, "--nodes", "2", "--disks", "2", "--mds", "1",
+                               "--group", "demo", "--id-prefix", "gpu-node-", "--metrics", "--",
+                               "--cap", "48M", "--mem-cap", "8M", "--log-level", "warn", "--drain-secs", "0"])
+        mds = next(l.split()[1] for l in lines if l.startswith("mds "))
+        metrics = [w.split("=", 1)[1] for l in lines if l.startswith("node ") for w in l.split() if w.startswith("metrics=")]
         # Load: puts that overflow the caps (evictions), gets of a hot set.
         kv = [f"{BIN}/kvctl", "bench", "--mds", mds, "--group", "demo", "--no-raw", "--threads", "2"]
         start(kv + ["--op", "put", "--size", "256K", "--duration", "40"])

@@ -331,6 +331,15 @@ impl Mds {
         Mds { child: Some(child), addr, stderr_lines }
     }
 
+    /// `binary` (a workspace name or a path) on a port it picks, its stderr
+    /// appended to `log`.
+    pub fn start_logged(binary: &str, etcd: &str, ttl: &str, log: &std::path::Path) -> Mds {
+        let args = ["--listen", "127.0.0.1:0", "--etcd", etcd, "--lease-ttl", ttl, "--log-level", "info"];
+        let spawned = crate::try_spawn_daemon_with(binary, &args, "kv-mds listening on ", &[], Some(log));
+        let (child, addr, stderr_lines) = spawned.unwrap_or_else(|e| panic!("{e}"));
+        Mds { child: Some(child), addr, stderr_lines }
+    }
+
     /// As [`Mds::start_at`], trying `attempts` times (the address may be
     /// taken for a moment by another socket after its previous owner died).
     pub fn try_start_at(listen: &str, etcd: &str, ttl: &str, attempts: usize) -> Result<Mds, String> {

@@ -23,7 +23,8 @@ pub fn bin(name: &str) -> PathBuf {
         return PathBuf::from(name);
     }
     let exe = std::env::current_exe().expect("test executable path");
-    let dir = exe.parent().and_then(Path::parent).expect("target dir");
+    // A test runs from target/PROFILE/deps, kv-local from target/PROFILE.
+    let dir = exe.parent().map(|d| if d.ends_with("deps") { d.parent().unwrap_or(d) } else { d }).expect("target dir");
     let p = dir.join(name);
     assert!(p.exists(), "{} not built: run `cargo build --workspace` first", p.display());
     // `cargo test -p kv-e2e` does not rebuild other packages' binaries: refuse
@@ -93,6 +94,20 @@ impl Node {
             full.extend_from_slice(&["--drain-secs", "0"]);
         }
         let (child, addr, stderr_lines) = spawn_daemon(binary, &full, "kv-server listening on ");
+        Node { child: Some(child), addr, stderr_lines }
+    }
+
+    /// `binary` (a workspace name or a path) with `args` (its `--listen`
+    /// among them, else 127.0.0.1:0), `env` in its environment and its
+    /// stderr appended to `log` (its `stderr_lines` then stay empty).
+    pub fn start_logged(binary: &str, args: &[&str], env: &[(String, String)], log: &Path) -> Node {
+        let mut full: Vec<&str> = Vec::new();
+        if !args.contains(&"--listen") {
+            full.extend_from_slice(&["--listen", "127.0.0.1:0"]);
+        }
+        full.extend_from_slice(args);
+        let spawned = try_spawn_daemon_with(binary, &full, "kv-server listening on ", env, Some(log));
+        let (child, addr, stderr_lines) = spawned.unwrap_or_else(|e| panic!("{e}"));
         Node { child: Some(child), addr, stderr_lines }
     }
 
@@ -180,14 +195,37 @@ pub fn try_spawn_daemon(
     args: &[&str],
     announce: &str,
 ) -> Result<(Child, String, mpsc::Receiver<String>), String> {
+    try_spawn_daemon_with(name, args, announce, &[], None)
+}
+
+/// As [`try_spawn_daemon`], with `env` added to the daemon's environment
+/// and, given `log`, its stderr appended to that file instead of returned.
+pub fn try_spawn_daemon_with(
+    name: &str,
+    args: &[&str],
+    announce: &str,
+    env: &[(String, String)],
+    log: Option<&Path>,
+) -> Result<(Child, String, mpsc::Receiver<String>), String> {
+    let stderr_to = match log {
+        Some(p) => Stdio::from(
+            std::fs::OpenOptions::new()
+                .create(true)
+                .append(true)
+                .open(p)
+                .map_err(|e| format!("log {}: {e}", p.display()))?,
+        ),
+        None => Stdio::piped(),
+    };
     let mut child = Command::new(bin(name))
         .args(args)
+        .envs(env.iter().map(|(k, v)| (k, v)))
+        .stdin(Stdio::null())
         .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
+        .stderr(stderr_to)
         .spawn()
         .unwrap_or_else(|e| panic!("spawn {name}: {e}"));
     let stdout = child.stdout.take().expect("stdout");
-    let stderr = child.stderr.take().expect("stderr");
     let (tx, rx) = mpsc::channel();
     std::thread::spawn(move || {
         for line in BufReader::new(stdout).lines().map_while(Result::ok) {
@@ -195,11 +233,13 @@ pub fn try_spawn_daemon(
         }
     });
     let (etx, erx) = mpsc::channel();
-    std::thread::spawn(move || {
-        for line in BufReader::new(stderr).lines().map_while(Result::ok) {
-            let _ = etx.send(line);
-        }
-    });
+    if let Some(stderr) = child.stderr.take() {
+        std::thread::spawn(move || {
+            for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+                let _ = etx.send(line);
+            }
+        });
+    }
     let deadline = Instant::now() + Duration::from_secs(30);
     loop {
         let left = deadline.saturating_duration_since(Instant::now());
@@ -214,8 +254,11 @@ pub fn try_spawn_daemon(
                 let _ = child.wait();
                 // The stderr reader may still be draining the pipe.
                 std::thread::sleep(Duration::from_millis(100));
-                let log: Vec<String> = erx.try_iter().collect();
-                return Err(format!("{name} did not come up within 30 s; stderr:\n{}", log.join("\n")));
+                let lines: Vec<String> = match log {
+                    Some(p) => std::fs::read_to_string(p).unwrap_or_default().lines().map(String::from).collect(),
+                    None => erx.try_iter().collect(),
+                };
+                return Err(format!("{name} did not come up within 30 s; stderr:\n{}", lines.join("\n")));
             }
         }
     }
