@@ -22,26 +22,7 @@ use crate::metrics::Metrics;
 use crate::node::{AsyncConn, Node};
 use crate::options::Options;
 
-thread_local! {
-    /// Why the calling thread's last request was not served (blocking
-    /// callers: the C ABI, kvctl), taken by [`take_last_failure`].
-    static LAST_FAILURE: std::cell::RefCell<Option<String>> = const { std::cell::RefCell::new(None) };
-}
-
-fn note_failure(why: String) {
-    let _ = LAST_FAILURE.try_with(|f| *f.borrow_mut() = Some(why));
-}
-
-/// Records a failure that is not the node's (for [`take_last_failure`]).
-pub(crate) fn note_local(why: String) {
-    note_failure(why);
-}
-
-/// The reason the calling thread's last failed request was not served
-/// (which node, and what it or the network said), cleared as it is read.
-pub fn take_last_failure() -> Option<String> {
-    LAST_FAILURE.try_with(|f| f.borrow_mut().take()).ok().flatten()
-}
+pub use crate::error::take_last_failure;
 
 /// One item of a batch get: the key and the buffers its payload fills.
 pub type GetItem<'k, 'b> = (&'k [u8], Vec<&'b mut [u8]>);
@@ -359,13 +340,13 @@ impl Client {
     /// The node owning `key`, or the status to answer without the network.
     pub(crate) fn route(&self, topo: &Topology, key: &[u8]) -> Result<Arc<Node>, Status> {
         let Some(i) = topo.ring.owner(key) else {
-            note_failure("no members: give a member list or start discovery".into());
+            crate::error::note("no members: give a member list or start discovery".into());
             return Err(Status::Unavailable);
         };
         let node = &topo.nodes[i];
         if node.cooling() {
             self.metrics.fast_unavailable.fetch_add(1, Ordering::Relaxed);
-            note_failure(format!("node {} ({}) is cooling down after a failure", node.id, node.addr));
+            crate::error::note(format!("node {} ({}) is cooling down after a failure", node.id, node.addr));
             return Err(Status::Unavailable);
         }
         Ok(node.clone())
@@ -427,7 +408,7 @@ impl Client {
     }
 
     fn failed(&self, node: &Node, e: OpError) -> OpError {
-        note_failure(format!("node {} ({}): {e}", node.id, node.addr));
+        crate::error::note(format!("node {} ({}): {e}", node.id, node.addr));
         if e.is_peer_failure() {
             self.metrics.peer_failures.fetch_add(1, Ordering::Relaxed);
             node.mark_failed(self.opts.peer_cooldown);
@@ -578,7 +559,7 @@ impl Client {
             match topo.ring.owner(key) {
                 Some(m) => by_member[m].push(i),
                 None => {
-                    note_failure("no members: give a member list or start discovery".into());
+                    crate::error::note("no members: give a member list or start discovery".into());
                     out[i] = Status::Unavailable
                 }
             }
@@ -591,7 +572,7 @@ impl Client {
             let node = &topo.nodes[m];
             if node.cooling() {
                 self.metrics.fast_unavailable.fetch_add(idx.len() as u64, Ordering::Relaxed);
-                note_failure(format!("node {} ({}) is cooling down after a failure", node.id, node.addr));
+                crate::error::note(format!("node {} ({}) is cooling down after a failure", node.id, node.addr));
                 idx.iter().for_each(|&i| out[i] = Status::Unavailable);
             } else {
                 groups.push((node.clone(), idx));

@@ -1,4 +1,6 @@
-//! Why one operation was not served, and its one mapping to a status code.
+//! Why one operation was not served, its one mapping to a status code, and
+//! the calling thread's last failure (the one slot the core notes reasons
+//! in and the C ABI's `kv_last_error` reads).
 
 use kv_common::status::Status;
 
@@ -59,4 +61,43 @@ impl From<std::io::Error> for OpError {
     fn from(e: std::io::Error) -> Self {
         OpError::Io(e)
     }
+}
+
+/// The calling thread's last failure.
+#[derive(Default)]
+struct Last {
+    /// Why its last request was not served (which node, and what it or the
+    /// network said), noted by the core, taken by [`take_last_failure`].
+    why: Option<String>,
+    /// What `kv_last_error` returns: kept until the thread's next failure.
+    message: std::ffi::CString,
+}
+
+thread_local! {
+    static LAST: std::cell::RefCell<Last> = std::cell::RefCell::new(Last::default());
+}
+
+/// Notes why the calling thread's request was not served.
+pub(crate) fn note(why: String) {
+    // try_with: during thread teardown the slot may be gone; the note is
+    // then dropped rather than panicking.
+    let _ = LAST.try_with(|l| l.borrow_mut().why = Some(why));
+}
+
+/// The reason the calling thread's last failed request was not served,
+/// cleared as it is read (blocking callers: the C ABI, kvctl).
+pub fn take_last_failure() -> Option<String> {
+    LAST.try_with(|l| l.borrow_mut().why.take()).ok().flatten()
+}
+
+/// Sets the message the C ABI's `kv_last_error` returns.
+pub(crate) fn set_message(msg: impl Into<String>) {
+    let s = msg.into().replace('\0', " ");
+    let _ = LAST.try_with(|l| l.borrow_mut().message = std::ffi::CString::new(s).unwrap_or_default());
+}
+
+/// The message, NUL-terminated, valid until the thread's next failure
+/// (None during thread teardown).
+pub(crate) fn message_ptr() -> Option<*const std::ffi::c_char> {
+    LAST.try_with(|l| l.borrow().message.as_ptr()).ok()
 }

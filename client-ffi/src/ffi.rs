@@ -6,8 +6,7 @@
 
 #![allow(non_camel_case_types)]
 
-use std::cell::RefCell;
-use std::ffi::{c_char, c_int, c_void, CStr, CString};
+use std::ffi::{c_char, c_int, c_void, CStr};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 
 use kv_common::page::{Geometry, MAX_KEY_LEN};
@@ -73,15 +72,8 @@ pub struct kv_client {
     _opaque: [u8; 0],
 }
 
-thread_local! {
-    static LAST_ERROR: RefCell<CString> = RefCell::new(CString::default());
-}
-
 fn set_error(msg: impl Into<String>) {
-    let s = msg.into().replace('\0', " ");
-    // try_with: during thread teardown the slot may be gone; the message is
-    // then dropped rather than panicking across the boundary.
-    let _ = LAST_ERROR.try_with(|e| *e.borrow_mut() = CString::new(s).unwrap_or_default());
+    crate::error::set_message(msg);
 }
 
 /// Refuses output segments that overlap (within an item or across a
@@ -251,7 +243,7 @@ unsafe fn write_views<'a>(iov: *const kv_iovec, n: usize) -> Result<Vec<&'a mut 
 }
 
 fn done(s: Status) -> c_int {
-    let why = crate::client::take_last_failure();
+    let why = crate::error::take_last_failure();
     if s != Status::Ok {
         set_error(match why {
             Some(w) => format!("not served: {}: {w}", s.name()),
@@ -581,7 +573,7 @@ unsafe fn batch_items<'a, V>(
 }
 
 fn write_statuses(out: *mut c_int, st: &[Status]) -> c_int {
-    let why = crate::client::take_last_failure();
+    let why = crate::error::take_last_failure();
     let failed = st.iter().filter(|&&s| s != Status::Ok && s != Status::Miss).count();
     if failed > 0 {
         set_error(format!(
@@ -761,7 +753,7 @@ pub unsafe extern "C" fn kv_stats_snapshot(c: *mut kv_client, buf: *mut c_char, 
 #[no_mangle]
 pub extern "C" fn kv_last_error() -> *const c_char {
     static EMPTY: &[u8] = b"\0";
-    LAST_ERROR.try_with(|e| e.borrow().as_ptr()).unwrap_or(EMPTY.as_ptr() as *const c_char)
+    crate::error::message_ptr().unwrap_or(EMPTY.as_ptr() as *const c_char)
 }
 
 /// The library version.
@@ -875,6 +867,7 @@ mod handles {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::ffi::CString;
     use std::time::{Duration, Instant};
 
     fn geo() -> kv_geometry {

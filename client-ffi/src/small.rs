@@ -350,7 +350,7 @@ impl Client {
             if !may_wait {
                 return Err(chunk);
             }
-            crate::client::note_local(format!(
+            crate::error::note(format!(
                 "node {}: all {} connections busy for the whole I/O timeout",
                 node.id, self.opts.max_conns_per_node
             ));
@@ -444,7 +444,7 @@ impl Client {
         let deadline = Instant::now() + self.opts.io_timeout;
         let left = || deadline.saturating_duration_since(Instant::now());
         let Some(mut slot) = node.sync_slot(left()) else {
-            crate::client::note_local(format!(
+            crate::error::note(format!(
                 "node {}: all {} connections busy for the whole I/O timeout",
                 node.id, self.opts.max_conns_per_node
             ));
