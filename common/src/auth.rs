@@ -124,7 +124,7 @@ impl GroupTokens {
     pub fn add_group_spec(&mut self, spec: &str) -> Result<(), String> {
         let (group, path) =
             spec.split_once('=').ok_or_else(|| format!("--group-token-file {spec:?} is not GROUP=PATH"))?;
-        if !crate::mds::valid_name(group) {
+        if !valid_name(group) {
             return Err(format!("--group-token-file: group {group:?} must be 1-64 of A-Z a-z 0-9 . _ -"));
         }
         if path.is_empty() {
@@ -136,6 +136,12 @@ impl GroupTokens {
         self.groups.insert(group.to_string(), read_token_file(Path::new(path))?);
         Ok(())
     }
+}
+
+/// A group or node id: 1..=64 of `[A-Za-z0-9._-]`, so it is safe in etcd
+/// keys and URLs as is.
+pub fn valid_name(s: &str) -> bool {
+    !s.is_empty() && s.len() <= 64 && s.bytes().all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'))
 }
 
 #[cfg(test)]

@@ -144,11 +144,8 @@ pub struct ErrorReply {
     pub error: String,
 }
 
-/// A group or node id: 1..=64 of `[A-Za-z0-9._-]`, so it is safe in etcd
-/// keys and URLs as is.
-pub fn valid_name(s: &str) -> bool {
-    !s.is_empty() && s.len() <= 64 && s.bytes().all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'))
-}
+/// A group or node id's rule (defined beside the per-group tokens).
+pub use crate::auth::valid_name;
 
 /// Why an MDS call failed.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -28,7 +28,7 @@ use crate::frame::{
     error_response, frame_allowance, keepalive, read_body_by, read_exact_by, ConnError, Out, WRITE_BUFFER,
 };
 use crate::ops::{self, Payload, Session};
-use crate::server::Shared;
+use crate::state::Shared;
 
 pub use crate::frame::FRAME_TIMEOUT;
 
@@ -121,9 +121,9 @@ async fn serve_frames(
             match draining_until {
                 None => tokio::select! {
                     biased;
-                    _ = crate::server::stopped(shutdown) => Next::Shutdown,
+                    _ = kv_common::listen::stopped(shutdown) => Next::Shutdown,
                     // A response could not be written: stop reading too.
-                    _ = crate::server::stopped(&mut dead_rx) => Next::Close,
+                    _ = kv_common::listen::stopped(&mut dead_rx) => Next::Close,
                     r = rd.fill_buf() => Next::read(r),
                     // Nothing arrived for `idle`: close unless requests are
                     // still being answered (then the connection is busy).

@@ -144,7 +144,8 @@ impl Handoff {
 /// time; an owner that fails is left for the rest of the drain. Returns
 /// the pages pushed.
 pub fn push_pages(
-    shared: &crate::server::Shared,
+    store: &crate::store::Store,
+    h: &Handoff,
     members: &[kv_common::mds::MemberRecord],
     token: Option<&kv_common::auth::Token>,
     deadline: Instant,
@@ -155,7 +156,6 @@ pub fn push_pages(
     }
     let ring = Ring::new(members.iter().map(|m| RingMember { id: m.id.clone(), weight: m.weight }).collect());
     let mut queues: Vec<Vec<std::sync::Arc<[u8]>>> = vec![Vec::new(); members.len()];
-    let (store, h) = (&shared.store, &shared.handoff);
     for k in store.keys_by_recency() {
         if let Some(i) = ring.owner(&k) {
             queues[i].push(k);

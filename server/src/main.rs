@@ -171,7 +171,7 @@ fn run(cfg: ServerConfig) -> Result<(), String> {
                             .view(&group);
                         match view {
                             Ok(v) => {
-                                let n = kv_server::handoff::push_pages(&shared, &v.members, token.as_ref(), ends);
+                                let n = kv_server::handoff::push_pages(&shared.store, &shared.handoff, &v.members, token.as_ref(), ends);
                                 tracing::info!(pages = n, owners = v.members.len(), "drain: pages pushed to their owners");
                             }
                             Err(e) => tracing::warn!(error = %e, "drain: no view of the group: pages not pushed"),

@@ -4,141 +4,30 @@
 //! (the page's data: the STATS record as JSON).
 //!
 //! Request counters and service-time histograms are live prometheus-client
-//! metrics updated by the connection tasks ([`OpMetrics`]); everything the
+//! metrics updated by the connection tasks ([`crate::op_metrics::OpMetrics`]); everything the
 //! store already counts (hits, bytes, disks, ...) is read at scrape time by
 //! a [`Collector`] from one [`NodeStats`] record, so the exposition and the
 //! STATS op never disagree.
 
 use std::collections::VecDeque;
 use std::convert::Infallible;
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use http_body_util::Full;
 use hyper::body::{Bytes, Incoming};
 use hyper::{Request, Response, StatusCode};
-use kv_common::stats::{NodeStats, OpLatency};
-use kv_common::status::Status;
-use kv_common::wire::Op;
+use kv_common::stats::NodeStats;
 use prometheus_client::collector::Collector;
 use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric};
-use prometheus_client::metrics::counter::{ConstCounter, Counter};
-use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::counter::ConstCounter;
 use prometheus_client::metrics::gauge::ConstGauge;
-use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
 use prometheus_client::metrics::MetricType;
 use prometheus_client::registry::Registry;
 use tokio::net::TcpListener;
 use tokio::sync::watch;
 
-use crate::server::Shared;
-
-/// The ops a node serves, in wire order (index = op number - 1).
-const OPS: [(Op, &str); 8] = [
-    (Op::Put, "put"),
-    (Op::Get, "get"),
-    (Op::Exist, "exist"),
-    (Op::BatchExist, "batch_exist"),
-    (Op::Delete, "delete"),
-    (Op::Stats, "stats"),
-    (Op::Ping, "ping"),
-    (Op::RdmaConnect, "rdma_connect"),
-];
-
-/// Wire statuses 0..=9 (kv_common::status).
-const WIRE_STATUSES: u8 = 10;
-
-type Labels = Vec<(&'static str, &'static str)>;
-
-/// Histogram bounds of service time: 8 µs to 8.4 s, doubling (21 buckets
-/// and +Inf): a memory-tier get lands in the first few, a 4 MiB put with
-/// its flush in the middle, a stalled disk at the top.
-fn latency_buckets() -> impl Iterator<Item = f64> {
-    exponential_buckets(8e-6, 2.0, 21)
-}
-
-/// Per-op request counters (by wire status) and service-time histograms.
-/// Each series is made at its first use (the main ops' `ok` counters and
-/// histograms at start, so dashboards have them from the first scrape);
-/// recording is then an atomic add and, for the histogram, one short lock
-/// per op's histogram, shared by every worker thread (cost measured in
-/// docs/BENCHMARKS.md).
-pub struct OpMetrics {
-    requests: Family<Labels, Counter>,
-    latency: Family<Labels, Histogram, fn() -> Histogram>,
-    counters: [[OnceLock<Counter>; WIRE_STATUSES as usize]; OPS.len()],
-    hists: [OnceLock<Histogram>; OPS.len()],
-    /// False turns the histograms off (`KVCELLAR_LATENCY_HISTOGRAMS=0`; for
-    /// measuring their cost).
-    histograms: bool,
-}
-
-impl Default for OpMetrics {
-    fn default() -> Self {
-        OpMetrics::new(std::env::var("KVCELLAR_LATENCY_HISTOGRAMS").map_or(true, |v| v != "0"))
-    }
-}
-
-impl OpMetrics {
-    pub fn new(histograms: bool) -> OpMetrics {
-        let m = OpMetrics {
-            requests: Family::default(),
-            latency: Family::new_with_constructor(|| Histogram::new(latency_buckets())),
-            counters: std::array::from_fn(|_| std::array::from_fn(|_| OnceLock::new())),
-            hists: std::array::from_fn(|_| OnceLock::new()),
-            histograms,
-        };
-        for i in 0..5 {
-            m.counter(i, Status::Ok.to_wire());
-            if histograms {
-                m.hist(i);
-            }
-        }
-        m
-    }
-
-    fn counter(&self, i: usize, status: u8) -> &Counter {
-        self.counters[i][status as usize].get_or_init(|| {
-            self.requests.get_or_create(&vec![("op", OPS[i].1), ("status", Status::from_wire(status).name())]).clone()
-        })
-    }
-
-    fn hist(&self, i: usize) -> &Histogram {
-        self.hists[i].get_or_init(|| self.latency.get_or_create(&vec![("op", OPS[i].1)]).clone())
-    }
-
-    /// Counts one answered request and its service time (from the whole
-    /// request in hand to its answer queued for writing).
-    pub fn record(&self, op: Op, status: u8, took: Duration) {
-        let i = (op as usize).wrapping_sub(1);
-        if i >= OPS.len() || status >= WIRE_STATUSES {
-            return;
-        }
-        self.counter(i, status).inc();
-        if self.histograms {
-            self.hist(i).observe(took.as_secs_f64());
-        }
-    }
-
-    /// Every op's histogram as [`OpLatency`] records (the same series
-    /// `/metrics` exports), for STATS, the dashboard and `kvctl top`.
-    /// Ops never asked are left out.
-    pub fn latencies(&self) -> Vec<OpLatency> {
-        OPS.iter()
-            .zip(&self.hists)
-            .filter_map(|(&(_, op), hist)| {
-                let hist = hist.get()?;
-                // prometheus-client keeps its buckets private: read them
-                // back from its own exposition of this one histogram.
-                let mut reg = Registry::default();
-                reg.register("h", "", hist.clone());
-                let mut text = String::new();
-                prometheus_client::encoding::text::encode_registry(&mut text, &reg).ok()?;
-                OpLatency::from_exposition(op, &text).filter(|l| l.count > 0)
-            })
-            .collect()
-    }
-}
+use crate::state::Shared;
 
 /// The metrics address to register with the group: `listen` itself, or its
 /// port on the advertised host when it listens on every address.
@@ -630,7 +519,7 @@ async fn sampler(shared: Arc<Shared>, history: Arc<Mutex<History>>, mut shutdown
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         tokio::select! {
-            _ = crate::server::stopped(&mut shutdown) => return,
+            _ = kv_common::listen::stopped(&mut shutdown) => return,
             _ = tick.tick() => {}
         }
         let sh = shared.clone();

@@ -18,7 +18,7 @@ use tokio::sync::OwnedSemaphorePermit;
 use tokio::time::Instant;
 
 use crate::frame::{error_response, respond, Body, Out, Response};
-use crate::server::Shared;
+use crate::state::Shared;
 use crate::store::{GetOutcome, Held, PooledBuf, Presence, PutOutcome, StoreError};
 use crate::transport::Slot;
 

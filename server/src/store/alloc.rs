@@ -8,6 +8,14 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
+/// Alignment (and length granularity) of direct I/O, and of every extent.
+pub const ALIGN: usize = 4096;
+
+/// Rounds `n` up to a multiple of [`ALIGN`].
+pub fn align_up(n: u64) -> u64 {
+    n.div_ceil(ALIGN as u64) * ALIGN as u64
+}
+
 #[derive(Debug, Default)]
 pub struct Allocator {
     by_off: BTreeMap<u64, u64>,

@@ -16,8 +16,7 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::Duration;
 
-use super::alloc::Allocator;
-use super::buf::ALIGN;
+use super::alloc::{Allocator, ALIGN};
 
 /// Threads that fault the arena in at start, at most (fewer on a machine
 /// with fewer cores).

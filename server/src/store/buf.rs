@@ -12,13 +12,7 @@ use std::sync::{Arc, Mutex};
 
 use super::arena::Arena;
 
-/// Alignment (and length granularity) of direct I/O.
-pub const ALIGN: usize = 4096;
-
-/// Rounds `n` up to a multiple of [`ALIGN`].
-pub fn align_up(n: u64) -> u64 {
-    n.div_ceil(ALIGN as u64) * ALIGN as u64
-}
+pub use super::alloc::{align_up, ALIGN};
 
 /// An owned, 4 KiB-aligned byte buffer of fixed capacity with a length,
 /// from the heap or from an [`Arena`].

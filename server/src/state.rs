@@ -1,0 +1,267 @@
+//! The state a node's connections share ([`Shared`]), built once from the
+//! node's configuration ([`NodeSettings`]), and the one statistics record
+//! every reader takes from it ([`Shared::stats`]).
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+use kv_common::stats::NodeStats;
+use kv_common::wire::Limits;
+use tokio::sync::Semaphore;
+
+use crate::store::Store;
+
+/// State every connection shares.
+pub struct Shared {
+    pub store: Arc<Store>,
+    pub limits: Limits,
+    /// Bytes of put bodies held at once, in 4 KiB units.
+    pub inflight_bytes: Arc<Semaphore>,
+    /// Store operations running in the blocking pool at once.
+    pub io_slots: Semaphore,
+    pub connections: AtomicU64,
+    /// A connection with no request in flight and none arriving for this
+    /// long is closed (None: never).
+    pub idle_timeout: Option<std::time::Duration>,
+    /// Time for the hello, for a begun frame (plus 1 s per MiB) and for a
+    /// response to be taken (30 s; tests shorten it).
+    pub frame_timeout: std::time::Duration,
+    /// The group's auth token: a client must present it in its hello.
+    pub token: Option<kv_common::auth::Token>,
+    /// Hellos refused for the token, and accepted in protocol v1.
+    pub denied: AtomicU64,
+    pub v1_accepted: AtomicU64,
+    /// Connections refused at the connection cap.
+    pub refused: AtomicU64,
+    /// The last statistics gathered ([`Shared::stats`]).
+    pub snapshot: Fresh<NodeStats>,
+    /// What the data port's accept loop counts (connections closed before
+    /// their hello).
+    pub listener: Arc<kv_common::listen::Counters>,
+    /// When a refused peer was last logged (one line per 10 s at most) and
+    /// how many refusals went unlogged since.
+    pub denied_log: std::sync::Mutex<(Option<std::time::Instant>, u64)>,
+    /// Requests answered, by op and status, and their service time.
+    pub ops: crate::op_metrics::OpMetrics,
+    /// What recovery found at start (for `/metrics`).
+    pub recovery: Recovery,
+    /// `--id` and `--group` when the node joins a group.
+    pub node_id: Option<String>,
+    pub group: Option<String>,
+    /// The transport that reaches clients' memory ([`crate::transport`]):
+    /// sets up a connection's when asked, and counts (TCP only until one is
+    /// started on the node).
+    pub fabric: Arc<dyn crate::transport::Fabric>,
+    /// Tombstones and counters of ring handoff (docs/ARCHITECTURE.md).
+    pub handoff: crate::handoff::Handoff,
+    /// True from a SIGTERM until the drain ends: the node has left its group
+    /// and answers gets, exists and deletes, never puts.
+    pub draining: std::sync::atomic::AtomicBool,
+}
+
+/// A value gathered at most once at a time and shared by every caller that
+/// waited for that gather. Gathering the node's statistics takes each
+/// disk's index lock: with this, any number of scrapers and dashboards cost
+/// the puts at most one gather in flight, and each caller still gets values
+/// taken after its call began (never a stale copy).
+pub struct Fresh<T> {
+    last: std::sync::Mutex<Option<(std::time::Instant, Arc<T>)>>,
+    /// Gathers run, and callers between taking their start time and the lock.
+    pub gathers: AtomicU64,
+    pub waiting: AtomicU64,
+}
+
+impl<T> Default for Fresh<T> {
+    fn default() -> Fresh<T> {
+        Fresh { last: std::sync::Mutex::new(None), gathers: AtomicU64::new(0), waiting: AtomicU64::new(0) }
+    }
+}
+
+impl<T> Fresh<T> {
+    /// The value of a gather that began after this call did: the last one
+    /// when it qualifies, else a new one by `gather` (blocking).
+    pub fn get(&self, gather: impl FnOnce() -> T) -> Arc<T> {
+        let asked = std::time::Instant::now();
+        self.waiting.fetch_add(1, Ordering::SeqCst);
+        let mut g = self.last.lock().unwrap_or_else(|e| e.into_inner());
+        self.waiting.fetch_sub(1, Ordering::SeqCst);
+        if let Some((began, v)) = &*g {
+            if *began >= asked {
+                return v.clone();
+            }
+        }
+        let began = std::time::Instant::now();
+        let v = Arc::new(gather());
+        self.gathers.fetch_add(1, Ordering::Relaxed);
+        *g = Some((began, v.clone()));
+        v
+    }
+}
+
+/// What a node is configured with, for the state its connections share
+/// ([`Shared::new`]). [`NodeSettings::new`] has the defaults of the
+/// configuration keys (docs/DEPLOY.md).
+#[derive(Debug, Clone)]
+pub struct NodeSettings {
+    /// The largest record taken (`--max-record`), told in the hello.
+    pub max_record: u64,
+    /// Bytes of put bodies and unsent get records held at once (`--max-inflight`).
+    pub max_inflight: u64,
+    /// A connection idle this long is closed (`--idle-timeout`; None: never).
+    pub idle_timeout: Option<std::time::Duration>,
+    /// Time for a begun frame and for a response to be taken (tests shorten it).
+    pub frame_timeout: std::time::Duration,
+    /// The group's auth token (`--auth-token-file`).
+    pub token: Option<kv_common::auth::Token>,
+    /// How long a deleted key's copies are refused (`--handoff-secs`).
+    pub handoff_window: std::time::Duration,
+    /// `--id` and `--group` when the node joins a group.
+    pub node_id: Option<String>,
+    pub group: Option<String>,
+    /// What the disks' recovery found at start.
+    pub recovery: Recovery,
+}
+
+impl NodeSettings {
+    /// The defaults, with these limits.
+    pub fn new(max_record: u64, max_inflight: u64) -> NodeSettings {
+        NodeSettings {
+            max_record,
+            max_inflight,
+            idle_timeout: Some(std::time::Duration::from_secs(120)),
+            frame_timeout: crate::frame::FRAME_TIMEOUT,
+            token: None,
+            handoff_window: std::time::Duration::from_secs(600),
+            node_id: None,
+            group: None,
+            recovery: Recovery::default(),
+        }
+    }
+}
+
+/// What the disks' recovery found at start, summed over the disks.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Recovery {
+    pub records: u64,
+    pub reclaimed: u64,
+    pub seconds: f64,
+}
+
+impl Shared {
+    /// The state of a node over `store`, built from its settings. (A
+    /// transport reaching clients' memory, when configured, is set in
+    /// [`Shared::fabric`] afterwards.)
+    pub fn new(store: Arc<Store>, settings: NodeSettings) -> Shared {
+        let NodeSettings {
+            max_record,
+            max_inflight,
+            idle_timeout,
+            frame_timeout,
+            token,
+            handoff_window,
+            node_id,
+            group,
+            recovery,
+        } = settings;
+        let units = max_inflight.div_ceil(4096).min(Semaphore::MAX_PERMITS as u64) as usize;
+        Shared {
+            store,
+            limits: Limits { max_record },
+            inflight_bytes: Arc::new(Semaphore::new(units)),
+            io_slots: Semaphore::new(64),
+            connections: AtomicU64::new(0),
+            idle_timeout,
+            frame_timeout,
+            token,
+            denied: AtomicU64::new(0),
+            v1_accepted: AtomicU64::new(0),
+            refused: AtomicU64::new(0),
+            listener: Arc::default(),
+            snapshot: Fresh::default(),
+            denied_log: std::sync::Mutex::new((None, 0)),
+            ops: crate::op_metrics::OpMetrics::default(),
+            recovery,
+            node_id,
+            group,
+            fabric: Arc::new(crate::rdma::Rdma::unconfigured()),
+            handoff: crate::handoff::Handoff::new(handoff_window),
+            draining: std::sync::atomic::AtomicBool::new(false),
+        }
+    }
+
+    /// The node's statistics, as of a moment after the call began: the one
+    /// record the STATS op, `/metrics`, `/api/stats`, the health checks and
+    /// the dashboard all read ([`Fresh`]: one gather at a time, shared by
+    /// the callers that waited for it). Blocking: call it off the reactor.
+    pub fn stats(&self) -> Arc<NodeStats> {
+        self.snapshot.get(|| self.gather())
+    }
+
+    fn gather(&self) -> NodeStats {
+        let mut s = self.store.stats();
+        s.connections = self.connections.load(Ordering::Relaxed);
+        s.denied_connections = self.denied.load(Ordering::Relaxed);
+        s.v1_connections = self.v1_accepted.load(Ordering::Relaxed);
+        s.refused_connections = self.refused.load(Ordering::Relaxed);
+        s.closed_before_hello = self.listener.openings_closed.load(Ordering::Relaxed);
+        s.node_id = self.node_id.clone();
+        s.group = self.group.clone();
+        s.latency = self.ops.latencies();
+        s.draining = self.draining.load(Ordering::Relaxed);
+        let h = &self.handoff;
+        s.handoff_asks = h.asks.load(Ordering::Relaxed);
+        s.handoff_hits = h.hits.load(Ordering::Relaxed);
+        s.handoff_copies = h.copies.load(Ordering::Relaxed);
+        s.handoff_copy_bytes = h.copy_bytes.load(Ordering::Relaxed);
+        s.handoff_refused = h.refused.load(Ordering::Relaxed);
+        s.tombstones = h.tombstones();
+        s.drain_pushed = h.pushed.load(Ordering::Relaxed);
+        s.drain_pushed_bytes = h.pushed_bytes.load(Ordering::Relaxed);
+        s.drain_push_failed = h.push_failed.load(Ordering::Relaxed);
+        s
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+
+    /// Callers that arrive while a gather runs wait for the next one and
+    /// share it: eight scrapers during one slow gather cost one more gather,
+    /// not seven, and every one of them gets values taken after it asked.
+    #[test]
+    fn callers_during_a_gather_share_the_next_one() {
+        let fresh = Arc::new(Fresh::<u64>::default());
+        let (entered_tx, entered_rx) = std::sync::mpsc::channel();
+        let (release_tx, release_rx) = std::sync::mpsc::channel::<()>();
+        let first = {
+            let fresh = fresh.clone();
+            std::thread::spawn(move || {
+                *fresh.get(|| {
+                    entered_tx.send(()).expect("signal");
+                    release_rx.recv().expect("release");
+                    1
+                })
+            })
+        };
+        entered_rx.recv().expect("the first gather runs");
+        let late: Vec<_> = (0..7)
+            .map(|_| {
+                let fresh = fresh.clone();
+                std::thread::spawn(move || *fresh.get(|| 2))
+            })
+            .collect();
+        let t0 = std::time::Instant::now();
+        while fresh.waiting.load(Ordering::SeqCst) < 7 {
+            assert!(t0.elapsed() < Duration::from_secs(10), "the late callers wait");
+            std::thread::yield_now();
+        }
+        release_tx.send(()).expect("release");
+        assert_eq!(first.join().expect("join"), 1);
+        for t in late {
+            assert_eq!(t.join().expect("join"), 2, "a late caller never gets the gather that began before it");
+        }
+        assert_eq!(fresh.gathers.load(Ordering::Relaxed), 2);
+    }
+}
