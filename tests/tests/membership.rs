@@ -534,3 +534,71 @@ fn two_nodes_given_one_id_the_later_holds_it_and_the_other_is_told() {
     assert!(second.terminate(Duration::from_secs(20)).success());
     tier.await_members(0, &[], Duration::from_secs(10));
 }
+
+/// `kv-local`, the loopback-cluster starter of the quickstart and the
+/// benchmarks: etcd, a replica and two nodes that join the group, a line
+/// per part and `ready`; a page round trip through the group it started;
+/// on SIGTERM every process it started is gone and it exits cleanly.
+#[test]
+fn kv_local_starts_a_group_and_stops_every_part_on_sigterm() {
+    use std::io::{BufRead, BufReader};
+    use std::process::{Command, Stdio};
+    let _g = serial();
+    let work = tempfile::tempdir().unwrap();
+    let mut child = Command::new(kv_e2e::bin("kv-local"))
+        .args(["--work", work.path().to_str().unwrap(), "--nodes", "2", "--mds", "1", "--group", "g"])
+        .args(["--", "--cap", "64M", "--drain-secs", "0", "--log-level", "warn"])
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("kv-local");
+    let (tx, rx) = std::sync::mpsc::channel();
+    let out = child.stdout.take().unwrap();
+    std::thread::spawn(move || {
+        for line in BufReader::new(out).lines().map_while(Result::ok) {
+            let _ = tx.send(line);
+        }
+    });
+    let mut lines = Vec::new();
+    let deadline = Instant::now() + Duration::from_secs(90);
+    while lines.last().map(String::as_str) != Some("ready") {
+        let left = deadline.saturating_duration_since(Instant::now());
+        match rx.recv_timeout(left) {
+            Ok(l) => lines.push(l),
+            Err(_) => {
+                let _ = child.kill();
+                let _ = child.wait();
+                panic!("kv-local not ready within 90 s: {lines:?}");
+            }
+        }
+    }
+    let field = |p: &str| lines.iter().find_map(|l| l.strip_prefix(p)).map(str::to_string);
+    let mds = field("mds ").expect("an mds line");
+    assert!(field("etcd ").is_some(), "{lines:?}");
+    let pids: Vec<i32> = lines
+        .iter()
+        .filter(|l| l.starts_with("node "))
+        .filter_map(|l| l.split_whitespace().find_map(|w| w.strip_prefix("pid=")).and_then(|p| p.parse().ok()))
+        .collect();
+    assert_eq!(pids.len(), 2, "{lines:?}");
+    // The group it started serves: a page through discovery.
+    let c = BlockingClient::new(Vec::new(), geo(), Options::default()).unwrap();
+    let eps = kv_common::mds::parse_endpoints(&mds).unwrap();
+    assert!(c.start_discovery(eps, "g".into(), Duration::from_secs(1)).unwrap().is_ok());
+    wait_until(Duration::from_secs(20), "the view", || (ids(&c) == ["n1", "n2"]).then_some(()));
+    assert_eq!(c.putv(b"local", &[&[7u8; 8192]]), Status::Ok);
+    let mut buf = vec![0u8; 8192];
+    assert_eq!(c.getv(b"local", &mut [&mut buf[..]]), Ok(8192));
+    assert!(buf.iter().all(|&b| b == 7));
+    drop(c);
+    // SAFETY: kill(2) on the pid of the child this test spawned.
+    unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
+    let st = kv_e2e::wait_deadline(&mut child, Duration::from_secs(60));
+    assert!(st.success(), "kv-local exit: {st:?}");
+    for p in pids {
+        // SAFETY: signal 0 only asks whether the pid exists.
+        let alive = unsafe { libc::kill(p, 0) } == 0;
+        assert!(!alive, "node pid {p} outlived kv-local");
+    }
+}

@@ -100,7 +100,10 @@ fn parse(mut it: impl Iterator<Item = String>) -> Result<Args, String> {
             "--wait-arena" => a.wait_arena = true,
             "--bin-dir" => a.bin_dir = Some(it.next().ok_or("--bin-dir needs a dir")?.into()),
             "--" => a.node_flags.extend(it.by_ref()),
-            "-h" | "--help" => return Err(USAGE.into()),
+            "-h" | "--help" => {
+                println!("{USAGE}");
+                std::process::exit(0);
+            }
             f => return Err(format!("unknown flag {f:?}\n{USAGE}")),
         }
     }
