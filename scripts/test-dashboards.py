@@ -47,22 +47,9 @@ def wait(what: str, f, limit: float = 30.0):
     raise SystemExit(f"dashboards: timed out waiting for {what}")
 
 
-def start(args: list[str], announce: str | None = None, log: str | None = None) -> str:
-    out = subprocess.PIPE if announce else subprocess.DEVNULL
-    err = open(log, "w") if log else subprocess.DEVNULL
-    p = subprocess.Popen(args, stdout=out, stderr=err, text=True, cwd=WORK)
-    procs.append(p)
-    if not announce:
-        return ""
-    end = time.monotonic() + 30
-    while time.monotonic() < end:
-        r, _, _ = select.select([p.stdout], [], [], max(0.0, end - time.monotonic()))
-        line = p.stdout.readline() if r else ""
-        if not line:
-            break
-        if announce in line:
-            return line.rsplit(announce, 1)[1].strip()
-    raise SystemExit(f"dashboards: {args[0]} did not start")
+def start(args: list[str]) -> None:
+    """Starts a load generator (ended with the rest at the end)."""
+    procs.append(subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=WORK))
 
 
 def start_cluster(args: list[str]) -> list[str]:

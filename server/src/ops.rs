@@ -8,7 +8,7 @@
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
-use kv_common::page::{PageHeader, HEADER_LEN};
+use kv_common::page::{Geometry, PageHeader, HEADER_LEN};
 use kv_common::status::Status;
 use kv_common::wire::{self, KeyRequest, Op, ReqHeader, Segment};
 use kv_common::wire::{
@@ -376,57 +376,57 @@ fn presence_status(p: Presence) -> Status {
 /// that would mean waiting for a lock (then [`handle_blocking`] answers).
 fn handle_small(shared: &Shared, req: &ReqHeader, body: &[u8]) -> Option<Response> {
     let store = &shared.store;
+    match req.op {
+        Op::Exist | Op::BatchExist => answer_exist(shared, req, body, |keys, geo| match keys {
+            [key] => store.try_exist(key, geo).map(|p| vec![p]),
+            keys => store.try_exist_batch(keys, geo),
+        }),
+        Op::Ping => Some(respond(req, Status::Ok, 0, Body::Bytes(body.to_vec()))),
+        Op::Stats => None,
+        Op::Put | Op::Get | Op::Delete | Op::RdmaConnect => Some(error_response(req, Status::Internal, "misrouted op")),
+    }
+}
+
+/// EXIST and BATCH_EXIST, the keys' presence found by `lookup` (None: it
+/// would have to wait for a lock, and so this answers None too).
+fn answer_exist(
+    shared: &Shared,
+    req: &ReqHeader,
+    body: &[u8],
+    lookup: impl Fn(&[&[u8]], Option<&Geometry>) -> Option<Vec<Presence>>,
+) -> Option<Response> {
     let check = req.flags & FLAG_CHECK_GEOMETRY != 0;
-    Some(match req.op {
+    let (geo, keys, batch) = match req.op {
         Op::Exist => match KeyRequest::decode(body) {
-            Ok(kr) => {
-                let p = store.try_exist(kr.key, check.then_some(&kr.geometry))?;
-                count_handoff(shared, req, std::slice::from_ref(&p));
-                store.warm(&[kr.key], std::slice::from_ref(&p));
-                respond(req, presence_status(p), 0, Body::Empty)
-            }
-            Err(e) => error_response(req, Status::BadRequest, &e.to_string()),
+            Ok(kr) => (kr.geometry, vec![kr.key], false),
+            Err(e) => return Some(error_response(req, Status::BadRequest, &e.to_string())),
         },
-        Op::BatchExist => match wire::decode_batch_exist(body) {
-            Ok((geo, keys)) => {
-                let found = store.try_exist_batch(&keys, check.then_some(&geo))?;
-                count_handoff(shared, req, &found);
-                store.warm(&keys, &found);
-                let st: Vec<Status> = found.into_iter().map(presence_status).collect();
-                respond(req, Status::Ok, 0, Body::Bytes(wire::encode_batch_status(&st)))
-            }
-            Err(e) => error_response(req, Status::BadRequest, &e.to_string()),
+        _ => match wire::decode_batch_exist(body) {
+            Ok((geo, keys)) => (geo, keys, true),
+            Err(e) => return Some(error_response(req, Status::BadRequest, &e.to_string())),
         },
-        Op::Ping => respond(req, Status::Ok, 0, Body::Bytes(body.to_vec())),
-        Op::Stats => return None,
-        Op::Put | Op::Get | Op::Delete | Op::RdmaConnect => error_response(req, Status::Internal, "misrouted op"),
+    };
+    let found = lookup(&keys, check.then_some(&geo))?;
+    count_handoff(shared, req, &found);
+    shared.store.warm(&keys, &found);
+    Some(match batch {
+        false => respond(req, presence_status(found[0]), 0, Body::Empty),
+        true => {
+            let st: Vec<Status> = found.into_iter().map(presence_status).collect();
+            respond(req, Status::Ok, 0, Body::Bytes(wire::encode_batch_status(&st)))
+        }
     })
 }
 
 /// The same requests, allowed to wait for locks (blocking pool only).
 fn handle_blocking(shared: &Shared, req: &ReqHeader, body: &[u8]) -> Response {
     let store = &shared.store;
-    let check = req.flags & FLAG_CHECK_GEOMETRY != 0;
+    let exist = |keys: &[&[u8]], geo: Option<&Geometry>| Some(keys.iter().map(|k| store.exist(k, geo)).collect());
     match req.op {
-        Op::Exist => match KeyRequest::decode(body) {
-            Ok(kr) => {
-                let p = store.exist(kr.key, check.then_some(&kr.geometry));
-                count_handoff(shared, req, std::slice::from_ref(&p));
-                store.warm(&[kr.key], std::slice::from_ref(&p));
-                respond(req, presence_status(p), 0, Body::Empty)
-            }
-            Err(e) => error_response(req, Status::BadRequest, &e.to_string()),
-        },
-        Op::BatchExist => match wire::decode_batch_exist(body) {
-            Ok((geo, keys)) => {
-                let found: Vec<Presence> = keys.iter().map(|k| store.exist(k, check.then_some(&geo))).collect();
-                count_handoff(shared, req, &found);
-                store.warm(&keys, &found);
-                let st: Vec<Status> = found.into_iter().map(presence_status).collect();
-                respond(req, Status::Ok, 0, Body::Bytes(wire::encode_batch_status(&st)))
-            }
-            Err(e) => error_response(req, Status::BadRequest, &e.to_string()),
-        },
+        Op::Exist | Op::BatchExist => answer_exist(shared, req, body, exist).unwrap_or_else(|| {
+            // `exist` always answers; should that change, an error, not a panic.
+            error_response(req, Status::Internal, "internal error")
+        }),
         Op::Stats => {
             let json = serde_json::to_vec(&*shared.stats()).unwrap_or_default();
             respond(req, Status::Ok, 0, Body::Bytes(json))
