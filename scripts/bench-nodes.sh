@@ -1,10 +1,10 @@
 # Sourced by the benchmark scripts (bench-cluster.sh, bench-pages.sh, bench-warm.sh, ...
 # start_bench_nodes CAP [VAR=VALUE...] starts three kv-server nodes from
 # $bin on loopback with kv-local, each with one disk directory under
-# $work/n<i> capped at CAP and a 512 MiB memory tier, the VAR=VALUE pairs in
+# $work/n<i> (i = 0, 1, 2) capped at CAP and a 512 MiB memory tier, the VAR=VALUE pairs in
 # their environment; it waits until each listens and has faulted its memory
 # arena in (a node's first minute is not its steady state; up to 60 s),
-# prints how long that took, sets $members (`n1=ADDR,...`) and appends
+# prints how long that took, sets $members (`n0=ADDR,...`) and appends
 # kv-local's PID to $pids (SIGTERM to it stops the nodes).
 # $BENCH_NODE_ARGS, if set, is added to every node's flags; $BENCH_MEM_CAP
 # replaces the 512 MiB tier.
@@ -20,8 +20,8 @@ start_bench_nodes() {
   out="$work/kv-local.out"
   rm -f "$out"
   # shellcheck disable=SC2086
-  "$here/target/release/kv-local" --work "$work" --mds 0 --nodes 3 --id-prefix n --wait-arena \
-    --bin-dir "$(cd "$bin" && pwd)" "${envs[@]}" \
+  "$here/target/release/kv-local" --work "$work" --mds 0 --nodes 3 --id-prefix n --first 0 --wait-arena \
+    --bin-dir "$(cd "$bin" && pwd)" ${envs[@]+"${envs[@]}"} \
     -- --cap "$cap" --mem-cap "${BENCH_MEM_CAP:-512M}" --log-level info --drain-secs 0 ${BENCH_NODE_ARGS:-} \
     >"$out" 2>"$work/kv-local.log" </dev/null &
   pids+=($!)

@@ -18,16 +18,23 @@ pids="$work/pids"
 
 # Stops the cluster a run started: kv-local (whose PID this script
 # recorded) stops its nodes (they deregister), the MDS replicas and etcd.
+# (A cluster left by an earlier release's --keep has a PID file per daemon:
+# those are stopped the same way.)
 stop_all() {
-  [ -f "$pids/kv-local.pid" ] || return 0
-  pid=$(cat "$pids/kv-local.pid")
-  if kill -0 "$pid" 2>/dev/null; then
-    kill -TERM "$pid" 2>/dev/null || true
-    for _ in $(seq 300); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
-    kill -0 "$pid" 2>/dev/null && kill -KILL "$pid" 2>/dev/null || true
-  fi
-  rm -f "$pids/kv-local.pid"
-  echo "== stopped everything the quickstart started (logs in $work)"
+  [ -d "$pids" ] || return 0
+  local f pid found=0
+  for f in "$pids"/kv-local.pid "$pids"/node-*.pid "$pids"/mds-*.pid "$pids"/etcd.pid; do
+    [ -f "$f" ] || continue
+    found=1
+    pid=$(cat "$f")
+    if kill -0 "$pid" 2>/dev/null; then
+      kill -TERM "$pid" 2>/dev/null || true
+      for _ in $(seq 300); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
+      kill -0 "$pid" 2>/dev/null && kill -KILL "$pid" 2>/dev/null || true
+    fi
+    rm -f "$f"
+  done
+  [ $found -eq 0 ] || echo "== stopped everything the quickstart started (logs in $work)"
 }
 
 if [ "${1:-}" = "stop" ]; then

@@ -13,5 +13,5 @@ if ! command -v chromium >/dev/null 2>&1; then
   SUDO=; [ "$(id -u)" = 0 ] || SUDO=sudo
   $SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium >/dev/null
 fi
-[ -x target/debug/kv-server ] || cargo build --workspace --locked -q
+cargo build --workspace --locked -q
 exec python3 scripts/test-dashboards.py target/dashboards

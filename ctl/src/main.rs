@@ -257,7 +257,7 @@ pub fn denied_line(why: &str) -> String {
 
 fn connect(cli: &Cli, addr: &str) -> Result<Conn, String> {
     Conn::connect_with(addr, Duration::from_millis(cli.timeout_ms), token()).map_err(|e| match e {
-        kvclient::OpError::Denied => denied_line(&e.to_string()),
+        kvclient::OpError::Denied => denied_line(&format!("{addr}: {e}")),
         e => e.to_string(),
     })
 }

@@ -91,10 +91,10 @@ fn run(cfg: ServerConfig) -> Result<(), String> {
             reclaimed: reports.iter().map(|r| r.reclaimed).sum(),
             seconds: started.elapsed().as_secs_f64(),
         },
+        fabric: Arc::new(kv_server::rdma::Rdma::start(&cfg.rdma, &store)),
         ..kv_server::server::NodeSettings::new(cfg.max_record, cfg.max_inflight)
     };
-    let mut shared = Shared::new(store, settings);
-    shared.fabric = Arc::new(kv_server::rdma::Rdma::start(&cfg.rdma, &shared.store));
+    let shared = Shared::new(store, settings);
     if let Some(w) = cfg.auth_token_file.as_deref().and_then(kv_common::auth::loose_permissions) {
         tracing::warn!("{w}");
     }

@@ -49,8 +49,7 @@ pub struct Shared {
     pub node_id: Option<String>,
     pub group: Option<String>,
     /// The transport that reaches clients' memory ([`crate::transport`]):
-    /// sets up a connection's when asked, and counts (TCP only until one is
-    /// started on the node).
+    /// sets up a connection's when asked, and counts.
     pub fabric: Arc<dyn crate::transport::Fabric>,
     /// Tombstones and counters of ring handoff (docs/ARCHITECTURE.md).
     pub handoff: crate::handoff::Handoff,
@@ -101,7 +100,7 @@ impl<T> Fresh<T> {
 /// What a node is configured with, for the state its connections share
 /// ([`Shared::new`]). [`NodeSettings::new`] has the defaults of the
 /// configuration keys (docs/DEPLOY.md).
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 pub struct NodeSettings {
     /// The largest record taken (`--max-record`), told in the hello.
     pub max_record: u64,
@@ -120,6 +119,9 @@ pub struct NodeSettings {
     pub group: Option<String>,
     /// What the disks' recovery found at start.
     pub recovery: Recovery,
+    /// The transport that reaches clients' memory (`--rdma-dev`:
+    /// [`crate::rdma::Rdma::start`]; none named: TCP only).
+    pub fabric: Arc<dyn crate::transport::Fabric>,
 }
 
 impl NodeSettings {
@@ -135,6 +137,7 @@ impl NodeSettings {
             node_id: None,
             group: None,
             recovery: Recovery::default(),
+            fabric: Arc::new(crate::rdma::Rdma::unconfigured()),
         }
     }
 }
@@ -148,9 +151,7 @@ pub struct Recovery {
 }
 
 impl Shared {
-    /// The state of a node over `store`, built from its settings. (A
-    /// transport reaching clients' memory, when configured, is set in
-    /// [`Shared::fabric`] afterwards.)
+    /// The state of a node over `store`, built from its settings.
     pub fn new(store: Arc<Store>, settings: NodeSettings) -> Shared {
         let NodeSettings {
             max_record,
@@ -162,6 +163,7 @@ impl Shared {
             node_id,
             group,
             recovery,
+            fabric,
         } = settings;
         let units = max_inflight.div_ceil(4096).min(Semaphore::MAX_PERMITS as u64) as usize;
         Shared {
@@ -183,7 +185,7 @@ impl Shared {
             recovery,
             node_id,
             group,
-            fabric: Arc::new(crate::rdma::Rdma::unconfigured()),
+            fabric,
             handoff: crate::handoff::Handoff::new(handoff_window),
             draining: std::sync::atomic::AtomicBool::new(false),
         }

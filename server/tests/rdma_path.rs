@@ -77,13 +77,12 @@ impl Node {
             ack_memory_max: None,
         };
         let (store, _) = Store::open(&cfg).unwrap();
-        let mut shared = Shared::new(Arc::new(store), NodeSettings::new(8 << 20, 64 << 20));
         let fabric = Arc::new(match rdma {
-            Some(rt) => Rdma::over(rt, &shared.store),
+            Some(rt) => Rdma::over(rt, &store),
             None => Rdma::unconfigured(),
         });
-        shared.fabric = fabric.clone();
-        let shared = Arc::new(shared);
+        let settings = NodeSettings { fabric: fabric.clone(), ..NodeSettings::new(8 << 20, 64 << 20) };
+        let shared = Arc::new(Shared::new(Arc::new(store), settings));
         let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
         let listener = rt.block_on(tokio::net::TcpListener::bind("127.0.0.1:0")).unwrap();
         let addr = listener.local_addr().unwrap();

@@ -250,6 +250,7 @@ pub fn try_spawn_daemon_with(
                 }
             }
             Err(_) => {
+                let exited = child.try_wait().ok().flatten();
                 let _ = child.kill();
                 let _ = child.wait();
                 // The stderr reader may still be draining the pipe.
@@ -258,7 +259,11 @@ pub fn try_spawn_daemon_with(
                     Some(p) => std::fs::read_to_string(p).unwrap_or_default().lines().map(String::from).collect(),
                     None => erx.try_iter().collect(),
                 };
-                return Err(format!("{name} did not come up within 30 s; stderr:\n{}", lines.join("\n")));
+                let what = match exited {
+                    Some(st) => format!("{name} exited ({st}) before it listened"),
+                    None => format!("{name} did not come up within 30 s"),
+                };
+                return Err(format!("{what}; stderr:\n{}", lines.join("\n")));
             }
         }
     }

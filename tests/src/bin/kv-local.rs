@@ -4,7 +4,7 @@
 //!
 //! ```text
 //! kv-local --work DIR [--nodes 3] [--disks 1] [--mds 2] [--group local]
-//!          [--id-prefix n] [--weights 1,1,2] [--metrics] [--env K=V]...
+//!          [--id-prefix n] [--first 1] [--weights 1,1,2] [--metrics] [--env K=V]...
 //!          [--wait-arena] [--bin-dir DIR] [-- NODE_FLAGS...]
 //! ```
 //!
@@ -47,6 +47,7 @@ struct Args {
     mds: usize,
     group: String,
     id_prefix: String,
+    first: usize,
     weights: Vec<u32>,
     metrics: bool,
     env: Vec<(String, String)>,
@@ -56,7 +57,7 @@ struct Args {
 }
 
 const USAGE: &str = "usage: kv-local --work DIR [--nodes N] [--disks N] [--mds N] [--group NAME] \
-[--id-prefix P] [--weights W,...] [--metrics] [--env K=V]... [--wait-arena] [--bin-dir DIR] [-- NODE_FLAGS...]";
+[--id-prefix P] [--first N] [--weights W,...] [--metrics] [--env K=V]... [--wait-arena] [--bin-dir DIR] [-- NODE_FLAGS...]";
 
 fn parse(mut it: impl Iterator<Item = String>) -> Result<Args, String> {
     let mut a = Args {
@@ -66,6 +67,7 @@ fn parse(mut it: impl Iterator<Item = String>) -> Result<Args, String> {
         mds: 2,
         group: "local".into(),
         id_prefix: "n".into(),
+        first: 1,
         weights: Vec::new(),
         metrics: false,
         env: Vec::new(),
@@ -84,6 +86,7 @@ fn parse(mut it: impl Iterator<Item = String>) -> Result<Args, String> {
             "--mds" => a.mds = num(it.next(), "--mds")?,
             "--group" => a.group = it.next().ok_or("--group needs a name")?,
             "--id-prefix" => a.id_prefix = it.next().ok_or("--id-prefix needs a prefix")?,
+            "--first" => a.first = num(it.next(), "--first")?,
             "--weights" => {
                 let v = it.next().ok_or("--weights needs W,W,...")?;
                 a.weights = v
@@ -129,6 +132,17 @@ fn main() {
             std::process::exit(2);
         }
     };
+    // A part that does not come up ends the run with one line saying why
+    // (what was started is killed and reaped as it is dropped).
+    std::panic::set_hook(Box::new(|info| {
+        let why = info
+            .payload()
+            .downcast_ref::<String>()
+            .map(String::as_str)
+            .or_else(|| info.payload().downcast_ref::<&str>().copied())
+            .unwrap_or("a part did not start");
+        eprintln!("kv-local: {why}");
+    }));
     // SAFETY: installs an async-signal-safe handler (one atomic store) for
     // SIGTERM and SIGINT; children get the default action back at exec.
     unsafe {
@@ -136,29 +150,49 @@ fn main() {
         libc::signal(libc::SIGINT, on_signal as *const () as libc::sighandler_t);
     }
     std::fs::create_dir_all(&args.work).unwrap_or_else(|e| panic!("--work {}: {e}", args.work.display()));
+    // A stop asked for while starting ends the start at the next step (what
+    // was started is then killed and reaped as it is dropped).
     let (etcd, replicas) = membership(&args);
-    let nodes = start_nodes(&args, &replicas);
-    let members: Vec<String> = nodes.iter().map(|(id, n, _)| format!("{id}={}", n.addr)).collect();
-    println!("members {}", members.join(","));
-    if args.wait_arena {
-        for (id, _, _) in &nodes {
-            wait_arena(&log_path(&args.work, id), id);
+    let nodes = if stopping() { Vec::new() } else { start_nodes(&args, &replicas) };
+    if !stopping() {
+        let members: Vec<String> = nodes.iter().map(|(id, n, _)| format!("{id}={}", n.addr)).collect();
+        println!("members {}", members.join(","));
+        if args.wait_arena {
+            for (id, _, _) in &nodes {
+                wait_arena(&log_path(&args.work, id), id);
+            }
         }
+        println!("ready");
     }
-    println!("ready");
-    while !STOP.load(Ordering::SeqCst) {
+    while !stopping() {
         std::thread::sleep(Duration::from_millis(100));
     }
-    // Nodes first (they leave the group and drain), then kv-mds, then etcd.
+    // Nodes first, all at once (they leave the group and drain), then
+    // kv-mds, then etcd.
+    for (_, n, _) in &nodes {
+        n.signal(libc::SIGTERM);
+    }
     for (_, n, _) in nodes {
-        let _ = n.terminate(Duration::from_secs(60));
+        let _ = n.wait_exit(Duration::from_secs(60));
     }
     drop(replicas);
     drop(etcd);
 }
 
+fn stopping() -> bool {
+    STOP.load(Ordering::SeqCst)
+}
+
+/// `DIR/<part>.log`, emptied: a reused work dir's old lines would read as
+/// this run's.
 fn log_path(work: &Path, part: &str) -> PathBuf {
     work.join(format!("{part}.log"))
+}
+
+fn fresh_log(work: &Path, part: &str) -> PathBuf {
+    let p = log_path(work, part);
+    let _ = std::fs::remove_file(&p);
+    p
 }
 
 /// etcd and the kv-mds replicas (none with `--mds 0`).
@@ -171,8 +205,9 @@ fn membership(args: &Args) -> (Option<Etcd>, Vec<Mds>) {
     let etcd = Etcd::start(dir);
     println!("etcd {}", etcd.endpoint());
     let replicas: Vec<Mds> = (0..args.mds)
+        .take_while(|_| !stopping())
         .map(|i| {
-            let log = log_path(&args.work, &format!("mds-{}", i + 1));
+            let log = fresh_log(&args.work, &format!("mds-{}", i + 1));
             Mds::start_logged(&binary(args, "kv-mds"), &etcd.endpoint(), "10s", &log)
         })
         .collect();
@@ -185,7 +220,10 @@ fn start_nodes(args: &Args, replicas: &[Mds]) -> Vec<(String, Node, Option<Strin
     let eps = replicas.iter().map(|m| m.addr.as_str()).collect::<Vec<_>>().join(",");
     let mut out = Vec::new();
     for i in 0..args.nodes {
-        let id = format!("{}{}", args.id_prefix, i + 1);
+        if stopping() {
+            return out;
+        }
+        let id = format!("{}{}", args.id_prefix, i + args.first);
         let dirs: Vec<String> = (0..args.disks)
             .map(|d| args.work.join(&id).join(format!("disk{d}")).to_string_lossy().into_owned())
             .collect();
@@ -209,7 +247,7 @@ fn start_nodes(args: &Args, replicas: &[Mds]) -> Vec<(String, Node, Option<Strin
         }
         flags.extend(args.node_flags.iter().cloned());
         let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
-        let node = Node::start_logged(&binary(args, "kv-server"), &flags, &args.env, &log_path(&args.work, &id));
+        let node = Node::start_logged(&binary(args, "kv-server"), &flags, &args.env, &fresh_log(&args.work, &id));
         println!(
             "node {id} {} pid={}{}",
             node.addr,
@@ -218,7 +256,7 @@ fn start_nodes(args: &Args, replicas: &[Mds]) -> Vec<(String, Node, Option<Strin
         );
         out.push((id, node, metrics));
     }
-    if !replicas.is_empty() {
+    if !replicas.is_empty() && !stopping() {
         wait_for_group(&eps, &args.group, args.nodes);
     }
     out
@@ -229,7 +267,7 @@ fn wait_for_group(eps: &str, group: &str, n: usize) {
     let deadline = Instant::now() + Duration::from_secs(30);
     loop {
         let mut c = kv_common::mds::MdsClient::from_csv(eps, Duration::from_secs(2)).expect("kv-mds addresses");
-        if c.view(group).is_ok_and(|v| v.members.len() == n) {
+        if stopping() || c.view(group).is_ok_and(|v| v.members.len() == n) {
             return;
         }
         assert!(Instant::now() < deadline, "the group {group} did not list {n} members within 30 s");
@@ -238,21 +276,21 @@ fn wait_for_group(eps: &str, group: &str, n: usize) {
 }
 
 /// Waits (up to 60 s) for the node's log line saying its memory tier is
-/// faulted in (a node's first seconds are not its steady state).
+/// faulted in (a node's first seconds are not its steady state); past that
+/// it says so and goes on.
 fn wait_arena(log: &Path, id: &str) {
     let deadline = Instant::now() + Duration::from_secs(60);
-    loop {
+    while !stopping() {
         let text = std::fs::read_to_string(log).unwrap_or_default();
         if let Some(line) = text.lines().find(|l| l.contains("memory arena faulted in")) {
             let ms = line.split_whitespace().find_map(|w| w.strip_prefix("ms=")).unwrap_or("?");
             println!("node {id}: memory arena faulted in in {ms} ms");
             return;
         }
-        assert!(
-            Instant::now() < deadline,
-            "node {id}: memory arena not faulted in within 60 s (see {})",
-            log.display()
-        );
+        if Instant::now() >= deadline {
+            println!("node {id}: memory arena not faulted in within 60 s (going on; see {})", log.display());
+            return;
+        }
         std::thread::sleep(Duration::from_millis(100));
     }
 }
