@@ -22,7 +22,7 @@ fn ranges_mut(bufs: &mut [&mut [u8]]) -> Vec<(usize, usize)> {
 /// The caller's buffers named for the node to fill or read by the
 /// connection's remote transport, if it has one and they qualify (else
 /// the payload goes inline).
-fn named(conn: &AsyncConn, ranges: &[(usize, usize)], access: Access) -> Option<Named> {
+fn named(conn: &AsyncConn, ranges: Vec<(usize, usize)>, access: Access) -> Option<Named> {
     conn.socket.remote.as_ref()?.name(ranges, access)
 }
 
@@ -128,7 +128,7 @@ async fn put_remote(
     bufs: &[&[u8]],
 ) -> Result<bool, OpError> {
     let ranges: Vec<(usize, usize)> = bufs.iter().map(|b| (b.as_ptr() as usize, b.len())).collect();
-    if let Some(named) = named(conn, &ranges, Access::NodeReads) {
+    if let Some(named) = named(conn, ranges, Access::NodeReads) {
         // The node reads the payload from these buffers by RDMA READ.
         let mut tail = Vec::new();
         named.encode(&mut tail);
@@ -173,7 +173,7 @@ async fn get_remote(
     extra: u8,
 ) -> Result<Option<GetReply>, OpError> {
     let ranges = ranges_mut(bufs);
-    if let Some(named) = named(conn, &ranges, Access::NodeWrites) {
+    if let Some(named) = named(conn, ranges, Access::NodeWrites) {
         let mut body = Vec::new();
         named.encode(&mut body);
         body.extend_from_slice(&KeyRequest::encode(geo, key));
@@ -275,7 +275,7 @@ pub async fn get_pipelined(
     let mut by_remote: Vec<Option<Named>> = Vec::new();
     for (key, bufs) in items.iter_mut() {
         let mut flags = FLAG_CHECK_GEOMETRY | extra;
-        let named = if remote { named(conn, &ranges_mut(bufs), Access::NodeWrites) } else { None };
+        let named = if remote { named(conn, ranges_mut(bufs), Access::NodeWrites) } else { None };
         let body = match &named {
             None => KeyRequest::encode(geo, key),
             Some(n) => {

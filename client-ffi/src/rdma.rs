@@ -208,7 +208,7 @@ impl Remote {
     /// Names buffers `(address, length)` as segments for the node,
     /// registering them as needed (cached). None: this request goes inline
     /// (a small payload, too many pieces, or a registration that failed).
-    pub fn name(&self, bufs: &[(usize, usize)], access: Access) -> Option<Named> {
+    pub fn name(&self, bufs: Vec<(usize, usize)>, access: Access) -> Option<Named> {
         let total: usize = bufs.iter().map(|b| b.1).sum();
         if total < RDMA_MIN_PAYLOAD || bufs.len() > MAX_SEGMENTS {
             return None;
@@ -225,7 +225,7 @@ impl Remote {
             segs.push(s);
             regs.push(r);
         }
-        Some(Named { segs, _regs: regs, rt: rt.clone(), ranges: bufs.to_vec() })
+        Some(Named { segs, _regs: regs, rt: rt.clone(), ranges: bufs })
     }
 }
 

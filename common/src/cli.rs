@@ -9,6 +9,13 @@ pub fn usage_error_line(prog: &str, parser_text: &str) -> String {
     format!("{prog}: error: {msg} (see {prog} --help)")
 }
 
+/// The message a panic carries (its `&str` or `String` payload; empty for
+/// any other), for the binaries' panic hooks.
+pub fn panic_message<'a>(info: &'a std::panic::PanicHookInfo<'_>) -> &'a str {
+    let p = info.payload();
+    p.downcast_ref::<String>().map(String::as_str).or_else(|| p.downcast_ref::<&str>().copied()).unwrap_or("")
+}
+
 /// Parses the command line: Ok with the arguments, or Err with the exit
 /// code after printing what was asked (`--help`, `--version`: exit 0) or the
 /// one-line usage error (exit 2).

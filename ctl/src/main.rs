@@ -189,12 +189,7 @@ fn main() -> ExitCode {
     // an error, not the end of the process.)
     let default_hook = std::panic::take_hook();
     std::panic::set_hook(Box::new(move |info| {
-        let msg = info
-            .payload()
-            .downcast_ref::<String>()
-            .map(String::as_str)
-            .or_else(|| info.payload().downcast_ref::<&str>().copied())
-            .unwrap_or("");
+        let msg = kv_common::cli::panic_message(info);
         if msg.contains("failed printing to stdout") && msg.contains("Broken pipe") {
             std::process::exit(0);
         }

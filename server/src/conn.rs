@@ -363,7 +363,8 @@ async fn read_put(
         let deadline = deadline.max(Instant::now() + shared.frame_timeout + frame_allowance(req.body_len));
         read_body_by(rd, &mut buf.full_mut()[HEADER_LEN..len], deadline).await?;
         buf.set_len(len);
-        tokio::spawn(ops::put(shared.clone(), session, req, Payload::Inline(buf, mem), permit));
+        let t0 = Instant::now();
+        tokio::spawn(ops::put(shared.clone(), session, req, Payload::Inline(buf, mem), permit, t0));
         return Ok(());
     }
     let mut rest = vec![0u8; len - HEADER_LEN];
@@ -388,7 +389,7 @@ async fn read_put(
     let mut pre = head.to_vec();
     pre.extend_from_slice(&rest[..key_len]);
     let payload = Payload::Remote { pre, segs, record_len: h.record_len() as usize };
-    tokio::spawn(ops::put(shared.clone(), session, req, payload, permit));
+    tokio::spawn(ops::put(shared.clone(), session, req, payload, permit, Instant::now()));
     Ok(())
 }
 

@@ -153,8 +153,15 @@ pub enum Payload {
 
 /// The put pipeline: the payload into the record's buffer, then the store,
 /// then the answer.
-pub async fn put(shared: Arc<Shared>, s: Arc<Session>, req: ReqHeader, payload: Payload, permit: OwnedSemaphorePermit) {
-    let t0 = Instant::now();
+/// `t0`: when the whole request was in hand (its service time starts).
+pub async fn put(
+    shared: Arc<Shared>,
+    s: Arc<Session>,
+    req: ReqHeader,
+    payload: Payload,
+    permit: OwnedSemaphorePermit,
+    t0: Instant,
+) {
     let (buf, mem) = match payload {
         Payload::Inline(buf, mem) => (buf, mem),
         Payload::Remote { pre, segs, record_len } => {
@@ -226,64 +233,62 @@ async fn answer_hit(
 
 /// Stores a received record: the put's answer.
 async fn store_put(shared: &Arc<Shared>, req: &ReqHeader, buf: PooledBuf, mem: OwnedSemaphorePermit) -> Response {
-    {
-        if shared.draining.load(Ordering::Relaxed) {
-            return error_response(req, Status::Rejected, "the node is draining (shutting down): it takes no puts");
+    if shared.draining.load(Ordering::Relaxed) {
+        return error_response(req, Status::Rejected, "the node is draining (shutting down): it takes no puts");
+    }
+    // A handoff copy of a key deleted within the window is refused
+    // (handoff.rs); `copy` is its key and payload length.
+    let copy = (req.flags & FLAG_HANDOFF != 0).then(|| record_key(buf.as_slice())).flatten();
+    if let Some((key, _)) = &copy {
+        if shared.handoff.refuses(kv_common::page::key_hash(key)) {
+            shared.handoff.refused.fetch_add(1, Ordering::Relaxed);
+            return error_response(req, Status::Rejected, COPY_OF_DELETED);
         }
-        // A handoff copy of a key deleted within the window is refused
-        // (handoff.rs); `copy` is its key and payload length.
-        let copy = (req.flags & FLAG_HANDOFF != 0).then(|| record_key(buf.as_slice())).flatten();
-        if let Some((key, _)) = &copy {
-            if shared.handoff.refuses(kv_common::page::key_hash(key)) {
-                shared.handoff.refused.fetch_add(1, Ordering::Relaxed);
-                return error_response(req, Status::Rejected, COPY_OF_DELETED);
+    }
+    let store = shared.store.clone();
+    // Err: why the put's task failed (a panic), answered as Internal.
+    let res: Result<Result<PutOutcome, StoreError>, String> = if store.acks_in_memory() {
+        // Most puts end in memory (held for a flusher): on this task,
+        // without the hop to a blocking thread and back. A record too
+        // large to check here, or a disk lock busy now, takes the hop.
+        let held = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| store.try_put_held(buf)));
+        match held {
+            Ok(Ok(Held::Done(r))) => Ok(r),
+            Ok(Ok(Held::ToMedia(p))) => {
+                let _io = shared.io_slots.acquire().await.expect("semaphore open");
+                tokio::task::spawn_blocking(move || store.put_to_media(p)).await.map_err(|e| e.to_string())
             }
+            Ok(Err(buf)) => {
+                let _io = shared.io_slots.acquire().await.expect("semaphore open");
+                tokio::task::spawn_blocking(move || store.put(buf)).await.map_err(|e| e.to_string())
+            }
+            Err(_) => Err("a put panicked".to_string()),
         }
-        let store = shared.store.clone();
-        // Err: why the put's task failed (a panic), answered as Internal.
-        let res: Result<Result<PutOutcome, StoreError>, String> = if store.acks_in_memory() {
-            // Most puts end in memory (held for a flusher): on this task,
-            // without the hop to a blocking thread and back. A record too
-            // large to check here, or a disk lock busy now, takes the hop.
-            let held = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| store.try_put_held(buf)));
-            match held {
-                Ok(Ok(Held::Done(r))) => Ok(r),
-                Ok(Ok(Held::ToMedia(p))) => {
-                    let _io = shared.io_slots.acquire().await.expect("semaphore open");
-                    tokio::task::spawn_blocking(move || store.put_to_media(p)).await.map_err(|e| e.to_string())
-                }
-                Ok(Err(buf)) => {
-                    let _io = shared.io_slots.acquire().await.expect("semaphore open");
-                    tokio::task::spawn_blocking(move || store.put(buf)).await.map_err(|e| e.to_string())
-                }
-                Err(_) => Err("a put panicked".to_string()),
-            }
-        } else {
-            let _io = shared.io_slots.acquire().await.expect("semaphore open");
-            tokio::task::spawn_blocking(move || store.put(buf)).await.map_err(|e| e.to_string())
-        };
-        drop(mem);
-        if let (Some((key, len)), Ok(Ok(stored))) = (&copy, &res) {
-            // Only what this copy stored is taken out again: a duplicate is
-            // a page put after the delete (or one the delete removes itself).
-            if *stored == PutOutcome::Stored && shared.handoff.refuses(kv_common::page::key_hash(key)) {
-                // Deleted while it was being stored: take it out again.
-                let (store, k) = (shared.store.clone(), key.clone());
-                let _ = tokio::task::spawn_blocking(move || store.delete(&k)).await;
-                shared.handoff.refused.fetch_add(1, Ordering::Relaxed);
-                return error_response(req, Status::Rejected, COPY_OF_DELETED);
-            }
-            shared.handoff.copies.fetch_add(1, Ordering::Relaxed);
-            shared.handoff.copy_bytes.fetch_add(*len, Ordering::Relaxed);
+    } else {
+        let _io = shared.io_slots.acquire().await.expect("semaphore open");
+        tokio::task::spawn_blocking(move || store.put(buf)).await.map_err(|e| e.to_string())
+    };
+    drop(mem);
+    if let (Some((key, len)), Ok(Ok(stored))) = (&copy, &res) {
+        // Only what this copy stored is taken out again: a duplicate is
+        // a page put after the delete (or one the delete removes itself).
+        if *stored == PutOutcome::Stored && shared.handoff.refuses(kv_common::page::key_hash(key)) {
+            // Deleted while it was being stored: take it out again.
+            let (store, k) = (shared.store.clone(), key.clone());
+            let _ = tokio::task::spawn_blocking(move || store.delete(&k)).await;
+            shared.handoff.refused.fetch_add(1, Ordering::Relaxed);
+            return error_response(req, Status::Rejected, COPY_OF_DELETED);
         }
-        match res {
-            Ok(Ok(PutOutcome::Stored)) => respond(req, Status::Ok, 0, Body::Empty),
-            Ok(Ok(PutOutcome::Duplicate)) => respond(req, Status::Ok, RSP_FLAG_DUPLICATE, Body::Empty),
-            Ok(Err(e)) => error_response(req, store_error_status(&e), &e.to_string()),
-            Err(e) => {
-                tracing::error!(error = %e, "put task failed");
-                error_response(req, Status::Internal, "internal error")
-            }
+        shared.handoff.copies.fetch_add(1, Ordering::Relaxed);
+        shared.handoff.copy_bytes.fetch_add(*len, Ordering::Relaxed);
+    }
+    match res {
+        Ok(Ok(PutOutcome::Stored)) => respond(req, Status::Ok, 0, Body::Empty),
+        Ok(Ok(PutOutcome::Duplicate)) => respond(req, Status::Ok, RSP_FLAG_DUPLICATE, Body::Empty),
+        Ok(Err(e)) => error_response(req, store_error_status(&e), &e.to_string()),
+        Err(e) => {
+            tracing::error!(error = %e, "put task failed");
+            error_response(req, Status::Internal, "internal error")
         }
     }
 }
@@ -378,12 +383,27 @@ fn handle_small(shared: &Shared, req: &ReqHeader, body: &[u8]) -> Option<Respons
     let store = &shared.store;
     match req.op {
         Op::Exist | Op::BatchExist => answer_exist(shared, req, body, |keys, geo| match keys {
-            [key] => store.try_exist(key, geo).map(|p| vec![p]),
-            keys => store.try_exist_batch(keys, geo),
+            [key] => store.try_exist(key, geo).map(Found::One),
+            keys => store.try_exist_batch(keys, geo).map(Found::Many),
         }),
         Op::Ping => Some(respond(req, Status::Ok, 0, Body::Bytes(body.to_vec()))),
         Op::Stats => None,
         Op::Put | Op::Get | Op::Delete | Op::RdmaConnect => Some(error_response(req, Status::Internal, "misrouted op")),
+    }
+}
+
+/// The presence of an exist's keys: one key's without an allocation.
+enum Found {
+    One(Presence),
+    Many(Vec<Presence>),
+}
+
+impl Found {
+    fn as_slice(&self) -> &[Presence] {
+        match self {
+            Found::One(p) => std::slice::from_ref(p),
+            Found::Many(v) => v,
+        }
     }
 }
 
@@ -393,26 +413,34 @@ fn answer_exist(
     shared: &Shared,
     req: &ReqHeader,
     body: &[u8],
-    lookup: impl Fn(&[&[u8]], Option<&Geometry>) -> Option<Vec<Presence>>,
+    lookup: impl Fn(&[&[u8]], Option<&Geometry>) -> Option<Found>,
 ) -> Option<Response> {
     let check = req.flags & FLAG_CHECK_GEOMETRY != 0;
-    let (geo, keys, batch) = match req.op {
+    let (one, many);
+    let (geo, keys): (Geometry, &[&[u8]]) = match req.op {
         Op::Exist => match KeyRequest::decode(body) {
-            Ok(kr) => (kr.geometry, vec![kr.key], false),
+            Ok(kr) => {
+                one = [kr.key];
+                (kr.geometry, &one)
+            }
             Err(e) => return Some(error_response(req, Status::BadRequest, &e.to_string())),
         },
         _ => match wire::decode_batch_exist(body) {
-            Ok((geo, keys)) => (geo, keys, true),
+            Ok((geo, keys)) => {
+                many = keys;
+                (geo, &many)
+            }
             Err(e) => return Some(error_response(req, Status::BadRequest, &e.to_string())),
         },
     };
-    let found = lookup(&keys, check.then_some(&geo))?;
-    count_handoff(shared, req, &found);
-    shared.store.warm(&keys, &found);
-    Some(match batch {
-        false => respond(req, presence_status(found[0]), 0, Body::Empty),
-        true => {
-            let st: Vec<Status> = found.into_iter().map(presence_status).collect();
+    let found = lookup(keys, check.then_some(&geo))?;
+    let found = found.as_slice();
+    count_handoff(shared, req, found);
+    shared.store.warm(keys, found);
+    Some(match req.op {
+        Op::Exist => respond(req, presence_status(found[0]), 0, Body::Empty),
+        _ => {
+            let st: Vec<Status> = found.iter().copied().map(presence_status).collect();
             respond(req, Status::Ok, 0, Body::Bytes(wire::encode_batch_status(&st)))
         }
     })
@@ -421,7 +449,10 @@ fn answer_exist(
 /// The same requests, allowed to wait for locks (blocking pool only).
 fn handle_blocking(shared: &Shared, req: &ReqHeader, body: &[u8]) -> Response {
     let store = &shared.store;
-    let exist = |keys: &[&[u8]], geo: Option<&Geometry>| Some(keys.iter().map(|k| store.exist(k, geo)).collect());
+    let exist = |keys: &[&[u8]], geo: Option<&Geometry>| match keys {
+        [key] => Some(Found::One(store.exist(key, geo))),
+        keys => Some(Found::Many(keys.iter().map(|k| store.exist(k, geo)).collect())),
+    };
     match req.op {
         Op::Exist | Op::BatchExist => answer_exist(shared, req, body, exist).unwrap_or_else(|| {
             // `exist` always answers; should that change, an error, not a panic.

@@ -135,13 +135,8 @@ fn main() {
     // A part that does not come up ends the run with one line saying why
     // (what was started is killed and reaped as it is dropped).
     std::panic::set_hook(Box::new(|info| {
-        let why = info
-            .payload()
-            .downcast_ref::<String>()
-            .map(String::as_str)
-            .or_else(|| info.payload().downcast_ref::<&str>().copied())
-            .unwrap_or("a part did not start");
-        eprintln!("kv-local: {why}");
+        let why = kv_common::cli::panic_message(info);
+        eprintln!("kv-local: {}", if why.is_empty() { "a part did not start" } else { why });
     }));
     // SAFETY: installs an async-signal-safe handler (one atomic store) for
     // SIGTERM and SIGINT; children get the default action back at exec.
