@@ -22,8 +22,6 @@ use crate::metrics::Metrics;
 use crate::node::{AsyncConn, Node};
 use crate::options::Options;
 
-pub use crate::error::take_last_failure;
-
 /// One item of a batch get: the key and the buffers its payload fills.
 pub type GetItem<'k, 'b> = (&'k [u8], Vec<&'b mut [u8]>);
 

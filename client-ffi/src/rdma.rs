@@ -89,11 +89,6 @@ impl Offer {
         self.rt.as_ref().filter(|rt| self.offered.load(Ordering::Relaxed) && !rt.is_off())
     }
 
-    /// Whether this node is known to serve no RDMA.
-    pub fn refused(&self) -> bool {
-        self.rt.is_some() && !self.offered.load(Ordering::Relaxed)
-    }
-
     /// The node answered without RDMA: count it; when `for_good` (it offers
     /// none, or speaks no bootstrap we know) say so once and stop asking;
     /// else (a queue pair could not be set up) only this connection is TCP.

@@ -283,7 +283,7 @@ pub fn run(a: &BenchArgs, json: bool) -> Result<u8, String> {
     let client = a.target.client(a.geo.geometry())?;
     // A refused token would make every request fail: say so once, up front.
     if client.exist(b"kvctl-bench-probe") == Status::Edenied {
-        let why = kvclient::client::take_last_failure().unwrap_or_default();
+        let why = kvclient::error::take_last_failure().unwrap_or_default();
         return Err(crate::denied_line(&why));
     }
     let members = client.core.topology().nodes.len();

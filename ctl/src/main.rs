@@ -240,7 +240,7 @@ fn read_token(flag: Option<&std::path::Path>) -> Result<Option<kv_common::auth::
 /// A refused token ends the command: one line, exit 2.
 fn check_denied(st: Status) -> Result<(), String> {
     if st == Status::Edenied {
-        let why = kvclient::client::take_last_failure().unwrap_or_else(|| "the auth token was refused".into());
+        let why = kvclient::error::take_last_failure().unwrap_or_else(|| "the auth token was refused".into());
         return Err(denied_line(&why));
     }
     Ok(())
@@ -287,7 +287,7 @@ fn run(cli: &Cli) -> Result<u8, String> {
             let st = c.putv(key.as_bytes(), &[&data]);
             check_denied(st)?;
             if st != Status::Ok {
-                let why = kvclient::client::take_last_failure().unwrap_or_else(|| "no further detail".into());
+                let why = kvclient::error::take_last_failure().unwrap_or_else(|| "no further detail".into());
                 eprintln!("kvctl: put not done ({}): {why}", st.name());
             }
             if cli.json {
@@ -324,7 +324,7 @@ fn run(cli: &Cli) -> Result<u8, String> {
                 }
                 Err((st, _)) => {
                     check_denied(st)?;
-                    let why = kvclient::client::take_last_failure();
+                    let why = kvclient::error::take_last_failure();
                     if cli.json {
                         println!("{}", serde_json::json!({"key": key, "status": st.name(), "reason": why}));
                     } else {

@@ -12,8 +12,6 @@
 /// The bootstrap version this code speaks.
 pub const BOOTSTRAP_VERSION: u16 = 2;
 
-pub use kv_common::wire::{Segment, MAX_SEGMENTS};
-
 fn le_u16(b: &[u8], at: usize) -> u16 {
     u16::from_le_bytes([b[at], b[at + 1]])
 }

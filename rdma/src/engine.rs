@@ -16,7 +16,9 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, OnceLock, Weak};
 use std::time::{Duration, Instant};
 
-use super::bootstrap::{Endpoint, Segment};
+use kv_common::wire::Segment;
+
+use super::bootstrap::Endpoint;
 use super::completion::{CompletionSource, Hold, RdmaError, Tracker, Wc};
 use super::regcache::{RegCache, Region, Registrar};
 use super::{Counters, RailCounters, RailSpec, Settings};

@@ -557,7 +557,7 @@ fn mds_replicas_and_etcd_down_in_turn_cause_no_ring_churn() {
                 Some(false) => row.wrong += 1,
                 None => unserved.push(format!(
                     "{k} while {what}: {:?} (epoch {})",
-                    kvclient::client::take_last_failure(),
+                    kvclient::error::take_last_failure(),
                     c.core.epoch()
                 )),
             }
@@ -741,7 +741,7 @@ fn a_full_disk_rejects_puts_clearly_and_the_node_serves_on() {
         match c.putv(k.as_bytes(), &[&page(&k, len)]) {
             Status::Ok => stored.push(k),
             Status::Rejected => rejected += 1,
-            st => panic!("{k}: {st:?} ({:?})", kvclient::client::take_last_failure()),
+            st => panic!("{k}: {st:?} ({:?})", kvclient::error::take_last_failure()),
         }
         worst = worst.max(t0.elapsed().as_secs_f64() * 1e3);
     }

@@ -588,7 +588,7 @@ pub fn run(a: &ReplayArgs, json: bool, timeout: Duration) -> Result<u8, String> 
     let client = a.target.client(geo)?;
     // A refused token would fail every request: say so once, up front.
     if client.exist(b"kvctl-replay-probe") == Status::Edenied {
-        let why = kvclient::client::take_last_failure().unwrap_or_default();
+        let why = kvclient::error::take_last_failure().unwrap_or_default();
         return Err(crate::denied_line(&why));
     }
     let capacity = match plan.capacity {
