@@ -127,7 +127,7 @@ pub fn mds_request(data: &[u8]) {
             Call::Register { group, id } | Call::Heartbeat { group, id } | Call::Deregister { group, id, .. } => {
                 assert!(kv_common::mds::valid_name(group) && kv_common::mds::valid_name(id));
             }
-            Call::Health | Call::Metrics | Call::Dashboard | Call::Groups => {}
+            Call::Health | Call::Live | Call::Metrics | Call::Dashboard | Call::Groups => {}
         }
     }
     if let Ok(r) = kv_mds::http::parse_register(body) {

@@ -6,7 +6,7 @@
 //! | POST   | /v1/groups/{g}/members/{id}/heartbeat     | keep the lease alive          |
 //! | DELETE | /v1/groups/{g}/members/{id}               | deregister                    |
 //! | GET    | /v1/groups/{g}/view[?after=N&wait_ms=T]   | the view, or a long-poll      |
-//! | GET    | /healthz, /metrics                        | probes                        |
+//! | GET    | /healthz, /livez, /metrics                | probes                        |
 //! | GET    | /, /api/groups                            | the dashboard and its data    |
 //!
 //! Calls under `/v1/groups/{g}/` must carry `Authorization: Bearer TOKEN`
@@ -199,6 +199,7 @@ async fn handle(
     };
     let group = match &call {
         Call::Health => return health(mds).await,
+        Call::Live => return text(StatusCode::OK, "ok\n".into()),
         Call::Metrics => return metrics(mds, registry).await,
         Call::Dashboard => return html(crate::metrics::DASHBOARD),
         Call::Groups => return groups(mds, tokens, &req).await,
@@ -217,6 +218,7 @@ async fn handle(
         Call::Deregister { group, id, instance } => deregister(mds, group, id, instance).await,
         // Answered above; kept whole so no arm can panic.
         Call::Health => health(mds).await,
+        Call::Live => text(StatusCode::OK, "ok\n".into()),
         Call::Metrics => metrics(mds, registry).await,
         Call::Dashboard => html(crate::metrics::DASHBOARD),
         Call::Groups => groups(mds, tokens, &req).await,
@@ -249,6 +251,7 @@ async fn groups(mds: &Mds, tokens: &kv_common::auth::GroupTokens, req: &Request<
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Call<'a> {
     Health,
+    Live,
     Metrics,
     Dashboard,
     Groups,
@@ -272,6 +275,9 @@ pub fn parse_call<'a>(method: &str, path: &'a str, query: &'a str) -> Result<Cal
     };
     match (method, parts.as_slice()) {
         ("GET", ["healthz"]) => Ok(Call::Health),
+        // Alive: answered whenever the API serves, etcd or not (a liveness
+        // probe must not restart every replica while etcd is away).
+        ("GET", ["livez"]) => Ok(Call::Live),
         ("GET", ["metrics"]) => Ok(Call::Metrics),
         ("GET", [""]) => Ok(Call::Dashboard),
         ("GET", ["api", "groups"]) => Ok(Call::Groups),

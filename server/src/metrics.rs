@@ -1,7 +1,8 @@
 //! The node's HTTP endpoint on `--metrics-listen`, served by hyper:
-//! `GET /metrics` (OpenMetrics text from prometheus-client), `GET /healthz`,
-//! `GET /` (the dashboard, one self-contained page) and `GET /api/stats`
-//! (the page's data: the STATS record as JSON).
+//! `GET /metrics` (OpenMetrics text from prometheus-client), the probes
+//! `GET /healthz`, `/readyz` and `/livez` (docs/METRICS.md), `GET /` (the
+//! dashboard, one self-contained page) and `GET /api/stats` (the page's
+//! data: the STATS record as JSON).
 //!
 //! Request counters and service-time histograms are live prometheus-client
 //! metrics updated by the connection tasks ([`crate::op_metrics::OpMetrics`]); everything the
@@ -368,6 +369,9 @@ async fn handle(
         })
         .await
         .ok(),
+        // Alive: answered whenever this port serves, draining or with no
+        // disk in service (a liveness probe; restarting would not help).
+        "/livez" => Some(reply(StatusCode::OK, "text/plain", "ok\n")),
         "/api/stats" => tokio::task::spawn_blocking(move || {
             let body = serde_json::to_vec(&*shared.stats()).unwrap_or_default();
             reply(StatusCode::OK, "application/json", body)

@@ -351,6 +351,9 @@ fn etcd_restart_is_reported_and_recovered_from() {
     assert!(String::from_utf8_lossy(&body).contains("etcd unavailable"), "{}", String::from_utf8_lossy(&body));
     let (hc, _) = m.request(&ep, "GET", "/healthz", None, Duration::ZERO).unwrap();
     assert_eq!(hc, 503);
+    // Alive all the same: a liveness probe does not restart it for etcd.
+    let (lc, lb) = m.request(&ep, "GET", "/livez", None, Duration::ZERO).unwrap();
+    assert_eq!((lc, String::from_utf8_lossy(&lb).into_owned()), (200, "ok\n".to_string()));
     // Clients keep serving meanwhile.
     assert_eq!(c.putv(b"during-outage", &[&page(1)]), Status::Ok);
 
