@@ -16,17 +16,46 @@ pub fn init_logging(level: tracing::Level) {
 
 /// Resolves on SIGTERM or SIGINT (Ctrl-C).
 pub async fn wait_for_signal() {
-    use tokio::signal::unix::{signal, SignalKind};
-    match (signal(SignalKind::terminate()), signal(SignalKind::interrupt())) {
-        (Ok(mut term), Ok(mut int)) => {
-            tokio::select! {
-                _ = term.recv() => {}
-                _ = int.recv() => {}
+    Signals::new().next().await
+}
+
+/// SIGTERM and SIGINT (Ctrl-C) as they arrive, counted from the moment this
+/// is made: a signal delivered while its owner is busy elsewhere (a node
+/// leaving its group after the first signal) is still seen by the next
+/// [`Signals::next`]. Needs a Tokio runtime.
+pub struct Signals {
+    streams: Option<(tokio::signal::unix::Signal, tokio::signal::unix::Signal)>,
+}
+
+impl Signals {
+    pub fn new() -> Signals {
+        use tokio::signal::unix::{signal, SignalKind};
+        let streams = match (signal(SignalKind::terminate()), signal(SignalKind::interrupt())) {
+            (Ok(term), Ok(int)) => Some((term, int)),
+            _ => None,
+        };
+        Signals { streams }
+    }
+
+    /// The next signal (or the first not yet waited for).
+    pub async fn next(&mut self) {
+        match &mut self.streams {
+            Some((term, int)) => {
+                tokio::select! {
+                    _ = term.recv() => {}
+                    _ = int.recv() => {}
+                }
+            }
+            None => {
+                let _ = tokio::signal::ctrl_c().await;
             }
         }
-        _ => {
-            let _ = tokio::signal::ctrl_c().await;
-        }
+    }
+}
+
+impl Default for Signals {
+    fn default() -> Signals {
+        Signals::new()
     }
 }
 

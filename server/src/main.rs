@@ -139,8 +139,11 @@ fn run(cfg: ServerConfig) -> Result<(), String> {
             .as_ref()
             .filter(|_| cfg.drain_push)
             .map(|m| (m.endpoints.clone(), m.group.clone(), cfg.auth_token.clone()));
+        // Made before the first signal: a second one that arrives while the
+        // node leaves its group still ends the drain.
+        let mut signals = kv_common::daemon::Signals::new();
         tokio::spawn(async move {
-            kv_common::daemon::wait_for_signal().await;
+            signals.next().await;
             tracing::info!(drain_secs = drain.as_secs_f64(), "signal received: leaving the group, then draining");
             // Leave the group first, so clients stop routing here while
             // the node still answers what is in flight.
@@ -183,7 +186,7 @@ fn run(cfg: ServerConfig) -> Result<(), String> {
             if !drain.is_zero() {
                 tokio::select! {
                     _ = tokio::time::sleep_until(ends.into()) => tracing::info!("drain over: shutting down"),
-                    _ = kv_common::daemon::wait_for_signal() => tracing::info!("second signal: ending the drain"),
+                    _ = signals.next() => tracing::info!("second signal: ending the drain"),
                 }
             }
             draining.handoff.push_stop.store(true, std::sync::atomic::Ordering::SeqCst);

@@ -121,6 +121,25 @@ fn tier(extra: &[&str]) -> Tier {
     Tier { _etcd: etcd, mds, node, metrics, _dir: dir }
 }
 
+/// The three probes a deployment uses (docs/METRICS.md, docs/DEPLOY.md
+/// "Kubernetes") through a stop: a draining node turns unready (`/readyz`)
+/// and stays alive (`/healthz`, `/livez`), so an orchestrator neither
+/// routes new work to it nor restarts it in the middle of its drain.
+#[test]
+fn a_draining_node_is_alive_and_not_ready() {
+    let t = tier(&["--drain-secs", "30"]);
+    for path in ["/healthz", "/readyz", "/livez"] {
+        assert_eq!(get(&t.metrics, path), (200, "ok\n".to_string()), "{path} while serving");
+    }
+    t.node.signal(libc::SIGTERM);
+    wait_until(Duration::from_secs(20), "/readyz turning 503", || (get(&t.metrics, "/readyz").0 == 503).then_some(()));
+    assert_eq!(get(&t.metrics, "/readyz"), (503, "draining\n".to_string()));
+    assert_eq!(get(&t.metrics, "/healthz"), (200, "draining\n".to_string()));
+    assert_eq!(get(&t.metrics, "/livez"), (200, "ok\n".to_string()));
+    let status = t.node.terminate(Duration::from_secs(20));
+    assert!(status.success(), "a second signal ends the drain: {status:?}");
+}
+
 fn payload(key: &str, len: usize) -> Vec<u8> {
     key.bytes().cycle().take(len).collect()
 }
@@ -184,6 +203,8 @@ fn a_known_workload_shows_exact_values_in_every_exposition() {
         assert!(l.contains("node=\"n1\"") && l.contains("group=\"obs\""), "unlabelled sample {l:?}");
     }
     assert_eq!(get(&t.metrics, "/healthz"), (200, "ok\n".to_string()));
+    assert_eq!(get(&t.metrics, "/readyz"), (200, "ok\n".to_string()));
+    assert_eq!(get(&t.metrics, "/livez"), (200, "ok\n".to_string()));
     let (code, stats) = get(&t.metrics, "/api/stats");
     assert_eq!(code, 200);
     let stats: kv_common::stats::NodeStats = serde_json::from_str(&stats).unwrap();
