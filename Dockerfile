@@ -16,7 +16,13 @@ COPY dist/kv-server_${VERSION}-1_amd64.deb dist/kv-mds_${VERSION}-1_amd64.deb di
 COPY dist/kvcellar-${VERSION}-py3-none-manylinux_2_28_x86_64.whl /tmp/pkgs/
 # A wheel is a zip of the installed tree: unpacked into the system
 # site-packages it is installed, without pip in the image.
-RUN dpkg -i /tmp/pkgs/*.deb \
+# The service user with fixed ids (900:900), made before the packages
+# (whose postinst keeps an existing kvcellar user): Kubernetes manifests
+# name them (runAsUser, fsGroup; packaging/k8s/).
+RUN groupadd --system --gid 900 kvcellar \
+ && useradd --system --uid 900 --gid 900 --home-dir /var/lib/kvcellar --no-create-home \
+      --shell /usr/sbin/nologin kvcellar \
+ && dpkg -i /tmp/pkgs/*.deb \
  && python3 -m zipfile -e /tmp/pkgs/kvcellar-${VERSION}-py3-none-manylinux_2_28_x86_64.whl /usr/lib/python3/dist-packages/ \
  && python3 -c "import kvcellar, kvcellar._native as n; n.load()" \
  && rm -rf /tmp/pkgs /usr/share/man/* /usr/share/doc/*

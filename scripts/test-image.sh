@@ -35,6 +35,8 @@ wait_health() { # wait_health CONTAINER STATE SECONDS
 
 size=$(docker image inspect -f '{{.Size}}' "$img") || fail "no image $img: run scripts/package.sh"
 [ "$(run id -u)" != 0 ] || fail "the image runs as root"
+# packaging/k8s/ names these ids (runAsUser, runAsGroup, fsGroup).
+[ "$(run id -u):$(run id -g)" = 900:900 ] || fail "the image's kvcellar user is not 900:900"
 ok "$img: $((size / 1000000)) MB, runs as $(run id -un) (uid $(run id -u))"
 for b in kv-server kv-mds kvctl; do
   [ "$(run $b --version)" = "$b $version" ] || fail "$b --version in the image"
