@@ -53,10 +53,12 @@ bash scripts/test-engines.sh 2>&1 | tee target/test-engines.log
 echo "== packages, image and container cluster"
 [ -z "$base" ] || wait $base || echo "base image: the background attempt failed (target/base-image.log); trying again"
 bash scripts/test-dist.sh 2>&1 | tee target/test-dist.log
+echo "== Kubernetes manifests: rendered, validated offline, the pods' commands run in containers"
+bash scripts/test-k8s.sh 2>&1 | tee target/test-k8s.log
 # One closing line for the whole run (cargo prints one per test binary,
 # pytest one per run, the dist scripts "NAME: N passed, M failed").
-cat target/test-output.log target/test-python.log target/test-engines.log target/test-dist.log | awk '
-  /^test result:/ || /^(packages|image|cluster): [0-9]+ passed, [0-9]+ failed/ {
+cat target/test-output.log target/test-python.log target/test-engines.log target/test-dist.log target/test-k8s.log | awk '
+  /^test result:/ || /^(packages|image|cluster|k8s): [0-9]+ passed, [0-9]+ failed/ {
     for (i = 1; i <= NF; i++) { if ($(i+1) ~ /^passed/) p += $i; if ($(i+1) ~ /^failed/) f += $i } }
   /(passed|failed).* in [0-9.]+s/ && !/^test result:/ {
     for (i = 1; i <= NF; i++) { if ($(i+1) ~ /^passed/) p += $i; if ($(i+1) ~ /^failed/) f += $i } }
