@@ -359,6 +359,15 @@ impl Mds {
         Mds::start_at("127.0.0.1:0", etcd, ttl)
     }
 
+    /// Sends a signal to this replica (only to the process we started):
+    /// SIGSTOP makes it a replica that accepts connections and never answers.
+    pub fn signal(&self, sig: i32) {
+        if let Some(c) = &self.child {
+            // SAFETY: kill(2) on the pid of a child we spawned and have not reaped.
+            unsafe { libc::kill(c.id() as i32, sig) };
+        }
+    }
+
     /// SIGKILL and reap.
     pub fn kill9(&mut self) {
         if let Some(mut c) = self.child.take() {

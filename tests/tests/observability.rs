@@ -131,12 +131,18 @@ fn a_draining_node_is_alive_and_not_ready() {
     for path in ["/healthz", "/readyz", "/livez"] {
         assert_eq!(get(&t.metrics, path), (200, "ok\n".to_string()), "{path} while serving");
     }
+    // kv-mds stopped: leaving the group waits its 3 s for an answer, and
+    // the second signal below arrives meanwhile.
+    t.mds.signal(libc::SIGSTOP);
     t.node.signal(libc::SIGTERM);
     wait_until(Duration::from_secs(20), "/readyz turning 503", || (get(&t.metrics, "/readyz").0 == 503).then_some(()));
     assert_eq!(get(&t.metrics, "/readyz"), (503, "draining\n".to_string()));
     assert_eq!(get(&t.metrics, "/healthz"), (200, "draining\n".to_string()));
     assert_eq!(get(&t.metrics, "/livez"), (200, "ok\n".to_string()));
-    let status = t.node.terminate(Duration::from_secs(20));
+    // A second signal while it leaves ends the 30 s drain.
+    t.node.signal(libc::SIGTERM);
+    t.mds.signal(libc::SIGCONT);
+    let status = t.node.wait_exit(Duration::from_secs(15));
     assert!(status.success(), "a second signal ends the drain: {status:?}");
 }
 
