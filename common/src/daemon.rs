@@ -37,6 +37,16 @@ impl Signals {
         Signals { streams }
     }
 
+    /// Whether a signal came that no [`Signals::next`] took yet (taking
+    /// it), without waiting.
+    pub async fn arrived(&mut self) -> bool {
+        tokio::select! {
+            biased;
+            _ = self.next() => true,
+            _ = std::future::ready(()) => false,
+        }
+    }
+
     /// The next signal (or the first not yet waited for).
     pub async fn next(&mut self) {
         match &mut self.streams {

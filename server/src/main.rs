@@ -35,6 +35,13 @@ fn run(cfg: ServerConfig) -> Result<(), String> {
         .thread_name("kv-server")
         .build()
         .map_err(|e| format!("cannot start the runtime: {e}"))?;
+    // SIGTERM and SIGINT from now on: one that comes while the disks
+    // recover (minutes after a crash) stops the node once they are, rather
+    // than killing it mid-recovery or, as a container's PID 1, being lost.
+    let mut signals = {
+        let _rt = rt.enter();
+        kv_common::daemon::Signals::new()
+    };
     // Bind first: a port in use is reported before any disk work. The
     // socket listens only once the node is ready (below): until then a
     // client's connect is refused at once instead of waiting on a node that
@@ -117,8 +124,12 @@ fn run(cfg: ServerConfig) -> Result<(), String> {
             tokio::spawn(kv_server::metrics::serve(m, shared.clone(), registry, rx.clone()));
         }
         // Join the group only now: the node can serve what clients send.
+        let early = signals.arrived().await;
+        if early {
+            tracing::info!("signal received while starting: stopping without joining the group");
+        }
         let membership = match cfg.membership.clone() {
-            Some(mut m) => {
+            Some(mut m) if !early => {
                 let advertise = match m.advertise.rsplit_once(':') {
                     Some((host, "0")) => format!("{host}:{}", addr.port()),
                     _ => m.advertise.clone(),
@@ -129,22 +140,23 @@ fn run(cfg: ServerConfig) -> Result<(), String> {
                         .map_err(|e| format!("cannot start the membership thread: {e}"))?,
                 )
             }
-            None => None,
+            _ => None,
         };
-        let drain = cfg.drain;
+        let drain = if early { std::time::Duration::ZERO } else { cfg.drain };
         let draining = shared.clone();
         // Where the drain pushes pages: the group's view, through kv-mds.
         let push_to = cfg
             .membership
             .as_ref()
-            .filter(|_| cfg.drain_push)
+            .filter(|_| cfg.drain_push && !early)
             .map(|m| (m.endpoints.clone(), m.group.clone(), cfg.auth_token.clone()));
-        // Made before the first signal: a second one that arrives while the
-        // node leaves its group still ends the drain.
-        let mut signals = kv_common::daemon::Signals::new();
+        // The signal streams were made before the first signal: a second
+        // one that arrives while the node leaves its group ends the drain.
         tokio::spawn(async move {
-            signals.next().await;
-            tracing::info!(drain_secs = drain.as_secs_f64(), "signal received: leaving the group, then draining");
+            if !early {
+                signals.next().await;
+                tracing::info!(drain_secs = drain.as_secs_f64(), "signal received: leaving the group, then draining");
+            }
             // Leave the group first, so clients stop routing here while
             // the node still answers what is in flight.
             draining.draining.store(true, std::sync::atomic::Ordering::SeqCst);

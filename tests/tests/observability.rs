@@ -146,6 +146,49 @@ fn a_draining_node_is_alive_and_not_ready() {
     assert!(status.success(), "a second signal ends the drain: {status:?}");
 }
 
+/// A SIGTERM while the node starts (its disks recovering, its memory tier
+/// being faulted in) is kept: once ready the node stops cleanly without
+/// joining its group, instead of dying mid-recovery or, as a container's
+/// PID 1 that ignores the signal, joining and being killed later.
+#[test]
+fn a_signal_while_starting_stops_the_node_before_it_joins() {
+    use std::io::BufRead;
+    let dir = tempfile::tempdir().unwrap();
+    let etcd = Etcd::start(dir.path().join("etcd"));
+    let mds = Mds::start(&etcd.endpoint(), "10s");
+    let d = dir.path().join("d0");
+    let d = d.to_str().unwrap();
+    // A 2 GiB tier takes a good part of a second to fault in after the
+    // (empty) disk is recovered: the signal lands in that window.
+    let mut child = std::process::Command::new(kv_e2e::bin("kv-server"))
+        .args(["--listen", "127.0.0.1:0", "--dir", d, "--cap", "64M", "--mem-cap", "2G", "--mds", &mds.addr])
+        .args(["--group", "early", "--id", "n1", "--advertise", "127.0.0.1:0", "--log-level", "info"])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut lines = std::io::BufReader::new(child.stderr.take().unwrap()).lines();
+    let mut log = Vec::new();
+    for l in lines.by_ref() {
+        let l = l.unwrap();
+        let recovered = l.contains("disk recovered");
+        log.push(l);
+        if recovered {
+            // SAFETY: kill(2) on the pid of a child we spawned and have not reaped.
+            unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
+            break;
+        }
+    }
+    log.extend(lines.map_while(Result::ok));
+    let status = child.wait().unwrap();
+    let log = log.join("\n");
+    assert!(status.success(), "a clean stop, not death by the signal: {status:?}\n{log}");
+    assert!(log.contains("signal received while starting"), "{log}");
+    assert!(!log.contains("registered"), "it never joined its group:\n{log}");
+    let (_, body) = get(&mds.addr, "/v1/groups/early/view");
+    assert!(!body.contains("\"n1\""), "no member n1 in {body}");
+}
+
 fn payload(key: &str, len: usize) -> Vec<u8> {
     key.bytes().cycle().take(len).collect()
 }
