@@ -14,11 +14,6 @@ pub fn init_logging(level: tracing::Level) {
         .init();
 }
 
-/// Resolves on SIGTERM or SIGINT (Ctrl-C).
-pub async fn wait_for_signal() {
-    Signals::new().next().await
-}
-
 /// SIGTERM and SIGINT (Ctrl-C) as they arrive, counted from the moment this
 /// is made: a signal delivered while its owner is busy elsewhere (a node
 /// leaving its group after the first signal) is still seen by the next

@@ -161,11 +161,22 @@ fn run(
         .build()
         .map_err(|e| format!("cannot start the runtime: {e}"))?;
     rt.block_on(async move {
+        // SIGTERM and SIGINT from now on: one that comes while kv-mds waits
+        // for etcd at start stops it there (as a container's PID 1, a signal
+        // with no handler yet would be lost).
+        let mut signals = kv_common::daemon::Signals::new();
         let listener = tokio::net::TcpListener::bind(cli.listen)
             .await
             .map_err(|e| format!("cannot listen on {}: {e}", cli.listen))?;
         let addr = listener.local_addr().map_err(|e| e.to_string())?;
-        let mds = kv_mds::connect(&endpoints, cli.lease_ttl, Duration::from_secs(cli.handoff_secs), &security).await?;
+        let connect = kv_mds::connect(&endpoints, cli.lease_ttl, Duration::from_secs(cli.handoff_secs), &security);
+        let mds = tokio::select! {
+            m = connect => m?,
+            _ = signals.next() => {
+                tracing::info!("signal received while connecting to etcd: stopping");
+                return Ok(());
+            }
+        };
         // Say at start whether etcd answers; the service runs either way.
         match mds.reg.view("_probe").await {
             Ok(_) => tracing::info!(etcd = %endpoints.join(","), "etcd reachable"),
@@ -175,7 +186,7 @@ fn run(
         tokio::spawn(mds.clone().sweep_loop());
         let (tx, rx) = tokio::sync::watch::channel(false);
         tokio::spawn(async move {
-            kv_common::daemon::wait_for_signal().await;
+            signals.next().await;
             tracing::info!("signal received: shutting down");
             let _ = tx.send(true);
         });

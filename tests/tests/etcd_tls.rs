@@ -120,12 +120,25 @@ fn kv_mds_uses_etcd_over_tls_with_a_user() {
             None => None,
         }
     });
-    let _ = child.kill();
-    let _ = child.wait();
+    if outcome == "waits" {
+        // A stop while it waits for etcd ends it there, cleanly.
+        // SAFETY: kill(2) on the pid of a child we spawned and have not reaped.
+        unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
+        let st = wait_until(Duration::from_secs(10), "kv-mds stopping on SIGTERM while it waits", || {
+            child.try_wait().unwrap()
+        });
+        assert!(st.success(), "a clean stop, not death by the signal: {st:?}");
+    } else {
+        let _ = child.kill();
+        let _ = child.wait();
+    }
     // The reader thread drains what is left once the pipe closes.
     std::thread::sleep(Duration::from_millis(200));
     log.extend(rx.try_iter());
     assert!(!log.iter().any(|l| l.contains("serving")), "served without a client certificate: {log:#?}");
+    if outcome == "waits" {
+        assert!(log.iter().any(|l| l.contains("signal received while connecting to etcd")), "{log:#?}");
+    }
     if outcome == "exited" {
         assert!(log.iter().any(|l| l.contains("etcd")), "the exit names etcd: {log:#?}");
     }
