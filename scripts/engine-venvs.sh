@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
-# Creates (only when missing) the two venvs that hold the REAL engines the
+# Creates (only when missing) the venvs that hold the REAL engines the
 # Python plugins are tested against, outside the repo:
 #   $CACHE/engines/sglang-<ver>-py<X.Y>   sglang (full dependency install) + pytest
 #   $CACHE/engines/lmcache-<ver>-py<X.Y>  lmcache (full dependency install) + pytest
+#   $CACHE/engines/vllm-<ver>-py<X.Y>     vllm (full dependency install) + pytest
 # CACHE is ${KVCELLAR_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/kvcellar}.
 #
 # They cannot share one venv: pip reports ResolutionImpossible over their
-# grpcio pins. Both pull PyPI's CUDA torch (several GB each); it imports and
+# grpcio pins (and vllm pins its own torch). Both pull PyPI's CUDA torch (several GB each); it imports and
 # runs on a machine without a GPU. A version bump gives a new directory name,
 # so an old venv is never reused for a new version (delete old ones by hand).
 #
@@ -36,15 +37,17 @@
 # $CACHE/engines/<venv name>.log. Progress goes to stderr; stdout gets only:
 #   SGLANG_PY=<python of the sglang venv>
 #   LMCACHE_PY=<python of the lmcache venv>
+#   VLLM_PY=<python of the vllm venv>
 # so `eval "$(scripts/engine-venvs.sh)"` works.
 #
-# Usage: scripts/engine-venvs.sh [sglang|lmcache]...   (default: both)
+# Usage: scripts/engine-venvs.sh [sglang|lmcache|vllm]...   (default: all)
 # Env:   KVCELLAR_CACHE  cache root (see above)
 #        KVCELLAR_PYTHON interpreter to build the venvs from (default python3)
 set -euo pipefail
 
 SGLANG_VERSION=0.5.23
 LMCACHE_VERSION=0.5.6
+VLLM_VERSION=0.33.0
 
 # Full dependency installs: this is what runs on CPU. sglang 0.5.23 pins
 # torch==2.14.1 itself; lmcache 0.5.6 takes the newest torch (2.15.0 when
@@ -52,6 +55,7 @@ LMCACHE_VERSION=0.5.6
 # bookworm, CPython 3.11, x86_64): every dependency installs from a wheel.
 SGLANG_SPEC=("sglang==$SGLANG_VERSION" "pytest")
 LMCACHE_SPEC=("lmcache==$LMCACHE_VERSION" "pytest")
+VLLM_SPEC=("vllm==$VLLM_VERSION" "pytest")
 
 # What must import for the venv to count as ready.
 SGLANG_CHECK='
@@ -67,6 +71,13 @@ import pytest, torch
 from lmcache.v1.storage_backend.connector.base_connector import RemoteConnector
 from lmcache.v1.storage_backend import CreateStorageBackends
 from lmcache.v1.config import LMCacheEngineConfig
+'
+VLLM_CHECK='
+import pytest, torch
+from vllm.config import VllmConfig, KVTransferConfig
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole
+from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+from vllm.v1.core.sched.scheduler import Scheduler
 '
 
 PYTHON=${KVCELLAR_PYTHON:-python3}
@@ -134,13 +145,14 @@ ensure_venv() {
   log "$name: installed in $((SECONDS - t0)) s at $dir"
 }
 
-want_sglang=0 want_lmcache=0
-if [ $# -eq 0 ]; then want_sglang=1 want_lmcache=1; fi
+want_sglang=0 want_lmcache=0 want_vllm=0
+if [ $# -eq 0 ]; then want_sglang=1 want_lmcache=1 want_vllm=1; fi
 for arg in "$@"; do
   case $arg in
     sglang) want_sglang=1 ;;
     lmcache) want_lmcache=1 ;;
-    *) echo "usage: $0 [sglang|lmcache]..." >&2; exit 2 ;;
+    vllm) want_vllm=1 ;;
+    *) echo "usage: $0 [sglang|lmcache|vllm]..." >&2; exit 2 ;;
   esac
 done
 
@@ -153,6 +165,10 @@ if [ $want_lmcache -eq 1 ]; then
   ensure_venv lmcache "$LMCACHE_VERSION" "$LMCACHE_CHECK" "${LMCACHE_SPEC[@]}" &
   pids+=($!)
 fi
+if [ $want_vllm -eq 1 ]; then
+  ensure_venv vllm "$VLLM_VERSION" "$VLLM_CHECK" "${VLLM_SPEC[@]}" &
+  pids+=($!)
+fi
 rc=0
 for p in "${pids[@]}"; do wait "$p" || rc=1; done
 [ $rc -eq 0 ] || { log "at least one venv failed"; exit 1; }
@@ -162,4 +178,7 @@ if [ $want_sglang -eq 1 ]; then
 fi
 if [ $want_lmcache -eq 1 ]; then
   echo "LMCACHE_PY=$ENGINES/lmcache-$LMCACHE_VERSION-py$PYVER/bin/python"
+fi
+if [ $want_vllm -eq 1 ]; then
+  echo "VLLM_PY=$ENGINES/vllm-$VLLM_VERSION-py$PYVER/bin/python"
 fi

@@ -3,16 +3,19 @@
 # (its StorageBackendFactory loads kvcellar.hicache, its host pools built on
 # CPU; test_hicache_replay.py replays a trace slice through them beside
 # `kvctl replay`) and LMCache 0.5.6 (its plugin loading, LocalCPUBackend and
-# RemoteBackend on CPU load kvcellar.lmcache). One venv each (they cannot
+# RemoteBackend on CPU load kvcellar.lmcache) and vLLM 0.33.0 (its
+# Scheduler builds kvcellar.vllm through KVConnectorFactory; its KV cache
+# planner and allocator give the workers' paged KV cache on CPU; the
+# forward is stood in, see plugins/tests/vllm_engine.py). One venv each (they cannot
 # share one), made by scripts/engine-venvs.sh outside the clone; into each,
 # `pip install ./plugins` builds libkvclient.so (cargo, release) and ships it
 # in the package, which the tests then use. Nodes come from target/debug.
-# Usage: scripts/test-engines.sh [sglang|lmcache]...   (after cargo build --workspace)
+# Usage: scripts/test-engines.sh [sglang|lmcache|vllm]...   (after cargo build --workspace)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 root=$PWD
 which=("$@")
-[ ${#which[@]} -gt 0 ] || which=(sglang lmcache)
+[ ${#which[@]} -gt 0 ] || which=(sglang lmcache vllm)
 eval "$(bash scripts/engine-venvs.sh "${which[@]}")"
 
 install_plugins() { # PYTHON: the package as a user installs it (build backend from the registry once)
@@ -37,6 +40,7 @@ for engine in "${which[@]}"; do
   case $engine in
     sglang) py=$SGLANG_PY; tests=(test_client.py test_hicache.py test_hicache_replay.py test_docs_snippets.py) ;;
     lmcache) py=$LMCACHE_PY; tests=(test_lmcache.py test_docs_snippets.py) ;;
+    vllm) py=$VLLM_PY; tests=(test_vllm.py test_docs_snippets.py) ;;
     *) echo "unknown engine $engine" >&2; exit 2 ;;
   esac
   install_plugins "$py"

@@ -1,7 +1,9 @@
 """The launch configuration in docs/plugins/*.md works as pasted: SGLang's
 own parser and factory take the extra-config JSON of docs/plugins/sglang.md,
 LMCache's own config loader and backends take the YAML of
-docs/plugins/lmcache.md, with the cluster from KVCELLAR_* as the quickstart's
+docs/plugins/lmcache.md, vLLM's factory builds the connector from the
+--kv-transfer-config of docs/plugins/vllm.md, with the cluster from
+KVCELLAR_* as the quickstart's
 export line sets it. Real engines only (scripts/test-engines.sh)."""
 
 from __future__ import annotations
@@ -102,3 +104,39 @@ def test_lmcache_guide_yaml_loads(cluster, clean_env, tmp_path):
             b.close()
         loop.call_soon_threadsafe(loop.stop)
         t.join(10)
+
+
+def test_vllm_guide_flags_load_the_connector(cluster, clean_env, tmp_path):
+    """The guide's --kv-transfer-config values, as vLLM parses the flag (JSON
+    into its KVTransferConfig; vLLM's whole CLI parser needs a GPU to infer
+    its device, so it cannot run here), build the connector through vLLM's
+    factory against the cluster the quickstart's export line names."""
+    configs = re.findall(r"--kv-transfer-config '([^']*)'", _doc("vllm.md"))
+    assert len(configs) >= 2, "the guide shows the quickstart and the production form"
+    parsed = [json.loads(c) for c in configs]
+    for p in parsed:
+        assert p["kv_connector"] == "KVCellarConnector" and p["kv_connector_module_path"] == "kvcellar.vllm"
+        assert p["kv_role"] == "kv_both" and p["kv_load_failure_policy"] == "recompute"
+    try:
+        import vllm  # noqa: F401
+    except ImportError:
+        pytest.skip("loading through vLLM needs vLLM")
+    from kvcellar.vllm import OWN_KEYS
+
+    for p in parsed:
+        extra = p.get("kv_connector_extra_config", {})
+        assert set(extra) <= set(OWN_KEYS), set(extra) - set(OWN_KEYS)
+    from vllm.config import KVTransferConfig
+    from vllm_engine import Engine, model_dir, vllm_config
+
+    clean_env.setenv("KVCELLAR_MEMBERS", cluster.members)  # the export line's role
+    clean_env.setenv("PYTHONHASHSEED", "0")  # the guide's line
+    vc = vllm_config(model_dir(str(tmp_path)), {})
+    vc.kv_transfer_config = KVTransferConfig(**parsed[0])
+    e = Engine(vc)
+    try:
+        prompt = [(i * 29) % 900 + 1 for i in range(300)]
+        e.serve([prompt])
+        assert e.worker.counters()["save_units"] == 1
+    finally:
+        e.close()

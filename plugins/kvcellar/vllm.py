@@ -1,0 +1,805 @@
+"""vLLM KV connector over kvcellar (vLLM 0.33, ``KVConnectorBase_V1``).
+
+Load it with::
+
+    vllm serve MODEL --kv-transfer-config '{"kv_connector": "KVCellarConnector",
+        "kv_connector_module_path": "kvcellar.vllm", "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {"mds": "host:port,...", "group": "default"}}'
+
+(docs/plugins/vllm.md has every key.)
+
+What moves, and how:
+
+- A *unit* is ``blocks_per_unit`` consecutive vLLM blocks (default: 256
+  tokens, 16 blocks of 16). It is the store's object: one per unit per
+  (PP stage, TP shard), holding that rank's layers, block after block, as
+  the iovec. Hits and saves count in whole units; a prompt's last partial
+  unit is recomputed.
+- The key is ``{tenant/}{hash}.{tag}{.tp r-s}{.pp r-s}``: ``hash`` is the
+  hex of vLLM's chained hash of the unit's LAST block (it covers the whole
+  prefix), ``tag`` 16 hex digits of a digest of the page identity (model,
+  revision, KV dtype, block size, unit size, cache layout, hash algorithm,
+  TP and PP sizes, heads, head sizes, layer count, MLA). The same identity
+  is the pages' ``model_hash``. MLA pages carry no TP part: TP rank 0 of
+  each stage writes them and every TP rank reads them.
+- Scheduler side: :meth:`get_num_new_matched_tokens` answers "not ready"
+  (``None``) while a batch exist over the request's units runs on a
+  background thread, then the leading whole units every shard holds. It
+  never waits on the network; a lookup slower than ``lookup_timeout_ms`` is
+  a miss. Loads are asynchronous (vLLM parks the request in
+  ``WAITING_FOR_REMOTE_KVS``).
+- Worker side: loads run on a background thread straight from the
+  sockets into the paged KV cache (no copy on a CPU cache; a GPU cache
+  stages through pinned host memory); saves run in :meth:`wait_for_save`
+  and are acknowledged before the step ends (vLLM may free and reuse a
+  block as soon as the step is over).
+- A failure of the store is a miss and a recompute: failed blocks are
+  reported to vLLM (``kv_load_failure_policy`` must be ``recompute``; the
+  connector sets it when left at vLLM's default ``fail``) and counted.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import threading
+import time
+import zlib
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Set, Tuple
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorWorkerMetadata,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+
+from kvcellar._misses import Misses
+from kvcellar.client import Client, Geometry, Status
+from kvcellar.config import NAME, ConfigError, identity_hash, resolve
+
+# A child of vLLM's logger: the lines appear in vLLM's log, in its format.
+log = logging.getLogger("vllm.kvcellar")
+
+__all__ = ["KVCellarConnector", "KVCellarStats"]
+
+#: kv_connector_extra_config keys (the cluster keys are the other plugins').
+CLUSTER_KEYS = ("mds", "group", "members", "auth_token_file", "options")
+TIMEOUT_KEYS = ("io_timeout_ms", "connect_timeout_ms")
+OWN_KEYS = CLUSTER_KEYS + TIMEOUT_KEYS + (
+    "model_id", "tenant", "poll_ms", "blocks_per_unit", "lookup_timeout_ms", "host_staging",
+)
+#: The library's per-item limit (README, "C ABI conventions").
+MAX_SEGMENTS = 4096
+UNIT_TOKENS = 256
+
+COUNTERS = (
+    "lookups", "lookup_tokens", "lookup_hit_tokens", "lookup_timeouts", "lookup_errors",
+    "load_units", "load_failed_units", "load_bytes", "save_units", "save_failed_units", "save_bytes",
+)
+
+
+class KVCellarStats(KVConnectorStats):
+    """Counters since the last report, summed over workers (vLLM logs
+    ``reduce()`` with its KV transfer metrics)."""
+
+    def reset(self) -> None:
+        self.data = {}
+
+    def aggregate(self, other: KVConnectorStats) -> "KVCellarStats":
+        for k, v in (other.data or {}).items():
+            self.data[k] = self.data.get(k, 0) + v
+        return self
+
+    def reduce(self) -> Dict[str, int | float]:
+        return {k: self.data.get(k, 0) for k in COUNTERS if self.data.get(k)}
+
+    def is_empty(self) -> bool:
+        return not any(self.data.values())
+
+
+@dataclass
+class _Transfer:
+    """One request's units to load or save in this step."""
+
+    req_id: str
+    keys: List[str]  # base keys, one per unit (no rank suffix)
+    # Per unit, the vLLM block id of each of its blocks; -1 is a block this
+    # load skips (already computed locally): its bytes go to scratch.
+    blocks: List[List[int]]
+
+
+@dataclass
+class KVCellarMetadata(KVConnectorMetadata):
+    loads: List[_Transfer] = field(default_factory=list)
+    saves: List[_Transfer] = field(default_factory=list)
+
+
+@dataclass
+class KVCellarWorkerMeta(KVConnectorWorkerMetadata):
+    """Units this worker stored or found missing in the step (base keys)."""
+
+    stored: Dict[str, int] = field(default_factory=dict)
+    missing: Set[str] = field(default_factory=set)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> "KVCellarWorkerMeta":
+        if isinstance(other, KVCellarWorkerMeta):
+            for k, n in other.stored.items():
+                self.stored[k] = self.stored.get(k, 0) + n
+            self.missing |= other.missing
+        return self
+
+
+@dataclass
+class _ReqState:
+    """The scheduler's view of one request."""
+
+    request: Any
+    lookup: Optional[Future] = None
+    lookup_from: int = -1  # first unit the lookup asked about
+    lookup_started: float = 0.0
+    hit_units: int = 0  # leading units present, from unit 0 (after the lookup)
+    present: Set[int] = field(default_factory=set)  # units known stored
+    saved_units: int = 0  # units [0, saved_units) stored, hit or handed to a save
+    loading: bool = False
+    loads: int = 0  # loads planned for this request (a second one is never offered)
+
+
+def _int_key(cfg: Dict[str, Any], key: str, default: int, where: str, minimum: int = 1) -> int:
+    v = cfg.get(key, default)
+    if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
+        raise ConfigError(f"{where} key '{key}': {v!r} must be an integer >= {minimum}")
+    return v
+
+
+def _dense_runs(sizes: Sequence[int], strides: Sequence[int]) -> List[Tuple[int, int]]:
+    """(element offset, element count) runs covering one block of a layer
+    view, in memory order: the dense innermost dims make one run, the rest
+    are enumerated (a layout with heads outside blocks gives one run per
+    head)."""
+    dims = sorted([(st, sz) for sz, st in zip(sizes, strides) if sz > 1], key=lambda d: -d[0])
+    run = 1
+    while dims and dims[-1][0] == run:
+        run *= dims.pop()[1]
+    if run == 1 and dims:
+        raise ValueError("the KV cache view has no contiguous innermost dimension")
+    offsets = [0]
+    for st, sz in dims:
+        offsets = [o + i * st for o in offsets for i in range(sz)]
+    return [(o, run) for o in offsets]
+
+
+class _LayerSegments:
+    """Where each vLLM block of one layer lives, as raw host segments."""
+
+    def __init__(self, view: Any, block_size: int) -> None:
+        n_tok = int(view.shape[2])
+        if n_tok <= 0 or block_size % n_tok:
+            raise ValueError(f"kernel block of {n_tok} tokens does not divide the {block_size}-token block")
+        self.view = view
+        self.kernel_per_block = block_size // n_tok
+        es = int(view.element_size())
+        self.base = int(view.data_ptr())
+        self.block_stride = int(view.stride(0)) * es
+        runs = _dense_runs(list(view.shape[1:]), list(view.stride()[1:]))
+        self.runs = [(o * es, n * es) for o, n in runs]
+        self.block_bytes = sum(n for _, n in self.runs) * self.kernel_per_block
+        # Memory order of one kernel block (for staging through host memory).
+        order = sorted(range(3), key=lambda d: -int(view.stride(d + 1)))
+        self.phys_order = [d + 1 for d in order]
+
+    def block(self, block_id: int, out_addrs: List[int], out_sizes: List[int]) -> None:
+        for j in range(self.kernel_per_block):
+            base = self.base + (block_id * self.kernel_per_block + j) * self.block_stride
+            for off, n in self.runs:
+                a = base + off
+                if out_addrs and out_addrs[-1] + out_sizes[-1] == a:
+                    out_sizes[-1] += n  # adjacent in memory: one segment
+                else:
+                    out_addrs.append(a)
+                    out_sizes.append(n)
+
+
+class KVCellarConnector(KVConnectorBase_V1):
+    """vLLM KV connector over a kvcellar group (see the module docs)."""
+
+    def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        self._misses = Misses(log)
+        where = "kv_connector_extra_config"
+        cfg = dict(self._kv_transfer_config.kv_connector_extra_config or {})
+        self.settings = resolve({k: cfg.get(k) for k in CLUSTER_KEYS}, where=where)
+        if self.settings.mds is None and self.settings.members is None:
+            raise ConfigError(
+                f"{where}: give 'mds' (kv-mds endpoints) and 'group', or 'members' "
+                "(or set KVCELLAR_MDS / KVCELLAR_MEMBERS)"
+            )
+        for k in TIMEOUT_KEYS:
+            if k in cfg:
+                self.settings.options[k] = str(_int_key(cfg, k, 0, where))
+        self.poll_ms = _int_key(cfg, "poll_ms", 1000, where)
+        self.lookup_timeout_s = _int_key(cfg, "lookup_timeout_ms", 1000, where) / 1000.0
+        mc = vllm_config.model_config
+        cc = vllm_config.cache_config
+        pc = vllm_config.parallel_config
+        self.block_size = int(cc.block_size)
+        self.blocks_per_unit = _int_key(cfg, "blocks_per_unit", max(1, UNIT_TOKENS // self.block_size), where)
+        self.unit_tokens = self.block_size * self.blocks_per_unit
+        staging = cfg.get("host_staging", "auto")
+        if staging not in ("auto", "always"):
+            raise ConfigError(f"{where} key 'host_staging': {staging!r} must be 'auto' or 'always'")
+        self.force_staging = staging == "always"
+        model = cfg.get("model_id") or getattr(mc, "served_model_name", None) or mc.model
+        if isinstance(model, (list, tuple)):
+            model = model[0] if model else None
+        if not model or not isinstance(model, str):
+            raise ConfigError(f"{where} key 'model_id': vLLM gave no model name, so set 'model_id'")
+        self.model = model
+        tenant = cfg.get("tenant")
+        if tenant is not None and (not isinstance(tenant, str) or not NAME.match(tenant)):
+            raise ConfigError(f"{where} key 'tenant': {tenant!r} must be 1-64 of A-Z a-z 0-9 . _ -")
+        self.prefix = f"{tenant}/" if tenant else ""
+        unknown = sorted(set(cfg) - set(OWN_KEYS))
+        if unknown:
+            log.warning("kvcellar: ignoring unknown kv_connector_extra_config keys %s", unknown)
+
+        self.tp_size = int(getattr(pc, "tensor_parallel_size", 1) or 1)
+        self.pp_size = int(getattr(pc, "pipeline_parallel_size", 1) or 1)
+        self.mla = bool(getattr(mc, "use_mla", False))
+        self.active, why = self._supported(vllm_config, kv_cache_config)
+        if not self.active:
+            log.warning("kvcellar: the vLLM connector is off for this model: %s; vLLM serves without it", why)
+        self._check_hash_seed(cc)
+        if self._kv_transfer_config.kv_load_failure_policy == "fail":
+            # A cache whose failed load fails the request is worse than none.
+            log.warning(
+                "kvcellar: kv_load_failure_policy was 'fail'; set to 'recompute' "
+                "(a failed load from the cache is recomputed, never a failed request)"
+            )
+            self._kv_transfer_config.kv_load_failure_policy = "recompute"
+
+        self.identity = self._identity(vllm_config, kv_cache_config)
+        self.tag = hashlib.sha256(json.dumps(self.identity, sort_keys=True).encode()).hexdigest()[:16]
+        self.model_hash = identity_hash("kvcellar-vllm/v1", self.identity)
+        spec = self._spec(kv_cache_config)
+        self.geometry = Geometry(
+            model_hash=self.model_hash,
+            page_size=self.unit_tokens & 0xFFFFFFFF,
+            dtype_tag=zlib.crc32(str(self.identity.get("dtype")).encode()),
+            layer_num=int(self.identity.get("layers") or 0) & 0xFFFF,
+            head_num=(1 if self.mla else int(getattr(spec, "num_kv_heads", 0) or 0)) & 0xFFFF,
+            head_dim=int(getattr(spec, "head_size", 0) or 0) & 0xFFFF,
+            mla=self.mla,
+        )
+        self._stats_lock = threading.Lock()
+        self._stats: Dict[str, int] = {}
+        self._since: Dict[str, int] = {}  # since the last get_kv_connector_stats
+        self._lock = threading.Lock()
+        self._closed = False
+        self._client: Optional[Client] = None
+        if self.active:
+            # Options, members and the auth token are checked now.
+            self._client = Client(settings=self.settings, geometry=self.geometry, poll_ms=self.poll_ms)
+        # Scheduler side.
+        self._reqs: Dict[str, _ReqState] = {}
+        self._pending_loads: List[_Transfer] = []
+        self._events: List[Any] = []
+        self._want_events = bool(
+            getattr(getattr(vllm_config, "kv_events_config", None), "enable_kv_cache_events", False)
+        )
+        self._lookups = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvcellar-lookup")
+        # Worker side.
+        self._layers: List[_LayerSegments] = []
+        self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvcellar-load")
+        self._done_loads: Set[str] = set()
+        self._load_errors: Set[int] = set()
+        self._worker_meta = KVCellarWorkerMeta()
+        self._scratch: Any = None
+        self._staging = False
+        self.tp_rank, self.pp_rank = 0, 0
+        log.info(
+            "kvcellar vLLM connector (%s): %s, group %s, model %s, unit %d blocks of %d tokens, tag %s%s",
+            role.name.lower(),
+            f"mds {','.join(self.settings.mds)}" if self.settings.mds else f"members {self.settings.members}",
+            self.settings.group, self.model, self.blocks_per_unit, self.block_size, self.tag,
+            "" if self.active else " (off)",
+        )
+
+    # -- set-up ---------------------------------------------------------------------
+
+    @staticmethod
+    def _spec(kv_cache_config: Any) -> Any:
+        groups = getattr(kv_cache_config, "kv_cache_groups", None) or []
+        return groups[0].kv_cache_spec if groups else None
+
+    def _supported(self, vllm_config: Any, kv_cache_config: Any) -> Tuple[bool, str]:
+        """Attention KV in one cache group: MHA/GQA and MLA. Not: hybrid
+        groups (Mamba, sliding-window groups kept apart), context parallel."""
+        groups = getattr(kv_cache_config, "kv_cache_groups", None) or []
+        if len(groups) != 1:
+            return False, f"{len(groups)} KV cache groups (hybrid models are not covered)"
+        spec = groups[0].kv_cache_spec
+        kind = type(spec).__name__
+        if kind not in ("FullAttentionSpec", "MLAAttentionSpec"):
+            return False, f"its KV cache is {kind} (only full attention and MLA are covered)"
+        if getattr(spec, "sliding_window", None) or getattr(spec, "attention_chunk_size", None):
+            return False, "sliding-window or chunked attention"
+        pc = vllm_config.parallel_config
+        for name in ("decode_context_parallel_size", "prefill_context_parallel_size"):
+            if int(getattr(pc, name, 1) or 1) > 1:
+                return False, f"{name} > 1 (context-parallel KV shards are not covered)"
+        return True, ""
+
+    @staticmethod
+    def _check_hash_seed(cc: Any) -> None:
+        """Refuses a per-process random block-hash seed: no other instance,
+        nor this one after a restart, could ever hit; every save would be
+        write traffic for nothing."""
+        algo = str(getattr(cc, "prefix_caching_hash_algo", "sha256"))
+        if algo.startswith("xxhash") and os.environ.get("PYTHONHASHSEED") is None:
+            raise ConfigError(
+                f"prefix_caching_hash_algo={algo} seeds block hashes randomly per process unless "
+                "PYTHONHASHSEED is set: set PYTHONHASHSEED (the same value on every vLLM instance "
+                "sharing the cache) or use the default sha256"
+            )
+
+    def _identity(self, vllm_config: Any, kv_cache_config: Any) -> Dict[str, Any]:
+        mc, cc = vllm_config.model_config, vllm_config.cache_config
+        spec = self._spec(kv_cache_config)
+        try:
+            layers = int(mc.get_total_num_hidden_layers())
+        except Exception:  # noqa: BLE001 - older or odd configs
+            layers = int(getattr(mc.hf_text_config, "num_hidden_layers", 0) or 0)
+        layout = getattr(kv_cache_config, "kv_cache_layout", None) or getattr(cc, "kv_cache_layout", None)
+        return {
+            "model": self.model,
+            "revision": getattr(mc, "revision", None),
+            "dtype": str(getattr(spec, "dtype", None) or mc.dtype),
+            "cache_dtype": str(cc.cache_dtype),
+            "block_size": self.block_size,
+            "blocks_per_unit": self.blocks_per_unit,
+            "layout": str(layout),
+            "hash": str(getattr(cc, "prefix_caching_hash_algo", "")),
+            # MLA's latent is the same on every TP rank: TP splits share it.
+            "tp_size": 1 if self.mla else self.tp_size,
+            "pp_size": self.pp_size,
+            "spec": type(spec).__name__,
+            "kv_heads": getattr(spec, "num_kv_heads", None),
+            "head_size": getattr(spec, "head_size", None),
+            "head_size_v": getattr(spec, "head_size_v", None),
+            "layers": layers,
+            "mla": self.mla,
+        }
+
+    def counters(self) -> Dict[str, int]:
+        """This side's counters since it started."""
+        with self._stats_lock:
+            return {k: self._stats.get(k, 0) for k in COUNTERS}
+
+    def _count(self, **inc: int) -> None:
+        with self._stats_lock:
+            for k, v in inc.items():
+                self._stats[k] = self._stats.get(k, 0) + v
+                self._since[k] = self._since.get(k, 0) + v
+
+    # -- keys --------------------------------------------------------------------------
+
+    def _base_key(self, block_hash: bytes) -> str:
+        return f"{self.prefix}{bytes(block_hash).hex()}.{self.tag}"
+
+    def _shard_suffixes(self) -> List[str]:
+        """Every shard's key suffix (what a whole hit needs)."""
+        pp = [f".pp{r}-{self.pp_size}" if self.pp_size > 1 else "" for r in range(self.pp_size)]
+        if self.mla or self.tp_size == 1:
+            tp = [""]
+        else:
+            tp = [f".tp{r}-{self.tp_size}" for r in range(self.tp_size)]
+        return [t + p for p in pp for t in tp]
+
+    def _my_suffix(self) -> str:
+        tp = "" if self.mla or self.tp_size == 1 else f".tp{self.tp_rank}-{self.tp_size}"
+        pp = f".pp{self.pp_rank}-{self.pp_size}" if self.pp_size > 1 else ""
+        return tp + pp
+
+    def _unit_keys(self, request: Any, first: int, last: int) -> List[str]:
+        hashes = request.block_hashes
+        u = self.blocks_per_unit
+        return [self._base_key(hashes[(i + 1) * u - 1]) for i in range(first, last)]
+
+    # ==================================================================================
+    # Scheduler side
+    # ==================================================================================
+
+    def _lookup(self, keys: List[str]) -> List[bool]:
+        """Per unit: whether every shard holds it (one batch exist)."""
+        c = self._client
+        if c is None or not keys:
+            return [False] * len(keys)
+        sfx = self._shard_suffixes()
+        st = c.batch_exist([k + s for k in keys for s in sfx])
+        n = len(sfx)
+        return [all(x is Status.OK for x in st[i * n : (i + 1) * n]) for i in range(len(keys))]
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> Tuple[Optional[int], bool]:
+        if not self.active or self._closed:
+            return 0, False
+        rid = request.request_id
+        st = self._reqs.get(rid)
+        if st is None:
+            st = self._reqs[rid] = _ReqState(request)
+        st.request = request
+        if st.loads:
+            # Asked again after a load (it failed, or the request was
+            # preempted): recompute rather than risk a loop of failing loads.
+            return 0, False
+        prompt = int(getattr(request, "num_prompt_tokens", request.num_tokens))
+        n_units = min(len(request.block_hashes) * self.block_size, prompt) // self.unit_tokens
+        first = num_computed_tokens // self.unit_tokens
+        if first >= n_units:
+            return 0, False
+        if st.lookup is None or st.lookup_from != first:
+            keys = self._unit_keys(request, first, n_units)
+            st.lookup_from, st.lookup_started = first, time.monotonic()
+            st.lookup = self._lookups.submit(self._misses.run, "lookup", None, lambda: self._lookup(keys))
+            self._count(lookups=1, lookup_tokens=(n_units - first) * self.unit_tokens)
+        if not st.lookup.done():
+            if time.monotonic() - st.lookup_started < self.lookup_timeout_s:
+                return None, False  # not ready: vLLM asks again next step
+            self._count(lookup_timeouts=1)
+            return 0, False  # too slow: a miss (the answer may still come, for saves)
+        found = st.lookup.result()
+        if found is None:
+            self._count(lookup_errors=1)
+            found = []
+        lead = next((i for i, ok in enumerate(found) if not ok), len(found))
+        st.present = {first + i for i, ok in enumerate(found) if ok}
+        st.hit_units = first + lead
+        matched = st.hit_units * self.unit_tokens - num_computed_tokens
+        return (matched, True) if matched > 0 else (0, False)
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        st = self._reqs.get(request.request_id)
+        if st is None:
+            return
+        if num_external_tokens <= 0:
+            st.saved_units = max(st.saved_units, 0)
+            return
+        # The load covers [start, start + num_external_tokens): start is what
+        # vLLM computed locally (block-aligned), the end a unit boundary.
+        end = st.hit_units * self.unit_tokens
+        start = end - num_external_tokens
+        block_ids = list(blocks.get_block_ids()[0])
+        first_u, last_u = start // self.unit_tokens, end // self.unit_tokens
+        keys = self._unit_keys(request, first_u, last_u)
+        first_block = start // self.block_size
+        per_unit: List[List[int]] = []
+        for u in range(first_u, last_u):
+            b0 = u * self.blocks_per_unit
+            per_unit.append(
+                [block_ids[b] if b >= first_block else -1 for b in range(b0, b0 + self.blocks_per_unit)]
+            )
+        self._pending_loads.append(_Transfer(request.request_id, keys, per_unit))
+        st.saved_units = max(st.saved_units, st.hit_units)
+        st.loading = True
+        st.loads += 1
+        self._count(lookup_hit_tokens=num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
+        meta = KVCellarMetadata(loads=self._pending_loads)
+        self._pending_loads = []
+        if not self.active:
+            return meta
+        for rid, n_sched in scheduler_output.num_scheduled_tokens.items():
+            st = self._reqs.get(rid)
+            if st is None:
+                continue
+            req = st.request
+            done = int(req.num_computed_tokens) + int(n_sched)
+            prompt = int(getattr(req, "num_prompt_tokens", req.num_tokens))
+            full = min(done, prompt, len(req.block_hashes) * self.block_size) // self.unit_tokens
+            if full <= st.saved_units:
+                continue
+            units = [u for u in range(st.saved_units, full) if u not in st.present]
+            st.saved_units = full
+            if not units or self._kv_cache_manager is None:
+                continue
+            block_ids = list(self._kv_cache_manager.get_block_ids(rid)[0])
+            u_b = self.blocks_per_unit
+            if len(block_ids) < full * u_b:
+                continue
+            hashes = req.block_hashes
+            meta.saves.append(
+                _Transfer(
+                    rid,
+                    [self._base_key(hashes[(u + 1) * u_b - 1]) for u in units],
+                    [block_ids[u * u_b : (u + 1) * u_b] for u in units],
+                )
+            )
+        return meta
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        for rid in connector_output.finished_recving or ():
+            st = self._reqs.get(rid)
+            if st is not None:
+                st.loading = False
+        wm = getattr(connector_output, "kv_connector_worker_meta", None)
+        if self._want_events and isinstance(wm, KVCellarWorkerMeta):
+            self._note_events(wm)
+
+    def _note_events(self, wm: KVCellarWorkerMeta) -> None:
+        try:
+            from vllm.distributed.kv_events import BlockRemoved, BlockStored
+        except ImportError:  # pragma: no cover - vLLM without events
+            return
+        writers = self.pp_size * (1 if self.mla else self.tp_size)
+        for key, n in wm.stored.items():
+            if n >= writers and key not in wm.missing:
+                h = bytes.fromhex(key[len(self.prefix):].split(".", 1)[0])
+                self._events.append(
+                    BlockStored(block_hashes=[h], parent_block_hash=None, token_ids=[],
+                                block_size=self.unit_tokens, lora_id=None, medium="kvcellar", lora_name=None)
+                )
+        for key in wm.missing:
+            h = bytes.fromhex(key[len(self.prefix):].split(".", 1)[0])
+            self._events.append(BlockRemoved(block_hashes=[h], medium="kvcellar"))
+
+    def request_finished(self, request: Any, block_ids: List[int]) -> Tuple[bool, Optional[Dict[str, Any]]]:
+        st = self._reqs.pop(request.request_id, None)
+        # A request whose load still runs keeps its blocks until the workers
+        # report the load finished (vLLM frees them then).
+        return (bool(st is not None and st.loading), None)
+
+    def take_events(self) -> Iterable[Any]:
+        ev, self._events = self._events, []
+        return ev
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: Optional[Dict[str, Any]] = None) -> KVConnectorStats:
+        return KVCellarStats(data=dict(data or {}))
+
+    # ==================================================================================
+    # Worker side
+    # ==================================================================================
+
+    def register_kv_caches(self, kv_caches: Dict[str, Any]) -> None:
+        try:
+            from vllm.distributed import parallel_state as ps
+
+            if ps.model_parallel_is_initialized():
+                self.tp_rank = ps.get_tensor_model_parallel_rank()
+                self.pp_rank = ps.get_pp_group().rank_in_group
+        except Exception as e:  # noqa: BLE001 - no distributed state (single process)
+            log.debug("kvcellar: no vLLM parallel state (%s): rank 0", e)
+        if not self.active:
+            return
+        groups = getattr(self._kv_cache_config, "kv_cache_groups", None) or []
+        order = list(groups[0].layer_names) if groups else []
+        names = [n for n in order if n in kv_caches] + sorted(n for n in kv_caches if n not in order)
+        seen: Set[Tuple[int, Tuple[int, ...]]] = set()
+        layers: List[_LayerSegments] = []
+        for name in names:
+            v = kv_caches[name]
+            if isinstance(v, (list, tuple)) or getattr(v, "dim", lambda: 0)() != 4:
+                self.active = False
+                log.warning("kvcellar: layer %s has no [blocks, heads, tokens, content] view; connector off", name)
+                return
+            ident = (int(v.data_ptr()), tuple(int(s) for s in v.stride()))
+            if ident in seen:
+                continue  # a layer sharing another's cache
+            seen.add(ident)
+            layers.append(_LayerSegments(v, self.block_size))
+        self._layers = layers
+        self._staging = self.force_staging or any(lay.view.device.type != "cpu" for lay in layers)
+        per_unit = self._segment_count()
+        if not self._staging and per_unit > MAX_SEGMENTS:
+            raise ConfigError(
+                f"kv_connector_extra_config key 'blocks_per_unit': a unit would be {per_unit} segments "
+                f"(more than {MAX_SEGMENTS}); lower it"
+            )
+        scratch = max((lay.block_bytes for lay in layers), default=0)
+        import torch
+
+        self._scratch = torch.empty(max(scratch, 1), dtype=torch.uint8)
+        if not self._staging and self._client is not None:
+            for lay in layers:
+                st = lay.view.untyped_storage()
+                self._misses.run("register memory", None,
+                                 lambda st=st: self._client.register_memory((int(st.data_ptr()), int(st.nbytes()))))
+        log.info(
+            "kvcellar: %d KV layers registered (rank tp %d/%d pp %d/%d), %d bytes per unit%s",
+            len(layers), self.tp_rank, self.tp_size, self.pp_rank, self.pp_size, self.unit_bytes(),
+            ", staged through host memory" if self._staging else "",
+        )
+
+    def unit_bytes(self) -> int:
+        return sum(lay.block_bytes for lay in self._layers) * self.blocks_per_unit
+
+    def _segment_count(self) -> int:
+        addrs: List[int] = []
+        sizes: List[int] = []
+        self._unit_segments([0] * self.blocks_per_unit, addrs, sizes)
+        return len(addrs)
+
+    def _unit_segments(self, blocks: Sequence[int], addrs: List[int], sizes: List[int]) -> None:
+        """One unit's segments: layer by layer, its blocks in order; a
+        skipped block (-1) reads into scratch."""
+        scratch = int(self._scratch.data_ptr()) if self._scratch is not None else 0
+        for lay in self._layers:
+            for b in blocks:
+                if b < 0:
+                    addrs.append(scratch)
+                    sizes.append(lay.block_bytes)
+                else:
+                    lay.block(b, addrs, sizes)
+
+    # -- staging (a cache in device memory) ------------------------------------------------
+
+    def _kernel_ids(self, lay: _LayerSegments, blocks: Sequence[int]) -> List[int]:
+        k = lay.kernel_per_block
+        return [b * k + j for b in blocks for j in range(k)]
+
+    def _stage_out(self, blocks: Sequence[int]) -> Any:
+        """A unit's bytes copied into one host buffer (pinned when a GPU is
+        there), in the same byte order as the zero-copy path."""
+        import torch
+
+        parts = []
+        for lay in self._layers:
+            idx = torch.tensor(self._kernel_ids(lay, blocks), device=lay.view.device)
+            sel = lay.view.index_select(0, idx).permute(0, *lay.phys_order).contiguous()
+            parts.append(sel.reshape(-1).view(torch.uint8).cpu())
+        buf = torch.cat(parts)
+        return buf.pin_memory() if torch.cuda.is_available() else buf
+
+    def _stage_buffer(self) -> Any:
+        import torch
+
+        return torch.empty(self.unit_bytes(), dtype=torch.uint8, pin_memory=torch.cuda.is_available())
+
+    def _stage_in(self, buf: Any, blocks: Sequence[int]) -> None:
+        import torch
+
+        at = 0
+        for lay in self._layers:
+            n = lay.block_bytes // lay.kernel_per_block
+            for i, b in enumerate(blocks):
+                for j in range(lay.kernel_per_block):
+                    if b >= 0:
+                        dst = lay.view[b * lay.kernel_per_block + j].permute(*[d - 1 for d in lay.phys_order])
+                        src = buf[at : at + n].view(lay.view.dtype).reshape(dst.shape)
+                        dst.copy_(src.to(lay.view.device, non_blocking=False))
+                    at += n
+        if torch.cuda.is_available():
+            torch.cuda.current_stream().synchronize()
+
+    # -- loads -------------------------------------------------------------------------
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        if not self.has_connector_metadata():
+            return
+        meta = self._get_connector_metadata()
+        if not isinstance(meta, KVCellarMetadata):
+            return
+        for t in meta.loads:
+            self._io.submit(self._load, t)
+
+    def _load(self, t: _Transfer) -> None:
+        """Runs on the load thread: every unit of one request; failed units'
+        blocks are reported, and the request is always reported finished."""
+        keys = [k + self._my_suffix() for k in t.keys]
+        ok = [False] * len(keys)
+        missing: Set[str] = set()
+        c = self._client
+        try:
+            if c is not None and self._layers:
+                if self._staging:
+                    for i, (k, blocks) in enumerate(zip(keys, t.blocks)):
+                        buf = self._stage_buffer()
+                        r = c.get(k, buf)
+                        ok[i] = r.status is Status.OK and r.length == buf.numel()
+                        if ok[i]:
+                            self._stage_in(buf, blocks)
+                        elif r.status is Status.MISS:
+                            missing.add(t.keys[i])
+                else:
+                    addrs: List[int] = []
+                    sizes: List[int] = []
+                    for blocks in t.blocks:
+                        self._unit_segments(blocks, addrs, sizes)
+                    per = len(addrs) // max(1, len(keys))
+                    want = self.unit_bytes()
+                    res = c.batch_getv_raw(keys, addrs, sizes, per)
+                    for i, r in enumerate(res):
+                        ok[i] = r.status is Status.OK and r.length == want
+                        if r.status is Status.MISS:
+                            missing.add(t.keys[i])
+        except Exception as e:  # noqa: BLE001 - a failed load is a recompute
+            self._misses.error("load", e)
+        bad = [b for good, blocks in zip(ok, t.blocks) if not good for b in blocks if b >= 0]
+        self._count(load_units=sum(ok), load_failed_units=len(ok) - sum(ok),
+                    load_bytes=sum(ok) * self.unit_bytes())
+        with self._lock:
+            self._load_errors.update(bad)
+            self._done_loads.add(t.req_id)
+            self._worker_meta.missing |= missing
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return
+
+    def get_finished(self, finished_req_ids: Set[str]) -> Tuple[Optional[Set[str]], Optional[Set[str]]]:
+        with self._lock:
+            done, self._done_loads = self._done_loads, set()
+        return None, (done or None)
+
+    def get_block_ids_with_load_errors(self) -> Set[int]:
+        with self._lock:
+            bad, self._load_errors = self._load_errors, set()
+        return bad
+
+    # -- saves -------------------------------------------------------------------------
+
+    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
+        return  # whole units are saved in wait_for_save
+
+    def _writer(self) -> bool:
+        return not self.mla or self.tp_rank == 0
+
+    def wait_for_save(self) -> None:
+        if not self.has_connector_metadata() or not self._writer():
+            return
+        meta = self._get_connector_metadata()
+        if not isinstance(meta, KVCellarMetadata) or not meta.saves or not self._layers:
+            return
+        c = self._client
+        if c is None:
+            return
+        base = [k for t in meta.saves for k in t.keys]
+        blocks = [b for t in meta.saves for b in t.blocks]
+        keys = [k + self._my_suffix() for k in base]
+
+        def run() -> List[Status]:
+            if self._staging:
+                return [c.put(k, self._stage_out(b)) for k, b in zip(keys, blocks)]
+            addrs: List[int] = []
+            sizes: List[int] = []
+            for b in blocks:
+                self._unit_segments(b, addrs, sizes)
+            return c.batch_putv_raw(keys, addrs, sizes, len(addrs) // len(keys))
+
+        st = self._misses.run("save", [Status.UNAVAILABLE] * len(keys), run)
+        good = [k for k, s in zip(base, st) if s is Status.OK]
+        self._count(save_units=len(good), save_failed_units=len(keys) - len(good),
+                    save_bytes=len(good) * self.unit_bytes())
+        with self._lock:
+            for k in good:
+                self._worker_meta.stored[k] = self._worker_meta.stored.get(k, 0) + 1
+
+    def build_connector_worker_meta(self) -> Optional[KVConnectorWorkerMetadata]:
+        with self._lock:
+            wm, self._worker_meta = self._worker_meta, KVCellarWorkerMeta()
+        return wm if (wm.stored or wm.missing) else None
+
+    def get_kv_connector_stats(self) -> Optional[KVConnectorStats]:
+        with self._stats_lock:
+            since, self._since = self._since, {}
+        return KVCellarStats(data=since) if any(since.values()) else None
+
+    # -- lifecycle -----------------------------------------------------------------------
+
+    def shutdown(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            c, self._client = self._client, None
+        self._lookups.shutdown(wait=True, cancel_futures=True)
+        self._io.shutdown(wait=True)
+        if c is not None:
+            c.close()
+        log.info("kvcellar: connector closed; counters %s", self.counters())

@@ -1,0 +1,393 @@
+"""kvcellar.vllm against vLLM 0.33's REAL classes on CPU (vllm_engine.py
+says what is real and what is stood in), with real kv-server nodes."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+
+import pytest
+
+pytest.importorskip("vllm", reason="vLLM is not installed (scripts/test-engines.sh vllm runs these)")
+
+from vllm_engine import Engine, model_dir, vllm_config  # noqa: E402
+
+from kvcellar import Client  # noqa: E402
+from kvcellar.config import ConfigError  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+UNIT = 256  # tokens per unit by default (16 blocks of 16)
+
+
+@pytest.fixture(scope="module")
+def models():
+    with tempfile.TemporaryDirectory(prefix="kvcellar-vllm-") as d:
+        yield d
+
+
+def prompt(seed: int, n: int, shared: int = 0):
+    """n tokens: the first ``shared`` common to every seed."""
+    return [7 + (i % 50) for i in range(shared)] + [(seed * 131 + i * 17) % 900 + 1 for i in range(n - shared)]
+
+
+def engine(models, members, **kw):
+    extra = {"members": members, **kw.pop("extra", {})}
+    mk = {k: kw.pop(k) for k in ("layers", "kv_heads", "head_dim", "name") if k in kw}
+    return Engine(vllm_config(model_dir(models, **mk), extra, **kw))
+
+
+def lookup(e: Engine, tokens, timeout_s: float = 10.0) -> int:
+    """The scheduler connector's final answer for a fresh request."""
+    import time
+
+    req = e.request(tokens)
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        n, is_async = e.conn.get_num_new_matched_tokens(req, 0)
+        if n is not None:
+            assert is_async == (n > 0)
+            return n
+        time.sleep(0.005)
+    raise TimeoutError("no answer")
+
+
+def test_factory_round_trip_byte_for_byte(cluster, models):
+    from kvcellar.vllm import KVCellarConnector
+
+    w = engine(models, cluster.members)
+    r = engine(models, cluster.members)
+    try:
+        assert isinstance(w.conn, KVCellarConnector) and isinstance(w.worker, KVCellarConnector)
+        p = prompt(1, 2 * UNIT + 100)
+        w.serve([p])
+        assert w.worker.counters()["save_units"] == 2
+        # The other instance: "not ready" first, then two whole units, loaded
+        # asynchronously, every byte as the writer computed it.
+        req = r.request(p)
+        first = r.conn.get_num_new_matched_tokens(req, 0)
+        assert first == (None, False)
+        r.add(req)
+        r.run()
+        assert r.loaded[req.request_id] == 2 * UNIT
+        assert r.checked[req.request_id] is True
+        assert r.worker.counters()["load_units"] == 2
+        assert r.worker.counters()["load_failed_units"] == 0
+        assert req.request_id in r.finished
+        # Already stored: the reader does not write the hit units again.
+        assert r.worker.counters()["save_units"] == 0
+    finally:
+        w.close()
+        r.close()
+
+
+def test_leading_whole_units_only(cluster, models):
+    w = engine(models, cluster.members)
+    r = engine(models, cluster.members)
+    try:
+        w.serve([prompt(2, 3 * UNIT)])
+        assert lookup(r, prompt(2, 3 * UNIT) + [5] * 40) == 3 * UNIT
+        # A prefix of 300 common tokens: one whole unit, not 300.
+        assert lookup(r, prompt(2, UNIT + 44) + prompt(99, 400)) == UNIT
+        # Shorter than a unit: nothing.
+        assert lookup(r, prompt(2, UNIT - 1)) == 0
+        # A different first token: no unit.
+        assert lookup(r, [3] + prompt(2, 3 * UNIT)[1:]) == 0
+    finally:
+        w.close()
+        r.close()
+
+
+def test_another_model_block_size_or_split_misses(cluster, models):
+    w = engine(models, cluster.members)
+    p = prompt(3, 2 * UNIT + 1)
+    try:
+        w.serve([p])
+        others = [
+            engine(models, cluster.members),  # control: the same identity hits
+            engine(models, cluster.members, layers=4),
+            engine(models, cluster.members, kv_heads=4),
+            engine(models, cluster.members, name="other-model"),
+            engine(models, cluster.members, block_size=32),
+            engine(models, cluster.members, tp=2),
+            engine(models, cluster.members, layout="LBHNC"),
+            engine(models, cluster.members, extra={"blocks_per_unit": 8}),
+            engine(models, cluster.members, extra={"tenant": "team-b"}),
+        ]
+        try:
+            got = [lookup(e, p) for e in others]
+        finally:
+            for e in others:
+                e.close()
+        assert got == [2 * UNIT] + [0] * 8
+    finally:
+        w.close()
+
+
+def test_many_requests_in_flight(cluster, models):
+    w = engine(models, cluster.members)
+    r = engine(models, cluster.members)
+    try:
+        shared = 2 * UNIT
+        prompts = [prompt(100 + i, shared + 50 + i * 7, shared=shared) for i in range(24)]
+        w.serve(prompts[:1])
+        reqs = r.serve(prompts)
+        assert sorted(r.finished) == sorted(q.request_id for q in reqs)
+        hits = [r.loaded.get(q.request_id, 0) for q in reqs]
+        # Every request that did not find the prefix in vLLM's own cache
+        # loaded it from kvcellar; every load is byte for byte.
+        assert sum(1 for h in hits if h == shared) >= 1
+        assert all(r.checked.values()), r.checked
+        assert r.worker.counters()["load_failed_units"] == 0
+    finally:
+        w.close()
+        r.close()
+
+
+def test_host_staging_path_round_trips(cluster, models):
+    w = engine(models, cluster.members, extra={"host_staging": "always"})
+    r = engine(models, cluster.members)  # zero copy: the same bytes either way
+    r2 = engine(models, cluster.members, extra={"host_staging": "always"})
+    try:
+        p = prompt(4, 2 * UNIT + 3)
+        w.serve([p])
+        for e in (r, r2):
+            req = e.serve([p])[0]
+            assert e.loaded[req.request_id] == 2 * UNIT and e.checked[req.request_id]
+    finally:
+        for e in (w, r, r2):
+            e.close()
+
+
+def test_a_killed_node_gives_misses_and_recomputes(models):
+    from conftest import Cluster
+
+    c = Cluster(3)
+    w = r = None
+    try:
+        w = engine(models, c.members, extra={"io_timeout_ms": 2000, "connect_timeout_ms": 500})
+        r = engine(models, c.members, extra={"io_timeout_ms": 2000, "connect_timeout_ms": 500})
+        p = prompt(5, 6 * UNIT)
+        w.serve([p])
+        req = r.add(r.request(p))
+        planned = []
+
+        def kill_before_the_load(out):
+            # The scheduler planned the load: two nodes die before the worker runs it.
+            if out.kv_connector_metadata.loads and not planned:
+                planned.append(sum(len(t.keys) for t in out.kv_connector_metadata.loads))
+                c.nodes[0].kill()
+                c.nodes[1].kill()
+
+        for _ in range(2000):
+            if planned:
+                break
+            r.step(kill_before_the_load)
+        assert planned == [6], "the lookup did not hit every unit"
+        r.run()
+        assert req.request_id in r.finished  # recomputed, not failed
+        cnt = r.worker.counters()
+        assert cnt["load_failed_units"] > 0
+        # Later lookups see only what the live node holds.
+        assert lookup(r, p) < 6 * UNIT
+    finally:
+        for e in (w, r):
+            if e is not None:
+                e.close()
+        c.stop()
+
+
+def test_cluster_down_is_a_miss_not_a_failure(models):
+    import socket
+
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    e = engine(models, f"gone=127.0.0.1:{port}", extra={"connect_timeout_ms": 300})
+    try:
+        req = e.serve([prompt(6, 2 * UNIT)])[0]
+        assert req.request_id in e.finished
+        cnt = e.worker.counters()
+        assert cnt["save_failed_units"] == 2 and cnt["save_units"] == 0
+        assert e.conn.counters()["lookups"] == 1
+    finally:
+        e.close()
+
+
+def test_events_report_stored_units(cluster, models):
+    e = engine(models, cluster.members, events=True)
+    taken = []
+    take = e.conn.take_events
+
+    def spy():  # the scheduler takes them every step and publishes them
+        ev = list(take())
+        taken.extend(ev)
+        return ev
+
+    e.conn.take_events = spy
+    try:
+        p = prompt(7, 2 * UNIT + 5)
+        req = e.serve([p])[0]
+        stored = [x for x in taken if type(x).__name__ == "BlockStored"]
+        assert len(stored) == 2 and all(x.block_size == UNIT for x in stored)
+        assert [x.block_hashes[0] for x in stored] == [req.block_hashes[15], req.block_hashes[31]]
+    finally:
+        e.close()
+
+
+def _scheduler_connector(vc):
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm_engine import kv_cache_config
+
+    return KVConnectorFactory.create_connector(config=vc, role=KVConnectorRole.SCHEDULER,
+                                               kv_cache_config=kv_cache_config(vc))
+
+
+def test_decline_and_refuse(cluster, models, monkeypatch):
+    # A random per-process hash seed: refused at construction.
+    monkeypatch.delenv("PYTHONHASHSEED", raising=False)
+    with pytest.raises(ConfigError, match="PYTHONHASHSEED"):
+        _scheduler_connector(vllm_config(model_dir(models), {"members": cluster.members}, hash_algo="xxhash"))
+    monkeypatch.setenv("PYTHONHASHSEED", "7")
+    _scheduler_connector(vllm_config(model_dir(models), {"members": cluster.members}, hash_algo="xxhash")).shutdown()
+    # Bad keys name themselves.
+    with pytest.raises(ConfigError, match="blocks_per_unit"):
+        engine(models, cluster.members, extra={"blocks_per_unit": 0})
+    with pytest.raises(ConfigError, match="host_staging"):
+        engine(models, cluster.members, extra={"host_staging": "sometimes"})
+
+
+def test_hybrid_models_are_declined(cluster, models):
+    import torch
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, SlidingWindowSpec
+
+    vc = vllm_config(model_dir(models), {"members": cluster.members})
+    kc = KVCacheConfig(num_blocks=16, kv_cache_tensors=[], kv_cache_groups=[
+        KVCacheGroupSpec(["a"], FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=32, dtype=torch.float16)),
+        KVCacheGroupSpec(["b"], SlidingWindowSpec(block_size=16, num_kv_heads=2, head_size=32,
+                                                  dtype=torch.float16, sliding_window=64)),
+    ])
+    c = KVConnectorFactory.create_connector(config=vc, role=KVConnectorRole.SCHEDULER, kv_cache_config=kc)
+    try:
+        assert c.active is False
+        e = Engine(vllm_config(model_dir(models), {"members": cluster.members}))
+        try:
+            req = e.request(prompt(8, 600))
+        finally:
+            e.close()
+        assert c.get_num_new_matched_tokens(req, 0) == (0, False)
+    finally:
+        c.shutdown()
+
+
+def test_load_failure_policy_becomes_recompute(cluster, models):
+    e = engine(models, cluster.members)
+    try:
+        assert e.vc.kv_transfer_config.kv_load_failure_policy == "recompute"
+        assert e.sched.recompute_kv_load_failures is True
+    finally:
+        e.close()
+
+
+SEED_SCRIPT = r"""
+import sys
+sys.path.insert(0, sys.argv[1])
+from vllm_engine import Engine, model_dir, vllm_config
+import time
+mode, members, root = sys.argv[2], sys.argv[3], sys.argv[4]
+e = Engine(vllm_config(model_dir(root), {"members": members}))
+p = [(i * 37) % 900 + 1 for i in range(600)]
+if mode == "write":
+    e.serve([p])
+    print("saved", e.worker.counters()["save_units"])
+else:
+    req = e.request(p)
+    end = time.monotonic() + 20
+    while True:
+        n, _ = e.conn.get_num_new_matched_tokens(req, 0)
+        if n is not None or time.monotonic() > end:
+            break
+        time.sleep(0.005)
+    print("hit", n)
+e.close()
+"""
+
+
+def _seeded(mode: str, seed: str, members: str, root: str) -> str:
+    env = dict(os.environ, PYTHONHASHSEED=seed)
+    out = subprocess.run([sys.executable, "-c", SEED_SCRIPT, HERE, mode, members, root], env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out.stdout.strip().splitlines()[-1]
+
+
+def test_processes_share_hits_only_with_the_same_hash_seed(cluster, models):
+    assert _seeded("write", "1234", cluster.members, models) == "saved 2"
+    assert _seeded("read", "1234", cluster.members, models) == "hit 512"
+    assert _seeded("read", "4321", cluster.members, models) == "hit 0"
+
+
+def test_client_sees_the_connector_pages(cluster, models):
+    """The keys are documented: an operator can find a unit with kvctl."""
+    e = engine(models, cluster.members)
+    try:
+        p = prompt(9, UNIT)
+        req = e.serve([p])[0]
+        key = f"{bytes(req.block_hashes[15]).hex()}.{e.conn.tag}"
+        from kvcellar import Geometry
+
+        with Client(cluster.members, geometry=Geometry(**{
+            f: getattr(e.conn.geometry, f) for f in
+            ("model_hash", "page_size", "dtype_tag", "layer_num", "head_num", "head_dim")})) as c:
+            assert c.exist(key).ok
+            assert c.get_bytes(key).length == e.worker.unit_bytes()
+    finally:
+        e.close()
+
+
+def test_tensor_parallel_shards_each_rank_its_own_page(cluster, models):
+    """MHA under TP 2: one page per unit per rank; a hit needs both."""
+    w = engine(models, cluster.members, tp=2)
+    r = engine(models, cluster.members, tp=2)
+    try:
+        p = prompt(10, 2 * UNIT + 9)
+        w.serve([p])
+        assert [x.counters()["save_units"] for x in w.workers] == [2, 2]
+        req = r.serve([p])[0]
+        assert r.loaded[req.request_id] == 2 * UNIT and r.checked[req.request_id]
+        assert [x.counters()["load_units"] for x in r.workers] == [2, 2]
+        # One rank's page gone: the unit is not a hit.
+        key = f"{bytes(req.block_hashes[31]).hex()}.{r.conn.tag}.tp1-2"
+        with Client(cluster.members) as c:
+            assert c.delete(key).ok
+        assert lookup(r, p) == UNIT
+    finally:
+        w.close()
+        r.close()
+
+
+def test_mla_pages_written_by_rank_zero_read_by_every_rank(cluster, models):
+    from vllm_engine import Engine as E
+    from vllm_engine import mla_model_dir
+
+    vc = lambda: vllm_config(mla_model_dir(models), {"members": cluster.members}, tp=2)  # noqa: E731
+    w, r, one = E(vc()), E(vc()), E(vllm_config(mla_model_dir(models), {"members": cluster.members}))
+    try:
+        assert w.conn.mla and w.conn.geometry.mla
+        p = prompt(11, 2 * UNIT + 1)
+        w.serve([p])
+        assert [x.counters()["save_units"] for x in w.workers] == [2, 0]  # the writer-rank rule
+        req = r.serve([p])[0]
+        assert r.loaded[req.request_id] == 2 * UNIT and r.checked[req.request_id]
+        assert [x.counters()["load_units"] for x in r.workers] == [2, 2]
+        # The latent is alike on every rank: a TP-1 instance reads the TP-2 pages.
+        req = one.serve([p])[0]
+        assert one.loaded[req.request_id] == 2 * UNIT and one.checked[req.request_id]
+    finally:
+        for e in (w, r, one):
+            e.close()

@@ -1,0 +1,292 @@
+"""A vLLM 0.33 engine loop on CPU around the REAL scheduler, connector
+factory, KV cache planner and allocator, with the model's forward stood in.
+
+What is real: ``VllmConfig`` from a model ``config.json`` written here
+(``HF_HUB_OFFLINE``, no weights, no tokenizer); ``Scheduler`` (it builds the
+scheduler-side connector through ``KVConnectorFactory`` from
+``kv_connector_module_path``); the KV cache config from vLLM's planner
+(``get_kv_cache_configs``) and the worker's paged KV cache from its
+allocator (``allocate_kv_cache``, per-layer ``[blocks, heads, tokens,
+content]`` views on CPU); ``Request`` objects with vLLM's block hasher;
+``update_from_output`` with a ``KVConnectorOutput`` built as the model
+runner's mixin builds it (start_load_kv after the forward, wait_for_save,
+get_transfer_results, load errors, worker metadata, stats).
+
+What is stood in: the forward (a GPU attention kernel cannot run here). It
+writes, into every block a step computes, bytes derived from that block's
+hash and layer, so the same prefix computed anywhere has the same KV and a
+loaded block can be checked byte for byte.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from typing import Any, Dict, List, Optional, Sequence
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch  # noqa: E402
+from vllm import SamplingParams  # noqa: E402
+from vllm.config import (  # noqa: E402
+    CacheConfig,
+    DeviceConfig,
+    KVTransferConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+    VllmConfig,
+)
+from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory  # noqa: E402
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
+from vllm.utils.hashing import get_hash_fn_by_name  # noqa: E402
+from vllm.v1.core.kv_cache_planning import get_global_kv_cache_groups, get_kv_cache_configs  # noqa: E402
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash  # noqa: E402
+from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
+from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec  # noqa: E402
+from vllm.v1.kv_cache_layout import KVCacheLayout  # noqa: E402
+from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput  # noqa: E402
+from vllm.v1.request import Request  # noqa: E402
+from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
+from vllm.v1.worker.utils import allocate_kv_cache  # noqa: E402
+
+EOS = 999
+
+
+def mla_model_dir(root: str) -> str:
+    """A local DeepSeek-V2 (MLA) ``config.json``: a 64-wide latent plus 16 rope dims."""
+    d = os.path.join(root, "tiny-deepseek")
+    os.makedirs(d, exist_ok=True)
+    with open(os.path.join(d, "config.json"), "w") as f:
+        json.dump(
+            {
+                "architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2", "hidden_size": 128,
+                "intermediate_size": 256, "moe_intermediate_size": 64, "num_attention_heads": 4,
+                "num_key_value_heads": 4, "num_hidden_layers": 2, "vocab_size": 1000,
+                "max_position_embeddings": 8192, "rms_norm_eps": 1e-6, "torch_dtype": "float16",
+                "kv_lora_rank": 64, "q_lora_rank": None, "qk_rope_head_dim": 16, "qk_nope_head_dim": 32,
+                "v_head_dim": 32, "n_routed_experts": 4, "n_shared_experts": 1, "num_experts_per_tok": 2,
+                "first_k_dense_replace": 1, "moe_layer_freq": 1, "n_group": 1, "topk_group": 1,
+                "routed_scaling_factor": 1.0, "topk_method": "greedy", "scoring_func": "softmax",
+                "norm_topk_prob": False,
+            },
+            f,
+        )
+    return d
+
+
+def model_dir(root: str, layers: int = 3, kv_heads: int = 2, head_dim: int = 32, name: str = "tiny-llama") -> str:
+    """A local model directory holding only a Llama ``config.json``."""
+    d = os.path.join(root, f"{name}-{layers}-{kv_heads}-{head_dim}")
+    os.makedirs(d, exist_ok=True)
+    with open(os.path.join(d, "config.json"), "w") as f:
+        json.dump(
+            {
+                "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 128,
+                "intermediate_size": 256, "num_attention_heads": 4, "num_key_value_heads": kv_heads,
+                "num_hidden_layers": layers, "vocab_size": 1000, "max_position_embeddings": 8192,
+                "rms_norm_eps": 1e-6, "torch_dtype": "float16", "head_dim": head_dim,
+            },
+            f,
+        )
+    return d
+
+
+def vllm_config(model: str, extra: Dict[str, Any], block_size: int = 16, tp: int = 1,
+                layout: str = "LBNHC", hash_algo: str = "sha256", events: bool = False) -> VllmConfig:
+    """A VllmConfig as ``vllm serve --kv-transfer-config`` builds it."""
+    mc = ModelConfig(model=model, skip_tokenizer_init=True, dtype="float16", seed=0, max_model_len=4096)
+    sc = SchedulerConfig(max_num_seqs=32, max_num_batched_tokens=1024, max_model_len=4096,
+                         enable_chunked_prefill=True, is_encoder_decoder=False)
+    cc = CacheConfig(block_size=block_size, enable_prefix_caching=True, prefix_caching_hash_algo=hash_algo)
+    cc.kv_cache_layout = layout  # resolved by the engine core before the connector is built
+    kt = KVTransferConfig(kv_connector="KVCellarConnector", kv_connector_module_path="kvcellar.vllm",
+                          kv_role="kv_both", kv_connector_extra_config=dict(extra))
+    kw: Dict[str, Any] = {}
+    if events:
+        from vllm.config import KVEventsConfig
+
+        kw["kv_events_config"] = KVEventsConfig(enable_kv_cache_events=True, publisher="null")
+    return VllmConfig(model_config=mc, scheduler_config=sc, cache_config=cc, kv_transfer_config=kt,
+                      device_config=DeviceConfig("cpu"), parallel_config=ParallelConfig(tensor_parallel_size=tp),
+                      **kw)
+
+
+def kv_cache_config(vc: VllmConfig, num_blocks: int = 600) -> Any:
+    """The KV cache config vLLM's planner gives one rank of this model."""
+    hf = vc.model_config.hf_text_config
+    tp = vc.parallel_config.tensor_parallel_size
+    if vc.model_config.use_mla:  # one latent "head", the same on every TP rank
+        spec = MLAAttentionSpec(block_size=vc.cache_config.block_size, num_kv_heads=1,
+                                head_size=vc.model_config.get_head_size(), dtype=torch.float16)
+    else:
+        spec = FullAttentionSpec(block_size=vc.cache_config.block_size, num_kv_heads=hf.num_key_value_heads // tp,
+                                 head_size=hf.head_dim, dtype=torch.float16)
+    specs = [{f"model.layers.{i}.self_attn.attn": spec for i in range(hf.num_hidden_layers)}]
+    groups = get_global_kv_cache_groups(vc, specs)
+    memory = spec.page_size_bytes * hf.num_hidden_layers * num_blocks
+    cfg = get_kv_cache_configs(vc, specs, [memory], groups)[0]
+    cfg.kv_cache_layout = vc.cache_config.kv_cache_layout
+    vc.cache_config.num_gpu_blocks = cfg.num_blocks
+    return cfg
+
+
+class Engine:
+    """One vLLM instance: the scheduler (with its connector) and one worker
+    per TP rank, each with its own paged KV cache; the workers' outputs are
+    combined by vLLM's own ``KVOutputAggregator``."""
+
+    def __init__(self, vc: VllmConfig, num_blocks: int = 600) -> None:
+        from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
+
+        self.vc = vc
+        self.block_size = vc.cache_config.block_size
+        self.kc = kv_cache_config(vc, num_blocks)
+        self.hash_fn = get_hash_fn_by_name(vc.cache_config.prefix_caching_hash_algo)
+        init_none_hash(self.hash_fn)  # the engine core does this at start
+        self.sched = Scheduler(vllm_config=vc, kv_cache_config=self.kc, log_stats=True,
+                               structured_output_manager=StructuredOutputManager(vc), block_size=self.block_size)
+        self.conn = self.sched.connector
+        self.mla = bool(vc.model_config.use_mla)
+        self.ranks = vc.parallel_config.tensor_parallel_size
+        self.workers: List[Any] = []
+        self.rank_layers: List[List[torch.Tensor]] = []
+        for rank in range(self.ranks):
+            w = KVConnectorFactory.create_connector(config=vc, role=KVConnectorRole.WORKER, kv_cache_config=self.kc)
+            w.tp_rank = rank  # what vLLM's parallel state gives a TP worker
+            caches = allocate_kv_cache(self.kc, torch.device("cpu"), KVCacheLayout[self.kc.kv_cache_layout], None)
+            w.register_kv_caches(caches)
+            self.workers.append(w)
+            self.rank_layers.append([caches[n] for n in self.kc.kv_cache_groups[0].layer_names])
+        self.worker = self.workers[0]
+        self.layers = self.rank_layers[0]
+        self.aggregator = KVOutputAggregator(self.ranks)
+        self.loaded: Dict[str, int] = {}  # request -> external tokens loaded
+        self.checked: Dict[str, bool] = {}  # request -> loaded blocks equal the expected bytes, every rank
+        self.finished: List[str] = []
+        self.steps = 0
+        self._count = 0
+
+    def close(self) -> None:
+        for c in [*self.workers, self.conn]:
+            try:
+                c.shutdown()
+            except Exception:
+                pass
+
+    # -- requests --------------------------------------------------------------
+
+    def request(self, tokens: Sequence[int], rid: Optional[str] = None) -> Request:
+        self._count += 1
+        sp = SamplingParams(max_tokens=1)
+        sp.update_from_generation_config({}, EOS)
+        return Request(request_id=rid or f"r{self._count}", prompt_token_ids=list(tokens), sampling_params=sp,
+                       pooling_params=None, mm_features=None,
+                       block_hasher=get_request_block_hasher(self.block_size, self.hash_fn))
+
+    def add(self, req: Request) -> Request:
+        self.sched.add_request(req)
+        return req
+
+    # -- the stood-in forward ----------------------------------------------------
+
+    def block_bytes(self, block_hash: bytes, layer: int, like: torch.Tensor, rank: int = 0) -> torch.Tensor:
+        """The KV a forward gives one block of one layer on one TP rank
+        (from its hash; MLA's latent is the same on every rank)."""
+        shard = 0 if self.mla else rank
+        seed = int.from_bytes(hashlib.sha256(bytes(block_hash) + bytes([layer, shard])).digest()[:8], "little")
+        g = torch.Generator().manual_seed(seed & 0x7FFFFFFFFFFFFFFF)
+        return torch.randn(like.shape, generator=g).to(like.dtype)
+
+    def _forward(self, out: Any) -> None:
+        for rid, n in out.num_scheduled_tokens.items():
+            req = self.sched.requests[rid]
+            # schedule() has advanced num_computed_tokens past this step's tokens.
+            start, end = req.num_computed_tokens - n, req.num_computed_tokens
+            blocks = self.sched.kv_cache_manager.get_block_ids(rid)[0]
+            for b in range(start // self.block_size, min(end // self.block_size, len(req.block_hashes))):
+                for rank, layers in enumerate(self.rank_layers):
+                    for li, v in enumerate(layers):
+                        v[blocks[b]].copy_(self.block_bytes(req.block_hashes[b], li, v[blocks[b]], rank))
+
+    def expected_ok(self, rid: str, tokens: int) -> bool:
+        """Whether the request's first ``tokens`` tokens hold the KV their hashes give."""
+        req = self.sched.requests[rid]
+        blocks = self.sched.kv_cache_manager.get_block_ids(rid)[0]
+        for b in range(tokens // self.block_size):
+            for rank, layers in enumerate(self.rank_layers):
+                for li, v in enumerate(layers):
+                    if not torch.equal(v[blocks[b]], self.block_bytes(req.block_hashes[b], li, v[blocks[b]], rank)):
+                        return False
+        return True
+
+    # -- one engine step ------------------------------------------------------------
+
+    def step(self, before_worker: Any = None) -> Any:
+        """schedule -> worker (bind, forward, start_load_kv, wait_for_save,
+        results) -> update_from_output, as vLLM 0.33's engine core and model
+        runner mixin order them. ``before_worker(out)`` runs between the
+        scheduler and the worker."""
+        self.steps += 1
+        out = self.sched.schedule()
+        if before_worker is not None:
+            before_worker(out)
+        self._forward(out)
+        outs = []
+        for w in self.workers:
+            w.bind_connector_metadata(out.kv_connector_metadata)
+            # The connector's loads are all asynchronous: the mixin starts
+            # them after the forward launch.
+            w.start_load_kv(None)
+            w.wait_for_save()
+            res = w.get_transfer_results(out.finished_req_ids)
+            kvo = KVConnectorOutput(
+                finished_sending=res.finished_sending or None,
+                finished_recving=res.finished_recving or None,
+                invalid_block_ids=w.get_block_ids_with_load_errors(),
+                kv_connector_stats=w.get_kv_connector_stats(),
+                kv_connector_worker_meta=w.build_connector_worker_meta(),
+            )
+            w.clear_connector_metadata()
+            outs.append(kvo)
+        ids = list(out.num_scheduled_tokens)
+        sampled = []
+        for rid in ids:
+            req = self.sched.requests[rid]
+            sampled.append([EOS] if req.num_computed_tokens >= req.num_tokens else [])
+        mros = [
+            ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
+                              sampled_token_ids=sampled, logprobs=None, prompt_logprobs_dict={},
+                              pooler_output=None, kv_connector_output=kvo)
+            for kvo in outs
+        ]
+        mro = self.aggregator.aggregate(mros)
+        kvo = mro.kv_connector_output
+        for rid in kvo.finished_recving or ():
+            req = self.sched.requests.get(rid)
+            if req is not None and rid not in self.checked:
+                n = req.num_computed_tokens
+                self.loaded[rid] = n
+                self.checked[rid] = bool(kvo.invalid_block_ids) or self.expected_ok(rid, n)
+        outputs = self.sched.update_from_output(out, mro)
+        for eco in outputs.values():
+            for o in eco.outputs:
+                if o.finish_reason is not None:
+                    self.finished.append(o.request_id)
+        return out
+
+    def run(self, until_s: float = 60.0) -> None:
+        """Steps until no request is left (bounded in time)."""
+        end = time.monotonic() + until_s
+        while self.sched.has_unfinished_requests():
+            if time.monotonic() > end:
+                raise TimeoutError(f"requests unfinished after {until_s} s: {list(self.sched.requests)}")
+            self.step()
+            time.sleep(0.001)
+
+    def serve(self, prompts: Sequence[Sequence[int]], until_s: float = 60.0) -> List[Request]:
+        reqs = [self.add(self.request(p)) for p in prompts]
+        self.run(until_s)
+        return reqs
