@@ -8,12 +8,17 @@ same buffers in the same run (docs/BENCHMARKS.md, "Plugins").
 - LMCache: ``batched_put`` / ``batched_get`` of 8 chunks of 32 MiB through
   ``kvcellar.lmcache`` (chunk metadata on, from LMCache's event loop),
   against the C ABI on the same chunk buffers and metadata bytes.
+- vLLM (``--only vllm``, in a venv with vLLM): the worker connector's save
+  (``wait_for_save`` with a step's metadata of 8 units) and load (the body
+  of its load thread) of 8 units of 8 MiB (16 blocks of 16 tokens x 8
+  layers of 8 KV heads of 128, fp16) from vLLM's real paged KV cache on
+  CPU, against the C ABI on the same blocks' segments.
 
 Each round alternates which goes first; puts use fresh keys (pages are
 write-once), gets read the same stored objects both ways. Round 0 warms up
 and is not counted. Prints medians and plugin/direct time ratios.
 
-usage: python3 bench_plugins.py [--members M] [--rounds N]
+usage: python3 bench_plugins.py [--members M] [--rounds N] [--only sglang,lmcache,vllm]
        (without --members it starts 3 kv-server nodes from KVCELLAR_BIN_DIR,
        default target/release, on loopback)
 """
@@ -159,6 +164,68 @@ def bench_lmcache(members, rounds, chunks=8):
     return out, nbytes
 
 
+def bench_vllm(members, rounds, units=8):
+    import torch
+    from kvcellar.vllm import KVCellarMetadata, _Transfer
+    from vllm_engine import Engine, model_dir, vllm_config
+    import tempfile
+
+    root = tempfile.mkdtemp(prefix="kvcellar-bench-vllm-")
+    e = Engine(vllm_config(model_dir(root, layers=8, kv_heads=8, head_dim=128),
+                           {"members": members, "io_timeout_ms": 60000}), num_blocks=300)
+    w = e.worker
+    assert w.unit_bytes() == 8 << 20, w.unit_bytes()
+    for v in e.layers:
+        v.copy_(torch.randn(v.shape).to(v.dtype))
+    bpu = w.blocks_per_unit
+    src = [list(range(1 + u * bpu, 1 + (u + 1) * bpu)) for u in range(units)]
+    dst = [list(range(1 + (units + u) * bpu, 1 + (units + u + 1) * bpu)) for u in range(units)]
+
+    def segments(blocks):
+        addrs, sizes = [], []
+        for b in blocks:
+            w._unit_segments(b, addrs, sizes)
+        return addrs, sizes, len(addrs) // len(blocks)
+
+    s_addrs, s_sizes, per = segments(src)
+    d_addrs, d_sizes, _ = segments(dst)
+    lib, handle = w._client._lib, w._client._handle()
+    nbytes = units * w.unit_bytes()
+    out = {"put plugin": [], "put direct": [], "get plugin": [], "get direct": []}
+
+    def save(keys):
+        before = w.counters()["save_units"]
+        w.bind_connector_metadata(KVCellarMetadata(saves=[_Transfer("bench", keys, src)]))
+        t, _ = timed(w.wait_for_save)
+        w.clear_connector_metadata()
+        return t, w.counters()["save_units"] - before == units
+
+    def load(keys):
+        before = w.counters()["load_failed_units"]
+        t, _ = timed(lambda: w._load(_Transfer("bench", keys, dst)))
+        w.get_finished(set())
+        return t, w.counters()["load_failed_units"] == before and not w.get_block_ids_with_load_errors()
+
+    for r in range(rounds + 1):  # round 0 warms the nodes up and is not counted
+        keys = [f"{r:04x}{i:060x}.{w.tag}" for i in range(units)]
+        dkeys = [f"d{k}" for k in keys]
+        runs = {
+            "put plugin": lambda: save(keys),
+            "put direct": lambda: direct_batch(lib, handle, dkeys, s_addrs, s_sizes, per, write=True),
+            "get plugin": lambda: load(keys),
+            "get direct": lambda: direct_batch(lib, handle, keys, d_addrs, d_sizes, per, write=False),
+        }
+        for op in ("put", "get"):
+            first, second = ("direct", "plugin") if r % 2 else ("plugin", "direct")
+            for who in (first, second):
+                t, ok = runs[f"{op} {who}"]()
+                assert ok is True or ok == units, f"{op} {who} failed"
+                if r:
+                    out[f"{op} {who}"].append(t)
+    e.close()
+    return out, nbytes
+
+
 def report(title, out, nbytes):
     print(f"\n{title} ({nbytes / (1 << 20):.0f} MiB a batch, median of {len(next(iter(out.values())))} rounds)")
     for op in ("set", "put", "get"):
@@ -176,7 +243,9 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--members")
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--only", default="sglang,lmcache")
     a = ap.parse_args()
+    only = set(a.only.split(","))
     cluster = None
     members = a.members
     if not members:
@@ -186,8 +255,12 @@ def main():
         members = cluster.members
     try:
         print(f"library {_native.load()._kvcellar_path}, members {members}")
-        report("SGLang backend, v1 batch of 64 pages of 4 MiB", *bench_sglang(members, a.rounds))
-        report("LMCache connector, batch of 8 chunks of 32 MiB", *bench_lmcache(members, a.rounds))
+        if "sglang" in only:
+            report("SGLang backend, v1 batch of 64 pages of 4 MiB", *bench_sglang(members, a.rounds))
+        if "lmcache" in only:
+            report("LMCache connector, batch of 8 chunks of 32 MiB", *bench_lmcache(members, a.rounds))
+        if "vllm" in only:
+            report("vLLM connector, a step's 8 units of 8 MiB", *bench_vllm(members, a.rounds))
     finally:
         if cluster:
             cluster.stop()
