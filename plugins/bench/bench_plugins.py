@@ -50,11 +50,12 @@ def timed(fn):
 
 
 def direct_batch(lib, handle, keys, addrs, sizes, per, write):
-    """kv_batch_putv / kv_batch_getv on raw segments, arrays built outside the timing."""
+    """kv_batch_putv / kv_batch_getv on raw segments, arrays built outside the
+    timing; ``per`` is one segment count for every item or a list of them."""
     n = len(keys)
     ks = _keys(keys)
     arr, keep = raw_iovecs(addrs, sizes)
-    counts = (ctypes.c_size_t * n)(*([per] * n))
+    counts = (ctypes.c_size_t * n)(*([per] * n if isinstance(per, int) else per))
     st = (ctypes.c_int * n)()
     lens = (ctypes.c_size_t * n)()
 
@@ -181,14 +182,8 @@ def bench_vllm(members, rounds, units=8):
     src = [list(range(1 + u * bpu, 1 + (u + 1) * bpu)) for u in range(units)]
     dst = [list(range(1 + (units + u) * bpu, 1 + (units + u + 1) * bpu)) for u in range(units)]
 
-    def segments(blocks):
-        addrs, sizes = [], []
-        for b in blocks:
-            w._unit_segments(b, addrs, sizes)
-        return addrs, sizes, len(addrs) // len(blocks)
-
-    s_addrs, s_sizes, per = segments(src)
-    d_addrs, d_sizes, _ = segments(dst)
+    s_addrs, s_sizes, per = w._units_segments(src)
+    d_addrs, d_sizes, _ = w._units_segments(dst)
     lib, handle = w._client._lib, w._client._handle()
     nbytes = units * w.unit_bytes()
     out = {"put plugin": [], "put direct": [], "get plugin": [], "get direct": []}

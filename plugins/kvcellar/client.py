@@ -437,10 +437,11 @@ class Client:
         return st
 
     def batch_putv_raw(
-        self, keys: Sequence[Key], addrs: Sequence[int], sizes: Sequence[int], per_item: int
+        self, keys: Sequence[Key], addrs: Sequence[int], sizes: Sequence[int], per_item: Union[int, Sequence[int]]
     ) -> List[Status]:
         """Puts item i from ``per_item`` consecutive raw segments
-        (``addrs``/``sizes``, e.g. an engine pool's page pointers)."""
+        (``addrs``/``sizes``, e.g. an engine pool's page pointers);
+        ``per_item`` is one count for every item or a count per item."""
         st, _ = self._batch(False, keys, *self._raw_items(keys, addrs, sizes, per_item))
         return st
 
@@ -456,9 +457,10 @@ class Client:
         return [GetResult(s, n) for s, n in zip(st, lens)]
 
     def batch_getv_raw(
-        self, keys: Sequence[Key], addrs: Sequence[int], sizes: Sequence[int], per_item: int
+        self, keys: Sequence[Key], addrs: Sequence[int], sizes: Sequence[int], per_item: Union[int, Sequence[int]]
     ) -> List[GetResult]:
-        """Gets item i into ``per_item`` consecutive raw segments."""
+        """Gets item i into ``per_item`` consecutive raw segments (one count
+        for every item, or a count per item)."""
         st, lens = self._batch(True, keys, *self._raw_items(keys, addrs, sizes, per_item))
         return [GetResult(s, n) for s, n in zip(st, lens)]
 
@@ -471,14 +473,16 @@ class Client:
         return arr, [len(item) for item in segments], keep
 
     @staticmethod
-    def _raw_items(keys: Sequence[Key], addrs: Sequence[int], sizes: Sequence[int], per_item: int):
+    def _raw_items(keys: Sequence[Key], addrs: Sequence[int], sizes: Sequence[int],
+                   per_item: Union[int, Sequence[int]]):
         """(iovec array, per-item counts, keepalive) over raw segments."""
-        if per_item <= 0 or len(addrs) != len(keys) * per_item:
+        counts = [per_item] * len(keys) if isinstance(per_item, int) else [int(c) for c in per_item]
+        if len(counts) != len(keys) or any(c <= 0 for c in counts) or len(addrs) != sum(counts):
             raise ValueError(f"{len(addrs)} segments for {len(keys)} items of {per_item}")
         if any(a == 0 for a in addrs):
             raise ValueError("a segment address is NULL")
         arr, keep = raw_iovecs(addrs, sizes)
-        return arr, [per_item] * len(keys), keep
+        return arr, counts, keep
 
     def _batch(self, get: bool, keys: Sequence[Key], arr: Any, counts: List[int], keep: Any):
         """One kv_batch_getv / kv_batch_putv: (statuses, lengths)."""

@@ -59,6 +59,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvcellar._misses import Misses
 from kvcellar.client import Client, Geometry, Status
@@ -78,9 +79,12 @@ OWN_KEYS = CLUSTER_KEYS + TIMEOUT_KEYS + (
 #: The library's per-item limit (README, "C ABI conventions").
 MAX_SEGMENTS = 4096
 UNIT_TOKENS = 256
+#: Lookups queued or running at once; more are answered as misses at once
+#: (a hung node must not build a backlog that outlives it).
+MAX_LOOKUPS = 64
 
 COUNTERS = (
-    "lookups", "lookup_tokens", "lookup_hit_tokens", "lookup_timeouts", "lookup_errors",
+    "lookups", "lookup_tokens", "lookup_hit_tokens", "lookup_timeouts", "lookup_errors", "lookups_shed",
     "load_units", "load_failed_units", "load_bytes", "save_units", "save_failed_units", "save_bytes",
 )
 
@@ -149,6 +153,7 @@ class _ReqState:
     saved_units: int = 0  # units [0, saved_units) stored, hit or handed to a save
     loading: bool = False
     loads: int = 0  # loads planned for this request (a second one is never offered)
+    timed_out: bool = False  # the lookup did not answer in time: no hit, no saves
 
 
 def _int_key(cfg: Dict[str, Any], key: str, default: int, where: str, minimum: int = 1) -> int:
@@ -158,56 +163,78 @@ def _int_key(cfg: Dict[str, Any], key: str, default: int, where: str, minimum: i
     return v
 
 
-def _dense_runs(sizes: Sequence[int], strides: Sequence[int]) -> List[Tuple[int, int]]:
-    """(element offset, element count) runs covering one block of a layer
-    view, in memory order: the dense innermost dims make one run, the rest
-    are enumerated (a layout with heads outside blocks gives one run per
-    head)."""
-    dims = sorted([(st, sz) for sz, st in zip(sizes, strides) if sz > 1], key=lambda d: -d[0])
-    run = 1
-    while dims and dims[-1][0] == run:
-        run *= dims.pop()[1]
-    if run == 1 and dims:
-        raise ValueError("the KV cache view has no contiguous innermost dimension")
-    offsets = [0]
-    for st, sz in dims:
-        offsets = [o + i * st for o in offsets for i in range(sz)]
-    return [(o, run) for o in offsets]
-
-
 class _LayerSegments:
-    """Where each vLLM block of one layer lives, as raw host segments."""
+    """Where each vLLM block of one layer lives, as raw host segments, in a
+    canonical byte order.
 
-    def __init__(self, view: Any, block_size: int) -> None:
-        n_tok = int(view.shape[2])
-        if n_tok <= 0 or block_size % n_tok:
-            raise ValueError(f"kernel block of {n_tok} tokens does not divide the {block_size}-token block")
+    vLLM gives each layer a ``[kernel blocks, heads, tokens, content]`` view
+    whose strides follow the cache layout; a vLLM block may span ``k``
+    kernel blocks (an attention backend with smaller blocks). A block's
+    bytes are ordered as the layout orders one unsplit block (its dims by
+    stride, the token dim as kernel-block-major then token), so a
+    deployment that splits blocks and one that does not store the same
+    bytes; a run of dims dense in memory is one segment.
+    """
+
+    def __init__(self, view: Any, num_blocks: int, block_size: int) -> None:
+        kb = int(view.shape[0])
+        if num_blocks <= 0 or kb % num_blocks:
+            raise ValueError(f"{kb} kernel blocks for {num_blocks} blocks")
+        k = kb // num_blocks
+        if int(view.shape[2]) * k != block_size:
+            raise ValueError(f"{k} kernel blocks of {int(view.shape[2])} tokens are not a {block_size}-token block")
         self.view = view
-        self.kernel_per_block = block_size // n_tok
+        self.k = k
         es = int(view.element_size())
         self.base = int(view.data_ptr())
-        self.block_stride = int(view.stride(0)) * es
-        runs = _dense_runs(list(view.shape[1:]), list(view.stride()[1:]))
-        self.runs = [(o * es, n * es) for o, n in runs]
-        self.block_bytes = sum(n for _, n in self.runs) * self.kernel_per_block
-        # Memory order of one kernel block (for staging through host memory).
-        order = sorted(range(3), key=lambda d: -int(view.stride(d + 1)))
-        self.phys_order = [d + 1 for d in order]
+        self.block_stride = int(view.stride(0)) * k * es
+        # (dim of the view, size, stride) in the canonical order; dim 0 is
+        # the kernel block, placed just outside the token dim (2).
+        order = sorted((1, 2, 3), key=lambda d: -int(view.stride(d)))
+        dims: List[Tuple[int, int, int]] = []
+        for d in order:
+            if d == 2:
+                dims.append((0, k, int(view.stride(0))))
+            dims.append((d, int(view.shape[d]), int(view.stride(d))))
+        self.order = [d for d, _, _ in dims]  # for staging: the permutation of a [k, H, n, C] slice
+        live = [(sz, st) for _, sz, st in dims if sz > 1]
+        run = 1
+        while live and live[-1][1] == run:
+            run *= live.pop()[0]
+        if run == 1 and live:
+            raise ValueError("the KV cache view has no contiguous innermost dimension")
+        offsets = [0]
+        for sz, st in live:
+            offsets = [o + i * st for o in offsets for i in range(sz)]
+        runs: List[Tuple[int, int]] = []
+        for o in offsets:  # adjacent runs of one block: one segment
+            if runs and runs[-1][0] + runs[-1][1] == o * es:
+                runs[-1] = (runs[-1][0], runs[-1][1] + run * es)
+            else:
+                runs.append((o * es, run * es))
+        self.runs = runs
+        self.block_bytes = sum(n for _, n in runs)
 
     def block(self, block_id: int, out_addrs: List[int], out_sizes: List[int]) -> None:
-        for j in range(self.kernel_per_block):
-            base = self.base + (block_id * self.kernel_per_block + j) * self.block_stride
-            for off, n in self.runs:
-                a = base + off
-                if out_addrs and out_addrs[-1] + out_sizes[-1] == a:
-                    out_sizes[-1] += n  # adjacent in memory: one segment
-                else:
-                    out_addrs.append(a)
-                    out_sizes.append(n)
+        base = self.base + block_id * self.block_stride
+        for off, n in self.runs:
+            a = base + off
+            if out_addrs and out_addrs[-1] + out_sizes[-1] == a:
+                out_sizes[-1] += n  # adjacent in memory: one segment
+            else:
+                out_addrs.append(a)
+                out_sizes.append(n)
 
 
 class KVCellarConnector(KVConnectorBase_V1):
     """vLLM KV connector over a kvcellar group (see the module docs)."""
+
+    _cache_hit_source = CacheHitSource.DISK
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        # A best-effort cache: a save lost to a preemption is a later miss.
+        return False
 
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
@@ -288,6 +315,7 @@ class KVCellarConnector(KVConnectorBase_V1):
             self._client = Client(settings=self.settings, geometry=self.geometry, poll_ms=self.poll_ms)
         # Scheduler side.
         self._reqs: Dict[str, _ReqState] = {}
+        self._inflight = 0  # lookups queued or running
         self._pending_loads: List[_Transfer] = []
         self._events: List[Any] = []
         self._want_events = bool(
@@ -351,6 +379,7 @@ class KVCellarConnector(KVConnectorBase_V1):
 
     def _identity(self, vllm_config: Any, kv_cache_config: Any) -> Dict[str, Any]:
         mc, cc = vllm_config.model_config, vllm_config.cache_config
+        sd = getattr(vllm_config, "speculative_config", None)
         spec = self._spec(kv_cache_config)
         try:
             layers = int(mc.get_total_num_hidden_layers())
@@ -373,7 +402,14 @@ class KVCellarConnector(KVConnectorBase_V1):
             "kv_heads": getattr(spec, "num_kv_heads", None),
             "head_size": getattr(spec, "head_size", None),
             "head_size_v": getattr(spec, "head_size_v", None),
+            "head_slots": getattr(spec, "num_head_slots", None),
+            "state_bytes": getattr(spec, "state_content_bytes", None),
+            "quant": str(getattr(spec, "kv_quant_mode", None)),
+            "page_bytes": getattr(spec, "page_size_bytes", None),
             "layers": layers,
+            # A draft model's layers share the cache group (and the units).
+            "draft": str(getattr(sd, "method", None)) + "/" + str(getattr(getattr(sd, "draft_model_config", None),
+                                                                         "model", None)) if sd else None,
             "mla": self.mla,
         }
 
@@ -434,25 +470,42 @@ class KVCellarConnector(KVConnectorBase_V1):
         if st is None:
             st = self._reqs[rid] = _ReqState(request)
         st.request = request
-        if st.loads:
+        if st.loads or st.timed_out:
             # Asked again after a load (it failed, or the request was
             # preempted): recompute rather than risk a loop of failing loads.
             return 0, False
         prompt = int(getattr(request, "num_prompt_tokens", request.num_tokens))
         n_units = min(len(request.block_hashes) * self.block_size, prompt) // self.unit_tokens
         first = num_computed_tokens // self.unit_tokens
+        # Units in vLLM's own prefix cache were saved when computed here.
+        st.saved_units = max(st.saved_units, first)
         if first >= n_units:
             return 0, False
         if st.lookup is None or st.lookup_from != first:
+            if st.lookup is not None:
+                st.lookup.cancel()
+            with self._lock:
+                shed = self._inflight >= MAX_LOOKUPS
+                if not shed:
+                    self._inflight += 1
+            if shed:
+                self._count(lookups_shed=1)
+                return 0, False  # the store is not keeping up: a miss now, saves as usual
             keys = self._unit_keys(request, first, n_units)
             st.lookup_from, st.lookup_started = first, time.monotonic()
             st.lookup = self._lookups.submit(self._misses.run, "lookup", None, lambda: self._lookup(keys))
+            st.lookup.add_done_callback(self._lookup_ended)
             self._count(lookups=1, lookup_tokens=(n_units - first) * self.unit_tokens)
         if not st.lookup.done():
             if time.monotonic() - st.lookup_started < self.lookup_timeout_s:
                 return None, False  # not ready: vLLM asks again next step
+            # Too slow: a miss, and no saves for this request (the store is
+            # struggling, and which units it holds is unknown).
+            st.lookup.cancel()
+            st.timed_out = True
+            st.saved_units = n_units
             self._count(lookup_timeouts=1)
-            return 0, False  # too slow: a miss (the answer may still come, for saves)
+            return 0, False
         found = st.lookup.result()
         if found is None:
             self._count(lookup_errors=1)
@@ -463,12 +516,13 @@ class KVCellarConnector(KVConnectorBase_V1):
         matched = st.hit_units * self.unit_tokens - num_computed_tokens
         return (matched, True) if matched > 0 else (0, False)
 
+    def _lookup_ended(self, _f: Future) -> None:
+        with self._lock:
+            self._inflight -= 1
+
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         st = self._reqs.get(request.request_id)
-        if st is None:
-            return
-        if num_external_tokens <= 0:
-            st.saved_units = max(st.saved_units, 0)
+        if st is None or num_external_tokens <= 0:
             return
         # The load covers [start, start + num_external_tokens): start is what
         # vLLM computed locally (block-aligned), the end a unit boundary.
@@ -551,6 +605,8 @@ class KVCellarConnector(KVConnectorBase_V1):
 
     def request_finished(self, request: Any, block_ids: List[int]) -> Tuple[bool, Optional[Dict[str, Any]]]:
         st = self._reqs.pop(request.request_id, None)
+        if st is not None and st.lookup is not None:
+            st.lookup.cancel()
         # A request whose load still runs keeps its blocks until the workers
         # report the load finished (vLLM frees them then).
         return (bool(st is not None and st.loading), None)
@@ -581,36 +637,42 @@ class KVCellarConnector(KVConnectorBase_V1):
         groups = getattr(self._kv_cache_config, "kv_cache_groups", None) or []
         order = list(groups[0].layer_names) if groups else []
         names = [n for n in order if n in kv_caches] + sorted(n for n in kv_caches if n not in order)
+        num_blocks = int(getattr(self._kv_cache_config, "num_blocks", 0) or 0)
         seen: Set[Tuple[int, Tuple[int, ...]]] = set()
         layers: List[_LayerSegments] = []
-        for name in names:
-            v = kv_caches[name]
-            if isinstance(v, (list, tuple)) or getattr(v, "dim", lambda: 0)() != 4:
-                self.active = False
-                log.warning("kvcellar: layer %s has no [blocks, heads, tokens, content] view; connector off", name)
-                return
-            ident = (int(v.data_ptr()), tuple(int(s) for s in v.stride()))
-            if ident in seen:
-                continue  # a layer sharing another's cache
-            seen.add(ident)
-            layers.append(_LayerSegments(v, self.block_size))
+        try:
+            for name in names:
+                v = kv_caches[name]
+                if isinstance(v, (list, tuple)) or getattr(v, "dim", lambda: 0)() != 4:
+                    raise ValueError(f"layer {name} has no [blocks, heads, tokens, content] view")
+                ident = (int(v.data_ptr()), tuple(int(x) for x in v.stride()))
+                if ident in seen:
+                    continue  # a layer sharing another's cache
+                seen.add(ident)
+                layers.append(_LayerSegments(v, num_blocks, self.block_size))
+        except ValueError as e:
+            # Scheduler-side hits then fail to load and are recomputed.
+            self.active = False
+            log.warning("kvcellar: the vLLM connector is off on this worker: %s", e)
+            return
         self._layers = layers
         self._staging = self.force_staging or any(lay.view.device.type != "cpu" for lay in layers)
-        per_unit = self._segment_count()
-        if not self._staging and per_unit > MAX_SEGMENTS:
+        worst = sum(len(lay.runs) for lay in layers) * self.blocks_per_unit
+        if not self._staging and worst > MAX_SEGMENTS:
             raise ConfigError(
-                f"kv_connector_extra_config key 'blocks_per_unit': a unit would be {per_unit} segments "
+                f"kv_connector_extra_config key 'blocks_per_unit': a unit could be {worst} segments "
                 f"(more than {MAX_SEGMENTS}); lower it"
             )
-        scratch = max((lay.block_bytes for lay in layers), default=0)
         import torch
 
-        self._scratch = torch.empty(max(scratch, 1), dtype=torch.uint8)
+        self._scratch = torch.empty(max([lay.block_bytes for lay in layers] + [1]), dtype=torch.uint8)
         if not self._staging and self._client is not None:
-            for lay in layers:
+            storages: Dict[int, int] = {}
+            for lay in layers:  # vLLM's layers share one allocation: register it once
                 st = lay.view.untyped_storage()
-                self._misses.run("register memory", None,
-                                 lambda st=st: self._client.register_memory((int(st.data_ptr()), int(st.nbytes()))))
+                storages[int(st.data_ptr())] = int(st.nbytes())
+            for ptr, n in storages.items():
+                self._misses.run("register memory", None, lambda p=ptr, n=n: self._client.register_memory((p, n)))
         log.info(
             "kvcellar: %d KV layers registered (rank tp %d/%d pp %d/%d), %d bytes per unit%s",
             len(layers), self.tp_rank, self.tp_size, self.pp_rank, self.pp_size, self.unit_bytes(),
@@ -620,63 +682,87 @@ class KVCellarConnector(KVConnectorBase_V1):
     def unit_bytes(self) -> int:
         return sum(lay.block_bytes for lay in self._layers) * self.blocks_per_unit
 
-    def _segment_count(self) -> int:
+    def _units_segments(self, units: Sequence[Sequence[int]]) -> Tuple[List[int], List[int], List[int]]:
+        """(addresses, sizes, per-unit counts) of units' segments: layer by
+        layer, its blocks in order; a skipped block (-1) reads into scratch.
+        Each unit's list is its own (segments merge within a unit only)."""
+        scratch = int(self._scratch.data_ptr()) if self._scratch is not None else 0
         addrs: List[int] = []
         sizes: List[int] = []
-        self._unit_segments([0] * self.blocks_per_unit, addrs, sizes)
-        return len(addrs)
-
-    def _unit_segments(self, blocks: Sequence[int], addrs: List[int], sizes: List[int]) -> None:
-        """One unit's segments: layer by layer, its blocks in order; a
-        skipped block (-1) reads into scratch."""
-        scratch = int(self._scratch.data_ptr()) if self._scratch is not None else 0
-        for lay in self._layers:
-            for b in blocks:
-                if b < 0:
-                    addrs.append(scratch)
-                    sizes.append(lay.block_bytes)
-                else:
-                    lay.block(b, addrs, sizes)
+        counts: List[int] = []
+        for blocks in units:
+            ua: List[int] = []
+            us: List[int] = []
+            for lay in self._layers:
+                for b in blocks:
+                    if b < 0:
+                        ua.append(scratch)
+                        us.append(lay.block_bytes)
+                    else:
+                        lay.block(b, ua, us)
+            addrs += ua
+            sizes += us
+            counts.append(len(ua))
+        return addrs, sizes, counts
 
     # -- staging (a cache in device memory) ------------------------------------------------
-
-    def _kernel_ids(self, lay: _LayerSegments, blocks: Sequence[int]) -> List[int]:
-        k = lay.kernel_per_block
-        return [b * k + j for b in blocks for j in range(k)]
-
-    def _stage_out(self, blocks: Sequence[int]) -> Any:
-        """A unit's bytes copied into one host buffer (pinned when a GPU is
-        there), in the same byte order as the zero-copy path."""
-        import torch
-
-        parts = []
-        for lay in self._layers:
-            idx = torch.tensor(self._kernel_ids(lay, blocks), device=lay.view.device)
-            sel = lay.view.index_select(0, idx).permute(0, *lay.phys_order).contiguous()
-            parts.append(sel.reshape(-1).view(torch.uint8).cpu())
-        buf = torch.cat(parts)
-        return buf.pin_memory() if torch.cuda.is_available() else buf
 
     def _stage_buffer(self) -> Any:
         import torch
 
         return torch.empty(self.unit_bytes(), dtype=torch.uint8, pin_memory=torch.cuda.is_available())
 
-    def _stage_in(self, buf: Any, blocks: Sequence[int]) -> None:
+    @staticmethod
+    def _sync(device: Any) -> None:
         import torch
 
+        if getattr(device, "type", "cpu") == "cuda":
+            torch.cuda.synchronize(device)
+
+    def _kernel_index(self, lay: _LayerSegments, blocks: Sequence[int]) -> Any:
+        import torch
+
+        ids = [b * lay.k + j for b in blocks for j in range(lay.k)]
+        return torch.tensor(ids, dtype=torch.long, device=lay.view.device)
+
+    def _stage_out(self, blocks: Sequence[int]) -> Any:
+        """A unit copied into one (pinned) host buffer, in the byte order of
+        the zero-copy path."""
+        import torch
+
+        buf = self._stage_buffer()
         at = 0
         for lay in self._layers:
-            n = lay.block_bytes // lay.kernel_per_block
-            for i, b in enumerate(blocks):
-                for j in range(lay.kernel_per_block):
-                    if b >= 0:
-                        dst = lay.view[b * lay.kernel_per_block + j].permute(*[d - 1 for d in lay.phys_order])
-                        src = buf[at : at + n].view(lay.view.dtype).reshape(dst.shape)
-                        dst.copy_(src.to(lay.view.device, non_blocking=False))
-                    at += n
-        if torch.cuda.is_available():
-            torch.cuda.current_stream().synchronize()
+            v = lay.view
+            sel = v.index_select(0, self._kernel_index(lay, blocks))
+            sel = sel.view(len(blocks), lay.k, *v.shape[1:]).permute(0, *[d + 1 for d in lay.order])
+            n = lay.block_bytes * len(blocks)
+            buf[at : at + n].view(v.dtype).view(sel.shape).copy_(sel)
+            at += n
+        for lay in self._layers[:1]:
+            self._sync(lay.view.device)
+        return buf if at == buf.numel() else buf[:at]
+
+    def _stage_in(self, buf: Any, blocks: Sequence[int]) -> None:
+        """The inverse of :meth:`_stage_out` for a unit's loaded bytes;
+        skipped blocks (-1) are not written."""
+        keep = [i for i, b in enumerate(blocks) if b >= 0]
+        if not keep:
+            return
+        at = 0
+        for lay in self._layers:
+            v = lay.view
+            n = lay.block_bytes * len(blocks)
+            shape = [len(blocks)] + [lay.k if d == 0 else int(v.shape[d]) for d in lay.order]
+            t = buf[at : at + n].view(v.dtype).view(shape)[keep]
+            inverse = [0] * 4
+            for pos, d in enumerate(lay.order):
+                inverse[d] = pos + 1
+            t = t.permute(0, *inverse).reshape(len(keep) * lay.k, *v.shape[1:])
+            v.index_copy_(0, self._kernel_index(lay, [blocks[i] for i in keep]), t.to(v.device))
+            at += n
+        for lay in self._layers[:1]:
+            self._sync(lay.view.device)
 
     # -- loads -------------------------------------------------------------------------
 
@@ -687,40 +773,41 @@ class KVCellarConnector(KVConnectorBase_V1):
         if not isinstance(meta, KVCellarMetadata):
             return
         for t in meta.loads:
-            self._io.submit(self._load, t)
+            try:
+                self._io.submit(self._load, t)
+            except RuntimeError:  # shut down: the load is a failure, reported as one
+                self._load_done(t, [False] * len(t.keys), set())
 
     def _load(self, t: _Transfer) -> None:
-        """Runs on the load thread: every unit of one request; failed units'
-        blocks are reported, and the request is always reported finished."""
-        keys = [k + self._my_suffix() for k in t.keys]
-        ok = [False] * len(keys)
+        """Runs on the load thread: every unit of one request. Whatever
+        happens, the request is reported finished and failed units' blocks
+        are reported (vLLM recomputes them)."""
+        ok = [False] * len(t.keys)
         missing: Set[str] = set()
-        c = self._client
         try:
+            keys = [k + self._my_suffix() for k in t.keys]
+            c = self._client
             if c is not None and self._layers:
                 if self._staging:
-                    for i, (k, blocks) in enumerate(zip(keys, t.blocks)):
-                        buf = self._stage_buffer()
-                        r = c.get(k, buf)
-                        ok[i] = r.status is Status.OK and r.length == buf.numel()
-                        if ok[i]:
-                            self._stage_in(buf, blocks)
-                        elif r.status is Status.MISS:
-                            missing.add(t.keys[i])
-                else:
-                    addrs: List[int] = []
-                    sizes: List[int] = []
-                    for blocks in t.blocks:
-                        self._unit_segments(blocks, addrs, sizes)
-                    per = len(addrs) // max(1, len(keys))
-                    want = self.unit_bytes()
-                    res = c.batch_getv_raw(keys, addrs, sizes, per)
+                    bufs = [self._stage_buffer() for _ in keys]
+                    res = c.batch_get(keys, bufs)
                     for i, r in enumerate(res):
-                        ok[i] = r.status is Status.OK and r.length == want
-                        if r.status is Status.MISS:
-                            missing.add(t.keys[i])
+                        if r.status is Status.OK and r.length == bufs[i].numel():
+                            self._stage_in(bufs[i], t.blocks[i])
+                            ok[i] = True
+                else:
+                    addrs, sizes, counts = self._units_segments(t.blocks)
+                    want = self.unit_bytes()
+                    res = c.batch_getv_raw(keys, addrs, sizes, counts)
+                    ok = [r.status is Status.OK and r.length == want for r in res]
+                missing = {t.keys[i] for i, r in enumerate(res) if r.status is Status.MISS}
         except Exception as e:  # noqa: BLE001 - a failed load is a recompute
             self._misses.error("load", e)
+            ok = [False] * len(t.keys)
+        finally:
+            self._load_done(t, ok, missing)
+
+    def _load_done(self, t: _Transfer, ok: List[bool], missing: Set[str]) -> None:
         bad = [b for good, blocks in zip(ok, t.blocks) if not good for b in blocks if b >= 0]
         self._count(load_units=sum(ok), load_failed_units=len(ok) - sum(ok),
                     load_bytes=sum(ok) * self.unit_bytes())
@@ -765,12 +852,9 @@ class KVCellarConnector(KVConnectorBase_V1):
 
         def run() -> List[Status]:
             if self._staging:
-                return [c.put(k, self._stage_out(b)) for k, b in zip(keys, blocks)]
-            addrs: List[int] = []
-            sizes: List[int] = []
-            for b in blocks:
-                self._unit_segments(b, addrs, sizes)
-            return c.batch_putv_raw(keys, addrs, sizes, len(addrs) // len(keys))
+                return c.batch_put(keys, [self._stage_out(b) for b in blocks])
+            addrs, sizes, counts = self._units_segments(blocks)
+            return c.batch_putv_raw(keys, addrs, sizes, counts)
 
         st = self._misses.run("save", [Status.UNAVAILABLE] * len(keys), run)
         good = [k for k, s in zip(base, st) if s is Status.OK]

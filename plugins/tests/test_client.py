@@ -80,6 +80,12 @@ def test_batches_and_leading_hits(cluster):
         got = c.batch_getv_raw(["r0", "r1"], addrs, [4096] * 4, 2)
         assert [g.status for g in got] == [Status.OK, Status.OK] and all(g.length == 8192 for g in got)
         assert [bytes(s)[0] for s in segs] == [1, 2, 3, 4]
+        # a count per item: 1 segment, then 3
+        assert c.batch_putv_raw(["q0", "q1"], addrs, [4096] * 4, [1, 3]) == [Status.OK, Status.OK]
+        got = c.batch_getv_raw(["q0", "q1"], addrs, [4096] * 4, [1, 3])
+        assert [g.length for g in got] == [4096, 3 * 4096]
+        with pytest.raises(ValueError):
+            c.batch_getv_raw(["q0", "q1"], addrs, [4096] * 4, [1, 2])
 
 
 def test_geometry_is_checked_and_delete(cluster):

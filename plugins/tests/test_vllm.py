@@ -391,3 +391,95 @@ def test_mla_pages_written_by_rank_zero_read_by_every_rank(cluster, models):
     finally:
         for e in (w, r, one):
             e.close()
+
+
+def _scramble(e: Engine, seed: int) -> None:
+    """Unrelated requests first, so the blocks a later request gets are not
+    consecutive (vLLM hands out freed blocks from the back of its queue)."""
+    e.serve([prompt(seed + i, 16 * (3 + (i * 5) % 7)) for i in range(6)])
+
+
+@pytest.mark.parametrize("layout", ["LBHNC", "LBNHC", "LHBNC", "BLHNC", "BLNHC", "BHLNC"])
+def test_every_layout_round_trips_multi_unit_batches(cluster, models, layout):
+    w = engine(models, cluster.members, layout=layout)
+    r = engine(models, cluster.members, layout=layout)
+    try:
+        _scramble(w, 200)
+        _scramble(r, 300)
+        p = prompt(12, 4 * UNIT + 30)
+        w.serve([p])
+        assert w.worker.counters()["save_units"] == 4
+        req = r.serve([p])[0]
+        assert r.loaded[req.request_id] == 4 * UNIT
+        assert r.checked[req.request_id] is True
+        assert r.worker.counters()["load_failed_units"] == 0
+    finally:
+        w.close()
+        r.close()
+
+
+@pytest.mark.parametrize("layout", ["LBHNC", "LBNHC"])
+def test_kernel_block_splits_share_pages(cluster, models, layout):
+    """A backend with 8-token kernel blocks (each vLLM block two of them)
+    stores the bytes an unsplit one does, in the same order, both ways,
+    zero copy and staged."""
+    vc = lambda **kw: vllm_config(model_dir(models), {"members": cluster.members, **kw}, layout=layout)  # noqa: E731
+    plain = Engine(vc())
+    split = Engine(vc(), kernel_block_size=8)
+    staged = Engine(vc(host_staging="always"), kernel_block_size=8)
+    try:
+        assert split.layers[0].shape[0] == 2 * split.kc.num_blocks
+        p1, p2 = prompt(13, 2 * UNIT + 4), prompt(14, 2 * UNIT + 4)
+        plain.serve([p1])
+        split.serve([p2])
+        for reader, p in ((split, p1), (plain, p2), (staged, p1), (staged, p2)):
+            _scramble(reader, 400 + len(reader.finished))
+            req = reader.serve([p])[0]
+            assert reader.loaded[req.request_id] == 2 * UNIT and reader.checked[req.request_id], (reader, p is p1)
+    finally:
+        for e in (plain, split, staged):
+            e.close()
+
+
+def test_units_in_vllms_own_cache_are_not_saved_again(cluster, models):
+    e = engine(models, cluster.members)
+    try:
+        p = prompt(15, 2 * UNIT + 10)
+        e.serve([p])
+        assert e.worker.counters()["save_units"] == 2
+        e.serve([p, p + [1] * UNIT])  # a local prefix hit, then one new unit
+        assert e.worker.counters()["save_units"] == 3
+    finally:
+        e.close()
+
+
+def test_a_hung_store_sheds_lookups_and_saves_nothing(models):
+    """A node that accepts and never answers: lookups time out into misses,
+    requests are served, and nothing piles up behind it."""
+    import socket
+
+    from kvcellar import vllm as kv
+
+    hung = socket.socket()
+    hung.bind(("127.0.0.1", 0))
+    hung.listen(64)
+    e = engine(models, f"hung=127.0.0.1:{hung.getsockname()[1]}",
+               extra={"lookup_timeout_ms": 100, "io_timeout_ms": 1500, "connect_timeout_ms": 500})
+    try:
+        import time
+
+        reqs = e.serve([prompt(16 + i, 2 * UNIT) for i in range(kv.MAX_LOOKUPS + 8)], until_s=120)
+        assert all(q.request_id in e.finished for q in reqs)
+        cnt = e.conn.counters()
+        # The first lookups wait out the timeout; then the node cools down
+        # in the client and later lookups miss at once.
+        assert cnt["lookup_timeouts"] >= 1
+        assert e.worker.counters()["save_units"] == 0
+        assert sum(e.loaded.values()) == 0
+        end = time.monotonic() + 30
+        while e.conn._inflight and time.monotonic() < end:
+            time.sleep(0.05)
+        assert e.conn._inflight == 0  # nothing left queued behind the hung node
+    finally:
+        e.close()
+        hung.close()

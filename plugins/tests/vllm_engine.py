@@ -138,7 +138,7 @@ class Engine:
     per TP rank, each with its own paged KV cache; the workers' outputs are
     combined by vLLM's own ``KVOutputAggregator``."""
 
-    def __init__(self, vc: VllmConfig, num_blocks: int = 600) -> None:
+    def __init__(self, vc: VllmConfig, num_blocks: int = 600, kernel_block_size: Optional[int] = None) -> None:
         from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
 
         self.vc = vc
@@ -156,7 +156,10 @@ class Engine:
         for rank in range(self.ranks):
             w = KVConnectorFactory.create_connector(config=vc, role=KVConnectorRole.WORKER, kv_cache_config=self.kc)
             w.tp_rank = rank  # what vLLM's parallel state gives a TP worker
-            caches = allocate_kv_cache(self.kc, torch.device("cpu"), KVCacheLayout[self.kc.kv_cache_layout], None)
+            # kernel_block_size: an attention backend whose blocks are
+            # smaller than vLLM's (each vLLM block spans several).
+            caches = allocate_kv_cache(self.kc, torch.device("cpu"), KVCacheLayout[self.kc.kv_cache_layout],
+                                       [kernel_block_size] if kernel_block_size else None)
             w.register_kv_caches(caches)
             self.workers.append(w)
             self.rank_layers.append([caches[n] for n in self.kc.kv_cache_groups[0].layer_names])
@@ -194,11 +197,19 @@ class Engine:
 
     def block_bytes(self, block_hash: bytes, layer: int, like: torch.Tensor, rank: int = 0) -> torch.Tensor:
         """The KV a forward gives one block of one layer on one TP rank
-        (from its hash; MLA's latent is the same on every rank)."""
+        (from its hash; MLA's latent is the same on every rank), shaped like
+        ``like`` (a :meth:`_block` view) whatever its kernel-block split."""
         shard = 0 if self.mla else rank
         seed = int.from_bytes(hashlib.sha256(bytes(block_hash) + bytes([layer, shard])).digest()[:8], "little")
         g = torch.Generator().manual_seed(seed & 0x7FFFFFFFFFFFFFFF)
-        return torch.randn(like.shape, generator=g).to(like.dtype)
+        k, h, n, c = like.shape
+        logical = torch.randn((h, k * n, c), generator=g).to(like.dtype)  # [heads, tokens, content]
+        return logical.view(h, k, n, c).permute(1, 0, 2, 3)
+
+    def _block(self, v: torch.Tensor, block_id: int) -> torch.Tensor:
+        """One vLLM block of a layer view, as [kernel blocks, heads, tokens, content]."""
+        k = v.shape[0] // self.kc.num_blocks
+        return v[block_id * k : (block_id + 1) * k]
 
     def _forward(self, out: Any) -> None:
         for rid, n in out.num_scheduled_tokens.items():
@@ -209,16 +220,21 @@ class Engine:
             for b in range(start // self.block_size, min(end // self.block_size, len(req.block_hashes))):
                 for rank, layers in enumerate(self.rank_layers):
                     for li, v in enumerate(layers):
-                        v[blocks[b]].copy_(self.block_bytes(req.block_hashes[b], li, v[blocks[b]], rank))
+                        dst = self._block(v, blocks[b])
+                        dst.copy_(self.block_bytes(req.block_hashes[b], li, dst, rank))
 
-    def expected_ok(self, rid: str, tokens: int) -> bool:
-        """Whether the request's first ``tokens`` tokens hold the KV their hashes give."""
+    def expected_ok(self, rid: str, tokens: int, failed: Optional[set] = None) -> bool:
+        """Whether the request's first ``tokens`` tokens hold the KV their
+        hashes give (blocks reported as failed loads aside)."""
         req = self.sched.requests[rid]
         blocks = self.sched.kv_cache_manager.get_block_ids(rid)[0]
         for b in range(tokens // self.block_size):
+            if failed and blocks[b] in failed:
+                continue
             for rank, layers in enumerate(self.rank_layers):
                 for li, v in enumerate(layers):
-                    if not torch.equal(v[blocks[b]], self.block_bytes(req.block_hashes[b], li, v[blocks[b]], rank)):
+                    got = self._block(v, blocks[b])
+                    if not torch.equal(got, self.block_bytes(req.block_hashes[b], li, got, rank)):
                         return False
         return True
 
@@ -269,7 +285,7 @@ class Engine:
             if req is not None and rid not in self.checked:
                 n = req.num_computed_tokens
                 self.loaded[rid] = n
-                self.checked[rid] = bool(kvo.invalid_block_ids) or self.expected_ok(rid, n)
+                self.checked[rid] = self.expected_ok(rid, n, kvo.invalid_block_ids)
         outputs = self.sched.update_from_output(out, mro)
         for eco in outputs.values():
             for o in eco.outputs:
