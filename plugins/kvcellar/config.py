@@ -173,3 +173,41 @@ def resolve(config: Optional[Mapping[str, Any]] = None, where: str = "config") -
     if opts is not None:
         s.options = parse_options(opts, f"{where} key 'options'")
     return s
+
+
+#: The cluster keys every engine plugin takes, and its timeout shortcuts.
+CLUSTER_KEYS = ("mds", "group", "members", "auth_token_file", "options")
+TIMEOUT_KEYS = ("io_timeout_ms", "connect_timeout_ms")
+
+
+def positive_int(cfg: Mapping[str, Any], key: str, default: int, where: str) -> int:
+    """``cfg[key]`` (or ``default``) as a positive integer, else a ConfigError naming the key."""
+    v = cfg.get(key, default)
+    if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+        raise ConfigError(f"{where} key '{key}': {v!r} must be a positive integer")
+    return v
+
+
+def plugin_settings(cfg: Mapping[str, Any], where: str) -> Settings:
+    """An engine plugin's cluster settings: its cluster keys (the
+    environment filling what they leave out), which must name a cluster,
+    and the timeout shortcuts (milliseconds) folded into the options."""
+    s = resolve({k: cfg.get(k) for k in CLUSTER_KEYS}, where=where)
+    if s.mds is None and s.members is None:
+        raise ConfigError(
+            f"{where}: give 'mds' (kv-mds endpoints) and 'group', or 'members' "
+            "(or set KVCELLAR_MDS / KVCELLAR_MEMBERS)"
+        )
+    for k in TIMEOUT_KEYS:
+        if k in cfg:
+            s.options[k] = str(positive_int(cfg, k, 0, where))
+    return s
+
+
+def tenant_prefix(tenant: Any, key: str) -> str:
+    """A tenant's key prefix (``tenant/``), or "" without one."""
+    if tenant is None:
+        return ""
+    if not isinstance(tenant, str) or not NAME.match(tenant):
+        raise ConfigError(f"{key}: {tenant!r} must be 1-64 of A-Z a-z 0-9 . _ -")
+    return f"{tenant}/"

@@ -47,15 +47,21 @@ from kvcellar._sglang_api import (
 )
 from kvcellar._misses import Misses
 from kvcellar.client import Client, Geometry, Status
-from kvcellar.config import NAME, ConfigError, identity_hash, resolve
+from kvcellar.config import (
+    CLUSTER_KEYS,
+    TIMEOUT_KEYS,
+    ConfigError,
+    identity_hash,
+    plugin_settings,
+    positive_int,
+    tenant_prefix,
+)
 
 log = logging.getLogger("kvcellar.hicache")
 
 __all__ = ["KvcellarStorage"]
 
 #: extra_config keys of this backend (besides SGLang's own).
-CLUSTER_KEYS = ("mds", "group", "members", "auth_token_file", "options")
-TIMEOUT_KEYS = ("io_timeout_ms", "connect_timeout_ms")
 OWN_KEYS = CLUSTER_KEYS + TIMEOUT_KEYS + ("model_id", "tenant", "poll_ms")
 SGLANG_KEYS = ("backend_name", "module_path", "class_name", "interface_v1")
 
@@ -91,29 +97,13 @@ class KvcellarStorage(HiCacheStorage):
         self._misses = Misses(log)
         cfg = dict(storage_config.extra_config or {})
         where = "hicache extra_config"
-        self.settings = resolve({k: cfg.get(k) for k in CLUSTER_KEYS}, where=where)
-        if self.settings.mds is None and self.settings.members is None:
-            raise ConfigError(
-                f"{where}: give 'mds' (kv-mds endpoints) and 'group', or 'members' "
-                "(or set KVCELLAR_MDS / KVCELLAR_MEMBERS)"
-            )
-        for k in TIMEOUT_KEYS:
-            if k in cfg:
-                v = cfg[k]
-                if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
-                    raise ConfigError(f"{where} key '{k}': {v!r} must be a positive integer (milliseconds)")
-                self.settings.options[k] = str(v)
-        self.poll_ms = cfg.get("poll_ms", 1000)
-        if isinstance(self.poll_ms, bool) or not isinstance(self.poll_ms, int) or self.poll_ms <= 0:
-            raise ConfigError(f"{where} key 'poll_ms': {self.poll_ms!r} must be a positive integer")
+        self.settings = plugin_settings(cfg, where)
+        self.poll_ms = positive_int(cfg, "poll_ms", 1000, where)
         model = cfg.get("model_id") or storage_config.model_name
         if not model or not isinstance(model, str):
             raise ConfigError(f"{where} key 'model_id': SGLang gave no model name, so set 'model_id'")
         self.model = model
-        tenant = cfg.get("tenant")
-        if tenant is not None and (not isinstance(tenant, str) or not NAME.match(tenant)):
-            raise ConfigError(f"{where} key 'tenant': {tenant!r} must be 1-64 of A-Z a-z 0-9 . _ -")
-        self.prefix = f"{tenant}/" if tenant else ""
+        self.prefix = tenant_prefix(cfg.get("tenant"), f"{where} key 'tenant'")
         unknown = sorted(set(cfg) - set(OWN_KEYS) - set(SGLANG_KEYS))
         if unknown:
             log.warning("kvcellar: ignoring unknown extra_config keys %s", unknown)

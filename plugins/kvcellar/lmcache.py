@@ -37,7 +37,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 from kvcellar._lmcache_api import RemoteConnector, RemoteMetadata, make_logger
 from kvcellar._misses import Misses
 from kvcellar.client import Client, ClosedError, Geometry, GetResult, Status
-from kvcellar.config import NAME, ConfigError, identity_hash, resolve
+from kvcellar.config import ConfigError, identity_hash, resolve, tenant_prefix
 
 log = make_logger("kvcellar.lmcache")
 
@@ -90,10 +90,7 @@ class KvcellarConnector(RemoteConnector):
             ints[k] = v
         for k in ("io_timeout_ms", "connect_timeout_ms"):
             self.settings.options[k] = str(ints[k])
-        tenant = own.get("tenant")
-        if tenant is not None and (not isinstance(tenant, str) or not NAME.match(tenant)):
-            raise ConfigError(f"{where} key '{pre}tenant': {tenant!r} must be 1-64 of A-Z a-z 0-9 . _ -")
-        self.prefix = f"{tenant}/" if tenant else ""
+        self.prefix = tenant_prefix(own.get("tenant"), f"{where} key '{pre}tenant'")
         # The library bounds every request; this is the outer bound of one
         # async call, waiting for a worker thread included. A batch may take
         # one round of requests per `batch_concurrency` items.

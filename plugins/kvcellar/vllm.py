@@ -63,7 +63,15 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvcellar._misses import Misses
 from kvcellar.client import Client, Geometry, Status
-from kvcellar.config import NAME, ConfigError, identity_hash, resolve
+from kvcellar.config import (
+    CLUSTER_KEYS,
+    TIMEOUT_KEYS,
+    ConfigError,
+    identity_hash,
+    plugin_settings,
+    positive_int,
+    tenant_prefix,
+)
 
 # A child of vLLM's logger: the lines appear in vLLM's log, in its format.
 log = logging.getLogger("vllm.kvcellar")
@@ -71,8 +79,6 @@ log = logging.getLogger("vllm.kvcellar")
 __all__ = ["KVCellarConnector", "KVCellarStats"]
 
 #: kv_connector_extra_config keys (the cluster keys are the other plugins').
-CLUSTER_KEYS = ("mds", "group", "members", "auth_token_file", "options")
-TIMEOUT_KEYS = ("io_timeout_ms", "connect_timeout_ms")
 OWN_KEYS = CLUSTER_KEYS + TIMEOUT_KEYS + (
     "model_id", "tenant", "poll_ms", "blocks_per_unit", "lookup_timeout_ms", "host_staging",
 )
@@ -156,13 +162,6 @@ class _ReqState:
     timed_out: bool = False  # the lookup did not answer in time: no hit, no saves
 
 
-def _int_key(cfg: Dict[str, Any], key: str, default: int, where: str, minimum: int = 1) -> int:
-    v = cfg.get(key, default)
-    if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
-        raise ConfigError(f"{where} key '{key}': {v!r} must be an integer >= {minimum}")
-    return v
-
-
 class _LayerSegments:
     """Where each vLLM block of one layer lives, as raw host segments, in a
     canonical byte order.
@@ -241,22 +240,14 @@ class KVCellarConnector(KVConnectorBase_V1):
         self._misses = Misses(log)
         where = "kv_connector_extra_config"
         cfg = dict(self._kv_transfer_config.kv_connector_extra_config or {})
-        self.settings = resolve({k: cfg.get(k) for k in CLUSTER_KEYS}, where=where)
-        if self.settings.mds is None and self.settings.members is None:
-            raise ConfigError(
-                f"{where}: give 'mds' (kv-mds endpoints) and 'group', or 'members' "
-                "(or set KVCELLAR_MDS / KVCELLAR_MEMBERS)"
-            )
-        for k in TIMEOUT_KEYS:
-            if k in cfg:
-                self.settings.options[k] = str(_int_key(cfg, k, 0, where))
-        self.poll_ms = _int_key(cfg, "poll_ms", 1000, where)
-        self.lookup_timeout_s = _int_key(cfg, "lookup_timeout_ms", 1000, where) / 1000.0
+        self.settings = plugin_settings(cfg, where)
+        self.poll_ms = positive_int(cfg, "poll_ms", 1000, where)
+        self.lookup_timeout_s = positive_int(cfg, "lookup_timeout_ms", 1000, where) / 1000.0
         mc = vllm_config.model_config
         cc = vllm_config.cache_config
         pc = vllm_config.parallel_config
         self.block_size = int(cc.block_size)
-        self.blocks_per_unit = _int_key(cfg, "blocks_per_unit", max(1, UNIT_TOKENS // self.block_size), where)
+        self.blocks_per_unit = positive_int(cfg, "blocks_per_unit", max(1, UNIT_TOKENS // self.block_size), where)
         self.unit_tokens = self.block_size * self.blocks_per_unit
         staging = cfg.get("host_staging", "auto")
         if staging not in ("auto", "always"):
@@ -268,10 +259,7 @@ class KVCellarConnector(KVConnectorBase_V1):
         if not model or not isinstance(model, str):
             raise ConfigError(f"{where} key 'model_id': vLLM gave no model name, so set 'model_id'")
         self.model = model
-        tenant = cfg.get("tenant")
-        if tenant is not None and (not isinstance(tenant, str) or not NAME.match(tenant)):
-            raise ConfigError(f"{where} key 'tenant': {tenant!r} must be 1-64 of A-Z a-z 0-9 . _ -")
-        self.prefix = f"{tenant}/" if tenant else ""
+        self.prefix = tenant_prefix(cfg.get("tenant"), f"{where} key 'tenant'")
         unknown = sorted(set(cfg) - set(OWN_KEYS))
         if unknown:
             log.warning("kvcellar: ignoring unknown kv_connector_extra_config keys %s", unknown)
