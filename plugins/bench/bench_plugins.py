@@ -69,6 +69,24 @@ def direct_batch(lib, handle, keys, addrs, sizes, per, write):
     return t, ok
 
 
+def alternate(rounds, ops, make_runs, items):
+    """Round 0 warms up and is not counted; each round runs ``op plugin`` and
+    ``op direct`` for every op, alternating which goes first. ``make_runs(r)``
+    gives the round's {"op who": () -> (seconds, ok)}; ok is True or the
+    number of items served."""
+    out = {f"{op} {who}": [] for op in ops for who in ("plugin", "direct")}
+    for r in range(rounds + 1):
+        runs = make_runs(r)
+        for op in ops:
+            first, second = ("direct", "plugin") if r % 2 else ("plugin", "direct")
+            for who in (first, second):
+                t, ok = runs[f"{op} {who}"]()
+                assert ok is True or ok == items, f"{op} {who} failed"
+                if r:
+                    out[f"{op} {who}"].append(t)
+    return out
+
+
 def bench_sglang(members, rounds, pages=64):
     from kvcellar._sglang_api import HiCacheStorageConfig
     from kvcellar.hicache import KvcellarStorage
@@ -90,25 +108,20 @@ def bench_sglang(members, rounds, pages=64):
     ptrs_src, sizes = pool.get_page_buffer_meta(src)
     ptrs_dst, _ = pool.get_page_buffer_meta(dst)
     per = len(ptrs_src) // pages
-    out = {"set plugin": [], "set direct": [], "get plugin": [], "get direct": []}
     nbytes = sum(sizes)
-    for r in range(rounds + 1):  # round 0 warms the nodes up and is not counted
+
+    def make_runs(r):
         keys = [f"{r:04x}{i:060x}" for i in range(pages)]
         direct_keys = [b._key(f"d{r:03x}{i:060x}", "direct") for i in range(pages)]
-        runs = {
+        return {
             "set plugin": lambda: timed(lambda: all(b.batch_set_v1(keys, src))),
             "set direct": lambda: direct_batch(lib, handle, direct_keys, ptrs_src, sizes, per, write=True),
             "get plugin": lambda: timed(lambda: all(b.batch_get_v1(keys, dst))),
             # The same stored pages the plugin reads, so both gets fetch identical objects.
             "get direct": lambda: direct_batch(lib, handle, b._keys(keys, "v1"), ptrs_dst, sizes, per, write=False),
         }
-        for op in ("set", "get"):
-            first, second = ("direct", "plugin") if r % 2 else ("plugin", "direct")
-            for who in (first, second):
-                t, ok = runs[f"{op} {who}"]()
-                assert ok is True or ok == pages, f"{op} {who} failed"
-                if r:
-                    out[f"{op} {who}"].append(t)
+
+    out = alternate(rounds, ("set", "get"), make_runs, pages)
     b.close()
     return out, nbytes
 
@@ -131,7 +144,6 @@ def bench_lmcache(members, rounds, chunks=8):
     for m, o in zip(meta_bufs, objs):
         addrs += [ctypes.addressof(m), o.data_ptr]
         sizes += [len(m.raw), o.get_size()]
-    out = {"put plugin": [], "put direct": [], "get plugin": [], "get direct": []}
     def plugin_get(keys):
         got = h.run(c.batched_get(keys))
         ok = all(g is not None for g in got)
@@ -145,22 +157,18 @@ def bench_lmcache(members, rounds, chunks=8):
             for _ in range(chunks)]
     for w in warm:
         w.ref_count_down()
-    for r in range(rounds + 1):  # round 0 warms the nodes up and is not counted
+
+    def make_runs(r):
         keys = [h.key(0x10000 * (r + 1) + i) for i in range(chunks)]
         dkeys = [("direct/" + k).encode() for k in keys]
-        runs = {
+        return {
             "put plugin": lambda: timed(lambda: h.run(c.batched_put(keys, objs)) is None),
             "put direct": lambda: direct_batch(lib, handle, dkeys, addrs, sizes, 2, write=True),
             "get plugin": lambda: timed(lambda: plugin_get(keys)),
             "get direct": lambda: direct_batch(lib, handle, [c._key(k) for k in keys], addrs, sizes, 2, write=False),
         }
-        for op in ("put", "get"):
-            first, second = ("direct", "plugin") if r % 2 else ("plugin", "direct")
-            for who in (first, second):
-                t, ok = runs[f"{op} {who}"]()
-                assert ok is True or ok == chunks, f"{op} {who} failed"
-                if r:
-                    out[f"{op} {who}"].append(t)
+
+    out = alternate(rounds, ("put", "get"), make_runs, chunks)
     h.close()
     return out, nbytes
 
@@ -186,7 +194,6 @@ def bench_vllm(members, rounds, units=8):
     d_addrs, d_sizes, _ = w._units_segments(dst)
     lib, handle = w._client._lib, w._client._handle()
     nbytes = units * w.unit_bytes()
-    out = {"put plugin": [], "put direct": [], "get plugin": [], "get direct": []}
 
     def save(keys):
         before = w.counters()["save_units"]
@@ -201,22 +208,17 @@ def bench_vllm(members, rounds, units=8):
         w.get_finished(set())
         return t, w.counters()["load_failed_units"] == before and not w.get_block_ids_with_load_errors()
 
-    for r in range(rounds + 1):  # round 0 warms the nodes up and is not counted
+    def make_runs(r):
         keys = [f"{r:04x}{i:060x}.{w.tag}" for i in range(units)]
         dkeys = [f"d{k}" for k in keys]
-        runs = {
+        return {
             "put plugin": lambda: save(keys),
             "put direct": lambda: direct_batch(lib, handle, dkeys, s_addrs, s_sizes, per, write=True),
             "get plugin": lambda: load(keys),
             "get direct": lambda: direct_batch(lib, handle, keys, d_addrs, d_sizes, per, write=False),
         }
-        for op in ("put", "get"):
-            first, second = ("direct", "plugin") if r % 2 else ("plugin", "direct")
-            for who in (first, second):
-                t, ok = runs[f"{op} {who}"]()
-                assert ok is True or ok == units, f"{op} {who} failed"
-                if r:
-                    out[f"{op} {who}"].append(t)
+
+    out = alternate(rounds, ("put", "get"), make_runs, units)
     e.close()
     return out, nbytes
 
