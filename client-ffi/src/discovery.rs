@@ -161,6 +161,12 @@ fn run(
                 }
                 if let Some(tx) = first.take() {
                     let _ = tx.send(Ok(v.epoch));
+                } else if before.is_some() && before != Some(v.epoch) {
+                    // An epoch change woke every client's long-poll at once:
+                    // come back at a random moment of a short window, so the
+                    // replicas do not take all the new long-polls in one
+                    // instant. (This view is already in use.)
+                    pause(stop, repoll_jitter(poll));
                 } else if before == Some(v.epoch) && asked.elapsed() < poll / 2 {
                     // A long-poll that came back early with nothing new (an
                     // old replica, a stale answer): do not spin on it.
@@ -192,6 +198,13 @@ fn fail(core: &Client, first: &mut Option<mpsc::Sender<Result<u64, FirstError>>>
     }
 }
 
+/// How long to wait before the long-poll that follows an epoch change: a
+/// random share of a window of a quarter of the poll, at most 250 ms.
+fn repoll_jitter(poll: Duration) -> Duration {
+    let window = (poll / 4).min(Duration::from_millis(250)).as_millis() as usize;
+    Duration::from_millis(kv_common::mds::random_below(window + 1) as u64)
+}
+
 fn pause(stop: &AtomicBool, d: Duration) {
     let until = std::time::Instant::now() + d;
     while !stop.load(Ordering::SeqCst) && std::time::Instant::now() < until {
@@ -203,6 +216,16 @@ fn pause(stop: &AtomicBool, d: Duration) {
 mod tests {
     use super::*;
     use kv_common::mds::MemberRecord;
+
+    #[test]
+    fn repolls_after_a_change_are_spread_within_a_short_window() {
+        let poll = Duration::from_millis(1000);
+        let waits: Vec<Duration> = (0..200).map(|_| repoll_jitter(poll)).collect();
+        assert!(waits.iter().all(|w| *w <= Duration::from_millis(250)));
+        let distinct: std::collections::HashSet<_> = waits.iter().collect();
+        assert!(distinct.len() > 50, "spread over the window: {}", distinct.len());
+        assert!(repoll_jitter(Duration::from_millis(100)) <= Duration::from_millis(25));
+    }
 
     #[test]
     fn dropping_discovery_does_not_wait_out_a_connect_to_a_blackholed_mds() {

@@ -202,9 +202,11 @@ pub fn parse_endpoints(csv: &str) -> Result<Vec<String>, String> {
     Ok(eps)
 }
 
-/// A blocking client for a list of MDS replicas. Calls go to the replica
-/// that answered last; on a transport error or a 5xx the next one is
-/// tried, each at most once per call.
+/// A blocking client for a list of MDS replicas. The first call goes to a
+/// replica chosen at random (so a fleet's clients spread over the
+/// replicas instead of all taking the first one listed); later calls go to
+/// the replica that answered last; on a transport error or a 5xx the next
+/// one is tried, each at most once per call.
 ///
 /// HTTP is hyper's client (HTTP/1.1, one request per connection), driven by
 /// a runtime of the client's own on the calling thread, so callers need no
@@ -240,6 +242,19 @@ impl AbortHandle {
     }
 }
 
+/// A number in `0..n` (0 when `n` is 0), different in every process and
+/// call: std's per-instance random hash keys, with the time mixed in. For
+/// spreading load (first replicas, re-poll jitter), not for secrets.
+pub fn random_below(n: usize) -> usize {
+    use std::hash::{BuildHasher, Hasher};
+    if n == 0 {
+        return 0;
+    }
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u128(std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos()));
+    (h.finish() % n as u64) as usize
+}
+
 /// The largest answer accepted (a view of thousands of members fits).
 pub const MAX_REPLY: usize = 16 << 20;
 
@@ -254,8 +269,8 @@ impl MdsClient {
             .map(Some)
             .map_err(|e| format!("cannot start the MDS client's I/O runtime: {e}"));
         MdsClient {
+            current: random_below(endpoints.len()),
             endpoints,
-            current: 0,
             timeout,
             rt,
             abort: Arc::new(tokio::sync::watch::channel(false).0),
@@ -565,6 +580,21 @@ mod tests {
         assert!(t0.elapsed() < Duration::from_secs(5), "{:?}", t0.elapsed());
         aborter.join().unwrap();
         assert_eq!(c.view("g"), Err(MdsError::Aborted), "later calls fail too");
+    }
+
+    #[test]
+    fn clients_start_on_replicas_spread_at_random() {
+        let eps: Vec<String> = (0..4).map(|i| format!("127.0.0.{}:7480", i + 1)).collect();
+        let mut first = [0u32; 4];
+        for _ in 0..400 {
+            let c = MdsClient::new(eps.clone(), Duration::from_secs(1));
+            let i = eps.iter().position(|e| e == c.current()).unwrap();
+            first[i] += 1;
+        }
+        // 100 each expected; below 50 is a binomial tail of about 1e-9.
+        assert!(first.iter().all(|&n| n >= 50), "{first:?}");
+        assert_eq!(random_below(0), 0);
+        assert!((0..1000).all(|_| random_below(3) < 3));
     }
 
     #[test]

@@ -261,12 +261,22 @@ fn a_long_poll_sees_a_join_within_a_second() {
 fn killing_the_replica_holding_the_leases_keeps_nodes_and_clients() {
     let _serial = serial();
     let mut tier = Tier::new(2);
-    // Nodes try the first replica first: it holds every lease.
+    // Nodes start on a random replica; the one killed holds at least one lease.
     let _n1 = tier.node("n1", 1);
     let _n2 = tier.node("n2", 1);
     let v = tier.await_members(1, &["n1", "n2"], Duration::from_secs(20));
     let c = tier.client(&tier.eps());
-    tier.mds[0].kill9();
+    let registrations = |i: usize| -> u64 {
+        let m = MdsClient::new(vec![tier.mds[i].addr.clone()], Duration::from_secs(2));
+        let (_, text) = m.request(&tier.mds[i].addr, "GET", "/metrics", None, Duration::ZERO).unwrap();
+        String::from_utf8_lossy(&text)
+            .lines()
+            .find_map(|l| l.strip_prefix("kvmds_registrations_total "))
+            .and_then(|v| v.trim().parse().ok())
+            .unwrap_or(0)
+    };
+    let (holder, survivor) = if registrations(0) > 0 { (0, 1) } else { (1, 0) };
+    tier.mds[holder].kill9();
     // Past two TTLs, with traffic all along: nothing expires, nothing changes.
     let until = Instant::now() + TTL_D * 2 + Duration::from_secs(1);
     let mut i = 0;
@@ -277,18 +287,19 @@ fn killing_the_replica_holding_the_leases_keeps_nodes_and_clients() {
         i += 1;
         std::thread::sleep(Duration::from_millis(50));
     }
-    let now = tier.view(1).expect("the surviving replica answers");
+    let now = tier.view(survivor).expect("the surviving replica answers");
     assert_eq!(now, v, "the other replica took the leases over: same members, same epoch");
     assert_eq!(rebuilds(&c), 1);
     // Each node is now held by the surviving replica: taken over, unless it
-    // had registered there in the first place (a slow first answer).
-    let m = MdsClient::new(vec![tier.mds[1].addr.clone()], Duration::from_secs(2));
-    let (_, text) = m.request(&tier.mds[1].addr, "GET", "/metrics", None, Duration::ZERO).unwrap();
+    // had registered there in the first place.
+    let m = MdsClient::new(vec![tier.mds[survivor].addr.clone()], Duration::from_secs(2));
+    let (_, text) = m.request(&tier.mds[survivor].addr, "GET", "/metrics", None, Duration::ZERO).unwrap();
     let text = String::from_utf8_lossy(&text);
     let count = |name: &str| -> u64 {
         text.lines().find_map(|l| l.strip_prefix(name)).and_then(|v| v.trim().parse().ok()).unwrap_or(0)
     };
     assert_eq!(count("kvmds_takeovers_total ") + count("kvmds_registrations_total "), 2, "{text}");
+    assert!(count("kvmds_takeovers_total ") >= 1, "the killed replica held a lease: {text}");
 }
 
 #[test]
