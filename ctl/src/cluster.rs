@@ -22,9 +22,21 @@ pub fn fetch_view(mds: &str, group: &str, timeout: Duration) -> Result<View, Str
     })
 }
 
+/// The fullest member's share of the keys over the share its weight asks
+/// for (1.0 is perfect balance; with equal weights, max/mean).
+pub fn imbalance(view: &View, shares: &[f64]) -> Option<f64> {
+    let total: f64 = view.members.iter().map(|m| f64::from(m.weight.max(1))).sum();
+    view.members
+        .iter()
+        .zip(shares)
+        .map(|(m, s)| s / (f64::from(m.weight.max(1)) / total))
+        .fold(None, |acc: Option<f64>, x| Some(acc.map_or(x, |a| a.max(x))))
+}
+
 pub fn ring(view: &View, json: bool) -> Result<u8, String> {
     let ring = Ring::new(view.members.iter().map(|m| RingMember { id: m.id.clone(), weight: m.weight }).collect());
     let shares = if view.members.is_empty() { Vec::new() } else { ring.shares() };
+    let fullest = imbalance(view, &shares);
     if json {
         let members: Vec<_> = view
             .members
@@ -37,7 +49,10 @@ pub fn ring(view: &View, json: bool) -> Result<u8, String> {
                 })
             })
             .collect();
-        println!("{}", serde_json::json!({"group": view.group, "epoch": view.epoch, "members": members}));
+        println!(
+            "{}",
+            serde_json::json!({"group": view.group, "epoch": view.epoch, "members": members, "max_over_fair": fullest})
+        );
         return Ok(0);
     }
     println!("group {}  epoch {}  members {}", view.group, view.epoch, view.members.len());
@@ -52,6 +67,9 @@ pub fn ring(view: &View, json: bool) -> Result<u8, String> {
         ]);
     }
     println!("{t}");
+    if let Some(f) = fullest {
+        println!("fullest member: {f:.3}x the share its weight asks for (max/mean with equal weights)");
+    }
     Ok(0)
 }
 

@@ -133,6 +133,8 @@ fn join_same_epoch_everywhere_and_weight_change_shows_in_shares() {
     };
     assert!((share(&ring, "n3") - 0.5).abs() < 0.06, "weight 2 of 4: {out}");
     assert_eq!(ring["members"][2]["vnodes"].as_u64(), Some(320));
+    let fullest = ring["max_over_fair"].as_f64().unwrap();
+    assert!((1.0..1.2).contains(&fullest), "{out}");
     // stat --all: a row per node and a TOTAL; an unreachable node is marked (exit 1).
     let (code, out, err) = run("kvctl", &["stat", "--all", "--mds", &tier.eps(), "--group", "g", "--json"]);
     assert_eq!(code, 0, "{err}");
@@ -145,6 +147,7 @@ fn join_same_epoch_everywhere_and_weight_change_shows_in_shares() {
     let (code, text, _) = run("kvctl", &["ring", "--mds", &tier.eps(), "--group", "g"]);
     assert_eq!(code, 0);
     assert!(text.starts_with(&format!("group g  epoch {}", v0.epoch)), "{text}");
+    assert!(text.contains("fullest member: ") && text.contains("x the share its weight asks for"), "{text}");
 
     // Heartbeats (every TTL/3) for two TTLs: the epoch stays.
     std::thread::sleep(TTL_D * 2);
