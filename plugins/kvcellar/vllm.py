@@ -88,6 +88,8 @@ UNIT_TOKENS = 256
 #: Lookups queued or running at once; more are answered as misses at once
 #: (a hung node must not build a backlog that outlives it).
 MAX_LOOKUPS = 64
+#: Host memory a staged (GPU) load or save uses at once.
+STAGE_BYTES = 256 << 20
 
 COUNTERS = (
     "lookups", "lookup_tokens", "lookup_hit_tokens", "lookup_timeouts", "lookup_errors", "lookups_shed",
@@ -151,15 +153,14 @@ class _ReqState:
     """The scheduler's view of one request."""
 
     request: Any
-    lookup: Optional[Future] = None
-    lookup_from: int = -1  # first unit the lookup asked about
+    lookup: Optional[Future] = None  # over every whole unit of the prompt
     lookup_started: float = 0.0
-    hit_units: int = 0  # leading units present, from unit 0 (after the lookup)
-    present: Set[int] = field(default_factory=set)  # units known stored
+    hit_units: int = 0  # the load ends here: the leading units present from vLLM's local prefix on
+    present: Set[int] = field(default_factory=set)  # units the lookup found stored
     saved_units: int = 0  # units [0, saved_units) stored, hit or handed to a save
     loading: bool = False
     loads: int = 0  # loads planned for this request (a second one is never offered)
-    timed_out: bool = False  # the lookup did not answer in time: no hit, no saves
+    timed_out: bool = False  # no lookup answer (too slow, or shed): no hit, no saves
 
 
 class _LayerSegments:
@@ -305,6 +306,7 @@ class KVCellarConnector(KVConnectorBase_V1):
         self._reqs: Dict[str, _ReqState] = {}
         self._inflight = 0  # lookups queued or running
         self._pending_loads: List[_Transfer] = []
+        self._loading_keys: Dict[str, Tuple[str, int]] = {}  # base key -> (request, unit) of planned loads
         self._events: List[Any] = []
         self._want_events = bool(
             getattr(getattr(vllm_config, "kv_events_config", None), "enable_kv_cache_events", False)
@@ -465,44 +467,56 @@ class KVCellarConnector(KVConnectorBase_V1):
         prompt = int(getattr(request, "num_prompt_tokens", request.num_tokens))
         n_units = min(len(request.block_hashes) * self.block_size, prompt) // self.unit_tokens
         first = num_computed_tokens // self.unit_tokens
-        # Units in vLLM's own prefix cache were saved when computed here.
-        st.saved_units = max(st.saved_units, first)
-        if first >= n_units:
+        if first >= n_units and st.lookup is None:
+            # vLLM holds every whole unit; which the store holds is unknown:
+            # no saves (this instance saved them when it computed them).
+            st.saved_units = n_units
             return 0, False
-        if st.lookup is None or st.lookup_from != first:
-            if st.lookup is not None:
-                st.lookup.cancel()
+        if st.lookup is None:
+            # One lookup over every unit, from the first: which units the
+            # store holds decides both the hit (from the local prefix on)
+            # and the saves (the absent units, those vLLM holds included).
             with self._lock:
                 shed = self._inflight >= MAX_LOOKUPS
                 if not shed:
                     self._inflight += 1
             if shed:
-                self._count(lookups_shed=1)
-                return 0, False  # the store is not keeping up: a miss now, saves as usual
-            keys = self._unit_keys(request, first, n_units)
-            st.lookup_from, st.lookup_started = first, time.monotonic()
-            st.lookup = self._lookups.submit(self._misses.run, "lookup", None, lambda: self._lookup(keys))
+                return self._give_up(st, n_units, lookups_shed=1)
+            keys = self._unit_keys(request, 0, n_units)
+            st.lookup_started = time.monotonic()
+            try:
+                st.lookup = self._lookups.submit(self._misses.run, "lookup", None, lambda: self._lookup(keys))
+            except RuntimeError:  # shut down meanwhile
+                with self._lock:
+                    self._inflight -= 1
+                return self._give_up(st, n_units)
             st.lookup.add_done_callback(self._lookup_ended)
-            self._count(lookups=1, lookup_tokens=(n_units - first) * self.unit_tokens)
+            self._count(lookups=1, lookup_tokens=n_units * self.unit_tokens)
         if not st.lookup.done():
             if time.monotonic() - st.lookup_started < self.lookup_timeout_s:
                 return None, False  # not ready: vLLM asks again next step
-            # Too slow: a miss, and no saves for this request (the store is
-            # struggling, and which units it holds is unknown).
             st.lookup.cancel()
-            st.timed_out = True
-            st.saved_units = n_units
-            self._count(lookup_timeouts=1)
-            return 0, False
+            return self._give_up(st, n_units, lookup_timeouts=1)
         found = st.lookup.result()
         if found is None:
             self._count(lookup_errors=1)
             found = []
-        lead = next((i for i, ok in enumerate(found) if not ok), len(found))
-        st.present = {first + i for i, ok in enumerate(found) if ok}
-        st.hit_units = first + lead
+        st.present = {i for i, ok in enumerate(found) if ok}
+        lead = first
+        while lead in st.present:
+            lead += 1
+        st.hit_units = lead
         matched = st.hit_units * self.unit_tokens - num_computed_tokens
         return (matched, True) if matched > 0 else (0, False)
+
+    def _give_up(self, st: _ReqState, n_units: int, **count: int) -> Tuple[int, bool]:
+        """A miss, and no saves for the request: the store is not keeping up
+        (a lookup too slow, or too many), and which units it holds is unknown."""
+        st.timed_out = True
+        st.saved_units = n_units
+        if count:
+            self._count(**count)
+        return 0, False
 
     def _lookup_ended(self, _f: Future) -> None:
         with self._lock:
@@ -527,7 +541,8 @@ class KVCellarConnector(KVConnectorBase_V1):
                 [block_ids[b] if b >= first_block else -1 for b in range(b0, b0 + self.blocks_per_unit)]
             )
         self._pending_loads.append(_Transfer(request.request_id, keys, per_unit))
-        st.saved_units = max(st.saved_units, st.hit_units)
+        for u, k in zip(range(first_u, last_u), keys):
+            self._loading_keys[k] = (request.request_id, u)
         st.loading = True
         st.loads += 1
         self._count(lookup_hit_tokens=num_external_tokens)
@@ -566,13 +581,26 @@ class KVCellarConnector(KVConnectorBase_V1):
         return meta
 
     def update_connector_output(self, connector_output: Any) -> None:
+        wm = getattr(connector_output, "kv_connector_worker_meta", None)
+        if isinstance(wm, KVCellarWorkerMeta):
+            for key in wm.missing:
+                # Gone from the store since the lookup: vLLM recomputes the
+                # unit, and it is saved again.
+                rid, unit = self._loading_keys.pop(key, ("", -1))
+                st = self._reqs.get(rid)
+                if st is not None:
+                    st.present.discard(unit)
+            if self._want_events:
+                self._note_events(wm)
         for rid in connector_output.finished_recving or ():
             st = self._reqs.get(rid)
             if st is not None:
                 st.loading = False
-        wm = getattr(connector_output, "kv_connector_worker_meta", None)
-        if self._want_events and isinstance(wm, KVCellarWorkerMeta):
-            self._note_events(wm)
+            self._forget_loads(rid)
+
+    def _forget_loads(self, rid: str) -> None:
+        for k in [k for k, (r, _) in self._loading_keys.items() if r == rid]:
+            del self._loading_keys[k]
 
     def _note_events(self, wm: KVCellarWorkerMeta) -> None:
         try:
@@ -595,6 +623,8 @@ class KVCellarConnector(KVConnectorBase_V1):
         st = self._reqs.pop(request.request_id, None)
         if st is not None and st.lookup is not None:
             st.lookup.cancel()
+        if st is not None and not st.loading:
+            self._forget_loads(request.request_id)
         # A request whose load still runs keeps its blocks until the workers
         # report the load finished (vLLM frees them then).
         return (bool(st is not None and st.loading), None)
@@ -695,6 +725,12 @@ class KVCellarConnector(KVConnectorBase_V1):
 
     # -- staging (a cache in device memory) ------------------------------------------------
 
+    def _stage_chunks(self, n: int) -> List[Tuple[int, int]]:
+        """Unit ranges of at most STAGE_BYTES of host buffers each (one unit
+        at least): what a long prompt pins at once stays bounded."""
+        per = max(1, STAGE_BYTES // max(1, self.unit_bytes()))
+        return [(lo, min(n, lo + per)) for lo in range(0, n, per)]
+
     def _stage_buffer(self) -> Any:
         import torch
 
@@ -777,12 +813,15 @@ class KVCellarConnector(KVConnectorBase_V1):
             c = self._client
             if c is not None and self._layers:
                 if self._staging:
-                    bufs = [self._stage_buffer() for _ in keys]
-                    res = c.batch_get(keys, bufs)
-                    for i, r in enumerate(res):
-                        if r.status is Status.OK and r.length == bufs[i].numel():
-                            self._stage_in(bufs[i], t.blocks[i])
-                            ok[i] = True
+                    res = []
+                    for lo, hi in self._stage_chunks(len(keys)):
+                        bufs = [self._stage_buffer() for _ in range(lo, hi)]
+                        part = c.batch_get(keys[lo:hi], bufs)
+                        for i, r in zip(range(lo, hi), part):
+                            if r.status is Status.OK and r.length == bufs[i - lo].numel():
+                                self._stage_in(bufs[i - lo], t.blocks[i])
+                                ok[i] = True
+                        res += part
                 else:
                     addrs, sizes, counts = self._units_segments(t.blocks)
                     want = self.unit_bytes()
@@ -840,7 +879,10 @@ class KVCellarConnector(KVConnectorBase_V1):
 
         def run() -> List[Status]:
             if self._staging:
-                return c.batch_put(keys, [self._stage_out(b) for b in blocks])
+                out: List[Status] = []
+                for lo, hi in self._stage_chunks(len(keys)):
+                    out += c.batch_put(keys[lo:hi], [self._stage_out(b) for b in blocks[lo:hi]])
+                return out
             addrs, sizes, counts = self._units_segments(blocks)
             return c.batch_putv_raw(keys, addrs, sizes, counts)
 

@@ -471,9 +471,10 @@ def test_a_hung_store_sheds_lookups_and_saves_nothing(models):
         reqs = e.serve([prompt(16 + i, 2 * UNIT) for i in range(kv.MAX_LOOKUPS + 8)], until_s=120)
         assert all(q.request_id in e.finished for q in reqs)
         cnt = e.conn.counters()
-        # The first lookups wait out the timeout; then the node cools down
-        # in the client and later lookups miss at once.
-        assert cnt["lookup_timeouts"] >= 1
+        # Lookups wait out lookup_timeout_ms, or miss at once once the client
+        # cools the node down (how many of each depends on the machine's
+        # pace); either way no request is held and none hits.
+        assert cnt["lookups"] + cnt["lookups_shed"] >= len(reqs), cnt
         assert e.worker.counters()["save_units"] == 0
         assert sum(e.loaded.values()) == 0
         end = time.monotonic() + 30
@@ -483,3 +484,51 @@ def test_a_hung_store_sheds_lookups_and_saves_nothing(models):
     finally:
         e.close()
         hung.close()
+
+
+def test_staging_moves_long_prompts_in_bounded_chunks(cluster, models, monkeypatch):
+    from kvcellar import vllm as kv
+
+    w = engine(models, cluster.members, extra={"host_staging": "always"})
+    r = engine(models, cluster.members, extra={"host_staging": "always"})
+    try:
+        monkeypatch.setattr(kv, "STAGE_BYTES", 2 * w.worker.unit_bytes())  # 2 units at a time
+        assert w.worker._stage_chunks(5) == [(0, 2), (2, 4), (4, 5)]
+        p = prompt(17, 5 * UNIT + 1)
+        w.serve([p])
+        assert w.worker.counters()["save_units"] == 5
+        req = r.serve([p])[0]
+        assert r.loaded[req.request_id] == 5 * UNIT and r.checked[req.request_id]
+    finally:
+        w.close()
+        r.close()
+
+
+def test_a_unit_evicted_after_the_lookup_is_recomputed_and_saved_again(cluster, models):
+    w = engine(models, cluster.members)
+    r = engine(models, cluster.members)
+    try:
+        p = prompt(18, 3 * UNIT + 2)
+        req0 = w.serve([p])[0]
+        key = f"{bytes(req0.block_hashes[2 * 16 - 1]).hex()}.{w.conn.tag}"
+        req = r.add(r.request(p))
+        gone = []
+
+        def evict_before_the_load(out):
+            if out.kv_connector_metadata.loads and not gone:
+                with Client(cluster.members) as c:
+                    gone.append(c.delete(key).ok)
+
+        for _ in range(2000):
+            if gone:
+                break
+            r.step(evict_before_the_load)
+        assert gone == [True]
+        r.run()
+        assert req.request_id in r.finished
+        assert r.worker.counters()["load_failed_units"] == 1
+        assert r.worker.counters()["save_units"] == 1  # the evicted unit, recomputed, is stored again
+        assert lookup(r, p) == 3 * UNIT
+    finally:
+        w.close()
+        r.close()
