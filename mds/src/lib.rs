@@ -207,10 +207,19 @@ impl Mds {
     /// changed (retrying a few times: a lost refresh would leave waiters
     /// asleep until their deadline).
     async fn refresh(&self, group: &str) {
-        let followed =
-            self.groups.lock().unwrap_or_else(|e| e.into_inner()).get(group).is_some_and(|tx| tx.receiver_count() > 0);
-        if !followed {
-            return;
+        {
+            let groups = self.groups.lock().unwrap_or_else(|e| e.into_inner());
+            match groups.get(group) {
+                Some(tx) if tx.receiver_count() > 0 => {}
+                Some(tx) => {
+                    // Nobody waits: drop the view held rather than read it;
+                    // the next long-poll reads etcd (a view held through a
+                    // change nobody refreshed would be stale).
+                    tx.send_replace(None);
+                    return;
+                }
+                None => return,
+            }
         }
         let mut backoff = Duration::from_millis(50);
         let (seq, view) = loop {
@@ -219,6 +228,11 @@ impl Mds {
                 Ok(v) => break (seq, v),
                 Err(e) if backoff > Duration::from_millis(800) => {
                     tracing::warn!(group, error = %e, "cannot refresh a view after a change: long-polls re-read at their deadline");
+                    // The view held is no longer known to be current: long-polls
+                    // read etcd again until a refresh succeeds.
+                    if let Some(tx) = self.groups.lock().unwrap_or_else(|e| e.into_inner()).get(group) {
+                        tx.send_replace(None);
+                    }
                     return;
                 }
                 Err(_) => {
@@ -227,6 +241,12 @@ impl Mds {
                 }
             }
         };
+        self.publish(group, seq, view);
+    }
+
+    /// Makes `view` (read as number `seq`) the group's view held for its
+    /// long-polls, unless a later read holds another epoch already.
+    fn publish(&self, group: &str, seq: u64, view: View) {
         if let Some(tx) = self.groups.lock().unwrap_or_else(|e| e.into_inner()).get(group) {
             // `!=`, not `>`: after etcd lost its data, revisions restart
             // lower. Only a read that started after the one published
@@ -241,13 +261,35 @@ impl Mds {
         }
     }
 
-    /// The view once its epoch differs from `after`, or at `wait`'s end
-    /// (then read afresh).
+    /// The view once its epoch differs from `after`, or at `wait`'s end.
+    ///
+    /// While the etcd watch runs, the group's view it last published is
+    /// current (every change of the group's keys refreshes it), so a
+    /// long-poll that holds that epoch already waits on it without reading
+    /// etcd, on entry or at its deadline: a fleet's re-polls after a change
+    /// cost etcd nothing. Otherwise (no watch, nothing held yet, a refresh
+    /// that failed, a client ahead of this replica) the view is read.
     pub async fn wait_view(&self, group: &str, after: u64, wait: Duration) -> Result<View, RegError> {
         let deadline = tokio::time::Instant::now() + wait;
         let mut rx = self.subscribe(group);
-        let mut seq = self.next_read();
-        let mut v = self.reg.view(group).await?;
+        let held = |rx: &mut Option<watch::Receiver<Option<Numbered>>>| -> Option<Numbered> {
+            if !self.watching.load(Ordering::SeqCst) {
+                return None;
+            }
+            rx.as_mut().and_then(|r| r.borrow_and_update().clone())
+        };
+        let (mut seq, mut v) = match held(&mut rx) {
+            Some((s, hv)) if hv.epoch == after => {
+                self.reg.counters.views_from_cache.fetch_add(1, Ordering::Relaxed);
+                (s, hv)
+            }
+            _ => {
+                let seq = self.next_read();
+                let v = self.reg.view(group).await?;
+                self.publish(group, seq, v.clone());
+                (seq, v)
+            }
+        };
         loop {
             if v.epoch != after || tokio::time::Instant::now() >= deadline {
                 return Ok(v);
@@ -265,16 +307,29 @@ impl Mds {
                         changed = r.changed() => {
                             if changed.is_ok() {
                                 // A view read before ours is not newer than ours.
-                                if let Some((s, nv)) = r.borrow_and_update().clone() {
-                                    if s > seq {
-                                        (seq, v) = (s, nv);
+                                let got = r.borrow_and_update().clone();
+                                match got {
+                                    Some((s, nv)) if s > seq => (seq, v) = (s, nv),
+                                    Some(_) => {}
+                                    None => {
+                                        // The view held was dropped (a refresh
+                                        // failed): read it now.
+                                        seq = self.next_read();
+                                        v = self.reg.view(group).await?;
+                                        self.publish(group, seq, v.clone());
                                     }
                                 }
                             }
                         }
                         _ = timer => {
-                            seq = self.next_read();
-                            v = self.reg.view(group).await?;
+                            // At the deadline with the watch running and a view
+                            // held, `v` is current: answer it without a read.
+                            let current = !polling && r.borrow().is_some();
+                            if !current {
+                                seq = self.next_read();
+                                v = self.reg.view(group).await?;
+                                self.publish(group, seq, v.clone());
+                            }
                         }
                     }
                 }

@@ -46,7 +46,7 @@ impl Collector for Counters {
     fn encode(&self, mut e: DescriptorEncoder<'_>) -> Result<(), std::fmt::Error> {
         let c = &self.mds.reg.counters;
         let ld = |a: &AtomicU64| a.load(Ordering::Relaxed);
-        let counters: [(&str, &str, u64); 13] = [
+        let counters: [(&str, &str, u64); 14] = [
             ("registrations", "Node registrations served", ld(&c.registrations)),
             ("heartbeats", "Node heartbeats served", ld(&c.heartbeats)),
             ("takeovers", "Heartbeats that took a node's lease over from another replica", ld(&c.takeovers)),
@@ -57,6 +57,11 @@ impl Collector for Counters {
             ("etcd_errors", "etcd calls that failed", ld(&c.etcd_errors)),
             ("etcd_retries", "etcd calls sent again after one did not reach a member", ld(&c.etcd_retries)),
             ("view_reads", "Views read from etcd", ld(&c.views)),
+            (
+                "long_polls_from_cache",
+                "Long-polls that started from the view held for them, without an etcd read",
+                ld(&c.views_from_cache),
+            ),
             ("refused_connections", "Connections refused at the connection cap (--max-conns)", ld(&c.refused_conns)),
             ("refused_long_polls", "Long-polls refused at the long-poll cap", ld(&c.refused_polls)),
             ("denied_requests", "API calls refused for a missing or wrong auth token (401)", ld(&c.denied)),

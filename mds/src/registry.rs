@@ -114,6 +114,8 @@ pub struct Counters {
     pub views_polled: AtomicU64,
     /// Long-polls answered (on a change or at their deadline), and waiting now.
     pub views_long_polled: AtomicU64,
+    /// Long-polls that started from the view held for them (no etcd read).
+    pub views_from_cache: AtomicU64,
     pub long_polls_waiting: AtomicU64,
 }
 

@@ -619,3 +619,62 @@ fn kv_local_starts_a_group_and_stops_every_part_on_sigterm() {
         assert!(!alive, "node pid {p} outlived kv-local");
     }
 }
+
+/// A replica's counter from its /metrics (0 when absent).
+fn mds_counter(addr: &str, name: &str) -> u64 {
+    let m = MdsClient::new(vec![addr.to_string()], Duration::from_secs(2));
+    let (_, text) = m.request(addr, "GET", "/metrics", None, Duration::ZERO).unwrap();
+    String::from_utf8_lossy(&text)
+        .lines()
+        .find_map(|l| l.strip_prefix(&format!("{name} ")).map(str::to_string))
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or(0)
+}
+
+#[test]
+fn long_polls_holding_the_current_epoch_read_nothing_from_etcd() {
+    let _serial = serial();
+    let tier = Tier::new(1);
+    let _n1 = tier.node("n1", 1);
+    let v = tier.await_members(0, &["n1"], Duration::from_secs(20));
+    let addr = tier.mds[0].addr.clone();
+    // One long-poll first: the replica holds the view from then on.
+    MdsClient::new(vec![addr.clone()], Duration::from_secs(3))
+        .wait_view("g", v.epoch, Duration::from_millis(200))
+        .unwrap();
+    let reads0 = mds_counter(&addr, "kvmds_view_reads_total");
+    let cached0 = mds_counter(&addr, "kvmds_long_polls_from_cache_total");
+    // 16 clients, 3 long-polls each, every one to its deadline: no change.
+    let polls: Vec<_> = (0..16)
+        .map(|_| {
+            let addr = addr.clone();
+            std::thread::spawn(move || {
+                let mut c = MdsClient::new(vec![addr], Duration::from_secs(3));
+                (0..3).map(|_| c.wait_view("g", v.epoch, Duration::from_millis(300)).unwrap().epoch).collect::<Vec<_>>()
+            })
+        })
+        .collect();
+    for p in polls {
+        assert_eq!(p.join().unwrap(), vec![v.epoch; 3]);
+    }
+    let reads = mds_counter(&addr, "kvmds_view_reads_total") - reads0;
+    let cached = mds_counter(&addr, "kvmds_long_polls_from_cache_total") - cached0;
+    assert_eq!(cached, 48, "every long-poll started from the held view");
+    assert!(reads <= 1, "48 long-polls read etcd {reads} times");
+    // A change still wakes them, and a long-poll from an older epoch is
+    // answered at once with the new view.
+    let waiting = {
+        let addr = addr.clone();
+        std::thread::spawn(move || {
+            MdsClient::new(vec![addr], Duration::from_secs(3)).wait_view("g", v.epoch, Duration::from_secs(20)).unwrap()
+        })
+    };
+    std::thread::sleep(Duration::from_millis(200));
+    let _n2 = tier.node("n2", 1);
+    let after = waiting.join().unwrap();
+    assert!(after.epoch > v.epoch && after.members.len() == 2, "{after:?}");
+    let mut c = MdsClient::new(vec![addr], Duration::from_secs(3));
+    let t0 = Instant::now();
+    assert_eq!(c.wait_view("g", v.epoch, Duration::from_secs(5)).unwrap().epoch, after.epoch);
+    assert!(t0.elapsed() < Duration::from_secs(2));
+}
