@@ -3,6 +3,7 @@ says what is real and what is stood in), with real kv-server nodes."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -38,6 +39,19 @@ def engine(models, members, **kw):
     return Engine(vllm_config(model_dir(models, **mk), extra, **kw))
 
 
+@contextlib.contextmanager
+def pair(models, members, **kw):
+    """A writer and a reader instance of one identity, closed after."""
+    made = []
+    try:
+        for _ in range(2):
+            made.append(engine(models, members, **kw))
+        yield tuple(made)
+    finally:
+        for e in made:
+            e.close()
+
+
 def lookup(e: Engine, tokens, timeout_s: float = 10.0) -> int:
     """The scheduler connector's final answer for a fresh request."""
     import time
@@ -56,9 +70,7 @@ def lookup(e: Engine, tokens, timeout_s: float = 10.0) -> int:
 def test_factory_round_trip_byte_for_byte(cluster, models):
     from kvcellar.vllm import KVCellarConnector
 
-    w = engine(models, cluster.members)
-    r = engine(models, cluster.members)
-    try:
+    with pair(models, cluster.members) as (w, r):
         assert isinstance(w.conn, KVCellarConnector) and isinstance(w.worker, KVCellarConnector)
         p = prompt(1, 2 * UNIT + 100)
         w.serve([p])
@@ -77,15 +89,10 @@ def test_factory_round_trip_byte_for_byte(cluster, models):
         assert req.request_id in r.finished
         # Already stored: the reader does not write the hit units again.
         assert r.worker.counters()["save_units"] == 0
-    finally:
-        w.close()
-        r.close()
 
 
 def test_leading_whole_units_only(cluster, models):
-    w = engine(models, cluster.members)
-    r = engine(models, cluster.members)
-    try:
+    with pair(models, cluster.members) as (w, r):
         w.serve([prompt(2, 3 * UNIT)])
         assert lookup(r, prompt(2, 3 * UNIT) + [5] * 40) == 3 * UNIT
         # A prefix of 300 common tokens: one whole unit, not 300.
@@ -94,9 +101,6 @@ def test_leading_whole_units_only(cluster, models):
         assert lookup(r, prompt(2, UNIT - 1)) == 0
         # A different first token: no unit.
         assert lookup(r, [3] + prompt(2, 3 * UNIT)[1:]) == 0
-    finally:
-        w.close()
-        r.close()
 
 
 def test_another_model_block_size_or_split_misses(cluster, models):
@@ -126,9 +130,7 @@ def test_another_model_block_size_or_split_misses(cluster, models):
 
 
 def test_many_requests_in_flight(cluster, models):
-    w = engine(models, cluster.members)
-    r = engine(models, cluster.members)
-    try:
+    with pair(models, cluster.members) as (w, r):
         shared = 2 * UNIT
         prompts = [prompt(100 + i, shared + 50 + i * 7, shared=shared) for i in range(24)]
         w.serve(prompts[:1])
@@ -140,9 +142,6 @@ def test_many_requests_in_flight(cluster, models):
         assert sum(1 for h in hits if h == shared) >= 1
         assert all(r.checked.values()), r.checked
         assert r.worker.counters()["load_failed_units"] == 0
-    finally:
-        w.close()
-        r.close()
 
 
 def test_host_staging_path_round_trips(cluster, models):
@@ -352,9 +351,7 @@ def test_client_sees_the_connector_pages(cluster, models):
 
 def test_tensor_parallel_shards_each_rank_its_own_page(cluster, models):
     """MHA under TP 2: one page per unit per rank; a hit needs both."""
-    w = engine(models, cluster.members, tp=2)
-    r = engine(models, cluster.members, tp=2)
-    try:
+    with pair(models, cluster.members, tp=2) as (w, r):
         p = prompt(10, 2 * UNIT + 9)
         w.serve([p])
         assert [x.counters()["save_units"] for x in w.workers] == [2, 2]
@@ -366,9 +363,6 @@ def test_tensor_parallel_shards_each_rank_its_own_page(cluster, models):
         with Client(cluster.members) as c:
             assert c.delete(key).ok
         assert lookup(r, p) == UNIT
-    finally:
-        w.close()
-        r.close()
 
 
 def test_mla_pages_written_by_rank_zero_read_by_every_rank(cluster, models):
@@ -401,9 +395,7 @@ def _scramble(e: Engine, seed: int) -> None:
 
 @pytest.mark.parametrize("layout", ["LBHNC", "LBNHC", "LHBNC", "BLHNC", "BLNHC", "BHLNC"])
 def test_every_layout_round_trips_multi_unit_batches(cluster, models, layout):
-    w = engine(models, cluster.members, layout=layout)
-    r = engine(models, cluster.members, layout=layout)
-    try:
+    with pair(models, cluster.members, layout=layout) as (w, r):
         _scramble(w, 200)
         _scramble(r, 300)
         p = prompt(12, 4 * UNIT + 30)
@@ -413,9 +405,6 @@ def test_every_layout_round_trips_multi_unit_batches(cluster, models, layout):
         assert r.loaded[req.request_id] == 4 * UNIT
         assert r.checked[req.request_id] is True
         assert r.worker.counters()["load_failed_units"] == 0
-    finally:
-        w.close()
-        r.close()
 
 
 @pytest.mark.parametrize("layout", ["LBHNC", "LBNHC"])
@@ -489,9 +478,7 @@ def test_a_hung_store_sheds_lookups_and_saves_nothing(models):
 def test_staging_moves_long_prompts_in_bounded_chunks(cluster, models, monkeypatch):
     from kvcellar import vllm as kv
 
-    w = engine(models, cluster.members, extra={"host_staging": "always"})
-    r = engine(models, cluster.members, extra={"host_staging": "always"})
-    try:
+    with pair(models, cluster.members, extra={"host_staging": "always"}) as (w, r):
         monkeypatch.setattr(kv, "STAGE_BYTES", 2 * w.worker.unit_bytes())  # 2 units at a time
         assert w.worker._stage_chunks(5) == [(0, 2), (2, 4), (4, 5)]
         p = prompt(17, 5 * UNIT + 1)
@@ -499,15 +486,10 @@ def test_staging_moves_long_prompts_in_bounded_chunks(cluster, models, monkeypat
         assert w.worker.counters()["save_units"] == 5
         req = r.serve([p])[0]
         assert r.loaded[req.request_id] == 5 * UNIT and r.checked[req.request_id]
-    finally:
-        w.close()
-        r.close()
 
 
 def test_a_unit_evicted_after_the_lookup_is_recomputed_and_saved_again(cluster, models):
-    w = engine(models, cluster.members)
-    r = engine(models, cluster.members)
-    try:
+    with pair(models, cluster.members) as (w, r):
         p = prompt(18, 3 * UNIT + 2)
         req0 = w.serve([p])[0]
         key = f"{bytes(req0.block_hashes[2 * 16 - 1]).hex()}.{w.conn.tag}"
@@ -529,6 +511,3 @@ def test_a_unit_evicted_after_the_lookup_is_recomputed_and_saved_again(cluster, 
         assert r.worker.counters()["load_failed_units"] == 1
         assert r.worker.counters()["save_units"] == 1  # the evicted unit, recomputed, is stored again
         assert lookup(r, p) == 3 * UNIT
-    finally:
-        w.close()
-        r.close()
