@@ -37,14 +37,13 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 from kvcellar._lmcache_api import RemoteConnector, RemoteMetadata, make_logger
 from kvcellar._misses import Misses
 from kvcellar.client import Client, ClosedError, Geometry, GetResult, Status
-from kvcellar.config import ConfigError, identity_hash, resolve, tenant_prefix
+from kvcellar.config import CLUSTER_KEYS, ConfigError, identity_hash, resolve, tenant_prefix
 
 log = make_logger("kvcellar.lmcache")
 
 __all__ = ["KvcellarConnector"]
 
 MODULE = "kvcellar.lmcache"
-CLUSTER_KEYS = ("mds", "group", "members", "auth_token_file", "options")
 OWN_KEYS = CLUSTER_KEYS + ("io_timeout_ms", "connect_timeout_ms", "tenant", "poll_ms", "max_inflight")
 MAX_KEY = 1024
 
