@@ -71,7 +71,10 @@ typedef struct kv_geometry {
    that misses at its owner is also asked at its previous owners, where the
    kv-mds view does not say; 0 turns this ring handoff off), handoff_timeout_ms
    (500: the longest one such ask may take), handoff_budget_mb (256: bytes of
-   pages found at a previous owner being copied to their owner at once).
+   pages found at a previous owner being copied to their owner at once),
+   placement (ketama: the rule placing keys on a static member list, or
+   multiprobe; docs/PROTOCOL.md section 4; under MDS discovery the group's
+   view names the rule and this is not used).
    Ring handoff assumes a key always names the same bytes: set handoff_ms=0
    if keys are reused for other values. Every build
    takes the rdma_ keys; when RDMA cannot be used the handle serves over TCP,

@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 use futures_util::future::{join_all, BoxFuture};
 use futures_util::stream::{self, StreamExt};
 use kv_common::page::{Geometry, PageHeader};
-use kv_common::ring::{Ring, RingMember};
+use kv_common::ring::{Placement, Ring, RingMember};
 use kv_common::status::Status;
 use kv_common::wire::MAX_BATCH_KEYS;
 
@@ -45,9 +45,9 @@ pub struct Previous {
     pub until: Instant,
 }
 
-/// A member set from a kv-mds view's `previous`: its epoch, its members and
-/// the time its window has left.
-pub type GivenSet = (u64, Vec<Member>, Duration);
+/// A member set from a kv-mds view's `previous`: its epoch, its members,
+/// the rule that placed keys on them, and the time its window has left.
+pub type GivenSet = (u64, Vec<Member>, Placement, Duration);
 
 /// Most previous owners asked for one key.
 pub const MAX_HANDOFF_ASKS: usize = 2;
@@ -165,8 +165,8 @@ impl Exchange for BatchExistX<'_> {
     }
 }
 
-fn ring_of(members: &[Member]) -> Ring {
-    Ring::new(members.iter().map(|m| RingMember { id: m.id.clone(), weight: m.weight }).collect())
+fn ring_of(members: &[Member], placement: Placement) -> Ring {
+    Ring::with_placement(members.iter().map(|m| RingMember { id: m.id.clone(), weight: m.weight }).collect(), placement)
 }
 
 /// What places a node: its id, address and weight.
@@ -233,7 +233,7 @@ impl Client {
     /// As [`Client::set_members`]; `epoch` is the MDS epoch of the view the
     /// members come from (None: a local swap, numbered by this client).
     pub fn set_members_at(&self, members: Vec<Member>, epoch: Option<u64>) -> u64 {
-        self.install(members, epoch, Vec::new(), None)
+        self.install(members, self.opts.placement, epoch, Vec::new(), None)
     }
 
     /// Installs a member set. The set it replaces is kept as a previous set
@@ -244,6 +244,7 @@ impl Client {
     pub fn install(
         &self,
         members: Vec<Member>,
+        placement: Placement,
         epoch: Option<u64>,
         given: Vec<GivenSet>,
         window: Option<Duration>,
@@ -281,13 +282,14 @@ impl Client {
         for n in nodes.iter().filter(|n| !was.contains(&Arc::as_ptr(n))) {
             n.clear_handoff_skip();
         }
-        let ring = Arc::new(ring_of(&members));
+        let ring = Arc::new(ring_of(&members, placement));
         let local = self.epochs.fetch_add(1, Ordering::AcqRel) + 1;
         let epoch = epoch.unwrap_or(local);
         let window = if self.opts.handoff.is_zero() { Duration::ZERO } else { window.unwrap_or(self.opts.handoff) };
         let mut previous: Vec<Arc<Previous>> = Vec::new();
         if !window.is_zero() {
-            if !old.nodes.is_empty() && !same_members(&old.nodes, &nodes) {
+            let same = |r: &Ring, n: &[Arc<Node>]| r.placement() == placement && same_members(n, &nodes);
+            if !old.nodes.is_empty() && !same(&old.ring, &old.nodes) {
                 previous.push(Arc::new(Previous {
                     epoch: old.epoch,
                     ring: old.ring.clone(),
@@ -296,7 +298,7 @@ impl Client {
                 }));
             }
             previous.extend(old.previous.iter().filter(|p| p.until > now).cloned());
-            for (e, set, left) in given {
+            for (e, set, rule, left) in given {
                 let until = now + left;
                 match previous.iter().position(|p| p.epoch == e) {
                     Some(i) => {
@@ -306,11 +308,12 @@ impl Client {
                     }
                     None => {
                         let nodes = set.iter().map(&mut node_for).collect();
-                        previous.push(Arc::new(Previous { epoch: e, ring: Arc::new(ring_of(&set)), nodes, until }));
+                        let ring = Arc::new(ring_of(&set, rule));
+                        previous.push(Arc::new(Previous { epoch: e, ring, nodes, until }));
                     }
                 }
             }
-            previous.retain(|p| p.until > now && p.epoch != epoch && !same_members(&p.nodes, &nodes));
+            previous.retain(|p| p.until > now && p.epoch != epoch && !same(&p.ring, &p.nodes));
             // Newest first; one set per epoch.
             previous.sort_by_key(|p| std::cmp::Reverse(p.epoch));
             previous.dedup_by_key(|p| p.epoch);

@@ -64,15 +64,17 @@ fn members_of(v: &View) -> (Vec<Member>, Vec<String>) {
     (out, bad)
 }
 
-/// The previous member sets a view names (a set with a record of bad form
-/// is left out: kv-mds accepts none).
+/// The previous member sets a view names (a set with a record of bad form,
+/// which kv-mds accepts none of, or placed by a rule this build does not
+/// know, is left out).
 fn previous_of(v: &View) -> Vec<crate::client::GivenSet> {
     v.previous
         .iter()
         .filter_map(|p| {
             let set: Result<Vec<Member>, String> =
                 p.apply(&v.members).iter().map(|m| member(&m.id, &m.addr, m.weight)).collect();
-            Some((p.epoch, set.ok()?, Duration::from_millis(p.remaining_ms)))
+            let rule = kv_common::mds::placement_of(&v.group, p.placement.as_deref()).ok()?;
+            Some((p.epoch, set.ok()?, rule, Duration::from_millis(p.remaining_ms)))
         })
         .collect()
 }
@@ -132,6 +134,16 @@ fn run(
                 m.mds_views.fetch_add(1, Ordering::Relaxed);
                 m.mds_up.store(1, Ordering::Relaxed);
                 if applied != Some(v.epoch) {
+                    let rule = match v.placement() {
+                        Ok(r) => r,
+                        Err(msg) => {
+                            // A replica that did not check the rule the
+                            // client named: refuse the group as for a 422.
+                            refuse(&core, &mut first, msg);
+                            applied = Some(v.epoch);
+                            continue;
+                        }
+                    };
                     let (members, bad) = members_of(&v);
                     let had = !core.topology().nodes.is_empty();
                     if !bad.is_empty() {
@@ -155,7 +167,7 @@ fn run(
                         ));
                     } else {
                         let window = v.handoff_ms.map(Duration::from_millis);
-                        core.install(members, Some(v.epoch), previous_of(&v), window);
+                        core.install(members, rule, Some(v.epoch), previous_of(&v), window);
                     }
                     applied = Some(v.epoch);
                 }
@@ -174,6 +186,14 @@ fn run(
                 }
             }
             Err(MdsError::Aborted) => break,
+            Err(MdsError::Unsupported(msg)) => {
+                m.mds_errors.fetch_add(1, Ordering::Relaxed);
+                refuse(&core, &mut first, msg);
+                // Asks again at the error pace: the group may switch back,
+                // or the replicas be told the rule was set by mistake.
+                applied = None;
+                pause(stop, poll.min(Duration::from_secs(1)));
+            }
             Err(e) => {
                 m.mds_errors.fetch_add(1, Ordering::Relaxed);
                 m.mds_up.store(0, Ordering::Relaxed);
@@ -187,6 +207,16 @@ fn run(
             }
         }
     }
+}
+
+/// The group is placed by a rule this build does not know: rather than
+/// send keys to members another rule would not pick, serve none (every
+/// call answers KV_UNAVAILABLE, and `kv_stats_snapshot` says why).
+fn refuse(core: &Client, first: &mut Option<mpsc::Sender<Result<u64, FirstError>>>, msg: String) {
+    if !core.topology().nodes.is_empty() {
+        core.install(Vec::new(), kv_common::ring::Placement::Ketama, None, Vec::new(), Some(Duration::ZERO));
+    }
+    fail(core, first, Status::Einval, msg);
 }
 
 /// Records a failed round; the first one also answers the starter (who
@@ -261,6 +291,7 @@ mod tests {
             members: vec![rec("a", "127.0.0.1:7000"), rec("b", "no-such-host.invalid:7000")],
             previous: vec![],
             handoff_ms: None,
+            placement: None,
         };
         let (members, bad) = members_of(&v);
         assert!(bad.is_empty(), "{bad:?}");

@@ -29,6 +29,10 @@ pub struct Options {
     /// `handoff_budget_mb`: bytes of background copies (pages found at a
     /// previous owner, written to the current one) in flight per handle.
     pub handoff_budget: u64,
+    /// `placement`: the rule placing keys on a static member list (`ketama`,
+    /// `multiprobe`; docs/PROTOCOL.md §4). Under kv-mds discovery the
+    /// group's view names the rule and this is not used.
+    pub placement: kv_common::ring::Placement,
 }
 
 impl Default for Options {
@@ -45,6 +49,7 @@ impl Default for Options {
             handoff: Duration::from_secs(600),
             handoff_timeout: Duration::from_millis(500),
             handoff_budget: 256 << 20,
+            placement: kv_common::ring::Placement::Ketama,
         }
     }
 }
@@ -64,6 +69,7 @@ pub const KEYS: &[&str] = &[
     "handoff_ms",
     "handoff_timeout_ms",
     "handoff_budget_mb",
+    "placement",
 ];
 
 impl Options {
@@ -79,6 +85,10 @@ impl Options {
                     return Err("option auth_token_file names no file".into());
                 }
                 o.auth_token = Some(kv_common::auth::read_token_file(std::path::Path::new(v))?);
+                continue;
+            }
+            if k == "placement" {
+                o.placement = kv_common::ring::Placement::parse(v).map_err(|e| format!("option placement: {e}"))?;
                 continue;
             }
             if k == "rdma_devices" {
@@ -133,6 +143,8 @@ mod tests {
             (Duration::ZERO, Duration::from_millis(100), 8 << 20)
         );
         assert!(Options::parse("handoff_timeout_ms=0").unwrap_err().contains("at least 1"));
+        assert_eq!(Options::parse("placement=multiprobe").unwrap().placement, kv_common::ring::Placement::MultiProbe);
+        assert!(Options::parse("placement=jump").unwrap_err().contains("knows ketama,multiprobe"));
     }
 
     #[test]

@@ -49,6 +49,31 @@ pub struct View {
     /// handoff is off for this group's clients. Absent from older replicas.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub handoff_ms: Option<u64>,
+    /// The group's placement rule (docs/PROTOCOL.md §4); absent: `ketama`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub placement: Option<String>,
+}
+
+/// The rule a view or a previous set names (`None`: Ketama), or why this
+/// build cannot follow it.
+pub fn placement_of(group: &str, named: Option<&str>) -> Result<crate::ring::Placement, String> {
+    match named {
+        None => Ok(crate::ring::Placement::Ketama),
+        Some(n) => crate::ring::Placement::parse(n).map_err(|_| {
+            format!(
+                "group {group} places keys by rule {n:?}, which this build does not know (it knows {}): upgrade it",
+                crate::ring::Placement::known()
+            )
+        }),
+    }
+}
+
+impl View {
+    /// The group's placement rule, or one clear error when this build does
+    /// not know it (a client must then refuse the group, not guess).
+    pub fn placement(&self) -> Result<crate::ring::Placement, String> {
+        placement_of(&self.group, self.placement.as_deref())
+    }
 }
 
 /// Most previous member sets a view carries.
@@ -69,6 +94,9 @@ pub struct PreviousSet {
     /// another address or weight).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub left: Vec<MemberRecord>,
+    /// The set's placement rule when it was current; absent: `ketama`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub placement: Option<String>,
 }
 
 impl PreviousSet {
@@ -86,7 +114,7 @@ impl PreviousSet {
             .filter(|e| !cur.contains(&placed(e)))
             .map(|e| MemberRecord { metrics_addr: None, ..e.clone() })
             .collect();
-        PreviousSet { epoch, remaining_ms, joined, left }
+        PreviousSet { epoch, remaining_ms, joined, left, placement: None }
     }
 
     /// The earlier set itself, from the view's `current` members, sorted by id.
@@ -101,6 +129,20 @@ impl PreviousSet {
         out.sort_by(|a, b| a.id.cmp(&b.id));
         out
     }
+}
+
+/// The body of `PUT /v1/groups/{g}/placement`.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct PlacementRequest {
+    pub placement: String,
+}
+
+/// The answer to `PUT /v1/groups/{g}/placement`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PlacementReply {
+    pub placement: String,
+    /// The epoch naming the group's members under that rule.
+    pub epoch: u64,
 }
 
 /// The body of a register request.
@@ -163,6 +205,9 @@ pub enum MdsError {
     Aborted,
     /// The MDS refused the auth token (401): missing or wrong for the group.
     Denied(String),
+    /// The group places keys by a rule this client does not know (422): it
+    /// must refuse the group rather than guess where keys live.
+    Unsupported(String),
 }
 
 impl std::fmt::Display for MdsError {
@@ -174,6 +219,7 @@ impl std::fmt::Display for MdsError {
             MdsError::Unavailable(m) => write!(f, "no MDS answered: {m}"),
             MdsError::Aborted => write!(f, "aborted"),
             MdsError::Denied(m) => write!(f, "access denied: {m}"),
+            MdsError::Unsupported(m) => write!(f, "cannot follow the group: {m}"),
         }
     }
 }
@@ -303,17 +349,29 @@ impl MdsClient {
         *self.abort.borrow()
     }
 
-    /// The group's view now.
+    /// The group's view now. Every view call names the placement rules
+    /// this build knows (`rules=`): a replica refuses (422) a group placed
+    /// by another.
     pub fn view(&mut self, group: &str) -> Result<View, MdsError> {
-        self.call_json("GET", &format!("/v1/groups/{group}/view"), None, Duration::ZERO)
+        let path = format!("/v1/groups/{group}/view?rules={}", crate::ring::Placement::known());
+        self.call_json("GET", &path, None, Duration::ZERO)
     }
 
     /// The group's view once its epoch is past `after`, or after `wait`
     /// (then the view as it is).
     pub fn wait_view(&mut self, group: &str, after: u64, wait: Duration) -> Result<View, MdsError> {
         let ms = (wait.as_millis() as u64).min(MAX_WAIT_MS);
-        let path = format!("/v1/groups/{group}/view?after={after}&wait_ms={ms}");
+        let rules = crate::ring::Placement::known();
+        let path = format!("/v1/groups/{group}/view?after={after}&wait_ms={ms}&rules={rules}");
         self.call_json("GET", &path, None, Duration::from_millis(ms))
+    }
+
+    /// Sets the group's placement rule (docs/PROTOCOL.md §4): a membership
+    /// transition, answered with the epoch that names the group under it.
+    pub fn set_placement(&mut self, group: &str, rule: crate::ring::Placement) -> Result<PlacementReply, MdsError> {
+        let body = serde_json::to_vec(&PlacementRequest { placement: rule.name().to_string() })
+            .map_err(|e| MdsError::Rejected(e.to_string()))?;
+        self.call_json("PUT", &format!("/v1/groups/{group}/placement"), Some(&body), Duration::ZERO)
     }
 
     pub fn register(&mut self, group: &str, id: &str, req: &RegisterRequest) -> Result<LeaseReply, MdsError> {
@@ -354,6 +412,8 @@ impl MdsClient {
             Err(MdsError::NotRegistered(msg))
         } else if status == 409 {
             Err(MdsError::Taken(msg))
+        } else if status == 422 {
+            Err(MdsError::Unsupported(msg))
         } else {
             Err(MdsError::Rejected(format!("{} answered {status}: {msg}", self.current())))
         }

@@ -1,10 +1,75 @@
-//! Weighted Ketama placement (docs/PROTOCOL.md §4), shared by the client ring and a
-//! node's choice among its disks so any tool can recompute where a key lives.
+//! Placement (docs/PROTOCOL.md §4): which member owns a key, computable from
+//! the member list alone by any tool.
+//!
+//! Two rules, chosen per group by its operator and named in the group's view:
+//! - [`Placement::Ketama`] (the default, and a node's choice among its disks):
+//!   160 points per unit of weight, a key owned by the member of the first
+//!   point at or after the key's point. Its fullest member owns 1.03x the
+//!   mean share at 3 members, 1.2x at 100 and 1.25x at 1,000.
+//! - [`Placement::MultiProbe`]: 16 points per unit of weight and 64 probes per
+//!   key; the key goes to the member whose point follows one of its probes
+//!   most closely. The fullest of 1,000 equal members owns 1.02x the mean;
+//!   a join moves only the keys the new member takes.
 
 use xxhash_rust::xxh3::xxh3_64;
 
 /// Points each unit of weight contributes.
 pub const VNODES_PER_WEIGHT: u64 = 160;
+
+/// Points each unit of weight contributes under [`Placement::MultiProbe`].
+pub const MULTIPROBE_POINTS_PER_WEIGHT: u64 = 16;
+
+/// Probes per key under [`Placement::MultiProbe`].
+pub const MULTIPROBE_PROBES: u32 = 64;
+
+/// The rule that places keys on a group's members (docs/PROTOCOL.md §4).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum Placement {
+    /// Weighted Ketama: the default, and what a view without a rule means.
+    #[default]
+    Ketama,
+    /// Weighted multi-probe consistent hashing.
+    MultiProbe,
+}
+
+impl Placement {
+    /// Every rule this build knows, in the order clients declare them.
+    pub const ALL: [Placement; 2] = [Placement::Ketama, Placement::MultiProbe];
+
+    /// The rule's name in views, etcd and on command lines.
+    pub fn name(self) -> &'static str {
+        match self {
+            Placement::Ketama => "ketama",
+            Placement::MultiProbe => "multiprobe",
+        }
+    }
+
+    /// The rule a name stands for; `Err` names the rules this build knows.
+    pub fn parse(name: &str) -> Result<Placement, String> {
+        Placement::ALL.into_iter().find(|p| p.name() == name).ok_or_else(|| {
+            format!("placement rule {name:?} is unknown to this build (it knows {})", Placement::known())
+        })
+    }
+
+    /// The names of [`Placement::ALL`], comma-separated.
+    pub fn known() -> String {
+        Placement::ALL.map(Placement::name).join(",")
+    }
+
+    /// Ring points per unit of weight.
+    pub fn points_per_weight(self) -> u64 {
+        match self {
+            Placement::Ketama => VNODES_PER_WEIGHT,
+            Placement::MultiProbe => MULTIPROBE_POINTS_PER_WEIGHT,
+        }
+    }
+}
+
+impl std::fmt::Display for Placement {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
 
 /// The largest weight a member may have: nodes, kv-mds and clients all
 /// refuse more, so a ring never holds more than 1.6 M points per member.
@@ -21,6 +86,7 @@ pub struct RingMember {
 /// [`Ring::members`].
 #[derive(Debug, Clone, Default)]
 pub struct Ring {
+    placement: Placement,
     members: Vec<RingMember>,
     /// (point, member index), sorted by point then by member id.
     points: Vec<(u64, u32)>,
@@ -44,12 +110,26 @@ pub fn key_point(key: &[u8]) -> u64 {
     xxh3_64(key)
 }
 
+/// Probe `j` (0-based) of a key whose point is `h` under
+/// [`Placement::MultiProbe`]: output `j + 1` of SplitMix64 seeded with `h`.
+pub fn probe_point(h: u64, j: u32) -> u64 {
+    let mut z = h.wrapping_add(0x9e37_79b9_7f4a_7c15u64.wrapping_mul(u64::from(j) + 1));
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
+}
+
 impl Ring {
-    /// Builds a ring. Weights below 1 count as 1.
+    /// Builds a Ketama ring. Weights below 1 count as 1.
     pub fn new(members: Vec<RingMember>) -> Ring {
+        Ring::with_placement(members, Placement::Ketama)
+    }
+
+    /// Builds a ring placing keys by `placement`. Weights below 1 count as 1.
+    pub fn with_placement(members: Vec<RingMember>, placement: Placement) -> Ring {
         let mut points = Vec::new();
         for (i, m) in members.iter().enumerate() {
-            let n = VNODES_PER_WEIGHT * u64::from(m.weight.max(1));
+            let n = placement.points_per_weight() * u64::from(m.weight.max(1));
             points.reserve(n as usize);
             for j in 0..n {
                 points.push((vnode_point(&m.id, j), i as u32));
@@ -68,7 +148,18 @@ impl Ring {
             index.push(pos as u32);
         }
         index.push(points.len() as u32);
-        Ring { members, points, index }
+        Ring { placement, members, points, index }
+    }
+
+    pub fn placement(&self) -> Placement {
+        self.placement
+    }
+
+    /// Bytes the ring holds (points, index and member list), for sizing.
+    pub fn heap_bytes(&self) -> usize {
+        self.points.capacity() * std::mem::size_of::<(u64, u32)>()
+            + self.index.capacity() * std::mem::size_of::<u32>()
+            + self.members.iter().map(|m| std::mem::size_of::<RingMember>() + m.id.capacity()).sum::<usize>()
     }
 
     pub fn members(&self) -> &[RingMember] {
@@ -81,25 +172,121 @@ impl Ring {
 
     /// Index of the member owning `key`, or `None` for an empty ring.
     pub fn owner(&self, key: &[u8]) -> Option<usize> {
-        self.owner_of_point(key_point(key))
+        match self.placement {
+            Placement::Ketama => self.owner_of_point(key_point(key)),
+            Placement::MultiProbe => self.multiprobe_owner(key_point(key)),
+        }
     }
 
-    /// Index of the member owning a point: the first point >= it, wrapping.
+    /// The multi-probe owner of a key whose point is `h`: of the key's
+    /// probes, the one whose next point (wrapping) is nearest decides; on
+    /// equal distances the earlier probe wins.
+    fn multiprobe_owner(&self, h: u64) -> Option<usize> {
+        if self.points.is_empty() {
+            return None;
+        }
+        let mut best = (u64::MAX, 0usize);
+        for j in 0..MULTIPROBE_PROBES {
+            let p = probe_point(h, j);
+            let i = self.successor(p);
+            let d = self.points[i].0.wrapping_sub(p);
+            if d < best.0 || j == 0 {
+                best = (d, i);
+            }
+        }
+        Some(self.points[best.1].1 as usize)
+    }
+
+    /// Index of the member owning a point under Ketama: the first point >=
+    /// it, wrapping.
     pub fn owner_of_point(&self, p: u64) -> Option<usize> {
         if self.points.is_empty() {
             return None;
         }
+        Some(self.points[self.successor(p)].1 as usize)
+    }
+
+    /// Position in `points` of the first point >= p, wrapping (points not
+    /// empty).
+    fn successor(&self, p: u64) -> usize {
         // Points before the bucket are below p and points after it above:
         // the first point >= p is within the bucket or is its end.
         let b = (p >> (64 - INDEX_BITS)) as usize;
         let (lo, hi) = (self.index[b] as usize, self.index[b + 1] as usize);
         let i = lo + self.points[lo..hi].partition_point(|&(q, _)| q < p);
-        let i = if i == self.points.len() { 0 } else { i };
-        Some(self.points[i].1 as usize)
+        if i == self.points.len() {
+            0
+        } else {
+            i
+        }
     }
 
-    /// Fraction of the hash space each member owns (sums to 1).
+    /// Each member's share of keys (sums to 1): under Ketama the fraction of
+    /// the hash space its points own; under multi-probe the exact
+    /// probability that a key's winning probe falls in one of its arcs.
     pub fn shares(&self) -> Vec<f64> {
+        match self.placement {
+            Placement::Ketama => self.arc_shares(),
+            Placement::MultiProbe => self.multiprobe_shares(),
+        }
+    }
+
+    /// Each point's arc: from its predecessor (exclusive) to itself, as a
+    /// fraction of the hash space.
+    fn arcs(&self) -> Vec<f64> {
+        let n = self.points.len();
+        let total = (u64::MAX as f64) + 1.0;
+        (0..n)
+            .map(|k| {
+                let p = self.points[k].0;
+                let prev = if k == 0 { self.points[n - 1].0 } else { self.points[k - 1].0 };
+                let arc = if n == 1 { u64::MAX as u128 + 1 } else { p.wrapping_sub(prev) as u128 };
+                arc as f64 / total
+            })
+            .collect()
+    }
+
+    /// Multi-probe shares. A probe at distance x before a point lies in
+    /// that point's arc; with `G(x)` the measure of probes whose distance to
+    /// their next point exceeds x (the sum over arcs `a` of max(a - x, 0)),
+    /// a point with arc `a` wins a key with probability
+    /// `k * integral_0^a G(x)^(k-1) dx` for k probes. G is piecewise linear
+    /// between the sorted arc lengths, so the integral is a sum of
+    /// `(G(start)^k - G(end)^k) / c` over those pieces, c being the number
+    /// of arcs longer than the piece.
+    fn multiprobe_shares(&self) -> Vec<f64> {
+        let mut out = vec![0f64; self.members.len()];
+        if self.points.is_empty() {
+            return out;
+        }
+        let arcs = self.arcs();
+        let n = arcs.len();
+        let mut order: Vec<usize> = (0..n).collect();
+        order.sort_by(|&a, &b| arcs[a].total_cmp(&arcs[b]));
+        let k = MULTIPROBE_PROBES as i32;
+        // Sum of the arcs from position i (in ascending order) on.
+        let mut rest = arcs.iter().sum::<f64>();
+        let (mut x0, mut g0, mut acc) = (0f64, 1f64, 0f64);
+        for (i, &pt) in order.iter().enumerate() {
+            let a = arcs[pt];
+            let longer = (n - i) as f64;
+            // G at x = a: the arcs from i on, each shortened by a.
+            let g1 = (rest - longer * a).max(0.0);
+            if a > x0 {
+                acc += (g0.powi(k) - g1.powi(k)) / longer;
+            }
+            out[self.points[pt].1 as usize] += acc;
+            rest -= a;
+            (x0, g0) = (a, g1);
+        }
+        let sum: f64 = out.iter().sum();
+        if sum > 0.0 {
+            out.iter_mut().for_each(|s| *s /= sum);
+        }
+        out
+    }
+
+    fn arc_shares(&self) -> Vec<f64> {
         let mut owned = vec![0u128; self.members.len()];
         let n = self.points.len();
         for k in 0..n {
@@ -196,5 +383,130 @@ mod tests {
                 assert_eq!(r.owner_of_point(p), Some(full(p)), "point {p:#x}, {n} members");
             }
         }
+    }
+
+    fn equal(n: usize) -> Vec<RingMember> {
+        (0..n).map(|i| RingMember { id: format!("gpu-{i:04}"), weight: 1 }).collect()
+    }
+
+    fn max_over_mean(r: &Ring) -> f64 {
+        let s = r.shares();
+        s.iter().cloned().fold(0.0, f64::max) * s.len() as f64
+    }
+
+    /// Vectors from `scripts/placement-vectors.py`, an implementation of
+    /// the rule written in Python from docs/PROTOCOL.md alone.
+    #[test]
+    fn multiprobe_reproduces_the_reference_vectors() {
+        let v: serde_json::Value = serde_json::from_str(include_str!("../tests/placement-vectors.json")).unwrap();
+        assert_eq!(v["rule"], Placement::MultiProbe.name());
+        assert_eq!(v["points_per_weight"], MULTIPROBE_POINTS_PER_WEIGHT);
+        assert_eq!(v["probes"], MULTIPROBE_PROBES);
+        let small = &v["small"];
+        let h = key_point(b"key-0");
+        assert_eq!(small["key0_point"], h);
+        for j in 0..4 {
+            assert_eq!(small["key0_probes"][j as usize], probe_point(h, j), "probe {j}");
+        }
+        let members: Vec<RingMember> = small["members"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|m| RingMember { id: m["id"].as_str().unwrap().into(), weight: m["weight"].as_u64().unwrap() as u32 })
+            .collect();
+        let check = |r: &Ring, owners: &serde_json::Value, what: &str| {
+            for (k, want) in owners.as_object().unwrap() {
+                let i = r.owner(k.as_bytes()).unwrap();
+                assert_eq!(r.members()[i].id, want.as_str().unwrap(), "{what}: owner of {k}");
+            }
+        };
+        let r = Ring::with_placement(members, Placement::MultiProbe);
+        check(&r, &small["owners"], "small");
+        for (got, want) in r.shares().iter().zip(small["shares"].as_array().unwrap()) {
+            assert!((got - want.as_f64().unwrap()).abs() < 1e-9, "{got} against {want}");
+        }
+        let fleet = &v["fleet"];
+        let f = Ring::with_placement(equal(1000), Placement::MultiProbe);
+        check(&f, &fleet["owners"], "fleet");
+        assert!((max_over_mean(&f) - fleet["max_over_mean"].as_f64().unwrap()).abs() < 1e-9);
+        assert!((f.shares()[0] - fleet["share_gpu_0000"].as_f64().unwrap()).abs() < 1e-12);
+        let g = Ring::with_placement(equal(1001), Placement::MultiProbe);
+        check(&g, &fleet["owners_after_join"], "fleet after a join");
+        assert!((g.shares()[1000] - fleet["joined_share"].as_f64().unwrap()).abs() < 1e-12);
+        let mixed = &v["mixed"];
+        let members: Vec<RingMember> =
+            (0..1000).map(|i| RingMember { id: format!("gpu-{i:04}"), weight: 1 + i % 4 }).collect();
+        let total: u32 = members.iter().map(|m| m.weight).sum();
+        let m = Ring::with_placement(members.clone(), Placement::MultiProbe);
+        check(&m, &mixed["owners"], "mixed");
+        let over: Vec<f64> =
+            m.shares().iter().zip(&members).map(|(s, mm)| s / (f64::from(mm.weight) / f64::from(total))).collect();
+        assert!((over.iter().cloned().fold(0.0, f64::max) - mixed["max_over_fair"].as_f64().unwrap()).abs() < 1e-9);
+        assert!((over.iter().cloned().fold(9.0, f64::min) - mixed["min_over_fair"].as_f64().unwrap()).abs() < 1e-9);
+    }
+
+    #[test]
+    fn multiprobe_keeps_the_fullest_member_within_5_percent_of_the_mean() {
+        for n in [3, 10, 100, 1000] {
+            let mp = max_over_mean(&Ring::with_placement(equal(n), Placement::MultiProbe));
+            let ketama = max_over_mean(&Ring::new(equal(n)));
+            println!("{n} equal members: the fullest owns {mp:.4}x the mean under multiprobe, {ketama:.4}x under ketama");
+            assert!(mp <= 1.05, "{n} members: the fullest owns {mp:.3}x the mean (ketama: {ketama:.3}x)");
+        }
+    }
+
+    /// A join moves only the keys the new member takes: at most 1.1/N.
+    #[test]
+    fn a_multiprobe_join_moves_only_the_keys_the_new_member_takes() {
+        let n = 100;
+        let before = Ring::with_placement(equal(n), Placement::MultiProbe);
+        let after = Ring::with_placement(equal(n + 1), Placement::MultiProbe);
+        let keys = 50_000u32;
+        let mut moved = 0u32;
+        for i in 0..keys {
+            let k = format!("page-{i}");
+            let (a, b) = (before.owner(k.as_bytes()).unwrap(), after.owner(k.as_bytes()).unwrap());
+            if a != b {
+                assert_eq!(b, n, "{k} moved between two old members");
+                moved += 1;
+            }
+        }
+        let frac = f64::from(moved) / f64::from(keys);
+        assert!(frac <= 1.1 / n as f64, "a join moved {frac:.5} of the keys");
+        // And at 1,000 members: what moves is the new member's share.
+        let grown = Ring::with_placement(equal(1001), Placement::MultiProbe);
+        let share = grown.shares()[1000];
+        assert!(share <= 1.1 / 1000.0, "a join at 1000 moves {share:.6}");
+    }
+
+    /// The exact shares agree with where sampled keys go.
+    #[test]
+    fn multiprobe_shares_match_sampled_keys() {
+        let members: Vec<RingMember> =
+            (0..12).map(|i| RingMember { id: format!("node-{i}"), weight: 1 + i % 3 }).collect();
+        let r = Ring::with_placement(members, Placement::MultiProbe);
+        let keys = 120_000u32;
+        let mut got = [0u32; 12];
+        for i in 0..keys {
+            got[r.owner(format!("k{i}").as_bytes()).unwrap()] += 1;
+        }
+        for (i, (g, s)) in got.iter().zip(r.shares()).enumerate() {
+            let want = s * f64::from(keys);
+            let sd = (want * (1.0 - s)).sqrt();
+            assert!((f64::from(*g) - want).abs() < 5.0 * sd, "member {i}: {g} keys, expected {want:.0}");
+        }
+    }
+
+    #[test]
+    fn placement_names_round_trip_and_unknown_ones_are_refused() {
+        for p in Placement::ALL {
+            assert_eq!(Placement::parse(p.name()), Ok(p));
+        }
+        let e = Placement::parse("jump").unwrap_err();
+        assert!(e.contains("\"jump\"") && e.contains("ketama,multiprobe"), "{e}");
+        let one = Ring::with_placement(equal(1), Placement::MultiProbe);
+        assert_eq!(one.owner(b"x"), Some(0));
+        assert_eq!(one.shares(), vec![1.0]);
+        assert_eq!(Ring::with_placement(vec![], Placement::MultiProbe).owner(b"x"), None);
     }
 }

@@ -4,7 +4,7 @@
 use std::time::Duration;
 
 use kv_common::mds::{MdsClient, MemberRecord, View};
-use kv_common::ring::{Ring, RingMember, VNODES_PER_WEIGHT};
+use kv_common::ring::{Placement, Ring, RingMember};
 use kv_common::size::format_size;
 use kv_common::stats::NodeStats;
 use kvclient::Conn;
@@ -33,8 +33,23 @@ pub fn imbalance(view: &View, shares: &[f64]) -> Option<f64> {
         .fold(None, |acc: Option<f64>, x| Some(acc.map_or(x, |a| a.max(x))))
 }
 
+/// Sets the group's placement rule through kv-mds; returns the new epoch.
+pub fn set_placement(mds: &str, group: &str, rule: &str, timeout: Duration) -> Result<u64, String> {
+    let rule = Placement::parse(rule).map_err(|e| format!("--set-placement: {e}"))?;
+    let mut c =
+        MdsClient::from_csv(mds, timeout).map_err(|e| format!("--mds: {e}"))?.with_token(crate::token().cloned());
+    c.set_placement(group, rule).map(|r| r.epoch).map_err(|e| match e {
+        kv_common::mds::MdsError::Denied(_) => crate::denied_line(&e.to_string()),
+        e => e.to_string(),
+    })
+}
+
 pub fn ring(view: &View, json: bool) -> Result<u8, String> {
-    let ring = Ring::new(view.members.iter().map(|m| RingMember { id: m.id.clone(), weight: m.weight }).collect());
+    let rule = view.placement()?;
+    let ring = Ring::with_placement(
+        view.members.iter().map(|m| RingMember { id: m.id.clone(), weight: m.weight }).collect(),
+        rule,
+    );
     let shares = if view.members.is_empty() { Vec::new() } else { ring.shares() };
     let fullest = imbalance(view, &shares);
     if json {
@@ -45,24 +60,25 @@ pub fn ring(view: &View, json: bool) -> Result<u8, String> {
             .map(|(m, s)| {
                 serde_json::json!({
                     "id": m.id, "addr": m.addr, "weight": m.weight,
-                    "vnodes": VNODES_PER_WEIGHT * u64::from(m.weight), "share": s,
+                    "vnodes": rule.points_per_weight() * u64::from(m.weight), "share": s,
                 })
             })
             .collect();
         println!(
             "{}",
-            serde_json::json!({"group": view.group, "epoch": view.epoch, "members": members, "max_over_fair": fullest})
+            serde_json::json!({"group": view.group, "epoch": view.epoch, "placement": rule.name(),
+                "members": members, "max_over_fair": fullest})
         );
         return Ok(0);
     }
-    println!("group {}  epoch {}  members {}", view.group, view.epoch, view.members.len());
+    println!("group {}  epoch {}  members {}  placement {rule}", view.group, view.epoch, view.members.len());
     let mut t = table(&["ID", "ADDRESS", "WEIGHT", "VNODES", "SHARE"], 2);
     for (m, s) in view.members.iter().zip(&shares) {
         t.add_row(vec![
             m.id.clone(),
             m.addr.clone(),
             m.weight.to_string(),
-            (VNODES_PER_WEIGHT * u64::from(m.weight)).to_string(),
+            (rule.points_per_weight() * u64::from(m.weight)).to_string(),
             format!("{:.1}%", s * 100.0),
         ]);
     }

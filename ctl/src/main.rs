@@ -36,6 +36,7 @@ use target::{GeoArgs, Target};
 
 const EXAMPLES: &str = "Examples:
   kvctl ring --mds 10.0.0.1:7480 --group prod
+  kvctl ring --mds 10.0.0.1:7480 --group prod --set-placement multiprobe
   kvctl stat --all --mds 10.0.0.1:7480 --group prod
   kvctl put --mds 10.0.0.1:7480 --group prod page-1 --file page.bin
   kvctl get --members n1=10.0.0.7:7700,n2=10.0.0.8:7700 page-1 --out page.bin
@@ -128,7 +129,7 @@ enum Cmd {
         #[arg(long, requires = "all", conflicts_with = "mds")]
         members: Option<String>,
     },
-    /// A group's view from kv-mds: epoch, then each member's weight, vnodes and share of keys.
+    /// A group's view from kv-mds: epoch, placement rule, then each member's weight, vnodes and share of keys.
     Ring {
         /// kv-mds endpoints `host:port,...` (else KVCELLAR_MDS).
         #[arg(long)]
@@ -136,6 +137,10 @@ enum Cmd {
         /// Group (else KVCELLAR_GROUP, else "default").
         #[arg(long)]
         group: Option<String>,
+        /// First set the group's placement rule (`ketama` or `multiprobe`): a membership transition,
+        /// with handoff. Upgrade every kv-mds, node and client first (docs/DEPLOY.md).
+        #[arg(long, value_name = "RULE")]
+        set_placement: Option<String>,
     },
     /// A live view of a group: per node and in total, requests/s, gets/s, read and write throughput,
     /// hit rate by tier, get and put p99, use; refreshed every --interval-ms (Ctrl-C ends it).
@@ -346,11 +351,17 @@ fn run(cli: &Cli) -> Result<u8, String> {
             check_denied(st)?;
             Ok(status_exit(cli, key, st))
         }
-        Cmd::Ring { mds, group } => {
+        Cmd::Ring { mds, group, set_placement } => {
             let (mds, group) = match target::resolve(None, None, mds.as_deref(), group.as_deref())? {
                 target::Cluster::Mds { endpoints, group } => (endpoints, group),
                 target::Cluster::Members(_) => return Err("ring needs --mds host:port,... (or KVCELLAR_MDS)".into()),
             };
+            if let Some(rule) = set_placement {
+                let epoch = cluster::set_placement(&mds, &group, rule, Duration::from_millis(cli.timeout_ms))?;
+                if !cli.json {
+                    println!("group {group} places keys by {rule} from epoch {epoch}");
+                }
+            }
             let view = cluster::fetch_view(&mds, &group, Duration::from_millis(cli.timeout_ms))?;
             cluster::ring(&view, cli.json)
         }

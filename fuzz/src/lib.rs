@@ -124,6 +124,7 @@ pub fn mds_request(data: &[u8]) {
                 assert!(kv_common::mds::valid_name(group));
                 assert!(wait_ms <= kv_common::mds::MAX_WAIT_MS);
             }
+            Call::SetPlacement { group } => assert!(kv_common::mds::valid_name(group)),
             Call::Register { group, id } | Call::Heartbeat { group, id } | Call::Deregister { group, id, .. } => {
                 assert!(kv_common::mds::valid_name(group) && kv_common::mds::valid_name(id));
             }

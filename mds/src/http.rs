@@ -6,6 +6,7 @@
 //! | POST   | /v1/groups/{g}/members/{id}/heartbeat     | keep the lease alive          |
 //! | DELETE | /v1/groups/{g}/members/{id}               | deregister                    |
 //! | GET    | /v1/groups/{g}/view[?after=N&wait_ms=T]   | the view, or a long-poll      |
+//! | PUT    | /v1/groups/{g}/placement                  | set the placement rule        |
 //! | GET    | /healthz, /livez, /metrics                | probes                        |
 //! | GET    | /, /api/groups                            | the dashboard and its data    |
 //!
@@ -204,6 +205,7 @@ async fn handle(
         Call::Dashboard => return html(crate::metrics::DASHBOARD),
         Call::Groups => return groups(mds, tokens, &req).await,
         Call::View { group, .. }
+        | Call::SetPlacement { group }
         | Call::Register { group, .. }
         | Call::Heartbeat { group, .. }
         | Call::Deregister { group, .. } => *group,
@@ -212,7 +214,8 @@ async fn handle(
         return denied(mds, group, peer, &req);
     }
     match call {
-        Call::View { group, after, wait_ms } => view(mds, polls, group, after, wait_ms).await,
+        Call::View { group, after, wait_ms, rules } => view(mds, polls, group, after, wait_ms, rules).await,
+        Call::SetPlacement { group } => set_placement(mds, group, req).await,
         Call::Register { group, id } => register(mds, group, id, req).await,
         Call::Heartbeat { group, id } => heartbeat(mds, group, id, req).await,
         Call::Deregister { group, id, instance } => deregister(mds, group, id, instance).await,
@@ -255,10 +258,30 @@ pub enum Call<'a> {
     Metrics,
     Dashboard,
     Groups,
-    View { group: &'a str, after: Option<u64>, wait_ms: u64 },
-    Register { group: &'a str, id: &'a str },
-    Heartbeat { group: &'a str, id: &'a str },
-    Deregister { group: &'a str, id: &'a str, instance: &'a str },
+    /// `rules`: the placement rules the caller knows, comma-separated
+    /// (`ketama` when it names none).
+    View {
+        group: &'a str,
+        after: Option<u64>,
+        wait_ms: u64,
+        rules: &'a str,
+    },
+    SetPlacement {
+        group: &'a str,
+    },
+    Register {
+        group: &'a str,
+        id: &'a str,
+    },
+    Heartbeat {
+        group: &'a str,
+        id: &'a str,
+    },
+    Deregister {
+        group: &'a str,
+        id: &'a str,
+        instance: &'a str,
+    },
 }
 
 /// Parses and checks a request line: method, path and query. Pure (no I/O),
@@ -286,9 +309,15 @@ pub fn parse_call<'a>(method: &str, path: &'a str, query: &'a str) -> Result<Cal
             name_ok("group", group)?;
             match (method, rest) {
                 ("GET", ["view"]) => match (query_u64(query, "after"), query_u64(query, "wait_ms")) {
-                    (Ok(after), Ok(w)) => Ok(Call::View { group, after, wait_ms: w.unwrap_or(0).min(MAX_WAIT_MS) }),
+                    (Ok(after), Ok(w)) => Ok(Call::View {
+                        group,
+                        after,
+                        wait_ms: w.unwrap_or(0).min(MAX_WAIT_MS),
+                        rules: query_str(query, "rules").unwrap_or("ketama"),
+                    }),
                     (Err(e), _) | (_, Err(e)) => bad(e),
                 },
+                ("PUT", ["placement"]) => Ok(Call::SetPlacement { group }),
                 ("POST", ["members", id]) => {
                     name_ok("node id", id)?;
                     Ok(Call::Register { group, id })
@@ -367,7 +396,41 @@ async fn health(mds: &Mds) -> Reply {
     }
 }
 
-async fn view(mds: &Mds, polls: &Arc<tokio::sync::Semaphore>, group: &str, after: Option<u64>, wait: u64) -> Reply {
+/// Whether a caller that named `rules` can follow a group placed by `rule`
+/// (`None`: ketama). Names may come percent-encoded (`%2C` for commas).
+fn knows_rule(rules: &str, rule: Option<&str>) -> bool {
+    let rule = rule.unwrap_or(kv_common::ring::Placement::Ketama.name());
+    rules.replace("%2C", ",").replace("%2c", ",").split(',').any(|r| r == rule)
+}
+
+async fn set_placement(mds: &Mds, group: &str, req: Request<Incoming>) -> Reply {
+    let body = match read_body(req).await {
+        Ok(b) => b,
+        Err(reply) => return reply,
+    };
+    let rule = match serde_json::from_slice::<kv_common::mds::PlacementRequest>(&body)
+        .map_err(|e| format!("body is not {{\"placement\": RULE}}: {e}"))
+        .and_then(|r| kv_common::ring::Placement::parse(&r.placement))
+    {
+        Ok(r) => r,
+        Err(m) => return error(StatusCode::BAD_REQUEST, m),
+    };
+    match limited(Duration::ZERO, mds.reg.set_placement(group, rule)).await {
+        Ok(v) => {
+            json(StatusCode::OK, &kv_common::mds::PlacementReply { placement: rule.name().to_string(), epoch: v.epoch })
+        }
+        Err(e) => reg_error(e),
+    }
+}
+
+async fn view(
+    mds: &Mds,
+    polls: &Arc<tokio::sync::Semaphore>,
+    group: &str,
+    after: Option<u64>,
+    wait: u64,
+    rules: &str,
+) -> Reply {
     let r = match after {
         Some(a) if wait > 0 => {
             let Ok(_slot) = polls.try_acquire() else {
@@ -405,6 +468,15 @@ async fn view(mds: &Mds, polls: &Arc<tokio::sync::Semaphore>, group: &str, after
         }
     };
     match r {
+        // A caller that does not know the group's rule would place keys
+        // on the wrong members: it gets one clear error instead.
+        Ok(v) if !knows_rule(rules, v.placement.as_deref()) => error(
+            StatusCode::UNPROCESSABLE_ENTITY,
+            format!(
+                "group {group} places keys by rule {:?}, which this client does not know (it named {rules:?}): upgrade it (docs/PROTOCOL.md §4)",
+                v.placement.as_deref().unwrap_or("ketama")
+            ),
+        ),
         Ok(v) => json(StatusCode::OK, &v),
         Err(e) => reg_error(e),
     }

@@ -7,7 +7,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use kv_common::ring::{Ring, RingMember, VNODES_PER_WEIGHT};
+use kv_common::ring::{Placement, Ring, RingMember};
 use prometheus_client::collector::Collector;
 use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric};
 use prometheus_client::metrics::counter::ConstCounter;
@@ -95,6 +95,8 @@ impl Collector for Counters {
 pub struct GroupInfo {
     pub group: String,
     pub epoch: u64,
+    /// The group's placement rule (`ketama`, `multiprobe`).
+    pub placement: String,
     /// How many members the view holds (also when `members` is hidden).
     pub member_count: usize,
     /// The group is token-protected and the request did not carry its
@@ -159,8 +161,15 @@ pub async fn read_overview(mds: &Mds) -> Overview {
         let mut out = Vec::new();
         for g in mds.reg.group_names().await? {
             let v = mds.reg.view(&g).await?;
-            let ring = Ring::new(v.members.iter().map(|m| RingMember { id: m.id.clone(), weight: m.weight }).collect());
-            let shares = ring.shares();
+            // A rule this build does not know (set by a newer replica):
+            // members without shares rather than shares by another rule.
+            let rule = v.placement().ok();
+            let ring = Ring::with_placement(
+                v.members.iter().map(|m| RingMember { id: m.id.clone(), weight: m.weight }).collect(),
+                rule.unwrap_or_default(),
+            );
+            let shares = if rule.is_some() { ring.shares() } else { Vec::new() };
+            let placement = v.placement.clone().unwrap_or_else(|| Placement::Ketama.name().to_string());
             let members: Vec<MemberInfo> = v
                 .members
                 .into_iter()
@@ -171,14 +180,21 @@ pub async fn read_overview(mds: &Mds) -> Overview {
                         .heartbeat_age(&g, &m.id)
                         .map(|a| LeaseInfo { last_heartbeat_ms: a.as_millis() as u64 }),
                     share: shares.get(i).copied().unwrap_or(0.0),
-                    vnodes: VNODES_PER_WEIGHT * u64::from(m.weight.max(1)),
+                    vnodes: rule.unwrap_or_default().points_per_weight() * u64::from(m.weight.max(1)),
                     id: m.id,
                     addr: m.addr,
                     weight: m.weight,
                     metrics_addr: m.metrics_addr,
                 })
                 .collect();
-            out.push(GroupInfo { group: g, epoch: v.epoch, member_count: members.len(), hidden: false, members });
+            out.push(GroupInfo {
+                group: g,
+                epoch: v.epoch,
+                placement,
+                member_count: members.len(),
+                hidden: false,
+                members,
+            });
         }
         Ok::<_, crate::RegError>(out)
     };

@@ -153,6 +153,35 @@ struct History {
     joined: Vec<String>,
     #[serde(default)]
     left: Vec<MemberRecord>,
+    /// The earlier set's placement rule; absent: ketama.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    placement: Option<String>,
+}
+
+/// What the `current` key holds: the member set the epoch names, as a bare
+/// array under Ketama (the form older replicas write and read) or with
+/// its rule under another.
+#[derive(Serialize, Deserialize)]
+#[serde(untagged)]
+enum Current {
+    Ketama(Vec<MemberRecord>),
+    Placed { placement: String, members: Vec<MemberRecord> },
+}
+
+impl Current {
+    fn new(members: Vec<MemberRecord>, placement: Option<&str>) -> Current {
+        match placement {
+            None => Current::Ketama(members),
+            Some(p) => Current::Placed { placement: p.to_string(), members },
+        }
+    }
+
+    fn into_parts(self) -> (Vec<MemberRecord>, Option<String>) {
+        match self {
+            Current::Ketama(m) => (m, None),
+            Current::Placed { placement, members } => (members, Some(placement)),
+        }
+    }
 }
 
 fn group_prefix(group: &str) -> String {
@@ -169,6 +198,19 @@ fn member_key(group: &str, id: &str) -> String {
 
 fn epoch_key(group: &str) -> String {
     format!("{ETCD_ROOT}{group}/epoch")
+}
+
+fn placement_key(group: &str) -> String {
+    format!("{ETCD_ROOT}{group}/placement")
+}
+
+/// The group's placement rule as its keys (`kvs`, the group prefix) name
+/// it: `None` for Ketama (no key, or the key says `ketama`).
+fn placement_in(group: &str, kvs: &[etcd_client::KeyValue]) -> Option<String> {
+    let key = placement_key(group);
+    let kv = kvs.iter().find(|kv| kv.key() == key.as_bytes())?;
+    let name = String::from_utf8_lossy(kv.value()).trim().to_string();
+    (name != kv_common::ring::Placement::Ketama.name()).then_some(name)
 }
 
 fn current_key(group: &str) -> String {
@@ -196,11 +238,15 @@ pub fn group_of_key(key: &[u8]) -> Option<&str> {
 }
 
 /// The digest an epoch key holds: the member set in a canonical text form
-/// (sorted by id), hashed. Any change of id, address or weight changes it.
-pub fn digest(members: &[MemberRecord]) -> String {
+/// (sorted by id), and the placement rule unless it is Ketama, hashed. Any
+/// change of id, address, weight or rule changes it.
+pub fn digest(members: &[MemberRecord], placement: Option<&str>) -> String {
     let mut text = String::new();
     for m in members {
         text.push_str(&format!("{}\t{}\t{}\n", m.id, m.addr, m.weight));
+    }
+    if let Some(p) = placement {
+        text.push_str(&format!("placement\t{p}\n"));
     }
     format!("{:016x}{:08x}", xxhash_rust::xxh3::xxh3_64(text.as_bytes()), members.len())
 }
@@ -323,12 +369,13 @@ impl Registry {
         group: &str,
         epoch: u64,
         members: Vec<MemberRecord>,
+        placement: Option<String>,
         kvs: &[etcd_client::KeyValue],
     ) -> View {
         let handoff_ms = Some(self.handoff.as_millis() as u64);
         let mut previous = Vec::new();
         if self.handoff.is_zero() || epoch == 0 {
-            return View { group: group.to_string(), epoch, members, previous, handoff_ms };
+            return View { group: group.to_string(), epoch, members, previous, handoff_ms, placement };
         }
         let hprefix = history_prefix(group);
         let history: HashMap<u64, (i64, History)> = kvs
@@ -350,14 +397,21 @@ impl Registry {
             if left == 0 {
                 break;
             }
-            let earlier =
-                PreviousSet { epoch: h.epoch, remaining_ms: 0, joined: h.joined.clone(), left: h.left.clone() }
-                    .apply(&set);
-            previous.push(PreviousSet::between(&members, &earlier, h.epoch, left));
+            let earlier = PreviousSet {
+                epoch: h.epoch,
+                remaining_ms: 0,
+                joined: h.joined.clone(),
+                left: h.left.clone(),
+                placement: None,
+            }
+            .apply(&set);
+            let mut p = PreviousSet::between(&members, &earlier, h.epoch, left);
+            p.placement = h.placement.clone();
+            previous.push(p);
             set = earlier;
             at = h.epoch;
         }
-        View { group: group.to_string(), epoch, members, previous, handoff_ms }
+        View { group: group.to_string(), epoch, members, previous, handoff_ms, placement }
     }
 
     pub fn etcd(&self) -> Client {
@@ -594,6 +648,21 @@ impl Registry {
         Ok(self.view(group).await?.epoch)
     }
 
+    /// Sets the group's placement rule (`ketama` removes the key): the
+    /// next view names the members under it with a new epoch, and keeps the
+    /// set under the old rule as a previous set for the handoff window.
+    pub async fn set_placement(&self, group: &str, rule: kv_common::ring::Placement) -> Result<View, RegError> {
+        let mut etcd = self.etcd.clone();
+        let key = placement_key(group);
+        if rule == kv_common::ring::Placement::Ketama {
+            etcd_call!(self, etcd.delete(key.clone(), None).await)?;
+        } else {
+            etcd_call!(self, etcd.put(key.clone(), rule.name(), None).await)?;
+        }
+        tracing::info!(group, placement = rule.name(), "placement rule set");
+        self.view(group).await
+    }
+
     /// The group's view, its epoch brought up to date first (module docs).
     pub async fn view(&self, group: &str) -> Result<View, RegError> {
         let mut etcd = self.etcd.clone();
@@ -603,31 +672,35 @@ impl Registry {
         for _ in 0..16 {
             let got = etcd_call!(self, etcd.get(group_prefix(group), Some(GetOptions::new().with_prefix())).await)?;
             let members = parse_members(got.kvs());
-            let want = digest(&members);
+            let placement = placement_in(group, got.kvs());
+            let want = digest(&members, placement.as_deref());
             let epoch_kv = got.kvs().iter().find(|kv| kv.key() == ekey.as_bytes());
             match epoch_kv {
                 Some(e) if e.value() == want.as_bytes() => {
-                    return Ok(self.assemble(group, e.mod_revision() as u64, members, got.kvs()).await);
+                    return Ok(self.assemble(group, e.mod_revision() as u64, members, placement, got.kvs()).await);
                 }
                 None if members.is_empty() => {
-                    return Ok(self.assemble(group, 0, members, got.kvs()).await);
+                    return Ok(self.assemble(group, 0, members, placement, got.kvs()).await);
                 }
                 _ => {}
             }
             let seen = epoch_kv.map(|e| e.mod_revision()).unwrap_or(0);
+            let current = Current::new(placement_only(&members), placement.as_deref());
             let mut ops = vec![
                 TxnOp::put(ekey.clone(), want.clone(), None),
-                TxnOp::put(ckey.clone(), serde_json::to_vec(&placement_only(&members)).unwrap_or_default(), None),
+                TxnOp::put(ckey.clone(), serde_json::to_vec(&current).unwrap_or_default(), None),
                 TxnOp::get(members_prefix(group), Some(GetOptions::new().with_prefix())),
+                TxnOp::get(placement_key(group), None),
             ];
             // The set being replaced, when `current` names it (a group last
             // changed by a replica without handoff has none).
-            let replaced: Option<Vec<MemberRecord>> = got
+            let replaced: Option<(Vec<MemberRecord>, Option<String>)> = got
                 .kvs()
                 .iter()
                 .find(|kv| kv.key() == ckey.as_bytes())
                 .filter(|kv| seen > 0 && kv.mod_revision() == seen)
-                .and_then(|kv| serde_json::from_slice(kv.value()).ok());
+                .and_then(|kv| serde_json::from_slice::<Current>(kv.value()).ok())
+                .map(Current::into_parts);
             let mut lease = None;
             // The history is best effort: without a lease for it, the
             // epoch still moves (clients keep the set they held themselves).
@@ -635,11 +708,11 @@ impl Registry {
                 (Some(_), true) => etcd_call!(self, etcd.lease_grant(self.handoff_secs(), None).await).ok(),
                 _ => None,
             };
-            if let (Some(old), Some(g)) = (replaced, granted) {
+            if let (Some((old, old_rule)), Some(g)) = (replaced, granted) {
                 let l = g.id();
                 lease = Some(l);
                 let delta = PreviousSet::between(&placement_only(&members), &old, seen as u64, 0);
-                let h = History { epoch: seen as u64, joined: delta.joined, left: delta.left };
+                let h = History { epoch: seen as u64, joined: delta.joined, left: delta.left, placement: old_rule };
                 ops.push(TxnOp::put(
                     history_key(group, seen as u64),
                     serde_json::to_vec(&h).unwrap_or_default(),
@@ -663,21 +736,23 @@ impl Registry {
                 continue; // another replica moved the epoch: read again
             }
             let rev = done.header().map(|h| h.revision()).unwrap_or(0) as u64;
-            let now = done
+            let gets: Vec<_> = done
                 .op_responses()
                 .into_iter()
-                .find_map(|r| match r {
-                    TxnOpResponse::Get(g) => Some(parse_members(g.kvs())),
+                .filter_map(|r| match r {
+                    TxnOpResponse::Get(g) => Some(g),
                     _ => None,
                 })
-                .unwrap_or_default();
-            if digest(&now) == want {
+                .collect();
+            let now = gets.first().map(|g| parse_members(g.kvs())).unwrap_or_default();
+            let rule_now = gets.get(1).and_then(|g| placement_in(group, g.kvs()));
+            if digest(&now, rule_now.as_deref()) == want {
                 self.counters.epoch_bumps.fetch_add(1, Ordering::Relaxed);
                 tracing::info!(group, epoch = rev, members = now.len(), "member set changed: new epoch");
                 // The history as it is now (this transaction's key included).
                 let after =
                     etcd_call!(self, etcd.get(history_prefix(group), Some(GetOptions::new().with_prefix())).await)?;
-                return Ok(self.assemble(group, rev, now, after.kvs()).await);
+                return Ok(self.assemble(group, rev, now, rule_now, after.kvs()).await);
             }
             // The members changed between the read and the transaction:
             // the next round writes their digest.
@@ -695,13 +770,28 @@ mod tests {
     }
 
     #[test]
-    fn digest_tracks_the_member_set_only() {
+    fn digest_tracks_the_member_set_and_rule_only() {
         let a = vec![m("n1", "h:1", 1), m("n2", "h:2", 1)];
-        assert_eq!(digest(&a), digest(&a.clone()));
-        assert_ne!(digest(&a), digest(&[m("n1", "h:1", 1), m("n2", "h:2", 2)]));
-        assert_ne!(digest(&a), digest(&[m("n1", "h:1", 1)]));
-        assert_ne!(digest(&a), digest(&[m("n1", "h:1", 1), m("n2", "h:3", 1)]));
-        assert_ne!(digest(&[]), digest(&[m("n1", "h:1", 1)]));
+        assert_eq!(digest(&a, None), digest(&a.clone(), None));
+        assert_ne!(digest(&a, None), digest(&[m("n1", "h:1", 1), m("n2", "h:2", 2)], None));
+        assert_ne!(digest(&a, None), digest(&[m("n1", "h:1", 1)], None));
+        assert_ne!(digest(&a, None), digest(&[m("n1", "h:1", 1), m("n2", "h:3", 1)], None));
+        assert_ne!(digest(&[], None), digest(&[m("n1", "h:1", 1)], None));
+        assert_ne!(digest(&a, None), digest(&a, Some("multiprobe")), "a rule switch is a new epoch");
+        // Ketama groups keep the digest older replicas compute.
+        assert_eq!(digest(&a, None), "377458be34bc488700000002");
+    }
+
+    #[test]
+    fn current_reads_both_forms() {
+        let a = vec![m("n1", "h:1", 1)];
+        let bare = serde_json::to_vec(&Current::new(a.clone(), None)).unwrap();
+        assert!(bare.starts_with(b"["), "Ketama keeps the bare array older replicas read");
+        let (got, rule) = serde_json::from_slice::<Current>(&bare).unwrap().into_parts();
+        assert_eq!((got, rule), (a.clone(), None));
+        let placed = serde_json::to_vec(&Current::new(a.clone(), Some("multiprobe"))).unwrap();
+        let (got, rule) = serde_json::from_slice::<Current>(&placed).unwrap().into_parts();
+        assert_eq!((got, rule.as_deref()), (a, Some("multiprobe")));
     }
 
     #[test]

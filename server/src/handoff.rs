@@ -147,6 +147,7 @@ pub fn push_pages(
     store: &crate::store::Store,
     h: &Handoff,
     members: &[kv_common::mds::MemberRecord],
+    placement: kv_common::ring::Placement,
     token: Option<&kv_common::auth::Token>,
     deadline: Instant,
 ) -> u64 {
@@ -154,7 +155,10 @@ pub fn push_pages(
     if members.is_empty() {
         return 0;
     }
-    let ring = Ring::new(members.iter().map(|m| RingMember { id: m.id.clone(), weight: m.weight }).collect());
+    let ring = Ring::with_placement(
+        members.iter().map(|m| RingMember { id: m.id.clone(), weight: m.weight }).collect(),
+        placement,
+    );
     let mut queues: Vec<Vec<std::sync::Arc<[u8]>>> = vec![Vec::new(); members.len()];
     for k in store.keys_by_recency() {
         if let Some(i) = ring.owner(&k) {

@@ -184,9 +184,9 @@ fn run(cfg: ServerConfig) -> Result<(), String> {
                         let view = kv_common::mds::MdsClient::new(eps, std::time::Duration::from_secs(3))
                             .with_token(token.clone())
                             .view(&group);
-                        match view {
-                            Ok(v) => {
-                                let n = kv_server::handoff::push_pages(&shared.store, &shared.handoff, &v.members, token.as_ref(), ends);
+                        match view.map_err(|e| e.to_string()).and_then(|v| Ok((v.placement()?, v))) {
+                            Ok((rule, v)) => {
+                                let n = kv_server::handoff::push_pages(&shared.store, &shared.handoff, &v.members, rule, token.as_ref(), ends);
                                 tracing::info!(pages = n, owners = v.members.len(), "drain: pages pushed to their owners");
                             }
                             Err(e) => tracing::warn!(error = %e, "drain: no view of the group: pages not pushed"),

@@ -678,3 +678,75 @@ fn long_polls_holding_the_current_epoch_read_nothing_from_etcd() {
     assert_eq!(c.wait_view("g", v.epoch, Duration::from_secs(5)).unwrap().epoch, after.epoch);
     assert!(t0.elapsed() < Duration::from_secs(2));
 }
+
+/// A group switched to the multi-probe rule: a new epoch naming the rule,
+/// the Ketama set kept as a previous set, every page still found; a client
+/// that does not name the rule, or meets one this build does not know,
+/// refuses the group with one clear error instead of guessing.
+#[test]
+fn a_placement_switch_keeps_pages_and_unknown_rules_are_refused() {
+    let _serial = serial();
+    let tier = Tier::new(1);
+    let _nodes: Vec<Node> = ["n1", "n2", "n3"].iter().map(|id| tier.node(id, 1)).collect();
+    let v0 = tier.await_members(0, &["n1", "n2", "n3"], Duration::from_secs(20));
+    assert_eq!(v0.placement, None, "a group is placed by Ketama until told otherwise");
+    let c = tier.client(&tier.eps());
+    let keys: Vec<String> = (0..40).map(|i| format!("pm-{i}")).collect();
+    for (i, k) in keys.iter().enumerate() {
+        assert_eq!(c.putv(k.as_bytes(), &[&page(i)]), Status::Ok);
+    }
+
+    let (code, out, err) =
+        run("kvctl", &["ring", "--mds", &tier.eps(), "--group", "g", "--set-placement", "multiprobe"]);
+    assert_eq!(code, 0, "{err}");
+    assert!(out.contains("places keys by multiprobe") && out.contains("placement multiprobe"), "{out}");
+    let v1 = tier.view(0).unwrap();
+    assert_eq!(v1.placement.as_deref(), Some("multiprobe"));
+    assert!(v1.epoch > v0.epoch, "a rule switch is a new epoch");
+    assert_eq!(v1.members, v0.members);
+    let p = &v1.previous[0];
+    assert_eq!((p.epoch, p.placement.as_deref(), p.joined.len(), p.left.len()), (v0.epoch, None, 0, 0), "{v1:?}");
+    wait_until(Duration::from_secs(10), "the client on the new epoch", || (c.core.epoch() == v1.epoch).then_some(()));
+    assert_eq!(c.core.topology().ring.placement(), kv_common::ring::Placement::MultiProbe);
+    for (i, k) in keys.iter().enumerate() {
+        let mut buf = vec![0u8; 4096];
+        assert_eq!(c.getv(k.as_bytes(), &mut [&mut buf]), Ok(4096), "{k} after the switch");
+        assert_eq!(buf, page(i));
+    }
+
+    // A client of the previous release names no rules: one clear error.
+    let raw = MdsClient::new(vec![tier.mds[0].addr.clone()], Duration::from_secs(2));
+    let (status, body) = raw.request(&tier.mds[0].addr, "GET", "/v1/groups/g/view", None, Duration::ZERO).unwrap();
+    let body = String::from_utf8_lossy(&body);
+    assert_eq!(status, 422, "{body}");
+    assert!(body.contains("multiprobe") && body.contains("upgrade"), "{body}");
+
+    // A rule this build does not know (written by a newer release).
+    let (ok, out) = tier.etcd.etcdctl(&["put", "/kvcellar/v1/groups/g/placement", "rendezvous-v9"]);
+    assert!(ok, "{out}");
+    wait_until(Duration::from_secs(10), "the client refusing the group", || {
+        c.core.topology().nodes.is_empty().then_some(())
+    });
+    assert_eq!(c.exist(keys[0].as_bytes()), Status::Unavailable);
+    let why = c.core.discovery_error().unwrap_or_default();
+    assert!(why.contains("rendezvous-v9") && why.contains("upgrade"), "{why}");
+    let fresh = BlockingClient::new(Vec::new(), geo(), Options::default()).unwrap();
+    let eps = kv_common::mds::parse_endpoints(&tier.eps()).unwrap();
+    match fresh.start_discovery(eps, "g".into(), POLL).expect("discovery thread") {
+        Err((st, msg)) => assert!(st == Status::Einval && msg.contains("rendezvous-v9"), "{st:?} {msg}"),
+        Ok(e) => panic!("a group placed by an unknown rule was followed at epoch {e}"),
+    }
+    let (code, _, err) = run("kvctl", &["ring", "--mds", &tier.eps(), "--group", "g"]);
+    assert!(code == 2 && err.contains("rendezvous-v9"), "{code} {err}");
+
+    // Back to Ketama: the client follows the group again and finds every page.
+    let (code, _, err) = run("kvctl", &["ring", "--mds", &tier.eps(), "--group", "g", "--set-placement", "ketama"]);
+    assert_eq!(code, 0, "{err}");
+    wait_until(Duration::from_secs(10), "the client back on the group", || {
+        (c.core.topology().nodes.len() == 3).then_some(())
+    });
+    assert_eq!(c.core.topology().ring.placement(), kv_common::ring::Placement::Ketama);
+    for k in &keys {
+        assert_eq!(c.exist(k.as_bytes()), Status::Ok, "{k} back under Ketama");
+    }
+}
