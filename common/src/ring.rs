@@ -450,7 +450,9 @@ mod tests {
         for n in [3, 10, 100, 1000] {
             let mp = max_over_mean(&Ring::with_placement(equal(n), Placement::MultiProbe));
             let ketama = max_over_mean(&Ring::new(equal(n)));
-            println!("{n} equal members: the fullest owns {mp:.4}x the mean under multiprobe, {ketama:.4}x under ketama");
+            println!(
+                "{n} equal members: the fullest owns {mp:.4}x the mean under multiprobe, {ketama:.4}x under ketama"
+            );
             assert!(mp <= 1.05, "{n} members: the fullest owns {mp:.3}x the mean (ketama: {ketama:.3}x)");
         }
     }
