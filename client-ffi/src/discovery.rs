@@ -120,13 +120,22 @@ fn run(
     let m = &core.metrics;
     // The epoch of the view applied; None before the first.
     let mut applied: Option<u64> = None;
+    // The members of that epoch: what the replica's deltas apply to.
+    let mut held: Vec<kv_common::mds::MemberRecord> = Vec::new();
     let mut first = Some(tx);
     while !stop.load(Ordering::SeqCst) {
         let asked = std::time::Instant::now();
         let before = applied;
         let answer = match applied {
             None => mds.view(&group),
-            Some(e) => mds.wait_view(&group, e, poll),
+            // The answer may be a change against the members held (a few
+            // hundred bytes rather than the whole list).
+            Some(e) => mds.wait_view_delta(&group, e, poll).and_then(|v| match v.resolve(Some((e, &held))) {
+                Ok(v) => Ok(v),
+                // A change against another epoch than the one held (a
+                // replica misbehaving): ask for the whole view.
+                Err(_) => mds.view(&group),
+            }),
         };
         m.mds_failovers.store(mds.failovers, Ordering::Relaxed);
         match answer {
@@ -141,6 +150,7 @@ fn run(
                             // client named: refuse the group as for a 422.
                             refuse(&core, &mut first, msg);
                             applied = Some(v.epoch);
+                            held = v.members;
                             continue;
                         }
                     };
@@ -170,6 +180,7 @@ fn run(
                         core.install(members, rule, Some(v.epoch), previous_of(&v), window);
                     }
                     applied = Some(v.epoch);
+                    held = v.members.clone();
                 }
                 if let Some(tx) = first.take() {
                     let _ = tx.send(Ok(v.epoch));
@@ -292,6 +303,7 @@ mod tests {
             previous: vec![],
             handoff_ms: None,
             placement: None,
+            delta: None,
         };
         let (members, bad) = members_of(&v);
         assert!(bad.is_empty(), "{bad:?}");

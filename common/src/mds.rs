@@ -52,6 +52,42 @@ pub struct View {
     /// The group's placement rule (docs/PROTOCOL.md §4); absent: `ketama`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub placement: Option<String>,
+    /// Set when the replica sent the members as a change against the epoch
+    /// the client named (`delta=1`): `members` is then empty, and
+    /// [`View::resolve`] rebuilds it from the client's members of `base`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub delta: Option<ViewDelta>,
+}
+
+/// The members of a view as a change against an earlier epoch's members
+/// (docs/PROTOCOL.md §6, "Deltas").
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ViewDelta {
+    /// The epoch whose members this change applies to.
+    pub base: u64,
+    /// Records to add, or to replace the record of the same id, sorted by id.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub put: Vec<MemberRecord>,
+    /// Ids to remove.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub removed: Vec<String>,
+    /// How many members the view has once the change is applied.
+    pub count: usize,
+}
+
+impl ViewDelta {
+    /// The change that turns `base` (epoch `base_epoch`) into `now` (both
+    /// sorted by id).
+    pub fn between(base_epoch: u64, base: &[MemberRecord], now: &[MemberRecord]) -> ViewDelta {
+        let old: std::collections::HashMap<&str, &MemberRecord> = base.iter().map(|m| (m.id.as_str(), m)).collect();
+        let new: std::collections::HashSet<&str> = now.iter().map(|m| m.id.as_str()).collect();
+        ViewDelta {
+            base: base_epoch,
+            put: now.iter().filter(|m| old.get(m.id.as_str()) != Some(m)).cloned().collect(),
+            removed: base.iter().filter(|m| !new.contains(m.id.as_str())).map(|m| m.id.clone()).collect(),
+            count: now.len(),
+        }
+    }
 }
 
 /// The rule a view or a previous set names (`None`: Ketama), or why this
@@ -69,6 +105,44 @@ pub fn placement_of(group: &str, named: Option<&str>) -> Result<crate::ring::Pla
 }
 
 impl View {
+    /// The view with its members whole: itself when it carries them, else
+    /// its delta applied to `base` (the epoch and members the client holds).
+    /// Err when the delta does not apply (another base, or the result does
+    /// not have the count it names): the caller asks for the whole view.
+    pub fn resolve(mut self, base: Option<(u64, &[MemberRecord])>) -> Result<View, String> {
+        let Some(d) = self.delta.take() else { return Ok(self) };
+        let (epoch, members) = match base {
+            Some((e, m)) if e == d.base => (e, m),
+            _ => {
+                return Err(format!(
+                    "view {} of {} is a change against epoch {}, not held here",
+                    self.epoch, self.group, d.base
+                ))
+            }
+        };
+        let removed: std::collections::HashSet<&str> = d.removed.iter().map(String::as_str).collect();
+        let put: std::collections::HashSet<&str> = d.put.iter().map(|m| m.id.as_str()).collect();
+        let mut out: Vec<MemberRecord> = members
+            .iter()
+            .filter(|m| !removed.contains(m.id.as_str()) && !put.contains(m.id.as_str()))
+            .cloned()
+            .chain(d.put.iter().cloned())
+            .collect();
+        out.sort_by(|a, b| a.id.cmp(&b.id));
+        out.dedup_by(|a, b| a.id == b.id);
+        if out.len() != d.count {
+            return Err(format!(
+                "view {} of {}: the change against epoch {epoch} gives {} members, not {}",
+                self.epoch,
+                self.group,
+                out.len(),
+                d.count
+            ));
+        }
+        self.members = out;
+        Ok(self)
+    }
+
     /// The group's placement rule, or one clear error when this build does
     /// not know it (a client must then refuse the group, not guess).
     pub fn placement(&self) -> Result<crate::ring::Placement, String> {
@@ -360,9 +434,20 @@ impl MdsClient {
     /// The group's view once its epoch is past `after`, or after `wait`
     /// (then the view as it is).
     pub fn wait_view(&mut self, group: &str, after: u64, wait: Duration) -> Result<View, MdsError> {
+        self.long_poll(group, after, wait, false)
+    }
+
+    /// As [`MdsClient::wait_view`], but the replica may answer with the
+    /// members as a change against `after`'s ([`View::resolve`] applies it).
+    pub fn wait_view_delta(&mut self, group: &str, after: u64, wait: Duration) -> Result<View, MdsError> {
+        self.long_poll(group, after, wait, true)
+    }
+
+    fn long_poll(&mut self, group: &str, after: u64, wait: Duration, delta: bool) -> Result<View, MdsError> {
         let ms = (wait.as_millis() as u64).min(MAX_WAIT_MS);
         let rules = crate::ring::Placement::known();
-        let path = format!("/v1/groups/{group}/view?after={after}&wait_ms={ms}&rules={rules}");
+        let d = if delta { "&delta=1" } else { "" };
+        let path = format!("/v1/groups/{group}/view?after={after}&wait_ms={ms}&rules={rules}{d}");
         self.call_json("GET", &path, None, Duration::from_millis(ms))
     }
 
@@ -668,5 +753,38 @@ mod tests {
             Err(MdsError::Unavailable(m)) => assert_eq!(m.matches("127.0.0.1").count(), 2, "{m}"),
             other => panic!("{other:?}"),
         }
+    }
+
+    #[test]
+    fn a_delta_rebuilds_the_members_and_refuses_another_base() {
+        let rec = |id: &str, addr: &str, w: u32| MemberRecord {
+            id: id.into(),
+            addr: addr.into(),
+            weight: w,
+            metrics_addr: None,
+        };
+        let base = vec![rec("a", "h:1", 1), rec("b", "h:2", 1), rec("c", "h:3", 1)];
+        let now = vec![rec("a", "h:1", 1), rec("b", "h:2", 2), rec("d", "h:4", 1)];
+        let d = ViewDelta::between(7, &base, &now);
+        assert_eq!((d.put.len(), d.removed.clone(), d.count), (2, vec!["c".to_string()], 3));
+        let v = View {
+            group: "g".into(),
+            epoch: 9,
+            members: vec![],
+            previous: vec![],
+            handoff_ms: None,
+            placement: None,
+            delta: Some(d),
+        };
+        let wire = serde_json::to_string(&v).unwrap();
+        let back: View = serde_json::from_str(&wire).unwrap();
+        assert_eq!(back.clone().resolve(Some((7, &base))).unwrap().members, now);
+        assert!(back.clone().resolve(Some((8, &base))).unwrap_err().contains("against epoch 7"));
+        assert!(back.clone().resolve(None).is_err());
+        // A base that is not what the replica diffed against shows in the count.
+        assert!(back.resolve(Some((7, &base[1..]))).unwrap_err().contains("gives 2 members, not 3"));
+        let same = View { delta: Some(ViewDelta::between(9, &now, &now)), ..v.clone() };
+        assert!(serde_json::to_string(&same).unwrap().len() < 120, "an unchanged view is a few bytes");
+        assert_eq!(same.resolve(Some((9, &now))).unwrap().members, now);
     }
 }

@@ -214,7 +214,9 @@ async fn handle(
         return denied(mds, group, peer, &req);
     }
     match call {
-        Call::View { group, after, wait_ms, rules } => view(mds, polls, group, after, wait_ms, rules).await,
+        Call::View { group, after, wait_ms, rules, delta } => {
+            view(mds, polls, group, after, wait_ms, rules, delta).await
+        }
         Call::SetPlacement { group } => set_placement(mds, group, req).await,
         Call::Register { group, id } => register(mds, group, id, req).await,
         Call::Heartbeat { group, id } => heartbeat(mds, group, id, req).await,
@@ -259,10 +261,12 @@ pub enum Call<'a> {
     Dashboard,
     Groups,
     /// `rules`: the placement rules the caller knows, comma-separated
-    /// (`ketama` when it names none).
+    /// (`ketama` when it names none); `delta`: the caller takes the
+    /// members as a change against `after`.
     View {
         group: &'a str,
         after: Option<u64>,
+        delta: bool,
         wait_ms: u64,
         rules: &'a str,
     },
@@ -314,6 +318,7 @@ pub fn parse_call<'a>(method: &str, path: &'a str, query: &'a str) -> Result<Cal
                         after,
                         wait_ms: w.unwrap_or(0).min(MAX_WAIT_MS),
                         rules: query_str(query, "rules").unwrap_or("ketama"),
+                        delta: query_str(query, "delta") == Some("1"),
                     }),
                     (Err(e), _) | (_, Err(e)) => bad(e),
                 },
@@ -430,6 +435,7 @@ async fn view(
     after: Option<u64>,
     wait: u64,
     rules: &str,
+    delta: bool,
 ) -> Reply {
     let r = match after {
         Some(a) if wait > 0 => {
@@ -460,7 +466,7 @@ async fn view(
             r
         }
         _ => {
-            let r = limited(Duration::ZERO, mds.reg.view(group)).await;
+            let r = limited(Duration::ZERO, mds.current_view(group)).await;
             if r.is_ok() {
                 mds.reg.counters.views_polled.fetch_add(1, Ordering::Relaxed);
             }
@@ -470,14 +476,21 @@ async fn view(
     match r {
         // A caller that does not know the group's rule would place keys
         // on the wrong members: it gets one clear error instead.
-        Ok(v) if !knows_rule(rules, v.placement.as_deref()) => error(
+        Ok(h) if !knows_rule(rules, h.view.placement.as_deref()) => error(
             StatusCode::UNPROCESSABLE_ENTITY,
             format!(
                 "group {group} places keys by rule {:?}, which this client does not know (it named {rules:?}): upgrade it (docs/PROTOCOL.md §4)",
-                v.placement.as_deref().unwrap_or("ketama")
+                h.view.placement.as_deref().unwrap_or("ketama")
             ),
         ),
-        Ok(v) => json(StatusCode::OK, &v),
+        Ok(h) => {
+            let (body, _) = mds.encode(group, &h, after.filter(|_| delta));
+            Response::builder()
+                .status(StatusCode::OK)
+                .header("content-type", "application/json")
+                .body(Full::new(body))
+                .unwrap_or_else(|_| Response::new(Full::new(Bytes::new())))
+        }
         Err(e) => reg_error(e),
     }
 }

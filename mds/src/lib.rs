@@ -11,10 +11,10 @@ pub mod http;
 pub mod metrics;
 pub mod registry;
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::{Duration, Instant};
 
 use etcd_client::{ConnectOptions, GetOptions, WatchOptions};
 use kv_common::mds::{View, ETCD_ROOT};
@@ -25,17 +25,72 @@ pub use registry::{RegError, Registry};
 /// How many distinct groups one replica follows for long-polls.
 const MAX_GROUPS: usize = 4096;
 
-/// The service: the registry plus the per-group change signals long-polls
-/// wait on.
-/// A view and the number of the read that got it.
-type Numbered = (u64, View);
+/// A view as a replica holds it for its callers: the number of the read
+/// that got it (see `read_seq`), the view, and when it was read.
+#[derive(Debug, Clone)]
+pub struct Held {
+    pub seq: u64,
+    pub view: Arc<View>,
+    pub at: Instant,
+}
 
+impl Held {
+    fn new(seq: u64, view: View) -> Held {
+        Held { seq, view: Arc::new(view), at: Instant::now() }
+    }
+}
+
+type Numbered = Held;
+
+/// Views of this many recent epochs are kept per group as bases for deltas.
+const DELTA_BASES: usize = 8;
+
+/// How long one encoding of a view is served (its previous sets' time left
+/// is counted from when it was made).
+const ENCODING_FOR: Duration = Duration::from_secs(1);
+
+/// One body for a view: its epoch, when it was made, and the bytes (made
+/// by the first caller that needs them).
+type Encoding = (u64, Instant, Arc<OnceLock<hyper::body::Bytes>>);
+
+/// What a replica keeps per followed group.
+struct Group {
+    /// The newest view read, for long-polls to wait on.
+    tx: watch::Sender<Option<Numbered>>,
+    /// The views of the last few epochs served, newest last: the bases of
+    /// deltas for clients that hold one of them.
+    recent: VecDeque<Arc<View>>,
+    /// Encodings of the current epoch's view, by the base a delta is taken
+    /// against (None: the whole view), each made once and shared by every
+    /// caller that wants it within [`ENCODING_FOR`].
+    encoded: HashMap<Option<u64>, Encoding>,
+}
+
+impl Group {
+    fn new() -> Group {
+        Group { tx: watch::channel(None).0, recent: VecDeque::new(), encoded: HashMap::new() }
+    }
+
+    fn remember(&mut self, view: &Arc<View>) {
+        if self.recent.back().is_some_and(|v| v.epoch == view.epoch) {
+            return;
+        }
+        self.recent.retain(|v| v.epoch != view.epoch);
+        self.recent.push_back(view.clone());
+        while self.recent.len() > DELTA_BASES {
+            self.recent.pop_front();
+        }
+    }
+}
+
+/// The service: the registry plus, per group, the held view long-polls
+/// wait on and the bases and encodings of the views it sends.
 pub struct Mds {
     pub reg: Registry,
     watch_etcd: etcd_client::Client,
     /// Per group: the newest view read, with the number of the read that
     /// got it (see `read_seq`).
-    groups: Mutex<HashMap<String, watch::Sender<Option<Numbered>>>>,
+    groups: Mutex<HashMap<String, Group>>,
     /// The etcd watch is established; while false, long-polls re-read.
     watching: AtomicBool,
     /// Numbers every view read as it starts, so a read that started earlier
@@ -188,18 +243,19 @@ impl Mds {
     /// A receiver that sees each new view of `group` (as the watch finds it).
     fn subscribe(&self, group: &str) -> Option<watch::Receiver<Option<Numbered>>> {
         let mut g = self.groups.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(tx) = g.get(group) {
-            return Some(tx.subscribe());
+        if let Some(grp) = g.get(group) {
+            return Some(grp.tx.subscribe());
         }
         if g.len() >= MAX_GROUPS {
             // Groups nobody waits on any more make room.
-            g.retain(|_, tx| tx.receiver_count() > 0);
+            g.retain(|_, grp| grp.tx.receiver_count() > 0);
             if g.len() >= MAX_GROUPS {
                 return None;
             }
         }
-        let (tx, rx) = watch::channel(None);
-        g.insert(group.to_string(), tx);
+        let grp = Group::new();
+        let rx = grp.tx.subscribe();
+        g.insert(group.to_string(), grp);
         Some(rx)
     }
 
@@ -209,7 +265,7 @@ impl Mds {
     async fn refresh(&self, group: &str) {
         {
             let groups = self.groups.lock().unwrap_or_else(|e| e.into_inner());
-            match groups.get(group) {
+            match groups.get(group).map(|grp| &grp.tx) {
                 Some(tx) if tx.receiver_count() > 0 => {}
                 Some(tx) => {
                     // Nobody waits: drop the view held rather than read it;
@@ -230,8 +286,8 @@ impl Mds {
                     tracing::warn!(group, error = %e, "cannot refresh a view after a change: long-polls re-read at their deadline");
                     // The view held is no longer known to be current: long-polls
                     // read etcd again until a refresh succeeds.
-                    if let Some(tx) = self.groups.lock().unwrap_or_else(|e| e.into_inner()).get(group) {
-                        tx.send_replace(None);
+                    if let Some(grp) = self.groups.lock().unwrap_or_else(|e| e.into_inner()).get(group) {
+                        grp.tx.send_replace(None);
                     }
                     return;
                 }
@@ -245,20 +301,101 @@ impl Mds {
     }
 
     /// Makes `view` (read as number `seq`) the group's view held for its
-    /// long-polls, unless a later read holds another epoch already.
-    fn publish(&self, group: &str, seq: u64, view: View) {
-        if let Some(tx) = self.groups.lock().unwrap_or_else(|e| e.into_inner()).get(group) {
+    /// long-polls, unless a later read holds another epoch already; returns
+    /// it as held.
+    fn publish(&self, group: &str, seq: u64, view: View) -> Held {
+        let held = Held::new(seq, view);
+        if let Some(grp) = self.groups.lock().unwrap_or_else(|e| e.into_inner()).get_mut(group) {
+            grp.remember(&held.view);
             // `!=`, not `>`: after etcd lost its data, revisions restart
             // lower. Only a read that started after the one published
             // replaces it.
-            tx.send_if_modified(|cur| {
-                let changed = cur.as_ref().is_none_or(|(s, c)| seq > *s && view.epoch != c.epoch);
+            grp.tx.send_if_modified(|cur| {
+                let changed = cur.as_ref().is_none_or(|c| seq > c.seq && held.view.epoch != c.view.epoch);
                 if changed {
-                    *cur = Some((seq, view));
+                    *cur = Some(held.clone());
                 }
                 changed
             });
         }
+        held
+    }
+
+    /// The group's view now, for a plain poll: the view the etcd watch
+    /// holds when there is one (no etcd read), else read.
+    pub async fn current_view(&self, group: &str) -> Result<Held, RegError> {
+        if self.watching.load(Ordering::SeqCst) {
+            let held =
+                self.groups.lock().unwrap_or_else(|e| e.into_inner()).get(group).and_then(|g| g.tx.borrow().clone());
+            if let Some(h) = held {
+                self.reg.counters.polls_from_cache.fetch_add(1, Ordering::Relaxed);
+                return Ok(h);
+            }
+        }
+        let seq = self.next_read();
+        let v = self.reg.view(group).await?;
+        Ok(self.publish(group, seq, v))
+    }
+
+    /// The JSON body answering `held` to a caller that holds epoch `base`
+    /// and takes deltas (None: the whole view), and whether it is a delta.
+    /// A delta is sent when the base is the view's own epoch (nothing
+    /// changed) or one this replica served recently (docs/PROTOCOL.md §6,
+    /// "Deltas"). Each body is made once and shared by
+    /// every caller that wants the same within a second; previous sets'
+    /// time left counts from when the view was read.
+    pub fn encode(&self, group: &str, held: &Held, base: Option<u64>) -> (hyper::body::Bytes, bool) {
+        let (cell, base_view) = {
+            let mut groups = self.groups.lock().unwrap_or_else(|e| e.into_inner());
+            match groups.get_mut(group) {
+                Some(grp) => {
+                    // A long-poll ending at its deadline holds the epoch
+                    // already: a change of nothing.
+                    let base_view = base.and_then(|b| {
+                        if b == held.view.epoch {
+                            Some(held.view.clone())
+                        } else {
+                            grp.recent.iter().find(|v| v.epoch == b).cloned()
+                        }
+                    });
+                    let key = base_view.as_ref().map(|v| v.epoch);
+                    let epoch = held.view.epoch;
+                    grp.encoded.retain(|_, (e, at, _)| *e == epoch && at.elapsed() < ENCODING_FOR);
+                    let cell = grp
+                        .encoded
+                        .entry(key)
+                        .or_insert_with(|| (epoch, Instant::now(), Arc::new(OnceLock::new())))
+                        .2
+                        .clone();
+                    (cell, base_view)
+                }
+                None => (Arc::new(OnceLock::new()), None),
+            }
+        };
+        let is_delta = base_view.is_some();
+        let body = cell
+            .get_or_init(|| {
+                let c = &self.reg.counters;
+                c.view_encodings.fetch_add(1, Ordering::Relaxed);
+                let mut v = (*held.view).clone();
+                let aged = held.at.elapsed().as_millis() as u64;
+                v.previous.retain(|p| p.remaining_ms > aged);
+                v.previous.iter_mut().for_each(|p| p.remaining_ms -= aged);
+                if let Some(b) = &base_view {
+                    v.delta = Some(kv_common::mds::ViewDelta::between(b.epoch, &b.members, &v.members));
+                    v.members = Vec::new();
+                }
+                hyper::body::Bytes::from(serde_json::to_vec(&v).unwrap_or_default())
+            })
+            .clone();
+        let c = &self.reg.counters;
+        if is_delta {
+            c.views_delta.fetch_add(1, Ordering::Relaxed);
+            c.view_bytes_delta.fetch_add(body.len() as u64, Ordering::Relaxed);
+        } else {
+            c.view_bytes_full.fetch_add(body.len() as u64, Ordering::Relaxed);
+        }
+        (body, is_delta)
     }
 
     /// The view once its epoch differs from `after`, or at `wait`'s end.
@@ -269,7 +406,7 @@ impl Mds {
     /// etcd, on entry or at its deadline: a fleet's re-polls after a change
     /// cost etcd nothing. Otherwise (no watch, nothing held yet, a refresh
     /// that failed, a client ahead of this replica) the view is read.
-    pub async fn wait_view(&self, group: &str, after: u64, wait: Duration) -> Result<View, RegError> {
+    pub async fn wait_view(&self, group: &str, after: u64, wait: Duration) -> Result<Held, RegError> {
         let deadline = tokio::time::Instant::now() + wait;
         let mut rx = self.subscribe(group);
         let held = |rx: &mut Option<watch::Receiver<Option<Numbered>>>| -> Option<Numbered> {
@@ -278,20 +415,19 @@ impl Mds {
             }
             rx.as_mut().and_then(|r| r.borrow_and_update().clone())
         };
-        let (mut seq, mut v) = match held(&mut rx) {
-            Some((s, hv)) if hv.epoch == after => {
+        let mut v = match held(&mut rx) {
+            Some(h) if h.view.epoch == after => {
                 self.reg.counters.views_from_cache.fetch_add(1, Ordering::Relaxed);
-                (s, hv)
+                h
             }
             _ => {
                 let seq = self.next_read();
                 let v = self.reg.view(group).await?;
-                self.publish(group, seq, v.clone());
-                (seq, v)
+                self.publish(group, seq, v)
             }
         };
         loop {
-            if v.epoch != after || tokio::time::Instant::now() >= deadline {
+            if v.view.epoch != after || tokio::time::Instant::now() >= deadline {
                 return Ok(v);
             }
             // Without a working watch, fall back to re-reading twice a second.
@@ -309,14 +445,13 @@ impl Mds {
                                 // A view read before ours is not newer than ours.
                                 let got = r.borrow_and_update().clone();
                                 match got {
-                                    Some((s, nv)) if s > seq => (seq, v) = (s, nv),
+                                    Some(h) if h.seq > v.seq => v = h,
                                     Some(_) => {}
                                     None => {
                                         // The view held was dropped (a refresh
                                         // failed): read it now.
-                                        seq = self.next_read();
-                                        v = self.reg.view(group).await?;
-                                        self.publish(group, seq, v.clone());
+                                        let seq = self.next_read();
+                                        v = self.publish(group, seq, self.reg.view(group).await?);
                                     }
                                 }
                             }
@@ -326,17 +461,16 @@ impl Mds {
                             // held, `v` is current: answer it without a read.
                             let current = !polling && r.borrow().is_some();
                             if !current {
-                                seq = self.next_read();
-                                v = self.reg.view(group).await?;
-                                self.publish(group, seq, v.clone());
+                                let seq = self.next_read();
+                                v = self.publish(group, seq, self.reg.view(group).await?);
                             }
                         }
                     }
                 }
                 None => {
                     timer.await;
-                    seq = self.next_read();
-                    v = self.reg.view(group).await?;
+                    let seq = self.next_read();
+                    v = Held::new(seq, self.reg.view(group).await?);
                 }
             }
         }
@@ -391,7 +525,7 @@ impl Mds {
     async fn refresh_all(&self) {
         let groups: Vec<String> = {
             let mut g = self.groups.lock().unwrap_or_else(|e| e.into_inner());
-            g.retain(|_, tx| tx.receiver_count() > 0);
+            g.retain(|_, grp| grp.tx.receiver_count() > 0);
             g.keys().cloned().collect()
         };
         for g in groups {
@@ -404,7 +538,7 @@ impl Mds {
         loop {
             tokio::time::sleep(self.reg.ttl.max(Duration::from_secs(1))).await;
             self.reg.sweep();
-            self.groups.lock().unwrap_or_else(|e| e.into_inner()).retain(|_, tx| tx.receiver_count() > 0);
+            self.groups.lock().unwrap_or_else(|e| e.into_inner()).retain(|_, grp| grp.tx.receiver_count() > 0);
         }
     }
 }

@@ -46,7 +46,7 @@ impl Collector for Counters {
     fn encode(&self, mut e: DescriptorEncoder<'_>) -> Result<(), std::fmt::Error> {
         let c = &self.mds.reg.counters;
         let ld = |a: &AtomicU64| a.load(Ordering::Relaxed);
-        let counters: [(&str, &str, u64); 14] = [
+        let counters: [(&str, &str, u64); 17] = [
             ("registrations", "Node registrations served", ld(&c.registrations)),
             ("heartbeats", "Node heartbeats served", ld(&c.heartbeats)),
             ("takeovers", "Heartbeats that took a node's lease over from another replica", ld(&c.takeovers)),
@@ -61,6 +61,13 @@ impl Collector for Counters {
                 "long_polls_from_cache",
                 "Long-polls that started from the view held for them, without an etcd read",
                 ld(&c.views_from_cache),
+            ),
+            ("polls_from_cache", "Plain polls answered from the view the etcd watch holds", ld(&c.polls_from_cache)),
+            ("views_delta", "Views sent as a change against the epoch the client held", ld(&c.views_delta)),
+            (
+                "view_encodings",
+                "View bodies encoded (each shared by every caller answered with it)",
+                ld(&c.view_encodings),
             ),
             ("refused_connections", "Connections refused at the connection cap (--max-conns)", ld(&c.refused_conns)),
             ("refused_long_polls", "Long-polls refused at the long-poll cap", ld(&c.refused_polls)),
@@ -77,6 +84,14 @@ impl Collector for Counters {
         )?;
         ConstCounter::new(ld(&c.views_polled)).encode(m.encode_family(&[("kind", "poll")])?)?;
         ConstCounter::new(ld(&c.views_long_polled)).encode(m.encode_family(&[("kind", "long_poll")])?)?;
+        let mut m = e.encode_descriptor(
+            "view_bytes",
+            "Bytes of view bodies sent, by kind (full: the whole member list; delta: a change against the client's epoch)",
+            None,
+            MetricType::Counter,
+        )?;
+        ConstCounter::new(ld(&c.view_bytes_full)).encode(m.encode_family(&[("kind", "full")])?)?;
+        ConstCounter::new(ld(&c.view_bytes_delta)).encode(m.encode_family(&[("kind", "delta")])?)?;
         let gauges: [(&str, &str, u64); 2] = [
             ("long_polls_waiting", "Long-polls waiting now", ld(&c.long_polls_waiting)),
             ("etcd_up", "1 while the last etcd call succeeded", u64::from(self.mds.reg.etcd_healthy())),

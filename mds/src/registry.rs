@@ -116,6 +116,14 @@ pub struct Counters {
     pub views_long_polled: AtomicU64,
     /// Long-polls that started from the view held for them (no etcd read).
     pub views_from_cache: AtomicU64,
+    /// Plain polls answered from the view the etcd watch holds.
+    pub polls_from_cache: AtomicU64,
+    /// Views sent as deltas, and the bytes of view bodies sent, by kind.
+    pub views_delta: AtomicU64,
+    pub view_bytes_full: AtomicU64,
+    pub view_bytes_delta: AtomicU64,
+    /// View bodies encoded (each shared by the callers answered with it).
+    pub view_encodings: AtomicU64,
     pub long_polls_waiting: AtomicU64,
 }
 
@@ -375,7 +383,7 @@ impl Registry {
         let handoff_ms = Some(self.handoff.as_millis() as u64);
         let mut previous = Vec::new();
         if self.handoff.is_zero() || epoch == 0 {
-            return View { group: group.to_string(), epoch, members, previous, handoff_ms, placement };
+            return View { group: group.to_string(), epoch, members, previous, handoff_ms, placement, delta: None };
         }
         let hprefix = history_prefix(group);
         let history: HashMap<u64, (i64, History)> = kvs
@@ -411,7 +419,7 @@ impl Registry {
             set = earlier;
             at = h.epoch;
         }
-        View { group: group.to_string(), epoch, members, previous, handoff_ms, placement }
+        View { group: group.to_string(), epoch, members, previous, handoff_ms, placement, delta: None }
     }
 
     pub fn etcd(&self) -> Client {

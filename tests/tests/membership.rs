@@ -669,7 +669,9 @@ fn long_polls_holding_the_current_epoch_read_nothing_from_etcd() {
             MdsClient::new(vec![addr], Duration::from_secs(3)).wait_view("g", v.epoch, Duration::from_secs(20)).unwrap()
         })
     };
-    std::thread::sleep(Duration::from_millis(200));
+    wait_until(Duration::from_secs(10), "the long-poll waiting", || {
+        (mds_counter(&addr, "kvmds_long_polls_waiting") >= 1).then_some(())
+    });
     let _n2 = tier.node("n2", 1);
     let after = waiting.join().unwrap();
     assert!(after.epoch > v.epoch && after.members.len() == 2, "{after:?}");
@@ -749,4 +751,56 @@ fn a_placement_switch_keeps_pages_and_unknown_rules_are_refused() {
     for k in &keys {
         assert_eq!(c.exist(k.as_bytes()), Status::Ok, "{k} back under Ketama");
     }
+}
+
+/// Long-polls that take deltas get the change against the epoch they hold
+/// (a few hundred bytes, not the member list), made once and shared by
+/// every waiter; one that holds no epoch the replica knows gets it whole.
+#[test]
+fn an_epoch_change_reaches_waiters_as_one_shared_delta() {
+    let _serial = serial();
+    let tier = Tier::new(1);
+    let _n1 = tier.node("n1", 1);
+    let _n2 = tier.node("n2", 1);
+    let v = tier.await_members(0, &["n1", "n2"], Duration::from_secs(20));
+    let addr = tier.mds[0].addr.clone();
+    let mut c = MdsClient::new(vec![addr.clone()], Duration::from_secs(3));
+    // At its deadline with nothing new: a change of nothing.
+    let same = c.wait_view_delta("g", v.epoch, Duration::from_millis(200)).unwrap();
+    assert_eq!(same.delta.as_ref().map(|d| (d.base, d.put.len(), d.removed.len(), d.count)), Some((v.epoch, 0, 0, 2)));
+    assert_eq!(same.resolve(Some((v.epoch, &v.members))).unwrap().members, v.members);
+
+    let enc0 = mds_counter(&addr, "kvmds_view_encodings_total");
+    let deltas0 = mds_counter(&addr, "kvmds_views_delta_total");
+    let waiters: Vec<_> = (0..24)
+        .map(|_| {
+            let addr = addr.clone();
+            std::thread::spawn(move || {
+                MdsClient::new(vec![addr], Duration::from_secs(3))
+                    .wait_view_delta("g", v.epoch, Duration::from_secs(30))
+                    .unwrap()
+            })
+        })
+        .collect();
+    wait_until(Duration::from_secs(10), "24 long-polls waiting", || {
+        (mds_counter(&addr, "kvmds_long_polls_waiting") >= 24).then_some(())
+    });
+    let _n3 = tier.node("n3", 1);
+    for w in waiters {
+        let got = w.join().unwrap();
+        let d = got.delta.clone().expect("a delta");
+        assert_eq!((d.base, d.put.len(), d.removed.len(), d.count), (v.epoch, 1, 0, 3), "{got:?}");
+        assert_eq!(d.put[0].id, "n3");
+        let whole = got.resolve(Some((v.epoch, &v.members))).unwrap();
+        assert_eq!(whole.members.iter().map(|m| m.id.as_str()).collect::<Vec<_>>(), ["n1", "n2", "n3"]);
+    }
+    let encodings = mds_counter(&addr, "kvmds_view_encodings_total") - enc0;
+    assert_eq!(mds_counter(&addr, "kvmds_views_delta_total") - deltas0, 24);
+    assert!(encodings <= 2, "24 waiters answered from {encodings} encodings");
+    // An epoch this replica never served: the whole view.
+    let full = c.wait_view_delta("g", 1, Duration::from_secs(5)).unwrap();
+    assert!(full.delta.is_none() && full.members.len() == 3, "{full:?}");
+    // Clients of the previous release never get a delta.
+    let old = c.wait_view("g", v.epoch, Duration::from_secs(5)).unwrap();
+    assert!(old.delta.is_none() && old.members.len() == 3);
 }
