@@ -36,7 +36,7 @@ const MAX_BODY: usize = 64 << 10;
 /// timeout, also between requests on a kept-alive connection) and its body.
 const READ_TIMEOUT: Duration = Duration::from_secs(10);
 
-/// Long-polls held at once; more are answered 503 at once (the client then
+/// Long-polls held at once by default (`--max-long-polls`); more are answered 503 at once (the client then
 /// tries another replica or polls again after its interval). Each holds a
 /// task and a connection for up to `MAX_WAIT_MS`.
 pub const MAX_LONG_POLLS: usize = 2048;

@@ -37,6 +37,10 @@ struct Cli {
     /// long-polls); more get a 503 and are closed.
     #[arg(long, default_value_t = 4096)]
     max_conns: usize,
+    /// Long-polls waiting at once (at most --max-conns); more get a 503 at once and poll again
+    /// later or at another replica. Each waiting long-poll holds a connection and a few KiB.
+    #[arg(long, default_value_t = kv_mds::http::MAX_LONG_POLLS)]
+    max_long_polls: usize,
     /// Log level: error, warn, info, debug or trace.
     #[arg(long, default_value = "info")]
     log_level: tracing::Level,
@@ -84,6 +88,10 @@ fn main() -> ExitCode {
     }
     if cli.max_conns == 0 {
         eprintln!("kv-mds: error: --max-conns must be at least 1");
+        return ExitCode::from(2);
+    }
+    if cli.max_long_polls == 0 {
+        eprintln!("kv-mds: error: --max-long-polls must be at least 1");
         return ExitCode::from(2);
     }
     let (tokens, security) = match tokens(&cli).and_then(|t| Ok((t, etcd_security(&cli)?))) {
@@ -194,7 +202,7 @@ fn run(
         tracing::info!(%addr, open = tokens.is_open(), lease_ttl_ms = cli.lease_ttl.as_millis() as u64, handoff_secs = cli.handoff_secs, version = env!("CARGO_PKG_VERSION"), "serving");
         let limits = kv_mds::http::Limits {
             max_conns: cli.max_conns,
-            max_long_polls: kv_mds::http::MAX_LONG_POLLS.min(cli.max_conns),
+            max_long_polls: cli.max_long_polls.min(cli.max_conns),
             tokens,
         };
         kv_mds::http::serve(listener, mds, limits, rx).await;
