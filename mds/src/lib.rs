@@ -64,11 +64,36 @@ struct Group {
     /// against (None: the whole view), each made once and shared by every
     /// caller that wants it within [`ENCODING_FOR`].
     encoded: HashMap<Option<u64>, Encoding>,
+    /// The etcd read of this group's view under way, which every caller
+    /// that needs one joins (a fleet's first polls cost etcd one read, not
+    /// one each).
+    reading: Option<SharedRead>,
+    /// When a caller last asked for this group's view: a group polled
+    /// within [`FOLLOW_FOR`] stays followed by the watch even with no
+    /// long-poll waiting.
+    used: Instant,
 }
+
+/// One etcd read of a view that several callers wait on.
+type SharedRead = Arc<tokio::sync::OnceCell<Result<Held, String>>>;
+
+/// How long a group nobody long-polls stays followed after a plain poll.
+const FOLLOW_FOR: Duration = Duration::from_secs(60);
 
 impl Group {
     fn new() -> Group {
-        Group { tx: watch::channel(None).0, recent: VecDeque::new(), encoded: HashMap::new() }
+        Group {
+            tx: watch::channel(None).0,
+            recent: VecDeque::new(),
+            encoded: HashMap::new(),
+            reading: None,
+            used: Instant::now(),
+        }
+    }
+
+    /// Whether the watch keeps this group's view current.
+    fn followed(&self) -> bool {
+        self.tx.receiver_count() > 0 || self.used.elapsed() < FOLLOW_FOR
     }
 
     fn remember(&mut self, view: &Arc<View>) {
@@ -243,20 +268,25 @@ impl Mds {
     /// A receiver that sees each new view of `group` (as the watch finds it).
     fn subscribe(&self, group: &str) -> Option<watch::Receiver<Option<Numbered>>> {
         let mut g = self.groups.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(grp) = g.get(group) {
-            return Some(grp.tx.subscribe());
-        }
-        if g.len() >= MAX_GROUPS {
-            // Groups nobody waits on any more make room.
-            g.retain(|_, grp| grp.tx.receiver_count() > 0);
+        Mds::group_entry(&mut g, group).map(|grp| {
+            grp.used = Instant::now();
+            grp.tx.subscribe()
+        })
+    }
+
+    /// The group's entry, made if there is room (groups no longer followed
+    /// make room).
+    fn group_entry<'a>(g: &'a mut HashMap<String, Group>, group: &str) -> Option<&'a mut Group> {
+        if !g.contains_key(group) {
             if g.len() >= MAX_GROUPS {
-                return None;
+                g.retain(|_, grp| grp.followed());
+                if g.len() >= MAX_GROUPS {
+                    return None;
+                }
             }
+            g.insert(group.to_string(), Group::new());
         }
-        let grp = Group::new();
-        let rx = grp.tx.subscribe();
-        g.insert(group.to_string(), grp);
-        Some(rx)
+        g.get_mut(group)
     }
 
     /// Re-reads a followed group's view and publishes it if the epoch
@@ -265,9 +295,9 @@ impl Mds {
     async fn refresh(&self, group: &str) {
         {
             let groups = self.groups.lock().unwrap_or_else(|e| e.into_inner());
-            match groups.get(group).map(|grp| &grp.tx) {
-                Some(tx) if tx.receiver_count() > 0 => {}
-                Some(tx) => {
+            match groups.get(group) {
+                Some(grp) if grp.followed() => {}
+                Some(Group { tx, .. }) => {
                     // Nobody waits: drop the view held rather than read it;
                     // the next long-poll reads etcd (a view held through a
                     // change nobody refreshed would be stale).
@@ -324,17 +354,50 @@ impl Mds {
     /// The group's view now, for a plain poll: the view the etcd watch
     /// holds when there is one (no etcd read), else read.
     pub async fn current_view(&self, group: &str) -> Result<Held, RegError> {
-        if self.watching.load(Ordering::SeqCst) {
-            let held =
-                self.groups.lock().unwrap_or_else(|e| e.into_inner()).get(group).and_then(|g| g.tx.borrow().clone());
-            if let Some(h) = held {
-                self.reg.counters.polls_from_cache.fetch_add(1, Ordering::Relaxed);
-                return Ok(h);
-            }
+        let held = {
+            let mut g = self.groups.lock().unwrap_or_else(|e| e.into_inner());
+            Mds::group_entry(&mut g, group).and_then(|grp| {
+                grp.used = Instant::now();
+                grp.tx.borrow().clone()
+            })
+        };
+        if let Some(h) = held.filter(|_| self.watching.load(Ordering::SeqCst)) {
+            self.reg.counters.polls_from_cache.fetch_add(1, Ordering::Relaxed);
+            return Ok(h);
         }
-        let seq = self.next_read();
-        let v = self.reg.view(group).await?;
-        Ok(self.publish(group, seq, v))
+        self.read_shared(group).await
+    }
+
+    /// Reads the group's view from etcd and publishes it. Callers that
+    /// arrive while a read of the group is under way share its answer
+    /// rather than start their own: a fleet re-polling at once costs etcd
+    /// one read, not one per client.
+    async fn read_shared(&self, group: &str) -> Result<Held, RegError> {
+        let cell = {
+            let mut g = self.groups.lock().unwrap_or_else(|e| e.into_inner());
+            Mds::group_entry(&mut g, group)
+                .map(|grp| grp.reading.get_or_insert_with(|| Arc::new(tokio::sync::OnceCell::new())).clone())
+        };
+        let Some(cell) = cell else {
+            // No room to follow the group: a read of its own.
+            let seq = self.next_read();
+            return Ok(Held::new(seq, self.reg.view(group).await?));
+        };
+        let mine = cell.clone();
+        cell.get_or_init(|| async move {
+            let seq = self.next_read();
+            let r = self.reg.view(group).await.map(|v| self.publish(group, seq, v)).map_err(|e| e.to_string());
+            // Callers from now on start a read of their own.
+            if let Some(grp) = self.groups.lock().unwrap_or_else(|e| e.into_inner()).get_mut(group) {
+                if grp.reading.as_ref().is_some_and(|c| Arc::ptr_eq(c, &mine)) {
+                    grp.reading = None;
+                }
+            }
+            r
+        })
+        .await
+        .clone()
+        .map_err(RegError::Conflict)
     }
 
     /// The JSON body answering `held` to a caller that holds epoch `base`
@@ -421,9 +484,16 @@ impl Mds {
                 h
             }
             _ => {
-                let seq = self.next_read();
-                let v = self.reg.view(group).await?;
-                self.publish(group, seq, v)
+                let shared = self.read_shared(group).await?;
+                if shared.view.epoch < after {
+                    // A client ahead of the read it joined (it heard of a
+                    // change from another replica): a read of its own, so
+                    // it is never handed an epoch older than it holds.
+                    let seq = self.next_read();
+                    self.publish(group, seq, self.reg.view(group).await?)
+                } else {
+                    shared
+                }
             }
         };
         loop {
@@ -450,8 +520,7 @@ impl Mds {
                                     None => {
                                         // The view held was dropped (a refresh
                                         // failed): read it now.
-                                        let seq = self.next_read();
-                                        v = self.publish(group, seq, self.reg.view(group).await?);
+                                        v = self.read_shared(group).await?;
                                     }
                                 }
                             }
@@ -461,8 +530,7 @@ impl Mds {
                             // held, `v` is current: answer it without a read.
                             let current = !polling && r.borrow().is_some();
                             if !current {
-                                let seq = self.next_read();
-                                v = self.publish(group, seq, self.reg.view(group).await?);
+                                v = self.read_shared(group).await?;
                             }
                         }
                     }
@@ -525,7 +593,7 @@ impl Mds {
     async fn refresh_all(&self) {
         let groups: Vec<String> = {
             let mut g = self.groups.lock().unwrap_or_else(|e| e.into_inner());
-            g.retain(|_, grp| grp.tx.receiver_count() > 0);
+            g.retain(|_, grp| grp.followed());
             g.keys().cloned().collect()
         };
         for g in groups {
@@ -538,7 +606,7 @@ impl Mds {
         loop {
             tokio::time::sleep(self.reg.ttl.max(Duration::from_secs(1))).await;
             self.reg.sweep();
-            self.groups.lock().unwrap_or_else(|e| e.into_inner()).retain(|_, grp| grp.tx.receiver_count() > 0);
+            self.groups.lock().unwrap_or_else(|e| e.into_inner()).retain(|_, grp| grp.followed());
         }
     }
 }

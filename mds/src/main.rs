@@ -67,6 +67,18 @@ struct Cli {
     etcd_password_file: Option<std::path::PathBuf>,
 }
 
+/// Connections the kernel queues for accept: a fleet's clients all
+/// re-poll within a quarter second of an epoch change, more than the usual
+/// 1024 (the kernel caps it at net.core.somaxconn).
+const BACKLOG: u32 = 8192;
+
+fn listen(addr: std::net::SocketAddr) -> std::io::Result<tokio::net::TcpListener> {
+    let sock = if addr.is_ipv4() { tokio::net::TcpSocket::new_v4()? } else { tokio::net::TcpSocket::new_v6()? };
+    sock.set_reuseaddr(true)?;
+    sock.bind(addr)?;
+    sock.listen(BACKLOG)
+}
+
 fn main() -> ExitCode {
     let cli: Cli = match kv_common::cli::parse_args("kv-mds") {
         Ok(c) => c,
@@ -173,9 +185,7 @@ fn run(
         // for etcd at start stops it there (as a container's PID 1, a signal
         // with no handler yet would be lost).
         let mut signals = kv_common::daemon::Signals::new();
-        let listener = tokio::net::TcpListener::bind(cli.listen)
-            .await
-            .map_err(|e| format!("cannot listen on {}: {e}", cli.listen))?;
+        let listener = listen(cli.listen).map_err(|e| format!("cannot listen on {}: {e}", cli.listen))?;
         let addr = listener.local_addr().map_err(|e| e.to_string())?;
         let connect = kv_mds::connect(&endpoints, cli.lease_ttl, Duration::from_secs(cli.handoff_secs), &security);
         let mds = tokio::select! {
