@@ -105,6 +105,21 @@ pub fn vnode_point(id: &str, j: u64) -> u64 {
     xxh3_64(format!("{id}#{j}").as_bytes())
 }
 
+/// Appends `n` in decimal.
+fn push_decimal(out: &mut Vec<u8>, mut n: u64) {
+    let mut digits = [0u8; 20];
+    let mut i = digits.len();
+    loop {
+        i -= 1;
+        digits[i] = b'0' + (n % 10) as u8;
+        n /= 10;
+        if n == 0 {
+            break;
+        }
+    }
+    out.extend_from_slice(&digits[i..]);
+}
+
 /// The point of a key.
 pub fn key_point(key: &[u8]) -> u64 {
     xxh3_64(key)
@@ -127,17 +142,31 @@ impl Ring {
 
     /// Builds a ring placing keys by `placement`. Weights below 1 count as 1.
     pub fn with_placement(members: Vec<RingMember>, placement: Placement) -> Ring {
-        let mut points = Vec::new();
+        // Clients rebuild their ring on every epoch: no allocation per point,
+        // and a sort on integer keys (a member's rank in id order breaks ties
+        // between equal points as the rule says: the smaller id first).
+        let total: u64 = members.iter().map(|m| placement.points_per_weight() * u64::from(m.weight.max(1))).sum();
+        let mut points = Vec::with_capacity(total as usize);
+        let mut name = Vec::with_capacity(80);
         for (i, m) in members.iter().enumerate() {
             let n = placement.points_per_weight() * u64::from(m.weight.max(1));
-            points.reserve(n as usize);
+            name.clear();
+            name.extend_from_slice(m.id.as_bytes());
+            name.push(b'#');
+            let stem = name.len();
             for j in 0..n {
-                points.push((vnode_point(&m.id, j), i as u32));
+                name.truncate(stem);
+                push_decimal(&mut name, j);
+                points.push((xxh3_64(&name), i as u32));
             }
         }
-        points.sort_by(|a, b| {
-            a.0.cmp(&b.0).then_with(|| members[a.1 as usize].id.as_bytes().cmp(members[b.1 as usize].id.as_bytes()))
-        });
+        let mut by_id: Vec<u32> = (0..members.len() as u32).collect();
+        by_id.sort_by(|&a, &b| members[a as usize].id.as_bytes().cmp(members[b as usize].id.as_bytes()));
+        let mut rank = vec![0u32; members.len()];
+        for (r, &m) in by_id.iter().enumerate() {
+            rank[m as usize] = r as u32;
+        }
+        points.sort_unstable_by_key(|&(p, m)| (p, rank[m as usize]));
         let buckets = 1usize << INDEX_BITS;
         let mut index = Vec::with_capacity(buckets + 1);
         let mut pos = 0usize;
