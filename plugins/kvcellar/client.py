@@ -31,7 +31,7 @@ from typing import Any, Dict, List, Mapping, NamedTuple, Optional, Sequence, Tup
 
 from kvcellar import _native
 from kvcellar._native import FLAG_MLA, MAX_KEY_LEN, IoVec, LibraryError
-from kvcellar.config import ConfigError, Settings, resolve
+from kvcellar.config import DEFAULT_POLL_MS, ConfigError, Settings, resolve
 
 log = logging.getLogger("kvcellar")
 
@@ -242,7 +242,7 @@ class Client:
         geometry: Optional[Geometry] = None,
         options: Optional[Union[str, Mapping[str, Any]]] = None,
         auth_token_file: Optional[str] = None,
-        poll_ms: int = 1000,
+        poll_ms: int = DEFAULT_POLL_MS,
         lib_path: Optional[str] = None,
         settings: Optional[Settings] = None,
     ) -> None:

@@ -49,6 +49,7 @@ from kvcellar._misses import Misses
 from kvcellar.client import Client, Geometry, Status
 from kvcellar.config import (
     CLUSTER_KEYS,
+    DEFAULT_POLL_MS,
     TIMEOUT_KEYS,
     ConfigError,
     identity_hash,
@@ -98,7 +99,7 @@ class KvcellarStorage(HiCacheStorage):
         cfg = dict(storage_config.extra_config or {})
         where = "hicache extra_config"
         self.settings = plugin_settings(cfg, where)
-        self.poll_ms = positive_int(cfg, "poll_ms", 1000, where)
+        self.poll_ms = positive_int(cfg, "poll_ms", DEFAULT_POLL_MS, where)
         model = cfg.get("model_id") or storage_config.model_name
         if not model or not isinstance(model, str):
             raise ConfigError(f"{where} key 'model_id': SGLang gave no model name, so set 'model_id'")

@@ -37,7 +37,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 from kvcellar._lmcache_api import RemoteConnector, RemoteMetadata, make_logger
 from kvcellar._misses import Misses
 from kvcellar.client import Client, ClosedError, Geometry, GetResult, Status
-from kvcellar.config import CLUSTER_KEYS, ConfigError, identity_hash, resolve, tenant_prefix
+from kvcellar.config import CLUSTER_KEYS, DEFAULT_POLL_MS, ConfigError, identity_hash, resolve, tenant_prefix
 
 log = make_logger("kvcellar.lmcache")
 
@@ -77,7 +77,7 @@ class KvcellarConnector(RemoteConnector):
             raise ConfigError(f"{where}: give {pre}mds and {pre}group, or {pre}members "
                               "(or set KVCELLAR_MDS / KVCELLAR_MEMBERS)")
         ints = {}
-        for k, default in (("io_timeout_ms", 10000), ("connect_timeout_ms", 3000), ("poll_ms", 1000),
+        for k, default in (("io_timeout_ms", 10000), ("connect_timeout_ms", 3000), ("poll_ms", DEFAULT_POLL_MS),
                            ("max_inflight", 32)):
             v = own.get(k, self.settings.options.get(k, default))
             try:

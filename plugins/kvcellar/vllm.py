@@ -65,6 +65,7 @@ from kvcellar._misses import Misses
 from kvcellar.client import Client, Geometry, Status
 from kvcellar.config import (
     CLUSTER_KEYS,
+    DEFAULT_POLL_MS,
     TIMEOUT_KEYS,
     ConfigError,
     identity_hash,
@@ -242,7 +243,7 @@ class KVCellarConnector(KVConnectorBase_V1):
         where = "kv_connector_extra_config"
         cfg = dict(self._kv_transfer_config.kv_connector_extra_config or {})
         self.settings = plugin_settings(cfg, where)
-        self.poll_ms = positive_int(cfg, "poll_ms", 1000, where)
+        self.poll_ms = positive_int(cfg, "poll_ms", DEFAULT_POLL_MS, where)
         self.lookup_timeout_s = positive_int(cfg, "lookup_timeout_ms", 1000, where) / 1000.0
         mc = vllm_config.model_config
         cc = vllm_config.cache_config
