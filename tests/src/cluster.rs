@@ -57,7 +57,7 @@ pub fn wait_until<T>(limit: Duration, what: &str, mut f: impl FnMut() -> Option<
 }
 
 /// The etcd binary: `etcd` on PATH (scripts/deps.sh installs etcd-server).
-fn etcd_bin() -> PathBuf {
+pub fn etcd_bin() -> PathBuf {
     for dir in std::env::var("PATH").unwrap_or_default().split(':').chain(["/usr/bin", "/usr/local/bin"]) {
         let p = PathBuf::from(dir).join("etcd");
         if p.is_file() {
