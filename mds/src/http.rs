@@ -113,10 +113,17 @@ fn query_u64(query: &str, key: &str) -> Result<Option<u64>, String> {
 
 /// Serves the API until `shutdown` turns true, through the daemons' shared
 /// accept loop ([`kv_common::listen`]): at most `max_conns` connections,
-/// each admitted on its first bytes (within READ_TIMEOUT), more answered
+/// each admitted on its first bytes (within READ_TIMEOUT; up to half of
+/// them waiting for those bytes at once), more answered
 /// 503; on shutdown a request in flight has a second to end.
 pub async fn serve(listener: TcpListener, mds: Arc<Mds>, limits: Limits, shutdown: tokio::sync::watch::Receiver<bool>) {
-    let gate = kv_common::listen::Gate::new("API", limits.max_conns, READ_TIMEOUT, Some(Duration::from_secs(1)));
+    let mut gate = kv_common::listen::Gate::new("API", limits.max_conns, READ_TIMEOUT, Some(Duration::from_secs(1)));
+    // After an epoch change a fleet's clients all reconnect within a second:
+    // on a busy replica thousands of them can be accepted before their
+    // first bytes are read. Openings then get a budget of half the
+    // connections (a few KiB each), so real clients are not closed as if
+    // they were sockets that never speak.
+    gate.max_opening = (limits.max_conns / 2).max(kv_common::listen::MAX_OPENING);
     let api = Api {
         registry: Arc::new(crate::metrics::registry(&mds)),
         polls: Arc::new(tokio::sync::Semaphore::new(limits.max_long_polls)),

@@ -661,6 +661,17 @@ fn spawn(name: &str, cmd: &mut Command, log: &Path, piped: bool) -> Proc {
     } else {
         cmd.stdin(Stdio::null()).stdout(err.try_clone().expect("log"));
     }
+    {
+        use std::os::unix::process::CommandExt;
+        // SAFETY: prctl is async-signal-safe; the closure allocates nothing.
+        // A child outlives no coordinator that was killed.
+        unsafe {
+            cmd.pre_exec(|| {
+                libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
+                Ok(())
+            })
+        };
+    }
     let mut child = cmd.stderr(err).spawn().unwrap_or_else(|e| panic!("cannot start {name}: {e}"));
     let stdin = child.stdin.take();
     let stdout = child.stdout.take().map(BufReader::new);
