@@ -176,10 +176,9 @@ fn placed(n: &Node) -> Placed<'_> {
     (n.id.as_str(), n.addr.as_str(), n.weight)
 }
 
-/// Whether two member sets place every key alike (same ids, addresses and
-/// weights, in any order).
-fn same_members(a: &[Arc<Node>], b: &[Arc<Node>]) -> bool {
-    let b: std::collections::HashSet<Placed<'_>> = b.iter().map(|n| placed(n)).collect();
+/// Whether a member set places every key as `b` does (same ids, addresses
+/// and weights, in any order; `b` as a set, made once per install).
+fn same_members(a: &[Arc<Node>], b: &std::collections::HashSet<Placed<'_>>) -> bool {
     a.len() == b.len() && a.iter().all(|n| b.contains(&placed(n)))
 }
 
@@ -288,7 +287,8 @@ impl Client {
         let window = if self.opts.handoff.is_zero() { Duration::ZERO } else { window.unwrap_or(self.opts.handoff) };
         let mut previous: Vec<Arc<Previous>> = Vec::new();
         if !window.is_zero() {
-            let same = |r: &Ring, n: &[Arc<Node>]| r.placement() == placement && same_members(n, &nodes);
+            let current: std::collections::HashSet<Placed<'_>> = nodes.iter().map(|n| placed(n)).collect();
+            let same = |r: &Ring, n: &[Arc<Node>]| r.placement() == placement && same_members(n, &current);
             if !old.nodes.is_empty() && !same(&old.ring, &old.nodes) {
                 previous.push(Arc::new(Previous {
                     epoch: old.epoch,
@@ -306,6 +306,10 @@ impl Client {
                         previous[i] =
                             Arc::new(Previous { epoch: e, ring: p.ring.clone(), nodes: p.nodes.clone(), until });
                     }
+                    // A set the view names but this client no longer holds
+                    // and was not sent whole (discovery sends only sets it
+                    // lacks): nothing to ask there.
+                    None if set.is_empty() => {}
                     None => {
                         let nodes = set.iter().map(&mut node_for).collect();
                         let ring = Arc::new(ring_of(&set, rule));

@@ -66,13 +66,19 @@ fn members_of(v: &View) -> (Vec<Member>, Vec<String>) {
 
 /// The previous member sets a view names (a set with a record of bad form,
 /// which kv-mds accepts none of, or placed by a rule this build does not
-/// know, is left out).
-fn previous_of(v: &View) -> Vec<crate::client::GivenSet> {
+/// know, is left out). Sets of an epoch in `held` (the client has them
+/// already) come without their members: only their time left is new, and
+/// rebuilding a thousand members per set on every epoch is work a fleet's
+/// every client would repeat.
+fn previous_of(v: &View, held: &std::collections::HashSet<u64>) -> Vec<crate::client::GivenSet> {
     v.previous
         .iter()
         .filter_map(|p| {
-            let set: Result<Vec<Member>, String> =
-                p.apply(&v.members).iter().map(|m| member(&m.id, &m.addr, m.weight)).collect();
+            let set: Result<Vec<Member>, String> = if held.contains(&p.epoch) {
+                Ok(Vec::new())
+            } else {
+                p.apply(&v.members).iter().map(|m| member(&m.id, &m.addr, m.weight)).collect()
+            };
             let rule = kv_common::mds::placement_of(&v.group, p.placement.as_deref()).ok()?;
             Some((p.epoch, set.ok()?, rule, Duration::from_millis(p.remaining_ms)))
         })
@@ -177,7 +183,11 @@ fn run(
                         ));
                     } else {
                         let window = v.handoff_ms.map(Duration::from_millis);
-                        core.install(members, rule, Some(v.epoch), previous_of(&v), window);
+                        // The sets this client holds: its previous ones, and
+                        // the current one, which becomes previous now.
+                        let topo = core.topology();
+                        let held_sets = topo.previous.iter().map(|p| p.epoch).chain([topo.epoch]).collect();
+                        core.install(members, rule, Some(v.epoch), previous_of(&v, &held_sets), window);
                     }
                     applied = Some(v.epoch);
                     held = v.members.clone();

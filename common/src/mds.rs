@@ -73,12 +73,33 @@ pub struct ViewDelta {
     pub removed: Vec<String>,
     /// How many members the view has once the change is applied.
     pub count: usize,
+    /// [`digest`] of the members once applied and the view's rule: what the
+    /// group's epoch key holds. A client whose result differs (it held
+    /// other members under that epoch number, as after etcd lost its data)
+    /// asks for the whole view.
+    pub digest: String,
+}
+
+/// The digest a group's epoch key holds (docs/PROTOCOL.md §6.1): the lines
+/// `id\taddr\tweight\n` of the members in id order, then under a rule
+/// other than Ketama `placement\tRULE\n`, as xxh3-64 in hex followed by
+/// the member count in hex. Any change of id, address, weight or rule
+/// changes it.
+pub fn digest(members: &[MemberRecord], placement: Option<&str>) -> String {
+    let mut text = String::new();
+    for m in members {
+        text.push_str(&format!("{}\t{}\t{}\n", m.id, m.addr, m.weight));
+    }
+    if let Some(p) = placement {
+        text.push_str(&format!("placement\t{p}\n"));
+    }
+    format!("{:016x}{:08x}", xxhash_rust::xxh3::xxh3_64(text.as_bytes()), members.len())
 }
 
 impl ViewDelta {
     /// The change that turns `base` (epoch `base_epoch`) into `now` (both
     /// sorted by id).
-    pub fn between(base_epoch: u64, base: &[MemberRecord], now: &[MemberRecord]) -> ViewDelta {
+    pub fn between(base_epoch: u64, base: &[MemberRecord], now: &[MemberRecord], placement: Option<&str>) -> ViewDelta {
         let old: std::collections::HashMap<&str, &MemberRecord> = base.iter().map(|m| (m.id.as_str(), m)).collect();
         let new: std::collections::HashSet<&str> = now.iter().map(|m| m.id.as_str()).collect();
         ViewDelta {
@@ -86,6 +107,7 @@ impl ViewDelta {
             put: now.iter().filter(|m| old.get(m.id.as_str()) != Some(m)).cloned().collect(),
             removed: base.iter().filter(|m| !new.contains(m.id.as_str())).map(|m| m.id.clone()).collect(),
             count: now.len(),
+            digest: digest(now, placement),
         }
     }
 }
@@ -130,9 +152,9 @@ impl View {
             .collect();
         out.sort_by(|a, b| a.id.cmp(&b.id));
         out.dedup_by(|a, b| a.id == b.id);
-        if out.len() != d.count {
+        if out.len() != d.count || digest(&out, self.placement.as_deref()) != d.digest {
             return Err(format!(
-                "view {} of {}: the change against epoch {epoch} gives {} members, not {}",
+                "view {} of {}: the change against epoch {epoch} gives {} members, not the {} it names (or other ones)",
                 self.epoch,
                 self.group,
                 out.len(),
@@ -765,7 +787,7 @@ mod tests {
         };
         let base = vec![rec("a", "h:1", 1), rec("b", "h:2", 1), rec("c", "h:3", 1)];
         let now = vec![rec("a", "h:1", 1), rec("b", "h:2", 2), rec("d", "h:4", 1)];
-        let d = ViewDelta::between(7, &base, &now);
+        let d = ViewDelta::between(7, &base, &now, None);
         assert_eq!((d.put.len(), d.removed.clone(), d.count), (2, vec!["c".to_string()], 3));
         let v = View {
             group: "g".into(),
@@ -782,9 +804,12 @@ mod tests {
         assert!(back.clone().resolve(Some((8, &base))).unwrap_err().contains("against epoch 7"));
         assert!(back.clone().resolve(None).is_err());
         // A base that is not what the replica diffed against shows in the count.
-        assert!(back.resolve(Some((7, &base[1..]))).unwrap_err().contains("gives 2 members, not 3"));
-        let same = View { delta: Some(ViewDelta::between(9, &now, &now)), ..v.clone() };
-        assert!(serde_json::to_string(&same).unwrap().len() < 120, "an unchanged view is a few bytes");
+        assert!(back.clone().resolve(Some((7, &base[1..]))).unwrap_err().contains("gives 2 members, not the 3"));
+        // Same count, other members: the digest tells.
+        let other = vec![rec("a", "h:1", 1), rec("b", "h:2", 1), rec("e", "h:9", 1)];
+        assert!(back.resolve(Some((7, &other))).is_err());
+        let same = View { delta: Some(ViewDelta::between(9, &now, &now, None)), ..v.clone() };
+        assert!(serde_json::to_string(&same).unwrap().len() < 160, "an unchanged view is a few bytes");
         assert_eq!(same.resolve(Some((9, &now))).unwrap().members, now);
     }
 }

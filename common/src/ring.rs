@@ -4,8 +4,9 @@
 //! Two rules, chosen per group by its operator and named in the group's view:
 //! - [`Placement::Ketama`] (the default, and a node's choice among its disks):
 //!   160 points per unit of weight, a key owned by the member of the first
-//!   point at or after the key's point. Its fullest member owns 1.03x the
-//!   mean share at 3 members, 1.2x at 100 and 1.25x at 1,000.
+//!   point at or after the key's point. Its fullest of N equal members owns
+//!   about 1.1x the mean share at 3 to 10 members, 1.2x at 100 and 1.25x at
+//!   1,000.
 //! - [`Placement::MultiProbe`]: 16 points per unit of weight and 64 probes per
 //!   key; the key goes to the member whose point follows one of its probes
 //!   most closely. The fullest of 1,000 equal members owns 1.02x the mean;

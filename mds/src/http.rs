@@ -6,6 +6,7 @@
 //! | POST   | /v1/groups/{g}/members/{id}/heartbeat     | keep the lease alive          |
 //! | DELETE | /v1/groups/{g}/members/{id}               | deregister                    |
 //! | GET    | /v1/groups/{g}/view[?after=N&wait_ms=T]   | the view, or a long-poll      |
+//! |        |   [&rules=R][&delta=1]                    | (rules known; a change only)  |
 //! | PUT    | /v1/groups/{g}/placement                  | set the placement rule        |
 //! | GET    | /healthz, /livez, /metrics                | probes                        |
 //! | GET    | /, /api/groups                            | the dashboard and its data    |
@@ -408,13 +409,6 @@ async fn health(mds: &Mds) -> Reply {
     }
 }
 
-/// Whether a caller that named `rules` can follow a group placed by `rule`
-/// (`None`: ketama). Names may come percent-encoded (`%2C` for commas).
-fn knows_rule(rules: &str, rule: Option<&str>) -> bool {
-    let rule = rule.unwrap_or(kv_common::ring::Placement::Ketama.name());
-    rules.replace("%2C", ",").replace("%2c", ",").split(',').any(|r| r == rule)
-}
-
 async fn set_placement(mds: &Mds, group: &str, req: Request<Incoming>) -> Reply {
     let body = match read_body(req).await {
         Ok(b) => b,
@@ -427,10 +421,11 @@ async fn set_placement(mds: &Mds, group: &str, req: Request<Incoming>) -> Reply 
         Ok(r) => r,
         Err(m) => return error(StatusCode::BAD_REQUEST, m),
     };
-    match limited(Duration::ZERO, mds.reg.set_placement(group, rule)).await {
-        Ok(v) => {
-            json(StatusCode::OK, &kv_common::mds::PlacementReply { placement: rule.name().to_string(), epoch: v.epoch })
-        }
+    match limited(Duration::ZERO, mds.set_placement(group, rule)).await {
+        Ok(h) => json(
+            StatusCode::OK,
+            &kv_common::mds::PlacementReply { placement: rule.name().to_string(), epoch: h.view.epoch },
+        ),
         Err(e) => reg_error(e),
     }
 }
@@ -483,7 +478,7 @@ async fn view(
     match r {
         // A caller that does not know the group's rule would place keys
         // on the wrong members: it gets one clear error instead.
-        Ok(h) if !knows_rule(rules, h.view.placement.as_deref()) => error(
+        Ok(h) if !crate::knows_rule(rules, h.view.placement.as_deref()) => error(
             StatusCode::UNPROCESSABLE_ENTITY,
             format!(
                 "group {group} places keys by rule {:?}, which this client does not know (it named {rules:?}): upgrade it (docs/PROTOCOL.md §4)",
@@ -491,7 +486,7 @@ async fn view(
             ),
         ),
         Ok(h) => {
-            let (body, _) = mds.encode(group, &h, after.filter(|_| delta));
+            let (body, _) = mds.encode(group, &h, after.filter(|_| delta), rules);
             Response::builder()
                 .status(StatusCode::OK)
                 .header("content-type", "application/json")

@@ -49,6 +49,19 @@ const DELTA_BASES: usize = 8;
 /// is counted from when it was made).
 const ENCODING_FOR: Duration = Duration::from_secs(1);
 
+/// Whether a caller that named `rules` (comma-separated; empty or absent:
+/// `ketama`, as every earlier release) knows `rule` (None: ketama). Names
+/// may come percent-encoded (`%2C` for commas).
+pub fn knows_rule(rules: &str, rule: Option<&str>) -> bool {
+    let ketama = kv_common::ring::Placement::Ketama.name();
+    let rule = rule.unwrap_or(ketama);
+    let rules = rules.replace("%2C", ",").replace("%2c", ",");
+    if rules.trim().is_empty() {
+        return rule == ketama;
+    }
+    rules.split(',').any(|r| r.trim() == rule)
+}
+
 /// One body for a view: its epoch, when it was made, and the bytes (made
 /// by the first caller that needs them).
 type Encoding = (u64, Instant, Arc<OnceLock<hyper::body::Bytes>>);
@@ -63,7 +76,7 @@ struct Group {
     /// Encodings of the current epoch's view, by the base a delta is taken
     /// against (None: the whole view), each made once and shared by every
     /// caller that wants it within [`ENCODING_FOR`].
-    encoded: HashMap<Option<u64>, Encoding>,
+    encoded: HashMap<(Option<u64>, bool), Encoding>,
     /// The etcd read of this group's view under way, which every caller
     /// that needs one joins (a fleet's first polls cost etcd one read, not
     /// one each).
@@ -274,15 +287,22 @@ impl Mds {
         })
     }
 
-    /// The group's entry, made if there is room (groups no longer followed
-    /// make room).
+    /// The group's entry, made if there is room: groups no longer followed
+    /// make room, then the one polled least recently that no long-poll
+    /// waits on (plain polls of made-up names cannot crowd out the groups
+    /// long-polls follow).
     fn group_entry<'a>(g: &'a mut HashMap<String, Group>, group: &str) -> Option<&'a mut Group> {
         if !g.contains_key(group) {
             if g.len() >= MAX_GROUPS {
                 g.retain(|_, grp| grp.followed());
-                if g.len() >= MAX_GROUPS {
-                    return None;
-                }
+            }
+            if g.len() >= MAX_GROUPS {
+                let oldest = g
+                    .iter()
+                    .filter(|(_, grp)| grp.tx.receiver_count() == 0)
+                    .min_by_key(|(_, grp)| grp.used)
+                    .map(|(name, _)| name.clone())?;
+                g.remove(&oldest);
             }
             g.insert(group.to_string(), Group::new());
         }
@@ -336,17 +356,20 @@ impl Mds {
     fn publish(&self, group: &str, seq: u64, view: View) -> Held {
         let held = Held::new(seq, view);
         if let Some(grp) = self.groups.lock().unwrap_or_else(|e| e.into_inner()).get_mut(group) {
-            grp.remember(&held.view);
             // `!=`, not `>`: after etcd lost its data, revisions restart
             // lower. Only a read that started after the one published
-            // replaces it.
-            grp.tx.send_if_modified(|cur| {
+            // replaces it (and only a view published is a base for deltas,
+            // so the newest base stays last).
+            let published = grp.tx.send_if_modified(|cur| {
                 let changed = cur.as_ref().is_none_or(|c| seq > c.seq && held.view.epoch != c.view.epoch);
                 if changed {
                     *cur = Some(held.clone());
                 }
                 changed
             });
+            if published {
+                grp.remember(&held.view);
+            }
         }
         held
     }
@@ -365,7 +388,37 @@ impl Mds {
             self.reg.counters.polls_from_cache.fetch_add(1, Ordering::Relaxed);
             return Ok(h);
         }
-        self.read_shared(group).await
+        let h = self.read_shared(group).await?;
+        if h.view.epoch == 0 && h.view.members.is_empty() {
+            // No such group: not worth following.
+            let mut g = self.groups.lock().unwrap_or_else(|e| e.into_inner());
+            if g.get(group).is_some_and(|grp| grp.tx.receiver_count() == 0 && grp.reading.is_none()) {
+                g.remove(group);
+            }
+        }
+        Ok(h)
+    }
+
+    /// A view read for a long-poll holding epoch `after`: the shared read,
+    /// unless it is older than `after` (it may have started before the
+    /// change the caller heard of from another replica), then a read of
+    /// its own: a client is never handed an epoch older than it holds
+    /// (unless etcd itself went back, after losing its data).
+    async fn read_at_least(&self, group: &str, after: u64) -> Result<Held, RegError> {
+        let shared = self.read_shared(group).await?;
+        if shared.view.epoch >= after {
+            return Ok(shared);
+        }
+        let seq = self.next_read();
+        Ok(self.publish(group, seq, self.reg.view(group).await?))
+    }
+
+    /// Sets a group's placement rule and holds the view it gives, so this
+    /// replica's next answers name the rule at once.
+    pub async fn set_placement(&self, group: &str, rule: kv_common::ring::Placement) -> Result<Held, RegError> {
+        let seq = self.next_read();
+        let v = self.reg.set_placement(group, rule).await?;
+        Ok(self.publish(group, seq, v))
     }
 
     /// Reads the group's view from etcd and publishes it. Callers that
@@ -407,7 +460,11 @@ impl Mds {
     /// "Deltas"). Each body is made once and shared by
     /// every caller that wants the same within a second; previous sets'
     /// time left counts from when the view was read.
-    pub fn encode(&self, group: &str, held: &Held, base: Option<u64>) -> (hyper::body::Bytes, bool) {
+    ///
+    /// Previous sets placed by a rule the caller did not name (`rules`) are
+    /// left out of its answer: it would build their rings by another rule.
+    pub fn encode(&self, group: &str, held: &Held, base: Option<u64>, rules: &str) -> (hyper::body::Bytes, bool) {
+        let unknown = held.view.previous.iter().any(|p| !knows_rule(rules, p.placement.as_deref()));
         let (cell, base_view) = {
             let mut groups = self.groups.lock().unwrap_or_else(|e| e.into_inner());
             match groups.get_mut(group) {
@@ -421,7 +478,7 @@ impl Mds {
                             grp.recent.iter().find(|v| v.epoch == b).cloned()
                         }
                     });
-                    let key = base_view.as_ref().map(|v| v.epoch);
+                    let key = (base_view.as_ref().map(|v| v.epoch), unknown);
                     let epoch = held.view.epoch;
                     grp.encoded.retain(|_, (e, at, _)| *e == epoch && at.elapsed() < ENCODING_FOR);
                     let cell = grp
@@ -442,10 +499,15 @@ impl Mds {
                 c.view_encodings.fetch_add(1, Ordering::Relaxed);
                 let mut v = (*held.view).clone();
                 let aged = held.at.elapsed().as_millis() as u64;
-                v.previous.retain(|p| p.remaining_ms > aged);
+                v.previous.retain(|p| p.remaining_ms > aged && knows_rule(rules, p.placement.as_deref()));
                 v.previous.iter_mut().for_each(|p| p.remaining_ms -= aged);
                 if let Some(b) = &base_view {
-                    v.delta = Some(kv_common::mds::ViewDelta::between(b.epoch, &b.members, &v.members));
+                    v.delta = Some(kv_common::mds::ViewDelta::between(
+                        b.epoch,
+                        &b.members,
+                        &v.members,
+                        v.placement.as_deref(),
+                    ));
                     v.members = Vec::new();
                 }
                 hyper::body::Bytes::from(serde_json::to_vec(&v).unwrap_or_default())
@@ -483,18 +545,7 @@ impl Mds {
                 self.reg.counters.views_from_cache.fetch_add(1, Ordering::Relaxed);
                 h
             }
-            _ => {
-                let shared = self.read_shared(group).await?;
-                if shared.view.epoch < after {
-                    // A client ahead of the read it joined (it heard of a
-                    // change from another replica): a read of its own, so
-                    // it is never handed an epoch older than it holds.
-                    let seq = self.next_read();
-                    self.publish(group, seq, self.reg.view(group).await?)
-                } else {
-                    shared
-                }
-            }
+            _ => self.read_at_least(group, after).await?,
         };
         loop {
             if v.view.epoch != after || tokio::time::Instant::now() >= deadline {
@@ -520,7 +571,7 @@ impl Mds {
                                     None => {
                                         // The view held was dropped (a refresh
                                         // failed): read it now.
-                                        v = self.read_shared(group).await?;
+                                        v = self.read_at_least(group, after).await?;
                                     }
                                 }
                             }
@@ -530,7 +581,7 @@ impl Mds {
                             // held, `v` is current: answer it without a read.
                             let current = !polling && r.borrow().is_some();
                             if !current {
-                                v = self.read_shared(group).await?;
+                                v = self.read_at_least(group, after).await?;
                             }
                         }
                     }
@@ -560,11 +611,12 @@ impl Mds {
             if let Some(rev) = start {
                 let opts = WatchOptions::new().with_prefix().with_start_revision(rev);
                 if let Ok(mut ws) = etcd.watch(ETCD_ROOT, Some(opts)).await {
-                    self.watching.store(true, Ordering::SeqCst);
                     backoff = Duration::from_millis(100);
                     tracing::debug!(revision = rev, "watching membership keys");
-                    // Changes missed while the watch was down.
+                    // Changes missed while the watch was down; held views
+                    // are served as current only from then on.
                     self.refresh_all().await;
+                    self.watching.store(true, Ordering::SeqCst);
                     while let Ok(Some(resp)) = ws.message().await {
                         let mut touched: Vec<String> = Vec::new();
                         for ev in resp.events() {
@@ -582,6 +634,10 @@ impl Mds {
                         }
                     }
                     self.watching.store(false, Ordering::SeqCst);
+                    // Nothing keeps the held views current now.
+                    for grp in self.groups.lock().unwrap_or_else(|e| e.into_inner()).values() {
+                        grp.tx.send_replace(None);
+                    }
                     tracing::warn!("etcd watch ended: long-polls re-read etcd until it is back");
                 }
             }
@@ -631,6 +687,16 @@ pub fn parse_duration(s: &str) -> Result<Duration, String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn rules_callers_name() {
+        assert!(knows_rule("", None), "callers naming no rules know ketama, as earlier releases");
+        assert!(!knows_rule("", Some("multiprobe")));
+        assert!(knows_rule("ketama,multiprobe", Some("multiprobe")));
+        assert!(knows_rule("ketama%2Cmultiprobe", Some("multiprobe")));
+        assert!(!knows_rule("ketama", Some("multiprobe")));
+        assert!(knows_rule("multiprobe", Some("multiprobe")) && !knows_rule("multiprobe", None));
+    }
 
     #[test]
     fn durations() {

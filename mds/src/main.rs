@@ -68,7 +68,7 @@ struct Cli {
 }
 
 /// Connections the kernel queues for accept: a fleet's clients all
-/// re-poll within a quarter second of an epoch change, more than the usual
+/// re-poll within a second of an epoch change, more than the usual
 /// 1024 (the kernel caps it at net.core.somaxconn).
 const BACKLOG: u32 = 8192;
 

@@ -245,18 +245,9 @@ pub fn group_of_key(key: &[u8]) -> Option<&str> {
     std::str::from_utf8(&rest[..end]).ok()
 }
 
-/// The digest an epoch key holds: the member set in a canonical text form
-/// (sorted by id), and the placement rule unless it is Ketama, hashed. Any
-/// change of id, address, weight or rule changes it.
+/// The digest an epoch key holds ([`kv_common::mds::digest`]).
 pub fn digest(members: &[MemberRecord], placement: Option<&str>) -> String {
-    let mut text = String::new();
-    for m in members {
-        text.push_str(&format!("{}\t{}\t{}\n", m.id, m.addr, m.weight));
-    }
-    if let Some(p) = placement {
-        text.push_str(&format!("placement\t{p}\n"));
-    }
-    format!("{:016x}{:08x}", xxhash_rust::xxh3::xxh3_64(text.as_bytes()), members.len())
+    kv_common::mds::digest(members, placement)
 }
 
 fn parse_members(kvs: &[etcd_client::KeyValue]) -> Vec<MemberRecord> {

@@ -175,13 +175,13 @@ def resolve(config: Optional[Mapping[str, Any]] = None, where: str = "config") -
     return s
 
 
-#: The cluster keys every engine plugin takes, and its timeout shortcuts.
-# How long one discovery long-poll waits (ms). A change of the member set
-# answers a waiting long-poll at once, so a long wait costs no freshness;
-# it sets how often every engine process reconnects to kv-mds when nothing
-# changes (docs/DEPLOY.md, "Sizing the membership tier").
+#: How long one discovery long-poll waits (ms). A change of the member set
+#: answers a waiting long-poll at once, so a long wait costs no freshness;
+#: it sets how often every engine process reconnects to kv-mds when nothing
+#: changes (docs/DEPLOY.md, "Sizing the membership tier").
 DEFAULT_POLL_MS = 30000
 
+#: The cluster keys every engine plugin takes, and its timeout shortcuts.
 CLUSTER_KEYS = ("mds", "group", "members", "auth_token_file", "options")
 TIMEOUT_KEYS = ("io_timeout_ms", "connect_timeout_ms")
 

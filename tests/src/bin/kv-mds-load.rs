@@ -625,11 +625,15 @@ fn real_worker(f: &HashMap<String, String>) {
 
 // ------------------------------------------------------------ coordinator
 
+/// A worker's pipe held by a reader thread that has not seen `ready` yet.
+type LateReader = std::sync::mpsc::Receiver<(bool, String, BufReader<ChildStdout>)>;
+
 struct Proc {
     name: String,
     child: Child,
     stdin: Option<ChildStdin>,
     stdout: Option<BufReader<ChildStdout>>,
+    late: Option<LateReader>,
 }
 
 impl Proc {
@@ -675,7 +679,7 @@ fn spawn(name: &str, cmd: &mut Command, log: &Path, piped: bool) -> Proc {
     let mut child = cmd.stderr(err).spawn().unwrap_or_else(|e| panic!("cannot start {name}: {e}"));
     let stdin = child.stdin.take();
     let stdout = child.stdout.take().map(BufReader::new);
-    Proc { name: name.to_string(), child, stdin, stdout }
+    Proc { name: name.to_string(), child, stdin, stdout, late: None }
 }
 
 /// A blocking GET on a fresh connection: status and body.
@@ -826,7 +830,10 @@ fn run(f: &HashMap<String, String>) {
         .args(["--ttl-ms", &ttl_ms.to_string()]);
     workers.push(spawn("nodes", &mut cmd, &work.join("nodes.log"), true));
     let t_reg = Instant::now();
-    await_ready(&mut workers[0], Duration::from_secs(600));
+    let mut not_ready: Vec<String> = Vec::new();
+    if !await_ready(&mut workers[0], Duration::from_secs(600)) {
+        not_ready.push("nodes".into());
+    }
     let reg_secs = t_reg.elapsed().as_secs_f64();
     eprintln!("kv-mds-load: {nodes} nodes registered in {reg_secs:.1} s");
     if let Some(p) = &placement {
@@ -857,7 +864,9 @@ fn run(f: &HashMap<String, String>) {
         workers.push(spawn(&format!("clients{p}"), &mut cmd, &work.join(format!("clients{p}.log")), true));
     }
     for w in workers.iter_mut().skip(1) {
-        await_ready(w, Duration::from_secs(300));
+        if !await_ready(w, Duration::from_secs(180)) {
+            not_ready.push(w.name.clone());
+        }
     }
     eprintln!("kv-mds-load: {clients} clients hold the view; measuring {joins} joins {gap:?} apart");
 
@@ -905,6 +914,7 @@ fn run(f: &HashMap<String, String>) {
         })
     };
     std::thread::sleep(gap / 2);
+    let (mut failed_joins, mut failed_attempts) = (0u64, 0u64);
     for k in 0..joins {
         let id = format!("join-{k:03}");
         let mut m = kv_common::mds::MdsClient::from_csv(&eps, Duration::from_secs(5)).expect("endpoints");
@@ -914,11 +924,27 @@ fn run(f: &HashMap<String, String>) {
             instance: format!("join-{k}"),
             metrics_addr: None,
         };
-        let sent = mono_ns();
-        let t0 = Instant::now();
-        match m.register("g", &id, &req) {
-            Ok(r) => changes.push((sent, r.epoch, t0.elapsed().as_micros() as u32)),
-            Err(e) => eprintln!("kv-mds-load: join {id}: {e}"),
+        // A replica that cannot reach etcd in time answers 503: try again
+        // for up to 20 s (the change counts from the attempt that made it).
+        let tried = Instant::now();
+        loop {
+            let sent = mono_ns();
+            let t0 = Instant::now();
+            match m.register("g", &id, &req) {
+                Ok(r) => {
+                    changes.push((sent, r.epoch, t0.elapsed().as_micros() as u32));
+                    break;
+                }
+                Err(e) if tried.elapsed() > Duration::from_secs(20) => {
+                    eprintln!("kv-mds-load: join {id} not registered within 20 s: {e}");
+                    failed_joins += 1;
+                    break;
+                }
+                Err(_) => {
+                    failed_attempts += 1;
+                    std::thread::sleep(Duration::from_millis(200));
+                }
+            }
         }
         join_ids.lock().unwrap().push((id, req.instance.clone()));
         std::thread::sleep(gap);
@@ -941,6 +967,16 @@ fn run(f: &HashMap<String, String>) {
             let _ = stdin.flush();
         }
         let mut line = String::new();
+        if let Some(late) = w.late.take() {
+            // Its `ready` comes before the figures, unless it never was.
+            if let Ok((_, first, reader)) = late.recv_timeout(Duration::from_secs(30)) {
+                w.stdout = Some(reader);
+                if first.trim_start().starts_with('{') {
+                    reports.push((w.name.clone(), serde_json::from_str(first.trim()).unwrap_or(Value::Null)));
+                    continue;
+                }
+            }
+        }
         loop {
             line.clear();
             match w.stdout.as_mut().map(|o| o.read_line(&mut line)) {
@@ -1086,6 +1122,9 @@ fn run(f: &HashMap<String, String>) {
         "errors": errors,
         "generator": gen,
         "valid": saturated.is_empty(),
+        "not_ready_workers": not_ready,
+        "joins_failed": failed_joins,
+        "join_attempts_refused": failed_attempts,
         "saturated_workers": saturated,
         "measured_secs": wall,
     });
@@ -1111,27 +1150,32 @@ fn kv_common_ttl_ms(ttl: &str) -> u64 {
     }
 }
 
-fn await_ready(p: &mut Proc, limit: Duration) {
+/// Waits for a worker's `ready`; false when it did not come within `limit`
+/// (the worker goes on; what it never did shows in its figures).
+fn await_ready(p: &mut Proc, limit: Duration) -> bool {
     let name = p.name.clone();
-    let out = p.stdout.as_mut().expect("piped worker");
     let (tx, rx) = std::sync::mpsc::channel();
     // Read one line on a helper thread so the limit holds.
-    std::thread::scope(|s| {
-        s.spawn(|| {
-            let mut line = String::new();
-            let r = out.read_line(&mut line);
-            let _ = tx.send((r.is_ok(), line));
-        });
-        match rx.recv_timeout(limit) {
-            Ok((true, l)) if l.trim() == "ready" => {}
-            Ok((_, l)) => panic!("kv-mds-load: worker {name} said {l:?} instead of ready"),
-            Err(_) => {
-                // SAFETY: signals our own child by its PID so the reader returns.
-                unsafe { libc::kill(p.child.id() as i32, libc::SIGKILL) };
-                panic!("kv-mds-load: worker {name} not ready within {limit:?}");
-            }
-        }
+    // The reader thread owns the pipe until it reads a line; it is handed
+    // back through the channel.
+    let mut reader = p.stdout.take().expect("piped worker");
+    std::thread::spawn(move || {
+        let mut line = String::new();
+        let r = reader.read_line(&mut line);
+        let _ = tx.send((r.is_ok(), line, reader));
     });
+    match rx.recv_timeout(limit) {
+        Ok((true, l, reader)) if l.trim() == "ready" => {
+            p.stdout = Some(reader);
+            true
+        }
+        Ok((_, l, _)) => panic!("kv-mds-load: worker {name} said {l:?} instead of ready"),
+        Err(_) => {
+            eprintln!("kv-mds-load: worker {name} not ready within {limit:?}: measuring anyway");
+            p.late = Some(rx);
+            false
+        }
+    }
 }
 
 fn print_report(s: &Value) {
@@ -1162,7 +1206,16 @@ fn print_report(s: &Value) {
         r["all_secs"].as_f64().unwrap_or(0.0)
     );
     let r = &s["register_join_ms"];
-    println!("  register (joins under load):       p50 {} p99 {}", ms(&r["p50"]), ms(&r["p99"]));
+    println!(
+        "  register (joins under load):       p50 {} p99 {} ({} attempts refused first, {} joins never made)",
+        ms(&r["p50"]),
+        ms(&r["p99"]),
+        s["join_attempts_refused"],
+        s["joins_failed"]
+    );
+    if let Some(n) = s["not_ready_workers"].as_array().filter(|n| !n.is_empty()) {
+        println!("  not every client of {n:?} held a view before the joins (3 minutes)");
+    }
     let r = &s["heartbeat_ms"];
     println!("  heartbeat while measuring:         p50 {} p99 {} (n={})", ms(&r["p50"]), ms(&r["p99"]), r["n"]);
     for p in s["propagation"].as_array().cloned().unwrap_or_default() {
