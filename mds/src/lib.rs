@@ -55,11 +55,11 @@ const ENCODING_FOR: Duration = Duration::from_secs(1);
 pub fn knows_rule(rules: &str, rule: Option<&str>) -> bool {
     let ketama = kv_common::ring::Placement::Ketama.name();
     let rule = rule.unwrap_or(ketama);
-    let rules = rules.replace("%2C", ",").replace("%2c", ",");
     if rules.trim().is_empty() {
         return rule == ketama;
     }
-    rules.split(',').any(|r| r.trim() == rule)
+    // Commas, plain or percent-encoded: no allocation per request.
+    rules.split(',').flat_map(|r| r.split("%2C")).flat_map(|r| r.split("%2c")).any(|r| r.trim() == rule)
 }
 
 /// One body for a view: its epoch, when it was made, and the bytes (made
@@ -74,9 +74,11 @@ struct Group {
     /// deltas for clients that hold one of them.
     recent: VecDeque<Arc<View>>,
     /// Encodings of the current epoch's view, by the base a delta is taken
-    /// against (None: the whole view), each made once and shared by every
+    /// against (None: the whole view) and, for callers that miss a rule of
+    /// its previous sets, the epochs of the sets they are sent (at most 16
+    /// kinds however callers spell their rules); each made once and shared by every
     /// caller that wants it within [`ENCODING_FOR`].
-    encoded: HashMap<(Option<u64>, bool), Encoding>,
+    encoded: HashMap<(Option<u64>, Option<Vec<u64>>), Encoding>,
     /// The etcd read of this group's view under way, which every caller
     /// that needs one joins (a fleet's first polls cost etcd one read, not
     /// one each).
@@ -478,7 +480,13 @@ impl Mds {
                             grp.recent.iter().find(|v| v.epoch == b).cloned()
                         }
                     });
-                    let key = (base_view.as_ref().map(|v| v.epoch), unknown);
+                    // Callers that miss a rule of the previous sets get
+                    // them filtered by what they named: a body of their own.
+                    let kept = || {
+                        let known = held.view.previous.iter().filter(|p| knows_rule(rules, p.placement.as_deref()));
+                        known.map(|p| p.epoch).collect::<Vec<u64>>()
+                    };
+                    let key = (base_view.as_ref().map(|v| v.epoch), unknown.then(kept));
                     let epoch = held.view.epoch;
                     grp.encoded.retain(|_, (e, at, _)| *e == epoch && at.elapsed() < ENCODING_FOR);
                     let cell = grp
@@ -696,6 +704,7 @@ mod tests {
         assert!(knows_rule("ketama%2Cmultiprobe", Some("multiprobe")));
         assert!(!knows_rule("ketama", Some("multiprobe")));
         assert!(knows_rule("multiprobe", Some("multiprobe")) && !knows_rule("multiprobe", None));
+        assert!(knows_rule("ketama%2cmultiprobe", Some("multiprobe")) && knows_rule(" ketama , multiprobe", None));
     }
 
     #[test]

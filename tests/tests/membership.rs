@@ -751,6 +751,15 @@ fn a_placement_switch_keeps_pages_and_unknown_rules_are_refused() {
     for k in &keys {
         assert_eq!(c.exist(k.as_bytes()), Status::Ok, "{k} back under Ketama");
     }
+    // A client of the previous release follows the group again, and is not
+    // sent the sets placed by rules it does not know (it would build their
+    // rings by Ketama); this release's clients get them.
+    let (status, body) = raw.request(&tier.mds[0].addr, "GET", "/v1/groups/g/view", None, Duration::ZERO).unwrap();
+    assert_eq!(status, 200, "{}", String::from_utf8_lossy(&body));
+    let old: View = serde_json::from_slice(&body).unwrap();
+    assert!(!old.previous.is_empty() && old.previous.iter().all(|p| p.placement.is_none()), "{old:?}");
+    let now = tier.view(0).unwrap();
+    assert!(now.previous.iter().any(|p| p.placement.as_deref() == Some("multiprobe")), "{now:?}");
 }
 
 /// Long-polls that take deltas get the change against the epoch they hold
