@@ -165,8 +165,12 @@ impl Exchange for BatchExistX<'_> {
     }
 }
 
+fn ring_members(members: &[Member]) -> Vec<RingMember> {
+    members.iter().map(|m| RingMember { id: m.id.clone(), weight: m.weight }).collect()
+}
+
 fn ring_of(members: &[Member], placement: Placement) -> Ring {
-    Ring::with_placement(members.iter().map(|m| RingMember { id: m.id.clone(), weight: m.weight }).collect(), placement)
+    Ring::with_placement(ring_members(members), placement)
 }
 
 /// What places a node: its id, address and weight.
@@ -281,7 +285,9 @@ impl Client {
         for n in nodes.iter().filter(|n| !was.contains(&Arc::as_ptr(n))) {
             n.clear_handoff_skip();
         }
-        let ring = Arc::new(ring_of(&members, placement));
+        // From the ring it replaces: a join or a leave hashes one member's
+        // points, not every member's.
+        let ring = Arc::new(old.ring.rebuilt(ring_members(&members), placement));
         let local = self.epochs.fetch_add(1, Ordering::AcqRel) + 1;
         let epoch = epoch.unwrap_or(local);
         let window = if self.opts.handoff.is_zero() { Duration::ZERO } else { window.unwrap_or(self.opts.handoff) };

@@ -145,7 +145,7 @@ fn run(
         };
         m.mds_failovers.store(mds.failovers, Ordering::Relaxed);
         match answer {
-            Ok(v) => {
+            Ok(mut v) => {
                 m.mds_views.fetch_add(1, Ordering::Relaxed);
                 m.mds_up.store(1, Ordering::Relaxed);
                 if applied != Some(v.epoch) {
@@ -190,7 +190,7 @@ fn run(
                         core.install(members, rule, Some(v.epoch), previous_of(&v, &held_sets), window);
                     }
                     applied = Some(v.epoch);
-                    held = v.members.clone();
+                    held = std::mem::take(&mut v.members);
                 }
                 if let Some(tx) = first.take() {
                     let _ = tx.send(Ok(v.epoch));

@@ -1,5 +1,6 @@
 //! What a ring costs a client at fleet size, for both placement rules: build
-//! time (a client rebuilds its ring on every epoch), memory, lookup time per
+//! time (a client rebuilds its ring on every epoch: whole, and from the
+//! ring it held before a join), memory, lookup time per
 //! key, and balance (docs/BENCHMARKS.md, "Membership at scale").
 //!
 //!     cargo run --release -p kv-common --example placement [MEMBERS]
@@ -24,6 +25,16 @@ fn main() {
                 ring = Ring::with_placement(members.clone(), p);
                 best = best.min(t.elapsed().as_secs_f64());
             }
+            // What a client does on a join: rebuild from the ring it holds.
+            let mut joined = members.clone();
+            joined.push(RingMember { id: "gpu-new".into(), weight: 1 });
+            let mut again = f64::MAX;
+            for _ in 0..5 {
+                let t = Instant::now();
+                let r = ring.rebuilt(joined.clone(), p);
+                again = again.min(t.elapsed().as_secs_f64());
+                assert_eq!(r.members().len(), joined.len());
+            }
             let t = Instant::now();
             let mut sink = 0usize;
             for k in &keys {
@@ -37,8 +48,9 @@ fn main() {
                 .map(|(s, m)| s / (f64::from(m.weight) / f64::from(total)))
                 .fold(0.0, f64::max);
             println!(
-                "{n} members, {what}, {p:<10}: build {:>6.2} ms, ring {:>7.1} KiB, lookup {:>6.0} ns/key, fullest {over:.3}x its fair share ({sink})",
+                "{n} members, {what}, {p:<10}: build {:>6.2} ms (after a join {:>5.2} ms), ring {:>7.1} KiB, lookup {:>6.0} ns/key, fullest {over:.3}x its fair share ({sink})",
                 best * 1e3,
+                again * 1e3,
                 ring.heap_bytes() as f64 / 1024.0,
                 per_key * 1e9,
             );

@@ -1,0 +1,44 @@
+//! What installing a member change costs the client library at fleet size
+//! (docs/BENCHMARKS.md, "Membership at scale"): CLIENTS clients each hold a
+//! view of MEMBERS members, then each installs the view after one join, as
+//! discovery does when an epoch changes. Prints the CPU time per client,
+//! for both placement rules.
+//!
+//!     cargo run --release -p kvclient --example install [MEMBERS] [CLIENTS]
+
+use std::time::Instant;
+
+use kv_common::ring::Placement;
+use kvclient::members::Member;
+use kvclient::{Client, Options};
+
+fn main() {
+    let n: u32 = std::env::args().nth(1).and_then(|a| a.parse().ok()).unwrap_or(1000);
+    let clients: usize = std::env::args().nth(2).and_then(|a| a.parse().ok()).unwrap_or(200);
+    let member =
+        |i: u32| Member { id: format!("gpu-{i:04}"), addr: format!("10.0.{}.{}:7700", i / 256, i % 256), weight: 1 };
+    let before: Vec<Member> = (0..n).map(member).collect();
+    let mut after = before.clone();
+    after.push(member(n));
+    for rule in Placement::ALL {
+        // Handoff on, as in a deployment: the replaced set is kept.
+        let opts = Options { placement: rule, ..Options::default() };
+        let all: Vec<Client> = (0..clients)
+            .map(|_| {
+                let c = Client::new(Vec::new(), Default::default(), opts.clone());
+                c.install(before.clone(), rule, Some(1), Vec::new(), None);
+                c
+            })
+            .collect();
+        let t = Instant::now();
+        for c in &all {
+            c.install(after.clone(), rule, Some(2), Vec::new(), None);
+        }
+        let per = t.elapsed().as_secs_f64() / clients as f64;
+        println!(
+            "{n} members, {rule:<10}: one join installed by each of {clients} clients: {:.2} ms per client ({:.0} ms in all)",
+            per * 1e3,
+            per * clients as f64 * 1e3
+        );
+    }
+}
