@@ -3,9 +3,10 @@
 //! MDS replicas, used by kv-server (register, heartbeat), the client
 //! library (views) and kvctl.
 //!
-//! The client is hyper's HTTP/1.1 client (one request per connection,
-//! `Connection: close`) on a current-thread runtime of its own, so callers
-//! stay blocking and need no runtime.
+//! The client is hyper's HTTP/1.1 client on a current-thread runtime of its
+//! own, so callers stay blocking and need no runtime. It keeps its
+//! connection open between calls (a fleet's clients re-poll after every
+//! change: without it each would reconnect at the same moment).
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -350,9 +351,13 @@ pub fn parse_endpoints(csv: &str) -> Result<Vec<String>, String> {
 /// the replica that answered last; on a transport error or a 5xx the next
 /// one is tried, each at most once per call.
 ///
-/// HTTP is hyper's client (HTTP/1.1, one request per connection), driven by
-/// a runtime of the client's own on the calling thread, so callers need no
-/// runtime and a call in progress can be aborted from another thread.
+/// HTTP is hyper's client (HTTP/1.1), driven by a runtime of the client's
+/// own on the calling thread, so callers need no runtime and a call in
+/// progress can be aborted from another thread. Calls reuse the last
+/// connection while it is idle for less than [`KEEP_IDLE`] (nodes:
+/// [`NODE_KEEP_IDLE`]); a call that
+/// finds it closed by the replica before any answer is sent once more on a
+/// new connection (the replica never saw it).
 #[derive(Debug)]
 pub struct MdsClient {
     endpoints: Vec<String>,
@@ -369,6 +374,60 @@ pub struct MdsClient {
     token: Option<crate::auth::Token>,
     /// Times a call moved on to the next replica.
     pub failovers: u64,
+    /// The connection of the last call, while it may be reused.
+    kept: Option<Kept>,
+    /// Reuse `kept` while idle for less than this.
+    keep_idle: Duration,
+}
+
+/// Reuse a connection idle at most this long. Replicas close a connection
+/// that sends nothing for 10 s (their header timeout); well inside that, a
+/// reused connection is seldom one the replica is closing.
+pub const KEEP_IDLE: Duration = Duration::from_secs(5);
+
+/// [`KEEP_IDLE`] of a node's client ([`MdsClient::with_keep_idle`]):
+/// replicas keep a connection that opened with a node's call for 30 s, so
+/// heartbeats a third of the lease TTL apart (10 s at the default 30 s)
+/// reuse it.
+pub const NODE_KEEP_IDLE: Duration = Duration::from_secs(20);
+
+type HttpBody = http_body_util::Full<hyper::body::Bytes>;
+type HttpConn = hyper::client::conn::http1::Connection<hyper_util::rt::TokioIo<tokio::net::TcpStream>, HttpBody>;
+
+/// An open connection to one replica. Its I/O is driven only during a call
+/// (in the call's future), so between calls it costs a socket and nothing
+/// else, and dropping it closes the socket at once.
+struct Kept {
+    ep: String,
+    send: hyper::client::conn::http1::SendRequest<HttpBody>,
+    /// None once the connection ended (dropped at once: a request queued
+    /// on it is then cancelled rather than left waiting).
+    conn: Option<std::pin::Pin<Box<HttpConn>>>,
+    idle_since: std::time::Instant,
+}
+
+impl std::fmt::Debug for Kept {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Kept").field("ep", &self.ep).finish_non_exhaustive()
+    }
+}
+
+/// How a call on a connection failed.
+enum ConnError {
+    /// The request was never sent (the connection had ended: on a reused
+    /// one, the replica closed it while idle), or it is a GET, which may
+    /// be sent again whatever happened to it.
+    Unanswered(std::io::Error),
+    /// Anything else: possibly done by the replica, so not sent again.
+    Failed(std::io::Error),
+}
+
+impl ConnError {
+    fn into_io(self) -> std::io::Error {
+        match self {
+            ConnError::Unanswered(e) | ConnError::Failed(e) => e,
+        }
+    }
 }
 
 /// Aborts calls of an [`MdsClient`] from another thread.
@@ -418,12 +477,21 @@ impl MdsClient {
             abort: Arc::new(tokio::sync::watch::channel(false).0),
             token: None,
             failovers: 0,
+            kept: None,
+            keep_idle: KEEP_IDLE,
         }
     }
 
     /// Sends `token` with every call (the group's auth token).
     pub fn with_token(mut self, token: Option<crate::auth::Token>) -> MdsClient {
         self.token = token;
+        self
+    }
+
+    /// Reuses a connection while idle for less than `idle` (default
+    /// [`KEEP_IDLE`]; zero: a new connection per call).
+    pub fn with_keep_idle(mut self, idle: Duration) -> MdsClient {
+        self.keep_idle = idle;
         self
     }
 
@@ -541,7 +609,7 @@ impl MdsClient {
                 return Err(MdsError::Aborted);
             }
             let ep = self.endpoints[self.current].clone();
-            match self.request(&ep, method, path, body, extra) {
+            match self.request_kept(&ep, method, path, body, extra) {
                 Ok((status, reply)) if status < 500 => return Ok((status, reply)),
                 Ok((status, reply)) => {
                     let msg = serde_json::from_slice::<ErrorReply>(&reply)
@@ -574,7 +642,7 @@ impl MdsClient {
         if *abort.borrow_and_update() {
             return Err(std::io::Error::new(std::io::ErrorKind::Interrupted, "aborted"));
         }
-        let req = build_request(ep, method, path, body, self.token.as_ref())?;
+        let req = build_request(ep, method, path, body, self.token.as_ref(), false)?;
         let (connect, answer) = (self.timeout, self.timeout + extra);
         let rt = match &self.rt {
             Ok(Some(rt)) => rt,
@@ -590,10 +658,167 @@ impl MdsClient {
     }
 }
 
+impl MdsClient {
+    /// As [`MdsClient::request`], on the kept connection when it is to `ep`
+    /// and fresh enough, keeping the connection for the next call.
+    fn request_kept(
+        &mut self,
+        ep: &str,
+        method: &str,
+        path: &str,
+        body: Option<&[u8]>,
+        extra: Duration,
+    ) -> std::io::Result<(u16, Vec<u8>)> {
+        let mut abort = self.abort.subscribe();
+        if *abort.borrow_and_update() {
+            return Err(std::io::Error::new(std::io::ErrorKind::Interrupted, "aborted"));
+        }
+        // Taken out: a call that fails or is aborted closes it.
+        let kept = self.kept.take().filter(|k| {
+            k.ep == ep && k.idle_since.elapsed() < self.keep_idle && k.conn.is_some() && !k.send.is_closed()
+        });
+        let (connect, answer) = (self.timeout, self.timeout + extra);
+        let token = self.token.as_ref();
+        let req = || build_request(ep, method, path, body, token, true);
+        let rt = match &self.rt {
+            Ok(Some(rt)) => rt,
+            Ok(None) => return Err(std::io::Error::other("the MDS client is closed")),
+            Err(e) => return Err(std::io::Error::other(e.clone())),
+        };
+        let r = rt.block_on(async move {
+            let call = async {
+                if let Some(mut k) = kept {
+                    // A connection the replica closed while it sat idle is
+                    // left before anything is sent on it.
+                    if still_open(&mut k).await {
+                        match on_conn(&mut k, req()?, method == "GET", answer).await {
+                            Ok((status, reply, reusable)) => return Ok((status, reply, reusable.then_some(k))),
+                            // Not sent, or a GET: once more, on a new
+                            // connection.
+                            Err(ConnError::Unanswered(_)) => {}
+                            Err(ConnError::Failed(e)) => return Err(e),
+                        }
+                    }
+                }
+                let mut k = open(ep, connect).await?;
+                let (status, reply, reusable) =
+                    on_conn(&mut k, req()?, method == "GET", answer).await.map_err(ConnError::into_io)?;
+                Ok((status, reply, reusable.then_some(k)))
+            };
+            tokio::select! {
+                r = call => r,
+                _ = abort.wait_for(|a| *a) => Err(std::io::Error::new(std::io::ErrorKind::Interrupted, "aborted")),
+            }
+        });
+        let (status, reply, kept) = r?;
+        self.kept = kept.map(|mut k| {
+            k.idle_since = std::time::Instant::now();
+            k
+        });
+        Ok((status, reply))
+    }
+}
+
+/// Whether a kept connection is still open: what arrived on it while it
+/// sat idle (a close, say) is read first, so a request is not written to a
+/// connection the replica already closed (hyper would send it, then report
+/// the close as if the request had been cut short).
+async fn still_open(k: &mut Kept) -> bool {
+    // One turn of the runtime polls its reactor, which sees the socket's
+    // pending events.
+    tokio::task::yield_now().await;
+    let Some(conn) = k.conn.as_mut() else { return false };
+    let open =
+        std::future::poll_fn(|cx| std::task::Poll::Ready(std::future::Future::poll(conn.as_mut(), cx).is_pending()))
+            .await;
+    if !open {
+        k.conn = None;
+    }
+    open && !k.send.is_closed()
+}
+
+/// A new connection to `ep` (within `connect`), ready for a request.
+async fn open(ep: &str, connect: Duration) -> std::io::Result<Kept> {
+    let stream = tokio::time::timeout(connect, tokio::net::TcpStream::connect(ep))
+        .await
+        .map_err(|_| io_err(std::io::ErrorKind::TimedOut, "connect timed out"))??;
+    stream.set_nodelay(true)?;
+    let (send, conn) = hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(stream))
+        .await
+        .map_err(|e| io_err(std::io::ErrorKind::InvalidData, e))?;
+    Ok(Kept { ep: ep.to_string(), send, conn: Some(Box::pin(conn)), idle_since: std::time::Instant::now() })
+}
+
+/// Sends `req` on `k` and reads the whole answer (within `answer`, at most
+/// [`MAX_REPLY`] bytes): its status, its body, and whether the connection
+/// may carry another call. `get`: the request may be sent again after any
+/// failure before its answer.
+async fn on_conn(
+    k: &mut Kept,
+    req: hyper::Request<HttpBody>,
+    get: bool,
+    answer: Duration,
+) -> Result<(u16, Vec<u8>, bool), ConnError> {
+    use http_body_util::BodyExt;
+    let aborted = |e: hyper::Error| io_err(std::io::ErrorKind::ConnectionAborted, e);
+    let Kept { send, conn, .. } = k;
+    let exchange = async {
+        let result = async {
+            send.ready().await.map_err(|e| ConnError::Unanswered(aborted(e)))?;
+            let rsp = send.send_request(req).await.map_err(|e| {
+                // Cancelled: the connection ended with the request still
+                // queued, unsent.
+                if e.is_canceled() || get {
+                    ConnError::Unanswered(aborted(e))
+                } else {
+                    ConnError::Failed(aborted(e))
+                }
+            })?;
+            let status = rsp.status().as_u16();
+            let close = rsp
+                .headers()
+                .get(hyper::header::CONNECTION)
+                .is_some_and(|v| v.as_bytes().eq_ignore_ascii_case(b"close"));
+            let body = http_body_util::Limited::new(rsp.into_body(), MAX_REPLY)
+                .collect()
+                .await
+                .map_err(|e| ConnError::Failed(io_err(std::io::ErrorKind::InvalidData, e)))?
+                .to_bytes();
+            Ok((status, body.to_vec(), !close))
+        };
+        tokio::pin!(result);
+        // The connection's I/O is driven beside the request. Once it ends
+        // (the replica closed it, say while it was idle) it is dropped, so
+        // a request still queued on it is cancelled at once, and the
+        // request's own outcome decides.
+        let first = match conn.as_mut() {
+            Some(c) => tokio::select! {
+                biased;
+                r = &mut result => Some(r),
+                _ = c.as_mut() => None,
+            },
+            None => {
+                Some(Err(ConnError::Unanswered(io_err(std::io::ErrorKind::ConnectionAborted, "connection closed"))))
+            }
+        };
+        match first {
+            Some(r) => r,
+            None => {
+                *conn = None;
+                result.await.map(|(status, reply, _)| (status, reply, false))
+            }
+        }
+    };
+    tokio::time::timeout(answer, exchange)
+        .await
+        .unwrap_or_else(|_| Err(ConnError::Failed(io_err(std::io::ErrorKind::TimedOut, "answer timed out"))))
+}
+
 impl Drop for MdsClient {
     /// Without waiting for anything, so a client may be dropped anywhere,
     /// an async context included (dropping a runtime there would panic).
     fn drop(&mut self) {
+        self.kept = None;
         if let Ok(rt) = &mut self.rt {
             if let Some(rt) = rt.take() {
                 rt.shutdown_background();
@@ -612,13 +837,16 @@ fn build_request(
     path: &str,
     body: Option<&[u8]>,
     token: Option<&crate::auth::Token>,
-) -> std::io::Result<hyper::Request<http_body_util::Full<hyper::body::Bytes>>> {
+    keep: bool,
+) -> std::io::Result<hyper::Request<HttpBody>> {
     let mut b = hyper::Request::builder()
         .method(method)
         .uri(path)
         .header(hyper::header::HOST, host)
-        .header(hyper::header::CONNECTION, "close")
         .header(hyper::header::CONTENT_TYPE, "application/json");
+    if !keep {
+        b = b.header(hyper::header::CONNECTION, "close");
+    }
     if let Some(t) = token {
         // A token is visible ASCII (checked when it was read): a valid header value.
         let mut v = b"Bearer ".to_vec();
@@ -712,6 +940,75 @@ mod tests {
             assert_eq!(e.kind(), std::io::ErrorKind::InvalidData, "{e}");
         }
         server.join().unwrap();
+    }
+
+    /// Calls share one connection; when the replica closed it while it
+    /// was idle, the next call (a POST: it was never sent) goes out again
+    /// on a new connection and succeeds, with no failover.
+    #[test]
+    fn calls_reuse_the_connection_and_survive_its_close() {
+        use std::io::{BufRead, Write};
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = l.local_addr().unwrap().to_string();
+        let port = l.local_addr().unwrap().port();
+        let (returned, two_returned) = std::sync::mpsc::channel::<()>();
+        let (closed, one_closed) = std::sync::mpsc::channel::<()>();
+        // Connection 1 answers two requests, then (once the client has the
+        // second answer) closes without saying so; connection 2 answers
+        // one. Each answer is the connection's number and the request's
+        // number on it.
+        let server = std::thread::spawn(move || {
+            for (conn, answers) in [(1, 2), (2, 1)] {
+                let (s, _) = l.accept().unwrap();
+                let mut r = std::io::BufReader::new(s.try_clone().unwrap());
+                let mut w = s;
+                for n in 1..=answers {
+                    let mut head = String::new();
+                    while r.read_line(&mut head).unwrap() > 0 && !head.ends_with("\r\n\r\n") {}
+                    assert!(!head.to_ascii_lowercase().contains("connection: close"), "{head}");
+                    let body = format!("{{\"epoch\":{conn}{n}}}");
+                    write!(w, "HTTP/1.1 200 OK\r\ncontent-length: {}\r\n\r\n{body}", body.len()).unwrap();
+                }
+                if conn == 1 {
+                    two_returned.recv().unwrap();
+                    drop((r, w));
+                    closed.send(()).unwrap();
+                }
+            }
+        });
+        let mut c = MdsClient::new(vec![addr], Duration::from_secs(2));
+        let mut epochs = Vec::new();
+        for (i, method) in ["GET", "GET", "POST"].into_iter().enumerate() {
+            if i == 2 {
+                returned.send(()).unwrap();
+                one_closed.recv().unwrap();
+                // Until the client's socket has the FIN (CLOSE_WAIT).
+                let t0 = std::time::Instant::now();
+                while !close_wait_towards(port) {
+                    assert!(t0.elapsed() < Duration::from_secs(10), "the close never reached the client");
+                    std::thread::sleep(Duration::from_millis(2));
+                }
+            }
+            let (status, body) = c.call(method, "/v1/groups/g/view", Some(b"{}"), Duration::ZERO).unwrap();
+            assert_eq!(status, 200);
+            epochs.push(json_epoch(&body));
+        }
+        assert_eq!(epochs, [11, 12, 21], "two calls on the first connection, the third on a new one");
+        assert_eq!(c.failovers, 0);
+        server.join().unwrap();
+    }
+
+    /// Whether a local TCP socket connected to `port` is in CLOSE_WAIT.
+    fn close_wait_towards(port: u16) -> bool {
+        let table = std::fs::read_to_string("/proc/net/tcp").unwrap_or_default();
+        table.lines().skip(1).any(|l| {
+            let f: Vec<&str> = l.split_whitespace().collect();
+            f.len() > 3 && f[2].ends_with(&format!(":{port:04X}")) && f[3] == "08"
+        })
+    }
+
+    fn json_epoch(body: &[u8]) -> u64 {
+        serde_json::from_slice::<serde_json::Value>(body).unwrap()["epoch"].as_u64().unwrap()
     }
 
     /// A client dropped inside an async context (a daemon's start-up) does

@@ -43,7 +43,9 @@ impl Membership {
         token: Option<kv_common::auth::Token>,
     ) -> std::io::Result<Membership> {
         let stop = Arc::new((Mutex::new(false), Condvar::new()));
-        let client = MdsClient::new(cfg.endpoints.clone(), CALL_TIMEOUT).with_token(token);
+        let client = MdsClient::new(cfg.endpoints.clone(), CALL_TIMEOUT)
+            .with_token(token)
+            .with_keep_idle(kv_common::mds::NODE_KEEP_IDLE);
         let abort = client.abort_handle();
         let s = stop.clone();
         let thread =
