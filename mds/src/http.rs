@@ -37,6 +37,12 @@ const MAX_BODY: usize = 64 << 10;
 /// timeout, also between requests on a kept-alive connection) and its body.
 const READ_TIMEOUT: Duration = Duration::from_secs(10);
 
+/// As READ_TIMEOUT, on connections served on the nodes' runtime: a node's
+/// MDS client keeps its connection for heartbeats a third of the lease TTL
+/// apart (10 s at the default 30 s), reusing it while idle for less than
+/// `kv_common::mds::NODE_KEEP_IDLE` (20 s); the replica keeps it longer.
+const NODE_READ_TIMEOUT: Duration = Duration::from_secs(30);
+
 /// Long-polls held at once by default (`--max-long-polls`); more are answered 503 at once (the client then
 /// tries another replica or polls again after its interval). Each holds a
 /// task and a connection for up to `MAX_WAIT_MS`.
@@ -51,6 +57,9 @@ pub struct Limits {
     pub max_long_polls: usize,
     /// The tokens calls must carry, per group.
     pub tokens: kv_common::auth::GroupTokens,
+    /// The runtime that serves connections whose first request is a
+    /// node's call (None: this one serves every connection).
+    pub nodes: Option<tokio::runtime::Handle>,
 }
 
 /// The longest a call may spend on etcd (a long-poll: on top of its wait).
@@ -130,6 +139,7 @@ pub async fn serve(listener: TcpListener, mds: Arc<Mds>, limits: Limits, shutdow
         polls: Arc::new(tokio::sync::Semaphore::new(limits.max_long_polls)),
         tokens: Arc::new(limits.tokens.clone()),
         max_conns: limits.max_conns,
+        nodes: limits.nodes.clone(),
         mds,
     };
     kv_common::listen::run(listener, gate, Arc::default(), Arc::new(api), shutdown).await;
@@ -142,10 +152,55 @@ struct Api {
     tokens: Arc<kv_common::auth::GroupTokens>,
     registry: Arc<prometheus_client::registry::Registry>,
     max_conns: usize,
+    nodes: Option<tokio::runtime::Handle>,
+}
+
+/// Whether the first bytes of a connection are a node's call: a register,
+/// heartbeat or deregister (`POST` or `DELETE` under `/v1/groups/`).
+/// Routing only: whatever a connection sends is served the same way.
+async fn opens_with_a_node_call(stream: &tokio::net::TcpStream) -> bool {
+    let mut first = [0u8; 24];
+    let n = stream.peek(&mut first).await.unwrap_or(0);
+    let first = &first[..n];
+    first.starts_with(b"POST /v1/groups/") || first.starts_with(b"DELETE /v1/groups/")
+}
+
+/// Aborts a task when dropped (a connection moved to the nodes' runtime
+/// ends with the accept loop's task that owns its slot).
+struct AbortOnDrop(tokio::task::AbortHandle);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
 }
 
 impl kv_common::listen::Service for Api {
     async fn serve(self: Arc<Self>, conn: kv_common::listen::Accepted) {
+        if let Some(nodes) = self.nodes.clone() {
+            if opens_with_a_node_call(&conn.stream).await {
+                let kv_common::listen::Accepted { stream, peer, opening, shutdown } = conn;
+                // Moved to the nodes' runtime: its reactor drives the socket.
+                let Ok(stream) = stream.into_std() else { return };
+                let api = self.clone();
+                let task = nodes.spawn(async move {
+                    let Ok(stream) = tokio::net::TcpStream::from_std(stream) else { return };
+                    let conn = kv_common::listen::Accepted { stream, peer, opening, shutdown };
+                    api.serve_on(conn, NODE_READ_TIMEOUT).await;
+                });
+                let _abort = AbortOnDrop(task.abort_handle());
+                let _ = task.await;
+                return;
+            }
+        }
+        self.serve_on(conn, READ_TIMEOUT).await;
+    }
+}
+
+impl Api {
+    /// Serves one connection's requests; `read_timeout`: hyper's header
+    /// timeout, which also ends a kept-alive connection idle that long.
+    async fn serve_on(self: Arc<Self>, conn: kv_common::listen::Accepted, read_timeout: Duration) {
         let peer = conn.peer;
         let api = self.clone();
         let svc = hyper::service::service_fn(move |req| {
@@ -156,7 +211,7 @@ impl kv_common::listen::Service for Api {
             "{{\"error\":\"kv-mds is at its connection cap ({}): retry or use another replica\"}}",
             self.max_conns
         );
-        if kv_common::listen::serve_http(conn, svc, &busy, READ_TIMEOUT).await == kv_common::listen::HttpEnd::Refused {
+        if kv_common::listen::serve_http(conn, svc, &busy, read_timeout).await == kv_common::listen::HttpEnd::Refused {
             self.mds.reg.counters.refused_conns.fetch_add(1, Ordering::Relaxed);
             // One line a minute at most, whatever the rate of refusals.
             static LOGGED: kv_common::daemon::Throttle = kv_common::daemon::Throttle::new(Duration::from_secs(60));

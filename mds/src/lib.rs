@@ -185,11 +185,14 @@ impl EtcdSecurity {
 /// is back. With a user, the client must authenticate first: then this
 /// waits for etcd (logging once), and a refused password is an error.
 /// `handoff`: how long replaced member sets stay in views (zero: off).
+/// `nodes`: the runtime that serves nodes' calls, if not this one (their
+/// etcd client is made there).
 pub async fn connect(
     endpoints: &[String],
     ttl: Duration,
     handoff: Duration,
     sec: &EtcdSecurity,
+    nodes: Option<&tokio::runtime::Handle>,
 ) -> Result<Arc<Mds>, String> {
     let tls = sec.tls().is_some();
     let urls: Vec<String> = endpoints
@@ -221,10 +224,18 @@ pub async fn connect(
             .with_keep_alive(Duration::from_secs(10), Duration::from_secs(5))
             .with_keep_alive_while_idle(true),
     );
-    let etcd = connect_one(&urls, unary, &joined, sec.user.is_some()).await?;
+    let etcd = connect_one(&urls, unary.clone(), &joined, sec.user.is_some()).await?;
     let watch_etcd = connect_one(&urls, streaming, &joined, sec.user.is_some()).await?;
+    let mut reg = Registry::new(etcd, joined.clone(), ttl).with_handoff(handoff);
+    if let Some(nodes) = nodes {
+        // Made on the nodes' runtime: its connections are driven there.
+        let (urls, auth) = (urls.clone(), sec.user.is_some());
+        let made = nodes.spawn(async move { connect_one(&urls, unary, &joined, auth).await });
+        let node_etcd = made.await.map_err(|e| format!("cannot set up the nodes' etcd client: {e}"))??;
+        reg = reg.with_node_etcd(node_etcd);
+    }
     Ok(Arc::new(Mds {
-        reg: Registry::new(etcd, joined, ttl).with_handoff(handoff),
+        reg,
         watch_etcd,
         groups: Mutex::default(),
         watching: AtomicBool::new(false),

@@ -180,6 +180,17 @@ fn run(
         .thread_name("kv-mds")
         .build()
         .map_err(|e| format!("cannot start the runtime: {e}"))?;
+    // Nodes' calls (register, heartbeat, deregister) are served on a
+    // runtime of their own, with an etcd client of their own: after a
+    // membership change a fleet's long-polls keep the main runtime busy for
+    // a while, and a heartbeat must not wait behind them.
+    let nodes = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .thread_name("kv-mds-nodes")
+        .build()
+        .map_err(|e| format!("cannot start the nodes' runtime: {e}"))?;
+    let node_handle = nodes.handle().clone();
     rt.block_on(async move {
         // SIGTERM and SIGINT from now on: one that comes while kv-mds waits
         // for etcd at start stops it there (as a container's PID 1, a signal
@@ -187,7 +198,13 @@ fn run(
         let mut signals = kv_common::daemon::Signals::new();
         let listener = listen(cli.listen).map_err(|e| format!("cannot listen on {}: {e}", cli.listen))?;
         let addr = listener.local_addr().map_err(|e| e.to_string())?;
-        let connect = kv_mds::connect(&endpoints, cli.lease_ttl, Duration::from_secs(cli.handoff_secs), &security);
+        let connect = kv_mds::connect(
+            &endpoints,
+            cli.lease_ttl,
+            Duration::from_secs(cli.handoff_secs),
+            &security,
+            Some(&node_handle),
+        );
         let mds = tokio::select! {
             m = connect => m?,
             _ = signals.next() => {
@@ -214,10 +231,12 @@ fn run(
             max_conns: cli.max_conns,
             max_long_polls: cli.max_long_polls.min(cli.max_conns),
             tokens,
+            nodes: Some(node_handle),
         };
         kv_mds::http::serve(listener, mds, limits, rx).await;
         Ok::<(), String>(())
     })?;
+    nodes.shutdown_timeout(Duration::from_secs(1));
     // Leases stay in etcd: nodes heartbeat to another replica, which takes them over.
     tracing::info!("stopped");
     Ok(())

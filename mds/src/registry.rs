@@ -132,6 +132,11 @@ type NodeKey = (String, String);
 
 pub struct Registry {
     etcd: Client,
+    /// The client nodes' calls (register, heartbeat, deregister) use: one
+    /// of the nodes' own runtime when kv-mds runs one (docs/ARCHITECTURE.md,
+    /// "kv-mds"), so their etcd round trips do not queue behind the
+    /// long-poll traffic of the main runtime.
+    node_etcd: Option<Client>,
     endpoints: String,
     pub ttl: Duration,
     /// Leases this replica holds: (group, id) -> (lease id, last refreshed).
@@ -306,6 +311,7 @@ impl Registry {
     pub fn new(etcd: Client, endpoints: String, ttl: Duration) -> Registry {
         Registry {
             etcd,
+            node_etcd: None,
             endpoints,
             ttl,
             leases: Mutex::default(),
@@ -318,6 +324,16 @@ impl Registry {
             handoff: Duration::from_secs(600),
             lease_left: Mutex::default(),
         }
+    }
+
+    /// Serves nodes' calls through `etcd` (a client of the nodes' runtime).
+    pub fn with_node_etcd(mut self, etcd: Client) -> Registry {
+        self.node_etcd = Some(etcd);
+        self
+    }
+
+    fn node_client(&self) -> Client {
+        self.node_etcd.as_ref().unwrap_or(&self.etcd).clone()
     }
 
     /// Sets the handoff window (`--handoff-secs`; zero turns it off).
@@ -533,7 +549,7 @@ impl Registry {
     /// told so at its next heartbeat.
     pub async fn register(&self, group: &str, rec: &MemberRecord, instance: &str) -> Result<u64, RegError> {
         let _one = self.node_lock(group, &rec.id).await;
-        let mut etcd = self.etcd.clone();
+        let mut etcd = self.node_client();
         let lease = etcd_call!(self, etcd.lease_grant(self.ttl_secs(), None).await)?.id();
         self.counters.lease_grants.fetch_add(1, Ordering::Relaxed);
         let stored = Stored {
@@ -563,7 +579,7 @@ impl Registry {
     /// record rewritten onto it. A node with no record is told to register.
     pub async fn heartbeat(&self, group: &str, id: &str, instance: &str) -> Result<bool, RegError> {
         let _one = self.node_lock(group, id).await;
-        let mut etcd = self.etcd.clone();
+        let mut etcd = self.node_client();
         let key = member_key(group, id);
         self.counters.heartbeats.fetch_add(1, Ordering::Relaxed);
         if let Some(lease) = self.lease_of(group, id) {
@@ -606,7 +622,7 @@ impl Registry {
 
     /// One keep-alive round trip; false when the lease no longer exists.
     async fn keep_alive(&self, lease: i64) -> Result<bool, RegError> {
-        let mut etcd = self.etcd.clone();
+        let mut etcd = self.node_client();
         // Opening the keep-alive stream sends one keep-alive and reads its
         // answer: that is the whole round trip.
         let answer = tokio::time::timeout(Duration::from_secs(5), self.timed(etcd.lease_keep_alive(lease))).await;
@@ -628,7 +644,7 @@ impl Registry {
     /// by another with the same id does not delete the other's record.
     pub async fn deregister(&self, group: &str, id: &str, instance: &str) -> Result<u64, RegError> {
         let _one = self.node_lock(group, id).await;
-        let mut etcd = self.etcd.clone();
+        let mut etcd = self.node_client();
         let key = member_key(group, id);
         let got = etcd_call!(self, etcd.get(key.clone(), None).await)?;
         if let Some(kv) = got.kvs().first() {
