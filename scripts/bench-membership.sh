@@ -40,7 +40,7 @@ cargo build --release --locked -p kv-mds -p kv-e2e --bin kv-mds --bin kv-mds-loa
 CACHE=${KVCELLAR_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/kvcellar}
 rev=$(git rev-parse --short "$BEFORE_REV")
 old="$CACHE/mds-$rev/kv-mds"
-if [ ! -x "$old" ]; then
+if [[ " $SETTINGS " == *" before "* ]] && [ ! -x "$old" ]; then
   src="$CACHE/mds-$rev-src"
   rm -rf "$src"
   git worktree prune

@@ -13,16 +13,18 @@
 //! (their caps raised for the run, and said so), then worker processes of
 //! this same binary:
 //! - `nodes`: every node registers (32 at once, as a fleet coming up) and
-//!   heartbeats every TTL/3, to a random first replica with failover, one
-//!   connection per call (as kv-server does);
+//!   heartbeats every TTL/3, to a random first replica with failover, on
+//!   a connection kept as kv-server's MDS client keeps it (reused while
+//!   idle for less than 20 s);
 //! - `clients`: up to `--per-proc` simulated clients each (one socket each
 //!   at most), from their own 127.0.0.x source addresses, doing what the
 //!   client library's discovery does: a long-poll of `--wait-ms` holding the
 //!   epoch they have (deltas on), a random wait of up to min(wait/4, 1 s)
-//!   after a change, a random first replica with failover; `--pollers-pct`
-//!   of them plain-poll every `--poll-every-ms` instead. `--legacy` makes
-//!   them the previous release's clients: first replica, no jitter, whole
-//!   views;
+//!   after a change, a random first replica with failover, the connection
+//!   kept between calls; `--pollers-pct` of them plain-poll every
+//!   `--poll-every-ms` instead. `--legacy` makes them the previous
+//!   release's clients: first replica, no jitter, whole views, a new
+//!   connection per call;
 //! - `real`: `--real-clients` clients of the client library itself
 //!   (`kvclient::discovery`), the epoch each holds sampled every 2 ms.
 //!
@@ -160,9 +162,17 @@ fn io_kind(e: &std::io::Error) -> String {
     format!("{:?}", e.kind())
 }
 
-/// One HTTP/1.1 request on a new connection from `src` (Connection: close,
-/// as kvcellar's MDS client): the status and body.
-async fn http(
+/// A connection kept between calls, as the MDS client keeps it: reused
+/// while idle for less than its `idle` (`kv_common::mds::KEEP_IDLE`, nodes'
+/// `NODE_KEEP_IDLE`).
+struct Kept(Option<(SocketAddr, tokio::net::TcpStream, Instant)>, Duration);
+
+/// One HTTP/1.1 request, as today's MDS client sends it: on the kept
+/// connection when it is to `ep` and fresh enough (once more on a new one
+/// when the replica closed it before answering), else on a new connection
+/// from `src`, which is kept unless the answer says `connection: close`.
+async fn http_kept(
+    kept: &mut Kept,
     src: Ipv4Addr,
     ep: SocketAddr,
     method: &str,
@@ -170,6 +180,85 @@ async fn http(
     body: &[u8],
     answer_within: Duration,
 ) -> Result<(u16, Vec<u8>), String> {
+    let req = format!(
+        "{method} {path} HTTP/1.1\r\nHost: {ep}\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n",
+        body.len()
+    );
+    let reuse = kept.0.take().filter(|(to, _, idle)| *to == ep && idle.elapsed() < kept.1);
+    if let Some((_, mut s, _)) = reuse {
+        match tokio::time::timeout(answer_within, exchange_kept(&mut s, &req, body)).await {
+            Ok(Ok((status, reply, keep))) => {
+                if keep {
+                    kept.0 = Some((ep, s, Instant::now()));
+                }
+                return Ok((status, reply));
+            }
+            // Closed before an answer: once more, on a new connection.
+            Ok(Err((e, false))) => drop(e),
+            Ok(Err((e, true))) => return Err(format!("answer: {}", io_kind(&e))),
+            Err(_) => return Err("answer: timeout".into()),
+        }
+    }
+    let mut s = connect_from(src, ep).await?;
+    match tokio::time::timeout(answer_within, exchange_kept(&mut s, &req, body)).await {
+        Ok(Ok((status, reply, keep))) => {
+            if keep {
+                kept.0 = Some((ep, s, Instant::now()));
+            }
+            Ok((status, reply))
+        }
+        Ok(Err((e, _))) => Err(format!("answer: {}", io_kind(&e))),
+        Err(_) => Err("answer: timeout".into()),
+    }
+}
+
+/// Writes a request and reads its answer on a kept-alive connection: the
+/// status, the body and whether the connection may be kept; an error says
+/// whether any of the answer had arrived.
+async fn exchange_kept(
+    s: &mut tokio::net::TcpStream,
+    req: &str,
+    body: &[u8],
+) -> Result<(u16, Vec<u8>, bool), (std::io::Error, bool)> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let bad = |what: &str| std::io::Error::new(std::io::ErrorKind::InvalidData, what.to_string());
+    s.write_all(req.as_bytes()).await.map_err(|e| (e, false))?;
+    s.write_all(body).await.map_err(|e| (e, false))?;
+    let mut raw = Vec::with_capacity(1024);
+    let mut buf = [0u8; 16384];
+    let head_end = loop {
+        let n = s.read(&mut buf).await.map_err(|e| (e, !raw.is_empty()))?;
+        if n == 0 {
+            let started = !raw.is_empty();
+            return Err((std::io::Error::new(std::io::ErrorKind::UnexpectedEof, "closed"), started));
+        }
+        raw.extend_from_slice(&buf[..n]);
+        if let Some(i) = raw.windows(4).position(|w| w == b"\r\n\r\n") {
+            break i;
+        }
+    };
+    let head = String::from_utf8_lossy(&raw[..head_end]).to_ascii_lowercase();
+    let status = head.split(' ').nth(1).and_then(|c| c.parse::<u16>().ok()).ok_or_else(|| (bad("no status"), true))?;
+    let len = head
+        .lines()
+        .find_map(|l| l.strip_prefix("content-length:"))
+        .and_then(|v| v.trim().parse::<usize>().ok())
+        .ok_or_else(|| (bad("no content-length"), true))?;
+    let keep = !head.lines().any(|l| l.starts_with("connection:") && l.contains("close"));
+    let mut reply = raw[head_end + 4..].to_vec();
+    while reply.len() < len {
+        let n = s.read(&mut buf).await.map_err(|e| (e, true))?;
+        if n == 0 {
+            return Err((std::io::Error::new(std::io::ErrorKind::UnexpectedEof, "closed mid-answer"), true));
+        }
+        reply.extend_from_slice(&buf[..n]);
+    }
+    reply.truncate(len);
+    Ok((status, reply, keep))
+}
+
+/// A new connection to `ep` from `src` (within 3 s).
+async fn connect_from(src: Ipv4Addr, ep: SocketAddr) -> Result<tokio::net::TcpStream, String> {
     let sock = tokio::net::TcpSocket::new_v4().map_err(|e| format!("socket: {}", io_kind(&e)))?;
     // Ports are chosen per destination, not per source address alone.
     const IP_BIND_ADDRESS_NO_PORT: libc::c_int = 24;
@@ -188,10 +277,25 @@ async fn http(
         };
     }
     sock.bind(SocketAddr::new(IpAddr::V4(src), 0)).map_err(|e| format!("bind: {}", io_kind(&e)))?;
-    let mut s = tokio::time::timeout(Duration::from_secs(3), sock.connect(ep))
+    let s = tokio::time::timeout(Duration::from_secs(3), sock.connect(ep))
         .await
         .map_err(|_| "connect: timeout".to_string())?
         .map_err(|e| format!("connect: {}", io_kind(&e)))?;
+    s.set_nodelay(true).map_err(|e| format!("nodelay: {}", io_kind(&e)))?;
+    Ok(s)
+}
+
+/// One HTTP/1.1 request on a new connection from `src` (Connection: close,
+/// as the previous release's MDS client): the status and body.
+async fn http(
+    src: Ipv4Addr,
+    ep: SocketAddr,
+    method: &str,
+    path: &str,
+    body: &[u8],
+    answer_within: Duration,
+) -> Result<(u16, Vec<u8>), String> {
+    let mut s = connect_from(src, ep).await?;
     let req = format!(
         "{method} {path} HTTP/1.1\r\nHost: {ep}\r\nConnection: close\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n",
         body.len()
@@ -408,6 +512,7 @@ async fn node(
     let hb = json!({ "instance": instance }).to_string();
     let mut registered = false;
     let mut first = true;
+    let mut kept = Kept(None, kv_common::mds::NODE_KEEP_IDLE);
     while !stop.load(Ordering::Relaxed) {
         let (path, body) = if registered {
             (format!("/v1/groups/{group}/members/{id}/heartbeat"), hb.as_bytes())
@@ -416,7 +521,7 @@ async fn node(
         };
         let _slot = if registered { None } else { slots.clone().acquire_owned().await.ok() };
         let t0 = Instant::now();
-        let r = http(src, eps[at], "POST", &path, body, Duration::from_secs(3)).await;
+        let r = http_kept(&mut kept, src, eps[at], "POST", &path, body, Duration::from_secs(3)).await;
         let lat = t0.elapsed().as_micros() as u32;
         drop(_slot);
         match r {
@@ -472,6 +577,7 @@ async fn client(
     let mut epoch: Option<u64> = None;
     let wait_ms = wait.as_millis() as u64;
     let rules = "ketama,multiprobe";
+    let mut kept = Kept(None, kv_common::mds::KEEP_IDLE);
     while !stop.load(Ordering::Relaxed) {
         let path = match (epoch, poll_every, legacy) {
             (None, _, _) | (_, Some(_), _) => format!("/v1/groups/{group}/view?rules={rules}"),
@@ -481,7 +587,12 @@ async fn client(
             }
         };
         let within = Duration::from_secs(3) + if poll_every.is_none() { wait } else { Duration::ZERO };
-        match http(src, eps[at], "GET", &path, b"", within).await {
+        let r = if legacy {
+            http(src, eps[at], "GET", &path, b"", within).await
+        } else {
+            http_kept(&mut kept, src, eps[at], "GET", &path, b"", within).await
+        };
+        match r {
             Ok((200, body)) => {
                 tally.answers.fetch_add(1, Ordering::Relaxed);
                 tally.bytes.fetch_add(body.len() as u64, Ordering::Relaxed);
@@ -710,6 +821,35 @@ fn metric(text: &str, name: &str) -> Option<f64> {
         let (k, v) = l.rsplit_once(' ')?;
         (k == name || k.starts_with(&format!("{name}{{"))).then(|| v.parse().ok()).flatten()
     })
+}
+
+/// The `q` quantile of a histogram's observations between two scrapes of
+/// each replica (`before[i]`, `after[i]`), as the upper bound of its bucket.
+fn histogram_quantile(after: &[String], before: &[String], name: &str, q: f64) -> Option<f64> {
+    let buckets = |text: &str| -> BTreeMap<u64, f64> {
+        let prefix = format!("{name}_bucket{{le=\"");
+        text.lines()
+            .filter_map(|l| {
+                let rest = l.strip_prefix(&prefix)?;
+                let (le, n) = rest.split_once("\"} ")?;
+                let le = if le == "+Inf" { f64::INFINITY } else { le.parse().ok()? };
+                Some(((le * 1e9).min(u64::MAX as f64) as u64, n.parse().ok()?))
+            })
+            .collect()
+    };
+    let mut total: BTreeMap<u64, f64> = BTreeMap::new();
+    for (a, b) in after.iter().zip(before) {
+        let b = buckets(b);
+        for (le, n) in buckets(a) {
+            *total.entry(le).or_default() += n - b.get(&le).copied().unwrap_or(0.0);
+        }
+    }
+    let all = total.values().copied().fold(0.0, f64::max);
+    if all <= 0.0 {
+        return None;
+    }
+    // Past the last finite bucket: unknown (None).
+    total.into_iter().find(|(_, n)| *n >= q * all).filter(|(le, _)| *le != u64::MAX).map(|(le, _)| le as f64 / 1e6)
 }
 
 /// CPU ticks, RSS bytes and open fds of a process.
@@ -1119,6 +1259,10 @@ fn run(f: &HashMap<String, String>) {
         "view_bytes_per_s": all_bytes / wall,
         "mds_view_encodings": mds_delta("kvmds_view_encodings_total"),
         "mds_etcd_view_reads": mds_delta("kvmds_view_reads_total"),
+        "mds_etcd_call_ms": {
+            "p50": histogram_quantile(&mds_after, &mds_before, "kvmds_etcd_request_duration_seconds", 0.5),
+            "p99": histogram_quantile(&mds_after, &mds_before, "kvmds_etcd_request_duration_seconds", 0.99),
+        },
         "errors": errors,
         "generator": gen,
         "valid": saturated.is_empty(),
@@ -1218,6 +1362,12 @@ fn print_report(s: &Value) {
     }
     let r = &s["heartbeat_ms"];
     println!("  heartbeat while measuring:         p50 {} p99 {} (n={})", ms(&r["p50"]), ms(&r["p99"]), r["n"]);
+    let e = &s["mds_etcd_call_ms"];
+    println!(
+        "  kv-mds's etcd calls meanwhile:     p50 <= {} p99 <= {} (histogram buckets)",
+        ms(&e["p50"]),
+        ms(&e["p99"])
+    );
     for p in s["propagation"].as_array().cloned().unwrap_or_default() {
         println!(
             "  epoch {} ({}): 50% {} 99% {} 100% {}; within 1 s {:.2}%, within 3 s {:.2}% of {} clients{}",
