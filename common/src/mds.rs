@@ -415,8 +415,8 @@ impl std::fmt::Debug for Kept {
 /// How a call on a connection failed.
 enum ConnError {
     /// The request was never sent (the connection had ended: on a reused
-    /// one, the replica closed it while idle), or it is a GET, which may
-    /// be sent again whatever happened to it.
+    /// one, the replica closed it while idle), or it is one that may be
+    /// sent again whatever happened to it (a view, a heartbeat).
     Unanswered(std::io::Error),
     /// Anything else: possibly done by the replica, so not sent again.
     Failed(std::io::Error),
@@ -680,6 +680,11 @@ impl MdsClient {
         let (connect, answer) = (self.timeout, self.timeout + extra);
         let token = self.token.as_ref();
         let req = || build_request(ep, method, path, body, token, true);
+        // Calls that may be sent twice: views, and heartbeats (a lease
+        // keep-alive; a replica that closed the connection as the request
+        // crossed its close, say one of an earlier release that keeps idle
+        // connections 10 s, never saw it).
+        let again = method == "GET" || path.ends_with("/heartbeat");
         let rt = match &self.rt {
             Ok(Some(rt)) => rt,
             Ok(None) => return Err(std::io::Error::other("the MDS client is closed")),
@@ -691,7 +696,7 @@ impl MdsClient {
                     // A connection the replica closed while it sat idle is
                     // left before anything is sent on it.
                     if still_open(&mut k).await {
-                        match on_conn(&mut k, req()?, method == "GET", answer).await {
+                        match on_conn(&mut k, req()?, again, answer).await {
                             Ok((status, reply, reusable)) => return Ok((status, reply, reusable.then_some(k))),
                             // Not sent, or a GET: once more, on a new
                             // connection.
@@ -702,7 +707,7 @@ impl MdsClient {
                 }
                 let mut k = open(ep, connect).await?;
                 let (status, reply, reusable) =
-                    on_conn(&mut k, req()?, method == "GET", answer).await.map_err(ConnError::into_io)?;
+                    on_conn(&mut k, req()?, again, answer).await.map_err(ConnError::into_io)?;
                 Ok((status, reply, reusable.then_some(k)))
             };
             tokio::select! {
@@ -751,12 +756,12 @@ async fn open(ep: &str, connect: Duration) -> std::io::Result<Kept> {
 
 /// Sends `req` on `k` and reads the whole answer (within `answer`, at most
 /// [`MAX_REPLY`] bytes): its status, its body, and whether the connection
-/// may carry another call. `get`: the request may be sent again after any
-/// failure before its answer.
+/// may carry another call. `again`: the request may be sent again after
+/// any failure before its answer.
 async fn on_conn(
     k: &mut Kept,
     req: hyper::Request<HttpBody>,
-    get: bool,
+    again: bool,
     answer: Duration,
 ) -> Result<(u16, Vec<u8>, bool), ConnError> {
     use http_body_util::BodyExt;
@@ -768,7 +773,7 @@ async fn on_conn(
             let rsp = send.send_request(req).await.map_err(|e| {
                 // Cancelled: the connection ended with the request still
                 // queued, unsent.
-                if e.is_canceled() || get {
+                if e.is_canceled() || again {
                     ConnError::Unanswered(aborted(e))
                 } else {
                     ConnError::Failed(aborted(e))
