@@ -37,10 +37,11 @@ const MAX_BODY: usize = 64 << 10;
 /// timeout, also between requests on a kept-alive connection) and its body.
 const READ_TIMEOUT: Duration = Duration::from_secs(10);
 
-/// As READ_TIMEOUT, on connections served on the nodes' runtime: a node's
-/// MDS client keeps its connection for heartbeats a third of the lease TTL
-/// apart (10 s at the default 30 s), reusing it while idle for less than
-/// `kv_common::mds::NODE_KEEP_IDLE` (20 s); the replica keeps it longer.
+/// As READ_TIMEOUT, on connections served on the nodes' runtime once one of
+/// their calls was answered 2xx: a node's MDS client keeps its connection
+/// for heartbeats a third of the lease TTL apart (10 s at the default 30 s),
+/// reusing it while idle for less than `kv_common::mds::NODE_KEEP_IDLE`
+/// (20 s); the replica keeps it longer.
 const NODE_READ_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// Long-polls held at once by default (`--max-long-polls`); more are answered 503 at once (the client then
@@ -159,10 +160,22 @@ struct Api {
 /// heartbeat or deregister (`POST` or `DELETE` under `/v1/groups/`).
 /// Routing only: whatever a connection sends is served the same way.
 async fn opens_with_a_node_call(stream: &tokio::net::TcpStream) -> bool {
-    let mut first = [0u8; 24];
-    let n = stream.peek(&mut first).await.unwrap_or(0);
-    let first = &first[..n];
-    first.starts_with(b"POST /v1/groups/") || first.starts_with(b"DELETE /v1/groups/")
+    const NODE_CALLS: [&[u8]; 2] = [b"POST /v1/groups/", b"DELETE /v1/groups/"];
+    let mut first = [0u8; 18];
+    // The request line may arrive in pieces: peek until it tells, for up
+    // to 50 ms (a caller's first segment nearly always holds its head).
+    for _ in 0..25 {
+        let n = stream.peek(&mut first).await.unwrap_or(0);
+        let got = &first[..n];
+        if n == 0 || !NODE_CALLS.iter().any(|c| c.starts_with(got) || got.starts_with(c)) {
+            return false;
+        }
+        if NODE_CALLS.iter().any(|c| got.starts_with(c)) {
+            return true;
+        }
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    false
 }
 
 /// Aborts a task when dropped (a connection moved to the nodes' runtime
@@ -180,38 +193,65 @@ impl kv_common::listen::Service for Api {
         if let Some(nodes) = self.nodes.clone() {
             if opens_with_a_node_call(&conn.stream).await {
                 let kv_common::listen::Accepted { stream, peer, opening, shutdown } = conn;
+                self.mds.reg.counters.node_conns.fetch_add(1, Ordering::Relaxed);
                 // Moved to the nodes' runtime: its reactor drives the socket.
                 let Ok(stream) = stream.into_std() else { return };
                 let api = self.clone();
                 let task = nodes.spawn(async move {
                     let Ok(stream) = tokio::net::TcpStream::from_std(stream) else { return };
                     let conn = kv_common::listen::Accepted { stream, peer, opening, shutdown };
-                    api.serve_on(conn, NODE_READ_TIMEOUT).await;
+                    api.serve_on(conn, true).await;
                 });
                 let _abort = AbortOnDrop(task.abort_handle());
                 let _ = task.await;
                 return;
             }
         }
-        self.serve_on(conn, READ_TIMEOUT).await;
+        self.serve_on(conn, false).await;
     }
 }
 
 impl Api {
-    /// Serves one connection's requests; `read_timeout`: hyper's header
-    /// timeout, which also ends a kept-alive connection idle that long.
-    async fn serve_on(self: Arc<Self>, conn: kv_common::listen::Accepted, read_timeout: Duration) {
+    /// Serves one connection's requests. Hyper's header timeout also ends a
+    /// kept-alive connection idle that long: READ_TIMEOUT, or for a node's
+    /// connection (`node`) NODE_READ_TIMEOUT once one of its calls was
+    /// answered 2xx. Until then it has READ_TIMEOUT in all, so a peer that
+    /// only says `POST /v1/groups/` holds a slot no longer than any other.
+    async fn serve_on(self: Arc<Self>, conn: kv_common::listen::Accepted, node: bool) {
         let peer = conn.peer;
         let api = self.clone();
+        let answered = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let ok = answered.clone();
         let svc = hyper::service::service_fn(move |req| {
-            let api = api.clone();
-            async move { Ok::<_, Infallible>(handle(&api.mds, &api.polls, &api.tokens, &api.registry, peer, req).await) }
+            let (api, ok) = (api.clone(), ok.clone());
+            async move {
+                let reply = handle(&api.mds, &api.polls, &api.tokens, &api.registry, peer, req).await;
+                if reply.status().is_success() {
+                    ok.store(true, Ordering::Relaxed);
+                }
+                Ok::<_, Infallible>(reply)
+            }
         });
         let busy = format!(
             "{{\"error\":\"kv-mds is at its connection cap ({}): retry or use another replica\"}}",
             self.max_conns
         );
-        if kv_common::listen::serve_http(conn, svc, &busy, read_timeout).await == kv_common::listen::HttpEnd::Refused {
+        let serving =
+            kv_common::listen::serve_http(conn, svc, &busy, if node { NODE_READ_TIMEOUT } else { READ_TIMEOUT });
+        let end = if node {
+            tokio::select! {
+                end = serving => end,
+                _ = async {
+                    tokio::time::sleep(READ_TIMEOUT).await;
+                    if answered.load(Ordering::Relaxed) {
+                        std::future::pending::<()>().await;
+                    }
+                } => kv_common::listen::HttpEnd::Served,
+            }
+        } else {
+            serving.await
+        };
+        if end == kv_common::listen::HttpEnd::Refused {
             self.mds.reg.counters.refused_conns.fetch_add(1, Ordering::Relaxed);
             // One line a minute at most, whatever the rate of refusals.
             static LOGGED: kv_common::daemon::Throttle = kv_common::daemon::Throttle::new(Duration::from_secs(60));

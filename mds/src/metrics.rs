@@ -46,7 +46,7 @@ impl Collector for Counters {
     fn encode(&self, mut e: DescriptorEncoder<'_>) -> Result<(), std::fmt::Error> {
         let c = &self.mds.reg.counters;
         let ld = |a: &AtomicU64| a.load(Ordering::Relaxed);
-        let counters: [(&str, &str, u64); 17] = [
+        let counters: [(&str, &str, u64); 18] = [
             ("registrations", "Node registrations served", ld(&c.registrations)),
             ("heartbeats", "Node heartbeats served", ld(&c.heartbeats)),
             ("takeovers", "Heartbeats that took a node's lease over from another replica", ld(&c.takeovers)),
@@ -70,6 +70,11 @@ impl Collector for Counters {
                 ld(&c.view_encodings),
             ),
             ("refused_connections", "Connections refused at the connection cap (--max-conns)", ld(&c.refused_conns)),
+            (
+                "node_connections",
+                "Connections that opened with a node's call, served apart from long-polls (a node keeps one for its heartbeats)",
+                ld(&c.node_conns),
+            ),
             ("refused_long_polls", "Long-polls refused at the long-poll cap", ld(&c.refused_polls)),
             ("denied_requests", "API calls refused for a missing or wrong auth token (401)", ld(&c.denied)),
         ];

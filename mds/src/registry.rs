@@ -100,6 +100,8 @@ pub struct Counters {
     pub views: AtomicU64,
     /// Connections refused at the connection cap (`--max-conns`).
     pub refused_conns: AtomicU64,
+    /// Connections served on the nodes' runtime (opened with a node's call).
+    pub node_conns: AtomicU64,
     /// Long-polls refused at the long-poll cap.
     pub refused_polls: AtomicU64,
     /// etcd calls sent again after one did not reach a member.
@@ -353,7 +355,7 @@ impl Registry {
 
     /// Milliseconds left on a history key's lease (0: gone). Asked of etcd
     /// once per lease per replica, then counted down here.
-    async fn lease_ms_left(&self, lease: i64) -> u64 {
+    async fn lease_ms_left(&self, etcd: &Client, lease: i64) -> u64 {
         if lease == 0 {
             return 0;
         }
@@ -361,7 +363,7 @@ impl Registry {
         let (asked, secs) = match known {
             Some(k) => k,
             None => {
-                let mut etcd = self.etcd.clone();
+                let mut etcd = etcd.clone();
                 let secs = match self.timed(etcd.lease_time_to_live(lease, None)).await {
                     Ok(r) => r.ttl(),
                     // Unknown: assume the whole window (the client's own
@@ -381,6 +383,7 @@ impl Registry {
     /// keys among `kvs` (the group's keys) still hold.
     async fn assemble(
         &self,
+        etcd: &Client,
         group: &str,
         epoch: u64,
         members: Vec<MemberRecord>,
@@ -408,7 +411,7 @@ impl Registry {
             if h.epoch >= at {
                 break; // not a step back: a damaged key
             }
-            let left = self.lease_ms_left(*lease).await;
+            let left = self.lease_ms_left(etcd, *lease).await;
             if left == 0 {
                 break;
             }
@@ -571,7 +574,7 @@ impl Registry {
             }
         }
         self.counters.registrations.fetch_add(1, Ordering::Relaxed);
-        Ok(self.view(group).await?.epoch)
+        Ok(self.view_via(self.node_client(), group).await?.epoch)
     }
 
     /// Keeps a node's lease alive. A replica that does not hold the lease
@@ -660,7 +663,7 @@ impl Registry {
             let _ = etcd.lease_revoke(lease).await;
         }
         self.counters.deregistrations.fetch_add(1, Ordering::Relaxed);
-        Ok(self.view(group).await?.epoch)
+        Ok(self.view_via(self.node_client(), group).await?.epoch)
     }
 
     /// Sets the group's placement rule (`ketama` removes the key): the
@@ -680,7 +683,12 @@ impl Registry {
 
     /// The group's view, its epoch brought up to date first (module docs).
     pub async fn view(&self, group: &str) -> Result<View, RegError> {
-        let mut etcd = self.etcd.clone();
+        self.view_via(self.etcd.clone(), group).await
+    }
+
+    /// As [`Registry::view`], through `etcd` (nodes' calls read through
+    /// theirs, driven on the nodes' runtime).
+    async fn view_via(&self, mut etcd: Client, group: &str) -> Result<View, RegError> {
         let ekey = epoch_key(group);
         let ckey = current_key(group);
         self.counters.views.fetch_add(1, Ordering::Relaxed);
@@ -692,10 +700,12 @@ impl Registry {
             let epoch_kv = got.kvs().iter().find(|kv| kv.key() == ekey.as_bytes());
             match epoch_kv {
                 Some(e) if e.value() == want.as_bytes() => {
-                    return Ok(self.assemble(group, e.mod_revision() as u64, members, placement, got.kvs()).await);
+                    return Ok(self
+                        .assemble(&etcd, group, e.mod_revision() as u64, members, placement, got.kvs())
+                        .await);
                 }
                 None if members.is_empty() => {
-                    return Ok(self.assemble(group, 0, members, placement, got.kvs()).await);
+                    return Ok(self.assemble(&etcd, group, 0, members, placement, got.kvs()).await);
                 }
                 _ => {}
             }
@@ -767,7 +777,7 @@ impl Registry {
                 // The history as it is now (this transaction's key included).
                 let after =
                     etcd_call!(self, etcd.get(history_prefix(group), Some(GetOptions::new().with_prefix())).await)?;
-                return Ok(self.assemble(group, rev, now, rule_now, after.kvs()).await);
+                return Ok(self.assemble(&etcd, group, rev, now, rule_now, after.kvs()).await);
             }
             // The members changed between the read and the transaction:
             // the next round writes their digest.

@@ -621,6 +621,45 @@ fn kv_local_starts_a_group_and_stops_every_part_on_sigterm() {
 }
 
 /// A replica's counter from its /metrics (0 when absent).
+/// A node's calls ride one connection, served on the replica's nodes'
+/// runtime; a connection that only says it is a node's call, and is never
+/// answered 2xx, is closed within the read timeout like any other.
+#[test]
+fn a_node_keeps_one_connection_and_a_silent_node_call_is_closed() {
+    use std::io::{Read, Write};
+    let _serial = serial();
+    let dir = tempfile::tempdir().unwrap();
+    let etcd = Etcd::start(dir.path().join("etcd"));
+    let mds = Mds::start_with("127.0.0.1:0", &etcd.endpoint(), TTL, &[]);
+    let mut node =
+        MdsClient::new(vec![mds.addr.clone()], Duration::from_secs(5)).with_keep_idle(kv_common::mds::NODE_KEEP_IDLE);
+    let req = kv_common::mds::RegisterRequest {
+        addr: "127.0.0.1:1".into(),
+        weight: 1,
+        instance: "i-1".into(),
+        metrics_addr: None,
+    };
+    node.register("g", "n1", &req).expect("registered");
+    for _ in 0..3 {
+        node.heartbeat("g", "n1", "i-1").expect("a heartbeat");
+    }
+    assert_eq!(mds_counter(&mds.addr, "kvmds_node_connections_total"), 1, "one connection for four calls");
+    assert_eq!(mds_counter(&mds.addr, "kvmds_heartbeats_total"), 3);
+
+    let mut s = std::net::TcpStream::connect(&mds.addr).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+    s.write_all(b"POST /v1/groups/").unwrap();
+    let t0 = Instant::now();
+    let mut rest = Vec::new();
+    let _ = s.read_to_end(&mut rest);
+    assert!(t0.elapsed() < Duration::from_secs(15), "closed after {:?}", t0.elapsed());
+    assert_eq!(mds_counter(&mds.addr, "kvmds_node_connections_total"), 2);
+    // The node's connection, idle meanwhile (its lease lapsed: the test's
+    // TTL is short), is still the one it had.
+    node.register("g", "n1", &req).expect("registered again");
+    assert_eq!(mds_counter(&mds.addr, "kvmds_node_connections_total"), 2);
+}
+
 fn mds_counter(addr: &str, name: &str) -> u64 {
     let m = MdsClient::new(vec![addr.to_string()], Duration::from_secs(2));
     let (_, text) = m.request(addr, "GET", "/metrics", None, Duration::ZERO).unwrap();
