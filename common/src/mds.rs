@@ -638,17 +638,10 @@ impl MdsClient {
         body: Option<&[u8]>,
         extra: Duration,
     ) -> std::io::Result<(u16, Vec<u8>)> {
-        let mut abort = self.abort.subscribe();
-        if *abort.borrow_and_update() {
-            return Err(std::io::Error::new(std::io::ErrorKind::Interrupted, "aborted"));
-        }
+        let mut abort = self.listen_abort()?;
         let req = build_request(ep, method, path, body, self.token.as_ref(), false)?;
         let (connect, answer) = (self.timeout, self.timeout + extra);
-        let rt = match &self.rt {
-            Ok(Some(rt)) => rt,
-            Ok(None) => return Err(std::io::Error::other("the MDS client is closed")),
-            Err(e) => return Err(std::io::Error::other(e.clone())),
-        };
+        let rt = self.runtime()?;
         rt.block_on(async move {
             tokio::select! {
                 r = exchange(ep, req, connect, answer) => r,
@@ -659,6 +652,24 @@ impl MdsClient {
 }
 
 impl MdsClient {
+    /// The abort signal, for a call about to start (Err: aborted already).
+    fn listen_abort(&self) -> std::io::Result<tokio::sync::watch::Receiver<bool>> {
+        let mut abort = self.abort.subscribe();
+        if *abort.borrow_and_update() {
+            return Err(std::io::Error::new(std::io::ErrorKind::Interrupted, "aborted"));
+        }
+        Ok(abort)
+    }
+
+    /// The runtime that drives calls, or why there is none.
+    fn runtime(&self) -> std::io::Result<&tokio::runtime::Runtime> {
+        match &self.rt {
+            Ok(Some(rt)) => Ok(rt),
+            Ok(None) => Err(std::io::Error::other("the MDS client is closed")),
+            Err(e) => Err(std::io::Error::other(e.clone())),
+        }
+    }
+
     /// As [`MdsClient::request`], on the kept connection when it is to `ep`
     /// and fresh enough, keeping the connection for the next call.
     fn request_kept(
@@ -669,10 +680,7 @@ impl MdsClient {
         body: Option<&[u8]>,
         extra: Duration,
     ) -> std::io::Result<(u16, Vec<u8>)> {
-        let mut abort = self.abort.subscribe();
-        if *abort.borrow_and_update() {
-            return Err(std::io::Error::new(std::io::ErrorKind::Interrupted, "aborted"));
-        }
+        let mut abort = self.listen_abort()?;
         // Taken out: a call that fails or is aborted closes it.
         let kept = self.kept.take().filter(|k| {
             k.ep == ep && k.idle_since.elapsed() < self.keep_idle && k.conn.is_some() && !k.send.is_closed()
@@ -685,11 +693,7 @@ impl MdsClient {
         // crossed its close, say one of an earlier release that keeps idle
         // connections 10 s, never saw it).
         let again = method == "GET" || path.ends_with("/heartbeat");
-        let rt = match &self.rt {
-            Ok(Some(rt)) => rt,
-            Ok(None) => return Err(std::io::Error::other("the MDS client is closed")),
-            Err(e) => return Err(std::io::Error::other(e.clone())),
-        };
+        let rt = self.runtime()?;
         let r = rt.block_on(async move {
             let call = async {
                 if let Some(mut k) = kept {
