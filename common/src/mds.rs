@@ -643,8 +643,14 @@ impl MdsClient {
         let (connect, answer) = (self.timeout, self.timeout + extra);
         let rt = self.runtime()?;
         rt.block_on(async move {
+            // A connection of its own, closed with the call.
+            let call = async {
+                let mut k = open(ep, connect).await?;
+                let (status, reply, _) = on_conn(&mut k, req, false, answer).await.map_err(ConnError::into_io)?;
+                Ok((status, reply))
+            };
             tokio::select! {
-                r = exchange(ep, req, connect, answer) => r,
+                r = call => r,
                 _ = abort.wait_for(|a| *a) => Err(std::io::Error::new(std::io::ErrorKind::Interrupted, "aborted")),
             }
         })
@@ -769,7 +775,7 @@ async fn on_conn(
     answer: Duration,
 ) -> Result<(u16, Vec<u8>, bool), ConnError> {
     use http_body_util::BodyExt;
-    let aborted = |e: hyper::Error| io_err(std::io::ErrorKind::ConnectionAborted, e);
+    let aborted = |e: hyper::Error| io_err(std::io::ErrorKind::InvalidData, e);
     let Kept { send, conn, .. } = k;
     let exchange = async {
         let result = async {
@@ -864,50 +870,6 @@ fn build_request(
     }
     let body = hyper::body::Bytes::copy_from_slice(body.unwrap_or(b""));
     b.body(http_body_util::Full::new(body)).map_err(|e| io_err(std::io::ErrorKind::InvalidInput, e))
-}
-
-/// Connects (within `connect`), sends `req` and reads the whole answer
-/// (within `answer`, at most [`MAX_REPLY`] bytes).
-async fn exchange(
-    ep: &str,
-    req: hyper::Request<http_body_util::Full<hyper::body::Bytes>>,
-    connect: Duration,
-    answer: Duration,
-) -> std::io::Result<(u16, Vec<u8>)> {
-    use http_body_util::BodyExt;
-    let timed_out = |what: &str| io_err(std::io::ErrorKind::TimedOut, format!("{what} timed out"));
-    let stream =
-        tokio::time::timeout(connect, tokio::net::TcpStream::connect(ep)).await.map_err(|_| timed_out("connect"))??;
-    stream.set_nodelay(true)?;
-    tokio::time::timeout(answer, async move {
-        let (mut send, conn) = hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(stream))
-            .await
-            .map_err(|e| io_err(std::io::ErrorKind::InvalidData, e))?;
-        // The connection's I/O is driven beside the request, in this future:
-        // a timeout or an abort drops both, closing the socket at once.
-        let result = async {
-            let rsp = send.send_request(req).await.map_err(|e| io_err(std::io::ErrorKind::InvalidData, e))?;
-            let status = rsp.status().as_u16();
-            let body = http_body_util::Limited::new(rsp.into_body(), MAX_REPLY)
-                .collect()
-                .await
-                .map_err(|e| io_err(std::io::ErrorKind::InvalidData, e))?
-                .to_bytes();
-            Ok((status, body.to_vec()))
-        };
-        tokio::pin!(conn, result);
-        tokio::select! {
-            biased;
-            r = &mut result => r,
-            c = &mut conn => match c {
-                Err(e) => Err(io_err(std::io::ErrorKind::InvalidData, e)),
-                // The connection ended after delivering what it had.
-                Ok(()) => result.await,
-            },
-        }
-    })
-    .await
-    .map_err(|_| timed_out("answer"))?
 }
 
 #[cfg(test)]

@@ -178,6 +178,22 @@ async fn opens_with_a_node_call(stream: &tokio::net::TcpStream) -> bool {
     false
 }
 
+/// Counts a call in progress on a connection while it lives.
+struct InFlight(Arc<std::sync::atomic::AtomicUsize>);
+
+impl InFlight {
+    fn new(calls: Arc<std::sync::atomic::AtomicUsize>) -> InFlight {
+        calls.fetch_add(1, Ordering::Relaxed);
+        InFlight(calls)
+    }
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
 /// Aborts a task when dropped (a connection moved to the nodes' runtime
 /// ends with the accept loop's task that owns its slot).
 struct AbortOnDrop(tokio::task::AbortHandle);
@@ -215,17 +231,21 @@ impl Api {
     /// Serves one connection's requests. Hyper's header timeout also ends a
     /// kept-alive connection idle that long: READ_TIMEOUT, or for a node's
     /// connection (`node`) NODE_READ_TIMEOUT once one of its calls was
-    /// answered 2xx. Until then it has READ_TIMEOUT in all, so a peer that
-    /// only says `POST /v1/groups/` holds a slot no longer than any other.
+    /// answered 2xx. Until then it has READ_TIMEOUT in all (and the call
+    /// in progress then, if any, is answered first), so a peer that only
+    /// says `POST /v1/groups/` holds a slot no longer than any other.
     async fn serve_on(self: Arc<Self>, conn: kv_common::listen::Accepted, node: bool) {
         let peer = conn.peer;
         let api = self.clone();
         let answered = Arc::new(std::sync::atomic::AtomicBool::new(false));
-        let ok = answered.clone();
+        let busy_calls = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let (ok, calls) = (answered.clone(), busy_calls.clone());
         let svc = hyper::service::service_fn(move |req| {
             let (api, ok) = (api.clone(), ok.clone());
+            let call = InFlight::new(calls.clone());
             async move {
                 let reply = handle(&api.mds, &api.polls, &api.tokens, &api.registry, peer, req).await;
+                drop(call);
                 if reply.status().is_success() {
                     ok.store(true, Ordering::Relaxed);
                 }
@@ -243,8 +263,16 @@ impl Api {
                 end = serving => end,
                 _ = async {
                     tokio::time::sleep(READ_TIMEOUT).await;
-                    if answered.load(Ordering::Relaxed) {
-                        std::future::pending::<()>().await;
+                    // A call in progress is answered first (its answer is
+                    // written in the same turn of this task that ends it).
+                    loop {
+                        if answered.load(Ordering::Relaxed) {
+                            std::future::pending::<()>().await;
+                        }
+                        if busy_calls.load(Ordering::Relaxed) == 0 {
+                            break;
+                        }
+                        tokio::time::sleep(Duration::from_millis(50)).await;
                     }
                 } => kv_common::listen::HttpEnd::Served,
             }
