@@ -180,10 +180,42 @@ fn placed(n: &Node) -> Placed<'_> {
     (n.id.as_str(), n.addr.as_str(), n.weight)
 }
 
+/// A digest of what places a node: installs find nodes by it (checking the
+/// node found), without copying ids and addresses or hashing them twice.
+fn digest((id, addr, weight): Placed<'_>) -> u64 {
+    kv_common::ring::key_point(id.as_bytes()).rotate_left(21)
+        ^ kv_common::ring::key_point(addr.as_bytes())
+        ^ u64::from(weight)
+}
+
+/// A hasher for keys that are already digests (or pointers): one multiply
+/// spreads their bits over the table.
+#[derive(Default)]
+struct Spread(u64);
+
+impl std::hash::Hasher for Spread {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.0 = (self.0.rotate_left(8) ^ u64::from(b)).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+        }
+    }
+    fn write_u64(&mut self, v: u64) {
+        self.0 = (self.0 ^ v).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+    }
+    fn write_usize(&mut self, v: usize) {
+        self.write_u64(v as u64);
+    }
+}
+
+type DigestMap<V> = std::collections::HashMap<u64, V, std::hash::BuildHasherDefault<Spread>>;
+
 /// Whether a member set places every key as `b` does (same ids, addresses
-/// and weights, in any order; `b` as a set, made once per install).
-fn same_members(a: &[Arc<Node>], b: &std::collections::HashSet<Placed<'_>>) -> bool {
-    a.len() == b.len() && a.iter().all(|n| b.contains(&placed(n)))
+/// and weights, in any order; `b` by digest, made once per install).
+fn same_members(a: &[Arc<Node>], b: &DigestMap<Placed<'_>>) -> bool {
+    a.len() == b.len() && a.iter().all(|n| b.get(&digest(placed(n))) == Some(&placed(n)))
 }
 
 impl Client {
@@ -257,15 +289,16 @@ impl Client {
         let now = Instant::now();
         // Nodes whose id, address and weight are unchanged are reused (with
         // their pools and health), from the current set or a previous one.
-        let mut known: std::collections::HashMap<(String, String, u32), Arc<Node>> = old
+        let mut known: DigestMap<Arc<Node>> = old
             .nodes
             .iter()
             .chain(old.previous.iter().flat_map(|p| p.nodes.iter()))
-            .map(|n| ((n.id.clone(), n.addr.clone(), n.weight), n.clone()))
+            .map(|n| (digest(placed(n)), n.clone()))
             .collect();
         let mut node_for = |m: &Member| -> Arc<Node> {
-            let k = (m.id.clone(), m.addr.clone(), m.weight);
-            if let Some(n) = known.get(&k) {
+            let k = (m.id.as_str(), m.addr.as_str(), m.weight);
+            let d = digest(k);
+            if let Some(n) = known.get(&d).filter(|n| placed(n) == k) {
                 return n.clone();
             }
             let n = Arc::new(Node::new(
@@ -276,12 +309,13 @@ impl Client {
                 self.opts.auth_token.clone(),
                 self.fabric.offer(),
             ));
-            known.insert(k, n.clone());
+            known.insert(d, n.clone());
             n
         };
         let nodes: Vec<Arc<Node>> = members.iter().map(&mut node_for).collect();
         // A node back in the current set (a restart) is asked again.
-        let was: std::collections::HashSet<*const Node> = old.nodes.iter().map(Arc::as_ptr).collect();
+        let was: std::collections::HashSet<*const Node, std::hash::BuildHasherDefault<Spread>> =
+            old.nodes.iter().map(Arc::as_ptr).collect();
         for n in nodes.iter().filter(|n| !was.contains(&Arc::as_ptr(n))) {
             n.clear_handoff_skip();
         }
@@ -293,7 +327,7 @@ impl Client {
         let window = if self.opts.handoff.is_zero() { Duration::ZERO } else { window.unwrap_or(self.opts.handoff) };
         let mut previous: Vec<Arc<Previous>> = Vec::new();
         if !window.is_zero() {
-            let current: std::collections::HashSet<Placed<'_>> = nodes.iter().map(|n| placed(n)).collect();
+            let current: DigestMap<Placed<'_>> = nodes.iter().map(|n| (digest(placed(n)), placed(n))).collect();
             let same = |r: &Ring, n: &[Arc<Node>]| r.placement() == placement && same_members(n, &current);
             if !old.nodes.is_empty() && !same(&old.ring, &old.nodes) {
                 previous.push(Arc::new(Previous {

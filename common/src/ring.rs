@@ -160,7 +160,7 @@ pub fn probe_point(h: u64, j: u32) -> u64 {
     z ^ (z >> 31)
 }
 
-/// Appends member `m`'s points (as member index `i`): `id#j` hashed, for
+/// Appends member `m`'s points (tagged `i`: its slot): `id#j` hashed, for
 /// every j below its weight times the rule's points per weight.
 fn push_points(out: &mut Vec<(u64, u32)>, name: &mut Vec<u8>, m: &RingMember, i: u32, placement: Placement) {
     let n = placement.points_per_weight() * u64::from(m.weight.max(1));
@@ -237,11 +237,12 @@ impl Ring {
         Ring { placement, members, buckets, slots, len: points.len() }
     }
 
-    /// The ring of `members` under `placement`, equal to
-    /// [`Ring::with_placement`]'s, built from this one: the points of
-    /// members whose id and weight are unchanged are kept with their slots
-    /// (the same entries in the same order, copied in runs), only the
-    /// others are hashed, and the new points are merged in. A client
+    /// The ring of `members` under `placement`, built from this one: it
+    /// places every key as [`Ring::with_placement`]'s does (its slot numbers
+    /// may differ). Members whose id and weight are unchanged keep their
+    /// slots and points; only the others are hashed; the buckets holding a
+    /// point of a member that joined, left or changed weight are merged
+    /// again and every other bucket is shared with this ring. A client
     /// installs a join or a leave of one member among 1,000 in a small
     /// fraction of a full build's time.
     pub fn rebuilt(&self, members: Vec<RingMember>, placement: Placement) -> Ring {
@@ -347,7 +348,9 @@ impl Ring {
         self.placement
     }
 
-    /// Bytes the ring holds (points, index and member list), for sizing.
+    /// Bytes the ring holds (points, bucket table, slots and member list),
+    /// for sizing: an upper bound, as a ring rebuilt from another shares
+    /// most buckets with it and empty buckets share one allocation.
     pub fn heap_bytes(&self) -> usize {
         self.len * std::mem::size_of::<(u64, u32)>()
             + self.buckets.capacity() * (std::mem::size_of::<Bucket>() + 16)
@@ -708,15 +711,85 @@ mod tests {
         assert_eq!(Ring::with_placement(vec![], Placement::MultiProbe).owner(b"x"), None);
     }
 
+    /// The same members, bucket sizes and points, each point naming the same
+    /// member (slot numbers may differ), and the same owners at bucket edges
+    /// and for sampled keys.
+    fn same_placement(a: &Ring, b: &Ring) -> bool {
+        let owners = |r: &Ring| r.points().iter().map(|&(p, s)| (p, r.slots[s as usize])).collect::<Vec<_>>();
+        let splits = |r: &Ring| r.buckets.iter().map(|b| (b.points.len(), b.next)).collect::<Vec<_>>();
+        let next = |r: &Ring| r.buckets.iter().map(|b| (b.next.0, r.slots[b.next.1 as usize])).collect::<Vec<_>>();
+        let edges = (0..1u64 << INDEX_BITS)
+            .step_by(61)
+            .flat_map(|b| [b << (64 - INDEX_BITS), (b << (64 - INDEX_BITS)).wrapping_sub(1)])
+            .chain([0, u64::MAX]);
+        a.members == b.members
+            && splits(a).iter().map(|x| x.0).eq(splits(b).iter().map(|x| x.0))
+            && next(a) == next(b)
+            && owners(a) == owners(b)
+            && edges.into_iter().all(|p| a.owner_of_point(p) == b.owner_of_point(p))
+            && (0..500).all(|i| a.owner(format!("k{i}").as_bytes()) == b.owner(format!("k{i}").as_bytes()))
+    }
+
+    fn gpus(n: u32) -> Vec<RingMember> {
+        (0..n).map(|i| RingMember { id: format!("gpu-{i:04}"), weight: 1 }).collect()
+    }
+
+    #[test]
+    fn a_rebuilt_ring_reuses_slots_shares_buckets_and_compacts() {
+        for placement in Placement::ALL {
+            let full = |m: &[RingMember]| Ring::with_placement(m.to_vec(), placement);
+            // A leave frees a slot; the next join takes it.
+            let ten = full(&gpus(10));
+            let mut nine = gpus(10);
+            nine.remove(3);
+            let r9 = ten.rebuilt(nine.clone(), placement);
+            assert!(same_placement(&r9, &full(&nine)));
+            assert_eq!((r9.slots.len(), r9.slots[3]), (10, u32::MAX));
+            let mut back = nine.clone();
+            back.insert(0, RingMember { id: "gpu-new".into(), weight: 2 });
+            let r10 = r9.rebuilt(back.clone(), placement);
+            assert!(same_placement(&r10, &full(&back)));
+            assert_eq!((r10.slots.len(), r10.slots[3]), (10, 0), "the join took the free slot");
+            // A leave and a join at once.
+            let mut both = back.clone();
+            both.remove(5);
+            both.push(RingMember { id: "gpu-other".into(), weight: 1 });
+            assert!(same_placement(&r10.rebuilt(both.clone(), placement), &full(&both)));
+            // A join shares every bucket without a point of the new member;
+            // a reorder shares them all.
+            let hundred = full(&gpus(100));
+            let mut joined = gpus(100);
+            joined.push(RingMember { id: "gpu-new".into(), weight: 1 });
+            let j = hundred.rebuilt(joined.clone(), placement);
+            assert!(same_placement(&j, &full(&joined)));
+            let shared =
+                (0..j.buckets.len()).filter(|&b| Arc::ptr_eq(&j.buckets[b].points, &hundred.buckets[b].points)).count();
+            let touched = j.buckets.iter().filter(|b| b.points.iter().any(|&(_, s)| s == 100)).count();
+            assert_eq!(shared, j.buckets.len() - touched);
+            let mut reversed = gpus(100);
+            reversed.reverse();
+            let r = hundred.rebuilt(reversed.clone(), placement);
+            assert!(same_placement(&r, &full(&reversed)));
+            assert!((0..r.buckets.len()).all(|b| Arc::ptr_eq(&r.buckets[b].points, &hundred.buckets[b].points)));
+            // Free slots past twice the members (plus 64) mean a full build.
+            let last = hundred.rebuilt(gpus(100)[99..].to_vec(), placement);
+            assert!(same_placement(&last, &full(&gpus(100)[99..])));
+            assert_eq!(last.slots, vec![0]);
+            let kept = hundred.rebuilt(gpus(100)[65..66].to_vec(), placement);
+            assert_eq!(kept.slots.len(), 66, "at the limit: no full build");
+            let mut three = gpus(100)[65..66].to_vec();
+            three.extend((0..3).map(|i| RingMember { id: format!("late-{i}"), weight: 1 }));
+            let filled = kept.rebuilt(three.clone(), placement);
+            assert!(same_placement(&filled, &full(&three)));
+            assert_eq!(filled.slots.len(), 66, "joins fill the free slots");
+        }
+    }
+
     #[test]
     fn a_ring_rebuilt_from_the_last_one_equals_a_full_build() {
         // The same members, index and points, each point naming the same
         // member (slot numbers may differ).
-        let owners = |r: &Ring| r.points().iter().map(|&(p, s)| (p, r.slots[s as usize])).collect::<Vec<_>>();
-        let same = |a: &Ring, b: &Ring| {
-            let splits = |r: &Ring| r.buckets.iter().map(|b| (b.points.len(), b.next.0)).collect::<Vec<_>>();
-            a.members == b.members && splits(a) == splits(b) && owners(a) == owners(b)
-        };
+        let same = same_placement;
         for placement in Placement::ALL {
             let mut rng = 0x5eed_u64;
             let mut next = |n: u64| {
