@@ -195,7 +195,10 @@ struct Spread(u64);
 
 impl std::hash::Hasher for Spread {
     fn finish(&self) -> u64 {
-        self.0
+        // The table indexes by the low bits: bring the product's high bits
+        // there (a pointer's low bits are alignment zeros, and stay so
+        // through the multiply).
+        self.0.rotate_left(26)
     }
     fn write(&mut self, bytes: &[u8]) {
         for &b in bytes {
@@ -212,10 +215,26 @@ impl std::hash::Hasher for Spread {
 
 type DigestMap<V> = std::collections::HashMap<u64, V, std::hash::BuildHasherDefault<Spread>>;
 
-/// Whether a member set places every key as `b` does (same ids, addresses
-/// and weights, in any order; `b` by digest, made once per install).
-fn same_members(a: &[Arc<Node>], b: &DigestMap<Placed<'_>>) -> bool {
-    a.len() == b.len() && a.iter().all(|n| b.get(&digest(placed(n))) == Some(&placed(n)))
+/// A member set by digest, or `None` when two of its entries share one (the
+/// same member named twice, or a digest collision): such a set is never
+/// taken for an unchanged one.
+fn member_set<'a>(set: impl ExactSizeIterator<Item = Placed<'a>>) -> Option<DigestMap<Placed<'a>>> {
+    let mut out = DigestMap::with_capacity_and_hasher(set.len(), Default::default());
+    for p in set {
+        if out.insert(digest(p), p).is_some() {
+            return None;
+        }
+    }
+    Some(out)
+}
+
+/// Whether two member sets place every key alike (the same ids, addresses
+/// and weights, in any order).
+fn same_sets(a: Option<&DigestMap<Placed<'_>>>, b: Option<&DigestMap<Placed<'_>>>) -> bool {
+    match (a, b) {
+        (Some(a), Some(b)) => a.len() == b.len() && a.iter().all(|(d, p)| b.get(d) == Some(p)),
+        _ => false,
+    }
 }
 
 impl Client {
@@ -327,8 +346,11 @@ impl Client {
         let window = if self.opts.handoff.is_zero() { Duration::ZERO } else { window.unwrap_or(self.opts.handoff) };
         let mut previous: Vec<Arc<Previous>> = Vec::new();
         if !window.is_zero() {
-            let current: DigestMap<Placed<'_>> = nodes.iter().map(|n| (digest(placed(n)), placed(n))).collect();
-            let same = |r: &Ring, n: &[Arc<Node>]| r.placement() == placement && same_members(n, &current);
+            let current = member_set(nodes.iter().map(|n| placed(n)));
+            let same = |r: &Ring, n: &[Arc<Node>]| {
+                r.placement() == placement
+                    && same_sets(member_set(n.iter().map(|n| placed(n))).as_ref(), current.as_ref())
+            };
             if !old.nodes.is_empty() && !same(&old.ring, &old.nodes) {
                 previous.push(Arc::new(Previous {
                     epoch: old.epoch,
@@ -714,5 +736,34 @@ impl Client {
             }
         }
         out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn member_sets_compare_in_any_order_and_a_set_naming_a_member_twice_is_never_unchanged() {
+        let (a, b, c) = (("a", "h:1", 1), ("b", "h:2", 1), ("c", "h:3", 1));
+        let set = |v: &[Placed<'static>]| member_set(v.iter().copied());
+        assert!(same_sets(set(&[a, b, c]).as_ref(), set(&[c, a, b]).as_ref()));
+        assert!(!same_sets(set(&[a, b, c]).as_ref(), set(&[a, b]).as_ref()));
+        assert!(!same_sets(set(&[a, b, c]).as_ref(), set(&[a, b, ("c", "h:3", 2)]).as_ref()));
+        assert!(!same_sets(set(&[a, b, c]).as_ref(), set(&[a, b, ("c", "h:4", 1)]).as_ref()));
+        // The same length and every entry present, one missing all the same.
+        assert!(set(&[a, a, b]).is_none());
+        assert!(!same_sets(set(&[a, a, b]).as_ref(), set(&[a, b, c]).as_ref()));
+        assert!(!same_sets(set(&[a, a, b]).as_ref(), set(&[a, a, b]).as_ref()));
+    }
+
+    #[test]
+    fn the_spread_hasher_moves_pointer_bits_into_the_low_ones() {
+        use std::hash::{BuildHasher, BuildHasherDefault};
+        let h = BuildHasherDefault::<Spread>::default();
+        // Pointers 256 bytes apart land on many low-bit values.
+        let low: std::collections::HashSet<u64> =
+            (0..1024usize).map(|i| h.hash_one((0x7f00_0000_0000usize + i * 256) as *const u8) & 0x7ff).collect();
+        assert!(low.len() > 512, "{} of 2,048 buckets", low.len());
     }
 }
