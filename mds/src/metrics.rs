@@ -46,7 +46,7 @@ impl Collector for Counters {
     fn encode(&self, mut e: DescriptorEncoder<'_>) -> Result<(), std::fmt::Error> {
         let c = &self.mds.reg.counters;
         let ld = |a: &AtomicU64| a.load(Ordering::Relaxed);
-        let counters: [(&str, &str, u64); 18] = [
+        let counters: [(&str, &str, u64); 20] = [
             ("registrations", "Node registrations served", ld(&c.registrations)),
             ("heartbeats", "Node heartbeats served", ld(&c.heartbeats)),
             ("takeovers", "Heartbeats that took a node's lease over from another replica", ld(&c.takeovers)),
@@ -56,6 +56,16 @@ impl Collector for Counters {
             ("epoch_bumps", "Epochs this replica advanced (member set changes it wrote)", ld(&c.epoch_bumps)),
             ("etcd_errors", "etcd calls that failed", ld(&c.etcd_errors)),
             ("etcd_retries", "etcd calls sent again after one did not reach a member", ld(&c.etcd_retries)),
+            (
+                "epoch_settle_retries",
+                "Rounds of settling a group's epoch begun again after another writer moved it first",
+                ld(&c.settle_retries),
+            ),
+            (
+                "view_reads_shared",
+                "View reads answered by a read another call on this replica began after they arrived",
+                ld(&c.settles_shared),
+            ),
             ("view_reads", "Views read from etcd", ld(&c.views)),
             (
                 "long_polls_from_cache",

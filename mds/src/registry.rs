@@ -11,8 +11,10 @@
 //! weights). Whoever reads a view compares the digest of the members it
 //! read with the stored one; when they differ (a node joined, left, changed
 //! weight or address, or its lease expired), it rewrites the epoch key in a
-//! transaction guarded by the key's `mod_revision` and re-reads the members
-//! inside that same transaction. So:
+//! transaction guarded by the key's `mod_revision`. The transaction that
+//! wins names the set read before it, at its own revision, even if members
+//! changed in between (the next reader finds the digest stale and moves the
+//! epoch again). So:
 //! - the epoch advances when, and only when, the member set changes
 //!   (a heartbeat, or a replica taking a node over, rewrites the record with
 //!   the same content: the digest, hence the epoch, stays);
@@ -41,9 +43,15 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use etcd_client::{Client, Compare, CompareOp, GetOptions, PutOptions, Txn, TxnOp, TxnOpResponse};
+use etcd_client::{Client, Compare, CompareOp, GetOptions, PutOptions, Txn, TxnOp};
 use kv_common::mds::{MemberRecord, PreviousSet, View, ETCD_ROOT, MAX_PREVIOUS_SETS};
 use serde::{Deserialize, Serialize};
+
+/// How long a call may wait for a group's epoch to settle, its time in the
+/// queue included, before it is told to retry: below the HTTP layer's etcd
+/// budget (2.5 s, less what a registration spent on its lease and record),
+/// so the caller gets that answer rather than "too slow".
+const SETTLE_BUDGET: Duration = Duration::from_millis(1500);
 
 /// A member record as stored: what views show, plus the registering
 /// process's instance token (so two nodes given the same id are told
@@ -106,6 +114,10 @@ pub struct Counters {
     pub refused_polls: AtomicU64,
     /// etcd calls sent again after one did not reach a member.
     pub etcd_retries: AtomicU64,
+    /// Rounds of settling an epoch begun again (another replica moved it first).
+    pub settle_retries: AtomicU64,
+    /// View reads answered by a settling another caller began after they arrived.
+    pub settles_shared: AtomicU64,
     /// API calls refused for a missing or wrong auth token.
     pub denied: AtomicU64,
     /// etcd leases granted (registrations and takeovers).
@@ -147,6 +159,11 @@ pub struct Registry {
     /// request racing the original cannot bind the record to one lease and
     /// revoke it as another's.
     node_locks: Mutex<HashMap<NodeKey, Arc<tokio::sync::Mutex<()>>>>,
+    /// Calls waiting to settle each group's epoch ([`Registry::view_via`]):
+    /// those of the main runtime, and nodes' registrations and leaves (on
+    /// the nodes' runtime, so they do not queue behind the main one's).
+    settles: SettleQueues,
+    node_settles: SettleQueues,
     etcd_ok: AtomicBool,
     pub counters: Counters,
     /// Time of each etcd call (its retries included).
@@ -157,6 +174,45 @@ pub struct Registry {
     /// Time left on history leases as last asked of etcd: lease id ->
     /// (when asked, seconds left then).
     lease_left: Mutex<HashMap<i64, (Instant, i64)>>,
+}
+
+/// One group's settling on this replica ([`Registry::view_via`]): callers
+/// queue on `last`, which holds the last settling's answer and how many
+/// callers had arrived when its read began.
+#[derive(Default)]
+struct SettleQueue {
+    arrived: AtomicU64,
+    /// Errors too: the calls a failed settling covered fail with it, rather
+    /// than each trying again in turn.
+    last: tokio::sync::Mutex<Option<(u64, Result<View, String>)>>,
+}
+
+type SettleQueues = Mutex<HashMap<String, Arc<SettleQueue>>>;
+
+/// A caller's place in a group's queue; the queue is dropped with its last
+/// caller, so group names that come and go leave nothing behind.
+struct Queued<'a> {
+    queues: &'a SettleQueues,
+    group: &'a str,
+    q: Arc<SettleQueue>,
+}
+
+impl<'a> Queued<'a> {
+    fn join(queues: &'a SettleQueues, group: &'a str) -> Queued<'a> {
+        let q = queues.lock().unwrap_or_else(|e| e.into_inner()).entry(group.to_string()).or_default().clone();
+        Queued { queues, group, q }
+    }
+}
+
+impl Drop for Queued<'_> {
+    fn drop(&mut self) {
+        let mut m = self.queues.lock().unwrap_or_else(|e| e.into_inner());
+        // Under the map's lock nobody else can take a reference: two are
+        // the map's and this one.
+        if m.get(self.group).is_some_and(|q| Arc::ptr_eq(q, &self.q)) && Arc::strong_count(&self.q) == 2 {
+            m.remove(self.group);
+        }
+    }
 }
 
 /// A history key's value: the delta from the set that replaced epoch
@@ -201,10 +257,6 @@ impl Current {
 
 fn group_prefix(group: &str) -> String {
     format!("{ETCD_ROOT}{group}/")
-}
-
-fn members_prefix(group: &str) -> String {
-    format!("{ETCD_ROOT}{group}/members/")
 }
 
 fn member_key(group: &str, id: &str) -> String {
@@ -318,6 +370,8 @@ impl Registry {
             ttl,
             leases: Mutex::default(),
             node_locks: Mutex::default(),
+            settles: Mutex::default(),
+            node_settles: Mutex::default(),
             etcd_ok: AtomicBool::new(true),
             counters: Counters::default(),
             etcd_latency: prometheus_client::metrics::histogram::Histogram::new(
@@ -574,7 +628,7 @@ impl Registry {
             }
         }
         self.counters.registrations.fetch_add(1, Ordering::Relaxed);
-        Ok(self.view_via(self.node_client(), group).await?.epoch)
+        Ok(self.view_via(self.node_client(), &self.node_settles, group).await?.epoch)
     }
 
     /// Keeps a node's lease alive. A replica that does not hold the lease
@@ -663,7 +717,7 @@ impl Registry {
             let _ = etcd.lease_revoke(lease).await;
         }
         self.counters.deregistrations.fetch_add(1, Ordering::Relaxed);
-        Ok(self.view_via(self.node_client(), group).await?.epoch)
+        Ok(self.view_via(self.node_client(), &self.node_settles, group).await?.epoch)
     }
 
     /// Sets the group's placement rule (`ketama` removes the key): the
@@ -683,16 +737,55 @@ impl Registry {
 
     /// The group's view, its epoch brought up to date first (module docs).
     pub async fn view(&self, group: &str) -> Result<View, RegError> {
-        self.view_via(self.etcd.clone(), group).await
+        self.view_via(self.etcd.clone(), &self.settles, group).await
     }
 
     /// As [`Registry::view`], through `etcd` (nodes' calls read through
-    /// theirs, driven on the nodes' runtime).
-    async fn view_via(&self, mut etcd: Client, group: &str) -> Result<View, RegError> {
+    /// theirs, driven on the nodes' runtime, and queue in `queues`).
+    ///
+    /// Calls for one group settle one at a time in a queue, and one
+    /// settling serves every call that arrived before it began (its read
+    /// comes after their writes): a fleet registering 32 nodes at once on a
+    /// replica costs etcd a few settlings, not 32 racing each other
+    /// (docs/ARCHITECTURE.md, "kv-mds"). A call that waited SETTLE_BUDGET,
+    /// in the queue or settling, is told to retry.
+    async fn view_via(&self, etcd: Client, queues: &SettleQueues, group: &str) -> Result<View, RegError> {
+        let deadline = tokio::time::Instant::now() + SETTLE_BUDGET;
+        let queue = Queued::join(queues, group);
+        let me = queue.q.arrived.fetch_add(1, Ordering::SeqCst) + 1;
+        let busy = || RegError::Conflict(format!("group {group} changes too fast to settle an epoch: retry"));
+        let mut last = tokio::time::timeout_at(deadline, queue.q.last.lock()).await.map_err(|_| busy())?;
+        if let Some((_, r)) = last.as_ref().filter(|(covered, _)| *covered >= me) {
+            self.counters.settles_shared.fetch_add(1, Ordering::Relaxed);
+            return r.clone().map_err(RegError::Conflict);
+        }
+        let covered = queue.q.arrived.load(Ordering::SeqCst);
+        let r = self.settle(etcd, group, deadline).await;
+        *last = Some((covered, r.as_ref().map(View::clone).map_err(|e| e.to_string())));
+        r
+    }
+
+    /// Reads the group's view, moving its epoch first when the member set
+    /// changed since the epoch key was last written.
+    ///
+    /// A settling dropped between its lease grant and its transaction (the
+    /// caller gave up) leaves that lease to expire on its own.
+    async fn settle(&self, mut etcd: Client, group: &str, deadline: tokio::time::Instant) -> Result<View, RegError> {
         let ekey = epoch_key(group);
         let ckey = current_key(group);
         self.counters.views.fetch_add(1, Ordering::Relaxed);
-        for _ in 0..16 {
+        for round in 0u32.. {
+            if round > 0 {
+                // Another replica moved the epoch first. Two replicas that
+                // read again at once would race again: each waits a random
+                // while, longer each round, and gives up at the deadline.
+                if tokio::time::Instant::now() >= deadline {
+                    break;
+                }
+                self.counters.settle_retries.fetch_add(1, Ordering::Relaxed);
+                let cap_us = 1000u64 << round.min(5);
+                tokio::time::sleep(Duration::from_micros(kv_common::mds::random_below(cap_us as usize) as u64)).await;
+            }
             let got = etcd_call!(self, etcd.get(group_prefix(group), Some(GetOptions::new().with_prefix())).await)?;
             let members = parse_members(got.kvs());
             let placement = placement_in(group, got.kvs());
@@ -714,8 +807,6 @@ impl Registry {
             let mut ops = vec![
                 TxnOp::put(ekey.clone(), want.clone(), None),
                 TxnOp::put(ckey.clone(), serde_json::to_vec(&current).unwrap_or_default(), None),
-                TxnOp::get(members_prefix(group), Some(GetOptions::new().with_prefix())),
-                TxnOp::get(placement_key(group), None),
             ];
             // The set being replaced, when `current` names it (a group last
             // changed by a replica without handoff has none).
@@ -760,28 +851,17 @@ impl Registry {
                 }
                 continue; // another replica moved the epoch: read again
             }
+            // The key now names the set read above at this revision: that
+            // is the view, even when members changed since the read (the
+            // next reader finds the digest stale and moves the epoch again).
             let rev = done.header().map(|h| h.revision()).unwrap_or(0) as u64;
-            let gets: Vec<_> = done
-                .op_responses()
-                .into_iter()
-                .filter_map(|r| match r {
-                    TxnOpResponse::Get(g) => Some(g),
-                    _ => None,
-                })
-                .collect();
-            let now = gets.first().map(|g| parse_members(g.kvs())).unwrap_or_default();
-            let rule_now = gets.get(1).and_then(|g| placement_in(group, g.kvs()));
-            if digest(&now, rule_now.as_deref()) == want {
-                self.counters.epoch_bumps.fetch_add(1, Ordering::Relaxed);
-                tracing::info!(group, epoch = rev, members = now.len(), "member set changed: new epoch");
-                // The history as it is now (this transaction's key included).
-                let after =
-                    etcd_call!(self, etcd.get(history_prefix(group), Some(GetOptions::new().with_prefix())).await)?;
-                return Ok(self.assemble(&etcd, group, rev, now, rule_now, after.kvs()).await);
-            }
-            // The members changed between the read and the transaction:
-            // the next round writes their digest.
+            self.counters.epoch_bumps.fetch_add(1, Ordering::Relaxed);
+            tracing::info!(group, epoch = rev, members = members.len(), "member set changed: new epoch");
+            // The history as it is now (this transaction's key included).
+            let after = etcd_call!(self, etcd.get(history_prefix(group), Some(GetOptions::new().with_prefix())).await)?;
+            return Ok(self.assemble(&etcd, group, rev, members, placement, after.kvs()).await);
         }
+        tracing::warn!(group, "the group's members kept changing: no epoch settled within {SETTLE_BUDGET:?}");
         Err(RegError::Conflict(format!("group {group} changes too fast to settle an epoch: retry")))
     }
 }

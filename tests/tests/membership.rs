@@ -859,3 +859,54 @@ fn an_epoch_change_reaches_waiters_as_one_shared_delta() {
     let old = c.wait_view("g", v.epoch, Duration::from_secs(5)).unwrap();
     assert!(old.delta.is_none() && old.members.len() == 3);
 }
+
+/// A fleet coming up registers dozens of nodes at once on every replica,
+/// each registration settling an epoch that names its node while the others
+/// keep moving it: every one is answered with such an epoch, none is told
+/// to retry, and both replicas end on one view naming them all.
+#[test]
+fn a_fleet_registering_at_once_on_two_replicas_is_never_told_to_retry() {
+    let _serial = serial();
+    let dir = tempfile::tempdir().unwrap();
+    let etcd = Etcd::start(dir.path().join("etcd"));
+    // A long TTL: these nodes never heartbeat.
+    let mds: Vec<Mds> = (0..2).map(|_| Mds::start_with("127.0.0.1:0", &etcd.endpoint(), "60s", &[])).collect();
+    const N: usize = 96;
+    let regs: Vec<_> = (0..N)
+        .map(|i| {
+            let addr = mds[i % 2].addr.clone();
+            std::thread::spawn(move || {
+                let mut c = MdsClient::new(vec![addr], Duration::from_secs(5));
+                let req = kv_common::mds::RegisterRequest {
+                    addr: format!("127.0.0.1:{}", 20000 + i),
+                    weight: 1,
+                    instance: format!("i-{i}"),
+                    metrics_addr: None,
+                };
+                c.register("g", &format!("n{i:03}"), &req)
+            })
+        })
+        .collect();
+    let mut newest = 0;
+    for (i, r) in regs.into_iter().enumerate() {
+        let reply = r.join().unwrap().unwrap_or_else(|e| panic!("node {i}: {e}"));
+        assert!(reply.epoch > 0, "node {i} answered without an epoch");
+        newest = newest.max(reply.epoch);
+    }
+    let view = |m: &Mds| {
+        let mut v = MdsClient::new(vec![m.addr.clone()], Duration::from_secs(5)).view("g").ok()?;
+        v.previous.iter_mut().for_each(|p| p.remaining_ms = 0);
+        Some(v)
+    };
+    let v = wait_until(Duration::from_secs(10), "one view on both replicas", || {
+        let (a, b) = (view(&mds[0])?, view(&mds[1])?);
+        (a == b && a.members.len() == N).then_some(a)
+    });
+    assert!(v.epoch >= newest, "{} < {newest}", v.epoch);
+    // One replica's calls settle one at a time, one read serving every call
+    // that came before it: only the two replicas race for the epoch key.
+    let sum = |name: &str| mds.iter().map(|m| mds_counter(&m.addr, name)).sum::<u64>();
+    let (retries, shared) = (sum("kvmds_epoch_settle_retries_total"), sum("kvmds_view_reads_shared_total"));
+    println!("{N} registrations at once on 2 replicas: {shared} shared a read, {retries} settle rounds begun again");
+    assert!(retries < N as u64 / 4, "{retries} settle rounds begun again for {N} registrations");
+}
