@@ -338,6 +338,8 @@ fn error_kind(status: u16, body: &[u8]) -> String {
         " connection cap"
     } else if text.contains("etcd") {
         " etcd"
+    } else if text.contains("changes too fast") || text.contains("changed during") {
+        " conflict"
     } else {
         ""
     };
@@ -1259,6 +1261,8 @@ fn run(f: &HashMap<String, String>) {
         "view_bytes_per_s": all_bytes / wall,
         "mds_view_encodings": mds_delta("kvmds_view_encodings_total"),
         "mds_etcd_view_reads": mds_delta("kvmds_view_reads_total"),
+        // Over the whole run: most come while the fleet starts.
+        "mds_settle_retries": mds_after.iter().map(|a| metric(a, "kvmds_epoch_settle_retries_total").unwrap_or(0.0)).sum::<f64>(),
         "mds_etcd_call_ms": {
             "p50": histogram_quantile(&mds_after, &mds_before, "kvmds_etcd_request_duration_seconds", 0.5),
             "p99": histogram_quantile(&mds_after, &mds_before, "kvmds_etcd_request_duration_seconds", 0.99),
@@ -1396,11 +1400,12 @@ fn print_report(s: &Value) {
         );
     }
     println!(
-        "  etcd: {:.1} committed proposals/s, db {:.1} MiB; kv-mds etcd view reads {}, view encodings {}",
+        "  etcd: {:.1} committed proposals/s, db {:.1} MiB; kv-mds etcd view reads {}, view encodings {}; epoch settle retries in the run {}",
         s["etcd"]["proposals_per_s"].as_f64().unwrap_or(0.0),
         s["etcd"]["db_size_mib"].as_f64().unwrap_or(0.0),
         s["mds_etcd_view_reads"],
-        s["mds_view_encodings"]
+        s["mds_view_encodings"],
+        s["mds_settle_retries"]
     );
     println!(
         "  view bytes per epoch change to long-poll clients: {:.0} ({:.1} MB); all views: {:.1} MB/s",
