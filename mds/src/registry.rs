@@ -199,7 +199,12 @@ struct Queued<'a> {
 
 impl<'a> Queued<'a> {
     fn join(queues: &'a SettleQueues, group: &'a str) -> Queued<'a> {
-        let q = queues.lock().unwrap_or_else(|e| e.into_inner()).entry(group.to_string()).or_default().clone();
+        let mut m = queues.lock().unwrap_or_else(|e| e.into_inner());
+        let q = match m.get(group) {
+            Some(q) => q.clone(),
+            None => m.entry(group.to_string()).or_default().clone(),
+        };
+        drop(m);
         Queued { queues, group, q }
     }
 }
@@ -213,6 +218,14 @@ impl Drop for Queued<'_> {
             m.remove(self.group);
         }
     }
+}
+
+/// The one answer to a call whose group's epoch did not settle in time.
+fn unsettled(group: &str) -> RegError {
+    RegError::Conflict(format!(
+        "group {group}: no epoch settled within {} s (members changing faster than etcd answers): retry",
+        SETTLE_BUDGET.as_secs_f32()
+    ))
 }
 
 /// A history key's value: the delta from the set that replaced epoch
@@ -753,8 +766,7 @@ impl Registry {
         let deadline = tokio::time::Instant::now() + SETTLE_BUDGET;
         let queue = Queued::join(queues, group);
         let me = queue.q.arrived.fetch_add(1, Ordering::SeqCst) + 1;
-        let busy = || RegError::Conflict(format!("group {group} changes too fast to settle an epoch: retry"));
-        let mut last = tokio::time::timeout_at(deadline, queue.q.last.lock()).await.map_err(|_| busy())?;
+        let mut last = tokio::time::timeout_at(deadline, queue.q.last.lock()).await.map_err(|_| unsettled(group))?;
         if let Some((_, r)) = last.as_ref().filter(|(covered, _)| *covered >= me) {
             self.counters.settles_shared.fetch_add(1, Ordering::Relaxed);
             return r.clone().map_err(RegError::Conflict);
@@ -862,7 +874,7 @@ impl Registry {
             return Ok(self.assemble(&etcd, group, rev, members, placement, after.kvs()).await);
         }
         tracing::warn!(group, "the group's members kept changing: no epoch settled within {SETTLE_BUDGET:?}");
-        Err(RegError::Conflict(format!("group {group} changes too fast to settle an epoch: retry")))
+        Err(unsettled(group))
     }
 }
 

@@ -336,10 +336,11 @@ fn error_kind(status: u16, body: &[u8]) -> String {
         " long-poll cap"
     } else if text.contains("connections") || text.contains("max-conns") {
         " connection cap"
+    } else if text.contains("no epoch settled") || text.contains("changes too fast") || text.contains("changed during")
+    {
+        " conflict"
     } else if text.contains("etcd") {
         " etcd"
-    } else if text.contains("changes too fast") || text.contains("changed during") {
-        " conflict"
     } else {
         ""
     };
