@@ -521,6 +521,13 @@ impl MdsClient {
         self.call_json("GET", &path, None, Duration::ZERO)
     }
 
+    /// The group's view with an epoch of at least `min_epoch` (a replica
+    /// whose held view is older reads etcd), unless etcd itself went back.
+    pub fn view_at_least(&mut self, group: &str, min_epoch: u64) -> Result<View, MdsError> {
+        let path = format!("/v1/groups/{group}/view?min_epoch={min_epoch}&rules={}", crate::ring::Placement::known());
+        self.call_json("GET", &path, None, Duration::ZERO)
+    }
+
     /// The group's view once its epoch is past `after`, or after `wait`
     /// (then the view as it is).
     pub fn wait_view(&mut self, group: &str, after: u64, wait: Duration) -> Result<View, MdsError> {

@@ -775,21 +775,27 @@ impl Store {
         Ok(())
     }
 
-    /// Every key stored, most recently used first: each disk's keys in
-    /// their order, the disks interleaved.
+    /// Every key stored, most recently used first across the node's disks
+    /// (by when each was last stored or read from its disk; a get served
+    /// by the memory tier does not refresh its disk's entry).
     pub fn keys_by_recency(&self) -> Vec<Arc<[u8]>> {
-        let lists: Vec<Vec<Arc<[u8]>>> = self.view().live().map(|d| d.keys_by_recency()).collect();
+        let lists: Vec<Vec<(Arc<[u8]>, u64)>> = self.view().live().map(|d| d.keys_by_recency()).collect();
         let mut out = Vec::with_capacity(lists.iter().map(Vec::len).sum());
         let mut its: Vec<_> = lists.into_iter().map(Vec::into_iter).collect();
+        // Disks interleaved (the order among keys of one tick, and among
+        // keys recovered and not used since), then by when each key was
+        // last stored or read, across the node's disks.
         loop {
             let before = out.len();
             for it in &mut its {
                 out.extend(it.next());
             }
             if out.len() == before {
-                return out;
+                break;
             }
         }
+        out.sort_by_key(|(_, used)| std::cmp::Reverse(*used));
+        out.into_iter().map(|(k, _)| k).collect()
     }
 
     /// Reads a record. With `geo`, a record of another geometry is a mismatch.
