@@ -15,7 +15,9 @@ line is "k8s: N passed, M failed" (scripts/test.sh totals it).
    kv-server.toml mounted from a hostPath, the TOML's keys known to
    kv-server, the token Secret's mode and the pod's ids against the
    Dockerfile's user, kv-mds's Service, budget and etcd endpoints, the
-   NetworkPolicies' ports, and each component's own settings.
+   NetworkPolicies' ports, each component's own settings, and kv-mds's
+   --max-long-polls, --max-conns and memory limit recomputed from the fleet
+   its Deployment says it is sized for (mds_need, docs/DEPLOY.md).
 4. start-node.sh, as rendered, run with sh over a stand-in kv-server that
    prints its arguments: the id rule for node names up to 253 characters,
    and an IPv6 pod address.
@@ -237,6 +239,71 @@ def check_node(overlay):
     return f"{image}, {len(dirs)} disk(s), grace {grace} s for a {drain} s drain"
 
 
+# kv-mds's memory, measured by tests/src/bin/kv-mds-size.rs (docs/DEPLOY.md,
+# "Sizing the membership tier"), rounded up: a base, then per member of the
+# group, per long-poll it may hold (at the peak, when a change answers every
+# waiter at once) and per other connection it may keep.
+MDS_BASE = 16 << 20
+MDS_PER_MEMBER = 6 << 10
+MDS_PER_LONG_POLL = 80 << 10
+MDS_PER_CONN = 64 << 10
+
+
+def mds_need(nodes, engines, replicas):
+    """--max-long-polls, --max-conns and the memory one replica needs for a
+    fleet, the others holding the share of one replica that is down."""
+    serving = max(replicas - 1, 1)
+    long_polls = -(-engines * 5 // (4 * serving))  # 25 % room
+    conns = long_polls + -(-nodes * 5 // (4 * serving)) + 256
+    memory = MDS_BASE + nodes * MDS_PER_MEMBER + long_polls * MDS_PER_LONG_POLL + (conns - long_polls) * MDS_PER_CONN
+    return long_polls, conns, memory
+
+
+def check_mds_sizing(dep, c, cm):
+    sized = dict(kv.split("=") for kv in dep["metadata"]["annotations"]["kvcellar.io/sized-for"].split())
+    nodes, engines = int(sized["nodes"]), int(sized["engines"])
+    replicas = dep["spec"]["replicas"]
+    long_polls, conns, memory = mds_need(nodes, engines, replicas)
+    # The caps come through the kv-mds ConfigMap ($(VAR) from its keys).
+    env = {e["name"]: cm["data"][e["valueFrom"]["configMapKeyRef"]["key"]]
+           for e in c["env"] if "configMapKeyRef" in e.get("valueFrom", {})}
+    args = [expand(a, env) for a in c["args"]]
+    flags = dict(a[2:].split("=", 1) for a in args if a.startswith("--") and "=" in a)
+    have_polls, have_conns = int(flags.get("max-long-polls", 2048)), int(flags.get("max-conns", 4096))
+    limit = size(c["resources"]["limits"]["memory"])
+    assert have_polls >= long_polls, f"--max-long-polls {have_polls} < {long_polls} for {engines} engines on {replicas} replicas"
+    assert have_conns >= conns, f"--max-conns {have_conns} < {conns} (long-polls + {nodes} nodes' connections + room)"
+    # Memory for the caps set, not only for the fleet: a replica at its caps must not be OOM-killed.
+    need = MDS_BASE + nodes * MDS_PER_MEMBER + have_polls * MDS_PER_LONG_POLL + (have_conns - have_polls) * MDS_PER_CONN
+    assert limit >= need, f"memory limit {limit >> 20} MiB < {need >> 20} MiB for --max-long-polls {have_polls}, --max-conns {have_conns}, {nodes} nodes"
+    assert have_conns >= have_polls, "--max-conns below --max-long-polls"
+    return f"sized for {nodes} nodes, {engines} engines: {replicas} replicas, {have_polls} long-polls, {have_conns} conns, {limit >> 20} MiB (needs {memory >> 20})"
+
+
+def check_sizing_rule():
+    """The sizing check itself: caps or a limit below the need fail."""
+    objs = render("example")
+    dep = json.loads(json.dumps(one(objs, "Deployment", "kv-mds")))
+    cm = configmap(objs, "kv-mds")
+    c = container(dep["spec"]["template"]["spec"], "kv-mds")
+    check_mds_sizing(dep, c, cm)
+    refused = []
+    for what, change in [("memory", lambda: c["resources"]["limits"].update(memory="64Mi")),
+                         ("fleet", lambda: dep["metadata"]["annotations"].update({"kvcellar.io/sized-for": "nodes=100 engines=5000"})),
+                         ("caps", lambda: cm["data"].update({"max-long-polls": "4000", "max-conns": "4500"}))]:
+        saved = json.dumps([dep, cm])
+        change()
+        try:
+            check_mds_sizing(dep, c, cm)
+        except AssertionError as e:
+            refused.append(f"{what}: {e}")
+        d, m = json.loads(saved)
+        dep.clear(), dep.update(d), cm.clear(), cm.update(m)
+        c = container(dep["spec"]["template"]["spec"], "kv-mds")
+    assert len(refused) == 3, f"a sizing below the need passed: {refused}"
+    return "; ".join(r.split(" for ")[0] for r in refused)
+
+
 def check_mds(overlay):
     objs = render(overlay)
     dep = one(objs, "Deployment", "kv-mds")
@@ -270,7 +337,8 @@ def check_mds(overlay):
         n = sts["spec"]["replicas"]
         want = ",".join(f"kv-etcd-{i}.kv-etcd:2379" for i in range(n))
         assert etcd == want, f"etcd endpoints {etcd}, the StatefulSet's {want}"
-    return f"etcd {etcd}"
+    sizing = check_mds_sizing(dep, c, cm)
+    return f"etcd {etcd}; {sizing}"
 
 
 def check_namespace(overlay):
@@ -487,7 +555,9 @@ def check_pods_in_docker(img):
              "--initial-cluster", f"t=http://{gw}:{pp}", "--log-level", "warn"],
             stdout=subprocess.DEVNULL, stderr=open(os.path.join(work, "etcd.log"), "w"))
         # kv-mds as its Deployment runs it (args expanded as Kubernetes does).
-        mds_env = {"POD_IP": mds_ip, "KVCELLAR_ETCD": f"{gw}:{ep}"}
+        mds_cm = configmap(objs, "kv-mds")["data"]
+        mds_env = {"POD_IP": mds_ip, "KVCELLAR_ETCD": f"{gw}:{ep}",
+                   "KVCELLAR_MAX_LONG_POLLS": mds_cm["max-long-polls"], "KVCELLAR_MAX_CONNS": mds_cm["max-conns"]}
         docker("run", "-d", "--name", f"{tag}-mds", "--network", net, "--ip", mds_ip, "--network-alias", "kv-mds",
                "--user", f"{uid}:{gid}", "--read-only", "--cap-drop", "ALL", "-e", f"POD_IP={mds_ip}",
                "-v", f"{tokdir}:/etc/kvcellar/token:ro", img, *mds_c["command"],
@@ -578,6 +648,7 @@ def main():
         check(f"{o}: one namespace", lambda o=o: check_namespace(o))
     check("components: host network, RDMA, etcd over TLS, ServiceMonitors", check_components)
     check("start-node.sh: the node id rule and the pod address", check_id_rule)
+    check("kv-mds sizing: a memory limit or caps below the fleet's need fail", check_sizing_rule)
     img = f"kvcellar:{version()}"
     have_docker = shutil.which("docker") and docker("info", check=False).returncode == 0
     skipped = 1

@@ -359,6 +359,11 @@ impl Mds {
         Mds::start_at("127.0.0.1:0", etcd, ttl)
     }
 
+    /// Its process id (0 once reaped).
+    pub fn pid(&self) -> i32 {
+        self.child.as_ref().map_or(0, |c| c.id() as i32)
+    }
+
     /// Sends a signal to this replica (only to the process we started):
     /// SIGSTOP makes it a replica that accepts connections and never answers.
     pub fn signal(&self, sig: i32) {
