@@ -80,7 +80,7 @@ impl<S> Conn<S> {
     pub(crate) fn header(&mut self, op: Op, flags: u8, body_len: usize) -> (u64, [u8; FRAME_HEADER_LEN]) {
         let req_id = self.next_id;
         self.next_id += 1;
-        (req_id, ReqHeader { op, flags, body_len: body_len as u32, req_id }.encode())
+        (req_id, ReqHeader { op, flags, copy_age: 0, body_len: body_len as u32, req_id }.encode())
     }
 }
 

@@ -255,7 +255,7 @@ fn push_to(
             continue;
         }
         let req_id = id as u64 + 1;
-        let head = ReqHeader { op: Op::Put, flags: FLAG_HANDOFF, body_len: len as u32, req_id };
+        let head = ReqHeader { op: Op::Put, flags: FLAG_HANDOFF, copy_age: 0, body_len: len as u32, req_id };
         s.write_all(&head.encode())?;
         s.write_all(rec.as_slice())?;
         drop(rec);

@@ -208,13 +208,13 @@ fn garbage_closes_only_its_own_connection() {
     assert!(closed_by_server(&mut t));
     // 2. Unknown op after a good hello.
     let mut t = raw_hello(s.addr);
-    let mut h = ReqHeader { op: Op::Ping, flags: 0, body_len: 0, req_id: 1 }.encode();
+    let mut h = ReqHeader { op: Op::Ping, flags: 0, copy_age: 0, body_len: 0, req_id: 1 }.encode();
     h[0] = 99;
     t.write_all(&h).unwrap();
     assert!(closed_by_server(&mut t));
     // 3. A put claiming 4 GiB: refused from the header, nothing allocated.
     let mut t = raw_hello(s.addr);
-    let mut h = ReqHeader { op: Op::Put, flags: 0, body_len: 0, req_id: 1 }.encode();
+    let mut h = ReqHeader { op: Op::Put, flags: 0, copy_age: 0, body_len: 0, req_id: 1 }.encode();
     h[4..8].copy_from_slice(&u32::MAX.to_le_bytes());
     t.write_all(&h).unwrap();
     assert!(closed_by_server(&mut t));
@@ -407,7 +407,7 @@ fn slow_clients_hold_only_their_slot_and_their_timeout() {
     // 2. A 1 MiB batch-exist body dribbled a byte at a time: the node holds
     //    what arrived (not the MiB claimed) until 400 ms + 1 s per MiB.
     let mut dribble = raw_hello(s.addr);
-    let req = ReqHeader { op: Op::BatchExist, flags: 0, body_len: 1 << 20, req_id: 1 };
+    let req = ReqHeader { op: Op::BatchExist, flags: 0, copy_age: 0, body_len: 1 << 20, req_id: 1 };
     dribble.write_all(&req.encode()).unwrap();
     let dribble_t0 = std::time::Instant::now();
     // 3. A reader that never reads: 40 gets of a 4 MiB page, answers never taken.
@@ -416,7 +416,7 @@ fn slow_clients_hold_only_their_slot_and_their_timeout() {
     let mut deaf = raw_hello(s.addr);
     for i in 0..40u64 {
         let body = kv_common::wire::KeyRequest::encode(&geo(), b"big");
-        let h = ReqHeader { op: Op::Get, flags: 0, body_len: body.len() as u32, req_id: 100 + i };
+        let h = ReqHeader { op: Op::Get, flags: 0, copy_age: 0, body_len: body.len() as u32, req_id: 100 + i };
         deaf.write_all(&h.encode()).unwrap();
         deaf.write_all(&body).unwrap();
     }
