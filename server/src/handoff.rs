@@ -8,7 +8,14 @@
 //! delete records its tombstone before it removes the key, so either the
 //! copy sees the tombstone (and is refused, or removes what it stored), or
 //! the delete comes after the copy was stored and removes it. No lock is
-//! held across the store.
+//! held across the store. "What it stored" is the record its store
+//! stamped (`Store::delete_if_stamp`), never whatever holds the key by
+//! then: a put acknowledged after the delete stays.
+//!
+//! A tombstone lasts the window; a copy is refused once older than half of
+//! it (its age travels in the request header, docs/PROTOCOL.md §2.9), so a
+//! copy read before a delete cannot arrive after that delete's tombstone
+//! expired.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -41,11 +48,17 @@ pub struct Handoff {
     /// GET and EXIST keys asked with FLAG_HANDOFF, and those found.
     pub asks: AtomicU64,
     pub hits: AtomicU64,
-    /// Copies stored (new or already there), their payload bytes, and
-    /// copies refused for a delete within the window.
+    /// Copies stored (new or already there), their payload bytes, copies
+    /// refused for a delete within the window, and copies refused for
+    /// their age (over half the window).
     pub copies: AtomicU64,
     pub copy_bytes: AtomicU64,
     pub refused: AtomicU64,
+    pub too_old: AtomicU64,
+    /// Tests only: run (on a blocking thread) between a copy's store and
+    /// its second tombstone check, to force a delete and a put in between.
+    #[doc(hidden)]
+    pub after_copy_stored: std::sync::OnceLock<std::sync::Arc<dyn Fn() + Send + Sync>>,
     /// Pages this node pushed to their new owners while it drained, their
     /// record bytes, and pushes the owners did not take.
     pub pushed: AtomicU64,
@@ -65,6 +78,8 @@ impl Handoff {
             copies: AtomicU64::new(0),
             copy_bytes: AtomicU64::new(0),
             refused: AtomicU64::new(0),
+            too_old: AtomicU64::new(0),
+            after_copy_stored: std::sync::OnceLock::new(),
             pushed: AtomicU64::new(0),
             pushed_bytes: AtomicU64::new(0),
             push_failed: AtomicU64::new(0),
@@ -121,6 +136,14 @@ impl Handoff {
         self.expire(&mut t, now);
         // An entry not yet expired by the bounded sweep is judged by its time.
         t.refuse_until.is_some() || t.at.get(&key_hash).is_some_and(|&at| now.duration_since(at) < self.window)
+    }
+
+    /// Whether a copy of this age (since its page was read) is too old to
+    /// take: over half the window. A tombstone lasts the whole window, so
+    /// the other half is the margin for what the age leaves out (its way
+    /// here, a coarse or saturated encoding).
+    pub fn too_old(&self, age: Duration) -> bool {
+        age > self.window / 2
     }
 
     /// Tombstones held now (expired ones not yet dropped included).
