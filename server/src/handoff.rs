@@ -108,10 +108,14 @@ impl Handoff {
     /// Records a delete of the key whose hash is `key_hash` (before the key
     /// is removed from the store).
     pub fn deleted(&self, key_hash: u64) {
+        self.deleted_at(key_hash, Instant::now())
+    }
+
+    /// [`Handoff::deleted`] at `now` (calls come in time order).
+    fn deleted_at(&self, key_hash: u64, now: Instant) {
         if self.window.is_zero() {
             return;
         }
-        let now = Instant::now();
         let mut t = self.tombs.lock().unwrap_or_else(|e| e.into_inner());
         self.expire(&mut t, now);
         t.at.insert(key_hash, now);
@@ -128,10 +132,14 @@ impl Handoff {
 
     /// Whether a handoff copy of this key must be refused.
     pub fn refuses(&self, key_hash: u64) -> bool {
+        self.refuses_at(key_hash, Instant::now())
+    }
+
+    /// [`Handoff::refuses`] at `now`.
+    fn refuses_at(&self, key_hash: u64, now: Instant) -> bool {
         if self.window.is_zero() {
             return true;
         }
-        let now = Instant::now();
         let mut t = self.tombs.lock().unwrap_or_else(|e| e.into_inner());
         self.expire(&mut t, now);
         // An entry not yet expired by the bounded sweep is judged by its time.
@@ -304,26 +312,41 @@ mod tests {
 
     #[test]
     fn a_delete_refuses_copies_for_the_window() {
-        let h = Handoff::new(Duration::from_millis(200));
-        assert!(!h.refuses(7));
-        h.deleted(7);
-        assert!(h.refuses(7) && !h.refuses(8));
-        assert_eq!(h.tombstones(), 1);
-        std::thread::sleep(Duration::from_millis(250));
-        assert!(!h.refuses(7));
-        assert_eq!(h.tombstones(), 0);
+        let h = Handoff::new(Duration::from_secs(10));
+        let t0 = Instant::now();
+        assert!(!h.refuses_at(7, t0));
+        h.deleted_at(7, t0);
+        assert!(h.refuses_at(7, t0) && !h.refuses_at(8, t0));
+        assert!(h.refuses_at(7, t0 + Duration::from_millis(9_999)));
+        assert!(!h.refuses_at(7, t0 + Duration::from_secs(10)));
+        assert_eq!(h.tombstones(), 0, "swept once expired");
     }
 
+    /// A key deleted twice refuses copies until the window after its second
+    /// delete, though its first tombstone expires (and is swept) before.
     #[test]
     fn a_later_delete_of_the_same_key_keeps_its_tombstone() {
-        let h = Handoff::new(Duration::from_millis(300));
-        h.deleted(1);
-        std::thread::sleep(Duration::from_millis(200));
-        h.deleted(1);
-        std::thread::sleep(Duration::from_millis(150));
-        // The first delete's entry expired; the second's still holds.
-        assert!(h.refuses(1));
-        assert_eq!(h.tombstones(), 1);
+        let h = Handoff::new(Duration::from_secs(10));
+        let t0 = Instant::now();
+        let at = |s: u64| t0 + Duration::from_secs(s);
+        h.deleted_at(7, at(0));
+        h.deleted_at(7, at(6));
+        h.deleted_at(8, at(6));
+        assert!(h.refuses_at(7, at(5)));
+        assert!(h.refuses_at(7, at(11)), "the first delete's tombstone expired; the second holds");
+        assert!(h.refuses_at(7, at(15)));
+        assert!(!h.refuses_at(7, at(17)), "both expired");
+        assert!(!h.refuses_at(8, at(17)));
+        assert!(!h.refuses_at(9, at(1)), "never deleted");
+    }
+
+    /// The age limit is half the window.
+    #[test]
+    fn copies_older_than_half_the_window_are_too_old() {
+        let h = Handoff::new(Duration::from_secs(600));
+        assert!(!h.too_old(Duration::from_secs(300)));
+        assert!(h.too_old(Duration::from_millis(300_001)));
+        assert!(h.too_old(kv_common::wire::decode_copy_age(u16::MAX)), "saturated: at least that old");
     }
 
     #[test]
