@@ -404,3 +404,65 @@ pub(crate) fn asks_of_round(
     }
     groups
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::options::Options;
+    use kv_common::page::Geometry;
+
+    #[test]
+    fn a_copy_expires_half_the_window_it_knows_after_its_read() {
+        let read = Instant::now();
+        let window = AtomicU64::new(600_000);
+        assert_eq!(copy_deadline(read, &window), read + Duration::from_secs(300));
+        // A view with another window: judged by the one known now.
+        window.store(1_000, Ordering::Relaxed);
+        assert_eq!(copy_deadline(read, &window), read + Duration::from_millis(500));
+        window.store(0, Ordering::Relaxed);
+        assert_eq!(copy_deadline(read, &window), read, "no window: nothing to copy");
+        window.store(u64::MAX, Ordering::Relaxed);
+        assert!(copy_deadline(read, &window) > read + Duration::from_secs(86_400), "no overflow");
+    }
+
+    /// Polls `f` until it holds, for up to 10 s.
+    fn eventually(what: &str, f: impl Fn() -> bool) {
+        let end = Instant::now() + Duration::from_secs(10);
+        while !f() {
+            assert!(Instant::now() < end, "timed out waiting for {what}");
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+
+    /// A queued copy is given up unsent once older than half the window:
+    /// one already too old when queued, and one whose turn never comes
+    /// (every copy slot held) before its deadline. Neither touches the
+    /// owner (an address nothing listens on: a send would count a failure).
+    #[test]
+    fn an_expired_queued_copy_is_dropped_and_counted() {
+        let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build().unwrap();
+        let _in = rt.enter();
+        let opts = Options { handoff: Duration::from_millis(400), ..Options::default() };
+        let c = Client::new(Vec::new(), Geometry::default(), opts);
+        let owner = Arc::new(Node::new("n1".into(), "127.0.0.1:9".into(), 1, 4, None, c.fabric.offer()));
+        let h = c.metrics.handoff.clone();
+        let mut page = vec![5u8; 4096];
+        // Read a second ago: past half of 400 ms already.
+        c.copy_later(owner.clone(), b"k1", &[&mut page[..]], 4096, Instant::now() - Duration::from_secs(1));
+        eventually("the stale copy to be dropped", || h.copies_expired.load(Ordering::Relaxed) == 1);
+        // Fresh, but every copy slot is taken and stays taken.
+        let held = rt.block_on(c.copy_slots.clone().acquire_many_owned(crate::client::HANDOFF_COPIES_AT_ONCE as u32));
+        let queued = Instant::now();
+        c.copy_later(owner, b"k2", &[&mut page[..]], 4096, queued);
+        eventually("the waiting copy to expire", || h.copies_expired.load(Ordering::Relaxed) == 2);
+        assert!(queued.elapsed() >= Duration::from_millis(200), "it waited until its deadline");
+        drop(held);
+        eventually("the budget back", || h.inflight_bytes.load(Ordering::Relaxed) == 0);
+        let sent = h.copies_stored.load(Ordering::Relaxed)
+            + h.copies_failed.load(Ordering::Relaxed)
+            + h.copies_refused.load(Ordering::Relaxed);
+        assert_eq!(sent, 0, "nothing was sent");
+        let snap = c.metrics.render(0, None, Vec::new(), c.fabric.counters());
+        assert!(snap.contains("kvclient_handoff_copies_expired_total 2"), "{snap}");
+    }
+}
