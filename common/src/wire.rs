@@ -544,6 +544,10 @@ mod tests {
         // The coarse range: 10 s units past 3276.8 s.
         assert_eq!(encode_copy_age(ms(3_276_800)), 0x8000);
         assert_eq!(decode_copy_age(0x8000), ms(3_276_800));
+        // docs/PROTOCOL.md §2.2's examples.
+        assert_eq!(encode_copy_age(ms(250)).to_le_bytes(), [0x02, 0x00]);
+        assert_eq!(encode_copy_age(Duration::from_secs(300)).to_le_bytes(), [0xb8, 0x0b]);
+        assert_eq!(encode_copy_age(Duration::from_secs(4 * 3600)).to_le_bytes(), [0x58, 0x84]);
         let four_hours = Duration::from_secs(4 * 3600);
         assert!(four_hours - decode_copy_age(encode_copy_age(four_hours)) < Duration::from_secs(10));
         // Saturated: at least about 91.9 h.
