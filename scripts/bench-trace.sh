@@ -12,13 +12,19 @@
 #             WARM=SECS replays the trace up to SECS before the event as fast
 #             as possible (kvctl replay --warm-until) and only the rest at
 #             SPEED: with SPEED=1, the events at the trace's own pace.
+#   fleet     the events at fleet size: NODES (default 24) nodes of CAP (default
+#             400M, no memory tier), a control run, then a graceful stop of
+#             n12, a join of two nodes, a kill -9 of n7 (back after 60 s of
+#             trace time) and a rolling restart of n1-n3, handoff on; the
+#             stopped node's push figures (its closing `drain push:` line)
+#             beside the hits. scripts/bench-fleet.sh runs it.
 #
 # Each run gets a fresh cluster (scripts/trace-cluster.sh) and the same key
 # tag, so every run places every page alike. Results (one
 # kvctl replay JSON per run and summary.txt) go to $KVCELLAR_WORK (default
 # target/bench-trace).
 #
-# Usage: scripts/bench-trace.sh [capacity|events|all]
+# Usage: scripts/bench-trace.sh [capacity|events|fleet|all]
 #        EVENTS="stop rolling" HANDOFFS=600 scripts/bench-trace.sh events   (a subset)
 #        SPEED=1 WARM=30 scripts/bench-trace.sh events                     (real time)
 set -euo pipefail
@@ -71,31 +77,32 @@ if [ "$what" = capacity ] || [ "$what" = all ]; then
   done
 fi
 
-if [ "$what" = events ] || [ "$what" = all ]; then
-  ev="bash scripts/trace-cluster.sh $(printf %q "$cluster")"
-  # Trace time replayed: up to the event, then the longest span measured
-  # (a request count, so event and control runs replay the same requests
-  # however fast the machine keeps up).
-  span=60
-  rspan=400
-  # The runs of one span replay the same requests (the control the longest:
-  # every run is a prefix of it, and what a request gets depends only on
-  # those before it).
-  limit_for() { # limit_for SPAN
-    python3 -c "
+ev="bash scripts/trace-cluster.sh $(printf %q "$cluster")"
+# Trace time replayed: up to the event, then the longest span measured
+# (a request count, so event and control runs replay the same requests
+# however fast the machine keeps up).
+span=60
+rspan=400
+# The runs of one span replay the same requests (the control the longest:
+# every run is a prefix of it, and what a request gets depends only on
+# those before it).
+limit_for() { # limit_for SPAN
+  python3 -c "
 import json, sys
 end = ($at + $1 + 20) * 1000
 print(sum(1 for l in open('$trace') if json.loads(l)['timestamp'] < end))"
-  }
-  warm=()
-  [ -n "${WARM:-}" ] && warm=(--warm-until "$((at - WARM))")
-  run_event() { # run_event NAME HANDOFF_SECS SPAN COMMAND
-    bash scripts/trace-cluster.sh "$cluster" up "$speed" 1500M "$2"
-    replay "$1" --speed "$speed" "${warm[@]}" --engines 4 --limit "$(limit_for "$3")" --tag trace \
-      --event-span "$3" --event "$at=$4"
-    bash scripts/trace-cluster.sh "$cluster" down
-  }
-  crash_back=$(python3 -c "print(60 / $speed)")
+}
+warm=()
+[ -n "${WARM:-}" ] && warm=(--warm-until "$((at - WARM))")
+run_event() { # run_event NAME HANDOFF_SECS SPAN COMMAND   (CAP: each node's, default 1500M)
+  bash scripts/trace-cluster.sh "$cluster" up "$speed" "${CAP:-1500M}" "$2"
+  replay "$1" --speed "$speed" "${warm[@]}" --engines 4 --limit "$(limit_for "$3")" --tag trace \
+    --event-span "$3" --event "$at=$4"
+  bash scripts/trace-cluster.sh "$cluster" down
+}
+crash_back=$(python3 -c "print(60 / $speed)")
+
+if [ "$what" = events ] || [ "$what" = all ]; then
   # EVENTS and HANDOFFS pick a subset (results of earlier runs are kept).
   for h in ${HANDOFFS:-600 0}; do
     for e in ${EVENTS:-control join stop crash rolling}; do
@@ -132,5 +139,53 @@ for ev in ["join", "stop", "crash", "rolling"]:
         print(f"{ev:<9} {'on' if h != '0' else 'off':<8} {s:>6.0f} {hits:>7} {ctl:>8} {loss:>7.1f} {r['wrong_pages']:>6}")
 a, b = load("control-h600"), load("control-h0")
 if a and b: print(f"control vs control (noise): {span_hits(a, span)} vs {span_hits(b, span)} hits in the {span:.0f} s span")
+EOF
+fi
+
+if [ "$what" = fleet ]; then
+  export NODES=${NODES:-24}
+  export CAP=${CAP:-400M}
+  fleet="$work/results-fleet$NODES"
+  [ "$speed" = 20 ] && [ -z "${WARM:-}" ] || fleet="$fleet-speed$speed${WARM:+-warm$WARM}"
+  mkdir -p "$fleet"
+  results=$fleet
+  for e in ${EVENTS:-control stop join crash rolling}; do
+    case $e in
+      control) run_event control 600 "$rspan" "true" ;;
+      stop)
+        run_event stop 600 "$span" "$ev stop n12"
+        grep -h "drain push:\|drain: pushing\|drain: the group\|drain: pages pushed" "$cluster/n12.log" >"$fleet/stop-push.txt" || true
+        ;;
+      join) run_event join 600 "$span" "$ev join n$((NODES + 1)) n$((NODES + 2))" ;;
+      crash) run_event crash 600 "$span" "$ev crash n7 $crash_back" ;;
+      rolling) run_event rolling 600 "$rspan" "$ev rolling n1 n2 n3" ;;
+    esac
+  done
+  python3 - "$fleet" "$at" "$span" "$rspan" "$speed" "$NODES" <<'EOF' | tee "$fleet/summary.txt"
+import json, sys, os
+d, at, span, rspan, speed, nodes = sys.argv[1], float(sys.argv[2]), float(sys.argv[3]), float(sys.argv[4]), sys.argv[5], sys.argv[6]
+def load(n):
+    try:
+        return json.load(open(os.path.join(d, n + ".json")))
+    except OSError:
+        return None
+def span_hits(r, s):
+    return sum(w["hits"] for w in r["windows"] if at <= w["start_s"] < at + s)
+print(f"{nodes} nodes; events at trace time {at:.0f} s, speed {speed} (membership clocks divided by {speed} too), handoff on")
+print(f"{'event':<9} {'span s':>6} {'hits':>7} {'control':>8} {'loss %':>7} {'wrong':>6}")
+c = load("control")
+for ev in ["stop", "join", "crash", "rolling"]:
+    r = load(ev)
+    if r is None or c is None:
+        continue
+    s = rspan if ev == "rolling" else span
+    hits, ctl = span_hits(r, s), span_hits(c, s)
+    loss = 100.0 * (ctl - hits) / ctl if ctl else 0.0
+    print(f"{ev:<9} {s:>6.0f} {hits:>7} {ctl:>8} {loss:>7.1f} {r['wrong_pages']:>6}")
+try:
+    for l in open(os.path.join(d, "stop-push.txt")):
+        print("n12:", l.strip()[-220:])
+except OSError:
+    pass
 EOF
 fi

@@ -2,13 +2,14 @@
 # The loopback cluster of scripts/bench-trace.sh, and the membership events
 # its replays fire at trace times (kvctl replay --event SECS=COMMAND).
 #
-# Usage: scripts/trace-cluster.sh WORK up SCALE CAP HANDOFF_SECS   etcd, one kv-mds, nodes n1..n3
-#        scripts/trace-cluster.sh WORK join ID                     a new node joins
+# Usage: scripts/trace-cluster.sh WORK up SCALE CAP HANDOFF_SECS   etcd, one kv-mds, nodes n1..nNODES
+#        scripts/trace-cluster.sh WORK join ID...                  new nodes join (one after another)
 #        scripts/trace-cluster.sh WORK stop ID                     SIGTERM: leave, drain, exit
 #        scripts/trace-cluster.sh WORK crash ID SECS               kill -9, back after SECS (wall)
-#        scripts/trace-cluster.sh WORK rolling                     every node in turn: stop, start, rejoin
+#        scripts/trace-cluster.sh WORK rolling [ID...]             these nodes (default: all) in turn: stop, start, rejoin
 #        scripts/trace-cluster.sh WORK down                        stop everything started here
 #
+# NODES (environment, default 3) is the group's size at `up`.
 # SCALE divides the membership clocks (lease TTL 30 s, drain 30 s, handoff
 # window HANDOFF_SECS) as the replay's --speed divides trace time. Nodes
 # listen on ports picked at `up` and kept, so a restarted node comes back at
@@ -107,11 +108,13 @@ case $cmd in
     echo $! >"$state/mds.pid"
     await_line "$work/mds.out" $! kv-mds
     sed -n 's/^kv-mds listening on //p' "$work/mds.out" >"$state/mds"
-    for id in n1 n2 n3; do start_node $id; done
-    echo "trace-cluster: up: 3 nodes of $cap; membership clocks / $scale: lease TTL $(cat "$state/ttl") s," \
+    nodes=${NODES:-3}
+    echo "$nodes" >"$state/nodes"
+    for i in $(seq "$nodes"); do start_node "n$i"; done
+    echo "trace-cluster: up: $nodes nodes of $cap; membership clocks / $scale: lease TTL $(cat "$state/ttl") s," \
       "drain $(cat "$state/drain") s, handoff window $(cat "$state/handoff") s (kv-mds and nodes)"
     ;;
-  join) start_node "$1" ;;
+  join) for id in "$@"; do start_node "$id"; done ;;
   stop)
     stop_pid "$state/$1.pid" TERM
     ;;
@@ -121,7 +124,9 @@ case $cmd in
     start_node "$1"
     ;;
   rolling)
-    for id in n1 n2 n3; do
+    ids=("$@")
+    [ ${#ids[@]} -gt 0 ] || mapfile -t ids < <(seq -f 'n%g' "$(cat "$state/nodes")")
+    for id in "${ids[@]}"; do
       stop_pid "$state/$id.pid" TERM
       start_node "$id"
     done

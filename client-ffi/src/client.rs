@@ -68,6 +68,10 @@ pub struct Client {
     /// Background handoff copies writing at once (the rest wait, within
     /// the byte budget), so copies hold few of an owner's connections.
     pub(crate) copy_slots: Arc<tokio::sync::Semaphore>,
+    /// The handoff window this client knows now, in ms (the latest view's
+    /// `handoff_ms`, else the `handoff_ms` option, as `install` resolves
+    /// it): a background copy older than half of it is given up.
+    pub(crate) handoff_window_ms: Arc<AtomicU64>,
 }
 
 /// Background handoff copies one handle writes at once.
@@ -90,7 +94,7 @@ struct PutX<'b> {
 impl Exchange for PutX<'_> {
     type Out = ();
     fn run<'a>(&'a mut self, conn: &'a mut AsyncConn, _geo: &'a Geometry) -> BoxFuture<'a, Result<(), OpError>> {
-        Box::pin(exchange::put(conn, &self.header, self.key, self.bufs, 0))
+        Box::pin(exchange::put(conn, &self.header, self.key, self.bufs, 0, 0))
     }
 }
 
@@ -256,6 +260,7 @@ impl Client {
     }
 
     fn build(members: Vec<Member>, geo: Geometry, opts: Options, fabric: crate::rdma::Fabric) -> Client {
+        let window_ms = u64::try_from(opts.handoff.as_millis()).unwrap_or(u64::MAX);
         let c = Client {
             opts,
             geo,
@@ -266,6 +271,7 @@ impl Client {
             discovery_error: std::sync::Mutex::new(None),
             metrics: Metrics::default(),
             copy_slots: Arc::new(tokio::sync::Semaphore::new(HANDOFF_COPIES_AT_ONCE)),
+            handoff_window_ms: Arc::new(AtomicU64::new(window_ms)),
         };
         if !members.is_empty() {
             c.set_members(members);
@@ -344,6 +350,7 @@ impl Client {
         let local = self.epochs.fetch_add(1, Ordering::AcqRel) + 1;
         let epoch = epoch.unwrap_or(local);
         let window = if self.opts.handoff.is_zero() { Duration::ZERO } else { window.unwrap_or(self.opts.handoff) };
+        self.handoff_window_ms.store(u64::try_from(window.as_millis()).unwrap_or(u64::MAX), Ordering::Relaxed);
         let mut previous: Vec<Arc<Previous>> = Vec::new();
         if !window.is_zero() {
             let current = member_set(nodes.iter().map(|n| placed(n)));

@@ -78,9 +78,21 @@ impl<S> Conn<S> {
 
     /// The next request's id and its frame header.
     pub(crate) fn header(&mut self, op: Op, flags: u8, body_len: usize) -> (u64, [u8; FRAME_HEADER_LEN]) {
+        self.header_aged(op, flags, 0, body_len)
+    }
+
+    /// As [`Conn::header`], with bytes 2..4 set: a handoff copy's age
+    /// (`kv_common::wire::encode_copy_age`).
+    pub(crate) fn header_aged(
+        &mut self,
+        op: Op,
+        flags: u8,
+        copy_age: u16,
+        body_len: usize,
+    ) -> (u64, [u8; FRAME_HEADER_LEN]) {
         let req_id = self.next_id;
         self.next_id += 1;
-        (req_id, ReqHeader { op, flags, body_len: body_len as u32, req_id }.encode())
+        (req_id, ReqHeader { op, flags, copy_age, body_len: body_len as u32, req_id }.encode())
     }
 }
 
@@ -154,8 +166,14 @@ impl Conn<Blocking> {
 
     /// Sends one request frame (header, then each body part); returns its id.
     pub fn send(&mut self, op: Op, flags: u8, body: &[&[u8]]) -> Result<u64, OpError> {
+        self.send_aged(op, flags, 0, body)
+    }
+
+    /// As [`Conn::send`], with a handoff copy's age in the header
+    /// (`kv_common::wire::encode_copy_age`).
+    pub fn send_aged(&mut self, op: Op, flags: u8, copy_age: u16, body: &[&[u8]]) -> Result<u64, OpError> {
         let len: usize = body.iter().map(|b| b.len()).sum();
-        let (req_id, h) = self.header(op, flags, len);
+        let (req_id, h) = self.header_aged(op, flags, copy_age, len);
         self.socket.stream.write_all(&h)?;
         for part in body {
             self.socket.stream.write_all(part)?;
@@ -428,8 +446,13 @@ impl Conn<Async> {
 
     /// Sends one request frame (header, then each body part): its id.
     pub(crate) async fn send(&mut self, op: Op, flags: u8, body: &[&[u8]]) -> Result<u64, OpError> {
+        self.send_aged(op, flags, 0, body).await
+    }
+
+    /// As [`Conn::send`], with a handoff copy's age in the header.
+    pub(crate) async fn send_aged(&mut self, op: Op, flags: u8, copy_age: u16, body: &[&[u8]]) -> Result<u64, OpError> {
         let len: usize = body.iter().map(|b| b.len()).sum();
-        let (req_id, h) = self.header(op, flags, len);
+        let (req_id, h) = self.header_aged(op, flags, copy_age, len);
         let mut parts: Vec<&[u8]> = Vec::with_capacity(body.len() + 1);
         parts.push(&h);
         parts.extend_from_slice(body);

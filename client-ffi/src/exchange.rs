@@ -88,13 +88,16 @@ pub struct GetReply {
     pub len: usize,
 }
 
-/// `extra`: request flags beside the exchange's own (FLAG_HANDOFF).
+/// `extra`: request flags beside the exchange's own (FLAG_HANDOFF);
+/// `copy_age`: with FLAG_HANDOFF, the copy's age as the header carries it
+/// (`kv_common::wire::encode_copy_age`, docs/PROTOCOL.md §2.9), else 0.
 pub async fn put(
     conn: &mut AsyncConn,
     header: &[u8; HEADER_LEN],
     key: &[u8],
     bufs: &[&[u8]],
     extra: u8,
+    copy_age: u16,
 ) -> Result<(), OpError> {
     let payload: u64 = bufs.iter().map(|b| b.len() as u64).sum();
     let len = HEADER_LEN as u64 + key.len() as u64 + payload;
@@ -109,7 +112,7 @@ pub async fn put(
     parts.push(header);
     parts.push(key);
     parts.extend_from_slice(bufs);
-    let id = conn.send(Op::Put, extra, &parts).await?;
+    let id = conn.send_aged(Op::Put, extra, copy_age, &parts).await?;
     let h = conn.recv_header(id).await?;
     let body = conn.recv_small(&h, MAX_SMALL_ANSWER).await?;
     match h.status {

@@ -10,14 +10,14 @@
 //! geometry, CRC): the handoff changes where a page is looked for, never
 //! what may be served.
 
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use futures_util::future::join_all;
 use kv_common::page::PageHeader;
 use kv_common::status::Status;
-use kv_common::wire::{FLAG_HANDOFF, MAX_BATCH_KEYS};
+use kv_common::wire::{encode_copy_age, FLAG_HANDOFF, MAX_BATCH_KEYS};
 
 use crate::client::{
     BatchExistX, Client, DeleteX, Exchange, GetItem, GetManyX, GetX, Topology, MAX_HANDOFF_ASKS, PIPELINE_WINDOW,
@@ -115,10 +115,12 @@ impl Client {
         for (node, until) in self.handoff_candidates(topo, key, owner) {
             self.metrics.handoff.asks.fetch_add(1, Ordering::Relaxed);
             let mut x = GetX { key, bufs: &mut *bufs, extra: FLAG_HANDOFF };
+            // The page is read at most this long ago once the answer is in.
+            let asked_at = Instant::now();
             match self.run_handoff_on(&node, until, &mut x).await {
                 Some(r @ GetReply { status: Status::Ok, len }) => {
                     self.metrics.handoff.hits.fetch_add(1, Ordering::Relaxed);
-                    self.copy_later(owner.clone(), key, bufs, len);
+                    self.copy_later(owner.clone(), key, bufs, len, asked_at);
                     return Some(r);
                 }
                 Some(r @ GetReply { status: Status::TooSmall, .. }) => return Some(r),
@@ -226,12 +228,13 @@ impl Client {
                         items: window.iter_mut().map(|(_, item)| (item.0, &mut item.1[..])).collect(),
                         extra: FLAG_HANDOFF,
                     };
+                    let asked_at = Instant::now();
                     let Some(replies) = self.run_handoff_on(&node, until, &mut x).await else { break };
                     for ((i, r), (_, item)) in idx.into_iter().zip(replies).zip(window.iter()) {
                         if r.status == Status::Ok {
                             self.metrics.handoff.hits.fetch_add(1, Ordering::Relaxed);
                             if let Some(owner) = self.owner_node(topo, item.0) {
-                                self.copy_later(owner, item.0, &item.1, r.len);
+                                self.copy_later(owner, item.0, &item.1, r.len, asked_at);
                             }
                         }
                         got.push((i, r));
@@ -287,8 +290,12 @@ impl Client {
     /// Writes a page found at a previous owner to its owner in the
     /// background, from a copy of `bufs` (the caller may reuse them at
     /// once), when the handle's copy budget allows; the owner refuses it if
-    /// the key was deleted meanwhile.
-    pub(crate) fn copy_later(&self, owner: Arc<Node>, key: &[u8], bufs: &[&mut [u8]], len: usize) {
+    /// the key was deleted meanwhile. `read_at`: when the page was read
+    /// (the ask was sent). The copy is given up once older than half the
+    /// handoff window the client knows ([`copy_deadline`]): its wait for a
+    /// copy slot ends there, and it carries its age to the owner, which
+    /// refuses it past half its own window (docs/PROTOCOL.md §2.9).
+    pub(crate) fn copy_later(&self, owner: Arc<Node>, key: &[u8], bufs: &[&mut [u8]], len: usize, read_at: Instant) {
         let h = self.metrics.handoff.clone();
         let Ok(rt) = tokio::runtime::Handle::try_current() else {
             h.copies_failed.fetch_add(1, Ordering::Relaxed);
@@ -315,17 +322,27 @@ impl Client {
         let key = key.to_vec();
         let (connect, io) = (self.opts.connect_timeout, self.opts.io_timeout);
         let gate = self.copy_slots.clone();
+        let window = self.handoff_window_ms.clone();
         rt.spawn(async move {
             // A few copies at once per handle: they wait here, not in the
-            // owner's connection queue ahead of the caller's own requests.
-            let _turn = gate.acquire_owned().await;
+            // owner's connection queue ahead of the caller's own requests;
+            // no longer than the copy stays young enough to be sent.
+            let turn = tokio::time::timeout_at(copy_deadline(read_at, &window).into(), gate.acquire_owned()).await.ok();
+            // The window may have changed while it waited: judged by the
+            // one known now.
+            if turn.is_none() || Instant::now() >= copy_deadline(read_at, &window) {
+                h.copies_expired.fetch_add(1, Ordering::Relaxed);
+                h.inflight_bytes.fetch_sub(n, Ordering::AcqRel);
+                return;
+            }
             let put = async {
                 let mut fresh = false;
                 loop {
                     let slot = owner.slot().await?;
                     let mut co = owner.checkout(slot, connect, fresh).await?;
                     let reused = co.reused;
-                    match exchange::put(co.conn(), &header, &key, &[&data], FLAG_HANDOFF).await {
+                    let age = encode_copy_age(read_at.elapsed());
+                    match exchange::put(co.conn(), &header, &key, &[&data], FLAG_HANDOFF, age).await {
                         Ok(()) => {
                             co.release();
                             return Ok(());
@@ -355,6 +372,18 @@ impl Client {
     }
 }
 
+/// When a background copy of a page read at `read_at` is given up unsent:
+/// half the handoff window known now (`window`, in ms) after the read. A
+/// node refuses a copy older than half its own window; the other half is
+/// the margin for what the age does not count (the copy's way there, a
+/// window that differs between client and node), so a copy never lands
+/// after the tombstone of a delete that followed its read expired
+/// (docs/ARCHITECTURE.md, "Ring transitions").
+pub(crate) fn copy_deadline(read_at: Instant, window: &AtomicU64) -> Instant {
+    let half = Duration::from_millis(window.load(Ordering::Relaxed) / 2);
+    read_at.checked_add(half).unwrap_or(read_at + Duration::from_secs(86_400 * 365))
+}
+
 /// The asks of one round: items that `still` need one and have a candidate
 /// of that rank, grouped by node.
 pub(crate) fn asks_of_round(
@@ -374,4 +403,66 @@ pub(crate) fn asks_of_round(
         }
     }
     groups
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::options::Options;
+    use kv_common::page::Geometry;
+
+    #[test]
+    fn a_copy_expires_half_the_window_it_knows_after_its_read() {
+        let read = Instant::now();
+        let window = AtomicU64::new(600_000);
+        assert_eq!(copy_deadline(read, &window), read + Duration::from_secs(300));
+        // A view with another window: judged by the one known now.
+        window.store(1_000, Ordering::Relaxed);
+        assert_eq!(copy_deadline(read, &window), read + Duration::from_millis(500));
+        window.store(0, Ordering::Relaxed);
+        assert_eq!(copy_deadline(read, &window), read, "no window: nothing to copy");
+        window.store(u64::MAX, Ordering::Relaxed);
+        assert!(copy_deadline(read, &window) > read + Duration::from_secs(86_400), "no overflow");
+    }
+
+    /// Polls `f` until it holds, for up to 10 s.
+    fn eventually(what: &str, f: impl Fn() -> bool) {
+        let end = Instant::now() + Duration::from_secs(10);
+        while !f() {
+            assert!(Instant::now() < end, "timed out waiting for {what}");
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+
+    /// A queued copy is given up unsent once older than half the window:
+    /// one already too old when queued, and one whose turn never comes
+    /// (every copy slot held) before its deadline. Neither touches the
+    /// owner (an address nothing listens on: a send would count a failure).
+    #[test]
+    fn an_expired_queued_copy_is_dropped_and_counted() {
+        let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build().unwrap();
+        let _in = rt.enter();
+        let opts = Options { handoff: Duration::from_millis(400), ..Options::default() };
+        let c = Client::new(Vec::new(), Geometry::default(), opts);
+        let owner = Arc::new(Node::new("n1".into(), "127.0.0.1:9".into(), 1, 4, None, c.fabric.offer()));
+        let h = c.metrics.handoff.clone();
+        let mut page = vec![5u8; 4096];
+        // Read a second ago: past half of 400 ms already.
+        c.copy_later(owner.clone(), b"k1", &[&mut page[..]], 4096, Instant::now() - Duration::from_secs(1));
+        eventually("the stale copy to be dropped", || h.copies_expired.load(Ordering::Relaxed) == 1);
+        // Fresh, but every copy slot is taken and stays taken.
+        let held = rt.block_on(c.copy_slots.clone().acquire_many_owned(crate::client::HANDOFF_COPIES_AT_ONCE as u32));
+        let queued = Instant::now();
+        c.copy_later(owner, b"k2", &[&mut page[..]], 4096, queued);
+        eventually("the waiting copy to expire", || h.copies_expired.load(Ordering::Relaxed) == 2);
+        assert!(queued.elapsed() >= Duration::from_millis(200), "it waited until its deadline");
+        drop(held);
+        eventually("the budget back", || h.inflight_bytes.load(Ordering::Relaxed) == 0);
+        let sent = h.copies_stored.load(Ordering::Relaxed)
+            + h.copies_failed.load(Ordering::Relaxed)
+            + h.copies_refused.load(Ordering::Relaxed);
+        assert_eq!(sent, 0, "nothing was sent");
+        let snap = c.metrics.render(0, None, Vec::new(), c.fabric.counters());
+        assert!(snap.contains("kvclient_handoff_copies_expired_total 2"), "{snap}");
+    }
 }

@@ -89,6 +89,10 @@ pub struct HandoffCounters {
     pub copy_bytes: AtomicU64,
     /// Copies not made because the handle's budget was in flight.
     pub budget_drops: AtomicU64,
+    /// Copies given up unsent: older than half the handoff window by the
+    /// time they would have been sent (docs/ARCHITECTURE.md, "Ring
+    /// transitions").
+    pub copies_expired: AtomicU64,
     /// Bytes of copies in flight now.
     pub inflight_bytes: AtomicU64,
     /// Previous member sets held now.
@@ -273,6 +277,11 @@ impl Metrics {
                 "handoff_budget_drops",
                 "Background copies not made: the handle's copy budget was in flight",
                 vec![(vec![], ld(&self.handoff.budget_drops))],
+            ),
+            Fam::counter(
+                "handoff_copies_expired",
+                "Background copies given up unsent: older than half the handoff window when their turn came",
+                vec![(vec![], ld(&self.handoff.copies_expired))],
             ),
         ];
         fams.extend(rdma.families().into_iter().map(|f| Fam {

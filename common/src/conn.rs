@@ -94,16 +94,15 @@ impl DataConn {
         self.in_flight
     }
 
-    /// Sends one request whose body is `parts` in order; `reserved` goes to
-    /// the header's bytes 2..4 (docs/PROTOCOL.md §2.4). Returns its id.
-    pub fn send(&mut self, op: Op, flags: u8, reserved: u16, parts: &[&[u8]]) -> io::Result<u64> {
+    /// Sends one request whose body is `parts` in order; `copy_age` is the
+    /// header's age of a handoff copy ([`wire::encode_copy_age`], 0
+    /// otherwise; docs/PROTOCOL.md). Returns its id.
+    pub fn send(&mut self, op: Op, flags: u8, copy_age: u16, parts: &[&[u8]]) -> io::Result<u64> {
         let len: usize = parts.iter().map(|p| p.len()).sum();
         let body_len = u32::try_from(len).map_err(|_| err(format!("a body of {len} bytes does not fit a frame")))?;
         let req_id = self.next_id;
         self.next_id += 1;
-        let mut head = ReqHeader { op, flags, body_len, req_id }.encode();
-        head[2..4].copy_from_slice(&reserved.to_le_bytes());
-        self.stream.write_all(&head)?;
+        self.stream.write_all(&ReqHeader { op, flags, body_len, req_id, copy_age }.encode())?;
         for p in parts {
             self.stream.write_all(p)?;
         }

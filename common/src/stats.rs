@@ -96,6 +96,10 @@ pub struct NodeStats {
     pub handoff_copy_bytes: u64,
     #[serde(default)]
     pub handoff_refused: u64,
+    /// Handoff copies refused for their age: read longer ago than half the
+    /// node's handoff window (docs/PROTOCOL.md §2.9).
+    #[serde(default)]
+    pub handoff_too_old: u64,
     #[serde(default)]
     pub tombstones: u64,
     /// Pages this node pushed to their new owners while draining, their

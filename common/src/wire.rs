@@ -239,8 +239,49 @@ impl ClientHello {
 pub struct ReqHeader {
     pub op: Op,
     pub flags: u8,
+    /// Bytes 2..4. For a PUT with [`FLAG_HANDOFF`]: the copy's age, how
+    /// long ago the page it copies was read ([`encode_copy_age`]). Otherwise
+    /// 0, and ignored by nodes (so is a copy's age on nodes that predate
+    /// it; a copy from a client that predates it reads as age 0).
+    pub copy_age: u16,
     pub body_len: u32,
     pub req_id: u64,
+}
+
+/// Below this encoded value a copy's age counts units of
+/// [`COPY_AGE_FINE_MS`]; from it on, units of [`COPY_AGE_COARSE_MS`] past
+/// the fine range's end (docs/PROTOCOL.md §2.2).
+pub const COPY_AGE_COARSE_FROM: u16 = 0x8000;
+/// The fine unit of a copy's age: 100 ms, up to 3276.7 s.
+pub const COPY_AGE_FINE_MS: u64 = 100;
+/// The coarse unit of a copy's age: 10 s, from 3276.8 s on.
+pub const COPY_AGE_COARSE_MS: u64 = 10_000;
+/// Where the coarse range starts, in milliseconds.
+const COPY_AGE_COARSE_BASE_MS: u64 = COPY_AGE_COARSE_FROM as u64 * COPY_AGE_FINE_MS;
+
+/// A handoff copy's age as bytes 2..4 of its PUT header carry it: 100 ms
+/// units up to 3276.7 s, then 10 s units, rounded down, saturating at
+/// 0xFFFF ("at least [`decode_copy_age`]`(0xFFFF)`", about 91.9 h).
+pub fn encode_copy_age(age: std::time::Duration) -> u16 {
+    let ms = u64::try_from(age.as_millis()).unwrap_or(u64::MAX);
+    if ms < COPY_AGE_COARSE_BASE_MS {
+        (ms / COPY_AGE_FINE_MS) as u16
+    } else {
+        let units =
+            ((ms - COPY_AGE_COARSE_BASE_MS) / COPY_AGE_COARSE_MS).min(u64::from(u16::MAX - COPY_AGE_COARSE_FROM));
+        COPY_AGE_COARSE_FROM + units as u16
+    }
+}
+
+/// The age an encoded copy age stands for: at least this old (the encoding
+/// rounds down; 0xFFFF means this old or older).
+pub fn decode_copy_age(v: u16) -> std::time::Duration {
+    let ms = if v < COPY_AGE_COARSE_FROM {
+        u64::from(v) * COPY_AGE_FINE_MS
+    } else {
+        COPY_AGE_COARSE_BASE_MS + u64::from(v - COPY_AGE_COARSE_FROM) * COPY_AGE_COARSE_MS
+    };
+    std::time::Duration::from_millis(ms)
 }
 
 impl ReqHeader {
@@ -248,6 +289,7 @@ impl ReqHeader {
         let mut b = [0u8; FRAME_HEADER_LEN];
         b[0] = self.op as u8;
         b[1] = self.flags;
+        b[2..4].copy_from_slice(&self.copy_age.to_le_bytes());
         b[4..8].copy_from_slice(&self.body_len.to_le_bytes());
         b[8..16].copy_from_slice(&self.req_id.to_le_bytes());
         b
@@ -256,7 +298,7 @@ impl ReqHeader {
     /// Decodes a header and checks its body length against `limits`.
     pub fn decode(b: &[u8; FRAME_HEADER_LEN], limits: &Limits) -> Result<ReqHeader, WireError> {
         let op = Op::from_u8(b[0]).ok_or(WireError::UnknownOp(b[0]))?;
-        let h = ReqHeader { op, flags: b[1], body_len: le_u32(b, 4), req_id: le_u64(b, 8) };
+        let h = ReqHeader { op, flags: b[1], copy_age: le_u16(b, 2), body_len: le_u32(b, 4), req_id: le_u64(b, 8) };
         let max = match op {
             Op::Put => limits.max_record.min(u32::MAX as u64),
             Op::BatchExist => MAX_BATCH_BODY as u64,
@@ -473,8 +515,12 @@ mod tests {
 
     #[test]
     fn headers_round_trip() {
-        let h = ReqHeader { op: Op::Get, flags: FLAG_CHECK_GEOMETRY, body_len: 40, req_id: 99 };
+        let h = ReqHeader { op: Op::Get, flags: FLAG_CHECK_GEOMETRY, copy_age: 0, body_len: 40, req_id: 99 };
         assert_eq!(ReqHeader::decode(&h.encode(), &Limits::default()).unwrap(), h);
+        let copy = ReqHeader { op: Op::Put, flags: FLAG_HANDOFF, copy_age: 0xABCD, body_len: 81, req_id: 10 };
+        let b = copy.encode();
+        assert_eq!(&b[..8], &[1, 4, 0xCD, 0xAB, 81, 0, 0, 0], "the age in bytes 2..4, little-endian");
+        assert_eq!(ReqHeader::decode(&b, &Limits::default()).unwrap(), copy);
         let r = RspHeader { status: Status::Mismatch, op: 2, flags: 1, body_len: 0, req_id: 5 };
         assert_eq!(RspHeader::decode(&r.encode()), r);
         let hello = Hello { version: 1, status: 0, max_record: 1 << 28 };
@@ -482,6 +528,43 @@ mod tests {
         let mut bad = hello.encode();
         bad[0] = b'G';
         assert!(matches!(Hello::decode(&bad), Err(WireError::Magic(_))));
+    }
+
+    #[test]
+    fn copy_ages_round_trip() {
+        use std::time::Duration;
+        let ms = Duration::from_millis;
+        // The fine range: 100 ms units, rounded down.
+        assert_eq!(encode_copy_age(Duration::ZERO), 0);
+        assert_eq!(encode_copy_age(ms(99)), 0);
+        assert_eq!(encode_copy_age(ms(250)), 2);
+        assert_eq!(decode_copy_age(2), ms(200));
+        assert_eq!(encode_copy_age(ms(3_276_799)), 0x7FFF);
+        assert_eq!(decode_copy_age(0x7FFF), ms(3_276_700));
+        // The coarse range: 10 s units past 3276.8 s.
+        assert_eq!(encode_copy_age(ms(3_276_800)), 0x8000);
+        assert_eq!(decode_copy_age(0x8000), ms(3_276_800));
+        // docs/PROTOCOL.md §2.2's examples.
+        assert_eq!(encode_copy_age(ms(250)).to_le_bytes(), [0x02, 0x00]);
+        assert_eq!(encode_copy_age(Duration::from_secs(300)).to_le_bytes(), [0xb8, 0x0b]);
+        assert_eq!(encode_copy_age(Duration::from_secs(4 * 3600)).to_le_bytes(), [0x58, 0x84]);
+        let four_hours = Duration::from_secs(4 * 3600);
+        assert!(four_hours - decode_copy_age(encode_copy_age(four_hours)) < Duration::from_secs(10));
+        // Saturated: at least about 91.9 h.
+        assert_eq!(encode_copy_age(Duration::from_secs(400_000)), 0xFFFF);
+        assert_eq!(encode_copy_age(Duration::MAX), 0xFFFF);
+        assert_eq!(decode_copy_age(0xFFFF), ms(3_276_800 + 0x7FFF * 10_000));
+        // Monotonic, never older than the truth, and each code decodes to
+        // an age that encodes back to it.
+        let mut last = 0;
+        for s in (0..400_000u64).step_by(7) {
+            let age = ms(s * 997);
+            let v = encode_copy_age(age);
+            assert!(v >= last);
+            assert!(decode_copy_age(v) <= age);
+            assert_eq!(encode_copy_age(decode_copy_age(v)), v);
+            last = v;
+        }
     }
 
     #[test]
@@ -513,9 +596,9 @@ mod tests {
     #[test]
     fn lengths_are_checked_before_allocation() {
         let l = Limits { max_record: 1 << 20 };
-        let big_put = ReqHeader { op: Op::Put, flags: 0, body_len: (1 << 20) + 1, req_id: 1 };
+        let big_put = ReqHeader { op: Op::Put, flags: 0, copy_age: 0, body_len: (1 << 20) + 1, req_id: 1 };
         assert!(matches!(ReqHeader::decode(&big_put.encode(), &l), Err(WireError::TooLarge { .. })));
-        let big_get = ReqHeader { op: Op::Get, flags: 0, body_len: MAX_SMALL_BODY + 1, req_id: 1 };
+        let big_get = ReqHeader { op: Op::Get, flags: 0, copy_age: 0, body_len: MAX_SMALL_BODY + 1, req_id: 1 };
         assert!(ReqHeader::decode(&big_get.encode(), &l).is_err());
         let mut unknown = big_get.encode();
         unknown[0] = 77;

@@ -169,6 +169,7 @@ pub fn stat_all(group: &str, epoch: Option<u64>, members: &[MemberRecord], timeo
         total.handoff_copies += s.handoff_copies;
         total.handoff_copy_bytes += s.handoff_copy_bytes;
         total.handoff_refused += s.handoff_refused;
+        total.handoff_too_old += s.handoff_too_old;
         total.tombstones += s.tombstones;
         total.drain_pushed += s.drain_pushed;
         total.drain_push_failed += s.drain_push_failed;
@@ -285,12 +286,13 @@ pub fn stat_all(group: &str, epoch: Option<u64>, members: &[MemberRecord], timeo
 /// tombstones held (docs/ARCHITECTURE.md, "Ring transitions").
 pub fn handoff_line(s: &NodeStats) -> String {
     let mut line = format!(
-        "handoff  asked {}  found {}  copies stored {} ({})  refused {}  tombstones {}",
+        "handoff  asked {}  found {}  copies stored {} ({})  refused {} (deleted) {} (too old)  tombstones {}",
         s.handoff_asks,
         s.handoff_hits,
         s.handoff_copies,
         format_size(s.handoff_copy_bytes),
         s.handoff_refused,
+        s.handoff_too_old,
         s.tombstones,
     );
     let pushes = s.drain_pushed + s.drain_push_failed + s.drain_push_owner_failed + s.drain_push_left;

@@ -204,9 +204,10 @@ fn seeds() {
     let geo = Geometry { model_hash: 7, page_size: 64, tp_size: 2, layer_num: 4, ..Geometry::default() };
     let rec = build_record(geo, b"page-key-1", &(0..300u32).map(|i| i as u8).collect::<Vec<_>>());
     let hdr = |op, body: &[u8]| {
-        let mut v = ReqHeader { op, flags: wire::FLAG_CHECK_GEOMETRY, body_len: body.len() as u32, req_id: 9 }
-            .encode()
-            .to_vec();
+        let mut v =
+            ReqHeader { op, flags: wire::FLAG_CHECK_GEOMETRY, copy_age: 0, body_len: body.len() as u32, req_id: 9 }
+                .encode()
+                .to_vec();
         v.extend_from_slice(body);
         v
     };

@@ -347,7 +347,7 @@ fn push_on(store: &Store, h: &Handoff, conn: &mut DataConn, keys: &[Arc<[u8]>], 
             h.push_failed.fetch_add(1, Ordering::Relaxed);
             continue;
         }
-        let age = crate::handoff::copy_age_field(read.elapsed());
+        let age = kv_common::wire::encode_copy_age(read.elapsed());
         match conn.send(Op::Put, FLAG_HANDOFF, age, &[rec.as_slice()]) {
             Ok(id) => {
                 inflight.insert(id, len);

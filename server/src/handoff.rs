@@ -8,7 +8,14 @@
 //! delete records its tombstone before it removes the key, so either the
 //! copy sees the tombstone (and is refused, or removes what it stored), or
 //! the delete comes after the copy was stored and removes it. No lock is
-//! held across the store.
+//! held across the store. "What it stored" is the record its store
+//! stamped (`Store::delete_if_stamp`), never whatever holds the key by
+//! then: a put acknowledged after the delete stays.
+//!
+//! A tombstone lasts the window; a copy is refused once older than half of
+//! it (its age travels in the request header, docs/PROTOCOL.md §2.9), so a
+//! copy read before a delete cannot arrive after that delete's tombstone
+//! expired.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -41,11 +48,17 @@ pub struct Handoff {
     /// GET and EXIST keys asked with FLAG_HANDOFF, and those found.
     pub asks: AtomicU64,
     pub hits: AtomicU64,
-    /// Copies stored (new or already there), their payload bytes, and
-    /// copies refused for a delete within the window.
+    /// Copies stored (new or already there), their payload bytes, copies
+    /// refused for a delete within the window, and copies refused for
+    /// their age (over half the window).
     pub copies: AtomicU64,
     pub copy_bytes: AtomicU64,
     pub refused: AtomicU64,
+    pub too_old: AtomicU64,
+    /// Tests only: run (on a blocking thread) between a copy's store and
+    /// its second tombstone check, to force a delete and a put in between.
+    #[doc(hidden)]
+    pub after_copy_stored: std::sync::OnceLock<std::sync::Arc<dyn Fn() + Send + Sync>>,
     /// Pages this node pushed to their new owners while it drained, their
     /// record bytes, and pushes the owners refused (drain.rs).
     pub pushed: AtomicU64,
@@ -71,6 +84,8 @@ impl Handoff {
             copies: AtomicU64::new(0),
             copy_bytes: AtomicU64::new(0),
             refused: AtomicU64::new(0),
+            too_old: AtomicU64::new(0),
+            after_copy_stored: std::sync::OnceLock::new(),
             pushed: AtomicU64::new(0),
             pushed_bytes: AtomicU64::new(0),
             push_failed: AtomicU64::new(0),
@@ -102,10 +117,14 @@ impl Handoff {
     /// Records a delete of the key whose hash is `key_hash` (before the key
     /// is removed from the store).
     pub fn deleted(&self, key_hash: u64) {
+        self.deleted_at(key_hash, Instant::now())
+    }
+
+    /// [`Handoff::deleted`] at `now` (calls come in time order).
+    fn deleted_at(&self, key_hash: u64, now: Instant) {
         if self.window.is_zero() {
             return;
         }
-        let now = Instant::now();
         let mut t = self.tombs.lock().unwrap_or_else(|e| e.into_inner());
         self.expire(&mut t, now);
         t.at.insert(key_hash, now);
@@ -122,14 +141,26 @@ impl Handoff {
 
     /// Whether a handoff copy of this key must be refused.
     pub fn refuses(&self, key_hash: u64) -> bool {
+        self.refuses_at(key_hash, Instant::now())
+    }
+
+    /// [`Handoff::refuses`] at `now`.
+    fn refuses_at(&self, key_hash: u64, now: Instant) -> bool {
         if self.window.is_zero() {
             return true;
         }
-        let now = Instant::now();
         let mut t = self.tombs.lock().unwrap_or_else(|e| e.into_inner());
         self.expire(&mut t, now);
         // An entry not yet expired by the bounded sweep is judged by its time.
         t.refuse_until.is_some() || t.at.get(&key_hash).is_some_and(|&at| now.duration_since(at) < self.window)
+    }
+
+    /// Whether a copy of this age (since its page was read) is too old to
+    /// take: over half the window. A tombstone lasts the whole window, so
+    /// the other half is the margin for what the age leaves out (its way
+    /// here, a coarse or saturated encoding).
+    pub fn too_old(&self, age: Duration) -> bool {
+        age > self.window / 2
     }
 
     /// Tombstones held now (expired ones not yet dropped included).
@@ -145,38 +176,47 @@ impl Handoff {
     }
 }
 
-/// The request header's age field of a copy read `age` ago
-/// (docs/PROTOCOL.md §2.4).
-pub fn copy_age_field(_age: Duration) -> u16 {
-    0
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
 
     #[test]
     fn a_delete_refuses_copies_for_the_window() {
-        let h = Handoff::new(Duration::from_millis(200));
-        assert!(!h.refuses(7));
-        h.deleted(7);
-        assert!(h.refuses(7) && !h.refuses(8));
-        assert_eq!(h.tombstones(), 1);
-        std::thread::sleep(Duration::from_millis(250));
-        assert!(!h.refuses(7));
-        assert_eq!(h.tombstones(), 0);
+        let h = Handoff::new(Duration::from_secs(10));
+        let t0 = Instant::now();
+        assert!(!h.refuses_at(7, t0));
+        h.deleted_at(7, t0);
+        assert!(h.refuses_at(7, t0) && !h.refuses_at(8, t0));
+        assert!(h.refuses_at(7, t0 + Duration::from_millis(9_999)));
+        assert!(!h.refuses_at(7, t0 + Duration::from_secs(10)));
+        assert_eq!(h.tombstones(), 0, "swept once expired");
     }
 
+    /// A key deleted twice refuses copies until the window after its second
+    /// delete, though its first tombstone expires (and is swept) before.
     #[test]
     fn a_later_delete_of_the_same_key_keeps_its_tombstone() {
-        let h = Handoff::new(Duration::from_millis(300));
-        h.deleted(1);
-        std::thread::sleep(Duration::from_millis(200));
-        h.deleted(1);
-        std::thread::sleep(Duration::from_millis(150));
-        // The first delete's entry expired; the second's still holds.
-        assert!(h.refuses(1));
-        assert_eq!(h.tombstones(), 1);
+        let h = Handoff::new(Duration::from_secs(10));
+        let t0 = Instant::now();
+        let at = |s: u64| t0 + Duration::from_secs(s);
+        h.deleted_at(7, at(0));
+        h.deleted_at(7, at(6));
+        h.deleted_at(8, at(6));
+        assert!(h.refuses_at(7, at(5)));
+        assert!(h.refuses_at(7, at(11)), "the first delete's tombstone expired; the second holds");
+        assert!(h.refuses_at(7, at(15)));
+        assert!(!h.refuses_at(7, at(17)), "both expired");
+        assert!(!h.refuses_at(8, at(17)));
+        assert!(!h.refuses_at(9, at(1)), "never deleted");
+    }
+
+    /// The age limit is half the window.
+    #[test]
+    fn copies_older_than_half_the_window_are_too_old() {
+        let h = Handoff::new(Duration::from_secs(600));
+        assert!(!h.too_old(Duration::from_secs(300)));
+        assert!(h.too_old(Duration::from_millis(300_001)));
+        assert!(h.too_old(kv_common::wire::decode_copy_age(u16::MAX)), "saturated: at least that old");
     }
 
     #[test]

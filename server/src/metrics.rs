@@ -260,6 +260,12 @@ impl Collector for StatsCollector {
             "Handoff copies refused: the key was deleted within the handoff window",
             s.handoff_refused,
         )?;
+        counter(
+            &mut e,
+            "handoff_copies_too_old",
+            "Handoff copies refused: read longer ago than half the handoff window",
+            s.handoff_too_old,
+        )?;
         gauge(&mut e, "tombstones", "Keys deleted within the handoff window (their copies are refused)", s.tombstones)?;
         counter(&mut e, "drain_pushed", "Pages pushed to their new owners while draining", s.drain_pushed)?;
         counter(

@@ -184,7 +184,7 @@ pub async fn put(
             }
         }
     };
-    let r = store_put(&shared, &req, buf, mem).await;
+    let r = store_put(&shared, &req, buf, mem, t0).await;
     s.out.send(counted(&shared, req.op, t0, r)).await;
     drop(permit);
 }
@@ -231,19 +231,20 @@ async fn answer_hit(
     }
 }
 
-/// Stores a received record: the put's answer.
-async fn store_put(shared: &Arc<Shared>, req: &ReqHeader, buf: PooledBuf, mem: OwnedSemaphorePermit) -> Response {
+/// Stores a received record: the put's answer. `t0`: when the whole
+/// request was in hand.
+async fn store_put(
+    shared: &Arc<Shared>,
+    req: &ReqHeader,
+    buf: PooledBuf,
+    mem: OwnedSemaphorePermit,
+    t0: Instant,
+) -> Response {
     if shared.draining.load(Ordering::Relaxed) {
         return error_response(req, Status::Rejected, "the node is draining (shutting down): it takes no puts");
     }
-    // A handoff copy of a key deleted within the window is refused
-    // (handoff.rs); `copy` is its key and payload length.
-    let copy = (req.flags & FLAG_HANDOFF != 0).then(|| record_key(buf.as_slice())).flatten();
-    if let Some((key, _)) = &copy {
-        if shared.handoff.refuses(kv_common::page::key_hash(key)) {
-            shared.handoff.refused.fetch_add(1, Ordering::Relaxed);
-            return error_response(req, Status::Rejected, COPY_OF_DELETED);
-        }
+    if req.flags & FLAG_HANDOFF != 0 {
+        return store_copy(shared, req, buf, mem, t0).await;
     }
     let store = shared.store.clone();
     // Err: why the put's task failed (a panic), answered as Internal.
@@ -269,19 +270,11 @@ async fn store_put(shared: &Arc<Shared>, req: &ReqHeader, buf: PooledBuf, mem: O
         tokio::task::spawn_blocking(move || store.put(buf)).await.map_err(|e| e.to_string())
     };
     drop(mem);
-    if let (Some((key, len)), Ok(Ok(stored))) = (&copy, &res) {
-        // Only what this copy stored is taken out again: a duplicate is
-        // a page put after the delete (or one the delete removes itself).
-        if *stored == PutOutcome::Stored && shared.handoff.refuses(kv_common::page::key_hash(key)) {
-            // Deleted while it was being stored: take it out again.
-            let (store, k) = (shared.store.clone(), key.clone());
-            let _ = tokio::task::spawn_blocking(move || store.delete(&k)).await;
-            shared.handoff.refused.fetch_add(1, Ordering::Relaxed);
-            return error_response(req, Status::Rejected, COPY_OF_DELETED);
-        }
-        shared.handoff.copies.fetch_add(1, Ordering::Relaxed);
-        shared.handoff.copy_bytes.fetch_add(*len, Ordering::Relaxed);
-    }
+    put_answer(req, res)
+}
+
+/// A put's answer from its store's outcome (Err: why its task failed).
+fn put_answer(req: &ReqHeader, res: Result<Result<PutOutcome, StoreError>, String>) -> Response {
     match res {
         Ok(Ok(PutOutcome::Stored)) => respond(req, Status::Ok, 0, Body::Empty),
         Ok(Ok(PutOutcome::Duplicate)) => respond(req, Status::Ok, RSP_FLAG_DUPLICATE, Body::Empty),
@@ -291,6 +284,65 @@ async fn store_put(shared: &Arc<Shared>, req: &ReqHeader, buf: PooledBuf, mem: O
             error_response(req, Status::Internal, "internal error")
         }
     }
+}
+
+/// Stores a ring-handoff copy (a PUT with FLAG_HANDOFF; docs/PROTOCOL.md
+/// §2.9, docs/ARCHITECTURE.md "Ring transitions"): refused when older than
+/// half the window, or when its key was deleted within the window (checked
+/// before the store and again after; handoff.rs). Copies go straight to
+/// media, never acknowledged from memory, and what the second check takes
+/// out is the record this copy stored, by its stamp, never a put
+/// acknowledged after the delete.
+async fn store_copy(
+    shared: &Arc<Shared>,
+    req: &ReqHeader,
+    buf: PooledBuf,
+    mem: OwnedSemaphorePermit,
+    t0: Instant,
+) -> Response {
+    let h = &shared.handoff;
+    // None: not a record, which the store refuses with the reason.
+    let copy = record_key(buf.as_slice()).map(|(key, len)| (kv_common::page::key_hash(&key), key, len));
+    if copy.as_ref().is_some_and(|(hash, _, _)| h.refuses(*hash)) {
+        h.refused.fetch_add(1, Ordering::Relaxed);
+        return error_response(req, Status::Rejected, COPY_OF_DELETED);
+    }
+    // Its age when sent, and the time it has spent here since.
+    let age = wire::decode_copy_age(req.copy_age) + t0.elapsed();
+    if copy.is_some() && h.too_old(age) {
+        h.too_old.fetch_add(1, Ordering::Relaxed);
+        let msg = format!(
+            "handoff copy too old: its page was read {:.1} s ago, over half this node's handoff window ({} s)",
+            age.as_secs_f64(),
+            h.window.as_secs()
+        );
+        return error_response(req, Status::Rejected, &msg);
+    }
+    let store = shared.store.clone();
+    let res = {
+        let _io = shared.io_slots.acquire().await.expect("semaphore open");
+        tokio::task::spawn_blocking(move || store.put_copy(buf)).await.map_err(|e| e.to_string())
+    };
+    drop(mem);
+    if let (Ok(Ok((stored, stamp))), Some((hash, key, len))) = (&res, copy) {
+        if let Some(hook) = h.after_copy_stored.get().cloned() {
+            let _ = tokio::task::spawn_blocking(move || hook()).await;
+        }
+        // Deleted while it was being stored: this copy's record is taken
+        // out again (a duplicate stored nothing: the record there is a put
+        // made after the delete, or one the delete removes itself).
+        if let (PutOutcome::Stored, Some(stamp)) = (stored, *stamp) {
+            if h.refuses(hash) {
+                let (store, k) = (shared.store.clone(), key);
+                let _ = tokio::task::spawn_blocking(move || store.delete_if_stamp(&k, stamp)).await;
+                h.refused.fetch_add(1, Ordering::Relaxed);
+                return error_response(req, Status::Rejected, COPY_OF_DELETED);
+            }
+        }
+        h.copies.fetch_add(1, Ordering::Relaxed);
+        h.copy_bytes.fetch_add(len, Ordering::Relaxed);
+    }
+    put_answer(req, res.map(|r| r.map(|(o, _)| o)))
 }
 
 async fn handle_get(shared: &Arc<Shared>, s: &Session, req: &ReqHeader, body: &[u8]) -> Response {

@@ -216,6 +216,7 @@ impl Shared {
         s.handoff_copies = h.copies.load(Ordering::Relaxed);
         s.handoff_copy_bytes = h.copy_bytes.load(Ordering::Relaxed);
         s.handoff_refused = h.refused.load(Ordering::Relaxed);
+        s.handoff_too_old = h.too_old.load(Ordering::Relaxed);
         s.tombstones = h.tombstones();
         s.drain_pushed = h.pushed.load(Ordering::Relaxed);
         s.drain_pushed_bytes = h.pushed_bytes.load(Ordering::Relaxed);

@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use kv_common::page::{build_record, Geometry};
 use kv_common::status::Status;
-use kv_common::wire::{Hello, Op, ReqHeader, HELLO_LEN, WIRE_VERSION};
+use kv_common::wire::{encode_copy_age, Hello, Op, ReqHeader, FLAG_HANDOFF, HELLO_LEN, WIRE_VERSION};
 use kv_server::server::{self, NodeSettings, Shared};
 use kv_server::store::{DiskSpec, Store, StoreConfig};
 use kvclient::conn::GetResult;
@@ -49,23 +49,30 @@ impl TestServer {
 
     /// `frame`: the node's frame timeout (None: the default, 30 s).
     fn start_tuned(max_conns: usize, idle: Option<Duration>, frame: Option<Duration>) -> TestServer {
-        let tmp = tempfile::tempdir().unwrap();
-        let dirs: Vec<PathBuf> = (0..2).map(|i| tmp.path().join(format!("d{i}"))).collect();
-        let (store, _) = Store::open(&store_config(&dirs)).unwrap();
-        let defaults = NodeSettings::new(8 << 20, 64 << 20);
-        let settings = NodeSettings {
+        TestServer::start_node(max_conns, |defaults| NodeSettings {
             idle_timeout: idle.or(defaults.idle_timeout),
             frame_timeout: frame.unwrap_or(defaults.frame_timeout),
             ..defaults
-        };
+        })
+        .0
+    }
+
+    /// A node with the settings `tune` makes of the defaults, and its
+    /// shared state (for the test hooks).
+    fn start_node(max_conns: usize, tune: impl FnOnce(NodeSettings) -> NodeSettings) -> (TestServer, Arc<Shared>) {
+        let tmp = tempfile::tempdir().unwrap();
+        let dirs: Vec<PathBuf> = (0..2).map(|i| tmp.path().join(format!("d{i}"))).collect();
+        let (store, _) = Store::open(&store_config(&dirs)).unwrap();
+        let settings = tune(NodeSettings::new(8 << 20, 64 << 20));
         let shared = Shared::new(Arc::new(store), settings);
         let shared = Arc::new(shared);
+        let kept = shared.clone();
         let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
         let listener = rt.block_on(tokio::net::TcpListener::bind("127.0.0.1:0")).unwrap();
         let addr = listener.local_addr().unwrap();
         let (stop, rx) = tokio::sync::watch::channel(false);
         let thread = std::thread::spawn(move || rt.block_on(server::run(listener, shared, max_conns, rx)));
-        TestServer { addr, stop, thread: Some(thread), dirs, tmp: Some(tmp) }
+        (TestServer { addr, stop, thread: Some(thread), dirs, tmp: Some(tmp) }, kept)
     }
 
     fn conn(&self) -> Conn {
@@ -208,13 +215,13 @@ fn garbage_closes_only_its_own_connection() {
     assert!(closed_by_server(&mut t));
     // 2. Unknown op after a good hello.
     let mut t = raw_hello(s.addr);
-    let mut h = ReqHeader { op: Op::Ping, flags: 0, body_len: 0, req_id: 1 }.encode();
+    let mut h = ReqHeader { op: Op::Ping, flags: 0, copy_age: 0, body_len: 0, req_id: 1 }.encode();
     h[0] = 99;
     t.write_all(&h).unwrap();
     assert!(closed_by_server(&mut t));
     // 3. A put claiming 4 GiB: refused from the header, nothing allocated.
     let mut t = raw_hello(s.addr);
-    let mut h = ReqHeader { op: Op::Put, flags: 0, body_len: 0, req_id: 1 }.encode();
+    let mut h = ReqHeader { op: Op::Put, flags: 0, copy_age: 0, body_len: 0, req_id: 1 }.encode();
     h[4..8].copy_from_slice(&u32::MAX.to_le_bytes());
     t.write_all(&h).unwrap();
     assert!(closed_by_server(&mut t));
@@ -407,7 +414,7 @@ fn slow_clients_hold_only_their_slot_and_their_timeout() {
     // 2. A 1 MiB batch-exist body dribbled a byte at a time: the node holds
     //    what arrived (not the MiB claimed) until 400 ms + 1 s per MiB.
     let mut dribble = raw_hello(s.addr);
-    let req = ReqHeader { op: Op::BatchExist, flags: 0, body_len: 1 << 20, req_id: 1 };
+    let req = ReqHeader { op: Op::BatchExist, flags: 0, copy_age: 0, body_len: 1 << 20, req_id: 1 };
     dribble.write_all(&req.encode()).unwrap();
     let dribble_t0 = std::time::Instant::now();
     // 3. A reader that never reads: 40 gets of a 4 MiB page, answers never taken.
@@ -416,7 +423,7 @@ fn slow_clients_hold_only_their_slot_and_their_timeout() {
     let mut deaf = raw_hello(s.addr);
     for i in 0..40u64 {
         let body = kv_common::wire::KeyRequest::encode(&geo(), b"big");
-        let h = ReqHeader { op: Op::Get, flags: 0, body_len: body.len() as u32, req_id: 100 + i };
+        let h = ReqHeader { op: Op::Get, flags: 0, copy_age: 0, body_len: body.len() as u32, req_id: 100 + i };
         deaf.write_all(&h.encode()).unwrap();
         deaf.write_all(&body).unwrap();
     }
@@ -445,4 +452,97 @@ fn slow_clients_hold_only_their_slot_and_their_timeout() {
     for mut c in more {
         c.ping(b"a freed slot").unwrap();
     }
+}
+
+/// A ring-handoff copy (PUT with FLAG_HANDOFF) of `key`.
+fn copy_record(key: &[u8], payload: &[u8]) -> Vec<u8> {
+    build_record(geo(), key, payload)
+}
+
+/// The copy's second tombstone check (docs/ARCHITECTURE.md, "Ring
+/// transitions") held by the node's test hook until a delete and a normal
+/// put of the same key were answered: the check takes out only the copy's
+/// own record, so the acknowledged put stays readable.
+#[test]
+fn a_copys_recheck_spares_a_put_acknowledged_after_the_delete() {
+    let (s, shared) = TestServer::start_node(16, |d| d);
+    let (stored_tx, stored_rx) = std::sync::mpsc::channel::<()>();
+    let (go_tx, go_rx) = std::sync::mpsc::channel::<()>();
+    let go_rx = std::sync::Mutex::new(go_rx);
+    let hook: Arc<dyn Fn() + Send + Sync> = Arc::new(move || {
+        let _ = stored_tx.send(());
+        let _ = go_rx.lock().unwrap().recv_timeout(Duration::from_secs(60));
+    });
+    assert!(shared.handoff.after_copy_stored.set(hook).is_ok());
+    let g = geo();
+    let (copied, acked) = (vec![7u8; 5_000], vec![9u8; 6_000]);
+    let mut copier = s.conn();
+    copier.send(Op::Put, FLAG_HANDOFF, &[&copy_record(b"moved", &copied)]).unwrap();
+    stored_rx.recv_timeout(Duration::from_secs(30)).expect("the copy reached its re-check");
+    let mut c = s.conn();
+    assert_eq!(c.get(&g, b"moved").unwrap(), GetResult::Hit(copied), "the copy is stored");
+    assert_eq!(c.delete(b"moved").unwrap(), Status::Ok, "the delete removes the copy");
+    assert!(c.put(&g, b"moved", &acked).unwrap(), "a normal put after the delete is stored");
+    go_tx.send(()).unwrap();
+    let r = copier.recv().unwrap();
+    assert_eq!(r.header.status, Status::Rejected, "{}", String::from_utf8_lossy(&r.body));
+    assert_eq!(c.get(&g, b"moved").unwrap(), GetResult::Hit(acked), "the acknowledged put survives the re-check");
+    let st = c.stats().unwrap();
+    assert_eq!((st.handoff_refused, st.handoff_copies, st.handoff_too_old), (1, 0, 0), "{st:?}");
+}
+
+/// A copy carries its age (docs/PROTOCOL.md §2.9): one read longer ago
+/// than half the node's handoff window is refused and counted apart from
+/// the tombstone refusals; a younger one, and one of a previous-release
+/// client (age 0), is stored.
+#[test]
+fn a_copy_older_than_half_the_window_is_refused_and_counted() {
+    let (s, _shared) = TestServer::start_node(16, |d| NodeSettings { handoff_window: Duration::from_secs(600), ..d });
+    let mut c = s.conn();
+    let p = vec![3u8; 2_000];
+    let mut copy = |key: &[u8], age: u16| {
+        c.send_aged(Op::Put, FLAG_HANDOFF, age, &[&copy_record(key, &p)]).unwrap();
+        c.recv().unwrap()
+    };
+    for (key, age) in [(&b"old"[..], Duration::from_secs(301)), (b"ancient", Duration::from_secs(10 * 3600))] {
+        let r = copy(key, encode_copy_age(age));
+        assert_eq!(r.header.status, Status::Rejected, "{age:?}");
+        assert!(String::from_utf8_lossy(&r.body).contains("too old"), "{}", String::from_utf8_lossy(&r.body));
+    }
+    assert_eq!(copy(b"saturated", u16::MAX).header.status, Status::Rejected);
+    assert_eq!(copy(b"young", encode_copy_age(Duration::from_secs(299))).header.status, Status::Ok);
+    assert_eq!(copy(b"previous-release", 0).header.status, Status::Ok);
+    // The age means nothing on a normal put.
+    c.send_aged(Op::Put, 0, u16::MAX, &[&copy_record(b"plain", &p)]).unwrap();
+    assert_eq!(c.recv().unwrap().header.status, Status::Ok);
+    let g = geo();
+    for key in [&b"old"[..], b"ancient", b"saturated"] {
+        assert_eq!(c.get(&g, key).unwrap(), GetResult::NotServed(Status::Miss));
+    }
+    for key in [&b"young"[..], b"previous-release", b"plain"] {
+        assert_eq!(c.get(&g, key).unwrap(), GetResult::Hit(p.clone()));
+    }
+    let st = c.stats().unwrap();
+    assert_eq!((st.handoff_too_old, st.handoff_refused, st.handoff_copies), (3, 0, 2), "{st:?}");
+}
+
+/// A key deleted twice (found or not) refuses its copies, as one deleted
+/// once; a key never deleted takes them.
+#[test]
+fn a_copy_of_a_key_deleted_twice_is_refused() {
+    let (s, _shared) = TestServer::start_node(16, |d| d);
+    let mut c = s.conn();
+    let g = geo();
+    assert!(c.put(&g, b"twice", b"page").unwrap());
+    assert_eq!(c.delete(b"twice").unwrap(), Status::Ok);
+    assert_eq!(c.delete(b"twice").unwrap(), Status::Miss);
+    c.send(Op::Put, FLAG_HANDOFF, &[&copy_record(b"twice", b"stale")]).unwrap();
+    let r = c.recv().unwrap();
+    assert_eq!(r.header.status, Status::Rejected);
+    assert_eq!(String::from_utf8_lossy(&r.body), "handoff copy of a key deleted within the handoff window");
+    assert_eq!(c.get(&g, b"twice").unwrap(), GetResult::NotServed(Status::Miss));
+    c.send(Op::Put, FLAG_HANDOFF, &[&copy_record(b"never-deleted", b"page")]).unwrap();
+    assert_eq!(c.recv().unwrap().header.status, Status::Ok);
+    let st = c.stats().unwrap();
+    assert_eq!((st.handoff_refused, st.handoff_copies, st.tombstones), (1, 1, 1), "{st:?}");
 }

@@ -433,6 +433,7 @@ fn a_client_of_the_previous_release_is_answered_in_bootstrap_version_1() {
     let h = kv_common::wire::ReqHeader {
         op: kv_common::wire::Op::RdmaConnect,
         flags: 0,
+        copy_age: 0,
         body_len: body.len() as u32,
         req_id: 1,
     };

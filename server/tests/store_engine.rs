@@ -1197,3 +1197,66 @@ fn an_exist_warms_pages_found_only_on_disk() {
     std::thread::sleep(std::time::Duration::from_millis(50));
     assert_eq!(s.stats().warmed, after.warmed);
 }
+
+/// A ring-handoff copy's second tombstone check (docs/ARCHITECTURE.md,
+/// "Ring transitions") takes out only the record the copy stored, by its
+/// stamp: after the copy was stored, deleted, and the key put again (and
+/// acknowledged), the check leaves the new put alone. Driven step by step
+/// here, with and without a memory tier, and with puts acknowledged from
+/// memory (the normal put then ends in memory; the copy never does).
+#[test]
+fn a_copys_recheck_removes_only_the_record_it_stored() {
+    let t = tempfile::tempdir().unwrap();
+    let stores: Vec<(&str, Arc<Store>)> = vec![
+        ("media, no memory tier", Arc::new(Store::open(&cfg(&dirs(&t, 2), 64 << 20, 0)).unwrap().0)),
+        ("media, memory tier", {
+            let t2 = t.path().join("tier");
+            Arc::new(Store::open(&cfg(&[t2.join("a"), t2.join("b")], 64 << 20, 8 << 20)).unwrap().0)
+        }),
+        ("memory acks", {
+            let t3 = t.path().join("behind");
+            let s = memory_acked_store(&[t3.join("a"), t3.join("b")], 8 << 20);
+            Store::start_flushers(&s, 1).unwrap();
+            s
+        }),
+    ];
+    for (what, s) in &stores {
+        let copy = build_record(geo(), b"moved", &payload("copy", 6_000));
+        let (stored, stamp) = s.put_copy(s.pool().copy_of(&copy)).unwrap();
+        assert_eq!(stored, PutOutcome::Stored, "{what}");
+        let stamp = stamp.expect("a stored copy has a stamp");
+        assert_eq!(s.stats().unflushed_bytes, 0, "{what}: a copy is on media when put_copy returns");
+        // The delete removes the copy; a normal put of the key follows and
+        // is acknowledged.
+        assert!(s.delete(b"moved"), "{what}");
+        assert_eq!(put(s, "moved", 7_000).unwrap(), PutOutcome::Stored, "{what}");
+        // The copy's late re-check: the key's record is not the copy's.
+        assert!(!s.delete_if_stamp(b"moved", stamp), "{what}: the acknowledged put was taken for the copy");
+        assert_eq!(get(s, "moved").as_deref(), Some(&payload("moved", 7_000)[..]), "{what}");
+        wait_flushed(s);
+        assert!(!s.delete_if_stamp(b"moved", stamp), "{what}: once flushed too");
+        assert_eq!(get(s, "moved").as_deref(), Some(&payload("moved", 7_000)[..]), "{what}");
+
+        // Without a delete in between, the re-check takes the copy out,
+        // from the disk and the memory tier, journalled as a delete.
+        let copy = build_record(geo(), b"copied", &payload("copied", 5_000));
+        let (_, stamp) = s.put_copy(s.pool().copy_of(&copy)).unwrap();
+        let stamp = stamp.unwrap();
+        assert!(get(s, "copied").is_some(), "{what}");
+        assert!(s.delete_if_stamp(b"copied", stamp), "{what}");
+        assert!(get(s, "copied").is_none(), "{what}: the copy's record is gone");
+        assert_eq!(s.exist(b"copied", None), Presence::Absent, "{what}");
+        assert!(!s.delete_if_stamp(b"copied", stamp), "{what}: removed once");
+        // A copy of a key already stored stores nothing and has no stamp.
+        let (dup, none) = s.put_copy(s.pool().copy_of(&build_record(geo(), b"moved", b"x"))).unwrap();
+        assert_eq!((dup, none), (PutOutcome::Duplicate, None), "{what}");
+    }
+    // The stamps live in memory only: after a restart the put is still
+    // there, and the copy's delete was journalled.
+    let (_, s) = stores.into_iter().next().unwrap();
+    s.close().unwrap();
+    drop(s);
+    let (s, _) = Store::open(&cfg(&dirs(&t, 2), 64 << 20, 0)).unwrap();
+    assert_eq!(get(&s, "moved").as_deref(), Some(&payload("moved", 7_000)[..]));
+    assert!(get(&s, "copied").is_none(), "the copy's removal survives a restart");
+}

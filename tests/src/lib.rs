@@ -4,6 +4,7 @@
 //! `cargo test --workspace` (or `cargo build --workspace`) builds them.
 
 pub mod cluster;
+pub mod fleet;
 
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};

@@ -207,8 +207,13 @@ fn a_node_without_a_token_serves_protocol_v1_clients() {
     let reply = Hello::decode(&h).unwrap();
     assert_eq!((reply.version, reply.status), (1, HELLO_ACCEPTED));
     let body = b"v1-ping";
-    let req =
-        kv_common::wire::ReqHeader { op: kv_common::wire::Op::Ping, flags: 0, body_len: body.len() as u32, req_id: 1 };
+    let req = kv_common::wire::ReqHeader {
+        op: kv_common::wire::Op::Ping,
+        flags: 0,
+        copy_age: 0,
+        body_len: body.len() as u32,
+        req_id: 1,
+    };
     s.write_all(&req.encode()).unwrap();
     s.write_all(body).unwrap();
     let mut rh = [0u8; 16];

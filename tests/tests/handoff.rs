@@ -178,6 +178,7 @@ fn after_a_join_every_page_still_hits_and_moves_to_its_new_owner() {
     }
     let st = node_stats(&n4.addr);
     assert_eq!(st.handoff_copies, moved.len() as u64);
+    assert_eq!(st.handoff_too_old, 0, "fresh copies carry a young age");
     // Found at the new owner now: a client without handoff hits them all.
     let off = g.client("handoff_ms=0");
     g.await_ids(&off, &["n1", "n2", "n3", "n4"]);
@@ -185,6 +186,7 @@ fn after_a_join_every_page_still_hits_and_moves_to_its_new_owner() {
     assert_eq!(misses(&off), Vec::<usize>::new());
     let snap = c.stats_text();
     assert!(snap.contains("kvclient_handoff_copies_total{result=\"stored\"}"), "{snap}");
+    assert!(snap.contains("kvclient_handoff_copies_expired_total 0"), "{snap}");
 }
 
 #[test]

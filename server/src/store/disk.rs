@@ -50,9 +50,16 @@ pub struct Busy;
 /// Result of a put on one disk.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum PutResult {
-    Stored,
+    /// Stored, and the stamp its index entry carries ([`Disk::delete_if_stamp`]).
+    Stored(u64),
     Duplicate,
 }
+
+/// Where each disk's stamps start: every disk opened in this process (a
+/// revival opens it again) takes its own range of 2^40, so a stamp names one
+/// record of one disk's index. Stamps live in memory only; a record
+/// recovered from the journal carries 0, which no put is given.
+static STAMP_RANGES: AtomicU64 = AtomicU64::new(1);
 
 /// Result of a lookup on one disk.
 pub enum Lookup {
@@ -109,6 +116,8 @@ struct Entry {
     /// When it was last stored or read ([`use_tick`]; 0: recovered, not
     /// used since): orders one node's disks' keys by recency together.
     used: u64,
+    /// Which put stored it ([`STAMP_RANGES`]); in memory only, never journalled.
+    stamp: u64,
 }
 
 /// Milliseconds since the first call in this process: the recency clock of
@@ -126,6 +135,16 @@ struct State {
     alloc: Allocator,
     /// Bytes of allocated extents, pinned-but-evicted ones included.
     used: u64,
+    /// The stamp the next record entered gets.
+    next_stamp: u64,
+}
+
+impl State {
+    fn stamp(&mut self) -> u64 {
+        let s = self.next_stamp;
+        self.next_stamp += 1;
+        s
+    }
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -287,7 +306,7 @@ impl Disk {
                         verified: AtomicBool::new(true),
                         shared: shared.clone(),
                     });
-                    index.put(Arc::from(key), Entry { ext, header: h, header_bytes: header, used: 0 });
+                    index.put(Arc::from(key), Entry { ext, header: h, header_bytes: header, used: 0, stamp: 0 });
                 }
                 Replayed::Del { key } => {
                     index.pop(&key[..]);
@@ -349,7 +368,12 @@ impl Disk {
             dir: dir.to_path_buf(),
             cap: limit,
             dev,
-            state: Mutex::new(State { index, alloc, used }),
+            state: Mutex::new(State {
+                index,
+                alloc,
+                used,
+                next_stamp: STAMP_RANGES.fetch_add(1, Ordering::Relaxed) << 40,
+            }),
             shared,
             journal: Mutex::new(journal),
             failed: AtomicBool::new(false),
@@ -434,7 +458,7 @@ impl Disk {
     /// to the extent alignment: [`PooledBuf::pad_to_align`]).
     pub fn put(&self, rec: &PooledBuf, key: &[u8], header: &PageHeader) -> Result<PutResult, DiskError> {
         let r = self.write_and_enter(rec, key, header)?;
-        if matches!(r, PutResult::Stored) {
+        if matches!(r, PutResult::Stored(_)) {
             self.commit()?;
         }
         Ok(r)
@@ -461,10 +485,10 @@ impl Disk {
     /// The group commit of records just entered: a record is `Stored`
     /// only once it succeeded.
     fn commit_many(&self, out: &mut [Result<PutResult, DiskError>]) {
-        if out.iter().any(|r| matches!(r, Ok(PutResult::Stored))) {
+        if out.iter().any(|r| matches!(r, Ok(PutResult::Stored(_)))) {
             if let Err(e) = self.commit() {
                 tracing::debug!(disk = %self.id, error = %e, "batch commit failed");
-                for r in out.iter_mut().filter(|r| matches!(r, Ok(PutResult::Stored))) {
+                for r in out.iter_mut().filter(|r| matches!(r, Ok(PutResult::Stored(_)))) {
                     *r = Err(DiskError::Failed(self.id.clone()));
                 }
             }
@@ -620,9 +644,10 @@ impl Disk {
             return Err(self.io_failed("index journal write", &e));
         }
         self.appends_since_sync.fetch_add(1, Ordering::Relaxed);
-        st.index.put(key.into(), Entry { ext, header: *header, header_bytes, used: use_tick() });
+        let stamp = st.stamp();
+        st.index.put(key.into(), Entry { ext, header: *header, header_bytes, used: use_tick(), stamp });
         drop(st);
-        Ok(PutResult::Stored)
+        Ok(PutResult::Stored(stamp))
     }
 
     /// [`Disk::write_and_enter`] for several records at once, when their
@@ -729,8 +754,9 @@ impl Disk {
         self.appends_since_sync.fetch_add(placed.len() as u64, Ordering::Relaxed);
         for (i, ext, header_bytes) in placed {
             let (_, key, header) = items[i];
-            st.index.put(key.into(), Entry { ext, header: *header, header_bytes, used: use_tick() });
-            out[i] = Ok(PutResult::Stored);
+            let stamp = st.stamp();
+            st.index.put(key.into(), Entry { ext, header: *header, header_bytes, used: use_tick(), stamp });
+            out[i] = Ok(PutResult::Stored(stamp));
         }
         drop(st);
         Some(out)
@@ -926,10 +952,27 @@ impl Disk {
 
     /// Removes a record. True when it was present.
     pub fn delete(&self, key: &[u8]) -> bool {
+        self.delete_where(key, None)
+    }
+
+    /// Removes the key's record only if its entry still carries `stamp`
+    /// (the record a put that returned it stored, not one stored since),
+    /// journalled as any delete. True when it removed it.
+    pub fn delete_if_stamp(&self, key: &[u8], stamp: u64) -> bool {
+        self.delete_where(key, Some(stamp))
+    }
+
+    /// Removes the key's record (only the one carrying `stamp`, if given).
+    fn delete_where(&self, key: &[u8], stamp: Option<u64>) -> bool {
         if self.is_failed() {
             return false;
         }
         let mut st = lock(&self.state);
+        if let Some(s) = stamp {
+            if st.index.peek(key).is_none_or(|e| e.stamp != s) {
+                return false;
+            }
+        }
         let Some(entry) = st.index.pop(key) else {
             return false;
         };

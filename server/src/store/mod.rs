@@ -74,6 +74,12 @@ pub enum PutOutcome {
     Duplicate,
 }
 
+/// Names the record one put stored ([`Store::put_copy`]), so that it alone
+/// can be removed later ([`Store::delete_if_stamp`]): a record stored under
+/// the same key since carries another stamp. In memory only.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Stamp(u64);
+
 /// How far [`Store::try_put_held`] got with a put.
 pub enum Held {
     /// Settled without disk I/O: refused, a duplicate, or acknowledged
@@ -440,7 +446,7 @@ impl Store {
     /// it returns once the record is held for a flusher (or, past the
     /// bound, once on media).
     pub fn put(&self, rec: PooledBuf) -> Result<PutOutcome, StoreError> {
-        let held = match self.held_with(rec, |d, k| Ok::<_, std::convert::Infallible>(d.contains(k))) {
+        let held = match self.held_with(rec, true, |d, k| Ok::<_, std::convert::Infallible>(d.contains(k))) {
             Ok(h) => h,
             Err((_, never)) => match never {},
         };
@@ -448,6 +454,42 @@ impl Store {
             Held::Done(r) => r,
             Held::ToMedia(p) => self.put_to_media(p),
         }
+    }
+
+    /// Stores a ring-handoff copy (docs/ARCHITECTURE.md, "Ring
+    /// transitions"): as [`Store::put`], but always on media before it
+    /// returns (never acknowledged from memory, whatever `ack` says), and
+    /// with the stamp of the record it stored, so that the copy, and
+    /// nothing stored under its key since, can be taken out again
+    /// ([`Store::delete_if_stamp`]). Blocking.
+    pub fn put_copy(&self, rec: PooledBuf) -> Result<(PutOutcome, Option<Stamp>), StoreError> {
+        let held = match self.held_with(rec, false, |d, k| Ok::<_, std::convert::Infallible>(d.contains(k))) {
+            Ok(h) => h,
+            Err((_, never)) => match never {},
+        };
+        match held {
+            Held::Done(r) => r.map(|o| (o, None)),
+            Held::ToMedia(p) => self.put_to_media_stamped(p),
+        }
+    }
+
+    /// Removes `key` from the disks and the memory tier only if its record
+    /// is still the one that `stamp` names (a put acknowledged after that
+    /// record was deleted keeps its own). Journalled as any delete. True
+    /// when it removed it.
+    pub fn delete_if_stamp(&self, key: &[u8], stamp: Stamp) -> bool {
+        // As in `delete`: disks first, then memory. While the disk's entry
+        // carried the stamp no other put of the key could be stored (write-
+        // once), so what memory holds under it is this record; a put stored
+        // after the disk's removal loses at most its memory copy (it is on
+        // its disk, or held for a flusher, still).
+        let removed = self.view().live().any(|d| d.delete_if_stamp(key, stamp.0));
+        if removed {
+            if let Some(m) = &self.mem {
+                m.remove(key);
+            }
+        }
+        removed
     }
 
     /// Whether puts may be acknowledged from memory (`ack = "memory"`):
@@ -471,15 +513,16 @@ impl Store {
         if rec.len() > INLINE_PUT_MAX {
             return Err(rec);
         }
-        self.held_with(rec, Disk::try_contains).map_err(|(rec, disk::Busy)| rec)
+        self.held_with(rec, true, Disk::try_contains).map_err(|(rec, disk::Busy)| rec)
     }
 
     /// [`Store::try_put_held`] with `contains` asking a disk whether it
     /// holds a key: Err (the record back, and why) only when `contains`
-    /// gave up.
+    /// gave up. `may_hold`: whether the put may be acknowledged from memory.
     fn held_with<E>(
         &self,
         mut rec: PooledBuf,
+        may_hold: bool,
         contains: impl Fn(&Disk, &[u8]) -> Result<bool, E>,
     ) -> Result<Held, (PooledBuf, E)> {
         let (header, key) = match parse_record(rec.as_slice()) {
@@ -515,7 +558,7 @@ impl Store {
         let generation = self.mem.as_ref().map_or(0, |m| m.generation());
         rec.pad_to_align();
         let rec = Arc::new(rec);
-        if let Some(b) = self.behind.as_ref().filter(|_| self.can_store(&key, rec.len() as u64)) {
+        if let Some(b) = self.behind.as_ref().filter(|_| may_hold && self.can_store(&key, rec.len() as u64)) {
             if b.hold(&key, rec.clone()) {
                 self.c.puts.fetch_add(1, Ordering::Relaxed);
                 self.c.bytes_written.fetch_add(rec.len() as u64, Ordering::Relaxed);
@@ -538,10 +581,15 @@ impl Store {
     /// The rest of a put [`Store::try_put_held`] did not settle: the record on
     /// its disk (acknowledged once on media), then in the memory tier.
     pub fn put_to_media(&self, p: ToMedia) -> Result<PutOutcome, StoreError> {
+        self.put_to_media_stamped(p).map(|(o, _)| o)
+    }
+
+    /// [`Store::put_to_media`], with the stamp of the record stored.
+    fn put_to_media_stamped(&self, p: ToMedia) -> Result<(PutOutcome, Option<Stamp>), StoreError> {
         let ToMedia { rec, key, header, generation } = p;
         let out = self.put_on_disk(&rec, &key, &header);
         match out {
-            Ok(PutOutcome::Stored) => {
+            Ok((PutOutcome::Stored, _)) => {
                 self.c.puts.fetch_add(1, Ordering::Relaxed);
                 self.c.bytes_written.fetch_add(rec.len() as u64, Ordering::Relaxed);
                 if let Some(m) = &self.mem {
@@ -550,7 +598,7 @@ impl Store {
                     m.replace(&key, rec, generation);
                 }
             }
-            Ok(PutOutcome::Duplicate) => {
+            Ok((PutOutcome::Duplicate, _)) => {
                 self.c.put_duplicates.fetch_add(1, Ordering::Relaxed);
             }
             Err(_) => {
@@ -573,7 +621,12 @@ impl Store {
 
     /// Writes a padded record to the disk that owns its key (another, once,
     /// if that disk fails meanwhile).
-    fn put_on_disk(&self, rec: &Arc<PooledBuf>, key: &[u8], header: &PageHeader) -> Result<PutOutcome, StoreError> {
+    fn put_on_disk(
+        &self,
+        rec: &Arc<PooledBuf>,
+        key: &[u8],
+        header: &PageHeader,
+    ) -> Result<(PutOutcome, Option<Stamp>), StoreError> {
         for _ in 0..2 {
             let v = self.view();
             let Some(Slot::Live(disk)) = v.ring.owner(key).map(|m| &v.slots[v.disk_of[m]]) else {
@@ -587,12 +640,13 @@ impl Store {
         Err(StoreError::NoDisk)
     }
 
-    /// A disk's answer to a put, as the store's; None when the disk failed
-    /// (the caller rebuilds the ring and places the record again).
-    fn put_outcome(r: Result<PutResult, DiskError>) -> Option<Result<PutOutcome, StoreError>> {
+    /// A disk's answer to a put, as the store's (with the stored record's
+    /// stamp); None when the disk failed (the caller rebuilds the ring and
+    /// places the record again).
+    fn put_outcome(r: Result<PutResult, DiskError>) -> Option<Result<(PutOutcome, Option<Stamp>), StoreError>> {
         Some(match r {
-            Ok(PutResult::Duplicate) => Ok(PutOutcome::Duplicate),
-            Ok(PutResult::Stored) => Ok(PutOutcome::Stored),
+            Ok(PutResult::Duplicate) => Ok((PutOutcome::Duplicate, None)),
+            Ok(PutResult::Stored(s)) => Ok((PutOutcome::Stored, Some(Stamp(s)))),
             Err(DiskError::Failed(_)) => return None,
             Err(DiskError::Full(d)) => Err(StoreError::Full(d)),
             Err(DiskError::TooLarge(n)) => Err(StoreError::TooLarge(format!("{n} bytes exceed the disk cap"))),
@@ -629,11 +683,13 @@ impl Store {
             let recs: Vec<(&PooledBuf, &[u8], &PageHeader)> =
                 items.iter().map(|(i, h)| (&*batch[*i].1, &batch[*i].0[..], h)).collect();
             for ((i, h), r) in items.iter().zip(disk.put_many(&recs)) {
-                out[*i] = Self::put_outcome(r).unwrap_or_else(|| {
-                    // Its disk failed meanwhile: placed again alone.
-                    self.rebuild_ring();
-                    self.put_on_disk(&batch[*i].1, &batch[*i].0, h)
-                });
+                out[*i] = Self::put_outcome(r)
+                    .unwrap_or_else(|| {
+                        // Its disk failed meanwhile: placed again alone.
+                        self.rebuild_ring();
+                        self.put_on_disk(&batch[*i].1, &batch[*i].0, h)
+                    })
+                    .map(|(o, _)| o);
             }
         }
         out

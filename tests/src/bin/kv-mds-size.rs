@@ -108,11 +108,8 @@ fn read_answer(s: &mut TcpStream) -> std::io::Result<Vec<u8>> {
     if !h.starts_with("http/1.1 200") {
         return Err(std::io::Error::other(h.lines().next().unwrap_or("").to_string()));
     }
-    let len: usize = h
-        .lines()
-        .find_map(|l| l.strip_prefix("content-length:"))
-        .and_then(|v| v.trim().parse().ok())
-        .unwrap_or(0);
+    let len: usize =
+        h.lines().find_map(|l| l.strip_prefix("content-length:")).and_then(|v| v.trim().parse().ok()).unwrap_or(0);
     let mut body = vec![0u8; len];
     s.read_exact(&mut body)?;
     Ok(body)
@@ -175,12 +172,8 @@ fn run(a: &Args) -> Result<serde_json::Value, String> {
     let work = tempfile::tempdir().map_err(|e| e.to_string())?;
     let etcd = Etcd::start(work.path().to_path_buf());
     let cap = (a.long_polls + a.conns + 1000).to_string();
-    let mds = Mds::start_with(
-        "127.0.0.1:0",
-        &etcd.endpoint(),
-        "600s",
-        &["--max-long-polls", &cap, "--max-conns", &cap],
-    );
+    let mds =
+        Mds::start_with("127.0.0.1:0", &etcd.endpoint(), "600s", &["--max-long-polls", &cap, "--max-conns", &cap]);
     let pid = mds.pid();
     let addr = mds.addr.clone();
     let mut c0 = TcpStream::connect(&addr).map_err(|e| e.to_string())?;
@@ -227,14 +220,17 @@ fn run(a: &Args) -> Result<serde_json::Value, String> {
         let sampler = {
             let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
             let (s2, p) = (stop.clone(), pid);
-            (stop, std::thread::spawn(move || {
-                let mut m = 0;
-                while !s2.load(std::sync::atomic::Ordering::Relaxed) {
-                    m = m.max(rss(p));
-                    std::thread::sleep(Duration::from_millis(20));
-                }
-                m
-            }))
+            (
+                stop,
+                std::thread::spawn(move || {
+                    let mut m = 0;
+                    while !s2.load(std::sync::atomic::Ordering::Relaxed) {
+                        m = m.max(rss(p));
+                        std::thread::sleep(Duration::from_millis(20));
+                    }
+                    m
+                }),
+            )
         };
         let joined = register(&addr, a.members + j, 1)?;
         for (i, s) in waiters.iter_mut().enumerate() {
