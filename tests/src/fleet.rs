@@ -116,7 +116,7 @@ pub fn drain_at_scale(server: &str, nodes: usize, per_node: usize, page_len: usi
     let owners: BTreeSet<String> = held.iter().map(|&i| owner(&c, &key(i))).collect();
     // Nobody reads meanwhile: the push ends (every page settled) or the drain does.
     let mut stats = kv_common::stats::NodeStats::default();
-    let _ = wait_until(Duration::from_secs(u64::from(drain_secs) + 30), "the push to end", || {
+    wait_until(Duration::from_secs(u64::from(drain_secs) + 30), "the push to end", || {
         let Some(s) = Conn::connect(&addr, Duration::from_secs(1)).ok().and_then(|mut c| c.stats().ok()) else {
             // Gone: the drain ended.
             return Some(());
