@@ -132,6 +132,8 @@ pub struct Counters {
     pub views_from_cache: AtomicU64,
     /// Plain polls answered from the view the etcd watch holds.
     pub polls_from_cache: AtomicU64,
+    /// Plain polls whose `min_epoch` was past the view held (read instead).
+    pub polls_behind_min_epoch: AtomicU64,
     /// Views sent as deltas, and the bytes of view bodies sent, by kind.
     pub views_delta: AtomicU64,
     pub view_bytes_full: AtomicU64,
