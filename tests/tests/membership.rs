@@ -910,3 +910,52 @@ fn a_fleet_registering_at_once_on_two_replicas_is_never_told_to_retry() {
     println!("{N} registrations at once on 2 replicas: {shared} shared a read, {retries} settle rounds begun again");
     assert!(retries < N as u64 / 4, "{retries} settle rounds begun again for {N} registrations");
 }
+
+/// The live etcd leases, as `etcdctl lease list` counts them.
+fn live_leases(etcd: &Etcd) -> usize {
+    let (ok, out) = etcd.etcdctl(&["lease", "list"]);
+    assert!(ok, "{out}");
+    out.lines()
+        .find_map(|l| l.strip_prefix("found ").and_then(|r| r.split_whitespace().next()).and_then(|n| n.parse().ok()))
+        .unwrap_or_else(|| panic!("no lease count in {out:?}"))
+}
+
+/// Every member-set change writes a history key on a lease of the handoff
+/// window and trims the history to the newest 4 keys: the trimmed keys'
+/// leases are revoked with them, so live leases stay at the members' plus
+/// at most 4, however many changes a long window sees.
+#[test]
+fn trimmed_history_keys_take_their_leases_with_them() {
+    let _serial = serial();
+    let dir = tempfile::tempdir().unwrap();
+    let etcd = Etcd::start(dir.path().join("etcd"));
+    // A day's window and a long TTL (these nodes never heartbeat).
+    let mds = Mds::start_with("127.0.0.1:0", &etcd.endpoint(), "60s", &["--handoff-secs", "86400"]);
+    let mut c = MdsClient::new(vec![mds.addr.clone()], Duration::from_secs(5));
+    let reg = |c: &mut MdsClient, id: &str, weight: u32| {
+        let req = kv_common::mds::RegisterRequest {
+            addr: format!("127.0.0.1:{}", 20000 + weight),
+            weight,
+            instance: id.to_string(),
+            metrics_addr: None,
+        };
+        c.register("g", id, &req).unwrap_or_else(|e| panic!("register {id}: {e}")).epoch
+    };
+    let mut last = reg(&mut c, "a", 1);
+    reg(&mut c, "b", 1);
+    // "b" joining wrote the first history key; each weight change of "a"
+    // (a new lease for it, its old one revoked) writes one more.
+    const CHANGES: u32 = 12;
+    for w in 2..=CHANGES + 1 {
+        let epoch = reg(&mut c, "a", w);
+        assert!(epoch > last, "a weight change is a new epoch");
+        last = epoch;
+        let leases = live_leases(&etcd);
+        assert!(leases <= 2 + 4, "after {} changes: {leases} live leases (2 members, at most 4 history keys)", w);
+    }
+    let v = c.view("g").unwrap();
+    assert_eq!(v.previous.len(), 4, "{v:?}");
+    assert_eq!(live_leases(&etcd), 2 + 4);
+    let history = CHANGES as u64 + 1;
+    assert_eq!(mds_counter(&mds.addr, "kvmds_history_leases_revoked_total"), history - 4);
+}
