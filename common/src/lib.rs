@@ -8,9 +8,10 @@
 //! ([`size`]) and auth tokens ([`auth`]). Encoders and decoders work on byte
 //! slices, so every part (and every fuzz target) uses the same checked code.
 //!
-//! Without the `daemon` feature one module does I/O: [`mds`], the one small
+//! Without the `daemon` feature two modules do I/O: [`mds`], the one small
 //! blocking HTTP client of the membership API (used by nodes, the client
-//! library and kvctl). The RDMA
+//! library and kvctl), and [`conn`], a blocking data-plane connection and a
+//! bounded pool of them (the node's drain push uses it). The RDMA
 //! transport is its own crate, `kv-rdma`.
 //! Behind the `daemon` feature, for kv-server and kv-mds only: logging and
 //! signals ([`daemon`]) and the accept loop every listener shares
@@ -18,6 +19,7 @@
 
 pub mod auth;
 pub mod cli;
+pub mod conn;
 #[cfg(feature = "daemon")]
 pub mod daemon;
 #[cfg(feature = "daemon")]

@@ -106,6 +106,15 @@ pub struct NodeStats {
     pub drain_pushed_bytes: u64,
     #[serde(default)]
     pub drain_push_failed: u64,
+    /// A drain's pages not delivered because their owner could not be
+    /// reached or stopped answering; pages left when the drain ended
+    /// before their turn; owners that held pages of this node's.
+    #[serde(default)]
+    pub drain_push_owner_failed: u64,
+    #[serde(default)]
+    pub drain_push_left: u64,
+    #[serde(default)]
+    pub drain_push_owners: u64,
     /// `ack = "memory"` (docs/ARCHITECTURE.md, "Acknowledging puts"): puts
     /// answered once held in memory; bytes held and not yet on a disk, and
     /// their bound; puts answered on media because the bound was reached;

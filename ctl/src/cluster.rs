@@ -171,6 +171,10 @@ pub fn stat_all(group: &str, epoch: Option<u64>, members: &[MemberRecord], timeo
         total.handoff_refused += s.handoff_refused;
         total.tombstones += s.tombstones;
         total.drain_pushed += s.drain_pushed;
+        total.drain_push_failed += s.drain_push_failed;
+        total.drain_push_owner_failed += s.drain_push_owner_failed;
+        total.drain_push_left += s.drain_push_left;
+        total.drain_push_owners += s.drain_push_owners;
         total.ack_memory |= s.ack_memory;
         total.acked_in_memory += s.acked_in_memory;
         total.unflushed_bytes += s.unflushed_bytes;
@@ -280,16 +284,23 @@ pub fn stat_all(group: &str, epoch: Option<u64>, members: &[MemberRecord], timeo
 /// after a miss at their owner and found, copies stored there and refused,
 /// tombstones held (docs/ARCHITECTURE.md, "Ring transitions").
 pub fn handoff_line(s: &NodeStats) -> String {
-    format!(
-        "handoff  asked {}  found {}  copies stored {} ({})  refused {}  tombstones {}  pushed while draining {}",
+    let mut line = format!(
+        "handoff  asked {}  found {}  copies stored {} ({})  refused {}  tombstones {}",
         s.handoff_asks,
         s.handoff_hits,
         s.handoff_copies,
         format_size(s.handoff_copy_bytes),
         s.handoff_refused,
         s.tombstones,
-        s.drain_pushed
-    )
+    );
+    let pushes = s.drain_pushed + s.drain_push_failed + s.drain_push_owner_failed + s.drain_push_left;
+    if pushes > 0 || s.drain_push_owners > 0 {
+        line.push_str(&format!(
+            "  drain: pushed {} to {} owners, refused {}, failed {}, left {}",
+            s.drain_pushed, s.drain_push_owners, s.drain_push_failed, s.drain_push_owner_failed, s.drain_push_left
+        ));
+    }
+    line
 }
 
 /// Puts acknowledged from memory (`--ack memory` on some node): how many,

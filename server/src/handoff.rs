@@ -47,10 +47,16 @@ pub struct Handoff {
     pub copy_bytes: AtomicU64,
     pub refused: AtomicU64,
     /// Pages this node pushed to their new owners while it drained, their
-    /// record bytes, and pushes the owners did not take.
+    /// record bytes, and pushes the owners refused (drain.rs).
     pub pushed: AtomicU64,
     pub pushed_bytes: AtomicU64,
     pub push_failed: AtomicU64,
+    /// Pages not delivered because their owner could not be reached or
+    /// stopped answering; pages left when the drain ended; owners that had
+    /// pages of this node's.
+    pub push_failed_owner: AtomicU64,
+    pub push_left: AtomicU64,
+    pub push_owners: AtomicU64,
     /// Set when the drain ends: pushing stops.
     pub push_stop: std::sync::atomic::AtomicBool,
 }
@@ -68,6 +74,9 @@ impl Handoff {
             pushed: AtomicU64::new(0),
             pushed_bytes: AtomicU64::new(0),
             push_failed: AtomicU64::new(0),
+            push_failed_owner: AtomicU64::new(0),
+            push_left: AtomicU64::new(0),
+            push_owners: AtomicU64::new(0),
             push_stop: std::sync::atomic::AtomicBool::new(false),
         }
     }
@@ -136,144 +145,11 @@ impl Handoff {
     }
 }
 
-/// Pushes this node's pages to their owners in `members` (the group after
-/// this node left it), most recently used first, as handoff copies, until
-/// `deadline`: what clients have not read from the draining node by the
-/// end of its drain is not lost with it, hottest first. One thread per
-/// owner (at most [`PUSH_THREADS`]), one connection each, one page at a
-/// time; an owner that fails is left for the rest of the drain. Returns
-/// the pages pushed.
-pub fn push_pages(
-    store: &crate::store::Store,
-    h: &Handoff,
-    members: &[kv_common::mds::MemberRecord],
-    placement: kv_common::ring::Placement,
-    token: Option<&kv_common::auth::Token>,
-    deadline: Instant,
-) -> u64 {
-    use kv_common::ring::{Ring, RingMember};
-    if members.is_empty() {
-        return 0;
-    }
-    let ring = Ring::with_placement(
-        members.iter().map(|m| RingMember { id: m.id.clone(), weight: m.weight }).collect(),
-        placement,
-    );
-    let mut queues: Vec<Vec<std::sync::Arc<[u8]>>> = vec![Vec::new(); members.len()];
-    for k in store.keys_by_recency() {
-        if let Some(i) = ring.owner(&k) {
-            queues[i].push(k);
-        }
-    }
-    let before = h.pushed.load(Ordering::Relaxed);
-    let owners: Vec<(&kv_common::mds::MemberRecord, Vec<std::sync::Arc<[u8]>>)> =
-        members.iter().zip(queues).filter(|(_, q)| !q.is_empty()).take(PUSH_THREADS).collect();
-    // Up to 4 connections an owner, PUSH_THREADS in all; each takes every
-    // n-th key, so each keeps the most-recently-used-first order.
-    let per = (PUSH_THREADS / owners.len().max(1)).clamp(1, 4);
-    std::thread::scope(|s| {
-        for (m, keys) in &owners {
-            for t in 0..per {
-                let mine: Vec<std::sync::Arc<[u8]>> = keys.iter().skip(t).step_by(per).cloned().collect();
-                s.spawn(move || {
-                    if let Err(e) = push_to(store, h, &m.addr, token, &mine, deadline) {
-                        tracing::warn!(owner = %m.id, addr = %m.addr, error = %e, "drain: pushing pages to this owner stopped");
-                    }
-                });
-            }
-        }
-    });
-    h.pushed.load(Ordering::Relaxed) - before
+/// The request header's age field of a copy read `age` ago
+/// (docs/PROTOCOL.md §2.4).
+pub fn copy_age_field(_age: Duration) -> u16 {
+    0
 }
-
-/// Owners pushed to at once while draining.
-pub const PUSH_THREADS: usize = 16;
-
-fn push_to(
-    store: &crate::store::Store,
-    h: &Handoff,
-    addr: &str,
-    token: Option<&kv_common::auth::Token>,
-    keys: &[std::sync::Arc<[u8]>],
-    deadline: Instant,
-) -> std::io::Result<()> {
-    use kv_common::status::Status;
-    use kv_common::wire::{self, Hello, HelloVerdict, Op, ReqHeader, RspHeader, FLAG_HANDOFF, WIRE_VERSION};
-    use std::io::{Read, Write};
-    let left = || {
-        if h.push_stop.load(Ordering::Relaxed) {
-            return Duration::ZERO;
-        }
-        deadline.saturating_duration_since(Instant::now())
-    };
-    if left().is_zero() {
-        return Ok(());
-    }
-    let sa = std::net::ToSocketAddrs::to_socket_addrs(addr)?
-        .next()
-        .ok_or_else(|| std::io::Error::other(format!("{addr} resolves to no address")))?;
-    let mut s = std::net::TcpStream::connect_timeout(&sa, left().min(Duration::from_secs(3)))?;
-    s.set_nodelay(true)?;
-    s.set_read_timeout(Some(Duration::from_secs(5)))?;
-    s.set_write_timeout(Some(Duration::from_secs(5)))?;
-    s.write_all(&wire::client_hello(WIRE_VERSION, token.map(|t| t.as_bytes())))?;
-    let mut hb = [0u8; wire::HELLO_LEN];
-    s.read_exact(&mut hb)?;
-    let reply = Hello::decode(&hb).map_err(std::io::Error::other)?;
-    if !matches!(wire::judge_hello(WIRE_VERSION, &reply), HelloVerdict::Accepted { .. }) {
-        return Err(std::io::Error::other("the owner refused the hello"));
-    }
-    // Several puts in flight (the owner answers them in any order, by id),
-    // within PUSH_WINDOW pages and PUSH_WINDOW_BYTES.
-    let mut inflight: std::collections::HashMap<u64, u64> = std::collections::HashMap::new();
-    let mut held = 0u64;
-    let answer = |s: &mut std::net::TcpStream, inflight: &mut std::collections::HashMap<u64, u64>| {
-        let mut rb = [0u8; wire::FRAME_HEADER_LEN];
-        s.read_exact(&mut rb)?;
-        let r = RspHeader::decode(&rb);
-        let Some(len) = inflight.remove(&r.req_id).filter(|_| r.body_len <= 1 << 20) else {
-            return Err(std::io::Error::other("the owner's answer is out of step"));
-        };
-        let mut body = vec![0u8; r.body_len as usize];
-        s.read_exact(&mut body)?;
-        if r.status == Status::Ok {
-            h.pushed.fetch_add(1, Ordering::Relaxed);
-            h.pushed_bytes.fetch_add(len, Ordering::Relaxed);
-        } else {
-            // Refused (deleted in the window, full, draining too): next page.
-            h.push_failed.fetch_add(1, Ordering::Relaxed);
-        }
-        Ok::<u64, std::io::Error>(len)
-    };
-    for (id, k) in keys.iter().enumerate() {
-        if left().is_zero() {
-            break;
-        }
-        let crate::store::GetOutcome::Hit(rec) = store.get(k, None) else { continue };
-        let len = rec.len() as u64;
-        if len > reply.max_record {
-            continue;
-        }
-        let req_id = id as u64 + 1;
-        let head = ReqHeader { op: Op::Put, flags: FLAG_HANDOFF, body_len: len as u32, req_id };
-        s.write_all(&head.encode())?;
-        s.write_all(rec.as_slice())?;
-        drop(rec);
-        inflight.insert(req_id, len);
-        held += len;
-        while inflight.len() >= PUSH_WINDOW || held > PUSH_WINDOW_BYTES {
-            held -= answer(&mut s, &mut inflight)?;
-        }
-    }
-    while !inflight.is_empty() {
-        answer(&mut s, &mut inflight)?;
-    }
-    Ok(())
-}
-
-/// Puts a push keeps in flight on one connection, and their bytes.
-const PUSH_WINDOW: usize = 8;
-const PUSH_WINDOW_BYTES: u64 = 16 << 20;
 
 #[cfg(test)]
 mod tests {

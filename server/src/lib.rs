@@ -12,6 +12,7 @@
 
 pub mod config;
 pub mod conn;
+pub mod drain;
 mod frame;
 pub mod handoff;
 pub mod membership;

@@ -128,12 +128,13 @@ fn run(cfg: ServerConfig) -> Result<(), String> {
         if early {
             tracing::info!("signal received while starting: stopping without joining the group");
         }
-        let membership = match cfg.membership.clone() {
-            Some(mut m) if !early => {
-                let advertise = match m.advertise.rsplit_once(':') {
-                    Some((host, "0")) => format!("{host}:{}", addr.port()),
-                    _ => m.advertise.clone(),
-                };
+        // The address the group knows this node by.
+        let advertised = cfg.membership.as_ref().map(|m| match m.advertise.rsplit_once(':') {
+            Some((host, "0")) => format!("{host}:{}", addr.port()),
+            _ => m.advertise.clone(),
+        });
+        let membership = match (cfg.membership.clone(), advertised.clone()) {
+            (Some(mut m), Some(advertise)) if !early => {
                 m.metrics_addr = metrics_addr.map(|a| kv_server::metrics::advertised(a, &advertise));
                 Some(
                     kv_server::membership::Membership::start(m, advertise, cfg.auth_token.clone())
@@ -149,20 +150,31 @@ fn run(cfg: ServerConfig) -> Result<(), String> {
             .membership
             .as_ref()
             .filter(|_| cfg.drain_push && !early)
-            .map(|m| (m.endpoints.clone(), m.group.clone(), cfg.auth_token.clone()));
+            .map(|m| (m.endpoints.clone(), m.group.clone(), m.id.clone(), advertised.clone(), cfg.auth_token.clone()));
+        let in_group = cfg.membership.is_some();
         // The signal streams were made before the first signal: a second
         // one that arrives while the node leaves its group ends the drain.
         tokio::spawn(async move {
             if !early {
                 signals.next().await;
-                tracing::info!(drain_secs = drain.as_secs_f64(), "signal received: leaving the group, then draining");
+                if in_group {
+                    tracing::info!(drain_secs = drain.as_secs_f64(), "signal received: leaving the group, then draining");
+                } else if !drain.is_zero() {
+                    // Static member lists: no group to leave and no view to
+                    // push by; clients whose lists change (kv_set_members)
+                    // read this node's pages through the handoff meanwhile.
+                    tracing::info!(drain_secs = drain.as_secs_f64(), "signal received: draining (no --mds: no group to leave, pages are not pushed; clients whose member lists no longer name this node read its pages through the handoff)");
+                } else {
+                    tracing::info!("signal received: stopping");
+                }
             }
             // Leave the group first, so clients stop routing here while
             // the node still answers what is in flight.
             draining.draining.store(true, std::sync::atomic::Ordering::SeqCst);
             let ends = std::time::Instant::now() + drain;
+            let mut left_at = None;
             if let Some(m) = membership {
-                let _ = tokio::task::spawn_blocking(move || m.leave(std::time::Duration::from_secs(3))).await;
+                left_at = tokio::task::spawn_blocking(move || m.leave(std::time::Duration::from_secs(3))).await.ok().flatten();
             }
             // The drain: gets, exists and deletes are answered (clients
             // find this node's pages through the handoff), puts refused;
@@ -170,8 +182,9 @@ fn run(cfg: ServerConfig) -> Result<(), String> {
             // first, to their owners in the group it left. A second signal
             // ends it early.
             let push = match (&push_to, drain.is_zero()) {
-                (Some((mds, group, token)), false) => {
-                    let (mds, group, token, shared) = (mds.clone(), group.clone(), token.clone(), draining.clone());
+                (Some((mds, group, id, advertised, token)), false) => {
+                    let (mds, group, id, advertised, token, shared) =
+                        (mds.clone(), group.clone(), id.clone(), advertised.clone(), token.clone(), draining.clone());
                     Some(tokio::task::spawn_blocking(move || {
                         // Pages acknowledged from memory reach their disk
                         // first (puts are refused now), so the push, which
@@ -180,14 +193,21 @@ fn run(cfg: ServerConfig) -> Result<(), String> {
                         if left > 0 {
                             tracing::warn!(pages = left, "drain: pages acknowledged from memory not yet on disk are not pushed");
                         }
-                        let eps = mds.clone();
-                        let view = kv_common::mds::MdsClient::new(eps, std::time::Duration::from_secs(3))
-                            .with_token(token.clone())
-                            .view(&group);
+                        let mut client = kv_common::mds::MdsClient::new(mds, std::time::Duration::from_secs(3)).with_token(token.clone());
+                        // A view no older than this node's own leave (a
+                        // replica may hold an older one that still names it).
+                        let view = match left_at {
+                            Some(e) => client.view_at_least(&group, e),
+                            None => client.view(&group),
+                        };
                         match view.map_err(|e| e.to_string()).and_then(|v| Ok((v.placement()?, v))) {
-                            Ok((rule, v)) => {
-                                let n = kv_server::handoff::push_pages(&shared.store, &shared.handoff, &v.members, rule, token.as_ref(), ends);
-                                tracing::info!(pages = n, owners = v.members.len(), "drain: pages pushed to their owners");
+                            Ok((rule, mut v)) => {
+                                if kv_server::drain::without_self(&mut v.members, Some(&id), advertised.as_deref()) {
+                                    tracing::warn!(epoch = v.epoch, "drain: the group's view still names this node: it is left out of the push");
+                                }
+                                tracing::info!(epoch = v.epoch, owners = v.members.len(), "drain: pushing pages to their owners");
+                                let r = kv_server::drain::push_pages(&shared.store, &shared.handoff, &v.members, rule, token.as_ref(), ends, kv_server::drain::PUSH_THREADS);
+                                kv_server::drain::log_report(&r);
                             }
                             Err(e) => tracing::warn!(error = %e, "drain: no view of the group: pages not pushed"),
                         }

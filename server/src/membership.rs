@@ -24,7 +24,7 @@ const MAX_BACKOFF: Duration = Duration::from_secs(5);
 pub struct Membership {
     stop: Arc<(Mutex<bool>, Condvar)>,
     abort: AbortHandle,
-    thread: Option<JoinHandle<()>>,
+    thread: Option<JoinHandle<Option<u64>>>,
 }
 
 /// Sleeps up to `d`; true when asked to stop meanwhile.
@@ -54,22 +54,24 @@ impl Membership {
     }
 
     /// Deregisters (at most `limit` spent on it) and ends the thread.
-    pub fn leave(mut self, limit: Duration) {
+    /// Returns the group's epoch after the leave, when kv-mds answered it.
+    pub fn leave(mut self, limit: Duration) -> Option<u64> {
         {
             let (lock, cv) = &*self.stop;
             *lock.lock().unwrap_or_else(|e| e.into_inner()) = true;
             cv.notify_all();
         }
-        let Some(t) = self.thread.take() else { return };
+        let t = self.thread.take()?;
         let deadline = std::time::Instant::now() + limit;
         while !t.is_finished() && std::time::Instant::now() < deadline {
             std::thread::sleep(Duration::from_millis(10));
         }
         if t.is_finished() {
-            let _ = t.join();
+            t.join().ok().flatten()
         } else {
             tracing::warn!("deregistration did not finish in time: the lease will expire instead");
             self.abort.abort();
+            None
         }
     }
 }
@@ -82,7 +84,8 @@ fn instance_token() -> String {
     format!("{}-{:x}", std::process::id(), nanos)
 }
 
-fn run(cfg: MembershipConfig, addr: String, mut mds: MdsClient, stop: &(Mutex<bool>, Condvar)) {
+/// Returns the epoch after the deregistration, when it was answered.
+fn run(cfg: MembershipConfig, addr: String, mut mds: MdsClient, stop: &(Mutex<bool>, Condvar)) -> Option<u64> {
     let instance = instance_token();
     let req = RegisterRequest {
         addr: addr.clone(),
@@ -178,8 +181,17 @@ fn run(cfg: MembershipConfig, addr: String, mut mds: MdsClient, stop: &(Mutex<bo
     // Leave at once rather than at lease expiry (also when registration
     // never got an answer: a request may have landed without its reply).
     match mds.deregister(group, id, &instance) {
-        Ok(r) => tracing::info!(mds = mds.current(), group, id, epoch = r.epoch, "deregistered"),
-        Err(MdsError::Taken(_)) => tracing::info!("not deregistering: another node holds this id now"),
-        Err(e) => tracing::warn!(error = %e, "could not deregister: the lease will expire instead"),
+        Ok(r) => {
+            tracing::info!(mds = mds.current(), group, id, epoch = r.epoch, "deregistered");
+            Some(r.epoch)
+        }
+        Err(MdsError::Taken(_)) => {
+            tracing::info!("not deregistering: another node holds this id now");
+            None
+        }
+        Err(e) => {
+            tracing::warn!(error = %e, "could not deregister: the lease will expire instead");
+            None
+        }
     }
 }

@@ -268,12 +268,15 @@ impl Collector for StatsCollector {
             "Record bytes pushed to new owners while draining",
             s.drain_pushed_bytes,
         )?;
+        counter(&mut e, "drain_push_failed", "Pages a draining node's new owners refused", s.drain_push_failed)?;
         counter(
             &mut e,
-            "drain_push_failed",
-            "Pages a draining node's new owners refused or did not take",
-            s.drain_push_failed,
+            "drain_push_owner_failed",
+            "Pages a draining node could not deliver: their owner was unreachable or stopped answering",
+            s.drain_push_owner_failed,
         )?;
+        gauge(&mut e, "drain_push_left", "Pages a drain left unpushed when it ended", s.drain_push_left)?;
+        gauge(&mut e, "drain_push_owners", "Owners a draining node pushes its pages to", s.drain_push_owners)?;
         counter(&mut e, "acked_in_memory", "Puts answered once held in memory (--ack memory)", s.acked_in_memory)?;
         gauge(&mut e, "unflushed_bytes", "Bytes acknowledged from memory and not yet on a disk", s.unflushed_bytes)?;
         gauge(

@@ -220,6 +220,9 @@ impl Shared {
         s.drain_pushed = h.pushed.load(Ordering::Relaxed);
         s.drain_pushed_bytes = h.pushed_bytes.load(Ordering::Relaxed);
         s.drain_push_failed = h.push_failed.load(Ordering::Relaxed);
+        s.drain_push_owner_failed = h.push_failed_owner.load(Ordering::Relaxed);
+        s.drain_push_left = h.push_left.load(Ordering::Relaxed);
+        s.drain_push_owners = h.push_owners.load(Ordering::Relaxed);
         s
     }
 }

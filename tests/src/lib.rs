@@ -165,6 +165,24 @@ impl Node {
         wait_deadline(&mut c, limit)
     }
 
+    /// As [`Node::wait_exit`], with every line the node wrote to stderr
+    /// (those not yet taken from `stderr_lines`).
+    pub fn wait_exit_lines(mut self, limit: Duration) -> (ExitStatus, Vec<String>) {
+        let mut c = self.child.take().expect("running");
+        let status = wait_deadline(&mut c, limit);
+        // The reader thread ends with the pipe: the last lines arrive
+        // shortly after the exit.
+        let deadline = Instant::now() + Duration::from_secs(5);
+        let mut lines = Vec::new();
+        while let Some(left) = deadline.checked_duration_since(Instant::now()) {
+            match self.stderr_lines.recv_timeout(left) {
+                Ok(l) => lines.push(l),
+                Err(_) => break,
+            }
+        }
+        (status, lines)
+    }
+
     /// SIGTERM, then wait up to `limit` for the exit status.
     pub fn terminate(mut self, limit: Duration) -> ExitStatus {
         self.signal(libc::SIGTERM);

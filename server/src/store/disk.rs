@@ -106,6 +106,16 @@ struct Entry {
     ext: Arc<Extent>,
     header: PageHeader,
     header_bytes: [u8; HEADER_LEN],
+    /// When it was last stored or read ([`use_tick`]; 0: recovered, not
+    /// used since): orders one node's disks' keys by recency together.
+    used: u64,
+}
+
+/// Milliseconds since the first call in this process: the recency clock of
+/// index entries (a coarse clock read, no shared counter on the get path).
+pub fn use_tick() -> u64 {
+    static START: std::sync::OnceLock<std::time::Instant> = std::sync::OnceLock::new();
+    START.get_or_init(std::time::Instant::now).elapsed().as_millis() as u64 + 1
 }
 
 /// A live record as a checkpoint copies it: key, header, offset, extent length.
@@ -277,7 +287,7 @@ impl Disk {
                         verified: AtomicBool::new(true),
                         shared: shared.clone(),
                     });
-                    index.put(Arc::from(key), Entry { ext, header: h, header_bytes: header });
+                    index.put(Arc::from(key), Entry { ext, header: h, header_bytes: header, used: 0 });
                 }
                 Replayed::Del { key } => {
                     index.pop(&key[..]);
@@ -610,7 +620,7 @@ impl Disk {
             return Err(self.io_failed("index journal write", &e));
         }
         self.appends_since_sync.fetch_add(1, Ordering::Relaxed);
-        st.index.put(key.into(), Entry { ext, header: *header, header_bytes });
+        st.index.put(key.into(), Entry { ext, header: *header, header_bytes, used: use_tick() });
         drop(st);
         Ok(PutResult::Stored)
     }
@@ -719,7 +729,7 @@ impl Disk {
         self.appends_since_sync.fetch_add(placed.len() as u64, Ordering::Relaxed);
         for (i, ext, header_bytes) in placed {
             let (_, key, header) = items[i];
-            st.index.put(key.into(), Entry { ext, header: *header, header_bytes });
+            st.index.put(key.into(), Entry { ext, header: *header, header_bytes, used: use_tick() });
             out[i] = Ok(PutResult::Stored);
         }
         drop(st);
@@ -776,7 +786,14 @@ impl Disk {
         }
         let (ext, header, header_bytes) = {
             let mut st = lock(&self.state);
-            let e = if promote { st.index.get(key) } else { st.index.peek(key) };
+            let e = if promote {
+                st.index.get_mut(key).map(|e| {
+                    e.used = use_tick();
+                    &*e
+                })
+            } else {
+                st.index.peek(key)
+            };
             match e {
                 None => return Ok(Lookup::Miss),
                 Some(e) if geo.is_some_and(|g| !g.matches(&e.header)) => return Ok(Lookup::Mismatch),
@@ -889,8 +906,8 @@ impl Disk {
     }
 
     /// Every key in the index, most recently used first (a copy).
-    pub fn keys_by_recency(&self) -> Vec<Arc<[u8]>> {
-        lock(&self.state).index.iter().map(|(k, _)| k.clone()).collect()
+    pub fn keys_by_recency(&self) -> Vec<(Arc<[u8]>, u64)> {
+        lock(&self.state).index.iter().map(|(k, e)| (k.clone(), e.used)).collect()
     }
 
     /// Every key in the index (a copy; for taking a disk back into service).

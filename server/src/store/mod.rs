@@ -245,8 +245,10 @@ fn presence_of(rec: &PooledBuf, geo: Option<&Geometry>) -> Presence {
     }
 }
 
-/// Bytes of pages being warmed at once, at most: an eighth of the memory
-/// tier, up to 256 MiB.
+/// Bytes all prefetch warming holds at once, at most: an eighth of the
+/// memory tier, up to 256 MiB. It covers the packed keys of exist batches
+/// queued or being sorted and the pages (records and keys) queued or being
+/// read (docs/ARCHITECTURE.md, "Prefetch warming").
 pub fn warm_budget(mem_cap: u64) -> u64 {
     (mem_cap / 8).min(256 << 20)
 }
@@ -687,9 +689,10 @@ impl Store {
         });
     }
 
-    /// On a warmer: queues the keys of `packed` that are only on disk.
-    fn sort_for_warming(&self, w: &warm::Warmer, packed: &[u8]) {
-        let Some(m) = &self.mem else { return };
+    /// On a warmer: queues the keys of `packed` that are only on disk; how
+    /// many.
+    fn sort_for_warming(&self, w: &warm::Warmer, packed: &[u8]) -> usize {
+        let Some(m) = &self.mem else { return 0 };
         let keys = warm::decode_keys(packed);
         let mut in_mem = vec![false; keys.len()];
         m.contains_many(&keys, &mut in_mem);
@@ -704,7 +707,7 @@ impl Store {
                 queued += 1;
             }
         }
-        w.sorted(queued);
+        queued
     }
 
     /// Reads `key` from its disk into the memory tier; true when it entered.
@@ -738,7 +741,10 @@ impl Store {
             };
             let Some(s) = store.upgrade() else { return };
             match work {
-                warm::Work::Sort(packed) => s.sort_for_warming(&w, &packed),
+                warm::Work::Sort(packed) => {
+                    let queued = s.sort_for_warming(&w, &packed);
+                    w.sorted(packed, queued);
+                }
                 warm::Work::Read(key, len) => {
                     let warmed = s.warm_one(&key);
                     w.done(&key, len, warmed);
@@ -775,21 +781,27 @@ impl Store {
         Ok(())
     }
 
-    /// Every key stored, most recently used first: each disk's keys in
-    /// their order, the disks interleaved.
+    /// Every key stored, most recently used first across the node's disks
+    /// (by when each was last stored or read from its disk; a get served
+    /// by the memory tier does not refresh its disk's entry).
     pub fn keys_by_recency(&self) -> Vec<Arc<[u8]>> {
-        let lists: Vec<Vec<Arc<[u8]>>> = self.view().live().map(|d| d.keys_by_recency()).collect();
+        let lists: Vec<Vec<(Arc<[u8]>, u64)>> = self.view().live().map(|d| d.keys_by_recency()).collect();
         let mut out = Vec::with_capacity(lists.iter().map(Vec::len).sum());
         let mut its: Vec<_> = lists.into_iter().map(Vec::into_iter).collect();
+        // Disks interleaved (the order among keys of one tick, and among
+        // keys recovered and not used since), then by when each key was
+        // last stored or read, across the node's disks.
         loop {
             let before = out.len();
             for it in &mut its {
                 out.extend(it.next());
             }
             if out.len() == before {
-                return out;
+                break;
             }
         }
+        out.sort_by_key(|(_, used)| std::cmp::Reverse(*used));
+        out.into_iter().map(|(k, _)| k).collect()
     }
 
     /// Reads a record. With `geo`, a record of another geometry is a mismatch.
