@@ -397,9 +397,8 @@ impl Mds {
             // replaces it (and only a view published is a base for deltas,
             // so the newest base stays last).
             let published = grp.tx.send_if_modified(|cur| {
-                let changed = cur.as_ref().is_none_or(|c| {
-                    seq > c.seq && held.view.epoch != c.view.epoch && !self.freeze_held
-                });
+                let changed =
+                    cur.as_ref().is_none_or(|c| seq > c.seq && held.view.epoch != c.view.epoch && !self.freeze_held);
                 if changed {
                     *cur = Some(held.clone());
                 }
