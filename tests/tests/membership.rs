@@ -1023,7 +1023,8 @@ fn a_replica_holding_an_older_view_never_steps_a_client_back() {
     assert_eq!(v.epoch, e2, "a plain poll with min_epoch={e2}");
     assert_eq!(via_frozen.view_at_least("g", e2).unwrap().epoch, e2);
     assert_eq!(mds_counter(&frozen.addr, "kvmds_polls_behind_min_epoch_total"), behind + 2);
-    let (code, _) = via_frozen.request(&frozen.addr, "GET", "/v1/groups/g/view?min_epoch=x", None, Duration::ZERO).unwrap();
+    let (code, _) =
+        via_frozen.request(&frozen.addr, "GET", "/v1/groups/g/view?min_epoch=x", None, Duration::ZERO).unwrap();
     assert_eq!(code, 400);
     assert_eq!(via_frozen.view("g").unwrap().epoch, e1, "without min_epoch, still the held view");
 
