@@ -720,4 +720,20 @@ mod tests {
         assert!(e.contains("metrics_addr"), "{e}");
         assert!(ok(r#"{"addr":"a:1","weight":1,"metrics_addr":"a:99999"}"#).is_err());
     }
+
+    #[test]
+    fn view_calls_carry_min_epoch() {
+        fn view(q: &str) -> Result<Call<'_>, (u16, String)> {
+            parse_call("GET", "/v1/groups/g/view", q)
+        }
+        let min = |q: &str| match view(q) {
+            Ok(Call::View { min_epoch, .. }) => Some(min_epoch),
+            _ => None,
+        };
+        assert_eq!(min(""), Some(0), "absent: any view");
+        assert_eq!(min("min_epoch=42&rules=ketama"), Some(42));
+        assert_eq!(min("after=7&wait_ms=1000&min_epoch=9"), Some(9));
+        assert!(view("min_epoch=x").is_err(), "not a number: one clear error");
+        assert!(view("min_epoch=-1").is_err());
+    }
 }
