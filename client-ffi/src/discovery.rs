@@ -124,23 +124,35 @@ fn run(
     tx: mpsc::Sender<Result<u64, FirstError>>,
 ) {
     let m = &core.metrics;
-    // The epoch of the view applied; None before the first.
+    // The epoch of the view applied; None before the first (and after a
+    // 422, to ask for a whole view again).
     let mut applied: Option<u64> = None;
+    // The highest epoch taken so far, kept across a 422: a replica may hold
+    // an older view than one another replica gave, so every plain poll after
+    // the first asks for at least this (`min_epoch`, docs/PROTOCOL.md §6).
+    let mut floor: Option<u64> = None;
     // The members of that epoch: what the replica's deltas apply to.
     let mut held: Vec<kv_common::mds::MemberRecord> = Vec::new();
     let mut first = Some(tx);
     while !stop.load(Ordering::SeqCst) {
         let asked = std::time::Instant::now();
         let before = applied;
-        let answer = match applied {
+        // Every answer while the client holds an epoch comes from a long-poll
+        // or a `min_epoch` poll, which kv-mds answers from etcd when the view
+        // it holds is older: one below the floor means etcd itself went back.
+        let whole = |mds: &mut MdsClient| match floor {
             None => mds.view(&group),
+            Some(f) => mds.view_at_least(&group, f),
+        };
+        let answer = match applied {
+            None => whole(&mut mds),
             // The answer may be a change against the members held (a few
             // hundred bytes rather than the whole list).
             Some(e) => mds.wait_view_delta(&group, e, poll).and_then(|v| match v.resolve(Some((e, &held))) {
                 Ok(v) => Ok(v),
                 // A change against another epoch than the one held (a
                 // replica misbehaving): ask for the whole view.
-                Err(_) => mds.view(&group),
+                Err(_) => whole(&mut mds),
             }),
         };
         m.mds_failovers.store(mds.failovers, Ordering::Relaxed);
@@ -149,6 +161,20 @@ fn run(
                 m.mds_views.fetch_add(1, Ordering::Relaxed);
                 m.mds_up.store(1, Ordering::Relaxed);
                 if applied != Some(v.epoch) {
+                    if let Some(f) = floor.filter(|f| v.epoch < *f) {
+                        // Only a read of etcd answers below the floor (see
+                        // above): its revisions restarted lower. Follow it,
+                        // but say so.
+                        m.mds_epoch_regressions.fetch_add(1, Ordering::Relaxed);
+                        let msg = format!(
+                            "the epoch of group {group} went back from {f} to {} (etcd restored from a backup or wiped): following it",
+                            v.epoch
+                        );
+                        eprintln!("kvcellar: discovery: {msg}");
+                        core.set_discovery_error(msg);
+                    }
+                    // Up, or down after etcd went back (then from there).
+                    floor = Some(v.epoch);
                     let rule = match v.placement() {
                         Ok(r) => r,
                         Err(msg) => {

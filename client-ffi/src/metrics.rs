@@ -65,6 +65,9 @@ pub struct Metrics {
     pub mds_up: AtomicU64,
     /// Times discovery moved to another kv-mds replica.
     pub mds_failovers: AtomicU64,
+    /// Views taken with an epoch below the highest one taken before (only
+    /// from a read of etcd: etcd restored from a backup or wiped).
+    pub mds_epoch_regressions: AtomicU64,
     /// Handoff (docs/ARCHITECTURE.md, "Ring transitions").
     pub handoff: Arc<HandoffCounters>,
 }
@@ -117,6 +120,7 @@ impl Default for Metrics {
             mds_errors: AtomicU64::new(0),
             mds_up: AtomicU64::new(0),
             mds_failovers: AtomicU64::new(0),
+            mds_epoch_regressions: AtomicU64::new(0),
             handoff: Arc::default(),
         }
     }
@@ -236,6 +240,11 @@ impl Metrics {
                 "mds_failovers",
                 "Times discovery moved on to another kv-mds replica",
                 vec![(vec![], ld(&self.mds_failovers))],
+            ),
+            Fam::counter(
+                "mds_epoch_regressions",
+                "Views from kv-mds taken with an epoch below the highest taken before (etcd went back)",
+                vec![(vec![], ld(&self.mds_epoch_regressions))],
             ),
             Fam::gauge(
                 "mds_up",

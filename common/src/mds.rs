@@ -521,11 +521,24 @@ impl MdsClient {
         self.call_json("GET", &path, None, Duration::ZERO)
     }
 
-    /// The group's view with an epoch of at least `min_epoch` (a replica
-    /// whose held view is older reads etcd), unless etcd itself went back.
+    /// The group's view with an epoch of at least `min_epoch`, unless etcd
+    /// itself went back (its data restored from a backup or wiped: its
+    /// revisions, hence epochs, restart lower), which is then the answer.
+    ///
+    /// The plain poll carries `min_epoch=` (docs/PROTOCOL.md §6): a replica
+    /// whose held view is older reads etcd. A replica of an earlier release
+    /// ignores the parameter and may answer an older view it holds; such an
+    /// answer is checked once more with a long-poll holding `min_epoch`
+    /// (a millisecond's wait), which replicas answer from etcd when the
+    /// view they hold is another.
     pub fn view_at_least(&mut self, group: &str, min_epoch: u64) -> Result<View, MdsError> {
-        let path = format!("/v1/groups/{group}/view?min_epoch={min_epoch}&rules={}", crate::ring::Placement::known());
-        self.call_json("GET", &path, None, Duration::ZERO)
+        let rules = crate::ring::Placement::known();
+        let path = format!("/v1/groups/{group}/view?min_epoch={min_epoch}&rules={rules}");
+        let v: View = self.call_json("GET", &path, None, Duration::ZERO)?;
+        if v.epoch >= min_epoch {
+            return Ok(v);
+        }
+        self.wait_view(group, min_epoch, Duration::from_millis(1))
     }
 
     /// The group's view once its epoch is past `after`, or after `wait`

@@ -6,7 +6,8 @@
 //! | POST   | /v1/groups/{g}/members/{id}/heartbeat     | keep the lease alive          |
 //! | DELETE | /v1/groups/{g}/members/{id}               | deregister                    |
 //! | GET    | /v1/groups/{g}/view[?after=N&wait_ms=T]   | the view, or a long-poll      |
-//! |        |   [&rules=R][&delta=1]                    | (rules known; a change only)  |
+//! |        |   [&rules=R][&delta=1][&min_epoch=M]      | (rules known; a change only;  |
+//! |        |                                           | a plain poll at least M)      |
 //! | PUT    | /v1/groups/{g}/placement                  | set the placement rule        |
 //! | GET    | /healthz, /livez, /metrics                | probes                        |
 //! | GET    | /, /api/groups                            | the dashboard and its data    |
@@ -345,8 +346,8 @@ async fn handle(
         return denied(mds, group, peer, &req);
     }
     match call {
-        Call::View { group, after, wait_ms, rules, delta } => {
-            view(mds, polls, group, after, wait_ms, rules, delta).await
+        Call::View { group, after, wait_ms, rules, delta, min_epoch } => {
+            view(mds, polls, group, ViewAsk { after, wait: wait_ms, rules, delta, min_epoch }).await
         }
         Call::SetPlacement { group } => set_placement(mds, group, req).await,
         Call::Register { group, id } => register(mds, group, id, req).await,
@@ -393,13 +394,16 @@ pub enum Call<'a> {
     Groups,
     /// `rules`: the placement rules the caller knows, comma-separated
     /// (`ketama` when it names none); `delta`: the caller takes the
-    /// members as a change against `after`.
+    /// members as a change against `after`; `min_epoch`: a plain poll is
+    /// answered with an epoch of at least that, read from etcd when the
+    /// view held is older (0: any).
     View {
         group: &'a str,
         after: Option<u64>,
         delta: bool,
         wait_ms: u64,
         rules: &'a str,
+        min_epoch: u64,
     },
     SetPlacement {
         group: &'a str,
@@ -443,16 +447,19 @@ pub fn parse_call<'a>(method: &str, path: &'a str, query: &'a str) -> Result<Cal
             let group: &'a str = g;
             name_ok("group", group)?;
             match (method, rest) {
-                ("GET", ["view"]) => match (query_u64(query, "after"), query_u64(query, "wait_ms")) {
-                    (Ok(after), Ok(w)) => Ok(Call::View {
-                        group,
-                        after,
-                        wait_ms: w.unwrap_or(0).min(MAX_WAIT_MS),
-                        rules: query_str(query, "rules").unwrap_or("ketama"),
-                        delta: query_str(query, "delta") == Some("1"),
-                    }),
-                    (Err(e), _) | (_, Err(e)) => bad(e),
-                },
+                ("GET", ["view"]) => {
+                    match (query_u64(query, "after"), query_u64(query, "wait_ms"), query_u64(query, "min_epoch")) {
+                        (Ok(after), Ok(w), Ok(min)) => Ok(Call::View {
+                            group,
+                            after,
+                            wait_ms: w.unwrap_or(0).min(MAX_WAIT_MS),
+                            rules: query_str(query, "rules").unwrap_or("ketama"),
+                            delta: query_str(query, "delta") == Some("1"),
+                            min_epoch: min.unwrap_or(0),
+                        }),
+                        (Err(e), _, _) | (_, Err(e), _) | (_, _, Err(e)) => bad(e),
+                    }
+                }
                 ("PUT", ["placement"]) => Ok(Call::SetPlacement { group }),
                 ("POST", ["members", id]) => {
                     name_ok("node id", id)?;
@@ -553,15 +560,17 @@ async fn set_placement(mds: &Mds, group: &str, req: Request<Incoming>) -> Reply 
     }
 }
 
-async fn view(
-    mds: &Mds,
-    polls: &Arc<tokio::sync::Semaphore>,
-    group: &str,
+/// What a view call asks for (see [`Call::View`]).
+struct ViewAsk<'a> {
     after: Option<u64>,
     wait: u64,
-    rules: &str,
+    rules: &'a str,
     delta: bool,
-) -> Reply {
+    min_epoch: u64,
+}
+
+async fn view(mds: &Mds, polls: &Arc<tokio::sync::Semaphore>, group: &str, ask: ViewAsk<'_>) -> Reply {
+    let ViewAsk { after, wait, rules, delta, min_epoch } = ask;
     let r = match after {
         Some(a) if wait > 0 => {
             let Ok(_slot) = polls.try_acquire() else {
@@ -591,7 +600,9 @@ async fn view(
             r
         }
         _ => {
-            let r = limited(Duration::ZERO, mds.current_view(group)).await;
+            // A long-poll's answer is never older than its `after` already;
+            // `min_epoch` asks the same of a plain poll.
+            let r = limited(Duration::ZERO, mds.current_view(group, min_epoch)).await;
             if r.is_ok() {
                 mds.reg.counters.views_polled.fetch_add(1, Ordering::Relaxed);
             }
@@ -708,5 +719,21 @@ mod tests {
         let e = ok(r#"{"addr":"a:1","weight":1,"metrics_addr":"\"><script>:9700"}"#).unwrap_err();
         assert!(e.contains("metrics_addr"), "{e}");
         assert!(ok(r#"{"addr":"a:1","weight":1,"metrics_addr":"a:99999"}"#).is_err());
+    }
+
+    #[test]
+    fn view_calls_carry_min_epoch() {
+        fn view(q: &str) -> Result<Call<'_>, (u16, String)> {
+            parse_call("GET", "/v1/groups/g/view", q)
+        }
+        let min = |q: &str| match view(q) {
+            Ok(Call::View { min_epoch, .. }) => Some(min_epoch),
+            _ => None,
+        };
+        assert_eq!(min(""), Some(0), "absent: any view");
+        assert_eq!(min("min_epoch=42&rules=ketama"), Some(42));
+        assert_eq!(min("after=7&wait_ms=1000&min_epoch=9"), Some(9));
+        assert!(view("min_epoch=x").is_err(), "not a number: one clear error");
+        assert!(view("min_epoch=-1").is_err());
     }
 }

@@ -138,7 +138,16 @@ pub struct Mds {
     /// refresh finishing after a long-poll's own read cannot hand that
     /// long-poll an older epoch.
     read_seq: std::sync::atomic::AtomicU64,
+    /// Test only (`KVMDS_TEST_FREEZE_HELD_VIEW=1` in the environment at
+    /// start, see [`FREEZE_HELD_VIEW_ENV`]): the first view held for a group
+    /// is never replaced, so plain polls keep getting it while etcd moves
+    /// on, as from a replica whose watch lags. Never set in production.
+    freeze_held: bool,
 }
+
+/// The environment variable of the test-only hook that freezes the views a
+/// replica holds (the end-to-end tests' stale replica); read once at start.
+pub const FREEZE_HELD_VIEW_ENV: &str = "KVMDS_TEST_FREEZE_HELD_VIEW";
 
 /// How kv-mds reaches a production etcd: TLS with a client certificate,
 /// and etcd's user/password authentication (DEPLOY.md, "etcd").
@@ -240,7 +249,18 @@ pub async fn connect(
         groups: Mutex::default(),
         watching: AtomicBool::new(false),
         read_seq: std::sync::atomic::AtomicU64::new(0),
+        freeze_held: freeze_held(),
     }))
+}
+
+/// Whether the test-only hook [`FREEZE_HELD_VIEW_ENV`] is on (logged, so a
+/// replica started with it by mistake says so).
+fn freeze_held() -> bool {
+    let on = std::env::var(FREEZE_HELD_VIEW_ENV).is_ok_and(|v| v == "1");
+    if on {
+        tracing::warn!("{FREEZE_HELD_VIEW_ENV}=1: TEST ONLY, views held for polls are never refreshed");
+    }
+    on
 }
 
 /// One client. Without a user it connects lazily; with one it
@@ -326,6 +346,9 @@ impl Mds {
     /// changed (retrying a few times: a lost refresh would leave waiters
     /// asleep until their deadline).
     async fn refresh(&self, group: &str) {
+        if self.freeze_held {
+            return;
+        }
         {
             let groups = self.groups.lock().unwrap_or_else(|e| e.into_inner());
             match groups.get(group) {
@@ -374,7 +397,8 @@ impl Mds {
             // replaces it (and only a view published is a base for deltas,
             // so the newest base stays last).
             let published = grp.tx.send_if_modified(|cur| {
-                let changed = cur.as_ref().is_none_or(|c| seq > c.seq && held.view.epoch != c.view.epoch);
+                let changed =
+                    cur.as_ref().is_none_or(|c| seq > c.seq && held.view.epoch != c.view.epoch && !self.freeze_held);
                 if changed {
                     *cur = Some(held.clone());
                 }
@@ -389,7 +413,13 @@ impl Mds {
 
     /// The group's view now, for a plain poll: the view the etcd watch
     /// holds when there is one (no etcd read), else read.
-    pub async fn current_view(&self, group: &str) -> Result<Held, RegError> {
+    ///
+    /// With `min_epoch` (the caller heard of that epoch, maybe from another
+    /// replica; 0: any), a held view older than it is not answered: the
+    /// view is read from etcd as for a long-poll ([`Mds::read_at_least`]),
+    /// so the answer is older only if etcd itself went back
+    /// (docs/PROTOCOL.md §6, `min_epoch`).
+    pub async fn current_view(&self, group: &str, min_epoch: u64) -> Result<Held, RegError> {
         let held = {
             let mut g = self.groups.lock().unwrap_or_else(|e| e.into_inner());
             Mds::group_entry(&mut g, group).and_then(|grp| {
@@ -397,11 +427,17 @@ impl Mds {
                 grp.tx.borrow().clone()
             })
         };
-        if let Some(h) = held.filter(|_| self.watching.load(Ordering::SeqCst)) {
+        let held = held.filter(|_| self.watching.load(Ordering::SeqCst));
+        if let Some(h) = held.as_ref().filter(|h| h.view.epoch >= min_epoch) {
             self.reg.counters.polls_from_cache.fetch_add(1, Ordering::Relaxed);
-            return Ok(h);
+            return Ok(h.clone());
         }
-        let h = self.read_shared(group).await?;
+        if held.is_some() {
+            // Behind the caller: the watch has not delivered the change yet.
+            self.reg.counters.polls_behind_min_epoch.fetch_add(1, Ordering::Relaxed);
+            return self.read_at_least(group, min_epoch).await;
+        }
+        let h = self.read_at_least(group, min_epoch).await?;
         if h.view.epoch == 0 && h.view.members.is_empty() {
             // No such group: not worth following.
             let mut g = self.groups.lock().unwrap_or_else(|e| e.into_inner());

@@ -46,7 +46,7 @@ impl Collector for Counters {
     fn encode(&self, mut e: DescriptorEncoder<'_>) -> Result<(), std::fmt::Error> {
         let c = &self.mds.reg.counters;
         let ld = |a: &AtomicU64| a.load(Ordering::Relaxed);
-        let counters: [(&str, &str, u64); 20] = [
+        let counters: [(&str, &str, u64); 22] = [
             ("registrations", "Node registrations served", ld(&c.registrations)),
             ("heartbeats", "Node heartbeats served", ld(&c.heartbeats)),
             ("takeovers", "Heartbeats that took a node's lease over from another replica", ld(&c.takeovers)),
@@ -73,6 +73,16 @@ impl Collector for Counters {
                 ld(&c.views_from_cache),
             ),
             ("polls_from_cache", "Plain polls answered from the view the etcd watch holds", ld(&c.polls_from_cache)),
+            (
+                "polls_behind_min_epoch",
+                "Plain polls whose min_epoch was past the view the etcd watch holds (read from etcd instead)",
+                ld(&c.polls_behind_min_epoch),
+            ),
+            (
+                "history_leases_revoked",
+                "Leases of history keys revoked once a new epoch trimmed their keys",
+                ld(&c.history_leases_revoked),
+            ),
             ("views_delta", "Views sent as a change against the epoch the client held", ld(&c.views_delta)),
             (
                 "view_encodings",

@@ -33,7 +33,8 @@
 //!   EPOCH is replaced, in the transaction that writes the new epoch (so its
 //!   `mod_revision` is the new epoch): the delta from the new set back to
 //!   the old one, on a lease of `--handoff-secs`. A transaction keeps the
-//!   newest [`MAX_PREVIOUS_SETS`] and deletes older ones.
+//!   newest [`MAX_PREVIOUS_SETS`] and deletes older ones; once it succeeded,
+//!   the replica revokes the deleted keys' leases.
 //!
 //! A view walks that chain back from its epoch and sends each set still
 //! leased as a delta against its members, with the lease's time left.
@@ -132,6 +133,10 @@ pub struct Counters {
     pub views_from_cache: AtomicU64,
     /// Plain polls answered from the view the etcd watch holds.
     pub polls_from_cache: AtomicU64,
+    /// Plain polls whose `min_epoch` was past the view held (read instead).
+    pub polls_behind_min_epoch: AtomicU64,
+    /// Leases of trimmed history keys revoked (the rest expire on their own).
+    pub history_leases_revoked: AtomicU64,
     /// Views sent as deltas, and the bytes of view bodies sent, by kind.
     pub views_delta: AtomicU64,
     pub view_bytes_full: AtomicU64,
@@ -444,6 +449,27 @@ impl Registry {
         };
         let left = Duration::from_secs(secs.max(0) as u64).saturating_sub(asked.elapsed());
         left.as_millis() as u64
+    }
+
+    /// Revokes the leases of history keys a transaction deleted. Best
+    /// effort: a lease not revoked (etcd did not answer) expires at the end
+    /// of its window, as before; a lease gone already is nothing to do.
+    async fn revoke_trimmed(&self, etcd: &mut Client, group: &str, leases: &[i64]) {
+        for &lease in leases {
+            self.lease_left.lock().unwrap_or_else(|e| e.into_inner()).remove(&lease);
+            match self.timed(etcd.lease_revoke(lease)).await {
+                Ok(_) => {
+                    self.counters.history_leases_revoked.fetch_add(1, Ordering::Relaxed);
+                }
+                Err(e) if e.to_string().contains("not found") => {}
+                Err(e) => tracing::warn!(
+                    group,
+                    lease = format!("{lease:x}"),
+                    error = %e,
+                    "cannot revoke the lease of a trimmed history key: it expires at the end of its window"
+                ),
+            }
+        }
     }
 
     /// The view of `members` at `epoch`, with the previous sets the history
@@ -830,6 +856,10 @@ impl Registry {
                 .and_then(|kv| serde_json::from_slice::<Current>(kv.value()).ok())
                 .map(Current::into_parts);
             let mut lease = None;
+            // The leases of the history keys this transaction deletes: once
+            // it succeeded, each is revoked (otherwise every change would
+            // leave one live lease for the whole window, docs/PROTOCOL.md §6.1).
+            let mut trimmed: Vec<i64> = Vec::new();
             // The history is best effort: without a lease for it, the
             // epoch still moves (clients keep the set they held themselves).
             let granted = match (&replaced, self.handoff_secs() > 0) {
@@ -848,11 +878,14 @@ impl Registry {
                 ));
                 // Keep the newest sets only: this one and MAX - 1 before it.
                 let hprefix = history_prefix(group);
-                let mut older: Vec<&[u8]> =
-                    got.kvs().iter().map(|kv| kv.key()).filter(|k| k.starts_with(hprefix.as_bytes())).collect();
-                older.sort_unstable_by(|a, b| b.cmp(a));
-                for k in older.into_iter().skip(MAX_PREVIOUS_SETS - 1) {
-                    ops.push(TxnOp::delete(k.to_vec(), None));
+                let mut older: Vec<&etcd_client::KeyValue> =
+                    got.kvs().iter().filter(|kv| kv.key().starts_with(hprefix.as_bytes())).collect();
+                older.sort_unstable_by(|a, b| b.key().cmp(a.key()));
+                for kv in older.into_iter().skip(MAX_PREVIOUS_SETS - 1) {
+                    ops.push(TxnOp::delete(kv.key().to_vec(), None));
+                    if kv.lease() != 0 {
+                        trimmed.push(kv.lease());
+                    }
                 }
             }
             let txn = Txn::new().when([Compare::mod_revision(ekey.clone(), CompareOp::Equal, seen)]).and_then(ops);
@@ -869,6 +902,7 @@ impl Registry {
             let rev = done.header().map(|h| h.revision()).unwrap_or(0) as u64;
             self.counters.epoch_bumps.fetch_add(1, Ordering::Relaxed);
             tracing::info!(group, epoch = rev, members = members.len(), "member set changed: new epoch");
+            self.revoke_trimmed(&mut etcd, group, &trimmed).await;
             // The history as it is now (this transaction's key included).
             let after = etcd_call!(self, etcd.get(history_prefix(group), Some(GetOptions::new().with_prefix())).await)?;
             return Ok(self.assemble(&etcd, group, rev, members, placement, after.kvs()).await);

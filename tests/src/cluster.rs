@@ -340,6 +340,16 @@ impl Mds {
         Mds { child: Some(child), addr, stderr_lines }
     }
 
+    /// As [`Mds::start_at`], with `env` added to its environment (test-only
+    /// hooks such as `KVMDS_TEST_FREEZE_HELD_VIEW`).
+    pub fn start_env(listen: &str, etcd: &str, ttl: &str, env: &[(&str, &str)]) -> Mds {
+        let args = ["--listen", listen, "--etcd", etcd, "--lease-ttl", ttl, "--log-level", "info"];
+        let env: Vec<(String, String)> = env.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
+        let spawned = crate::try_spawn_daemon_with("kv-mds", &args, "kv-mds listening on ", &env, None);
+        let (child, addr, stderr_lines) = spawned.unwrap_or_else(|e| panic!("{e}"));
+        Mds { child: Some(child), addr, stderr_lines }
+    }
+
     /// As [`Mds::start_at`], trying `attempts` times (the address may be
     /// taken for a moment by another socket after its previous owner died).
     pub fn try_start_at(listen: &str, etcd: &str, ttl: &str, attempts: usize) -> Result<Mds, String> {

@@ -352,6 +352,12 @@ fn with_every_mds_down_clients_keep_their_ring_then_resume() {
 fn etcd_restart_is_reported_and_recovered_from() {
     let _serial = serial();
     let mut tier = Tier::new(1);
+    // Revisions spent before the group's first epoch, so that the epochs of
+    // the wiped etcd below (its revisions start again at 1) are lower.
+    for i in 0..12 {
+        let (ok, out) = tier.etcd.etcdctl(&["put", "/unrelated", &i.to_string()]);
+        assert!(ok, "{out}");
+    }
     let n1 = tier.node("n1", 1);
     let n2 = tier.node("n2", 1);
     let v = tier.await_members(0, &["n1", "n2"], Duration::from_secs(20));
@@ -399,10 +405,15 @@ fn etcd_restart_is_reported_and_recovered_from() {
             n.stderr_lines.try_iter().any(|l| l.contains("registering again")).then_some(())
         });
     }
-    // The client follows the new etcd's (lower) epoch within a poll.
-    wait_until(Duration::from_secs(10), "the client on the new epoch", || {
-        (c.core.epoch() == tier.view(0).map(|v| v.epoch).unwrap_or(0)).then_some(())
+    // The client follows the new etcd's (lower) epoch within a poll, and
+    // says that it went back.
+    let wiped = wait_until(Duration::from_secs(10), "the client on the new epoch", || {
+        let now = tier.view(0).map(|v| v.epoch).unwrap_or(0);
+        (c.core.epoch() == now).then_some(now)
     });
+    assert!(wiped < v.epoch, "the wiped etcd's epoch {wiped} is below {}", v.epoch);
+    assert!(c.core.metrics.mds_epoch_regressions.load(Ordering::Relaxed) >= 1);
+    assert!(!c.stats_text().contains("kvclient_mds_epoch_regressions_total 0"));
     assert_eq!(c.putv(b"after-wipe", &[&page(2)]), Status::Ok);
 }
 
@@ -909,4 +920,150 @@ fn a_fleet_registering_at_once_on_two_replicas_is_never_told_to_retry() {
     let (retries, shared) = (sum("kvmds_epoch_settle_retries_total"), sum("kvmds_view_reads_shared_total"));
     println!("{N} registrations at once on 2 replicas: {shared} shared a read, {retries} settle rounds begun again");
     assert!(retries < N as u64 / 4, "{retries} settle rounds begun again for {N} registrations");
+}
+
+/// The live etcd leases, as `etcdctl lease list` counts them.
+fn live_leases(etcd: &Etcd) -> usize {
+    let (ok, out) = etcd.etcdctl(&["lease", "list"]);
+    assert!(ok, "{out}");
+    out.lines()
+        .find_map(|l| l.strip_prefix("found ").and_then(|r| r.split_whitespace().next()).and_then(|n| n.parse().ok()))
+        .unwrap_or_else(|| panic!("no lease count in {out:?}"))
+}
+
+/// Every member-set change writes a history key on a lease of the handoff
+/// window and trims the history to the newest 4 keys: the trimmed keys'
+/// leases are revoked with them, so live leases stay at the members' plus
+/// at most 4, however many changes a long window sees.
+#[test]
+fn trimmed_history_keys_take_their_leases_with_them() {
+    let _serial = serial();
+    let dir = tempfile::tempdir().unwrap();
+    let etcd = Etcd::start(dir.path().join("etcd"));
+    // A day's window and a long TTL (these nodes never heartbeat).
+    let mds = Mds::start_with("127.0.0.1:0", &etcd.endpoint(), "60s", &["--handoff-secs", "86400"]);
+    let mut c = MdsClient::new(vec![mds.addr.clone()], Duration::from_secs(5));
+    let reg = |c: &mut MdsClient, id: &str, weight: u32| {
+        let req = kv_common::mds::RegisterRequest {
+            addr: format!("127.0.0.1:{}", 20000 + weight),
+            weight,
+            instance: id.to_string(),
+            metrics_addr: None,
+        };
+        c.register("g", id, &req).unwrap_or_else(|e| panic!("register {id}: {e}")).epoch
+    };
+    let mut last = reg(&mut c, "a", 1);
+    reg(&mut c, "b", 1);
+    // "b" joining wrote the first history key; each weight change of "a"
+    // (a new lease for it, its old one revoked) writes one more.
+    const CHANGES: u32 = 12;
+    for w in 2..=CHANGES + 1 {
+        let epoch = reg(&mut c, "a", w);
+        assert!(epoch > last, "a weight change is a new epoch");
+        last = epoch;
+        let leases = live_leases(&etcd);
+        assert!(leases <= 2 + 4, "after {} changes: {leases} live leases (2 members, at most 4 history keys)", w);
+    }
+    let v = c.view("g").unwrap();
+    assert_eq!(v.previous.len(), 4, "{v:?}");
+    assert_eq!(live_leases(&etcd), 2 + 4);
+    let history = CHANGES as u64 + 1;
+    assert_eq!(mds_counter(&mds.addr, "kvmds_history_leases_revoked_total"), history - 4);
+}
+
+/// A member record for a node that never runs (discovery does not dial
+/// members): registering it through `c` changes the member set.
+fn register_fake(c: &mut MdsClient, id: &str, port: u16) -> u64 {
+    let req = kv_common::mds::RegisterRequest {
+        addr: format!("127.0.0.1:{port}"),
+        weight: 1,
+        instance: id.to_string(),
+        metrics_addr: None,
+    };
+    c.register("g", id, &req).unwrap_or_else(|e| panic!("register {id}: {e}")).epoch
+}
+
+/// A replica whose held view lags the group (its watch frozen by the
+/// test-only hook, as a watch that has not delivered a change yet) answers
+/// a plain poll with `min_epoch` from etcd; and a client whose poll after a
+/// 422 lands on it never takes the older view back.
+#[test]
+fn a_replica_holding_an_older_view_never_steps_a_client_back() {
+    let _serial = serial();
+    let t = tempfile::tempdir().unwrap();
+    let etcd = Etcd::start(t.path().join("etcd"));
+    let mut fresh = Mds::start_with("127.0.0.1:0", &etcd.endpoint(), "60s", &[]);
+    let mut via_fresh = MdsClient::new(vec![fresh.addr.clone()], Duration::from_secs(5));
+    let e1 = register_fake(&mut via_fresh, "a", 21001);
+    // A client on both replicas, the frozen one not up yet: whichever it
+    // tries first, it follows the group on the fresh one.
+    let frozen_addr = format!("127.0.0.1:{}", kv_e2e::cluster::free_port());
+    let c = BlockingClient::new(Vec::new(), geo(), Options::parse("connect_timeout_ms=500").unwrap()).expect("client");
+    let eps = kv_common::mds::parse_endpoints(&format!("{},{frozen_addr}", fresh.addr)).unwrap();
+    let first = c.start_discovery(eps, "g".into(), POLL).expect("discovery thread");
+    assert_eq!(first, Ok(e1));
+    let frozen = Mds::start_env(&frozen_addr, &etcd.endpoint(), "60s", &[("KVMDS_TEST_FREEZE_HELD_VIEW", "1")]);
+    let mut via_frozen = MdsClient::new(vec![frozen.addr.clone()], Duration::from_secs(5));
+    // The frozen replica's first view of the group is the one it keeps.
+    assert_eq!(via_frozen.view("g").unwrap().epoch, e1);
+    let e2 = register_fake(&mut via_fresh, "b", 21002);
+    assert!(e2 > e1);
+    // Until its watch runs a replica reads etcd for every poll; from then
+    // on it answers plain polls with the view it holds: e1.
+    wait_until(Duration::from_secs(10), "the frozen replica answering its held view", || {
+        (via_frozen.view("g").unwrap().epoch == e1).then_some(())
+    });
+
+    // (a) min_epoch: the held view is older, so etcd is read.
+    let behind = mds_counter(&frozen.addr, "kvmds_polls_behind_min_epoch_total");
+    let path = format!("/v1/groups/g/view?min_epoch={e2}");
+    let (code, body) = via_frozen.request(&frozen.addr, "GET", &path, None, Duration::ZERO).unwrap();
+    assert_eq!(code, 200, "{}", String::from_utf8_lossy(&body));
+    let v: View = serde_json::from_slice(&body).unwrap();
+    assert_eq!(v.epoch, e2, "a plain poll with min_epoch={e2}");
+    assert_eq!(via_frozen.view_at_least("g", e2).unwrap().epoch, e2);
+    assert_eq!(mds_counter(&frozen.addr, "kvmds_polls_behind_min_epoch_total"), behind + 2);
+    let (code, _) =
+        via_frozen.request(&frozen.addr, "GET", "/v1/groups/g/view?min_epoch=x", None, Duration::ZERO).unwrap();
+    assert_eq!(code, 400);
+    assert_eq!(via_frozen.view("g").unwrap().epoch, e1, "without min_epoch, still the held view");
+
+    // (b) The client, on the fresh replica, takes e2.
+    wait_until(Duration::from_secs(10), "the client on e2", || (c.core.epoch() == e2).then_some(()));
+    // MDS epochs the client is seen on (while it refuses the group it has
+    // no ring, and a local epoch).
+    let mut seen = vec![e2];
+    let mut look = |c: &BlockingClient| {
+        let topo = c.core.topology();
+        if !topo.nodes.is_empty() && seen.last() != Some(&topo.epoch) {
+            seen.push(topo.epoch);
+        }
+    };
+    // The group placed by a rule no build knows: every view is a 422, and
+    // the client asks for a whole view again after each.
+    let placement = format!("{}g/placement", kv_common::mds::ETCD_ROOT);
+    let (ok, out) = etcd.etcdctl(&["put", &placement, "no-such-rule"]);
+    assert!(ok, "{out}");
+    let e3 = register_fake(&mut via_fresh, "c", 21003);
+    wait_until(Duration::from_secs(10), "the client refusing the group", || {
+        look(&c);
+        c.core.discovery_error().filter(|e| e.contains("no-such-rule")).map(|_| ())
+    });
+    // Its next poll after the 422 fails over to the frozen replica, which
+    // holds e1 (and would answer it to a plain poll): it must read etcd.
+    let failovers = c.core.metrics.mds_failovers.load(Ordering::Relaxed);
+    fresh.kill9();
+    let (ok, out) = etcd.etcdctl(&["del", &placement]);
+    assert!(ok, "{out}");
+    let e4 = register_fake(&mut via_frozen, "d", 21004);
+    assert!(e4 > e3 && e3 > e2);
+    wait_until(Duration::from_secs(10), "the client on the frozen replica's fresh read", || {
+        look(&c);
+        (c.core.epoch() == e4).then_some(())
+    });
+    assert!(c.core.metrics.mds_failovers.load(Ordering::Relaxed) > failovers, "the client moved to the frozen replica");
+    assert!(!seen.contains(&e1), "the client took the frozen replica's older view: {seen:?}");
+    assert_eq!(c.core.metrics.mds_epoch_regressions.load(Ordering::Relaxed), 0);
+    assert!(c.stats_text().contains("kvclient_mds_epoch_regressions_total 0"));
+    assert_eq!(via_frozen.view("g").unwrap().epoch, e1, "the frozen replica still held e1");
 }
