@@ -413,6 +413,19 @@ mod tests {
         MemberRecord { id: id.into(), addr: addr.into(), weight: 1, metrics_addr: None }
     }
 
+    /// A store of one 64 MiB disk under `t`, and a geometry for its pages.
+    fn one_disk(t: &tempfile::TempDir) -> (Store, Geometry) {
+        let cfg = StoreConfig {
+            disks: vec![DiskSpec { dir: t.path().join("d0"), cap: 64 << 20 }],
+            mem_cap: 0,
+            sync_writes: false,
+            pool_bytes: 16 << 20,
+            ack_memory_max: None,
+        };
+        let (store, _) = Store::open(&cfg).unwrap();
+        (store, Geometry { model_hash: 1, page_size: 16, dtype_tag: 1, tp_size: 1, ..Geometry::default() })
+    }
+
     #[test]
     fn a_view_naming_the_draining_node_is_pushed_without_it() {
         let mut v = vec![m("a", "h:1"), m("me", "h:2"), m("b", "h:3")];
@@ -480,15 +493,7 @@ mod tests {
     #[test]
     fn every_owner_of_a_large_group_is_served_and_a_hung_or_refusing_one_costs_only_its_pages() {
         let t = tempfile::tempdir().unwrap();
-        let cfg = StoreConfig {
-            disks: vec![DiskSpec { dir: t.path().join("d0"), cap: 64 << 20 }],
-            mem_cap: 0,
-            sync_writes: false,
-            pool_bytes: 16 << 20,
-            ack_memory_max: None,
-        };
-        let (store, _) = Store::open(&cfg).unwrap();
-        let geo = Geometry { model_hash: 1, page_size: 16, dtype_tag: 1, tp_size: 1, ..Geometry::default() };
+        let (store, geo) = one_disk(&t);
         let keys: Vec<Vec<u8>> = (0..600).map(|i| format!("drain-unit-{i}").into_bytes()).collect();
         for k in &keys {
             store.put(store.pool().copy_of(&build_record(geo, k, &[7u8; 2048]))).unwrap();
@@ -541,15 +546,7 @@ mod tests {
     #[test]
     fn a_drain_that_ends_first_says_how_many_pages_it_left() {
         let t = tempfile::tempdir().unwrap();
-        let cfg = StoreConfig {
-            disks: vec![DiskSpec { dir: t.path().join("d0"), cap: 64 << 20 }],
-            mem_cap: 0,
-            sync_writes: false,
-            pool_bytes: 16 << 20,
-            ack_memory_max: None,
-        };
-        let (store, _) = Store::open(&cfg).unwrap();
-        let geo = Geometry { model_hash: 1, page_size: 16, dtype_tag: 1, tp_size: 1, ..Geometry::default() };
+        let (store, geo) = one_disk(&t);
         for i in 0..50 {
             store.put(store.pool().copy_of(&build_record(geo, format!("k{i}").as_bytes(), b"x"))).unwrap();
         }
