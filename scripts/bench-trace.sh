@@ -102,22 +102,12 @@ run_event() { # run_event NAME HANDOFF_SECS SPAN COMMAND   (CAP: each node's, de
 }
 crash_back=$(python3 -c "print(60 / $speed)")
 
-if [ "$what" = events ] || [ "$what" = all ]; then
-  # EVENTS and HANDOFFS pick a subset (results of earlier runs are kept).
-  for h in ${HANDOFFS:-600 0}; do
-    for e in ${EVENTS:-control join stop crash rolling}; do
-      case $e in
-        control) run_event "control-h$h" "$h" "$rspan" "true" ;;
-        join) run_event "join-h$h" "$h" "$span" "$ev join n4" ;;
-        stop) run_event "stop-h$h" "$h" "$span" "$ev stop n3" ;;
-        crash) run_event "crash-h$h" "$h" "$span" "$ev crash n3 $crash_back" ;;
-        rolling) run_event "rolling-h$h" "$h" "$rspan" "$ev rolling" ;;
-      esac
-    done
-  done
-  python3 - "$results" "$at" "$span" "$rspan" "$speed" <<'EOF' | tee "$work/summary.txt"
+# summary DIR TITLE: hits in the span after the event of each run in DIR
+# against its control run (NAME-hH.json beside control-hH.json).
+summary() {
+  python3 - "$1" "$at" "$span" "$rspan" "$speed" "$2" <<'EOF'
 import json, sys, os
-d, at, span, rspan, speed = sys.argv[1], float(sys.argv[2]), float(sys.argv[3]), float(sys.argv[4]), sys.argv[5]
+d, at, span, rspan, speed, title = sys.argv[1], float(sys.argv[2]), float(sys.argv[3]), float(sys.argv[4]), sys.argv[5], sys.argv[6]
 def load(n):
     try:
         return json.load(open(os.path.join(d, n + ".json")))
@@ -125,7 +115,7 @@ def load(n):
         return None
 def span_hits(r, s):
     return sum(w["hits"] for w in r["windows"] if at <= w["start_s"] < at + s)
-print(f"events at trace time {at:.0f} s, speed {speed} (membership clocks divided by {speed} too)")
+print(f"{title}events at trace time {at:.0f} s, speed {speed} (membership clocks divided by {speed} too)")
 print(f"{'event':<9} {'handoff':<8} {'span s':>6} {'hits':>7} {'control':>8} {'loss %':>7} {'wrong':>6}")
 for ev in ["join", "stop", "crash", "rolling"]:
     for h in ["600", "0"]:
@@ -140,6 +130,22 @@ for ev in ["join", "stop", "crash", "rolling"]:
 a, b = load("control-h600"), load("control-h0")
 if a and b: print(f"control vs control (noise): {span_hits(a, span)} vs {span_hits(b, span)} hits in the {span:.0f} s span")
 EOF
+}
+
+if [ "$what" = events ] || [ "$what" = all ]; then
+  # EVENTS and HANDOFFS pick a subset (results of earlier runs are kept).
+  for h in ${HANDOFFS:-600 0}; do
+    for e in ${EVENTS:-control join stop crash rolling}; do
+      case $e in
+        control) run_event "control-h$h" "$h" "$rspan" "true" ;;
+        join) run_event "join-h$h" "$h" "$span" "$ev join n4" ;;
+        stop) run_event "stop-h$h" "$h" "$span" "$ev stop n3" ;;
+        crash) run_event "crash-h$h" "$h" "$span" "$ev crash n3 $crash_back" ;;
+        rolling) run_event "rolling-h$h" "$h" "$rspan" "$ev rolling" ;;
+      esac
+    done
+  done
+  summary "$results" "" | tee "$work/summary.txt"
 fi
 
 if [ "$what" = fleet ]; then
@@ -151,41 +157,18 @@ if [ "$what" = fleet ]; then
   results=$fleet
   for e in ${EVENTS:-control stop join crash rolling}; do
     case $e in
-      control) run_event control 600 "$rspan" "true" ;;
+      control) run_event control-h600 600 "$rspan" "true" ;;
       stop)
-        run_event stop 600 "$span" "$ev stop n12"
+        run_event stop-h600 600 "$span" "$ev stop n12"
         grep -h "drain push:\|drain: pushing\|drain: the group\|drain: pages pushed" "$cluster/n12.log" >"$fleet/stop-push.txt" || true
         ;;
-      join) run_event join 600 "$span" "$ev join n$((NODES + 1)) n$((NODES + 2))" ;;
-      crash) run_event crash 600 "$span" "$ev crash n7 $crash_back" ;;
-      rolling) run_event rolling 600 "$rspan" "$ev rolling n1 n2 n3" ;;
+      join) run_event join-h600 600 "$span" "$ev join n$((NODES + 1)) n$((NODES + 2))" ;;
+      crash) run_event crash-h600 600 "$span" "$ev crash n7 $crash_back" ;;
+      rolling) run_event rolling-h600 600 "$rspan" "$ev rolling n1 n2 n3" ;;
     esac
   done
-  python3 - "$fleet" "$at" "$span" "$rspan" "$speed" "$NODES" <<'EOF' | tee "$fleet/summary.txt"
-import json, sys, os
-d, at, span, rspan, speed, nodes = sys.argv[1], float(sys.argv[2]), float(sys.argv[3]), float(sys.argv[4]), sys.argv[5], sys.argv[6]
-def load(n):
-    try:
-        return json.load(open(os.path.join(d, n + ".json")))
-    except OSError:
-        return None
-def span_hits(r, s):
-    return sum(w["hits"] for w in r["windows"] if at <= w["start_s"] < at + s)
-print(f"{nodes} nodes; events at trace time {at:.0f} s, speed {speed} (membership clocks divided by {speed} too), handoff on")
-print(f"{'event':<9} {'span s':>6} {'hits':>7} {'control':>8} {'loss %':>7} {'wrong':>6}")
-c = load("control")
-for ev in ["stop", "join", "crash", "rolling"]:
-    r = load(ev)
-    if r is None or c is None:
-        continue
-    s = rspan if ev == "rolling" else span
-    hits, ctl = span_hits(r, s), span_hits(c, s)
-    loss = 100.0 * (ctl - hits) / ctl if ctl else 0.0
-    print(f"{ev:<9} {s:>6.0f} {hits:>7} {ctl:>8} {loss:>7.1f} {r['wrong_pages']:>6}")
-try:
-    for l in open(os.path.join(d, "stop-push.txt")):
-        print("n12:", l.strip()[-220:])
-except OSError:
-    pass
-EOF
+  {
+    summary "$fleet" "$NODES nodes; "
+    sed 's/^/n12: /' "$fleet/stop-push.txt" 2>/dev/null || true
+  } | tee "$fleet/summary.txt"
 fi

@@ -426,6 +426,37 @@ fn static_member_lists_hand_off_too() {
     assert_eq!(misses(&c), Vec::<usize>::new());
 }
 
+/// Without --mds there is no group to leave and no view to push by: the
+/// node still drains (clients whose member lists drop it read its pages
+/// through the handoff meanwhile), says so, and pushes nothing.
+#[test]
+fn a_node_without_mds_drains_without_a_group_or_a_push() {
+    let _s = serial();
+    let t = tempfile::tempdir().unwrap();
+    let d = t.path().join("alone");
+    let n = Node::start(&["--dir", d.to_str().unwrap(), "--no-sync", "--log-level", "info", "--drain-secs", "1"]);
+    let c = BlockingClient::new(
+        kvclient::members::parse_members(&format!("alone={}", n.addr)).unwrap(),
+        geo(),
+        Options::parse("io_timeout_ms=3000").unwrap(),
+    )
+    .unwrap();
+    assert_eq!(c.putv(&key(0), &[&page(0)]), Status::Ok);
+    let addr = n.addr.clone();
+    n.signal(libc::SIGTERM);
+    // Draining: still read, no longer written.
+    wait_until(Duration::from_secs(10), "the drain", || node_stats(&addr).draining.then_some(()));
+    let mut buf = vec![0u8; 8192];
+    assert_eq!(c.getv(&key(0), &mut [&mut buf[..]]).ok(), Some(8192), "a draining node is still read");
+    let (status, lines) = n.wait_exit_lines(Duration::from_secs(20));
+    assert!(status.success(), "{status:?}");
+    let log = lines.join("\n");
+    assert!(log.contains("no --mds: no group to leave, pages are not pushed"), "{log}");
+    assert!(!log.contains("leaving the group"), "{log}");
+    assert!(!log.contains("drain push"), "{log}");
+    assert!(log.contains("drain over: shutting down"), "{log}");
+}
+
 #[test]
 fn views_with_four_previous_sets_at_1000_members_stay_small() {
     let _s = serial();
