@@ -434,7 +434,8 @@ fn a_node_without_mds_drains_without_a_group_or_a_push() {
     let _s = serial();
     let t = tempfile::tempdir().unwrap();
     let d = t.path().join("alone");
-    let n = Node::start(&["--dir", d.to_str().unwrap(), "--no-sync", "--log-level", "info", "--drain-secs", "1"]);
+    let args = ["--dir", d.to_str().unwrap(), "--cap", "64M", "--no-sync", "--log-level", "info", "--drain-secs", "1"];
+    let n = Node::start(&args);
     let c = BlockingClient::new(
         kvclient::members::parse_members(&format!("alone={}", n.addr)).unwrap(),
         geo(),
