@@ -44,6 +44,9 @@ pub struct DataConn {
     max_record: u64,
     next_id: u64,
     in_flight: usize,
+    /// An I/O error or an answer out of step happened: the stream's
+    /// framing can no longer be trusted (a pool closes it).
+    broken: bool,
     /// Taken from a pool's idle list (its node may have closed it since).
     pub reused: bool,
 }
@@ -70,9 +73,15 @@ impl DataConn {
         s.read_exact(&mut hb)?;
         let reply = Hello::decode(&hb).map_err(|e| err(format!("{addr}: {e}")))?;
         match wire::judge_hello(WIRE_VERSION, &reply) {
-            HelloVerdict::Accepted { max_record } => {
-                Ok(DataConn { stream: s, addr: addr.to_string(), max_record, next_id: 1, in_flight: 0, reused: false })
-            }
+            HelloVerdict::Accepted { max_record } => Ok(DataConn {
+                stream: s,
+                addr: addr.to_string(),
+                max_record,
+                next_id: 1,
+                in_flight: 0,
+                broken: false,
+                reused: false,
+            }),
             HelloVerdict::Denied => Err(err(format!("{addr} refused this node's auth token"))),
             HelloVerdict::Retry(v) => Err(err(format!("{addr} speaks protocol v{v} only"))),
             HelloVerdict::Refused(why) => Err(err(format!("{addr}: {why}"))),
@@ -94,6 +103,19 @@ impl DataConn {
         self.in_flight
     }
 
+    /// Sets the deadline of each read and write from now on.
+    pub fn set_io_timeout(&mut self, d: Duration) -> io::Result<()> {
+        self.stream.set_read_timeout(Some(d))?;
+        self.stream.set_write_timeout(Some(d))
+    }
+
+    fn broke<T>(&mut self, r: io::Result<T>) -> io::Result<T> {
+        if r.is_err() {
+            self.broken = true;
+        }
+        r
+    }
+
     /// Sends one request whose body is `parts` in order; `copy_age` is the
     /// header's age of a handoff copy ([`wire::encode_copy_age`], 0
     /// otherwise; docs/PROTOCOL.md). Returns its id.
@@ -102,10 +124,14 @@ impl DataConn {
         let body_len = u32::try_from(len).map_err(|_| err(format!("a body of {len} bytes does not fit a frame")))?;
         let req_id = self.next_id;
         self.next_id += 1;
-        self.stream.write_all(&ReqHeader { op, flags, body_len, req_id, copy_age }.encode())?;
-        for p in parts {
-            self.stream.write_all(p)?;
-        }
+        let sent = (|| {
+            self.stream.write_all(&ReqHeader { op, flags, body_len, req_id, copy_age }.encode())?;
+            for p in parts {
+                self.stream.write_all(p)?;
+            }
+            Ok(())
+        })();
+        self.broke(sent)?;
         self.in_flight += 1;
         Ok(req_id)
     }
@@ -117,13 +143,16 @@ impl DataConn {
             return Err(err("no request in flight to answer".into()));
         }
         let mut rb = [0u8; FRAME_HEADER_LEN];
-        self.stream.read_exact(&mut rb)?;
+        let got = self.stream.read_exact(&mut rb);
+        self.broke(got)?;
         let r = RspHeader::decode(&rb);
         if r.body_len > max_body || r.req_id == 0 || r.req_id >= self.next_id {
-            return Err(err(format!("{}: an answer out of step (id {}, {} bytes)", self.addr, r.req_id, r.body_len)));
+            let e = err(format!("{}: an answer out of step (id {}, {} bytes)", self.addr, r.req_id, r.body_len));
+            return self.broke(Err(e));
         }
         let mut body = vec![0u8; r.body_len as usize];
-        self.stream.read_exact(&mut body)?;
+        let got = self.stream.read_exact(&mut body);
+        self.broke(got)?;
         self.in_flight -= 1;
         Ok(Answer { req_id: r.req_id, status: r.status, flags: r.flags, body })
     }
@@ -172,10 +201,11 @@ impl ConnPool {
         DataConn::connect(addr, self.token.as_deref(), self.connect_timeout, self.io_timeout)
     }
 
-    /// Gives a connection back for reuse; one with answers still owed is
-    /// closed instead (its stream is out of step for the next user).
+    /// Gives a connection back for reuse; one with answers still owed, or
+    /// one that failed, is closed instead (its stream is out of step for
+    /// the next user).
     pub fn give(&self, c: DataConn) {
-        if c.in_flight > 0 || self.max_idle == 0 {
+        if c.in_flight > 0 || c.broken || self.max_idle == 0 {
             return;
         }
         let mut idle = self.idle.lock().unwrap_or_else(|e| e.into_inner());

@@ -17,7 +17,7 @@ use std::cmp::Reverse;
 use std::collections::BTreeSet;
 use std::collections::BinaryHeap;
 use std::sync::atomic::Ordering;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 use kv_common::conn::{ConnPool, DataConn, MAX_SMALL_ANSWER};
@@ -27,7 +27,7 @@ use kv_common::status::Status;
 use kv_common::wire::{Op, FLAG_HANDOFF};
 
 use crate::handoff::Handoff;
-use crate::store::{GetOutcome, Store};
+use crate::store::Store;
 
 /// Worker threads of a drain push (connections in use at once).
 pub const PUSH_THREADS: usize = 16;
@@ -111,16 +111,53 @@ struct Queue {
 
 struct Sched {
     queues: Vec<Queue>,
-    /// Owners ready for a batch, by the rank of their next key.
+    /// Owners ready for a batch, by the rank of their next key (an owner
+    /// may be in it more than once; stale entries are skipped).
     ready: BinaryHeap<Reverse<(u32, usize)>>,
     tally: Vec<OwnerTally>,
+    /// Batches being pushed now, over all owners.
+    active: usize,
+    /// Owners with pages not yet taken, and the workers.
+    with_work: usize,
+    threads: usize,
 }
 
 impl Sched {
-    fn requeue(&mut self, o: usize, per: usize) {
+    /// Workers one owner may have at once: the workers shared among the
+    /// owners that still have pages (more each as owners finish), at most
+    /// [`PER_OWNER_MAX`].
+    fn share(&self) -> usize {
+        (self.threads / self.with_work.max(1)).clamp(1, PER_OWNER_MAX)
+    }
+
+    fn has_work(q: &Queue) -> bool {
+        !q.dead && q.next < q.keys.len()
+    }
+
+    fn requeue(&mut self, o: usize) {
+        let per = self.share();
         let q = &self.queues[o];
-        if !q.dead && q.next < q.keys.len() && q.active < per {
+        if Sched::has_work(q) && q.active < per {
             self.ready.push(Reverse((q.keys[q.next].0, o)));
+        }
+    }
+
+    /// Every owner that may take another worker back in the heap (after
+    /// the share grew).
+    fn requeue_all(&mut self) {
+        for o in 0..self.queues.len() {
+            if !self.ready.iter().any(|Reverse((_, x))| *x == o) {
+                self.requeue(o);
+            }
+        }
+    }
+
+    /// An owner's pages are all taken, or it was left: the others' share grows.
+    fn owner_done(&mut self) {
+        let before = self.share();
+        self.with_work = self.with_work.saturating_sub(1);
+        if self.share() > before {
+            self.requeue_all();
         }
     }
 }
@@ -175,20 +212,19 @@ pub fn push_pages(
     let with_pages = queues.iter().filter(|q| !q.keys.is_empty()).count();
     h.push_owners.store(with_pages as u64, Ordering::Relaxed);
     let threads = threads.clamp(1, with_pages.max(1) * PER_OWNER_MAX);
-    let per = (threads / with_pages.max(1)).clamp(1, PER_OWNER_MAX);
-    let mut sched = Sched { queues, ready: BinaryHeap::new(), tally };
+    let mut sched = Sched { queues, ready: BinaryHeap::new(), tally, active: 0, with_work: with_pages, threads };
     for o in 0..members.len() {
-        sched.requeue(o, per);
+        sched.requeue(o);
     }
-    let sched = Mutex::new(sched);
+    let sched = (Mutex::new(sched), Condvar::new());
     let pool = ConnPool::new(threads, token.map(|t| t.as_bytes()), CONNECT_TIMEOUT, IO_TIMEOUT);
     let stop = || h.push_stop.load(Ordering::Relaxed) || Instant::now() >= deadline;
     std::thread::scope(|s| {
         for _ in 0..threads {
-            s.spawn(|| worker(store, h, members, &sched, &pool, per, &stop));
+            s.spawn(|| worker(store, h, members, &sched, &pool, &stop));
         }
     });
-    let mut sched = sched.into_inner().unwrap_or_else(|e| e.into_inner());
+    let mut sched = sched.0.into_inner().unwrap_or_else(|e| e.into_inner());
     // What no worker got to: left (the drain ended) or failed (its owner was left).
     for (q, t) in sched.queues.iter().zip(sched.tally.iter_mut()) {
         let rest = (q.keys.len() - q.next) as u64;
@@ -206,28 +242,40 @@ pub fn push_pages(
     report
 }
 
-/// Takes batches until none is left or the drain ends.
+/// Takes batches until none is left or the drain ends. A worker that finds
+/// no owner ready while batches are being pushed waits for one to end (an
+/// owner at its share comes back then, and its share grows as others
+/// finish) rather than leave.
 fn worker(
     store: &Store,
     h: &Handoff,
     members: &[MemberRecord],
-    sched: &Mutex<Sched>,
+    sched: &(Mutex<Sched>, Condvar),
     pool: &ConnPool,
-    per: usize,
     stop: &dyn Fn() -> bool,
 ) {
+    let (lock, turn) = sched;
     loop {
-        if stop() {
-            return;
-        }
         let (o, batch) = {
-            let mut s = sched.lock().unwrap_or_else(|e| e.into_inner());
+            let mut s = lock.lock().unwrap_or_else(|e| e.into_inner());
             let o = loop {
-                let Some(Reverse((_, o))) = s.ready.pop() else { return };
-                let q = &s.queues[o];
-                // Stale entries (taken since, owner left) are skipped.
-                if !q.dead && q.next < q.keys.len() && q.active < per {
-                    break o;
+                if stop() {
+                    return;
+                }
+                match s.ready.pop() {
+                    Some(Reverse((_, o))) => {
+                        let per = s.share();
+                        let q = &s.queues[o];
+                        // Stale entries (taken since, owner left) are skipped.
+                        if Sched::has_work(q) && q.active < per {
+                            break o;
+                        }
+                    }
+                    None if s.active == 0 => return,
+                    None => {
+                        // Woken when a batch ends; the timeout notices the drain's end.
+                        s = turn.wait_timeout(s, Duration::from_millis(50)).unwrap_or_else(|e| e.into_inner()).0;
+                    }
                 }
             };
             let q = &mut s.queues[o];
@@ -235,28 +283,46 @@ fn worker(
             let batch: Vec<Arc<[u8]>> = q.keys[q.next..end].iter().map(|(_, k)| k.clone()).collect();
             q.next = end;
             q.active += 1;
-            s.requeue(o, per);
+            let taken = q.next == q.keys.len();
+            s.active += 1;
+            if taken {
+                s.owner_done();
+            }
+            s.requeue(o);
             (o, batch)
         };
         let out = push_batch(store, h, pool, &members[o].addr, &batch, stop);
-        let mut s = sched.lock().unwrap_or_else(|e| e.into_inner());
+        let mut s = lock.lock().unwrap_or_else(|e| e.into_inner());
+        let ended = stop();
         let t = &mut s.tally[o];
         t.pushed += out.pushed;
         t.refused += out.refused;
         t.gone += out.gone;
         t.left += out.unsent;
-        if let Some(e) = out.error {
-            // The pages of this batch not answered went nowhere.
-            t.failed += out.unanswered;
-            if t.error.is_none() {
-                tracing::warn!(owner = %members[o].id, addr = %members[o].addr, error = %e, "drain: this owner is left for the rest of the drain");
-                t.error = Some(e);
+        match out.error {
+            // The drain ended meanwhile: what this batch did not deliver
+            // is left, as the rest; the owner is not to blame.
+            Some(_) if ended => t.left += out.unanswered,
+            Some(e) => {
+                // The pages of this batch not answered went nowhere.
+                t.failed += out.unanswered;
+                if t.error.is_none() {
+                    tracing::warn!(owner = %members[o].id, addr = %members[o].addr, error = %e, "drain: this owner is left for the rest of the drain");
+                    t.error = Some(e);
+                }
+                let q = &mut s.queues[o];
+                let had_work = q.next < q.keys.len();
+                q.dead = true;
+                if had_work {
+                    s.owner_done();
+                }
             }
-            s.queues[o].dead = true;
+            None => {}
         }
-        let q = &mut s.queues[o];
-        q.active -= 1;
-        s.requeue(o, per);
+        s.queues[o].active -= 1;
+        s.active -= 1;
+        s.requeue(o);
+        turn.notify_all();
     }
 }
 
@@ -270,11 +336,15 @@ struct BatchOut {
     /// Sent or about to be, unanswered when the owner failed.
     unanswered: u64,
     error: Option<String>,
+    error_kind: Option<std::io::ErrorKind>,
 }
 
 /// Sends `keys` to the owner at `addr` on one pooled connection, a window
-/// of puts in flight. A reused connection that fails before any answer (its
-/// owner closed it while it sat idle) is replaced by a new one once.
+/// of puts in flight. A reused connection the owner closed while it sat
+/// idle (reset, end of stream, before any answer) is replaced by a new one
+/// once; a new connection that cannot be made (refused, busy at the
+/// owner's `--max-conns`) is tried [`CONNECT_TRIES`] times, one to an
+/// owner that does not answer within the I/O timeout once.
 fn push_batch(
     store: &Store,
     h: &Handoff,
@@ -283,17 +353,24 @@ fn push_batch(
     keys: &[Arc<[u8]>],
     stop: &dyn Fn() -> bool,
 ) -> BatchOut {
-    let mut conn = match pool.take(addr) {
+    let failed = |e: std::io::Error| BatchOut {
+        unanswered: keys.len() as u64,
+        error: Some(e.to_string()),
+        ..Default::default()
+    };
+    let mut conn = match connect(pool, addr, stop, false) {
         Ok(c) => c,
-        Err(e) => return BatchOut { unanswered: keys.len() as u64, error: Some(e.to_string()), ..Default::default() },
+        Err(e) => return failed(e),
     };
     let mut out = push_on(store, h, &mut conn, keys, stop);
-    if out.error.is_some() && conn.reused && out.pushed + out.refused == 0 {
-        conn = match pool.fresh(addr) {
+    let stale = out.error_kind.is_some_and(|k| {
+        use std::io::ErrorKind::*;
+        matches!(k, UnexpectedEof | ConnectionReset | ConnectionAborted | BrokenPipe)
+    });
+    if stale && conn.reused && out.pushed + out.refused == 0 && !stop() {
+        conn = match connect(pool, addr, stop, true) {
             Ok(c) => c,
-            Err(e) => {
-                return BatchOut { unanswered: keys.len() as u64, error: Some(e.to_string()), ..Default::default() }
-            }
+            Err(e) => return failed(e),
         };
         out = push_on(store, h, &mut conn, keys, stop);
     }
@@ -301,6 +378,32 @@ fn push_batch(
         pool.give(conn);
     }
     out
+}
+
+/// Connections tried to an owner before it is left.
+const CONNECT_TRIES: u32 = 3;
+
+/// A connection to `addr` (a new one with `fresh`), tried a few times with
+/// a short pause between, never past the drain's end.
+fn connect(pool: &ConnPool, addr: &str, stop: &dyn Fn() -> bool, fresh: bool) -> std::io::Result<DataConn> {
+    let mut last = None;
+    for i in 0..CONNECT_TRIES {
+        if i > 0 {
+            if stop() {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(100 << i));
+        }
+        match if fresh || i > 0 { pool.fresh(addr) } else { pool.take(addr) } {
+            Ok(c) => return Ok(c),
+            // A hung owner (no hello within the I/O timeout) is not asked again.
+            Err(e) if matches!(e.kind(), std::io::ErrorKind::TimedOut | std::io::ErrorKind::WouldBlock) => {
+                return Err(e)
+            }
+            Err(e) => last = Some(e),
+        }
+    }
+    Err(last.unwrap_or_else(|| std::io::Error::other("the drain ended")))
 }
 
 /// The puts of `keys` on `conn`. On an I/O error the pages in flight and
@@ -328,6 +431,7 @@ fn push_on(store: &Store, h: &Handoff, conn: &mut DataConn, keys: &[Arc<[u8]>], 
     };
     let failed = |e: std::io::Error, inflight: usize, unsent: usize, mut out: BatchOut| {
         out.unanswered = (inflight + unsent) as u64;
+        out.error_kind = Some(e.kind());
         out.error = Some(e.to_string());
         out
     };
@@ -337,7 +441,7 @@ fn push_on(store: &Store, h: &Handoff, conn: &mut DataConn, keys: &[Arc<[u8]>], 
             break;
         }
         let read = Instant::now();
-        let GetOutcome::Hit(rec) = store.get(k, None) else {
+        let Some(rec) = store.read_for_push(k) else {
             out.gone += 1;
             continue;
         };
@@ -364,6 +468,11 @@ fn push_on(store: &Store, h: &Handoff, conn: &mut DataConn, keys: &[Arc<[u8]>], 
             }
         }
     }
+    if !inflight.is_empty() && stop() {
+        // The drain is over: the answers still owed get a second, not the
+        // full I/O timeout each.
+        let _ = conn.set_io_timeout(AFTER_STOP);
+    }
     while !inflight.is_empty() {
         if let Err(e) = answer(conn, &mut inflight, &mut out) {
             return failed(e, inflight.len(), 0, out);
@@ -371,6 +480,9 @@ fn push_on(store: &Store, h: &Handoff, conn: &mut DataConn, keys: &[Arc<[u8]>], 
     }
     out
 }
+
+/// How long the answers owed when the drain ends are waited for.
+const AFTER_STOP: Duration = Duration::from_secs(1);
 
 /// Logs the push: one line per owner that had pages, then the totals.
 pub fn log_report(r: &DrainReport) {

@@ -525,7 +525,8 @@ fn views_with_four_previous_sets_at_1000_members_stay_small() {
     assert!(json.len() < kv_common::mds::MAX_REPLY / 64, "far below the client's reply limit");
     // A client following the group takes all four.
     let c = BlockingClient::new(Vec::new(), geo(), Options::default()).unwrap();
-    assert!(c.start_discovery(vec![mds.addr.clone()], "big".into(), Duration::from_millis(500)).unwrap().is_ok());
+    let first = c.start_discovery(vec![mds.addr.clone()], "big".into(), Duration::from_millis(500)).unwrap();
+    assert!(first.is_ok(), "{first:?}: {:?}", c.core.discovery_error());
     assert_eq!(c.core.topology().previous.len(), 4);
     assert_eq!(c.core.topology().previous[3].nodes.len(), 1000);
 }

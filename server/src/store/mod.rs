@@ -897,6 +897,25 @@ impl Store {
         Some(GetOutcome::Hit(rec))
     }
 
+    /// A record read for the drain's push: from its disk, without
+    /// refreshing its recency or filling the memory tier (the pages clients
+    /// still read through the handoff keep their place there), and without
+    /// counting a get. None when no disk holds it (deleted, evicted).
+    pub fn read_for_push(&self, key: &[u8]) -> Option<Arc<PooledBuf>> {
+        for d in self.view().live() {
+            match d.get(key, None, &self.pool, false) {
+                Ok(Lookup::Hit(buf)) => return Some(Arc::new(buf)),
+                Ok(Lookup::Miss) => {}
+                Ok(_) => return None,
+                Err(_) => {
+                    self.rebuild_ring();
+                    return None;
+                }
+            }
+        }
+        None
+    }
+
     /// Counts a get answered as a miss without calling [`Store::get`].
     pub fn count_miss(&self) {
         self.c.misses_absent.fetch_add(1, Ordering::Relaxed);
