@@ -770,21 +770,31 @@ impl Store {
     fn warm_one(&self, key: &[u8]) -> bool {
         let Some(m) = &self.mem else { return false };
         let generation = m.generation();
+        match self.read_cold(key) {
+            Some(buf) => {
+                m.insert(key, Arc::new(buf), generation);
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// A record read from the disk holding it, without refreshing its
+    /// recency, filling the memory tier or counting a get (warming, the
+    /// drain's push). None when no disk holds it whole.
+    fn read_cold(&self, key: &[u8]) -> Option<PooledBuf> {
         for d in self.view().live() {
             match d.get(key, None, &self.pool, false) {
-                Ok(Lookup::Hit(buf)) => {
-                    m.insert(key, Arc::new(buf), generation);
-                    return true;
-                }
+                Ok(Lookup::Hit(buf)) => return Some(buf),
                 Ok(Lookup::Miss) => {}
-                Ok(_) => return false,
+                Ok(_) => return None,
                 Err(_) => {
                     self.rebuild_ring();
-                    return false;
+                    return None;
                 }
             }
         }
-        false
+        None
     }
 
     fn warmer(store: std::sync::Weak<Store>, w: Arc<warm::Warmer>) {
@@ -901,19 +911,8 @@ impl Store {
     /// refreshing its recency or filling the memory tier (the pages clients
     /// still read through the handoff keep their place there), and without
     /// counting a get. None when no disk holds it (deleted, evicted).
-    pub fn read_for_push(&self, key: &[u8]) -> Option<Arc<PooledBuf>> {
-        for d in self.view().live() {
-            match d.get(key, None, &self.pool, false) {
-                Ok(Lookup::Hit(buf)) => return Some(Arc::new(buf)),
-                Ok(Lookup::Miss) => {}
-                Ok(_) => return None,
-                Err(_) => {
-                    self.rebuild_ring();
-                    return None;
-                }
-            }
-        }
-        None
+    pub fn read_for_push(&self, key: &[u8]) -> Option<PooledBuf> {
+        self.read_cold(key)
     }
 
     /// Counts a get answered as a miss without calling [`Store::get`].
