@@ -175,7 +175,7 @@ def bench_lmcache(members, rounds, chunks=8):
 
 def bench_vllm(members, rounds, units=8):
     import torch
-    from kvcellar.vllm import KVCellarMetadata, _Transfer
+    from kvcellar._vllm_common import KVCellarMetadata, _Transfer
     from vllm_engine import Engine, model_dir, vllm_config
     import tempfile
 
@@ -190,8 +190,8 @@ def bench_vllm(members, rounds, units=8):
     src = [list(range(1 + u * bpu, 1 + (u + 1) * bpu)) for u in range(units)]
     dst = [list(range(1 + (units + u) * bpu, 1 + (units + u + 1) * bpu)) for u in range(units)]
 
-    s_addrs, s_sizes, per = w._units_segments(src)
-    d_addrs, d_sizes, _ = w._units_segments(dst)
+    s_addrs, s_sizes, per, _ = w._units_segments(src)
+    d_addrs, d_sizes, _, _ = w._units_segments(dst)
     lib, handle = w._client._lib, w._client._handle()
     nbytes = units * w.unit_bytes()
 

@@ -447,7 +447,7 @@ def test_a_hung_store_sheds_lookups_and_saves_nothing(models):
     requests are served, and nothing piles up behind it."""
     import socket
 
-    from kvcellar import vllm as kv
+    from kvcellar import _vllm_scheduler as kv
 
     hung = socket.socket()
     hung.bind(("127.0.0.1", 0))
@@ -476,7 +476,7 @@ def test_a_hung_store_sheds_lookups_and_saves_nothing(models):
 
 
 def test_staging_moves_long_prompts_in_bounded_chunks(cluster, models, monkeypatch):
-    from kvcellar import vllm as kv
+    from kvcellar import _vllm_layout as kv
 
     with pair(models, cluster.members, extra={"host_staging": "always"}) as (w, r):
         monkeypatch.setattr(kv, "STAGE_BYTES", 2 * w.worker.unit_bytes())  # 2 units at a time

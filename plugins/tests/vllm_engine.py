@@ -15,15 +15,19 @@ get_transfer_results, load errors, worker metadata, stats).
 What is stood in: the forward (a GPU attention kernel cannot run here). It
 writes, into every block a step computes, bytes derived from that block's
 hash and layer, so the same prefix computed anywhere has the same KV and a
-loaded block can be checked byte for byte.
+loaded block can be checked byte for byte. And the process groups behind
+vLLM's parallel state (every TP rank's worker lives in this one process):
+``parallel_state`` sets stand-in groups that vLLM's own accessors read.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import time
+import types
 from typing import Any, Dict, List, Optional, Sequence
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -133,6 +137,23 @@ def kv_cache_config(vc: VllmConfig, num_blocks: int = 600) -> Any:
     return cfg
 
 
+@contextlib.contextmanager
+def parallel_state(tp_rank: int, tp_size: int, pp_rank: int = 0, pp_size: int = 1):
+    """vLLM's parallel state as a worker of that rank sees it while its
+    connector is built: the real ``vllm.distributed.parallel_state``
+    functions, over stand-in groups (one process cannot join two ranks of
+    a real process group). Restored after."""
+    from vllm.distributed import parallel_state as ps
+
+    saved = ps._TP, ps._PP
+    ps._TP = types.SimpleNamespace(rank_in_group=tp_rank, world_size=tp_size)
+    ps._PP = types.SimpleNamespace(rank_in_group=pp_rank, world_size=pp_size)
+    try:
+        yield
+    finally:
+        ps._TP, ps._PP = saved
+
+
 class Engine:
     """One vLLM instance: the scheduler (with its connector) and one worker
     per TP rank, each with its own paged KV cache; the workers' outputs are
@@ -154,13 +175,14 @@ class Engine:
         self.workers: List[Any] = []
         self.rank_layers: List[List[torch.Tensor]] = []
         for rank in range(self.ranks):
-            w = KVConnectorFactory.create_connector(config=vc, role=KVConnectorRole.WORKER, kv_cache_config=self.kc)
-            w.tp_rank = rank  # what vLLM's parallel state gives a TP worker
-            # kernel_block_size: an attention backend whose blocks are
-            # smaller than vLLM's (each vLLM block spans several).
-            caches = allocate_kv_cache(self.kc, torch.device("cpu"), KVCacheLayout[self.kc.kv_cache_layout],
-                                       [kernel_block_size] if kernel_block_size else None)
-            w.register_kv_caches(caches)
+            with parallel_state(rank, self.ranks):
+                w = KVConnectorFactory.create_connector(config=vc, role=KVConnectorRole.WORKER,
+                                                        kv_cache_config=self.kc)
+                # kernel_block_size: an attention backend whose blocks are
+                # smaller than vLLM's (each vLLM block spans several).
+                caches = allocate_kv_cache(self.kc, torch.device("cpu"), KVCacheLayout[self.kc.kv_cache_layout],
+                                           [kernel_block_size] if kernel_block_size else None)
+                w.register_kv_caches(caches)
             self.workers.append(w)
             self.rank_layers.append([caches[n] for n in self.kc.kv_cache_groups[0].layer_names])
         self.worker = self.workers[0]

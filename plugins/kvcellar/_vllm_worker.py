@@ -1,0 +1,218 @@
+"""The worker side of the vLLM connector: the paged KV cache's segments,
+loads on background threads, saves acknowledged before the step ends
+(docs/plugins/vllm.md, "What is stored, and when it is shared")."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Dict, List, Optional, Set, Tuple
+
+from kvcellar import _vllm_layout as layout
+from kvcellar._vllm_common import (
+    MAX_SEGMENTS,
+    KVCellarMetadata,
+    KVCellarWorkerMeta,
+    Side,
+    _Transfer,
+    log,
+)
+from kvcellar.client import Status
+from kvcellar.config import ConfigError
+
+#: Threads running loads.
+LOAD_THREADS = 1
+
+
+class WorkerSide(Side):
+    """The connector each vLLM worker (one per TP rank and PP stage) holds."""
+
+    def __init__(self, owner: Any, vllm_config: Any, kv_cache_config: Any) -> None:
+        super().__init__(owner, vllm_config, "worker", kv_cache_config)
+        self._kv_cache_config = kv_cache_config
+        self._layers: List[layout.LayerSegments] = []
+        self._io = ThreadPoolExecutor(max_workers=LOAD_THREADS, thread_name_prefix="kvcellar-load")
+        self._done_loads: Set[str] = set()
+        self._load_errors: Set[int] = set()
+        self._worker_meta = KVCellarWorkerMeta()
+        self._scratch: Any = None
+        self._staging = False
+
+    def register_kv_caches(self, kv_caches: Dict[str, Any]) -> None:
+        try:
+            from vllm.distributed import parallel_state as ps
+
+            if ps.model_parallel_is_initialized():
+                self.tp_rank = ps.get_tensor_model_parallel_rank()
+                self.pp_rank = ps.get_pp_group().rank_in_group
+        except Exception as e:  # noqa: BLE001 - no distributed state (single process)
+            log.debug("kvcellar: no vLLM parallel state (%s): rank 0", e)
+        if not self.active:
+            return
+        groups = getattr(self._kv_cache_config, "kv_cache_groups", None) or []
+        order = list(groups[0].layer_names) if groups else []
+        names = [n for n in order if n in kv_caches] + sorted(n for n in kv_caches if n not in order)
+        num_blocks = int(getattr(self._kv_cache_config, "num_blocks", 0) or 0)
+        seen: Set[Tuple[int, Tuple[int, ...]]] = set()
+        layers: List[layout.LayerSegments] = []
+        try:
+            for name in names:
+                v = kv_caches[name]
+                if isinstance(v, (list, tuple)) or getattr(v, "dim", lambda: 0)() != 4:
+                    raise ValueError(f"layer {name} has no [blocks, heads, tokens, content] view")
+                ident = (int(v.data_ptr()), tuple(int(x) for x in v.stride()))
+                if ident in seen:
+                    continue  # a layer sharing another's cache
+                seen.add(ident)
+                layers.append(layout.LayerSegments(v, num_blocks, self.block_size))
+        except ValueError as e:
+            # Scheduler-side hits then fail to load and are recomputed.
+            self.active = False
+            log.warning("kvcellar: the vLLM connector is off on this worker: %s", e)
+            return
+        self._layers = layers
+        self._staging = self.force_staging or any(lay.view.device.type != "cpu" for lay in layers)
+        worst = sum(len(lay.runs) for lay in layers) * self.blocks_per_unit
+        if not self._staging and worst > MAX_SEGMENTS:
+            raise ConfigError(
+                f"kv_connector_extra_config key 'blocks_per_unit': a unit could be {worst} segments "
+                f"(more than {MAX_SEGMENTS}); lower it"
+            )
+        import torch
+
+        self._scratch = torch.empty(max([lay.block_bytes for lay in layers] + [1]), dtype=torch.uint8)
+        if not self._staging and self._client is not None:
+            storages: Dict[int, int] = {}
+            for lay in layers:  # vLLM's layers share one allocation: register it once
+                st = lay.view.untyped_storage()
+                storages[int(st.data_ptr())] = int(st.nbytes())
+            for ptr, n in storages.items():
+                self._misses.run("register memory", None, lambda p=ptr, n=n: self._client.register_memory((p, n)))
+        log.info(
+            "kvcellar: %d KV layers registered (rank tp %d/%d pp %d/%d), %d bytes per unit%s",
+            len(layers), self.tp_rank, self.tp_size, self.pp_rank, self.pp_size, self.unit_bytes(),
+            ", staged through host memory" if self._staging else "",
+        )
+
+    def unit_bytes(self) -> int:
+        return sum(lay.block_bytes for lay in self._layers) * self.blocks_per_unit
+
+    def _units_segments(self, units: List[List[int]]) -> Tuple[List[int], List[int], List[int], Any]:
+        scratch = int(self._scratch.data_ptr()) if self._scratch is not None else 0
+        return layout.units_segments(self._layers, units, scratch)
+
+    def _stage_chunks(self, n: int) -> List[Tuple[int, int]]:
+        return layout.stage_chunks(n, self.unit_bytes())
+
+    # -- loads -------------------------------------------------------------------------
+
+    def start_load_kv(self, meta: Any) -> None:
+        if not isinstance(meta, KVCellarMetadata):
+            return
+        for t in meta.loads:
+            try:
+                self._io.submit(self._load, t)
+            except RuntimeError:  # shut down: the load is a failure, reported as one
+                self._load_done(t, [False] * len(t.keys), set())
+
+    def _load(self, t: _Transfer) -> None:
+        """Runs on a load thread: every unit of one request. Whatever
+        happens, the request is reported finished (after the library call
+        returned) and failed units' blocks are reported (vLLM recomputes
+        them)."""
+        ok = [False] * len(t.keys)
+        missing: Set[str] = set()
+        try:
+            keys = [k + self._my_suffix() for k in t.keys]
+            c = self._client
+            if c is not None and self._layers:
+                if self._staging:
+                    res = []
+                    for lo, hi in self._stage_chunks(len(keys)):
+                        bufs = [layout.stage_buffer(self.unit_bytes()) for _ in range(lo, hi)]
+                        part = c.batch_get(keys[lo:hi], bufs)
+                        for i, r in zip(range(lo, hi), part):
+                            if r.status is Status.OK and r.length == bufs[i - lo].numel():
+                                layout.stage_in(self._layers, bufs[i - lo], t.blocks[i])
+                                ok[i] = True
+                        res += part
+                else:
+                    addrs, sizes, counts, keep = self._units_segments(t.blocks)
+                    want = self.unit_bytes()
+                    res = c.batch_getv_raw(keys, addrs, sizes, counts)
+                    del keep
+                    ok = [r.status is Status.OK and r.length == want for r in res]
+                missing = {t.keys[i] for i, r in enumerate(res) if r.status is Status.MISS}
+        except Exception as e:  # noqa: BLE001 - a failed load is a recompute
+            self._misses.error("load", e)
+            ok = [False] * len(t.keys)
+        finally:
+            self._load_done(t, ok, missing)
+
+    def _load_done(self, t: _Transfer, ok: List[bool], missing: Set[str]) -> None:
+        bad = [b for good, blocks in zip(ok, t.blocks) if not good for b in blocks if b >= 0]
+        self._count(load_units=sum(ok), load_failed_units=len(ok) - sum(ok),
+                    load_bytes=sum(ok) * self.unit_bytes())
+        with self._lock:
+            self._load_errors.update(bad)
+            self._done_loads.add(t.req_id)
+            self._worker_meta.missing |= missing
+
+    def get_finished(self, finished_req_ids: Set[str]) -> Tuple[Optional[Set[str]], Optional[Set[str]]]:
+        with self._lock:
+            done, self._done_loads = self._done_loads, set()
+        return None, (done or None)
+
+    def get_block_ids_with_load_errors(self) -> Set[int]:
+        with self._lock:
+            bad, self._load_errors = self._load_errors, set()
+        return bad
+
+    # -- saves -------------------------------------------------------------------------
+
+    def _writer(self) -> bool:
+        return not self.mla or self.tp_rank == 0
+
+    def wait_for_save(self, meta: Any) -> None:
+        if not self._writer() or not isinstance(meta, KVCellarMetadata) or not meta.saves or not self._layers:
+            return
+        c = self._client
+        if c is None:
+            return
+        base = [k for t in meta.saves for k in t.keys]
+        blocks = [b for t in meta.saves for b in t.blocks]
+        keys = [k + self._my_suffix() for k in base]
+
+        def run() -> List[Status]:
+            if self._staging:
+                out: List[Status] = []
+                for lo, hi in self._stage_chunks(len(keys)):
+                    ub = self.unit_bytes()
+                    out += c.batch_put(keys[lo:hi], [layout.stage_out(self._layers, b, ub) for b in blocks[lo:hi]])
+                return out
+            addrs, sizes, counts, _ = self._units_segments(blocks)
+            return c.batch_putv_raw(keys, addrs, sizes, counts)
+
+        st = self._misses.run("save", [Status.UNAVAILABLE] * len(keys), run)
+        good = [k for k, s in zip(base, st) if s is Status.OK]
+        self._count(save_units=len(good), save_failed_units=len(keys) - len(good),
+                    save_bytes=len(good) * self.unit_bytes())
+        with self._lock:
+            for k in good:
+                self._worker_meta.stored[k] = self._worker_meta.stored.get(k, 0) + 1
+
+    def build_connector_worker_meta(self) -> Optional[KVCellarWorkerMeta]:
+        with self._lock:
+            wm, self._worker_meta = self._worker_meta, KVCellarWorkerMeta()
+        return wm if (wm.stored or wm.missing) else None
+
+    def shutdown(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            c, self._client = self._client, None
+        self._io.shutdown(wait=True)
+        if c is not None:
+            c.close()
+        log.info("kvcellar: connector closed (worker tp %d pp %d); counters %s",
+                 self.tp_rank, self.pp_rank, self.counters())
