@@ -28,13 +28,14 @@ from kvcellar.config import (
     positive_int,
     tenant_prefix,
 )
+from kvcellar.fingerprint import weights_fingerprint
 
 # A child of vLLM's logger: the lines appear in vLLM's log, in its format.
 log = logging.getLogger("vllm.kvcellar")
 
 #: kv_connector_extra_config keys (the cluster keys are the other plugins').
 OWN_KEYS = CLUSTER_KEYS + TIMEOUT_KEYS + (
-    "model_id", "tenant", "poll_ms", "blocks_per_unit", "lookup_timeout_ms",
+    "model_id", "model_fingerprint", "tenant", "poll_ms", "blocks_per_unit", "lookup_timeout_ms",
     "host_staging",
 )
 #: The library's per-item limit (README, "C ABI conventions").
@@ -135,6 +136,46 @@ def check_hash_seed(cc: Any) -> None:
         )
 
 
+def _plain(v: Any) -> Any:
+    """A config value as plain JSON (what the tag digests must be stable text)."""
+    if callable(v) and not isinstance(v, type):
+        # A function's text would hold its address: name it instead.
+        return f"{getattr(v, '__module__', '?')}.{getattr(v, '__qualname__', type(v).__name__)}"
+    return json.loads(json.dumps(v, sort_keys=True, default=str))
+
+
+def model_identity(vllm_config: Any, cfg: Dict[str, Any], where: str) -> Dict[str, Any]:
+    """What makes the same tokens give other KV, from the configuration
+    alone (no weights loaded, so every role and rank computes the same):
+    the weights' fingerprint (or the ``model_fingerprint`` option), the
+    quantization method, RoPE scaling and parameters, and ``hf_overrides``."""
+    mc = vllm_config.model_config
+    lc = getattr(vllm_config, "load_config", None)
+    load_format = str(getattr(lc, "load_format", None) or "auto")
+    fp = cfg.get("model_fingerprint")
+    if fp is not None:
+        if not isinstance(fp, str) or not fp.strip():
+            raise ConfigError(f"{where} key 'model_fingerprint': {fp!r} must be non-empty text")
+        fp = "given:" + fp.strip()
+    else:
+        fp = weights_fingerprint(getattr(mc, "model_weights", "") or mc.model, getattr(mc, "revision", None),
+                                 load_format, getattr(lc, "download_dir", None))
+    rope: Dict[str, Any] = {}
+    for src in (getattr(mc, "hf_config", None), getattr(mc, "hf_text_config", None)):
+        for name in ("rope_scaling", "rope_parameters", "rope_theta"):
+            v = getattr(src, name, None)
+            if v is not None:
+                rope[name] = _plain(v)
+    overrides = getattr(mc, "hf_overrides", None)
+    return {
+        "weights": fp,
+        "load_format": "dummy" if load_format == "dummy" else None,
+        "quantization": _plain(getattr(mc, "quantization", None)),
+        "rope": rope or None,
+        "hf_overrides": _plain(overrides) if overrides else None,
+    }
+
+
 class Side:
     """The connector's state for one role (the scheduler's or a worker's):
     options, identity, client, keys and counters. ``owner`` is the
@@ -186,6 +227,8 @@ class Side:
             kt.kv_load_failure_policy = "recompute"
 
         self.identity = self._identity(vllm_config, kv_cache_config)
+        if self.active:  # (an inactive connector stores nothing: no weights to name)
+            self.identity.update(model_identity(vllm_config, cfg, where))
         self.tag = hashlib.sha256(json.dumps(self.identity, sort_keys=True).encode()).hexdigest()[:16]
         self.model_hash = identity_hash("kvcellar-vllm/v1", self.identity)
         spec = kv_spec(kv_cache_config)
@@ -225,6 +268,7 @@ class Side:
         except Exception:  # noqa: BLE001 - older or odd configs
             layers = int(getattr(mc.hf_text_config, "num_hidden_layers", 0) or 0)
         layout = getattr(kv_cache_config, "kv_cache_layout", None) or getattr(cc, "kv_cache_layout", None)
+        dummy = str(getattr(getattr(vllm_config, "load_config", None), "load_format", "")) == "dummy"
         return {
             "model": self.model,
             "revision": getattr(mc, "revision", None),
@@ -234,8 +278,9 @@ class Side:
             "blocks_per_unit": self.blocks_per_unit,
             "layout": str(layout),
             "hash": str(getattr(cc, "prefix_caching_hash_algo", "")),
-            # MLA's latent is the same on every TP rank: TP splits share it.
-            "tp_size": 1 if self.mla else self.tp_size,
+            # MLA's latent is the same on every TP rank: TP splits share it
+            # (not with dummy weights, which vLLM makes up per shard).
+            "tp_size": 1 if self.mla and not dummy else self.tp_size,
             "pp_size": self.pp_size,
             "spec": type(spec).__name__,
             "kv_heads": getattr(spec, "num_kv_heads", None),

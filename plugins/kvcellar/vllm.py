@@ -18,10 +18,11 @@ What moves, and how:
   unit is recomputed.
 - The key is ``{tenant/}{hash}.{tag}{.tp r-s}{.pp r-s}``: ``hash`` is the
   hex of vLLM's chained hash of the unit's LAST block (it covers the whole
-  prefix), ``tag`` 16 hex digits of a digest of the page identity (model,
-  revision, KV dtype, block size, unit size, cache layout, hash algorithm,
-  TP and PP sizes, heads, head sizes, layer count, MLA). The same identity
-  is the pages' ``model_hash``. MLA pages carry no TP part: TP rank 0 of each
+  prefix), ``tag`` 16 hex digits of a digest of the page identity (the
+  model, a fingerprint of its weights, quantization, RoPE, overrides, KV
+  dtype, block size, unit size, cache layout, hash algorithm, TP and PP
+  sizes, heads, head sizes, layer count, MLA). The same identity is the
+  pages' ``model_hash``. MLA pages carry no TP part: TP rank 0 of each
   stage writes them and every TP rank reads them.
 - Scheduler side (``kvcellar._vllm_scheduler``): the lookup runs on a
   background thread while vLLM is told "not ready" (``None``); it never

@@ -35,7 +35,7 @@ def prompt(seed: int, n: int, shared: int = 0):
 
 def engine(models, members, **kw):
     extra = {"members": members, **kw.pop("extra", {})}
-    mk = {k: kw.pop(k) for k in ("layers", "kv_heads", "head_dim", "name") if k in kw}
+    mk = {k: kw.pop(k) for k in ("layers", "kv_heads", "head_dim", "name", "weights") if k in kw}
     return Engine(vllm_config(model_dir(models, **mk), extra, **kw))
 
 
@@ -511,3 +511,117 @@ def test_a_unit_evicted_after_the_lookup_is_recomputed_and_saved_again(cluster, 
         assert r.worker.counters()["load_failed_units"] == 1
         assert r.worker.counters()["save_units"] == 1  # the evicted unit, recomputed, is stored again
         assert lookup(r, p) == 3 * UNIT
+
+
+# -- the weights and what vLLM does to them are part of the page identity -------------------
+
+
+def test_a_fine_tune_under_the_same_name_misses(cluster, models):
+    """Two checkpoints, a few bytes of one tensor apart, served under one
+    name: the reader of the other one computes, it never loads the writer's KV."""
+    served = {"served_model_name": "team/tiny"}
+    base = engine(models, cluster.members, name="base", **served)
+    tuned = engine(models, cluster.members, name="tuned", weights=3, **served)
+    twin = engine(models, cluster.members, name="twin", **served)  # the base weights at another path
+    try:
+        assert base.conn.model == tuned.conn.model == twin.conn.model == "team/tiny"
+        p = prompt(20, 2 * UNIT + 7)
+        base.serve([p])
+        assert base.worker.counters()["save_units"] == 2
+        assert lookup(tuned, p) == 0
+        assert lookup(twin, p) == 2 * UNIT  # the same weights anywhere share
+        req = tuned.serve([p])[0]
+        assert tuned.loaded.get(req.request_id, 0) == 0 and tuned.worker.counters()["save_units"] == 2
+    finally:
+        for e in (base, tuned, twin):
+            e.close()
+
+
+def test_another_quantization_rope_or_override_misses(cluster, models):
+    """The same weights with vLLM's online FP8 quantization (``--quantization
+    fp8``, ModelConfig's own validation on CPU), or with RoPE scaled through
+    ``--hf-overrides``, compute other KV: each misses the plain instance's pages."""
+    w = engine(models, cluster.members)
+    p = prompt(21, 2 * UNIT + 3)
+    try:
+        w.serve([p])
+        others = [
+            engine(models, cluster.members),  # control
+            engine(models, cluster.members, quantization="fp8"),
+            engine(models, cluster.members, hf_overrides={
+                "rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}}),
+            engine(models, cluster.members, hf_overrides={"rms_norm_eps": 1e-5}),
+        ]
+        try:
+            assert others[1].vc.model_config.quantization == "fp8"
+            got = [lookup(e, p) for e in others]
+        finally:
+            for e in others:
+                e.close()
+        assert got == [2 * UNIT, 0, 0, 0]
+    finally:
+        w.close()
+
+
+def test_every_role_and_rank_names_the_weights_alike(cluster, models):
+    """The scheduler loads no weights and each TP rank another shard: the
+    tag comes from the configuration and the checkpoint files, the same for all."""
+    a = engine(models, cluster.members, tp=2)
+    b = engine(models, cluster.members, tp=2, name="other-weights", weights=1,
+               served_model_name=a.vc.model_config.served_model_name)
+    try:
+        for e in (a, b):
+            tags = {e.conn.tag} | {x.tag for x in e.workers}
+            assert len(tags) == 1, tags
+            assert e.conn.identity["weights"] == e.workers[1].identity["weights"]
+        assert a.conn.model == b.conn.model and a.conn.tag != b.conn.tag
+    finally:
+        a.close()
+        b.close()
+
+
+def test_model_fingerprint_overrides_the_computed_one(cluster, models):
+    named = {"extra": {"model_fingerprint": "ckpt-2024-06"}, "served_model_name": "team/named"}
+    w = engine(models, cluster.members, name="named-a", **named)
+    r = engine(models, cluster.members, name="named-b", weights=5, **named)  # other files, one name given
+    other = engine(models, cluster.members, name="named-a", extra={"model_fingerprint": "ckpt-2024-07"},
+                   served_model_name="team/named")
+    try:
+        p = prompt(22, 2 * UNIT)
+        w.serve([p])
+        assert lookup(r, p) == 2 * UNIT
+        assert lookup(other, p) == 0
+    finally:
+        for e in (w, r, other):
+            e.close()
+
+
+def test_weights_that_cannot_be_named_refuse_to_start(cluster, models):
+    from kvcellar.fingerprint import FingerprintError
+
+    bare = model_dir(models, name="no-weights", weights=None)
+    with pytest.raises(FingerprintError, match="model_fingerprint"):
+        _scheduler_connector(vllm_config(bare, {"members": cluster.members}))
+    _scheduler_connector(vllm_config(bare, {"members": cluster.members, "model_fingerprint": "x"})).shutdown()
+    with pytest.raises(ConfigError, match="model_fingerprint"):
+        _scheduler_connector(vllm_config(bare, {"members": cluster.members, "model_fingerprint": " "}))
+
+
+def test_dummy_weights_share_only_with_dummy_weights(cluster, models):
+    """``--load-format dummy``: vLLM makes the weights up; no file is read,
+    and no page is shared with an instance of real weights."""
+    real = engine(models, cluster.members)
+    d1 = Engine(vllm_config(model_dir(models, name="dummy", weights=None), {"members": cluster.members},
+                            load_format="dummy", served_model_name=real.vc.model_config.served_model_name))
+    d2 = engine(models, cluster.members, load_format="dummy")  # the same config, weights present but unread
+    try:
+        p = prompt(23, 2 * UNIT)
+        real.serve([p])
+        assert lookup(d1, p) == 0
+        d1.serve([p])
+        assert d1.worker.counters()["save_units"] == 2
+        # Dummy instances of one configuration share (benchmarks of the cache).
+        assert d2.conn.model == d1.conn.model and lookup(d2, p) == 2 * UNIT
+    finally:
+        for e in (real, d1, d2):
+            e.close()

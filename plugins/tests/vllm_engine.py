@@ -2,7 +2,7 @@
 factory, KV cache planner and allocator, with the model's forward stood in.
 
 What is real: ``VllmConfig`` from a model ``config.json`` written here
-(``HF_HUB_OFFLINE``, no weights, no tokenizer); ``Scheduler`` (it builds the
+(``HF_HUB_OFFLINE``, small weights nothing loads, no tokenizer); ``Scheduler`` (it builds the
 scheduler-side connector through ``KVConnectorFactory`` from
 ``kv_connector_module_path``); the KV cache config from vLLM's planner
 (``get_kv_cache_configs``) and the worker's paged KV cache from its
@@ -26,6 +26,7 @@ import contextlib
 import hashlib
 import json
 import os
+import struct
 import time
 import types
 from typing import Any, Dict, List, Optional, Sequence
@@ -38,6 +39,7 @@ from vllm.config import (  # noqa: E402
     CacheConfig,
     DeviceConfig,
     KVTransferConfig,
+    LoadConfig,
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
@@ -59,6 +61,25 @@ from vllm.v1.worker.utils import allocate_kv_cache  # noqa: E402
 EOS = 999
 
 
+def write_weights(d: str, edit: int = 0) -> None:
+    """A small ``model.safetensors`` (8-byte little-endian header length,
+    JSON header, data) in ``d``; ``edit`` changes that many bytes of one
+    tensor, as a fine-tune of a few values would. Nothing loads these
+    weights (the forward is stood in): they are what the connector's
+    weights fingerprint reads."""
+    big = bytearray((i * 13) % 251 for i in range(64 << 10))
+    for i in range(edit):
+        big[100 + i] ^= 0xA5
+    tensors = {"model.norm.weight": bytes(range(256)), "model.layers.0.mlp.up_proj.weight": bytes(big)}
+    header, at = {}, 0
+    for name, b in tensors.items():
+        header[name] = {"dtype": "F16", "shape": [len(b) // 2], "data_offsets": [at, at + len(b)]}
+        at += len(b)
+    raw = json.dumps(header).encode()
+    with open(os.path.join(d, "model.safetensors"), "wb") as f:
+        f.write(struct.pack("<Q", len(raw)) + raw + b"".join(tensors.values()))
+
+
 def mla_model_dir(root: str) -> str:
     """A local DeepSeek-V2 (MLA) ``config.json``: a 64-wide latent plus 16 rope dims."""
     d = os.path.join(root, "tiny-deepseek")
@@ -78,11 +99,15 @@ def mla_model_dir(root: str) -> str:
             },
             f,
         )
+    write_weights(d)
     return d
 
 
-def model_dir(root: str, layers: int = 3, kv_heads: int = 2, head_dim: int = 32, name: str = "tiny-llama") -> str:
-    """A local model directory holding only a Llama ``config.json``."""
+def model_dir(root: str, layers: int = 3, kv_heads: int = 2, head_dim: int = 32, name: str = "tiny-llama",
+              weights: Optional[int] = 0) -> str:
+    """A local model directory: a Llama ``config.json`` and small weights
+    (``weights``: how many bytes of them differ from the base; None: no
+    weights file)."""
     d = os.path.join(root, f"{name}-{layers}-{kv_heads}-{head_dim}")
     os.makedirs(d, exist_ok=True)
     with open(os.path.join(d, "config.json"), "w") as f:
@@ -95,13 +120,19 @@ def model_dir(root: str, layers: int = 3, kv_heads: int = 2, head_dim: int = 32,
             },
             f,
         )
+    if weights is not None:
+        write_weights(d, weights)
     return d
 
 
 def vllm_config(model: str, extra: Dict[str, Any], block_size: int = 16, tp: int = 1,
-                layout: str = "LBNHC", hash_algo: str = "sha256", events: bool = False) -> VllmConfig:
-    """A VllmConfig as ``vllm serve --kv-transfer-config`` builds it."""
-    mc = ModelConfig(model=model, skip_tokenizer_init=True, dtype="float16", seed=0, max_model_len=4096)
+                layout: str = "LBNHC", hash_algo: str = "sha256", events: bool = False,
+                load_format: str = "auto", **model_kw: Any) -> VllmConfig:
+    """A VllmConfig as ``vllm serve --kv-transfer-config`` builds it;
+    ``model_kw`` are more ``ModelConfig`` fields (``quantization``,
+    ``hf_overrides``, ``served_model_name``, as vLLM's flags of those names)."""
+    mc = ModelConfig(model=model, skip_tokenizer_init=True, dtype="float16", seed=0, max_model_len=4096,
+                     **model_kw)
     sc = SchedulerConfig(max_num_seqs=32, max_num_batched_tokens=1024, max_model_len=4096,
                          enable_chunked_prefill=True, is_encoder_decoder=False)
     cc = CacheConfig(block_size=block_size, enable_prefix_caching=True, prefix_caching_hash_algo=hash_algo)
@@ -115,7 +146,7 @@ def vllm_config(model: str, extra: Dict[str, Any], block_size: int = 16, tp: int
         kw["kv_events_config"] = KVEventsConfig(enable_kv_cache_events=True, publisher="null")
     return VllmConfig(model_config=mc, scheduler_config=sc, cache_config=cc, kv_transfer_config=kt,
                       device_config=DeviceConfig("cpu"), parallel_config=ParallelConfig(tensor_parallel_size=tp),
-                      **kw)
+                      load_config=LoadConfig(load_format=load_format), **kw)
 
 
 def kv_cache_config(vc: VllmConfig, num_blocks: int = 600) -> Any:
