@@ -5,6 +5,7 @@ staged path, same byte order). docs/plugins/vllm.md, "What is stored"."""
 
 from __future__ import annotations
 
+import threading
 from typing import Any, List, Sequence, Tuple
 
 #: Host memory a staged (GPU) load or save uses at once.
@@ -74,12 +75,35 @@ class LayerSegments:
                 out_sizes.append(n)
 
 
+class Scratch:
+    """Where a load reads the bytes of blocks it skips (vLLM computed them
+    locally): one buffer per loading thread, grown to the largest need,
+    each skipped block of each layer at its own offset. The library
+    refuses overlapping output segments, and a unit's skipped blocks are
+    fewer than its blocks, so a thread's buffer stays under a unit's bytes."""
+
+    def __init__(self) -> None:
+        self._local = threading.local()
+
+    def get(self, nbytes: int) -> Any:
+        import torch
+
+        buf = getattr(self._local, "buf", None)
+        if buf is None or buf.numel() < nbytes:
+            buf = self._local.buf = torch.empty(max(1, nbytes), dtype=torch.uint8)
+        return buf
+
+
 def units_segments(
-    layers: Sequence[LayerSegments], units: Sequence[Sequence[int]], scratch: int
+    layers: Sequence[LayerSegments], units: Sequence[Sequence[int]], scratch: Scratch
 ) -> Tuple[List[int], List[int], List[int], Any]:
-    """(addresses, sizes, per-unit counts, keepalive) of units' segments:
-    layer by layer, its blocks in order; a skipped block (-1) reads into
-    scratch. Each unit's list is its own (segments merge within a unit only)."""
+    """(addresses, sizes, per-unit counts, scratch keepalive) of units'
+    segments: layer by layer, its blocks in order; a skipped block (-1)
+    reads into its own region of the calling thread's scratch. Each unit's
+    list is its own (segments merge within a unit only)."""
+    skipped = sum(1 for blocks in units for b in blocks if b < 0)
+    buf = scratch.get(skipped * sum(lay.block_bytes for lay in layers)) if skipped else None
+    at = int(buf.data_ptr()) if buf is not None else 0
     addrs: List[int] = []
     sizes: List[int] = []
     counts: List[int] = []
@@ -89,14 +113,15 @@ def units_segments(
         for lay in layers:
             for b in blocks:
                 if b < 0:
-                    ua.append(scratch)
+                    ua.append(at)
                     us.append(lay.block_bytes)
+                    at += lay.block_bytes
                 else:
                     lay.block(b, ua, us)
         addrs += ua
         sizes += us
         counts.append(len(ua))
-    return addrs, sizes, counts, None
+    return addrs, sizes, counts, buf
 
 
 # -- staging (a cache in device memory) ----------------------------------------------------

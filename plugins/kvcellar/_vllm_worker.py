@@ -34,7 +34,7 @@ class WorkerSide(Side):
         self._done_loads: Set[str] = set()
         self._load_errors: Set[int] = set()
         self._worker_meta = KVCellarWorkerMeta()
-        self._scratch: Any = None
+        self._scratch = layout.Scratch()
         self._staging = False
 
     def register_kv_caches(self, kv_caches: Dict[str, Any]) -> None:
@@ -77,9 +77,6 @@ class WorkerSide(Side):
                 f"kv_connector_extra_config key 'blocks_per_unit': a unit could be {worst} segments "
                 f"(more than {MAX_SEGMENTS}); lower it"
             )
-        import torch
-
-        self._scratch = torch.empty(max([lay.block_bytes for lay in layers] + [1]), dtype=torch.uint8)
         if not self._staging and self._client is not None:
             storages: Dict[int, int] = {}
             for lay in layers:  # vLLM's layers share one allocation: register it once
@@ -97,8 +94,7 @@ class WorkerSide(Side):
         return sum(lay.block_bytes for lay in self._layers) * self.blocks_per_unit
 
     def _units_segments(self, units: List[List[int]]) -> Tuple[List[int], List[int], List[int], Any]:
-        scratch = int(self._scratch.data_ptr()) if self._scratch is not None else 0
-        return layout.units_segments(self._layers, units, scratch)
+        return layout.units_segments(self._layers, units, self._scratch)
 
     def _stage_chunks(self, n: int) -> List[Tuple[int, int]]:
         return layout.stage_chunks(n, self.unit_bytes())

@@ -430,6 +430,33 @@ def test_kernel_block_splits_share_pages(cluster, models, layout):
             e.close()
 
 
+@pytest.mark.parametrize("staging", ["auto", "always"])
+def test_a_load_from_inside_a_unit_brings_the_rest(cluster, models, staging):
+    """vLLM's own prefix cache holds 1.5 units of the prompt: the load starts
+    in the middle of a unit, its first blocks skipped (their bytes read
+    into scratch, every layer's apart), and brings the rest, every byte."""
+    with pair(models, cluster.members, extra={"host_staging": staging}) as (w, r):
+        p = prompt(24, 3 * UNIT + 5)
+        w.serve([p])
+        _scramble(r, 500)
+        r.serve([p[: UNIT + UNIT // 2] + prompt(25, 40)])  # 1.5 units of p, computed (and cached) here
+        before = r.worker.counters()
+        req = r.add(r.request(p))
+        planned = []
+
+        def spy(out):
+            for t in out.kv_connector_metadata.loads:
+                planned.append([sum(1 for b in blocks if b < 0) for blocks in t.blocks])
+
+        while r.sched.has_unfinished_requests():
+            r.step(spy)
+        assert planned == [[UNIT // 32, 0]], planned  # half of unit 1 skipped, unit 2 whole
+        assert r.loaded[req.request_id] == 3 * UNIT and r.checked[req.request_id] is True
+        cnt = r.worker.counters()
+        assert cnt["load_units"] - before["load_units"] == 2
+        assert cnt["load_failed_units"] == before["load_failed_units"]
+
+
 def test_units_in_vllms_own_cache_are_not_saved_again(cluster, models):
     e = engine(models, cluster.members)
     try:
