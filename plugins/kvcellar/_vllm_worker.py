@@ -36,16 +36,42 @@ class WorkerSide(Side):
         self._worker_meta = KVCellarWorkerMeta()
         self._scratch = layout.Scratch()
         self._staging = False
+        if self.active:
+            try:
+                self.tp_rank, self.pp_rank = self._ranks()
+            except RuntimeError:
+                self.shutdown()
+                raise
 
-    def register_kv_caches(self, kv_caches: Dict[str, Any]) -> None:
+    def _ranks(self) -> Tuple[int, int]:
+        """This worker's (TP rank, PP rank) from vLLM's parallel state, set
+        up before vLLM builds a worker's connector. The rank names this
+        worker's pages: a guess could store one rank's KV under another's
+        key, so under TP x PP > 1 a state that cannot be read refuses the
+        start (docs/plugins/vllm.md, "One object per unit per rank")."""
         try:
             from vllm.distributed import parallel_state as ps
 
-            if ps.model_parallel_is_initialized():
-                self.tp_rank = ps.get_tensor_model_parallel_rank()
-                self.pp_rank = ps.get_pp_group().rank_in_group
-        except Exception as e:  # noqa: BLE001 - no distributed state (single process)
-            log.debug("kvcellar: no vLLM parallel state (%s): rank 0", e)
+            if not ps.model_parallel_is_initialized():
+                raise RuntimeError("model_parallel_is_initialized() is False")
+            tp, pp = ps.get_tp_group(), ps.get_pp_group()
+            got = (int(tp.rank_in_group), int(tp.world_size), int(pp.rank_in_group), int(pp.world_size))
+        except Exception as e:  # noqa: BLE001 - whatever fails, the rank is unknown
+            if self.tp_size * self.pp_size == 1:
+                return 0, 0  # one process: rank 0 is certain
+            why = f"{type(e).__name__}: {e}".replace("\n", " ")
+        else:
+            tp_rank, tp_n, pp_rank, pp_n = got
+            if (tp_n, pp_n) == (self.tp_size, self.pp_size) and 0 <= tp_rank < tp_n and 0 <= pp_rank < pp_n:
+                return tp_rank, pp_rank
+            why = f"it gives TP rank {tp_rank} of {tp_n}, PP rank {pp_rank} of {pp_n}"
+        raise RuntimeError(
+            f"kvcellar: vLLM's parallel state cannot give this worker's rank ({why}) with "
+            f"tensor_parallel_size={self.tp_size} and pipeline_parallel_size={self.pp_size}; the rank names "
+            "the pages this worker stores, so the vLLM connector refuses to start"
+        )
+
+    def register_kv_caches(self, kv_caches: Dict[str, Any]) -> None:
         if not self.active:
             return
         groups = getattr(self._kv_cache_config, "kv_cache_groups", None) or []

@@ -259,6 +259,42 @@ def test_decline_and_refuse(cluster, models, monkeypatch):
         engine(models, cluster.members, extra={"host_staging": "sometimes"})
 
 
+def test_an_unreadable_parallel_state_refuses_to_start(cluster, models):
+    """Under TP 2 a worker that cannot tell its rank would store one rank's
+    KV under another rank's key: its start fails, in one line."""
+    import torch
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm.v1.kv_cache_layout import KVCacheLayout
+    from vllm.v1.worker.utils import allocate_kv_cache
+    from vllm_engine import kv_cache_config, parallel_state
+
+    def start(vc):
+        kc = kv_cache_config(vc)
+        w = KVConnectorFactory.create_connector(config=vc, role=KVConnectorRole.WORKER, kv_cache_config=kc)
+        try:
+            w.register_kv_caches(allocate_kv_cache(kc, torch.device("cpu"), KVCacheLayout[kc.kv_cache_layout]))
+            return w.tp_rank
+        finally:
+            w.shutdown()
+
+    vc = lambda tp: vllm_config(model_dir(models), {"members": cluster.members}, tp=tp)  # noqa: E731
+    broken = [
+        contextlib.nullcontext(),  # vLLM's parallel state never set up
+        parallel_state(1, 2, pp_size=0),  # half set up (no PP group)
+        parallel_state(0, 1),  # a TP group of another size than the config's
+        parallel_state(2, 2),  # a rank outside the group
+    ]
+    for ctx in broken:
+        with ctx, pytest.raises(RuntimeError, match="parallel state") as e:
+            start(vc(2))
+        assert "\n" not in str(e.value) and "tensor_parallel_size" in str(e.value), e.value
+    with parallel_state(1, 2):
+        assert start(vc(2)) == 1
+    assert start(vc(1)) == 0  # one process, no parallel state: rank 0 is certain
+    _scheduler_connector(vc(2)).shutdown()  # the scheduler needs no rank
+
+
 def test_hybrid_models_are_declined(cluster, models):
     import torch
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory

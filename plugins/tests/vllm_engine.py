@@ -173,12 +173,13 @@ def parallel_state(tp_rank: int, tp_size: int, pp_rank: int = 0, pp_size: int = 
     """vLLM's parallel state as a worker of that rank sees it while its
     connector is built: the real ``vllm.distributed.parallel_state``
     functions, over stand-in groups (one process cannot join two ranks of
-    a real process group). Restored after."""
+    a real process group); ``pp_size=0`` leaves the PP group unset.
+    Restored after."""
     from vllm.distributed import parallel_state as ps
 
     saved = ps._TP, ps._PP
     ps._TP = types.SimpleNamespace(rank_in_group=tp_rank, world_size=tp_size)
-    ps._PP = types.SimpleNamespace(rank_in_group=pp_rank, world_size=pp_size)
+    ps._PP = types.SimpleNamespace(rank_in_group=pp_rank, world_size=pp_size) if pp_size else None
     try:
         yield
     finally:
