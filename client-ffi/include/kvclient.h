@@ -97,6 +97,18 @@ int kv_set_members(kv_client *c, const char *members);
 int kv_start_mds_discovery(kv_client *c, const char *mds_endpoints_csv, const char *group, int poll_ms);
 uint64_t kv_epoch(const kv_client *c); /* ring epoch in use (the MDS epoch under discovery); 0 for NULL */
 
+/* Bounds every later call the calling thread makes (on any handle) to
+   about ms milliseconds in all; 0 (the default) leaves each request bounded
+   by the handle's own timeouts only. Returns the previous bound. Every
+   request of a call gets at most what is left of the call's time; items not
+   answered by then get KV_TIMEOUT, and the call returns only after all of
+   its work has stopped: nothing of it reads or writes the caller's buffers
+   after it returns. A node that let a request run at least half the call's
+   time without an answer starts its cool-down (peer_cooldown_ms): every
+   call skips it meanwhile (KV_UNAVAILABLE at once). For engine plugins
+   that must bound a step yet never abandon engine memory. */
+uint32_t kv_set_call_timeout_ms(uint32_t ms);
+
 /* Write-once: a put of a key already stored succeeds without rewriting it. */
 int kv_put(kv_client *c, const char *key, const void *buf, size_t len);
 int kv_putv(kv_client *c, const char *key, const kv_iovec *iov, size_t iovcnt);

@@ -57,7 +57,7 @@ impl BlockingClient {
 
     pub fn putv(&self, key: &[u8], bufs: &[&[u8]]) -> Status {
         let t0 = std::time::Instant::now();
-        let r = self.rt.block_on(self.core.putv(key, bufs));
+        let r = crate::call::scoped(|| self.rt.block_on(self.core.putv(key, bufs)));
         self.core.metrics.timed("put", t0);
         r
     }
@@ -65,17 +65,17 @@ impl BlockingClient {
     pub fn getv(&self, key: &[u8], bufs: &mut [&mut [u8]]) -> Result<usize, (Status, usize)> {
         let t0 = std::time::Instant::now();
         // On the caller's thread where it can be (see `small.rs`).
-        let r = match self.core.getv_blocking(key, bufs) {
+        let r = crate::call::scoped(|| match self.core.getv_blocking(key, bufs) {
             Some(r) => r,
             None => self.rt.block_on(self.core.getv(key, bufs)),
-        };
+        });
         self.core.metrics.timed("get", t0);
         r
     }
 
     pub fn delete(&self, key: &[u8]) -> Status {
         let t0 = std::time::Instant::now();
-        let r = self.rt.block_on(self.core.delete(key));
+        let r = crate::call::scoped(|| self.rt.block_on(self.core.delete(key)));
         self.core.metrics.timed("delete", t0);
         r
     }
@@ -83,7 +83,7 @@ impl BlockingClient {
     /// On the caller's thread (no runtime hop): see `small.rs`.
     pub fn exist(&self, key: &[u8]) -> Status {
         let t0 = std::time::Instant::now();
-        let r = self.core.exist_blocking(key);
+        let r = crate::call::scoped(|| self.core.exist_blocking(key));
         self.core.metrics.timed("exist", t0);
         r
     }
@@ -91,21 +91,21 @@ impl BlockingClient {
     /// On the caller's thread (no runtime hop): see `small.rs`.
     pub fn batch_exist(&self, keys: &[&[u8]]) -> Vec<Status> {
         let t0 = std::time::Instant::now();
-        let r = self.core.batch_exist_blocking(keys);
+        let r = crate::call::scoped(|| self.core.batch_exist_blocking(keys));
         self.core.metrics.timed("batch_exist", t0);
         r
     }
 
     pub fn batch_putv(&self, items: &[(&[u8], Vec<&[u8]>)]) -> Vec<Status> {
         let t0 = std::time::Instant::now();
-        let r = self.rt.block_on(self.core.batch_putv(items));
+        let r = crate::call::scoped(|| self.rt.block_on(self.core.batch_putv(items)));
         self.core.metrics.timed("batch_put", t0);
         r
     }
 
     pub fn batch_getv(&self, items: &mut [crate::client::GetItem<'_, '_>]) -> Vec<(Status, usize)> {
         let t0 = std::time::Instant::now();
-        let r = self.rt.block_on(self.core.batch_getv(items));
+        let r = crate::call::scoped(|| self.rt.block_on(self.core.batch_getv(items)));
         self.core.metrics.timed("batch_get", t0);
         r
     }

@@ -430,15 +430,29 @@ impl Client {
     /// retrying once on a fresh connection when a pooled one was stale, and
     /// keeping the node's health.
     async fn run_on<X: Exchange>(&self, node: &Arc<Node>, x: &mut X) -> Result<X::Out, OpError> {
-        let deadline = tokio::time::Instant::now() + self.opts.io_timeout;
+        // Within the call's bound too (call.rs): an exchange cut by it is
+        // dropped here, with its connection, before the call returns.
+        let deadline: tokio::time::Instant =
+            crate::call::clamp((tokio::time::Instant::now() + self.opts.io_timeout).into_std()).into();
         let mut retried = false;
         loop {
             // Waiting for a local slot is not the peer's doing: a timeout
             // there does not start its cool-down.
             let slot = tokio::time::timeout_at(deadline, node.slot()).await.map_err(|_| OpError::LocalTimeout)??;
-            let r = tokio::time::timeout_at(deadline, self.attempt(node, x, slot, retried))
-                .await
-                .unwrap_or(Err((OpError::Timeout, false)));
+            let started = std::time::Instant::now();
+            if started >= deadline.into_std() {
+                return Err(OpError::LocalTimeout);
+            }
+            let r =
+                tokio::time::timeout_at(deadline, self.attempt(node, x, slot, retried)).await.unwrap_or_else(|_| {
+                    // Cut by the call's end before it had a fair time: not the node's fault.
+                    let e = if crate::call::cut_early(started, deadline.into_std()) {
+                        OpError::LocalTimeout
+                    } else {
+                        OpError::Timeout
+                    };
+                    Err((e, false))
+                });
             match r {
                 Ok(out) => {
                     node.mark_ok();

@@ -125,6 +125,11 @@ pub(crate) fn is_stale(e: &OpError) -> bool {
 }
 
 impl Conn<Blocking> {
+    /// The socket's descriptor (to wait for several answers at once).
+    pub(crate) fn raw_fd(&self) -> std::os::fd::RawFd {
+        self.socket.stream.as_raw_fd()
+    }
+
     /// Connects and exchanges hellos, with no auth token. `timeout` bounds
     /// connect and each I/O.
     pub fn connect(addr: &str, timeout: Duration) -> Result<Conn, OpError> {

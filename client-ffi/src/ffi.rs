@@ -386,6 +386,14 @@ pub unsafe extern "C" fn kv_epoch(c: *const kv_client) -> u64 {
     guard(0, || client(c).map(|cl| cl.core.epoch()).unwrap_or(0))
 }
 
+/// Bounds every later call from the calling thread (on any handle) to
+/// about `ms` milliseconds in all (0: each request only by the handle's
+/// timeouts); returns the previous bound. See `call.rs` and the README.
+#[no_mangle]
+pub extern "C" fn kv_set_call_timeout_ms(ms: u32) -> u32 {
+    crate::call::set_timeout_ms(ms)
+}
+
 /// Stores `len` bytes from `buf` under `key`.
 ///
 /// # Safety

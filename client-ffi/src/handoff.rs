@@ -76,7 +76,8 @@ impl Client {
         until: Instant,
         x: &mut X,
     ) -> Option<X::Out> {
-        let deadline = tokio::time::Instant::now() + self.opts.handoff_timeout;
+        let deadline: tokio::time::Instant =
+            crate::call::clamp((tokio::time::Instant::now() + self.opts.handoff_timeout).into_std()).into();
         let mut retried = false;
         loop {
             // All of the node's connections busy: a local wait, not the node's fault.

@@ -4,12 +4,13 @@
 //! connection pool and health), [`exchange`] (one request on one connection,
 //! zero-copy scatter/gather, streaming CRC), [`client`] (the async core:
 //! ring routing, retries, batches), [`blocking`] (the facade for
-//! synchronous callers), and the C ABI over it (`libkvclient.so`,
+//! synchronous callers), [`call`] (a per-thread bound on a whole call), and the C ABI over it (`libkvclient.so`,
 //! `include/kvclient.h`). [`conn`] is a minimal blocking single-connection
 //! client for tools and tests. This crate must not depend on the server or
 //! on etcd.
 
 pub mod blocking;
+pub mod call;
 pub mod client;
 pub mod conn;
 pub mod discovery;

@@ -187,18 +187,18 @@ impl Client {
 
     /// The time one request may take: the I/O timeout, or the handoff
     /// timeout for a handoff ask.
+    /// Within the call's bound (call.rs): zero once the call's time is up.
     fn io_of(&self, handoff: Option<Instant>) -> Duration {
-        if handoff.is_some() {
-            self.opts.handoff_timeout
-        } else {
-            self.opts.io_timeout
-        }
+        crate::call::clamp_io(if handoff.is_some() { self.opts.handoff_timeout } else { self.opts.io_timeout })
     }
 
     /// Sends `p`'s request, once more on a fresh connection when a pooled one
     /// turns out stale.
     fn send_retrying(&self, p: &mut Pending) -> Result<(), OpError> {
         let io = self.io_of(p.handoff);
+        if io.is_zero() {
+            return Err(OpError::LocalTimeout);
+        }
         match send(p, io) {
             Err(e) if p.reused && is_stale(&e) => {
                 self.metrics.stale_retries.fetch_add(1, Ordering::Relaxed);
@@ -319,9 +319,7 @@ impl Client {
                 }
             }
             // ...then read every answer (each frees its slot).
-            for p in pending {
-                self.finish_chunk(p, out);
-            }
+            self.finish_in_arrival_order(pending, out);
             work = later;
         }
     }
@@ -339,6 +337,12 @@ impl Client {
         may_wait: bool,
     ) -> Result<Option<Pending>, Vec<usize>> {
         let io = self.io_of(handoff);
+        if io.is_zero() {
+            // The call's time is up before this owner's turn: not its fault.
+            let s = if handoff.is_some() { Status::Miss } else { Status::Timeout };
+            chunk.iter().for_each(|&i| out[i] = s);
+            return Ok(None);
+        }
         let geo: Geometry = self.geo;
         let (op, body) = if chunk.len() == 1 {
             (Op::Exist, KeyRequest::encode(&geo, keys[chunk[0]]))
@@ -390,6 +394,42 @@ impl Client {
         }
     }
 
+    /// Reads a wave's answers in the order they arrive, so an owner that
+    /// never answers, waited for until its deadline, cannot make the
+    /// others' answers (in their sockets by then) late too.
+    fn finish_in_arrival_order(&self, mut pending: Vec<Pending>, out: &mut [Status]) {
+        while !pending.is_empty() {
+            let mut fds: Vec<libc::pollfd> = pending
+                .iter()
+                .map(|p| libc::pollfd { fd: p.conn.raw_fd(), events: libc::POLLIN, revents: 0 })
+                .collect();
+            let until = pending.iter().map(|p| p.deadline).max().unwrap_or_else(Instant::now);
+            let wait = until.saturating_duration_since(Instant::now()).as_millis().min(i32::MAX as u128) as i32;
+            // SAFETY: `fds` is a live array of `fds.len()` pollfd entries,
+            // which poll reads and whose `revents` it writes, nothing else.
+            let n = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, wait) };
+            if n < 0 && std::io::Error::last_os_error().kind() == std::io::ErrorKind::Interrupted {
+                continue;
+            }
+            if n <= 0 {
+                // Every deadline passed (or poll failed): each ends now by its own.
+                for p in pending {
+                    self.finish_chunk(p, out);
+                }
+                return;
+            }
+            let mut rest = Vec::with_capacity(pending.len());
+            for (p, fd) in pending.into_iter().zip(&fds) {
+                if fd.revents != 0 {
+                    self.finish_chunk(p, out);
+                } else {
+                    rest.push(p);
+                }
+            }
+            pending = rest;
+        }
+    }
+
     /// Reads one chunk's answer into `out`; the connection goes back to the
     /// pool and the slot is freed.
     fn finish_chunk(&self, mut p: Pending, out: &mut [Status]) {
@@ -400,12 +440,16 @@ impl Client {
                 self.metrics.stale_retries.fetch_add(1, Ordering::Relaxed);
                 p.node.drop_idle();
                 let io = self.io_of(p.handoff);
-                r = self.sync_checkout(&mut p.slot, &p.node, true, io).and_then(|(conn, _)| {
-                    p.conn = conn;
-                    p.reused = false;
-                    send(&mut p, io)?;
-                    recv(&mut p)
-                });
+                r = if io.is_zero() {
+                    Err(OpError::LocalTimeout)
+                } else {
+                    self.sync_checkout(&mut p.slot, &p.node, true, io).and_then(|(conn, _)| {
+                        p.conn = conn;
+                        p.reused = false;
+                        send(&mut p, io)?;
+                        recv(&mut p)
+                    })
+                };
             }
         }
         match r {
@@ -441,7 +485,7 @@ impl Client {
         };
         // One deadline for the whole get: the wait for a slot, a connect,
         // the exchange and its one retry (`io_timeout_ms` bounds a request).
-        let deadline = Instant::now() + self.opts.io_timeout;
+        let deadline = crate::call::clamp(Instant::now() + self.opts.io_timeout);
         let left = || deadline.saturating_duration_since(Instant::now());
         let Some(mut slot) = node.sync_slot(left()) else {
             crate::error::note(format!(

@@ -68,6 +68,7 @@ _SIGNATURES = {
     "kv_set_members": (_c.c_int, [_P, _c.c_char_p]),
     "kv_start_mds_discovery": (_c.c_int, [_P, _c.c_char_p, _c.c_char_p, _c.c_int]),
     "kv_epoch": (_c.c_uint64, [_P]),
+    "kv_set_call_timeout_ms": (_c.c_uint32, [_c.c_uint32]),
     "kv_put": (_c.c_int, [_P, _c.c_char_p, _c.c_void_p, _c.c_size_t]),
     "kv_putv": (_c.c_int, [_P, _c.c_char_p, _c.POINTER(IoVec), _c.c_size_t]),
     "kv_get": (_c.c_int, [_P, _c.c_char_p, _c.c_void_p, _c.c_size_t, _c.POINTER(_c.c_size_t)]),

@@ -22,12 +22,13 @@ start afterwards raise :class:`ClosedError`.
 from __future__ import annotations
 
 import array
+import contextlib
 import ctypes
 import enum
 import logging
 import threading
 from dataclasses import dataclass
-from typing import Any, Dict, List, Mapping, NamedTuple, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, Iterator, List, Mapping, NamedTuple, Optional, Sequence, Tuple, Union
 
 from kvcellar import _native
 from kvcellar._native import FLAG_MLA, MAX_KEY_LEN, IoVec, LibraryError
@@ -376,6 +377,25 @@ class Client:
         return _native.last_error(self._lib)
 
     # -- single items ----------------------------------------------------------
+
+    @contextlib.contextmanager
+    def call_timeout(self, ms: Optional[int]) -> Iterator[None]:
+        """Bounds every call this thread makes inside the block (on any
+        handle) to about ``ms`` milliseconds in all (``None`` or 0: no
+        bound). Items not answered in time get :attr:`Status.TIMEOUT`; a
+        call returns only after nothing of it touches the caller's buffers
+        any more, so a call holding engine memory is never abandoned. A node
+        that let a request run half the bound unanswered cools down
+        (``peer_cooldown_ms``), and every call skips it meanwhile
+        (README, "C ABI conventions")."""
+        ms = int(ms or 0)
+        if ms < 0 or ms > 0xFFFFFFFF:
+            raise ValueError(f"call timeout {ms} ms is out of range")
+        prev = self._lib.kv_set_call_timeout_ms(ms)
+        try:
+            yield
+        finally:
+            self._lib.kv_set_call_timeout_ms(prev)
 
     def put(self, key: Key, data: Segment) -> Status:
         """Stores ``data`` under ``key`` (write-once: a stored key stays)."""

@@ -8,6 +8,7 @@ tree, ``KVCELLAR_LIB`` defaults to the workspace build.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import select
 import shutil
@@ -108,6 +109,19 @@ class Node:
                 if self.proc.stdout:
                     self.proc.stdout.close()
             self.proc = None
+
+
+@contextlib.contextmanager
+def stalled(node: "Node"):
+    """The node SIGSTOPped (it accepts connections, the kernel queues its
+    bytes, it answers nothing) for the block; SIGCONT whatever happens."""
+    assert node.proc is not None and node.proc.poll() is None
+    node.proc.send_signal(signal.SIGSTOP)
+    try:
+        yield node
+    finally:
+        if node.proc is not None and node.proc.poll() is None:
+            node.proc.send_signal(signal.SIGCONT)
 
 
 class Cluster:

@@ -255,3 +255,53 @@ def test_rdma_fallback_is_one_line_per_handle(cluster):
     assert r.returncode == 0, r.stderr
     lines = [l for l in r.stderr.splitlines() if "RDMA" in l]
     assert len(lines) == 1 and "using TCP" in lines[0], r.stderr
+
+
+def test_a_call_timeout_bounds_a_batch_on_a_stopped_node_and_never_serves_bytes_changed_after_it():
+    """One node of three SIGSTOPped: a bounded batch put returns in about
+    its bound, healthy owners' items stored, the stopped owner's TIMEOUT;
+    the next call skips the cooling node at once. Buffers changed after the
+    call returned are never what is stored, and never served."""
+    from conftest import Cluster, stalled
+
+    cluster = Cluster(3)
+    try:
+        keys = [f"ct-{i}" for i in range(24)]
+        n = 256 << 10
+        bufs = [bytearray(page(k, n)) for k in keys]
+        orig = [bytes(b) for b in bufs]
+        # A long cool-down so the second call surely meets it.
+        with Client(cluster.members, geometry=GEO, options="peer_cooldown_ms=5000") as c:
+            with stalled(cluster.nodes[1]):
+                t0 = time.monotonic()
+                with c.call_timeout(300):
+                    st = c.batch_put(keys, bufs)
+                took = time.monotonic() - t0
+                # What the engine does once the call returned: reuse the memory.
+                for b in bufs:
+                    b[:] = b"\xee" * len(b)
+                assert took < 1.5, f"a 300 ms call took {took:.3f} s"
+                assert st.count(Status.OK) > 0 and Status.TIMEOUT in st, st
+                stopped = [k for k, s in zip(keys, st) if s is Status.TIMEOUT]
+                assert all(s in (Status.OK, Status.TIMEOUT) for s in st), st
+                # The stopped node cools down: a second call does not wait for it.
+                t0 = time.monotonic()
+                with c.call_timeout(300):
+                    st2 = c.batch_exist(keys)
+                    gets = c.batch_get(keys, [bytearray(n) for _ in keys])
+                assert time.monotonic() - t0 < 1.0
+                assert [s for k, s in zip(keys, st2) if k in stopped] == [Status.UNAVAILABLE] * len(stopped)
+                assert all(g.status is Status.OK for k, g in zip(keys, gets) if k not in stopped)
+                # Outside the block the thread is unbounded again.
+                assert c._lib.kv_set_call_timeout_ms(0) == 0
+        # Resumed: whatever the stopped node stored is the bytes of the
+        # time of the call, never those written after it returned.
+        with Client(cluster.members, geometry=GEO) as c:
+            for k, want in zip(keys, orig):
+                buf = bytearray(n)
+                r = c.get(k, buf)
+                assert r.status in (Status.OK, Status.MISS), (k, r)
+                if r.status is Status.OK:
+                    assert bytes(buf[: r.length]) == want, f"{k}: served bytes changed after the call"
+    finally:
+        cluster.stop()
