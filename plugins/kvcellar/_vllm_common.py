@@ -36,15 +36,25 @@ log = logging.getLogger("vllm.kvcellar")
 #: kv_connector_extra_config keys (the cluster keys are the other plugins').
 OWN_KEYS = CLUSTER_KEYS + TIMEOUT_KEYS + (
     "model_id", "model_fingerprint", "tenant", "poll_ms", "blocks_per_unit", "lookup_timeout_ms",
-    "host_staging",
+    "save_timeout_ms", "load_timeout_ms", "host_staging",
 )
 #: The library's per-item limit (README, "C ABI conventions").
 MAX_SEGMENTS = 4096
 UNIT_TOKENS = 256
+#: Bounds on one whole library call (docs/plugins/vllm.md, "Bounded cost
+#: of a sick node"): a save holds the engine's step, so its bound is about
+#: a prefill step; a load holds only its request, so it may take about what
+#: recomputing would; a lookup's call ends well before the scheduler stops
+#: waiting for it (LOOKUP_CALL_SHARE of lookup_timeout_ms).
+SAVE_TIMEOUT_MS = 200
+LOAD_TIMEOUT_MS = 1000
+LOOKUP_TIMEOUT_MS = 1000
+LOOKUP_CALL_SHARE = 0.75
 
 COUNTERS = (
     "lookups", "lookup_tokens", "lookup_hit_tokens", "lookup_timeouts", "lookup_errors", "lookups_shed",
-    "load_units", "load_failed_units", "load_bytes", "save_units", "save_failed_units", "save_bytes",
+    "load_units", "load_failed_units", "load_bytes", "save_units", "save_failed_units", "save_dropped_units",
+    "save_bytes",
 )
 
 
@@ -190,7 +200,10 @@ class Side:
         cfg = dict(kt.kv_connector_extra_config or {})
         self.settings = plugin_settings(cfg, where)
         self.poll_ms = positive_int(cfg, "poll_ms", DEFAULT_POLL_MS, where)
-        self.lookup_timeout_s = positive_int(cfg, "lookup_timeout_ms", 1000, where) / 1000.0
+        self.lookup_timeout_s = positive_int(cfg, "lookup_timeout_ms", LOOKUP_TIMEOUT_MS, where) / 1000.0
+        self.lookup_call_ms = max(1, int(self.lookup_timeout_s * 1000 * LOOKUP_CALL_SHARE))
+        self.save_timeout_ms = positive_int(cfg, "save_timeout_ms", SAVE_TIMEOUT_MS, where)
+        self.load_timeout_ms = positive_int(cfg, "load_timeout_ms", LOAD_TIMEOUT_MS, where)
         mc, cc, pc = vllm_config.model_config, vllm_config.cache_config, vllm_config.parallel_config
         self.block_size = int(cc.block_size)
         self.blocks_per_unit = positive_int(cfg, "blocks_per_unit", max(1, UNIT_TOKENS // self.block_size), where)

@@ -54,7 +54,10 @@ class SchedulerSide(Side):
         if c is None or not keys:
             return [False] * len(keys)
         sfx = self._shard_suffixes()
-        st = c.batch_exist([k + s for k in keys for s in sfx])
+        # Bounded: the call ends (its sockets dropped) before the scheduler
+        # stops waiting, a stopped node's keys answered TIMEOUT (not found).
+        with c.call_timeout(self.lookup_call_ms):
+            st = c.batch_exist([k + s for k in keys for s in sfx])
         n = len(sfx)
         return [all(x is Status.OK for x in st[i * n : (i + 1) * n]) for i in range(len(keys))]
 

@@ -4,6 +4,7 @@ loads on background threads, saves acknowledged before the step ends
 
 from __future__ import annotations
 
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Dict, List, Optional, Set, Tuple
 
@@ -16,11 +17,23 @@ from kvcellar._vllm_common import (
     _Transfer,
     log,
 )
-from kvcellar.client import Status
+from kvcellar.client import GetResult, Status
 from kvcellar.config import ConfigError
 
-#: Threads running loads.
-LOAD_THREADS = 1
+#: Threads running loads: loads of other requests never queue behind one
+#: slow node (each load's call is bounded by load_timeout_ms too).
+LOAD_THREADS = 4
+
+
+class _Budget:
+    """What is left of a bound that spans several library calls (the
+    staged path makes one call per chunk of units)."""
+
+    def __init__(self, ms: int) -> None:
+        self.end = time.monotonic() + ms / 1000.0
+
+    def left_ms(self) -> int:
+        return int((self.end - time.monotonic()) * 1000)
 
 
 class WorkerSide(Side):
@@ -147,11 +160,17 @@ class WorkerSide(Side):
             keys = [k + self._my_suffix() for k in t.keys]
             c = self._client
             if c is not None and self._layers:
+                budget = _Budget(self.load_timeout_ms)
                 if self._staging:
-                    res = []
+                    res: List[GetResult] = []
                     for lo, hi in self._stage_chunks(len(keys)):
+                        left = budget.left_ms()
+                        if left <= 0:  # the bound is spent: the rest is recomputed
+                            res += [GetResult(Status.TIMEOUT, 0)] * (len(keys) - lo)
+                            break
                         bufs = [layout.stage_buffer(self.unit_bytes()) for _ in range(lo, hi)]
-                        part = c.batch_get(keys[lo:hi], bufs)
+                        with c.call_timeout(left):
+                            part = c.batch_get(keys[lo:hi], bufs)
                         for i, r in zip(range(lo, hi), part):
                             if r.status is Status.OK and r.length == bufs[i - lo].numel():
                                 layout.stage_in(self._layers, bufs[i - lo], t.blocks[i])
@@ -160,7 +179,10 @@ class WorkerSide(Side):
                 else:
                     addrs, sizes, counts, keep = self._units_segments(t.blocks)
                     want = self.unit_bytes()
-                    res = c.batch_getv_raw(keys, addrs, sizes, counts)
+                    # The call returns only once nothing of it writes into
+                    # the blocks any more; only then is the load reported.
+                    with c.call_timeout(self.load_timeout_ms):
+                        res = c.batch_getv_raw(keys, addrs, sizes, counts)
                     del keep
                     ok = [r.status is Status.OK and r.length == want for r in res]
                 missing = {t.keys[i] for i, r in enumerate(res) if r.status is Status.MISS}
@@ -204,20 +226,33 @@ class WorkerSide(Side):
         blocks = [b for t in meta.saves for b in t.blocks]
         keys = [k + self._my_suffix() for k in base]
 
+        budget = _Budget(self.save_timeout_ms)
+
         def run() -> List[Status]:
+            # Bounded: a save holds the step. The call returns only once
+            # nothing of it reads the blocks any more (vLLM may reuse them
+            # when the step ends); units it could not store in time are
+            # dropped (TIMEOUT), never finished later from reused blocks.
             if self._staging:
                 out: List[Status] = []
                 for lo, hi in self._stage_chunks(len(keys)):
+                    left = budget.left_ms()
+                    if left <= 0:
+                        return out + [Status.TIMEOUT] * (len(keys) - lo)
                     ub = self.unit_bytes()
-                    out += c.batch_put(keys[lo:hi], [layout.stage_out(self._layers, b, ub) for b in blocks[lo:hi]])
+                    staged = [layout.stage_out(self._layers, b, ub) for b in blocks[lo:hi]]
+                    with c.call_timeout(max(1, budget.left_ms())):
+                        out += c.batch_put(keys[lo:hi], staged)
                 return out
             addrs, sizes, counts, _ = self._units_segments(blocks)
-            return c.batch_putv_raw(keys, addrs, sizes, counts)
+            with c.call_timeout(self.save_timeout_ms):
+                return c.batch_putv_raw(keys, addrs, sizes, counts)
 
         st = self._misses.run("save", [Status.UNAVAILABLE] * len(keys), run)
         good = [k for k, s in zip(base, st) if s is Status.OK]
-        self._count(save_units=len(good), save_failed_units=len(keys) - len(good),
-                    save_bytes=len(good) * self.unit_bytes())
+        dropped = sum(1 for s in st if s is Status.TIMEOUT)
+        self._count(save_units=len(good), save_dropped_units=dropped,
+                    save_failed_units=len(keys) - len(good) - dropped, save_bytes=len(good) * self.unit_bytes())
         with self._lock:
             for k in good:
                 self._worker_meta.stored[k] = self._worker_meta.stored.get(k, 0) + 1

@@ -32,7 +32,9 @@ What moves, and how:
   straight from the sockets into the paged KV cache (a GPU cache stages
   through pinned host memory); saves run in :meth:`wait_for_save` and are
   acknowledged before the step ends (vLLM may reuse a block as soon as the
-  step is over).
+  step is over). Every library call is bounded (``save_timeout_ms``,
+  ``load_timeout_ms``, 3/4 of ``lookup_timeout_ms``) and returns only once
+  it no longer touches vLLM's blocks.
 - A failure of the store is a miss and a recompute: failed blocks are
   reported to vLLM (``kv_load_failure_policy`` must be ``recompute``; the
   connector sets it when left at vLLM's default ``fail``) and counted.

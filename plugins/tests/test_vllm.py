@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import types
 
 import pytest
 
@@ -15,7 +16,7 @@ pytest.importorskip("vllm", reason="vLLM is not installed (scripts/test-engines.
 
 from vllm_engine import Engine, model_dir, vllm_config  # noqa: E402
 
-from kvcellar import Client  # noqa: E402
+from kvcellar import Client, Status  # noqa: E402
 from kvcellar.config import ConfigError  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -688,3 +689,181 @@ def test_dummy_weights_share_only_with_dummy_weights(cluster, models):
     finally:
         for e in (real, d1, d2):
             e.close()
+
+
+# -- a sick node costs a step a bounded time ---------------------------------------------------
+
+
+def _unit_keys(e: Engine, reqs, tenant: str = ""):
+    """Every whole unit's key of the requests, as the connector names them."""
+    return [f"{tenant}{bytes(q.block_hashes[(u + 1) * 16 - 1]).hex()}.{e.conn.tag}"
+            for q in reqs for u in range(len(q.prompt_token_ids) // UNIT)]
+
+
+def _geometry(e: Engine):
+    from kvcellar import Geometry
+
+    return Geometry(**{f: getattr(e.conn.geometry, f) for f in
+                       ("model_hash", "page_size", "dtype_tag", "layer_num", "head_num", "head_dim")})
+
+
+def test_blocks_reused_after_a_timed_out_save_are_never_served(models):
+    """One node SIGSTOPped just before the saves: the saves meeting it are
+    cut at save_timeout_ms and dropped; the step then overwrites the blocks
+    (as vLLM reuses them). Resumed, no key is ever served with the new
+    bytes: each is a miss or the bytes of the time of the save."""
+    from conftest import Cluster, stalled
+
+    c = Cluster(3)
+    made = []
+    try:
+        w = engine(models, c.members)
+        made.append(w)
+        prompts = [prompt(30 + i, 3 * UNIT + 4) for i in range(6)]
+        reqs = [w.add(w.request(p)) for p in prompts]
+        with contextlib.ExitStack() as stack:  # SIGCONT on the way out, whatever happens
+            stopped = []
+
+            def stop_before_saves(out):
+                if out.kv_connector_metadata.saves and not stopped:
+                    stopped.append(stack.enter_context(stalled(c.nodes[1])))
+
+            def reuse_saved_blocks(out):
+                for t in out.kv_connector_metadata.saves:
+                    for blocks in t.blocks:
+                        for v in w.layers:
+                            for b in blocks:
+                                w._block(v, b).fill_(-1234.5)
+
+            w.run(before_worker=stop_before_saves, after_worker=reuse_saved_blocks)
+        cnt = w.worker.counters()
+        # Cut at save_timeout_ms (200), not held for io_timeout_ms (10 s).
+        assert max(w.hook_s) < 2.0, f"a save meeting the stopped node held a step {max(w.hook_s):.1f} s"
+        assert cnt.get("save_dropped_units", 0) > 0 and cnt["save_units"] > 0, cnt
+        # The same KV, stored under another tenant with every node healthy.
+        ref = engine(models, c.members, extra={"tenant": "ref"})
+        made.append(ref)
+        ref.serve(prompts)
+        assert ref.worker.counters()["save_units"] == 18
+        served = 0
+        with Client(c.members, geometry=_geometry(w)) as cl:
+            for k, kr in zip(_unit_keys(w, reqs), _unit_keys(w, reqs, "ref/")):
+                got = cl.get_bytes(k)
+                assert got.status in (Status.OK, Status.MISS), (k, got.status)
+                if got.ok:
+                    served += 1
+                    assert got.data == cl.get_bytes(kr).data, f"{k}: bytes written after the save was cut"
+        assert served >= cnt["save_units"]
+        # Through the connector: whatever a reader loads is the original KV.
+        r = engine(models, c.members)
+        made.append(r)
+        r.serve(prompts)
+        assert all(r.checked.values()) and sum(r.loaded.values()) > 0
+    finally:
+        for e in made:
+            e.close()
+        c.stop()
+
+
+def _one_node_stopped(models):
+    """Twelve prompts of two units on three nodes: stored by a writer, read
+    by a reader with every node healthy, then read by a third instance
+    (started with every node up, as a serving one is) while one node is
+    SIGSTOPped. Gives what the tests below check."""
+    from conftest import Cluster, stalled
+
+    c = Cluster(3)
+    made = []
+    try:
+        prompts = [prompt(40 + i, 2 * UNIT + 10) for i in range(12)]
+        named = {"model_id": "tiny"}  # keys (and so their nodes) the same every run
+        w = engine(models, c.members, extra=named)
+        made.append(w)
+        reqs = w.serve(prompts)
+        healthy = engine(models, c.members, extra=named)
+        made.append(healthy)
+        healthy.serve(prompts)
+        # Lookups meeting the stopped node take their bound (3/4 of
+        # lookup_timeout_ms) off the step; a longer one than the default
+        # keeps a slow machine's queued lookups from giving up.
+        sick = engine(models, c.members, extra={"lookup_timeout_ms": 3000, **named})
+        made.append(sick)
+        keys = _unit_keys(w, reqs)
+        probe = Client(c.members, geometry=_geometry(w))
+        made.append(probe)
+        assert probe.batch_exist(keys) == [Status.OK] * 24  # connected before the stop
+        with stalled(c.nodes[1]):
+            # Which units are on the nodes still up.
+            with probe.call_timeout(1000):
+                up = [s is Status.OK for s in probe.batch_exist(keys)]
+            sq = sick.serve(prompts)
+        expect = []
+        for i in range(12):
+            lead = 0
+            while lead < 2 and up[2 * i + lead]:
+                lead += 1
+            expect.append(lead * UNIT)
+        assert 0 < sum(expect) < 24 * UNIT, expect
+        return types.SimpleNamespace(
+            writer=w.worker.counters(), healthy=healthy.worker.counters(), sick=sick.worker.counters(),
+            healthy_loaded=sorted(healthy.loaded.values()), base=max(w.hook_s + healthy.hook_s),
+            worst=max(sick.hook_s), loaded=[sick.loaded.get(q.request_id, 0) for q in sq], expect=expect)
+    finally:
+        for e in made:
+            e.close()
+        c.stop()
+
+
+def test_a_stopped_node_costs_a_step_at_most_the_save_bound(models):
+    """One node of three SIGSTOPped: the slowest step's connector hooks
+    (scheduler and worker, timed per step) take at most ~250 ms more than
+    with every node healthy (600 on a loaded machine), the saves it owns
+    dropped at save_timeout_ms. Healthy: no save dropped, every whole unit a hit."""
+    run = _one_node_stopped(models)
+    for cnt in (run.writer, run.healthy):
+        assert cnt.get("save_dropped_units", 0) == 0 and cnt["save_failed_units"] == 0, cnt
+    assert run.writer["save_units"] == 24
+    assert run.healthy_loaded == [2 * UNIT] * 12  # the hit rate of a healthy cluster: every whole unit
+    loaded_machine = os.getloadavg()[0] >= (os.cpu_count() or 1) or bool(os.environ.get("CI"))
+    allowed = 0.6 if loaded_machine else 0.25
+    print(f"\nslowest step's connector hooks: healthy {run.base * 1e3:.0f} ms, one node stopped "
+          f"{run.worst * 1e3:.0f} ms (+{(run.worst - run.base) * 1e3:.0f} ms, allowed +{allowed * 1e3:.0f}); "
+          f"saves dropped {run.sick.get('save_dropped_units')}, failed {run.sick['save_failed_units']}; "
+          f"hits {run.loaded}, on nodes up {run.expect}")
+    assert run.worst - run.base <= allowed
+    assert run.sick.get("save_dropped_units", 0) > 0  # the first save meeting the stopped node, cut
+    assert run.loaded == run.expect  # units on the nodes still up still hit
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "libkvclient: a batch exist that opens a new connection to a SIGSTOPped owner waits out that "
+    "connection's handshake after writing the earlier owners' requests, then reads their answers past "
+    "their deadline: every key is TIMEOUT and a healthy owner is cooled down"))
+def test_a_first_lookup_meeting_a_stopped_node_finds_the_units_before_it(models):
+    """A fresh instance (no connection to the stopped node yet) looks up a
+    prompt whose first unit lives on n0 and second on the stopped n1: the
+    first unit is a hit."""
+    from conftest import Cluster, stalled
+
+    c = Cluster(3)
+    made = []
+    try:
+        w = engine(models, c.members, extra={"model_id": "tiny"})
+        made.append(w)
+        prompts = [prompt(70 + i, 2 * UNIT) for i in range(16)]
+        reqs = w.serve(prompts)
+        keys = _unit_keys(w, reqs)
+        owner = {}
+        for n in c.nodes:  # a one-member client asks that node alone
+            with Client(f"{n.name}={n.addr}", geometry=_geometry(w)) as one:
+                owner.update({k: n.name for k, st in zip(keys, one.batch_exist(keys)) if st is Status.OK})
+        pick = [p for i, p in enumerate(prompts) if (owner[keys[2 * i]], owner[keys[2 * i + 1]]) == ("n0", "n1")]
+        assert pick, "no prompt with its units on n0 then n1"
+        r = engine(models, c.members, extra={"model_id": "tiny"})
+        made.append(r)
+        with stalled(c.nodes[1]):
+            assert lookup(r, pick[0]) == UNIT
+    finally:
+        for e in made:
+            e.close()
+        c.stop()

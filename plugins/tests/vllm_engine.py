@@ -59,6 +59,12 @@ from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
 from vllm.v1.worker.utils import allocate_kv_cache  # noqa: E402
 
 EOS = 999
+#: The connector hooks vLLM's scheduler and model runner call each step.
+SCHEDULER_HOOKS = ("get_num_new_matched_tokens", "update_state_after_alloc", "build_connector_meta",
+                   "update_connector_output", "request_finished", "take_events", "get_kv_connector_stats")
+WORKER_HOOKS = ("bind_connector_metadata", "start_load_kv", "wait_for_save", "get_transfer_results",
+                "get_block_ids_with_load_errors", "get_kv_connector_stats", "build_connector_worker_meta",
+                "clear_connector_metadata")
 
 
 def write_weights(d: str, edit: int = 0) -> None:
@@ -219,12 +225,33 @@ class Engine:
             self.rank_layers.append([caches[n] for n in self.kc.kv_cache_groups[0].layer_names])
         self.worker = self.workers[0]
         self.layers = self.rank_layers[0]
+        # Time spent in the connector's hooks, per step (what a sick store
+        # could add to an engine step).
+        self.hook_s: List[float] = []
+        self._hook_now = 0.0
+        for name in SCHEDULER_HOOKS:
+            self._time_hook(self.conn, name)
+        for w in self.workers:
+            for name in WORKER_HOOKS:
+                self._time_hook(w, name)
         self.aggregator = KVOutputAggregator(self.ranks)
         self.loaded: Dict[str, int] = {}  # request -> external tokens loaded
         self.checked: Dict[str, bool] = {}  # request -> loaded blocks equal the expected bytes, every rank
         self.finished: List[str] = []
         self.steps = 0
         self._count = 0
+
+    def _time_hook(self, obj: Any, name: str) -> None:
+        fn = getattr(obj, name)
+
+        def timed(*a: Any, **kw: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                self._hook_now += time.perf_counter() - t0
+
+        setattr(obj, name, timed)
 
     def close(self) -> None:
         for c in [*self.workers, self.conn]:
@@ -294,12 +321,14 @@ class Engine:
 
     # -- one engine step ------------------------------------------------------------
 
-    def step(self, before_worker: Any = None) -> Any:
+    def step(self, before_worker: Any = None, after_worker: Any = None) -> Any:
         """schedule -> worker (bind, forward, start_load_kv, wait_for_save,
         results) -> update_from_output, as vLLM 0.33's engine core and model
         runner mixin order them. ``before_worker(out)`` runs between the
-        scheduler and the worker."""
+        scheduler and the worker, ``after_worker(out)`` once the workers'
+        hooks returned (where vLLM may reuse a finished request's blocks)."""
         self.steps += 1
+        self._hook_now = 0.0
         out = self.sched.schedule()
         if before_worker is not None:
             before_worker(out)
@@ -321,6 +350,10 @@ class Engine:
             )
             w.clear_connector_metadata()
             outs.append(kvo)
+        if after_worker is not None:
+            hooks = self._hook_now
+            after_worker(out)
+            self._hook_now = hooks
         ids = list(out.num_scheduled_tokens)
         sampled = []
         for rid in ids:
@@ -345,18 +378,19 @@ class Engine:
             for o in eco.outputs:
                 if o.finish_reason is not None:
                     self.finished.append(o.request_id)
+        self.hook_s.append(self._hook_now)
         return out
 
-    def run(self, until_s: float = 60.0) -> None:
-        """Steps until no request is left (bounded in time)."""
+    def run(self, until_s: float = 60.0, **hooks: Any) -> None:
+        """Steps until no request is left (bounded in time); ``hooks`` go to :meth:`step`."""
         end = time.monotonic() + until_s
         while self.sched.has_unfinished_requests():
             if time.monotonic() > end:
                 raise TimeoutError(f"requests unfinished after {until_s} s: {list(self.sched.requests)}")
-            self.step()
+            self.step(**hooks)
             time.sleep(0.001)
 
-    def serve(self, prompts: Sequence[Sequence[int]], until_s: float = 60.0) -> List[Request]:
+    def serve(self, prompts: Sequence[Sequence[int]], until_s: float = 60.0, **hooks: Any) -> List[Request]:
         reqs = [self.add(self.request(p)) for p in prompts]
-        self.run(until_s)
+        self.run(until_s, **hooks)
         return reqs
