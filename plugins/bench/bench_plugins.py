@@ -181,7 +181,8 @@ def bench_vllm(members, rounds, units=8):
 
     root = tempfile.mkdtemp(prefix="kvcellar-bench-vllm-")
     e = Engine(vllm_config(model_dir(root, layers=8, kv_heads=8, head_dim=128),
-                           {"members": members, "io_timeout_ms": 60000}), num_blocks=300)
+                           {"members": members, "io_timeout_ms": 60000, "save_timeout_ms": 60000,
+                            "load_timeout_ms": 60000}), num_blocks=300)
     w = e.worker
     assert w.unit_bytes() == 8 << 20, w.unit_bytes()
     for v in e.layers:
