@@ -837,10 +837,9 @@ def test_a_stopped_node_costs_a_step_at_most_the_save_bound(models):
 
 @pytest.mark.parametrize("owners", [
     ("n0", "n1"),
-    pytest.param(("n2", "n1"), marks=pytest.mark.xfail(strict=True, reason=(
-        "libkvclient: a batch exist writes to owners without an idle connection in member order, each after its "
-        "new connection's hello, so the stopped n1's hello takes the call's time before n2's request is "
-        "written: n2's keys are TIMEOUT in that first call"))),
+    # n2 comes after the stopped n1 in member order: its keys must not
+    # wait behind n1's new connection.
+    ("n2", "n1"),
 ])
 def test_a_first_lookup_meeting_a_stopped_node_finds_the_units_before_it(models, owners):
     """A fresh instance (no connection to the stopped node yet) looks up a
