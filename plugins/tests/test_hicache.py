@@ -165,6 +165,39 @@ def test_another_identity_misses(cluster, what, pool_args, cfg):
         other.close()
 
 
+def test_large_batches_move_in_slices_under_their_deadline_and_stop_at_a_failed_one(cluster, monkeypatch):
+    """A batch larger than what moves in a deadline goes in slices, each
+    under its own deadline (one page each here); a load stops after the
+    first slice with a page that failed (SGLang uses the leading pages)."""
+    import kvcellar._deadline as dl
+
+    pool = make_pool("mha")
+    b = make_backend(cluster, pool)
+    inner = getattr(b, "_backend", b)
+    page = sum(pool.get_page_buffer_meta(indices_for(pool, 0, 1))[1])
+    monkeypatch.setattr(dl, "SLICE_RATE", page * 3 // 2 // inner.deadlines.save_ms)
+    bounds = []
+    real = inner._client.call_timeout
+    monkeypatch.setattr(inner._client, "call_timeout", lambda ms: bounds.append(ms) or real(ms))
+    try:
+        keys = hashes("slices-", 8)
+        want = [fill_page(pool, i, k) for i, k in enumerate(keys)]
+        stored = [i for i in range(8) if i != 3]
+        assert b.batch_set_v1([keys[i] for i in stored[:3]], indices_for(pool, 0, 3)) == [True] * 3
+        assert b.batch_set_v1([keys[i] for i in stored[3:]], indices_for(pool, 4, 4)) == [True] * 4
+        # Each set: its exist, then one bounded put a page; the first put gets what the exist left.
+        assert len(bounds) == 2 + 7 and all(0 < ms <= inner.deadlines.save_ms for ms in bounds), bounds
+        bounds.clear()
+        zero_pages(pool, range(40, 48))
+        got = b.batch_get_v1(keys, indices_for(pool, 40, 8))
+        assert got == [True] * 3 + [False] * 5, "the load stops at the slice of the missing page"
+        assert bounds == [inner.deadlines.load_ms] * 4, bounds
+        assert [read_page(pool, 40 + i) for i in range(3)] == want[:3]
+        assert inner.counters()["kvcellar_load_deadline_misses_total"] == 0, "a miss is not a deadline's doing"
+    finally:
+        b.close()
+
+
 def test_legacy_path_round_trip(cluster):
     pool = make_pool("mha")
     b = make_backend(cluster, pool, v1=False)
@@ -481,3 +514,4 @@ def test_tenants_are_apart_clear_keeps_pages_and_stats(cluster, caplog):
     finally:
         a.close()
         bb.close()
+
