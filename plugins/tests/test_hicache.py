@@ -8,6 +8,7 @@ SGLang's own StorageBackendFactory and drives SGLang's real host pools.
 from __future__ import annotations
 
 import ctypes
+import os
 import random
 import threading
 import time
@@ -515,3 +516,35 @@ def test_tenants_are_apart_clear_keeps_pages_and_stats(cluster, caplog):
         a.close()
         bb.close()
 
+
+#: The most a call with a stopped node may take beyond the slowest healthy
+#: one, in ms: the deadlines keep it under 250 ms; a loaded machine adds its
+#: own delays, so the assertion allows this much and prints the figure.
+SICK_BOUND_MS = int(os.environ.get("KVCELLAR_SICK_BOUND_MS", "600"))
+
+
+def test_a_stopped_node_costs_a_call_at_most_its_deadline_and_healthy_pages_still_hit():
+    """One node of three SIGSTOPped (it accepts, answers nothing): no backend
+    call takes more than about its deadline beyond the slowest call on the
+    healthy cluster, and every page the other nodes own still hits; on the
+    healthy cluster, under the same rounds, no save is dropped for time and
+    every page hits (docs/plugins/sglang.md, "Deadlines"). The worst case:
+    no cool-down, so every call that needs the stopped node waits for it."""
+    from sick import KINDS, SGLangDriver, sick_cluster
+
+    out = sick_cluster(lambda c: SGLangDriver(c, pages=8, extra={"options": "peer_cooldown_ms=0"}), rounds=8)
+    print("\n" + out.report("SGLang HiCache backend, 8 pages of 32 KiB a call"))
+    h, s, ref = out.healthy, out.sick, set(out.ref)
+    assert h.saves_failed == 0 and h.counters["kvcellar_saves_dropped_total"] == 0, h.counters
+    assert not any(h.counters[k] for k in h.counters if "deadline" in k), f"healthy calls were cut: {h.counters}"
+    assert h.looked_up == ref and h.loaded == ref, "on the healthy cluster every stored page hits"
+    assert 0 < len(out.on_stopped) < len(ref), "the stopped node owns some of the pages"
+    assert 0 < s.pages_saved and s.saves_failed == s.counters["kvcellar_saves_dropped_total"] > 0, \
+        "saves: the healthy nodes' pages stored, the stopped node's dropped and counted"
+    assert s.looked_up == ref - out.on_stopped, "lookups: every page on a healthy node hits, none on the stopped one"
+    assert s.loaded == ref - out.on_stopped, "loads: every page on a healthy node hits, none on the stopped one"
+    for c in ("kvcellar_saves_dropped_deadline_total", "kvcellar_lookup_deadline_misses_total",
+              "kvcellar_load_deadline_misses_total"):
+        assert s.counters[c] > 0, f"{c}: no call met the stopped node's deadline: {s.counters}"
+    for k in KINDS:
+        assert out.extra()[k] * 1000 <= SICK_BOUND_MS, f"a {k} took {out.extra()[k] * 1000:.0f} ms more"

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import socket
 import time
 
@@ -268,3 +269,35 @@ def test_through_lmcache_remote_backend(h):
     for o in objs:
         o.ref_count_down()
 
+
+#: See test_hicache.SICK_BOUND_MS.
+SICK_BOUND_MS = int(os.environ.get("KVCELLAR_SICK_BOUND_MS", "600"))
+
+
+def test_a_stopped_node_costs_a_call_at_most_its_deadline_and_healthy_chunks_still_hit():
+    """One node of three SIGSTOPped: no connector call (batched_put from
+    LMCache's event loop, batched_contains as its lookup calls it,
+    batched_get) takes more than about its deadline beyond the slowest one
+    on the healthy cluster, and every chunk the other nodes own still hits;
+    on the healthy cluster, under the same rounds, no chunk is dropped for
+    time and every chunk hits (docs/plugins/lmcache.md, "Deadlines"). The
+    worst case: no cool-down, so every call that needs the stopped node
+    waits for it."""
+    from sick import KINDS, LMCacheDriver, sick_cluster
+
+    out = sick_cluster(lambda c: LMCacheDriver(c, pages=8, extra={"options": "peer_cooldown_ms=0"}), rounds=8)
+    print("\n" + out.report("LMCache connector, 8 chunks of 16 KiB a call"))
+    h, s, ref = out.healthy, out.sick, set(out.ref)
+    assert h.saves_failed == 0 and h.counters["kvcellar_saves_dropped_total"] == 0, h.counters
+    assert not any(h.counters[k] for k in h.counters if "deadline" in k), f"healthy calls were cut: {h.counters}"
+    assert h.looked_up == ref and h.loaded == ref, "on the healthy cluster every stored chunk hits"
+    assert 0 < len(out.on_stopped) < len(ref), "the stopped node owns some of the chunks"
+    assert 0 < s.pages_saved and s.saves_failed == s.counters["kvcellar_saves_dropped_total"] > 0, \
+        "puts: the healthy nodes' chunks stored, the stopped node's dropped and counted"
+    assert s.looked_up == ref - out.on_stopped, "lookups: every chunk on a healthy node hits, none on the stopped one"
+    assert s.loaded == ref - out.on_stopped, "gets: every chunk on a healthy node hits, none on the stopped one"
+    for c in ("kvcellar_saves_dropped_deadline_total", "kvcellar_lookup_deadline_misses_total",
+              "kvcellar_load_deadline_misses_total"):
+        assert s.counters[c] > 0, f"{c}: no call met the stopped node's deadline: {s.counters}"
+    for k in KINDS:
+        assert out.extra()[k] * 1000 <= SICK_BOUND_MS, f"a {k} took {out.extra()[k] * 1000:.0f} ms more"
