@@ -334,9 +334,12 @@ class KvcellarStorage(HiCacheStorage):
                                  lambda lo, hi: put(todo[lo:hi]), started=started)
             for i, s in zip(todo, st):
                 out[i] = s is Status.OK
+            # Dropped for time: cut, not tried after a cut, or refused by an
+            # owner cooling down after the check found it not answering.
+            timed = sum(s is Status.TIMEOUT or (s is None and cut)
+                        or (s is Status.UNAVAILABLE and present[i] is Status.TIMEOUT) for i, s in zip(todo, st))
             self._counters.add("kvcellar_saves_dropped_total", sum(s is not Status.OK for s in st))
-            self._counters.add("kvcellar_saves_dropped_deadline_total",
-                               sum(s is Status.TIMEOUT for s in st) + (sum(s is None for s in st) if cut else 0))
+            self._counters.add("kvcellar_saves_dropped_deadline_total", timed)
         return out, todo
 
     # -- zero-copy page segments (v1, and v2 pools with page pointers) ----------------------
