@@ -19,6 +19,11 @@ Page identity (docs/PROTOCOL.md §3):
   class and layout, first layer, layer count, head count and dims
   (v_head_dim, MLA's kv_cache_dim), dtype and page size: whatever reads a
   page with another layout gets a mismatch, never the wrong bytes.
+- Both name the weights (:mod:`kvcellar._served`): a fingerprint of the
+  files SGLang loads (its published model path, revision, load format and
+  download dir), its ``--quantization`` and ``--json-model-override-args``;
+  ``model_fingerprint`` replaces the fingerprint. Another fine-tune under
+  the same name misses.
 
 Each page moves as ONE object: its ``get_page_buffer_meta`` segments are
 the iovec (sizes per segment, so asymmetric K/V, K-only and split MLA pools
@@ -57,6 +62,7 @@ from kvcellar._sglang_api import (
 )
 from kvcellar._deadline import DEADLINE_DEFAULTS, DEADLINE_KEYS, Counters, Deadlines, run_slices
 from kvcellar._misses import Misses
+from kvcellar._served import sglang_model, weights_identity
 from kvcellar.client import Client, Geometry, Status
 from kvcellar.config import (
     CLUSTER_KEYS,
@@ -74,7 +80,7 @@ log = logging.getLogger("kvcellar.hicache")
 __all__ = ["KvcellarStorage"]
 
 #: extra_config keys of this backend (besides SGLang's own).
-OWN_KEYS = CLUSTER_KEYS + TIMEOUT_KEYS + DEADLINE_KEYS + ("model_id", "tenant", "poll_ms")
+OWN_KEYS = CLUSTER_KEYS + TIMEOUT_KEYS + DEADLINE_KEYS + ("model_id", "model_fingerprint", "tenant", "poll_ms")
 SGLANG_KEYS = ("backend_name", "module_path", "class_name", "interface_v1")
 
 _POOL_ATTRS = (
@@ -124,6 +130,8 @@ class KvcellarStorage(HiCacheStorage):
         # Options and members are checked by the library now, not at the
         # first page: a probe handle that is closed at once.
         Client(settings=self._probe_settings()).close()
+        # The weights SGLang serves, read once (a fingerprint reads files).
+        self.weights, weights_line = weights_identity(cfg.get("model_fingerprint"), sglang_model(), where)
 
         sc = storage_config
         self.is_mla = bool(sc.is_mla_model)
@@ -148,10 +156,11 @@ class KvcellarStorage(HiCacheStorage):
         self.mem_pool_host: Any = None
         self.registered_pools: Dict[Any, Any] = {}
         log.info(
-            "kvcellar HiCache backend ready: %s, group %s, model %s, rank tp %d/%d%s",
+            "kvcellar HiCache backend ready: %s, group %s, model %s, %s, rank tp %d/%d%s",
             f"mds {','.join(self.settings.mds)}" if self.settings.mds else f"members {self.settings.members}",
             self.settings.group,
             self.model,
+            weights_line,
             sc.tp_rank,
             sc.tp_size,
             " (MLA, writer)" if self.is_mla and self.is_writer else " (MLA, reader only)" if self.is_mla else "",
@@ -172,6 +181,7 @@ class KvcellarStorage(HiCacheStorage):
         super().register_mem_pool_host(mem_pool_host)
         ident = pool_identity(mem_pool_host)
         ident["model"] = self.model
+        ident.update(self.weights)
         self.model_hash = identity_hash("kvcellar-sglang/v1", ident)
         p = mem_pool_host
         if self.is_mla:
@@ -221,6 +231,7 @@ class KvcellarStorage(HiCacheStorage):
         if t is None:
             ident = pool_identity(pool)
             ident.update(model=self.model, pool=pool_name, path=path)
+            ident.update(self.weights)
             t = hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
             # Kept only if no pool was registered meanwhile (that starts a
             # new map): this tag digests the pool this call was given.

@@ -42,7 +42,9 @@ def make_backend(cluster, pool, *, v1=True, extra=None, **cfg):
     """Creates the backend as SGLang does (through its factory where it is
     installed), then registers the pool in SGLang's attach order."""
     ex = {"backend_name": "kvcellar", "module_path": "kvcellar.hicache", "class_name": "KvcellarStorage",
-          "members": cluster.members, "io_timeout_ms": 3000, "connect_timeout_ms": 500}
+          "members": cluster.members, "io_timeout_ms": 3000, "connect_timeout_ms": 500,
+          # No server publishes the model here: name the weights (None in `extra`: computed).
+          "model_fingerprint": "test-weights"}
     if v1:
         ex["interface_v1"] = 1
     ex.update(extra or {})
@@ -197,6 +199,64 @@ def test_large_batches_move_in_slices_under_their_deadline_and_stop_at_a_failed_
         assert inner.counters()["kvcellar_load_deadline_misses_total"] == 0, "a miss is not a deadline's doing"
     finally:
         b.close()
+
+
+def test_the_same_name_serving_other_weights_misses(cluster, monkeypatch, tmp_path):
+    """Pages follow the weights SGLang says it serves, not the model's name:
+    the same files again hit; a fine-tune written over them under the same
+    name and path, the same weights quantized at load, another hub commit
+    all miss; model_fingerprint names the weights when set
+    (docs/plugins/sglang.md, "Page identity and the weights")."""
+    from conftest import fake_hub
+    from pools import publish_sglang_model
+    from test_fingerprint import checkpoint, edited
+
+    model = checkpoint(str(tmp_path), "model")
+    keys = hashes("weights-", 4)
+
+    def stored_pages(**extra):
+        """How many of the keys a backend built now finds (SGLang's model name unchanged)."""
+        pool = make_pool("mha")
+        b = make_backend(cluster, pool, extra={"model_fingerprint": None, **extra})
+        try:
+            n = b.batch_exists(keys)
+            assert b.batch_get_v1(keys, indices_for(pool, 0, 4)).count(True) == n
+            return n
+        finally:
+            b.close()
+
+    def store(**extra):
+        pool = make_pool("mha")
+        for i, k in enumerate(keys):
+            fill_page(pool, i, k)
+        b = make_backend(cluster, pool, extra={"model_fingerprint": None, **extra})
+        try:
+            assert b.batch_set_v1(keys, indices_for(pool, 0, 4)) == [True] * 4
+        finally:
+            b.close()
+
+    publish_sglang_model(monkeypatch, model_path=model)
+    store()
+    assert stored_pages() == 4, "the same weights (another instance, a restart) hit"
+    checkpoint(str(tmp_path), "model", edited(100))  # a fine-tune saved over them
+    assert stored_pages() == 0, "other weights under the same name and path miss"
+    checkpoint(str(tmp_path), "model")
+    assert stored_pages() == 4
+    publish_sglang_model(monkeypatch, model_path=model, quantization="fp8")
+    assert stored_pages() == 0, "the same weights quantized at load miss"
+    publish_sglang_model(monkeypatch, model_path=model, json_model_override_args='{"rope_scaling": {"factor": 2}}')
+    assert stored_pages() == 0, "the same weights with another RoPE override miss"
+    # A hub id: the commit the hub cache resolves names the weights.
+    fake_hub(monkeypatch, str(tmp_path / "hub"), "org/model-7b", "a" * 40)
+    publish_sglang_model(monkeypatch, model_path="org/model-7b")
+    store()
+    assert stored_pages() == 4
+    fake_hub(monkeypatch, str(tmp_path / "hub"), "org/model-7b", "b" * 40)
+    assert stored_pages() == 0, "another commit of the hub id misses"
+    # model_fingerprint replaces what the files say: equal texts share pages.
+    store(model_fingerprint="ft-2026-11")
+    assert stored_pages(model_fingerprint="ft-2026-11") == 4
+    assert stored_pages(model_fingerprint="ft-2026-12") == 0
 
 
 def test_legacy_path_round_trip(cluster):
@@ -479,9 +539,13 @@ def test_bad_config_names_the_key(cluster, clean_env):
         build({"members": cluster.members, "options": "bogus=1"})
     with pytest.raises(ConfigError, match="KVCELLAR_MDS / KVCELLAR_MEMBERS"):
         build({})
+    with pytest.raises(ConfigError, match="set 'model_fingerprint'"):
+        build({"members": cluster.members})  # no SGLang server published the model it serves
+    with pytest.raises(ConfigError, match="key 'model_fingerprint'"):
+        build({"members": cluster.members, "model_fingerprint": ""})
     # The environment fills what the extra config leaves out.
     clean_env.setenv("KVCELLAR_MEMBERS", cluster.members)
-    KvcellarStorage(storage_config({}), {}).close()
+    KvcellarStorage(storage_config({"model_fingerprint": "w1"}), {}).close()
 
 
 def test_a_refused_token_fails_at_construction(token_node, clean_env):
@@ -490,7 +554,7 @@ def test_a_refused_token_fails_at_construction(token_node, clean_env):
     with pytest.raises(DeniedError, match="auth token"):
         KvcellarStorage(storage_config({"members": token_node.members}), {})
     clean_env.setenv("KVCELLAR_AUTH_TOKEN_FILE", token_node.token_file)
-    KvcellarStorage(storage_config({"members": token_node.members}), {}).close()
+    KvcellarStorage(storage_config({"members": token_node.members, "model_fingerprint": "w1"}), {}).close()
 
 
 def test_tenants_are_apart_clear_keeps_pages_and_stats(cluster, caplog):
