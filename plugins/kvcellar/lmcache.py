@@ -20,8 +20,12 @@ for a thread included; :mod:`kvcellar._deadline`, docs/plugins/lmcache.md
 ``load_deadline_ms`` per slice of a get, ``save_deadline_ms`` per slice of
 a put. A method returns only once its library call did, so nothing of a
 call touches a memory object after its method is over, even when LMCache
-gives up waiting and cancels it. Keys are LMCache's key strings as they
-are (any characters; longer than the store's 1024 bytes, hashed). With
+gives up waiting and cancels it. Keys are LMCache's key strings (any
+characters; longer than the store's 1024 bytes, hashed) behind a tag that
+digests the page identity: the model, a fingerprint of its weights and the
+quantization and overrides the engine applies (:mod:`kvcellar._served`;
+``model_fingerprint`` replaces the fingerprint), KV shape and dtype, chunk
+size and format; the same identity is every page's ``model_hash``. With
 ``save_chunk_meta`` (LMCache's default) the chunk's metadata is stored in
 front of the payload, in one object. A failure is a miss, logged once per
 cause at ERROR; a bad configuration raises at construction (LMCache then
@@ -35,6 +39,7 @@ import asyncio
 import concurrent.futures
 import ctypes
 import hashlib
+import json
 import time
 import zlib
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
@@ -42,6 +47,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 from kvcellar._lmcache_api import RemoteConnector, RemoteMetadata, make_logger
 from kvcellar._deadline import DEADLINE_DEFAULTS, DEADLINE_KEYS, Counters, Deadlines, left_ms, run_slices
 from kvcellar._misses import Misses
+from kvcellar._served import sglang_model, vllm_model, weights_identity
 from kvcellar.client import Client, ClosedError, Geometry, GetResult, Status
 from kvcellar.config import CLUSTER_KEYS, DEFAULT_POLL_MS, ConfigError, identity_hash, resolve, tenant_prefix
 
@@ -51,7 +57,7 @@ __all__ = ["KvcellarConnector"]
 
 MODULE = "kvcellar.lmcache"
 OWN_KEYS = CLUSTER_KEYS + DEADLINE_KEYS + ("io_timeout_ms", "connect_timeout_ms", "tenant", "poll_ms",
-                                          "max_inflight")
+                                          "max_inflight", "model_fingerprint")
 MAX_KEY = 1024
 
 
@@ -101,6 +107,8 @@ class KvcellarConnector(RemoteConnector):
         self.deadlines = Deadlines.of(ints)
         self._counters = Counters(log, self.deadlines)
         md = local_cpu_backend.metadata
+        self.weights, weights_line = weights_identity(own.get("model_fingerprint"), self._served(md), where,
+                                                      key=f"{pre}model_fingerprint")
         self.geometry = self._geometry(md, config)
         # The library checks the options (one clear error) before they are read here.
         self.client = Client(settings=self.settings, geometry=self.geometry, poll_ms=ints["poll_ms"])
@@ -108,13 +116,29 @@ class KvcellarConnector(RemoteConnector):
                                                            thread_name_prefix="kvcellar-lmcache")
         self._misses = Misses(log)
         log.info(
-            "kvcellar LMCache connector ready: %s, group %s, model %s, worker %s/%s, chunk meta %s",
+            "kvcellar LMCache connector ready: %s, group %s, model %s, %s, worker %s/%s, chunk meta %s",
             f"mds {','.join(self.settings.mds)}" if self.settings.mds else f"members {self.settings.members}",
-            self.settings.group, getattr(md, "model_name", "?"), getattr(md, "worker_id", "?"),
+            self.settings.group, getattr(md, "model_name", "?"), weights_line, getattr(md, "worker_id", "?"),
             getattr(md, "world_size", "?"), "on" if self.save_chunk_meta else "off",
         )
 
     # -- identity ---------------------------------------------------------------
+
+    @staticmethod
+    def _served(md: Any) -> Optional[Dict[str, Any]]:
+        """What names the weights: LMCache's ``model_name`` is the path or
+        hub id the engine loads (vLLM's ``model_config.model``, SGLang's
+        ``model_path``); the engine's own record of that model, when this
+        process holds one (vLLM building this worker, a launched SGLang),
+        adds its revision, load format, download dir, quantization and
+        overrides."""
+        name = str(getattr(md, "model_name", "") or "")
+        if not name:
+            return None
+        for rec in (vllm_model(), sglang_model()):
+            if rec is not None and rec["model"] == name:
+                return rec
+        return {"model": name}
 
     def _geometry(self, md: Any, config: Any) -> Geometry:
         shape = list(getattr(md, "kv_shape", ()) or ())
@@ -128,7 +152,11 @@ class KvcellarConnector(RemoteConnector):
             "shapes": [str(tuple(s)) for s in self.meta_shapes],
             "dtypes": [str(d) for d in self.meta_dtypes],
             "chunk_meta": bool(self.save_chunk_meta),
+            **self.weights,
         }
+        # In the key too: pages of other weights or another layout are
+        # stored beside these, never refused in their place (write-once).
+        self.tag = hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
         mla = ident["use_mla"]
         dim = lambda i: int(shape[i]) & 0xFFFF if len(shape) > i else 0  # noqa: E731
         return Geometry(
@@ -144,11 +172,12 @@ class KvcellarConnector(RemoteConnector):
         )
 
     def _key(self, key: Any) -> bytes:
-        """LMCache's key string (any characters) as a store key."""
+        """LMCache's key string (any characters) as a store key:
+        ``{tenant/}{tag}/{key}``, the tag naming the identity."""
         s = key if isinstance(key, str) else key.to_string()
-        k = (self.prefix + s).encode()
+        k = f"{self.prefix}{self.tag}/{s}".encode()
         if len(k) > MAX_KEY or b"\0" in k:
-            k = (self.prefix + "sha256:" + hashlib.sha256(s.encode()).hexdigest()).encode()
+            k = f"{self.prefix}{self.tag}/sha256:{hashlib.sha256(s.encode()).hexdigest()}".encode()
         return k
 
     # -- plumbing -------------------------------------------------------------------

@@ -194,6 +194,9 @@ def test_bad_config_fails_loudly_at_construction(cluster, clean_env):
         make_harness({"members": cluster.members, "io_timeout_ms": "later"}).close()
     with pytest.raises(ConfigError, match="KVCELLAR_MDS / KVCELLAR_MEMBERS"):
         make_harness({}).close()
+    # A model name that is neither a path nor a hub id the cache holds.
+    with pytest.raises(ConfigError, match="model_fingerprint"):
+        make_harness({"members": cluster.members}, fingerprint=None, model="org/model@v1").close()
 
 
 def test_a_refused_token_fails_at_construction(token_node, clean_env):
@@ -203,6 +206,43 @@ def test_a_refused_token_fails_at_construction(token_node, clean_env):
         make_harness({"members": token_node.members}).close()
     h = make_harness({"members": token_node.members, "auth_token_file": token_node.token_file})
     h.close()
+
+
+def test_the_same_name_serving_other_weights_misses(cluster, monkeypatch, tmp_path):
+    """Chunks follow the weights LMCache's model name points at, not the
+    name: the same files again hit; a fine-tune written over them at the
+    same path, another hub commit miss; model_fingerprint names the
+    weights when set (docs/plugins/lmcache.md, "Page identity and the weights")."""
+    from conftest import fake_hub
+    from test_fingerprint import checkpoint, edited
+
+    def roundtrip(model, put=False, **extra):
+        """Whether a connector built now finds the chunk (storing it first with `put`)."""
+        hh = make_harness({"members": cluster.members, **extra}, fingerprint=None, model=model)
+        try:
+            c, key = hh.connector, hh.key(0x5150)
+            if put:
+                hh.run(c.put(key, hh.new_chunk("weights")))
+            got = hh.run(c.get(key))
+            if got is not None:
+                got.ref_count_down()
+            assert (got is not None) == (c.batched_contains([key]) == 1)
+            return got is not None
+        finally:
+            hh.close()
+
+    model = checkpoint(str(tmp_path), "model")
+    assert roundtrip(model, put=True)
+    assert roundtrip(model), "the same weights (another worker, a restart) hit"
+    checkpoint(str(tmp_path), "model", edited(100))  # a fine-tune saved over them
+    assert not roundtrip(model), "other weights under the same name and path miss"
+    fake_hub(monkeypatch, str(tmp_path / "hub"), "org/model-7b", "a" * 40)
+    assert roundtrip("org/model-7b", put=True)
+    fake_hub(monkeypatch, str(tmp_path / "hub"), "org/model-7b", "b" * 40)
+    assert not roundtrip("org/model-7b"), "another commit of the hub id misses"
+    assert roundtrip("org/model-7b", put=True, model_fingerprint="ft-2026-11")
+    assert roundtrip("org/model-7b", model_fingerprint="ft-2026-11")
+    assert not roundtrip("org/model-7b", model_fingerprint="ft-2026-12")
 
 
 class _Lines(logging.Handler):
