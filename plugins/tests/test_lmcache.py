@@ -234,6 +234,23 @@ def test_the_same_name_serving_other_weights_misses(cluster, monkeypatch, tmp_pa
     model = checkpoint(str(tmp_path), "model")
     assert roundtrip(model, put=True)
     assert roundtrip(model), "the same weights (another worker, a restart) hit"
+    # vLLM's record of the model it builds the worker for (its current
+    # config): its load-time quantization counts, a record of another model does not.
+    import sys
+    import types
+
+    def vllm_serving(name, quantization=None):
+        mc = types.SimpleNamespace(model=name, revision=None, quantization=quantization, hf_overrides=None)
+        lc = types.SimpleNamespace(load_format="auto", download_dir=None)
+        vc = types.SimpleNamespace(model_config=mc, load_config=lc)
+        stub = types.SimpleNamespace(get_current_vllm_config_or_none=lambda: vc)
+        monkeypatch.setitem(sys.modules, "vllm.config", stub)
+
+    vllm_serving(model, quantization="fp8")
+    assert not roundtrip(model), "the same weights quantized at load miss"
+    vllm_serving(str(tmp_path / "another-model"), quantization="fp8")
+    assert roundtrip(model), "a record of another model is not this one's"
+    monkeypatch.delitem(sys.modules, "vllm.config")
     checkpoint(str(tmp_path), "model", edited(100))  # a fine-tune saved over them
     assert not roundtrip(model), "other weights under the same name and path miss"
     fake_hub(monkeypatch, str(tmp_path / "hub"), "org/model-7b", "a" * 40)
