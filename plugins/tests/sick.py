@@ -97,6 +97,9 @@ class SGLangDriver:
     def lookup(self, key: str) -> bool:
         return self.b.batch_exists([key]) == 1
 
+    def lookup_prefix(self, keys: Sequence[str]) -> int:
+        return self.b.batch_exists(list(keys))
+
     def load(self, keys: Sequence[str]) -> List[bool]:
         return list(self.b.batch_get_v1(list(keys), self._idx(self.pool, 2 * self.pages, len(keys))))
 
@@ -167,6 +170,9 @@ class LMCacheDriver:
     def lookup(self, key: str) -> bool:
         return self.c.batched_contains([key]) == 1
 
+    def lookup_prefix(self, keys: Sequence[str]) -> int:
+        return self.c.batched_contains(list(keys))
+
     def load(self, keys: Sequence[str]) -> List[bool]:
         got = self.h.run(self.c.batched_get(list(keys)))
         out = [g is not None for g in got]
@@ -189,10 +195,13 @@ class LMCacheDriver:
         self.h.close()
 
 
-def run_phase(d: Any, ref: Sequence[str], rounds: int, tag: str, round_s: float = 0.0) -> Phase:
+def run_phase(d: Any, ref: Sequence[str], rounds: int, tag: str, round_s: float = 0.0,
+              prefix_lookups: bool = False) -> Phase:
     """`rounds` rounds (see the module docs); `ref`: pages stored before.
     With `round_s`, round r starts no earlier than r * round_s after the
-    first (a steady stream of requests rather than a burst)."""
+    first (a steady stream of requests rather than a burst). With
+    `prefix_lookups`, a round's lookup is one call over its pages, as an
+    engine's prefix lookup (its answer, leading hits, names no key)."""
     p = Phase()
     before = d.counters()
     n = d.pages
@@ -207,7 +216,9 @@ def run_phase(d: Any, ref: Sequence[str], rounds: int, tag: str, round_s: float 
         p.pages_saved += sum(saved)
         p.saves_failed += saved.count(False)
         group = list(ref[(r * n) % len(ref) :][:n])
-        for k in group:
+        if prefix_lookups:
+            p.time("lookup", lambda: d.lookup_prefix(group))
+        for k in [] if prefix_lookups else group:
             if p.time("lookup", lambda: d.lookup(k)):
                 p.looked_up.add(k)
         got = p.time("load", lambda: d.load(group))
@@ -256,7 +267,8 @@ def until_clean(run: Callable[[], Outcome], check: Callable[[Outcome], List[str]
     raise AssertionError(f"{name}: every attempt failed; the last: " + "; ".join(problems))
 
 
-def sick_cluster(d_factory: Callable[[Cluster], Any], rounds: int, stop: int = 1, round_s: float = 0.0) -> Outcome:
+def sick_cluster(d_factory: Callable[[Cluster], Any], rounds: int, stop: int = 1, round_s: float = 0.0,
+                 prefix_lookups: bool = False) -> Outcome:
     """Builds three nodes and the driver, stores the reference pages, runs
     the healthy phase, then the sick one with node `stop` SIGSTOPped
     (SIGCONT in a finally), then reads which reference pages that node owns."""
@@ -267,9 +279,9 @@ def sick_cluster(d_factory: Callable[[Cluster], Any], rounds: int, stop: int = 1
             ref = d.keys("ref", rounds * d.pages)
             assert d.store(ref), "the reference pages were not all stored on the healthy cluster"
             run_phase(d, ref, 1, "warm")  # connections made, code paths warm: not counted
-            healthy = run_phase(d, ref, rounds, "h", round_s)
+            healthy = run_phase(d, ref, rounds, "h", round_s, prefix_lookups)
             with stalled(cluster.nodes[stop]):
-                sick = run_phase(d, ref, rounds, "s", round_s)
+                sick = run_phase(d, ref, rounds, "s", round_s, prefix_lookups)
             node = cluster.nodes[stop]
             with Client(f"{node.name}={node.addr}", geometry=d.geometry) as direct:
                 st = direct.batch_exist(d.full_keys(ref))
