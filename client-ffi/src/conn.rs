@@ -316,6 +316,30 @@ impl Conn<Blocking> {
         Ok(())
     }
 
+    /// Past a read's deadline: the bytes already there, without waiting
+    /// (Timeout when none are). An answer that came in time but is read
+    /// late, behind another owner's that never came, is still taken; a
+    /// peer can make the reader wait no longer.
+    fn recv_ready(&mut self, buf: &mut [u8]) -> Result<usize, OpError> {
+        // SAFETY: the pointer and length are those of `buf`, a live mutable
+        // slice the kernel writes at most `buf.len()` bytes of.
+        let n = unsafe {
+            libc::recv(self.socket.stream.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len(), libc::MSG_DONTWAIT)
+        };
+        match n {
+            0 => Err(OpError::Io(std::io::ErrorKind::UnexpectedEof.into())),
+            n if n > 0 => Ok(n as usize),
+            _ => {
+                let e = std::io::Error::last_os_error();
+                if e.kind() == std::io::ErrorKind::Interrupted {
+                    Ok(0)
+                } else {
+                    Err(timeout_or_io(e))
+                }
+            }
+        }
+    }
+
     /// Fills `buf` by `deadline` (each read's timeout recomputed, so a peer
     /// trickling bytes cannot hold the caller past it).
     pub(crate) fn read_full(
@@ -329,7 +353,8 @@ impl Conn<Blocking> {
         while got < buf.len() {
             let left = deadline.saturating_duration_since(Instant::now());
             if left.is_zero() {
-                return Err(OpError::Timeout);
+                got += self.recv_ready(&mut buf[got..])?;
+                continue;
             }
             self.set_read_timeout(left, slack, cap)?;
             let want = &mut buf[got..];
@@ -370,7 +395,8 @@ impl Conn<Blocking> {
         while got < min {
             let left = deadline.saturating_duration_since(Instant::now());
             if left.is_zero() {
-                return Err(OpError::Timeout);
+                got += self.recv_ready(&mut buf[got..])?;
+                continue;
             }
             self.set_read_timeout(left, slack, cap)?;
             match self.socket.stream.read(&mut buf[got..]) {

@@ -232,6 +232,11 @@ impl Node {
         Some(SyncSlot { node: self.clone(), idle, back: None })
     }
 
+    /// Idle blocking connections (small.rs's pool).
+    pub fn sync_idle(&self) -> usize {
+        self.sync.lock().unwrap_or_else(|e| e.into_inner()).idle.len()
+    }
+
     pub fn idle_conns(&self) -> usize {
         self.idle.lock().unwrap_or_else(|e| e.into_inner()).len()
     }

@@ -280,12 +280,18 @@ impl Client {
     /// Runs exist requests for `groups` (node, item indices, handoff window
     /// end for a handoff ask) in waves, statuses into `out`.
     fn exist_waves(&self, groups: Vec<(Arc<Node>, Vec<usize>, Option<Instant>)>, keys: &[&[u8]], out: &mut [Status]) {
-        let mut work: std::collections::VecDeque<(Arc<Node>, Vec<usize>, Option<Instant>)> = groups
+        let mut work: Vec<(Arc<Node>, Vec<usize>, Option<Instant>)> = groups
             .into_iter()
             .flat_map(|(node, idx, h)| {
                 idx.chunks(MAX_BATCH_KEYS).map(|c| (node.clone(), c.to_vec(), h)).collect::<Vec<_>>()
             })
             .collect();
+        // Owners with an idle connection first: a new connection waits for
+        // the node's hello before its request is written, and a node that
+        // accepts but never answers would hold the others' requests back
+        // for the whole time of the call.
+        work.sort_by_cached_key(|(node, _, _)| node.sync_idle() == 0);
+        let mut work: std::collections::VecDeque<_> = work.into();
         while !work.is_empty() {
             let mut later = std::collections::VecDeque::new();
             let mut in_wave: Vec<(*const Node, usize)> = Vec::new();
