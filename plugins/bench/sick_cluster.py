@@ -38,8 +38,8 @@ os.environ.setdefault("KVCELLAR_BIN_DIR", os.path.join(HERE, "..", "..", "target
 import conftest  # noqa: E402,F401 - finds the binaries and the library
 from sick import KINDS, LMCacheDriver, SGLangDriver, sick_cluster  # noqa: E402
 
-CUTS = ("kvcellar_saves_dropped_deadline_total", "kvcellar_lookup_deadline_misses_total",
-        "kvcellar_load_deadline_misses_total")
+CUTS = ("kvplugin_saves_dropped_deadline_total", "kvplugin_lookup_deadline_misses_total",
+        "kvplugin_load_deadline_misses_total")
 
 
 def driver(plugin: str, pages: int, page_kib: int, options: str):

@@ -53,13 +53,13 @@ SLICE_RATE = 256 << 10
 #: The plugins' own counters (beside the client's ``kvclient_*``).
 COUNTERS = (
     # keys a lookup answered absent because its deadline ran out
-    "kvcellar_lookup_deadline_misses_total",
+    "kvplugin_lookup_deadline_misses_total",
     # pages (LMCache: chunks) a load missed because its deadline ran out
-    "kvcellar_load_deadline_misses_total",
+    "kvplugin_load_deadline_misses_total",
     # pages a save dropped because its deadline ran out (cut, or not tried after a cut)
-    "kvcellar_saves_dropped_deadline_total",
+    "kvplugin_saves_dropped_deadline_total",
     # pages a save dropped for any reason (the deadline included)
-    "kvcellar_saves_dropped_total",
+    "kvplugin_saves_dropped_total",
 )
 
 
@@ -76,9 +76,9 @@ class Deadlines:
 
 #: Per deadline counter: the call it counts, what it counts, its option.
 _CUT = {
-    "kvcellar_lookup_deadline_misses_total": ("lookup", "keys missed", "lookup_deadline_ms"),
-    "kvcellar_load_deadline_misses_total": ("load", "pages missed", "load_deadline_ms"),
-    "kvcellar_saves_dropped_deadline_total": ("save", "pages dropped", "save_deadline_ms"),
+    "kvplugin_lookup_deadline_misses_total": ("lookup", "keys missed", "lookup_deadline_ms"),
+    "kvplugin_load_deadline_misses_total": ("load", "pages missed", "load_deadline_ms"),
+    "kvplugin_saves_dropped_deadline_total": ("save", "pages dropped", "save_deadline_ms"),
 }
 
 

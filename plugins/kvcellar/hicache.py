@@ -296,7 +296,7 @@ class KvcellarStorage(HiCacheStorage):
         return self._misses.run(what, default, lambda: fn(c))
 
     def counters(self) -> Dict[str, float]:
-        """The backend's own counters (``kvcellar_*``: lookups, loads and
+        """The backend's own counters (``kvplugin_*``: lookups, loads and
         saves cut by their deadline, saves dropped) and its client's
         (``kvclient_*``), docs/plugins/sglang.md "Deadlines"."""
         out = self._counters.snapshot()
@@ -312,14 +312,14 @@ class KvcellarStorage(HiCacheStorage):
         """One batch exist under the lookup deadline; keys it cut are counted."""
         with c.call_timeout(self.deadlines.lookup_ms):
             st = c.batch_exist(full)
-        self._counters.add("kvcellar_lookup_deadline_misses_total", sum(s is Status.TIMEOUT for s in st))
+        self._counters.add("kvplugin_lookup_deadline_misses_total", sum(s is Status.TIMEOUT for s in st))
         return st
 
     def _load(self, c: Client, sizes: List[int], call: Any) -> List[bool]:
         """A load in slices under the load deadline (`call(lo, hi)`: the
         statuses of pages lo..hi, a short page as MISMATCH)."""
         st, cut = run_slices(c, self.deadlines.load_ms, sizes, call)
-        self._counters.add("kvcellar_load_deadline_misses_total",
+        self._counters.add("kvplugin_load_deadline_misses_total",
                            sum(s is Status.TIMEOUT for s in st) + (sum(s is None for s in st) if cut else 0))
         return [s is Status.OK for s in st]
 
@@ -349,8 +349,8 @@ class KvcellarStorage(HiCacheStorage):
             # owner cooling down after the check found it not answering.
             timed = sum(s is Status.TIMEOUT or (s is None and cut)
                         or (s is Status.UNAVAILABLE and present[i] is Status.TIMEOUT) for i, s in zip(todo, st))
-            self._counters.add("kvcellar_saves_dropped_total", sum(s is not Status.OK for s in st))
-            self._counters.add("kvcellar_saves_dropped_deadline_total", timed)
+            self._counters.add("kvplugin_saves_dropped_total", sum(s is not Status.OK for s in st))
+            self._counters.add("kvplugin_saves_dropped_deadline_total", timed)
         return out, todo
 
     # -- zero-copy page segments (v1, and v2 pools with page pointers) ----------------------

@@ -239,11 +239,11 @@ class KvcellarConnector(RemoteConnector):
             return []
         ms = left_ms(self.deadlines.lookup_ms, started)
         if ms <= 0:
-            self._counters.add("kvcellar_lookup_deadline_misses_total", len(keys))
+            self._counters.add("kvplugin_lookup_deadline_misses_total", len(keys))
             return [Status.TIMEOUT] * len(keys)
         with self.client.call_timeout(ms):
             st = self.client.batch_exist([self._key(k) for k in keys])
-        self._counters.add("kvcellar_lookup_deadline_misses_total", sum(s is Status.TIMEOUT for s in st))
+        self._counters.add("kvplugin_lookup_deadline_misses_total", sum(s is Status.TIMEOUT for s in st))
         return st
 
     def _leading(self, keys: Sequence[Any], started: Optional[float] = None) -> int:
@@ -327,7 +327,7 @@ class KvcellarConnector(RemoteConnector):
                 o.ref_count_down()
             raise
         timed = sum(s is Status.TIMEOUT for s in st) + (sum(s is None for s in st) if cut else 0)
-        self._counters.add("kvcellar_load_deadline_misses_total", timed)
+        self._counters.add("kvplugin_load_deadline_misses_total", timed)
         return [self._finish(o, m, r) for o, m, r in zip(objs, metas, res)]
 
     @staticmethod
@@ -380,8 +380,8 @@ class KvcellarConnector(RemoteConnector):
         st, cut = run_slices(self.client, self.deadlines.save_ms, sizes,
                              lambda lo, hi: self.client.batch_putv(full[lo:hi], segs[lo:hi]), started=started)
         dropped = sum(s is not Status.OK for s in st)
-        self._counters.add("kvcellar_saves_dropped_total", dropped)
-        self._counters.add("kvcellar_saves_dropped_deadline_total",
+        self._counters.add("kvplugin_saves_dropped_total", dropped)
+        self._counters.add("kvplugin_saves_dropped_deadline_total",
                            sum(s is Status.TIMEOUT for s in st) + (sum(s is None for s in st) if cut else 0))
         if dropped:
             first = next(s for s in st if s is not Status.OK)
@@ -427,7 +427,7 @@ class KvcellarConnector(RemoteConnector):
         await asyncio.get_running_loop().run_in_executor(None, self.client.close)
 
     def stats(self) -> Dict[str, float]:
-        """The connector's own counters (``kvcellar_*``: lookups, loads and
+        """The connector's own counters (``kvplugin_*``: lookups, loads and
         saves cut by their deadline, chunks dropped) and the client's
         (``kvclient_*``), docs/plugins/lmcache.md "Deadlines"."""
         out = self._counters.snapshot()

@@ -51,7 +51,7 @@ class Phase:
 
 
 def delta(after: Dict[str, float], before: Dict[str, float]) -> Dict[str, float]:
-    return {k: v - before.get(k, 0.0) for k, v in after.items() if k.startswith("kvcellar_")}
+    return {k: v - before.get(k, 0.0) for k, v in after.items() if k.startswith("kvplugin_")}
 
 
 class SGLangDriver:
@@ -158,13 +158,13 @@ class LMCacheDriver:
         return [self.h.new_chunk(k) for k in keys]
 
     def save(self, keys: Sequence[str], objs: Any) -> List[bool]:
-        before = self.c._counters.snapshot()["kvcellar_saves_dropped_total"]
+        before = self.c._counters.snapshot()["kvplugin_saves_dropped_total"]
         try:
             self.h.run(self.c.batched_put(list(keys), objs))
         finally:
             for o in objs:
                 o.ref_count_down()
-        dropped = int(self.c._counters.snapshot()["kvcellar_saves_dropped_total"] - before)
+        dropped = int(self.c._counters.snapshot()["kvplugin_saves_dropped_total"] - before)
         return [True] * (len(keys) - dropped) + [False] * dropped
 
     def lookup(self, key: str) -> bool:
@@ -243,9 +243,9 @@ class Outcome:
                 f"{self.sick.slowest[k] * 1000:7.1f} ms with a stopped node ({self.extra()[k] * 1000:+7.1f} ms; "
                 f"{self.sick.calls[k]} calls)" for k in KINDS]
         c = self.sick.counters
-        rows.append(f"with the stopped node: {c.get('kvcellar_saves_dropped_deadline_total', 0):.0f} pages dropped "
-                    f"for time, {c.get('kvcellar_lookup_deadline_misses_total', 0):.0f} lookups and "
-                    f"{c.get('kvcellar_load_deadline_misses_total', 0):.0f} loaded pages cut; the stopped node owns "
+        rows.append(f"with the stopped node: {c.get('kvplugin_saves_dropped_deadline_total', 0):.0f} pages dropped "
+                    f"for time, {c.get('kvplugin_lookup_deadline_misses_total', 0):.0f} lookups and "
+                    f"{c.get('kvplugin_load_deadline_misses_total', 0):.0f} loaded pages cut; the stopped node owns "
                     f"{len(self.on_stopped)} of {len(self.ref)} pages")
         return f"{name}:\n  " + "\n  ".join(rows)
 

@@ -196,7 +196,7 @@ def test_large_batches_move_in_slices_under_their_deadline_and_stop_at_a_failed_
         assert got == [True] * 3 + [False] * 5, "the load stops at the slice of the missing page"
         assert bounds == [inner.deadlines.load_ms] * 4, bounds
         assert [read_page(pool, 40 + i) for i in range(3)] == want[:3]
-        assert inner.counters()["kvcellar_load_deadline_misses_total"] == 0, "a miss is not a deadline's doing"
+        assert inner.counters()["kvplugin_load_deadline_misses_total"] == 0, "a miss is not a deadline's doing"
     finally:
         b.close()
 
@@ -599,7 +599,7 @@ def test_a_stopped_node_costs_a_call_at_most_its_deadline_and_healthy_pages_stil
     def check(out):
         h, s, ref, stopped = out.healthy, out.sick, set(out.ref), out.on_stopped
         wrong = []
-        if h.saves_failed or h.counters["kvcellar_saves_dropped_total"]:
+        if h.saves_failed or h.counters["kvplugin_saves_dropped_total"]:
             wrong.append(f"healthy: {h.saves_failed} pages not saved")
         if any(h.counters[k] for k in h.counters if "deadline" in k):
             wrong.append(f"healthy: calls cut {h.counters}")
@@ -607,15 +607,15 @@ def test_a_stopped_node_costs_a_call_at_most_its_deadline_and_healthy_pages_stil
             wrong.append(f"healthy: {len(ref - h.looked_up)} lookups and {len(ref - h.loaded)} loads missed")
         if not 0 < len(stopped) < len(ref):
             wrong.append(f"the stopped node owns {len(stopped)} of {len(ref)} pages")
-        if not (0 < s.pages_saved and s.saves_failed == s.counters["kvcellar_saves_dropped_total"] > 0):
+        if not (0 < s.pages_saved and s.saves_failed == s.counters["kvplugin_saves_dropped_total"] > 0):
             wrong.append(f"stopped: {s.pages_saved} saved, {s.saves_failed} failed, {s.counters}")
         # Never noise: a hit on a node that answers nothing.
         assert not (s.looked_up & stopped or s.loaded & stopped), "a page on the stopped node hit"
         if s.looked_up != ref - stopped or s.loaded != ref - stopped:
             wrong.append(f"stopped: {len(ref - stopped - s.looked_up)} lookups and "
                          f"{len(ref - stopped - s.loaded)} loads on healthy nodes missed")
-        for c in ("kvcellar_saves_dropped_deadline_total", "kvcellar_lookup_deadline_misses_total",
-                  "kvcellar_load_deadline_misses_total"):
+        for c in ("kvplugin_saves_dropped_deadline_total", "kvplugin_lookup_deadline_misses_total",
+                  "kvplugin_load_deadline_misses_total"):
             if not s.counters[c]:
                 wrong.append(f"stopped: no call met the node's deadline ({c})")
         for k in KINDS:

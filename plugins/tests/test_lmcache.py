@@ -128,7 +128,7 @@ def test_a_hung_node_costs_each_call_its_deadline(cluster):
             assert limit * 0.8 <= took < limit + 1.0, f"{what} took {took:.3f} s for a {limit:.3f} s deadline"
         assert hh.live_objects() == 0, "a failed get releases its memory object"
         s = c.stats()
-        assert s["kvcellar_lookup_deadline_misses_total"] == 3 and s["kvcellar_load_deadline_misses_total"] == 1, s
+        assert s["kvplugin_lookup_deadline_misses_total"] == 3 and s["kvplugin_load_deadline_misses_total"] == 1, s
     finally:
         hh.close()
         silent.close()
@@ -161,7 +161,7 @@ def test_a_call_its_caller_gives_up_on_ends_before_its_method_and_releases_what_
         assert 0.45 <= took < 3.0, f"the put ended {took:.3f} s after its caller gave up at 0.05 s"
         assert obj.get_ref_count() == 1, "the put's reference went back when it ended"
         s = c.stats()
-        assert s["kvcellar_saves_dropped_deadline_total"] == 1 and s["kvcellar_saves_dropped_total"] == 1, s
+        assert s["kvplugin_saves_dropped_deadline_total"] == 1 and s["kvplugin_saves_dropped_total"] == 1, s
     finally:
         hh.close()
         silent.close()
@@ -345,7 +345,7 @@ def test_a_stopped_node_costs_a_call_at_most_its_deadline_and_healthy_chunks_sti
     def check(out):
         h, s, ref, stopped = out.healthy, out.sick, set(out.ref), out.on_stopped
         wrong = []
-        if h.saves_failed or h.counters["kvcellar_saves_dropped_total"]:
+        if h.saves_failed or h.counters["kvplugin_saves_dropped_total"]:
             wrong.append(f"healthy: {h.saves_failed} chunks not saved")
         if any(h.counters[k] for k in h.counters if "deadline" in k):
             wrong.append(f"healthy: calls cut {h.counters}")
@@ -353,15 +353,15 @@ def test_a_stopped_node_costs_a_call_at_most_its_deadline_and_healthy_chunks_sti
             wrong.append(f"healthy: {len(ref - h.looked_up)} lookups and {len(ref - h.loaded)} loads missed")
         if not 0 < len(stopped) < len(ref):
             wrong.append(f"the stopped node owns {len(stopped)} of {len(ref)} chunks")
-        if not (0 < s.pages_saved and s.saves_failed == s.counters["kvcellar_saves_dropped_total"] > 0):
+        if not (0 < s.pages_saved and s.saves_failed == s.counters["kvplugin_saves_dropped_total"] > 0):
             wrong.append(f"stopped: {s.pages_saved} saved, {s.saves_failed} failed, {s.counters}")
         # Never noise: a hit on a node that answers nothing.
         assert not (s.looked_up & stopped or s.loaded & stopped), "a chunk on the stopped node hit"
         if s.looked_up != ref - stopped or s.loaded != ref - stopped:
             wrong.append(f"stopped: {len(ref - stopped - s.looked_up)} lookups and "
                          f"{len(ref - stopped - s.loaded)} loads on healthy nodes missed")
-        for c in ("kvcellar_saves_dropped_deadline_total", "kvcellar_lookup_deadline_misses_total",
-                  "kvcellar_load_deadline_misses_total"):
+        for c in ("kvplugin_saves_dropped_deadline_total", "kvplugin_lookup_deadline_misses_total",
+                  "kvplugin_load_deadline_misses_total"):
             if not s.counters[c]:
                 wrong.append(f"stopped: no call met the node's deadline ({c})")
         for k in KINDS:
