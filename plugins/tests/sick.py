@@ -50,6 +50,18 @@ class Phase:
         return out
 
 
+def until(ok: Callable[[], bool], limit_s: float = 10.0) -> bool:
+    """Polls `ok` until it holds, `limit_s` at most: setting up on a loaded
+    machine, a healthy node can miss a deadline and cool down a while
+    (``peer_cooldown_ms``), and its pages must still be stored."""
+    end = time.monotonic() + limit_s
+    while not ok():
+        if time.monotonic() > end:
+            return False
+        time.sleep(0.05)
+    return True
+
+
 def delta(after: Dict[str, float], before: Dict[str, float]) -> Dict[str, float]:
     return {k: v - before.get(k, 0.0) for k, v in after.items() if k.startswith("kvplugin_")}
 
@@ -82,8 +94,8 @@ class SGLangDriver:
             part = list(keys[at : at + self.pages])
             for i, k in enumerate(part):
                 self._fill(self.pool, i, k)
-            # A set writes only what is missing: again, on a loaded machine.
-            ok &= any(all(self.b.batch_set_v1(part, self._idx(self.pool, 0, len(part)))) for _ in range(5))
+            # A set writes only what is missing: again until stored.
+            ok &= until(lambda: all(self.b.batch_set_v1(part, self._idx(self.pool, 0, len(part)))))
         return ok
 
     def prepare(self, keys: Sequence[str]) -> Any:
@@ -151,7 +163,7 @@ class LMCacheDriver:
         return [s is Status.OK for s in st]
 
     def store(self, keys: Sequence[str]) -> bool:
-        return all(any(all(self._put(keys[at : at + self.pages])) for _ in range(5))
+        return all(until(lambda: all(self._put(keys[at : at + self.pages])))
                    for at in range(0, len(keys), self.pages))
 
     def prepare(self, keys: Sequence[str]) -> Any:
