@@ -83,7 +83,13 @@ impl BlockingClient {
     /// On the caller's thread (no runtime hop): see `small.rs`.
     pub fn exist(&self, key: &[u8]) -> Status {
         let t0 = std::time::Instant::now();
-        let r = crate::call::scoped(|| self.core.exist_blocking(key));
+        let r = crate::call::scoped(|| {
+            if self.core.exists_want_async(&[key]) {
+                self.rt.block_on(self.core.exist(key))
+            } else {
+                self.core.exist_blocking(key)
+            }
+        });
         self.core.metrics.timed("exist", t0);
         r
     }
@@ -91,7 +97,13 @@ impl BlockingClient {
     /// On the caller's thread (no runtime hop): see `small.rs`.
     pub fn batch_exist(&self, keys: &[&[u8]]) -> Vec<Status> {
         let t0 = std::time::Instant::now();
-        let r = crate::call::scoped(|| self.core.batch_exist_blocking(keys));
+        let r = crate::call::scoped(|| {
+            if self.core.exists_want_async(keys) {
+                self.rt.block_on(self.core.batch_exist(keys))
+            } else {
+                self.core.batch_exist_blocking(keys)
+            }
+        });
         self.core.metrics.timed("batch_exist", t0);
         r
     }

@@ -286,11 +286,15 @@ impl Client {
                 idx.chunks(MAX_BATCH_KEYS).map(|c| (node.clone(), c.to_vec(), h)).collect::<Vec<_>>()
             })
             .collect();
-        // Owners with an idle connection first: a new connection waits for
-        // the node's hello before its request is written, and a node that
-        // accepts but never answers would hold the others' requests back
-        // for the whole time of the call.
-        work.sort_by_cached_key(|(node, _, _)| node.sync_idle() == 0);
+        // Under a call's bound (call.rs), owners with an idle connection
+        // first: a new connection waits for the node's hello before its
+        // request is written, and a node that accepts but never answers
+        // would hold the others' requests back for the whole time of the
+        // call. (An unbounded call keeps the member order: no extra lock.)
+        let bounded = crate::call::current().is_some();
+        if bounded {
+            work.sort_by_cached_key(|(node, _, _)| node.sync_idle() == 0);
+        }
         let mut work: std::collections::VecDeque<_> = work.into();
         while !work.is_empty() {
             let mut later = std::collections::VecDeque::new();
@@ -324,8 +328,15 @@ impl Client {
                     Err(chunk) => later.push_back((node, chunk, handoff)),
                 }
             }
-            // ...then read every answer (each frees its slot).
-            self.finish_in_arrival_order(pending, out);
+            // ...then read every answer (each frees its slot); under a
+            // call's bound in the order they arrive (one more system call).
+            if bounded && pending.len() > 1 {
+                self.finish_in_arrival_order(pending, out);
+            } else {
+                for p in pending {
+                    self.finish_chunk(p, out);
+                }
+            }
             work = later;
         }
     }
@@ -539,6 +550,31 @@ impl Client {
             }
             GetReply { status, len } => Err(self.metrics.count_get(status, 0, len)),
         })
+    }
+
+    /// Whether a bounded call's exists should go through the async core:
+    /// an owner of `keys` (not cooling down) has no idle blocking
+    /// connection. Here connections are opened one after another, each
+    /// waiting for its node's hello, so a node that accepts but never
+    /// answers would make the owners after it time out too; the async
+    /// core opens them all at once.
+    pub fn exists_want_async(&self, keys: &[&[u8]]) -> bool {
+        if crate::call::current().is_none() {
+            return false;
+        }
+        let topo = self.topology();
+        let mut seen = vec![false; topo.nodes.len()];
+        for key in keys {
+            if let Some(m) = topo.ring.owner(key) {
+                if !std::mem::replace(&mut seen[m], true) {
+                    let n = &topo.nodes[m];
+                    if n.sync_idle() == 0 && !n.cooling() {
+                        return true;
+                    }
+                }
+            }
+        }
+        false
     }
 
     /// One key's exist status on the caller's thread.

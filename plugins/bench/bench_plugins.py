@@ -180,13 +180,14 @@ def bench_lmcache(members, rounds, chunks=8):
 
 def bench_vllm(members, rounds, units=8):
     import torch
-    from kvcellar.vllm import KVCellarMetadata, _Transfer
+    from kvcellar._vllm_common import KVCellarMetadata, _Transfer
     from vllm_engine import Engine, model_dir, vllm_config
     import tempfile
 
     root = tempfile.mkdtemp(prefix="kvcellar-bench-vllm-")
     e = Engine(vllm_config(model_dir(root, layers=8, kv_heads=8, head_dim=128),
-                           {"members": members, "io_timeout_ms": 60000}), num_blocks=300)
+                           {"members": members, "io_timeout_ms": 60000, "save_timeout_ms": 60000,
+                            "load_timeout_ms": 60000}), num_blocks=300)
     w = e.worker
     assert w.unit_bytes() == 8 << 20, w.unit_bytes()
     for v in e.layers:
@@ -195,8 +196,8 @@ def bench_vllm(members, rounds, units=8):
     src = [list(range(1 + u * bpu, 1 + (u + 1) * bpu)) for u in range(units)]
     dst = [list(range(1 + (units + u) * bpu, 1 + (units + u + 1) * bpu)) for u in range(units)]
 
-    s_addrs, s_sizes, per = w._units_segments(src)
-    d_addrs, d_sizes, _ = w._units_segments(dst)
+    s_addrs, s_sizes, per, _ = w._units_segments(src)
+    d_addrs, d_sizes, _, _ = w._units_segments(dst)
     lib, handle = w._client._lib, w._client._handle()
     nbytes = units * w.unit_bytes()
 

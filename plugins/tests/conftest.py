@@ -111,13 +111,35 @@ class Node:
             self.proc = None
 
 
+def _wait_stopped(pid: int, deadline_s: float = 10.0) -> None:
+    """Returns once every thread of ``pid`` is stopped (/proc state T): a
+    SIGSTOP is delivered when each thread next runs, and a thread already
+    on a CPU may answer a request meanwhile."""
+    end = time.monotonic() + deadline_s
+    while True:
+        states = []
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            try:
+                with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                    states.append(f.read().rsplit(")", 1)[1].split()[0])
+            except OSError:
+                continue  # the thread exited
+        if states and all(s in ("T", "t") for s in states):
+            return
+        if time.monotonic() > end:
+            raise RuntimeError(f"pid {pid} not stopped {deadline_s} s after SIGSTOP: thread states {states}")
+        time.sleep(0.002)
+
+
 @contextlib.contextmanager
 def stalled(node: "Node"):
     """The node SIGSTOPped (it accepts connections, the kernel queues its
-    bytes, it answers nothing) for the block; SIGCONT whatever happens."""
+    bytes, it answers nothing) for the block, entered once every thread
+    of it has stopped; SIGCONT whatever happens."""
     assert node.proc is not None and node.proc.poll() is None
     node.proc.send_signal(signal.SIGSTOP)
     try:
+        _wait_stopped(node.proc.pid)
         yield node
     finally:
         if node.proc is not None and node.proc.poll() is None:

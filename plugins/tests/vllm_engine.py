@@ -2,7 +2,7 @@
 factory, KV cache planner and allocator, with the model's forward stood in.
 
 What is real: ``VllmConfig`` from a model ``config.json`` written here
-(``HF_HUB_OFFLINE``, no weights, no tokenizer); ``Scheduler`` (it builds the
+(``HF_HUB_OFFLINE``, small weights nothing loads, no tokenizer); ``Scheduler`` (it builds the
 scheduler-side connector through ``KVConnectorFactory`` from
 ``kv_connector_module_path``); the KV cache config from vLLM's planner
 (``get_kv_cache_configs``) and the worker's paged KV cache from its
@@ -15,15 +15,20 @@ get_transfer_results, load errors, worker metadata, stats).
 What is stood in: the forward (a GPU attention kernel cannot run here). It
 writes, into every block a step computes, bytes derived from that block's
 hash and layer, so the same prefix computed anywhere has the same KV and a
-loaded block can be checked byte for byte.
+loaded block can be checked byte for byte. And the process groups behind
+vLLM's parallel state (every TP rank's worker lives in this one process):
+``parallel_state`` sets stand-in groups that vLLM's own accessors read.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
+import struct
 import time
+import types
 from typing import Any, Dict, List, Optional, Sequence
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -34,6 +39,7 @@ from vllm.config import (  # noqa: E402
     CacheConfig,
     DeviceConfig,
     KVTransferConfig,
+    LoadConfig,
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
@@ -53,6 +59,31 @@ from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
 from vllm.v1.worker.utils import allocate_kv_cache  # noqa: E402
 
 EOS = 999
+#: The connector hooks vLLM's scheduler and model runner call each step.
+SCHEDULER_HOOKS = ("get_num_new_matched_tokens", "update_state_after_alloc", "build_connector_meta",
+                   "update_connector_output", "request_finished", "take_events", "get_kv_connector_stats")
+WORKER_HOOKS = ("bind_connector_metadata", "start_load_kv", "wait_for_save", "get_transfer_results",
+                "get_block_ids_with_load_errors", "get_kv_connector_stats", "build_connector_worker_meta",
+                "clear_connector_metadata")
+
+
+def write_weights(d: str, edit: int = 0) -> None:
+    """A small ``model.safetensors`` (8-byte little-endian header length,
+    JSON header, data) in ``d``; ``edit`` changes that many bytes of one
+    tensor, as a fine-tune of a few values would. Nothing loads these
+    weights (the forward is stood in): they are what the connector's
+    weights fingerprint reads."""
+    big = bytearray((i * 13) % 251 for i in range(64 << 10))
+    for i in range(edit):
+        big[100 + i] ^= 0xA5
+    tensors = {"model.norm.weight": bytes(range(256)), "model.layers.0.mlp.up_proj.weight": bytes(big)}
+    header, at = {}, 0
+    for name, b in tensors.items():
+        header[name] = {"dtype": "F16", "shape": [len(b) // 2], "data_offsets": [at, at + len(b)]}
+        at += len(b)
+    raw = json.dumps(header).encode()
+    with open(os.path.join(d, "model.safetensors"), "wb") as f:
+        f.write(struct.pack("<Q", len(raw)) + raw + b"".join(tensors.values()))
 
 
 def mla_model_dir(root: str) -> str:
@@ -74,11 +105,15 @@ def mla_model_dir(root: str) -> str:
             },
             f,
         )
+    write_weights(d)
     return d
 
 
-def model_dir(root: str, layers: int = 3, kv_heads: int = 2, head_dim: int = 32, name: str = "tiny-llama") -> str:
-    """A local model directory holding only a Llama ``config.json``."""
+def model_dir(root: str, layers: int = 3, kv_heads: int = 2, head_dim: int = 32, name: str = "tiny-llama",
+              weights: Optional[int] = 0) -> str:
+    """A local model directory: a Llama ``config.json`` and small weights
+    (``weights``: how many bytes of them differ from the base; None: no
+    weights file)."""
     d = os.path.join(root, f"{name}-{layers}-{kv_heads}-{head_dim}")
     os.makedirs(d, exist_ok=True)
     with open(os.path.join(d, "config.json"), "w") as f:
@@ -91,13 +126,19 @@ def model_dir(root: str, layers: int = 3, kv_heads: int = 2, head_dim: int = 32,
             },
             f,
         )
+    if weights is not None:
+        write_weights(d, weights)
     return d
 
 
 def vllm_config(model: str, extra: Dict[str, Any], block_size: int = 16, tp: int = 1,
-                layout: str = "LBNHC", hash_algo: str = "sha256", events: bool = False) -> VllmConfig:
-    """A VllmConfig as ``vllm serve --kv-transfer-config`` builds it."""
-    mc = ModelConfig(model=model, skip_tokenizer_init=True, dtype="float16", seed=0, max_model_len=4096)
+                layout: str = "LBNHC", hash_algo: str = "sha256", events: bool = False,
+                load_format: str = "auto", **model_kw: Any) -> VllmConfig:
+    """A VllmConfig as ``vllm serve --kv-transfer-config`` builds it;
+    ``model_kw`` are more ``ModelConfig`` fields (``quantization``,
+    ``hf_overrides``, ``served_model_name``, as vLLM's flags of those names)."""
+    mc = ModelConfig(model=model, skip_tokenizer_init=True, dtype="float16", seed=0, max_model_len=4096,
+                     **model_kw)
     sc = SchedulerConfig(max_num_seqs=32, max_num_batched_tokens=1024, max_model_len=4096,
                          enable_chunked_prefill=True, is_encoder_decoder=False)
     cc = CacheConfig(block_size=block_size, enable_prefix_caching=True, prefix_caching_hash_algo=hash_algo)
@@ -111,7 +152,7 @@ def vllm_config(model: str, extra: Dict[str, Any], block_size: int = 16, tp: int
         kw["kv_events_config"] = KVEventsConfig(enable_kv_cache_events=True, publisher="null")
     return VllmConfig(model_config=mc, scheduler_config=sc, cache_config=cc, kv_transfer_config=kt,
                       device_config=DeviceConfig("cpu"), parallel_config=ParallelConfig(tensor_parallel_size=tp),
-                      **kw)
+                      load_config=LoadConfig(load_format=load_format), **kw)
 
 
 def kv_cache_config(vc: VllmConfig, num_blocks: int = 600) -> Any:
@@ -131,6 +172,24 @@ def kv_cache_config(vc: VllmConfig, num_blocks: int = 600) -> Any:
     cfg.kv_cache_layout = vc.cache_config.kv_cache_layout
     vc.cache_config.num_gpu_blocks = cfg.num_blocks
     return cfg
+
+
+@contextlib.contextmanager
+def parallel_state(tp_rank: int, tp_size: int, pp_rank: int = 0, pp_size: int = 1):
+    """vLLM's parallel state as a worker of that rank sees it while its
+    connector is built: the real ``vllm.distributed.parallel_state``
+    functions, over stand-in groups (one process cannot join two ranks of
+    a real process group); ``pp_size=0`` leaves the PP group unset.
+    Restored after."""
+    from vllm.distributed import parallel_state as ps
+
+    saved = ps._TP, ps._PP
+    ps._TP = types.SimpleNamespace(rank_in_group=tp_rank, world_size=tp_size)
+    ps._PP = types.SimpleNamespace(rank_in_group=pp_rank, world_size=pp_size) if pp_size else None
+    try:
+        yield
+    finally:
+        ps._TP, ps._PP = saved
 
 
 class Engine:
@@ -154,23 +213,45 @@ class Engine:
         self.workers: List[Any] = []
         self.rank_layers: List[List[torch.Tensor]] = []
         for rank in range(self.ranks):
-            w = KVConnectorFactory.create_connector(config=vc, role=KVConnectorRole.WORKER, kv_cache_config=self.kc)
-            w.tp_rank = rank  # what vLLM's parallel state gives a TP worker
-            # kernel_block_size: an attention backend whose blocks are
-            # smaller than vLLM's (each vLLM block spans several).
-            caches = allocate_kv_cache(self.kc, torch.device("cpu"), KVCacheLayout[self.kc.kv_cache_layout],
-                                       [kernel_block_size] if kernel_block_size else None)
-            w.register_kv_caches(caches)
+            with parallel_state(rank, self.ranks):
+                w = KVConnectorFactory.create_connector(config=vc, role=KVConnectorRole.WORKER,
+                                                        kv_cache_config=self.kc)
+                # kernel_block_size: an attention backend whose blocks are
+                # smaller than vLLM's (each vLLM block spans several).
+                caches = allocate_kv_cache(self.kc, torch.device("cpu"), KVCacheLayout[self.kc.kv_cache_layout],
+                                           [kernel_block_size] if kernel_block_size else None)
+                w.register_kv_caches(caches)
             self.workers.append(w)
             self.rank_layers.append([caches[n] for n in self.kc.kv_cache_groups[0].layer_names])
         self.worker = self.workers[0]
         self.layers = self.rank_layers[0]
+        # Time spent in the connector's hooks, per step (what a sick store
+        # could add to an engine step).
+        self.hook_s: List[float] = []
+        self._hook_now = 0.0
+        for name in SCHEDULER_HOOKS:
+            self._time_hook(self.conn, name)
+        for w in self.workers:
+            for name in WORKER_HOOKS:
+                self._time_hook(w, name)
         self.aggregator = KVOutputAggregator(self.ranks)
         self.loaded: Dict[str, int] = {}  # request -> external tokens loaded
         self.checked: Dict[str, bool] = {}  # request -> loaded blocks equal the expected bytes, every rank
         self.finished: List[str] = []
         self.steps = 0
         self._count = 0
+
+    def _time_hook(self, obj: Any, name: str) -> None:
+        fn = getattr(obj, name)
+
+        def timed(*a: Any, **kw: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                self._hook_now += time.perf_counter() - t0
+
+        setattr(obj, name, timed)
 
     def close(self) -> None:
         for c in [*self.workers, self.conn]:
@@ -240,12 +321,14 @@ class Engine:
 
     # -- one engine step ------------------------------------------------------------
 
-    def step(self, before_worker: Any = None) -> Any:
+    def step(self, before_worker: Any = None, after_worker: Any = None) -> Any:
         """schedule -> worker (bind, forward, start_load_kv, wait_for_save,
         results) -> update_from_output, as vLLM 0.33's engine core and model
         runner mixin order them. ``before_worker(out)`` runs between the
-        scheduler and the worker."""
+        scheduler and the worker, ``after_worker(out)`` once the workers'
+        hooks returned (where vLLM may reuse a finished request's blocks)."""
         self.steps += 1
+        self._hook_now = 0.0
         out = self.sched.schedule()
         if before_worker is not None:
             before_worker(out)
@@ -267,6 +350,10 @@ class Engine:
             )
             w.clear_connector_metadata()
             outs.append(kvo)
+        if after_worker is not None:
+            hooks = self._hook_now
+            after_worker(out)
+            self._hook_now = hooks
         ids = list(out.num_scheduled_tokens)
         sampled = []
         for rid in ids:
@@ -291,18 +378,19 @@ class Engine:
             for o in eco.outputs:
                 if o.finish_reason is not None:
                     self.finished.append(o.request_id)
+        self.hook_s.append(self._hook_now)
         return out
 
-    def run(self, until_s: float = 60.0) -> None:
-        """Steps until no request is left (bounded in time)."""
+    def run(self, until_s: float = 60.0, **hooks: Any) -> None:
+        """Steps until no request is left (bounded in time); ``hooks`` go to :meth:`step`."""
         end = time.monotonic() + until_s
         while self.sched.has_unfinished_requests():
             if time.monotonic() > end:
                 raise TimeoutError(f"requests unfinished after {until_s} s: {list(self.sched.requests)}")
-            self.step()
+            self.step(**hooks)
             time.sleep(0.001)
 
-    def serve(self, prompts: Sequence[Sequence[int]], until_s: float = 60.0) -> List[Request]:
+    def serve(self, prompts: Sequence[Sequence[int]], until_s: float = 60.0, **hooks: Any) -> List[Request]:
         reqs = [self.add(self.request(p)) for p in prompts]
-        self.run(until_s)
+        self.run(until_s, **hooks)
         return reqs
