@@ -404,7 +404,9 @@ def sglang_backend(name: str, pool: Any, members: str, master: str, file_dir: st
     if name.startswith("kvcellar"):
         kind = "dynamic"
         extra = {"backend_name": "kvcellar", "module_path": "kvcellar.hicache", "class_name": "KvcellarStorage",
-                 "interface_v1": 1, "members": members, "io_timeout_ms": 60000}
+                 "interface_v1": 1, "members": members, "io_timeout_ms": 60000, "model_fingerprint": "bench-weights",
+                 # Far above a batch's time: a batch moves as one call (the defaults slice large ones).
+                 "load_deadline_ms": 60000, "save_deadline_ms": 60000, "lookup_deadline_ms": 60000}
     elif name == "file":
         kind, extra = "file", {"file_storage_path": file_dir}
     elif name == "mooncake":
@@ -562,7 +564,8 @@ class LmcacheSide:
         if name.startswith("kvcellar"):
             p = "remote_storage_plugin.kvcellar."
             extra = {p + "module_path": "kvcellar.lmcache", p + "class_name": "KvcellarConnector",
-                     p + "members": members, p + "io_timeout_ms": 60000}
+                     p + "members": members, p + "io_timeout_ms": 60000, p + "model_fingerprint": "bench-weights",
+                     p + "load_deadline_ms": 60000, p + "save_deadline_ms": 60000, p + "lookup_deadline_ms": 60000}
             cfg = LMCacheEngineConfig.from_defaults(**common, remote_serde="naive", remote_storage_plugins=["kvcellar"],
                                                     extra_config=extra)
             key = "RemoteBackend-kvcellar"

@@ -41,6 +41,9 @@ from kvcellar import _native  # noqa: E402
 from kvcellar.client import _keys, raw_iovecs  # noqa: E402
 
 GIB = 1 << 30
+#: Deadlines far above a batch's time: each batch moves as one call, as the
+#: C ABI's does (the plugins' default deadlines slice large batches).
+UNBOUNDED = {"lookup_deadline_ms": 60000, "load_deadline_ms": 60000, "save_deadline_ms": 60000}
 
 
 def timed(fn):
@@ -100,7 +103,8 @@ def bench_sglang(members, rounds, pages=64):
     cfg = HiCacheStorageConfig(tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
                                is_mla_model=False, enable_storage_metrics=False, is_page_first_layout=True,
                                model_name="bench/model",
-                               extra_config={"members": members, "interface_v1": 1, "io_timeout_ms": 60000})
+                               extra_config={"members": members, "interface_v1": 1, "io_timeout_ms": 60000,
+                                             "model_fingerprint": "bench-weights", **UNBOUNDED})
     b = KvcellarStorage(cfg, {})
     b.register_mem_pool_host(pool)
     lib, handle = b._client._lib, b._client._handle()
@@ -131,7 +135,8 @@ def bench_lmcache(members, rounds, chunks=8):
     from kvcellar._lmcache_api import RemoteMetadata
 
     lmc.LAYERS, lmc.HEADS, lmc.HEAD_DIM, lmc.CHUNK = 32, 8, 128, 256  # 32 MiB chunks in fp16
-    h = lmc.StandInHarness({"members": members, "io_timeout_ms": 60000}, model="bench/model", chunk_size=256)
+    h = lmc.StandInHarness({"members": members, "io_timeout_ms": 60000, "model_fingerprint": "bench-weights",
+                            **UNBOUNDED}, model="bench/model", chunk_size=256)
     c = h.connector
     objs = [h.new_chunk(f"c{i}", tokens=256) for i in range(chunks)]
     nbytes = sum(o.get_size() for o in objs)

@@ -19,12 +19,27 @@ Page identity (docs/PROTOCOL.md §3):
   class and layout, first layer, layer count, head count and dims
   (v_head_dim, MLA's kv_cache_dim), dtype and page size: whatever reads a
   page with another layout gets a mismatch, never the wrong bytes.
+- Both name the weights (:mod:`kvcellar._served`): a fingerprint of the
+  files SGLang loads (its published model path, revision, load format and
+  download dir), its ``--quantization`` and ``--json-model-override-args``;
+  ``model_fingerprint`` replaces the fingerprint. Another fine-tune under
+  the same name misses.
 
 Each page moves as ONE object: its ``get_page_buffer_meta`` segments are
 the iovec (sizes per segment, so asymmetric K/V, K-only and split MLA pools
 work). MLA ranks that are not ``is_storage_writer`` never write. Errors of
 the store are misses (``False``/``0``/``None``), never exceptions into
 SGLang; bad configuration raises at construction naming the key.
+
+Every store call runs under a deadline (:mod:`kvcellar._deadline`;
+docs/plugins/sglang.md, "Deadlines"): ``lookup_deadline_ms`` for exists,
+``load_deadline_ms`` per slice of a get, ``save_deadline_ms`` per slice of
+a set (its exist check included). SGLang calls the backend from its
+prefetch, prefetch-IO and backup threads, never from the scheduler's step;
+the deadline bounds how long a request waits for its L3 pages and how long
+a backup holds host pages. Calls run on SGLang's own thread and return only
+when the library call did: nothing keeps a pointer into the host pool after
+a method returns.
 """
 
 from __future__ import annotations
@@ -45,7 +60,9 @@ from kvcellar._sglang_api import (
     PoolTransferResult,
     StorageMetrics,
 )
+from kvcellar._deadline import DEADLINE_DEFAULTS, DEADLINE_KEYS, Counters, Deadlines, run_slices
 from kvcellar._misses import Misses
+from kvcellar._served import sglang_model, weights_identity
 from kvcellar.client import Client, Geometry, Status
 from kvcellar.config import (
     CLUSTER_KEYS,
@@ -63,7 +80,7 @@ log = logging.getLogger("kvcellar.hicache")
 __all__ = ["KvcellarStorage"]
 
 #: extra_config keys of this backend (besides SGLang's own).
-OWN_KEYS = CLUSTER_KEYS + TIMEOUT_KEYS + ("model_id", "tenant", "poll_ms")
+OWN_KEYS = CLUSTER_KEYS + TIMEOUT_KEYS + DEADLINE_KEYS + ("model_id", "model_fingerprint", "tenant", "poll_ms")
 SGLANG_KEYS = ("backend_name", "module_path", "class_name", "interface_v1")
 
 _POOL_ATTRS = (
@@ -100,6 +117,8 @@ class KvcellarStorage(HiCacheStorage):
         where = "hicache extra_config"
         self.settings = plugin_settings(cfg, where)
         self.poll_ms = positive_int(cfg, "poll_ms", DEFAULT_POLL_MS, where)
+        self.deadlines = Deadlines.of({k: positive_int(cfg, k, d, where) for k, d in DEADLINE_DEFAULTS.items()})
+        self._counters = Counters(log, self.deadlines)
         model = cfg.get("model_id") or storage_config.model_name
         if not model or not isinstance(model, str):
             raise ConfigError(f"{where} key 'model_id': SGLang gave no model name, so set 'model_id'")
@@ -111,6 +130,8 @@ class KvcellarStorage(HiCacheStorage):
         # Options and members are checked by the library now, not at the
         # first page: a probe handle that is closed at once.
         Client(settings=self._probe_settings()).close()
+        # The weights SGLang serves, read once (a fingerprint reads files).
+        self.weights, weights_line = weights_identity(cfg.get("model_fingerprint"), sglang_model(), where)
 
         sc = storage_config
         self.is_mla = bool(sc.is_mla_model)
@@ -135,10 +156,11 @@ class KvcellarStorage(HiCacheStorage):
         self.mem_pool_host: Any = None
         self.registered_pools: Dict[Any, Any] = {}
         log.info(
-            "kvcellar HiCache backend ready: %s, group %s, model %s, rank tp %d/%d%s",
+            "kvcellar HiCache backend ready: %s, group %s, model %s, %s, rank tp %d/%d%s",
             f"mds {','.join(self.settings.mds)}" if self.settings.mds else f"members {self.settings.members}",
             self.settings.group,
             self.model,
+            weights_line,
             sc.tp_rank,
             sc.tp_size,
             " (MLA, writer)" if self.is_mla and self.is_writer else " (MLA, reader only)" if self.is_mla else "",
@@ -159,6 +181,7 @@ class KvcellarStorage(HiCacheStorage):
         super().register_mem_pool_host(mem_pool_host)
         ident = pool_identity(mem_pool_host)
         ident["model"] = self.model
+        ident.update(self.weights)
         self.model_hash = identity_hash("kvcellar-sglang/v1", ident)
         p = mem_pool_host
         if self.is_mla:
@@ -208,6 +231,7 @@ class KvcellarStorage(HiCacheStorage):
         if t is None:
             ident = pool_identity(pool)
             ident.update(model=self.model, pool=pool_name, path=path)
+            ident.update(self.weights)
             t = hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
             # Kept only if no pool was registered meanwhile (that starts a
             # new map): this tag digests the pool this call was given.
@@ -271,17 +295,62 @@ class KvcellarStorage(HiCacheStorage):
             return default
         return self._misses.run(what, default, lambda: fn(c))
 
-    @staticmethod
-    def _store_missing(c: Client, full: List[str], put: Any) -> Tuple[List[bool], List[int]]:
+    def counters(self) -> Dict[str, float]:
+        """The backend's own counters (``kvplugin_*``: lookups, loads and
+        saves cut by their deadline, saves dropped) and its client's
+        (``kvclient_*``), docs/plugins/sglang.md "Deadlines"."""
+        out = self._counters.snapshot()
+        c = self._client
+        if c is not None:
+            try:
+                out.update(c.counters())
+            except Exception:  # noqa: BLE001 - closed meanwhile: our own counters still stand
+                pass
+        return out
+
+    def _exist(self, c: Client, full: List[str]) -> List[Status]:
+        """One batch exist under the lookup deadline; keys it cut are counted."""
+        with c.call_timeout(self.deadlines.lookup_ms):
+            st = c.batch_exist(full)
+        self._counters.add("kvplugin_lookup_deadline_misses_total", sum(s is Status.TIMEOUT for s in st))
+        return st
+
+    def _load(self, c: Client, sizes: List[int], call: Any) -> List[bool]:
+        """A load in slices under the load deadline (`call(lo, hi)`: the
+        statuses of pages lo..hi, a short page as MISMATCH)."""
+        st, cut = run_slices(c, self.deadlines.load_ms, sizes, call)
+        self._counters.add("kvplugin_load_deadline_misses_total",
+                           sum(s is Status.TIMEOUT for s in st) + (sum(s is None for s in st) if cut else 0))
+        return [s is Status.OK for s in st]
+
+    def _store_missing(self, c: Client, full: List[str], sizes: List[int], put: Any) -> Tuple[List[bool], List[int]]:
         """Writes only the pages not stored yet: (per-page success, indices
         written). A mismatch is another writer's page under the key: it
-        stays, and this page is not stored (False, honestly)."""
-        present = c.batch_exist(full)
+        stays, and this page is not stored (False, honestly).
+
+        One save deadline covers the exist check and the first slice of
+        puts: the check gets at most half of it (and no more than a
+        lookup's), the puts what is left. A page the check could not see
+        (its owner timed out or cools down) is put all the same: a cooling
+        node answers UNAVAILABLE at once, and the others' pages must not
+        be lost to it. Pages not stored are counted as dropped, those the
+        deadline cut apart. `put(todo)`: statuses of the pages at those indices."""
+        started = time.monotonic()
+        with c.call_timeout(max(1, min(self.deadlines.lookup_ms, self.deadlines.save_ms // 2))):
+            present = c.batch_exist(full)
         out = [s is Status.OK for s in present]
         todo = [i for i, s in enumerate(present) if s not in (Status.OK, Status.MISMATCH)]
         if todo:
-            for i, st in zip(todo, put(todo)):
-                out[i] = st is Status.OK
+            st, cut = run_slices(c, self.deadlines.save_ms, [sizes[i] for i in todo],
+                                 lambda lo, hi: put(todo[lo:hi]), started=started)
+            for i, s in zip(todo, st):
+                out[i] = s is Status.OK
+            # Dropped for time: cut, not tried after a cut, or refused by an
+            # owner cooling down after the check found it not answering.
+            timed = sum(s is Status.TIMEOUT or (s is None and cut)
+                        or (s is Status.UNAVAILABLE and present[i] is Status.TIMEOUT) for i, s in zip(todo, st))
+            self._counters.add("kvplugin_saves_dropped_total", sum(s is not Status.OK for s in st))
+            self._counters.add("kvplugin_saves_dropped_deadline_total", timed)
         return out, todo
 
     # -- zero-copy page segments (v1, and v2 pools with page pointers) ----------------------
@@ -301,14 +370,15 @@ class KvcellarStorage(HiCacheStorage):
         def run(c: Client) -> List[bool]:
             t0 = time.perf_counter()
             ptrs, sizes, per = self._segments(pool, host_indices, n)
-            res = c.batch_getv_raw(full, ptrs, sizes, per)
-            out, moved = [], 0
-            for i, r in enumerate(res):
-                want = sum(sizes[i * per : (i + 1) * per])
-                ok = r.status is Status.OK and r.length == want
-                moved += want if ok else 0
-                out.append(ok)
-            self._record("get", sum(out), moved, t0)
+            want = [sum(sizes[i * per : (i + 1) * per]) for i in range(n)]
+
+            def call(lo: int, hi: int) -> List[Status]:
+                res = c.batch_getv_raw(full[lo:hi], ptrs[lo * per : hi * per], sizes[lo * per : hi * per], per)
+                return [r.status if r.status is not Status.OK or r.length == want[lo + j] else Status.MISMATCH
+                        for j, r in enumerate(res)]
+
+            out = self._load(c, want, call)
+            self._record("get", sum(out), sum(w for w, ok in zip(want, out) if ok), t0)
             return out
 
         return self._guarded("batch get", [False] * n, run)
@@ -322,17 +392,16 @@ class KvcellarStorage(HiCacheStorage):
 
         def run(c: Client) -> List[bool]:
             t0 = time.perf_counter()
-            seg: List[Any] = []
+            ptrs, sizes, per = self._segments(pool, host_indices, n)
+            page = [sum(sizes[i * per : (i + 1) * per]) for i in range(n)]
 
             def put(todo: List[int]) -> List[Status]:
-                ptrs, sizes, per = self._segments(pool, host_indices, n)
                 addrs = [a for i in todo for a in ptrs[i * per : (i + 1) * per]]
                 lens = [x for i in todo for x in sizes[i * per : (i + 1) * per]]
-                seg.append(sum(lens))
                 return c.batch_putv_raw([full[i] for i in todo], addrs, lens, per)
 
-            out, todo = self._store_missing(c, full, put)
-            self._record("set", sum(out[i] for i in todo), sum(seg), t0)
+            out, todo = self._store_missing(c, full, page, put)
+            self._record("set", sum(out[i] for i in todo), sum(page[i] for i in todo if out[i]), t0)
             return out
 
         return self._guarded("batch set", [False] * n, run)
@@ -353,7 +422,12 @@ class KvcellarStorage(HiCacheStorage):
         """Leading hits: how many keys from the first a get would serve."""
         if not keys:
             return 0
-        return self._guarded("batch exists", 0, lambda c: c.leading_hits(self._keys(keys, self._path())))
+
+        def run(c: Client) -> int:
+            st = self._exist(c, self._keys(keys, self._path()))
+            return next((i for i, s in enumerate(st) if s is not Status.OK), len(st))
+
+        return self._guarded("batch exists", 0, run)
 
     def _path(self) -> str:
         v1 = (self.storage_config.extra_config or {}).get("interface_v1")
@@ -372,9 +446,16 @@ class KvcellarStorage(HiCacheStorage):
         def run(c: Client) -> List[Any]:
             t0 = time.perf_counter()
             tg = targets if targets is not None else [pool.get_dummy_flat_data_page() for _ in full]
-            res = c.batch_get(full, tg)
-            out = [t if r.status is Status.OK and r.length == _nbytes(t) else None for r, t in zip(res, tg)]
-            self._record("get", sum(o is not None for o in out), sum(_nbytes(o) for o in out if o is not None), t0)
+            want = [_nbytes(t) for t in tg]
+
+            def call(lo: int, hi: int) -> List[Status]:
+                res = c.batch_get(full[lo:hi], tg[lo:hi])
+                return [r.status if r.status is not Status.OK or r.length == want[lo + j] else Status.MISMATCH
+                        for j, r in enumerate(res)]
+
+            ok = self._load(c, want, call)
+            out = [t if good else None for t, good in zip(tg, ok)]
+            self._record("get", sum(ok), sum(w for w, good in zip(want, ok) if good), t0)
             return out
 
         return self._guarded("batch get (flat pages)", [None] * n, run)
@@ -388,10 +469,11 @@ class KvcellarStorage(HiCacheStorage):
 
         def run(c: Client) -> List[bool]:
             t0 = time.perf_counter()
+            sizes = [_nbytes(v) for v in values]
             out, todo = self._store_missing(
-                c, full, lambda todo: c.batch_put([full[i] for i in todo], [values[i] for i in todo])
+                c, full, sizes, lambda todo: c.batch_put([full[i] for i in todo], [values[i] for i in todo])
             )
-            self._record("set", sum(out[i] for i in todo), sum(_nbytes(values[i]) for i in todo), t0)
+            self._record("set", sum(out[i] for i in todo), sum(sizes[i] for i in todo if out[i]), t0)
             return out
 
         return self._guarded("batch set (flat pages)", [False] * n, run)
@@ -492,7 +574,7 @@ class KvcellarStorage(HiCacheStorage):
             pool = self._pool(t.name)
             groups.append(self._pool_keys(keys, str(t.name), pool) if pool is not None else [])
         flat = [k for g in groups for k in g]
-        st = self._guarded("batch exists (v2)", None, lambda c: c.batch_exist(flat)) if n else None
+        st = self._guarded("batch exists (v2)", None, lambda c: self._exist(c, flat)) if n else None
         if st is None:
             return PoolTransferResult(0, {}, [])
         present: List[List[bool]] = []
@@ -536,10 +618,14 @@ class KvcellarStorage(HiCacheStorage):
 
     def close(self) -> None:
         with self._lock:
+            first = not self._closed
             self._closed = True
             c, self._client = self._client, None
         if c is not None:
             c.close()
+        cut = {k: int(v) for k, v in self._counters.snapshot().items() if v}
+        if first and cut:
+            log.info("kvcellar HiCache backend closed; %s", cut)
 
 
 # SGLang's error messages and docs name the class; keep an alias that reads well.

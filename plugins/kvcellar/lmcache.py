@@ -14,9 +14,18 @@ name whose ``module_path`` is this module (else ``kvcellar.<key>``), the
 ``KVCELLAR_*`` environment variables filling what is left out.
 
 Every async method runs its blocking library call on the connector's own
-thread pool and is bounded by the client's timeouts (LMCache waits on
-``contains`` without one). Keys are LMCache's key strings as they are (any
-characters; longer than the store's 1024 bytes, hashed). With
+thread pool, under a deadline counted from when LMCache called it (waiting
+for a thread included; :mod:`kvcellar._deadline`, docs/plugins/lmcache.md
+"Deadlines"): ``lookup_deadline_ms`` for contains and exists,
+``load_deadline_ms`` per slice of a get, ``save_deadline_ms`` per slice of
+a put. A method returns only once its library call did, so nothing of a
+call touches a memory object after its method is over, even when LMCache
+gives up waiting and cancels it. Keys are LMCache's key strings (any
+characters; longer than the store's 1024 bytes, hashed) behind a tag that
+digests the page identity: the model, a fingerprint of its weights and the
+quantization and overrides the engine applies (:mod:`kvcellar._served`;
+``model_fingerprint`` replaces the fingerprint), KV shape and dtype, chunk
+size and format; the same identity is every page's ``model_hash``. With
 ``save_chunk_meta`` (LMCache's default) the chunk's metadata is stored in
 front of the payload, in one object. A failure is a miss, logged once per
 cause at ERROR; a bad configuration raises at construction (LMCache then
@@ -30,12 +39,15 @@ import asyncio
 import concurrent.futures
 import ctypes
 import hashlib
-import math
+import json
+import time
 import zlib
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from kvcellar._lmcache_api import RemoteConnector, RemoteMetadata, make_logger
+from kvcellar._deadline import DEADLINE_DEFAULTS, DEADLINE_KEYS, Counters, Deadlines, left_ms, run_slices
 from kvcellar._misses import Misses
+from kvcellar._served import sglang_model, vllm_model, weights_identity
 from kvcellar.client import Client, ClosedError, Geometry, GetResult, Status
 from kvcellar.config import CLUSTER_KEYS, DEFAULT_POLL_MS, ConfigError, identity_hash, resolve, tenant_prefix
 
@@ -44,7 +56,8 @@ log = make_logger("kvcellar.lmcache")
 __all__ = ["KvcellarConnector"]
 
 MODULE = "kvcellar.lmcache"
-OWN_KEYS = CLUSTER_KEYS + ("io_timeout_ms", "connect_timeout_ms", "tenant", "poll_ms", "max_inflight")
+OWN_KEYS = CLUSTER_KEYS + DEADLINE_KEYS + ("io_timeout_ms", "connect_timeout_ms", "tenant", "poll_ms",
+                                          "max_inflight", "model_fingerprint")
 MAX_KEY = 1024
 
 
@@ -78,8 +91,9 @@ class KvcellarConnector(RemoteConnector):
                               "(or set KVCELLAR_MDS / KVCELLAR_MEMBERS)")
         ints = {}
         for k, default in (("io_timeout_ms", 10000), ("connect_timeout_ms", 3000), ("poll_ms", DEFAULT_POLL_MS),
-                           ("max_inflight", 32)):
-            v = own.get(k, self.settings.options.get(k, default))
+                           ("max_inflight", 32), *DEADLINE_DEFAULTS.items()):
+            v = own.get(k, self.settings.options.get(k, default) if k in ("io_timeout_ms", "connect_timeout_ms")
+                        else default)
             try:
                 v = int(v)
                 if v <= 0:
@@ -90,26 +104,41 @@ class KvcellarConnector(RemoteConnector):
         for k in ("io_timeout_ms", "connect_timeout_ms"):
             self.settings.options[k] = str(ints[k])
         self.prefix = tenant_prefix(own.get("tenant"), f"{where} key '{pre}tenant'")
-        # The library bounds every request; this is the outer bound of one
-        # async call, waiting for a worker thread included. A batch may take
-        # one round of requests per `batch_concurrency` items.
-        self.timeout_s = (ints["io_timeout_ms"] + ints["connect_timeout_ms"]) / 1000.0 + 1.0
+        self.deadlines = Deadlines.of(ints)
+        self._counters = Counters(log, self.deadlines)
         md = local_cpu_backend.metadata
+        self.weights, weights_line = weights_identity(own.get("model_fingerprint"), self._served(md), where,
+                                                      key=f"{pre}model_fingerprint")
         self.geometry = self._geometry(md, config)
         # The library checks the options (one clear error) before they are read here.
         self.client = Client(settings=self.settings, geometry=self.geometry, poll_ms=ints["poll_ms"])
-        self.batch_rounds = int(self.settings.options.get("batch_concurrency", 8))
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=ints["max_inflight"],
                                                            thread_name_prefix="kvcellar-lmcache")
         self._misses = Misses(log)
         log.info(
-            "kvcellar LMCache connector ready: %s, group %s, model %s, worker %s/%s, chunk meta %s",
+            "kvcellar LMCache connector ready: %s, group %s, model %s, %s, worker %s/%s, chunk meta %s",
             f"mds {','.join(self.settings.mds)}" if self.settings.mds else f"members {self.settings.members}",
-            self.settings.group, getattr(md, "model_name", "?"), getattr(md, "worker_id", "?"),
+            self.settings.group, getattr(md, "model_name", "?"), weights_line, getattr(md, "worker_id", "?"),
             getattr(md, "world_size", "?"), "on" if self.save_chunk_meta else "off",
         )
 
     # -- identity ---------------------------------------------------------------
+
+    @staticmethod
+    def _served(md: Any) -> Optional[Dict[str, Any]]:
+        """What names the weights: LMCache's ``model_name`` is the path or
+        hub id the engine loads (vLLM's ``model_config.model``, SGLang's
+        ``model_path``); the engine's own record of that model, when this
+        process holds one (vLLM building this worker, a launched SGLang),
+        adds its revision, load format, download dir, quantization and
+        overrides."""
+        name = str(getattr(md, "model_name", "") or "")
+        if not name:
+            return None
+        for rec in (vllm_model(), sglang_model()):
+            if rec is not None and rec["model"] == name:
+                return rec
+        return {"model": name}
 
     def _geometry(self, md: Any, config: Any) -> Geometry:
         shape = list(getattr(md, "kv_shape", ()) or ())
@@ -123,7 +152,11 @@ class KvcellarConnector(RemoteConnector):
             "shapes": [str(tuple(s)) for s in self.meta_shapes],
             "dtypes": [str(d) for d in self.meta_dtypes],
             "chunk_meta": bool(self.save_chunk_meta),
+            **self.weights,
         }
+        # In the key too: pages of other weights or another layout are
+        # stored beside these, never refused in their place (write-once).
+        self.tag = hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
         mla = ident["use_mla"]
         dim = lambda i: int(shape[i]) & 0xFFFF if len(shape) > i else 0  # noqa: E731
         return Geometry(
@@ -139,11 +172,12 @@ class KvcellarConnector(RemoteConnector):
         )
 
     def _key(self, key: Any) -> bytes:
-        """LMCache's key string (any characters) as a store key."""
+        """LMCache's key string (any characters) as a store key:
+        ``{tenant/}{tag}/{key}``, the tag naming the identity."""
         s = key if isinstance(key, str) else key.to_string()
-        k = (self.prefix + s).encode()
+        k = f"{self.prefix}{self.tag}/{s}".encode()
         if len(k) > MAX_KEY or b"\0" in k:
-            k = (self.prefix + "sha256:" + hashlib.sha256(s.encode()).hexdigest()).encode()
+            k = f"{self.prefix}{self.tag}/sha256:{hashlib.sha256(s.encode()).hexdigest()}".encode()
         return k
 
     # -- plumbing -------------------------------------------------------------------
@@ -151,47 +185,45 @@ class KvcellarConnector(RemoteConnector):
     def _error(self, what: str, e: BaseException) -> None:
         self._misses.error(what, e)
 
-    def _bound(self, items: int) -> float:
-        return self.timeout_s * max(1, math.ceil(items / max(1, self.batch_rounds)))
-
-    async def _run(self, fn: Callable[[], Any], what: str, default: Any, items: int = 1,
+    async def _run(self, fn: Callable[[float], Any], what: str, default: Any,
                    abandon: Optional[Callable[[Any], None]] = None, hold: Sequence[Any] = ()) -> Any:
-        """Runs a blocking call off the event loop, bounded in time.
+        """Runs ``fn(started)`` off the event loop; ``started`` (monotonic) is
+        when LMCache called, from which ``fn`` counts its deadline. Awaits
+        the call to its end: its deadline bounds it.
 
-        `hold`: memory objects the call reads; a reference is taken for as
-        long as the call runs, so a caller that gave up (timeout, cancel) and
-        released its own cannot let LMCache reuse the memory under it.
-        `abandon`: gets a result nobody took (to release memory objects)."""
+        If the caller cancels (LMCache's ``wait_for`` around some calls),
+        this still waits for the call to return before it ends, so no call
+        runs on in the engine's memory behind a method that is over.
+        `hold`: memory objects the call reads; a reference is held while it
+        runs. `abandon`: gets a result nobody took (to release memory objects)."""
+        started = time.monotonic()
         for o in hold:
             o.ref_count_up()
         try:
-            fut = self._pool.submit(fn)
+            fut = self._pool.submit(fn, started)
         except RuntimeError:  # closed: the pool takes no more work
             for o in hold:
                 o.ref_count_down()
             return default
         if hold:
             fut.add_done_callback(lambda _f: [o.ref_count_down() for o in hold])
-        taken = False
+        done = asyncio.wrap_future(fut)
         try:
-            result = await asyncio.wait_for(asyncio.wrap_future(fut), self._bound(items))
-            taken = True
-            return result
-        except asyncio.TimeoutError as e:
-            self._error(f"{what} (no answer within {self._bound(items):.1f} s)", e)
-            return default
+            return await asyncio.shield(done)
+        except asyncio.CancelledError:
+            while not done.done():
+                try:
+                    await asyncio.wait({done})
+                except asyncio.CancelledError:
+                    continue
+            if abandon is not None and not done.cancelled() and done.exception() is None:
+                abandon(done.result())
+            raise
         except ClosedError:
             return default
         except Exception as e:  # noqa: BLE001 - a failure is a miss for LMCache
             self._error(what, e)
             return default
-        finally:
-            if not taken and abandon is not None:
-                # Also on cancellation (a BaseException): whenever the call
-                # completes, its result goes back.
-                fut.add_done_callback(
-                    lambda f: not f.cancelled() and f.exception() is None and abandon(f.result())
-                )
 
     def _sync(self, what: str, default: Any, fn: Callable[[], Any]) -> Any:
         """A synchronous method's body: a failure is `default`, logged
@@ -200,22 +232,35 @@ class KvcellarConnector(RemoteConnector):
 
     # -- existence ------------------------------------------------------------------
 
-    def _leading(self, keys: Sequence[Any]) -> int:
+    def _exist(self, keys: Sequence[Any], started: Optional[float] = None) -> List[Status]:
+        """One batch exist under what is left of the lookup deadline; keys
+        it cut (or left unasked, no time left) are counted and absent."""
         if not keys:
-            return 0
-        return self.client.leading_hits([self._key(k) for k in keys])
+            return []
+        ms = left_ms(self.deadlines.lookup_ms, started)
+        if ms <= 0:
+            self._counters.add("kvplugin_lookup_deadline_misses_total", len(keys))
+            return [Status.TIMEOUT] * len(keys)
+        with self.client.call_timeout(ms):
+            st = self.client.batch_exist([self._key(k) for k in keys])
+        self._counters.add("kvplugin_lookup_deadline_misses_total", sum(s is Status.TIMEOUT for s in st))
+        return st
+
+    def _leading(self, keys: Sequence[Any], started: Optional[float] = None) -> int:
+        st = self._exist(keys, started)
+        return next((i for i, s in enumerate(st) if s is not Status.OK), len(st))
 
     async def exists(self, key: Any) -> bool:
-        return await self._run(lambda: self.client.exist(self._key(key)) is Status.OK, "exists", False)
+        return await self._run(lambda t: self._leading([key], t) == 1, "exists", False)
 
     def exists_sync(self, key: Any) -> bool:
-        return self._sync("exists", False, lambda: self.client.exist(self._key(key)) is Status.OK)
+        return self._sync("exists", False, lambda: self._leading([key]) == 1)
 
     def support_batched_async_contains(self) -> bool:
         return True
 
     async def batched_async_contains(self, lookup_id: str, keys: List[Any], pin: bool = False) -> int:
-        return await self._run(lambda: self._leading(keys), "batched contains", 0)  # one request per node
+        return await self._run(lambda t: self._leading(keys, t), "batched contains", 0)  # one request per node
 
     def support_batched_contains(self) -> bool:
         return True
@@ -253,8 +298,13 @@ class KvcellarConnector(RemoteConnector):
             obj.ref_count_down()
             return None
 
-    def _get_many(self, keys: Sequence[Any]) -> List[Optional[Any]]:
+    def _get_many(self, keys: Sequence[Any], started: Optional[float] = None) -> List[Optional[Any]]:
+        """Reads chunks into memory objects it allocates, in slices under
+        the load deadline (the first under what is left since `started`);
+        chunks after the first that failed are not read (LMCache uses the
+        leading ones)."""
         objs, metas, segs = [], [], []
+        res: List[GetResult] = [GetResult(Status.MISS, 0)] * len(keys)
         try:
             for _ in keys:
                 obj = self._allocate()
@@ -264,11 +314,20 @@ class KvcellarConnector(RemoteConnector):
                 objs.append(obj)
                 metas.append(m)
                 segs.append(s)
-            res = self.client.batch_getv([self._key(k) for k in keys], segs)
+            full = [self._key(k) for k in keys]
+
+            def call(lo: int, hi: int) -> List[Status]:
+                res[lo:hi] = self.client.batch_getv(full[lo:hi], segs[lo:hi])
+                return [r.status for r in res[lo:hi]]
+
+            sizes = [o.get_size() + (self.remote_metadata_bytes if m is not None else 0) for o, m in zip(objs, metas)]
+            st, cut = run_slices(self.client, self.deadlines.load_ms, sizes, call, started=started)
         except BaseException:
             for o in objs:
                 o.ref_count_down()
             raise
+        timed = sum(s is Status.TIMEOUT for s in st) + (sum(s is None for s in st) if cut else 0)
+        self._counters.add("kvplugin_load_deadline_misses_total", timed)
         return [self._finish(o, m, r) for o, m, r in zip(objs, metas, res)]
 
     @staticmethod
@@ -278,15 +337,15 @@ class KvcellarConnector(RemoteConnector):
                 o.ref_count_down()
 
     async def get(self, key: Any) -> Optional[Any]:
-        out = await self._run(lambda: self._get_many([key]), "get", [None], abandon=self._release)
+        out = await self._run(lambda t: self._get_many([key], t), "get", [None], abandon=self._release)
         return out[0]
 
     def support_batched_get(self) -> bool:
         return True
 
     async def batched_get(self, keys: List[Any]) -> List[Optional[Any]]:
-        return await self._run(lambda: self._get_many(keys), "batched get", [None] * len(keys),
-                               items=len(keys), abandon=self._release)
+        return await self._run(lambda t: self._get_many(keys, t), "batched get", [None] * len(keys),
+                               abandon=self._release)
 
     def support_batched_get_non_blocking(self) -> bool:
         return True
@@ -310,23 +369,35 @@ class KvcellarConnector(RemoteConnector):
         md = RemoteMetadata(len(buf), obj.get_shapes(), obj.get_dtypes(), obj.get_memory_format())
         return [md.serialize(), buf]
 
-    def _put_many(self, keys: Sequence[Any], objs: Sequence[Any]) -> List[Status]:
-        st = self.client.batch_putv([self._key(k) for k in keys], [self._put_segments(o) for o in objs])
-        bad = [s for s in st if s is not Status.OK]
-        if bad:
-            self._error("put", RuntimeError(f"{len(bad)} of {len(st)} chunks not stored: {bad[0].name} "
-                                            f"({self.client.last_error()})"))
-        return st
+    def _put_many(self, keys: Sequence[Any], objs: Sequence[Any], started: Optional[float] = None) -> List[Status]:
+        """Stores chunks in slices under the save deadline (the first under
+        what is left since `started`); after a slice with a chunk not
+        stored the rest are dropped too (a chunk after a hole is never a
+        prefix hit). Dropped chunks are counted, those the deadline cut apart."""
+        full = [self._key(k) for k in keys]
+        segs = [self._put_segments(o) for o in objs]
+        sizes = [o.get_size() + (self.remote_metadata_bytes if self.save_chunk_meta else 0) for o in objs]
+        st, cut = run_slices(self.client, self.deadlines.save_ms, sizes,
+                             lambda lo, hi: self.client.batch_putv(full[lo:hi], segs[lo:hi]), started=started)
+        dropped = sum(s is not Status.OK for s in st)
+        self._counters.add("kvplugin_saves_dropped_total", dropped)
+        self._counters.add("kvplugin_saves_dropped_deadline_total",
+                           sum(s is Status.TIMEOUT for s in st) + (sum(s is None for s in st) if cut else 0))
+        if dropped:
+            first = next(s for s in st if s is not Status.OK)
+            why = f"{first.name} ({self.client.last_error()})" if first is not None else "no time left"
+            self._error("put", RuntimeError(f"{dropped} of {len(st)} chunks not stored: {why}"))
+        return [s if s is not None else Status.TIMEOUT for s in st]
 
     async def put(self, key: Any, memory_obj: Any) -> None:
         # LMCache's wrapper releases the object after this returns: no ref_count_down here.
-        await self._run(lambda: self._put_many([key], [memory_obj]), "put", None, hold=[memory_obj])
+        await self._run(lambda t: self._put_many([key], [memory_obj], t), "put", None, hold=[memory_obj])
 
     def support_batched_put(self) -> bool:
         return True
 
     async def batched_put(self, keys: List[Any], memory_objs: List[Any]) -> None:
-        await self._run(lambda: self._put_many(keys, memory_objs), "batched put", None, items=len(keys),
+        await self._run(lambda t: self._put_many(keys, memory_objs, t), "batched put", None,
                         hold=list(memory_objs))
 
     # -- the rest ----------------------------------------------------------------------------
@@ -339,7 +410,11 @@ class KvcellarConnector(RemoteConnector):
 
     async def ping(self) -> int:
         """0 when the owner of a probe key answers, else the status code."""
-        st = await self._run(lambda: self.client.exist(b"kvcellar-ping"), "ping", Status.UNAVAILABLE)
+        def probe(started: float) -> Status:
+            with self.client.call_timeout(max(1, left_ms(self.deadlines.lookup_ms, started))):
+                return self.client.exist(b"kvcellar-ping")
+
+        st = await self._run(probe, "ping", Status.UNAVAILABLE)
         return 0 if st in (Status.OK, Status.MISS, Status.MISMATCH) else int(st)
 
     async def list(self) -> List[str]:
@@ -352,5 +427,12 @@ class KvcellarConnector(RemoteConnector):
         await asyncio.get_running_loop().run_in_executor(None, self.client.close)
 
     def stats(self) -> Dict[str, float]:
-        """The client's counters (``kvclient_*``)."""
-        return self.client.counters()
+        """The connector's own counters (``kvplugin_*``: lookups, loads and
+        saves cut by their deadline, chunks dropped) and the client's
+        (``kvclient_*``), docs/plugins/lmcache.md "Deadlines"."""
+        out = self._counters.snapshot()
+        try:
+            out.update(self.client.counters())
+        except ClosedError:
+            pass
+        return out

@@ -211,6 +211,18 @@ def clean_env(monkeypatch):
     return monkeypatch
 
 
+def fake_hub(monkeypatch, root: str, model: str, commit: str = "0123456789abcdef0123456789abcdef01234567") -> str:
+    """A Hugging Face hub cache under `root` holding `model` at `commit`
+    (its refs/main), as an engine that downloaded the model leaves it;
+    HF_HUB_CACHE names it. Returns the commit."""
+    ref = os.path.join(root, "models--" + model.replace("/", "--"), "refs")
+    os.makedirs(ref, exist_ok=True)
+    with open(os.path.join(ref, "main"), "w") as f:
+        f.write(commit)
+    monkeypatch.setenv("HF_HUB_CACHE", root)
+    return commit
+
+
 def pytest_report_header(config):
     """Which engine classes this run uses (real, or stand-ins)."""
     from kvcellar import _lmcache_api, _sglang_api

@@ -202,7 +202,11 @@ class StandInHarness:
         self.thread.join(10)
 
 
-def make_harness(extra: Dict[str, Any], **kw) -> Any:
+def make_harness(extra: Dict[str, Any], fingerprint: Optional[str] = "test-weights", **kw) -> Any:
+    """`fingerprint`: the connector's model_fingerprint unless `extra` names
+    one (None: computed from the model name, a path or hub id)."""
+    if fingerprint is not None and "model_fingerprint" not in extra:
+        extra = {"model_fingerprint": fingerprint, **extra}
     if real_lmcache():
         from real_lmc import RealHarness
 

@@ -171,6 +171,32 @@ class StandInStatePool:
         return bytes(self.store[at : at + self.page_bytes_])
 
 
+def publish_sglang_model(monkeypatch: Any, **fields: Any) -> None:
+    """Makes this process look like a launched SGLang server that serves
+    ``fields`` (``model_path``, ``revision``, ``load_format``,
+    ``download_dir``, ``quantization``, ``json_model_override_args``): with
+    SGLang, its own runtime context holds them as its server arguments (the
+    resolved namespaces stay unpublished, as before a scheduler starts);
+    without it, a stand-in of that module answers the same reads."""
+    import sys
+    import types
+
+    args = types.SimpleNamespace(model_path=None, revision=None, load_format="auto", download_dir=None,
+                                 quantization=None, json_model_override_args="{}")
+    args.__dict__.update(fields)
+    if real_sglang():
+        import sglang.srt.runtime_context as rc
+
+        monkeypatch.setattr(rc._CONTEXT, "_server_args", args)
+        return
+
+    def unpublished():
+        raise ValueError("config namespace 'model' not published")
+
+    stub = types.SimpleNamespace(get_model=unpublished, get_server_args=lambda: args)
+    monkeypatch.setitem(sys.modules, "sglang.srt.runtime_context", stub)
+
+
 def real_sglang() -> bool:
     from kvcellar import _sglang_api
 

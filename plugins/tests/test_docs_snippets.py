@@ -25,7 +25,7 @@ def _doc(name: str) -> str:
         return f.read()
 
 
-def test_sglang_guide_json_parses_and_loads(cluster, clean_env):
+def test_sglang_guide_json_parses_and_loads(cluster, clean_env, tmp_path):
     configs = re.findall(r"--hicache-storage-backend-extra-config '([^']*)'", _doc("sglang.md"))
     assert len(configs) >= 2, "the guide shows the quickstart and the production form"
     parsed = [json.loads(c) for c in configs]
@@ -41,6 +41,12 @@ def test_sglang_guide_json_parses_and_loads(cluster, clean_env):
     from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
 
     clean_env.setenv("KVCELLAR_MEMBERS", cluster.members)  # the export line's role
+    # A launched server serving the guide's model, downloaded to the hub cache.
+    from conftest import fake_hub
+    from pools import publish_sglang_model
+
+    fake_hub(clean_env, str(tmp_path / "hub"), "Qwen/Qwen3-8B")
+    publish_sglang_model(clean_env, model_path="Qwen/Qwen3-8B")
     extra = HybridCacheController.parse_storage_backend_extra_config(configs[0])[0]
     sc = HiCacheStorageConfig(tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
                               is_mla_model=False, enable_storage_metrics=False, is_page_first_layout=True,
@@ -78,6 +84,9 @@ def test_lmcache_guide_yaml_loads(cluster, clean_env, tmp_path):
     path = tmp_path / "kvcellar.yaml"
     path.write_text(block.group(1))
     clean_env.setenv("KVCELLAR_MEMBERS", cluster.members)
+    from conftest import fake_hub
+
+    fake_hub(clean_env, str(tmp_path / "hub"), "Qwen/Qwen3-8B")  # the guide's model, as vLLM downloaded it
     config = LMCacheEngineConfig.from_file(str(path))
     config.max_local_cpu_size = 0.1  # the guide's 5 GB is an engine's, not a test's
     md = LMCacheMetadata(model_name="Qwen/Qwen3-8B", world_size=1, local_world_size=1, worker_id=0,

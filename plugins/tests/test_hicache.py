@@ -8,6 +8,7 @@ SGLang's own StorageBackendFactory and drives SGLang's real host pools.
 from __future__ import annotations
 
 import ctypes
+import os
 import random
 import threading
 import time
@@ -41,7 +42,9 @@ def make_backend(cluster, pool, *, v1=True, extra=None, **cfg):
     """Creates the backend as SGLang does (through its factory where it is
     installed), then registers the pool in SGLang's attach order."""
     ex = {"backend_name": "kvcellar", "module_path": "kvcellar.hicache", "class_name": "KvcellarStorage",
-          "members": cluster.members, "io_timeout_ms": 3000, "connect_timeout_ms": 500}
+          "members": cluster.members, "io_timeout_ms": 3000, "connect_timeout_ms": 500,
+          # No server publishes the model here: name the weights (None in `extra`: computed).
+          "model_fingerprint": "test-weights"}
     if v1:
         ex["interface_v1"] = 1
     ex.update(extra or {})
@@ -163,6 +166,97 @@ def test_another_identity_misses(cluster, what, pool_args, cfg):
         assert other.batch_get_v1(keys, indices_for(pool2, 0, 4)) == [False] * 4
     finally:
         other.close()
+
+
+def test_large_batches_move_in_slices_under_their_deadline_and_stop_at_a_failed_one(cluster, monkeypatch):
+    """A batch larger than what moves in a deadline goes in slices, each
+    under its own deadline (one page each here); a load stops after the
+    first slice with a page that failed (SGLang uses the leading pages)."""
+    import kvcellar._deadline as dl
+
+    pool = make_pool("mha")
+    b = make_backend(cluster, pool)
+    inner = getattr(b, "_backend", b)
+    page = sum(pool.get_page_buffer_meta(indices_for(pool, 0, 1))[1])
+    monkeypatch.setattr(dl, "SLICE_RATE", page * 3 // 2 // inner.deadlines.save_ms)
+    bounds = []
+    real = inner._client.call_timeout
+    monkeypatch.setattr(inner._client, "call_timeout", lambda ms: bounds.append(ms) or real(ms))
+    try:
+        keys = hashes("slices-", 8)
+        want = [fill_page(pool, i, k) for i, k in enumerate(keys)]
+        stored = [i for i in range(8) if i != 3]
+        assert b.batch_set_v1([keys[i] for i in stored[:3]], indices_for(pool, 0, 3)) == [True] * 3
+        assert b.batch_set_v1([keys[i] for i in stored[3:]], indices_for(pool, 4, 4)) == [True] * 4
+        # Each set: its exist, then one bounded put a page; the first put gets what the exist left.
+        assert len(bounds) == 2 + 7 and all(0 < ms <= inner.deadlines.save_ms for ms in bounds), bounds
+        bounds.clear()
+        zero_pages(pool, range(40, 48))
+        got = b.batch_get_v1(keys, indices_for(pool, 40, 8))
+        assert got == [True] * 3 + [False] * 5, "the load stops at the slice of the missing page"
+        assert bounds == [inner.deadlines.load_ms] * 4, bounds
+        assert [read_page(pool, 40 + i) for i in range(3)] == want[:3]
+        assert inner.counters()["kvplugin_load_deadline_misses_total"] == 0, "a miss is not a deadline's doing"
+    finally:
+        b.close()
+
+
+def test_the_same_name_serving_other_weights_misses(cluster, monkeypatch, tmp_path):
+    """Pages follow the weights SGLang says it serves, not the model's name:
+    the same files again hit; a fine-tune written over them under the same
+    name and path, the same weights quantized at load, another hub commit
+    all miss; model_fingerprint names the weights when set
+    (docs/plugins/sglang.md, "Page identity and the weights")."""
+    from conftest import fake_hub
+    from pools import publish_sglang_model
+    from test_fingerprint import checkpoint, edited
+
+    model = checkpoint(str(tmp_path), "model")
+    keys = hashes("weights-", 4)
+
+    def stored_pages(**extra):
+        """How many of the keys a backend built now finds (SGLang's model name unchanged)."""
+        pool = make_pool("mha")
+        b = make_backend(cluster, pool, extra={"model_fingerprint": None, **extra})
+        try:
+            n = b.batch_exists(keys)
+            assert b.batch_get_v1(keys, indices_for(pool, 0, 4)).count(True) == n
+            return n
+        finally:
+            b.close()
+
+    def store(**extra):
+        pool = make_pool("mha")
+        for i, k in enumerate(keys):
+            fill_page(pool, i, k)
+        b = make_backend(cluster, pool, extra={"model_fingerprint": None, **extra})
+        try:
+            assert b.batch_set_v1(keys, indices_for(pool, 0, 4)) == [True] * 4
+        finally:
+            b.close()
+
+    publish_sglang_model(monkeypatch, model_path=model)
+    store()
+    assert stored_pages() == 4, "the same weights (another instance, a restart) hit"
+    checkpoint(str(tmp_path), "model", edited(100))  # a fine-tune saved over them
+    assert stored_pages() == 0, "other weights under the same name and path miss"
+    checkpoint(str(tmp_path), "model")
+    assert stored_pages() == 4
+    publish_sglang_model(monkeypatch, model_path=model, quantization="fp8")
+    assert stored_pages() == 0, "the same weights quantized at load miss"
+    publish_sglang_model(monkeypatch, model_path=model, json_model_override_args='{"rope_scaling": {"factor": 2}}')
+    assert stored_pages() == 0, "the same weights with another RoPE override miss"
+    # A hub id: the commit the hub cache resolves names the weights.
+    fake_hub(monkeypatch, str(tmp_path / "hub"), "org/model-7b", "a" * 40)
+    publish_sglang_model(monkeypatch, model_path="org/model-7b")
+    store()
+    assert stored_pages() == 4
+    fake_hub(monkeypatch, str(tmp_path / "hub"), "org/model-7b", "b" * 40)
+    assert stored_pages() == 0, "another commit of the hub id misses"
+    # model_fingerprint replaces what the files say: equal texts share pages.
+    store(model_fingerprint="ft-2026-11")
+    assert stored_pages(model_fingerprint="ft-2026-11") == 4
+    assert stored_pages(model_fingerprint="ft-2026-12") == 0
 
 
 def test_legacy_path_round_trip(cluster):
@@ -445,9 +539,13 @@ def test_bad_config_names_the_key(cluster, clean_env):
         build({"members": cluster.members, "options": "bogus=1"})
     with pytest.raises(ConfigError, match="KVCELLAR_MDS / KVCELLAR_MEMBERS"):
         build({})
+    with pytest.raises(ConfigError, match="set 'model_fingerprint'"):
+        build({"members": cluster.members})  # no SGLang server published the model it serves
+    with pytest.raises(ConfigError, match="key 'model_fingerprint'"):
+        build({"members": cluster.members, "model_fingerprint": ""})
     # The environment fills what the extra config leaves out.
     clean_env.setenv("KVCELLAR_MEMBERS", cluster.members)
-    KvcellarStorage(storage_config({}), {}).close()
+    KvcellarStorage(storage_config({"model_fingerprint": "w1"}), {}).close()
 
 
 def test_a_refused_token_fails_at_construction(token_node, clean_env):
@@ -456,7 +554,7 @@ def test_a_refused_token_fails_at_construction(token_node, clean_env):
     with pytest.raises(DeniedError, match="auth token"):
         KvcellarStorage(storage_config({"members": token_node.members}), {})
     clean_env.setenv("KVCELLAR_AUTH_TOKEN_FILE", token_node.token_file)
-    KvcellarStorage(storage_config({"members": token_node.members}), {}).close()
+    KvcellarStorage(storage_config({"members": token_node.members, "model_fingerprint": "w1"}), {}).close()
 
 
 def test_tenants_are_apart_clear_keeps_pages_and_stats(cluster, caplog):
@@ -481,3 +579,74 @@ def test_tenants_are_apart_clear_keeps_pages_and_stats(cluster, caplog):
     finally:
         a.close()
         bb.close()
+
+
+#: The most a call with a stopped node may take beyond the slowest healthy
+#: one, in ms: the deadlines keep it under 250 ms; a loaded machine adds its
+#: own delays, so the assertion allows this much and prints the figure.
+SICK_BOUND_MS = int(os.environ.get("KVCELLAR_SICK_BOUND_MS", "600"))
+
+
+def test_a_stopped_node_costs_a_call_at_most_its_deadline_and_healthy_pages_still_hit():
+    """One node of three SIGSTOPped (it accepts, answers nothing): no backend
+    call takes more than about its deadline beyond the slowest call on the
+    healthy cluster, and every page the other nodes own still hits; on the
+    healthy cluster, under the same rounds, no save is dropped for time and
+    every page hits (docs/plugins/sglang.md, "Deadlines"). The worst case:
+    no cool-down, so every call that needs the stopped node waits for it."""
+    from sick import KINDS, SGLangDriver, sick_cluster, until_clean
+
+    def check(out):
+        h, s, ref, stopped = out.healthy, out.sick, set(out.ref), out.on_stopped
+        wrong = []
+        if h.saves_failed or h.counters["kvplugin_saves_dropped_total"]:
+            wrong.append(f"healthy: {h.saves_failed} pages not saved")
+        if any(h.counters[k] for k in h.counters if "deadline" in k):
+            wrong.append(f"healthy: calls cut {h.counters}")
+        if h.looked_up != ref or h.loaded != ref:
+            wrong.append(f"healthy: {len(ref - h.looked_up)} lookups and {len(ref - h.loaded)} loads missed")
+        if not 0 < len(stopped) < len(ref):
+            wrong.append(f"the stopped node owns {len(stopped)} of {len(ref)} pages")
+        if not (0 < s.pages_saved and s.saves_failed == s.counters["kvplugin_saves_dropped_total"] > 0):
+            wrong.append(f"stopped: {s.pages_saved} saved, {s.saves_failed} failed, {s.counters}")
+        # Never noise: a hit on a node that answers nothing.
+        assert not (s.looked_up & stopped or s.loaded & stopped), "a page on the stopped node hit"
+        if s.looked_up != ref - stopped or s.loaded != ref - stopped:
+            wrong.append(f"stopped: {len(ref - stopped - s.looked_up)} lookups and "
+                         f"{len(ref - stopped - s.loaded)} loads on healthy nodes missed")
+        for c in ("kvplugin_saves_dropped_deadline_total", "kvplugin_lookup_deadline_misses_total",
+                  "kvplugin_load_deadline_misses_total"):
+            if not s.counters[c]:
+                wrong.append(f"stopped: no call met the node's deadline ({c})")
+        for k in KINDS:
+            if out.extra()[k] * 1000 > SICK_BOUND_MS:
+                wrong.append(f"a {k} took {out.extra()[k] * 1000:.0f} ms more")
+        return wrong
+
+    worst = {"options": "peer_cooldown_ms=0"}
+    until_clean(lambda: sick_cluster(lambda c: SGLangDriver(c, pages=8, extra=worst), rounds=8), check,
+                "SGLang HiCache backend, 8 pages of 32 KiB a call")
+
+
+def test_with_a_cool_down_prefix_lookups_leave_healthy_nodes_serving():
+    """As SGLang looks pages up (one batch_exists over a request's pages),
+    a round every 100 ms for 2 s, with a cool-down (300 ms here, so the
+    stopped node is met again after each): while one node is stopped,
+    every page on the other nodes still loads. (A batch exist that had to
+    open a connection to the stopped owner must not make a healthy owner
+    look dead: it would cool down, and its pages miss meanwhile.)"""
+    from sick import SGLangDriver, sick_cluster, until_clean
+
+    def check(out):
+        wrong = []
+        if out.healthy.loaded != set(out.ref):
+            wrong.append(f"healthy: {len(set(out.ref) - out.healthy.loaded)} pages missed")
+        missed = set(out.ref) - out.on_stopped - out.sick.loaded
+        if missed:
+            wrong.append(f"{len(missed)} pages on healthy nodes missed while one node was stopped")
+        return wrong
+
+    cool = {"options": "peer_cooldown_ms=300"}
+    until_clean(lambda: sick_cluster(lambda c: SGLangDriver(c, pages=8, extra=cool), rounds=20, round_s=0.1,
+                                     prefix_lookups=True),
+                check, "SGLang HiCache backend, prefix lookups, 300 ms cool-down")
