@@ -262,6 +262,37 @@ class Outcome:
         return f"{name}:\n  " + "\n  ".join(rows)
 
 
+def check_stopped_node(out: Outcome, bound_ms: int, unit: str = "pages") -> List[str]:
+    """What a stopped-node run did wrong (empty: nothing). Healthy: every
+    save stored, no call cut, every page hit. Stopped: the healthy nodes'
+    pages hit and the stopped node's never (asserted: never noise), each
+    kind of call met its deadline, none took more than `bound_ms` longer."""
+    h, s, ref, stopped = out.healthy, out.sick, set(out.ref), out.on_stopped
+    wrong = []
+    if h.saves_failed or h.counters["kvplugin_saves_dropped_total"]:
+        wrong.append(f"healthy: {h.saves_failed} {unit} not saved")
+    if any(h.counters[k] for k in h.counters if "deadline" in k):
+        wrong.append(f"healthy: calls cut {h.counters}")
+    if h.looked_up != ref or h.loaded != ref:
+        wrong.append(f"healthy: {len(ref - h.looked_up)} lookups and {len(ref - h.loaded)} loads missed")
+    if not 0 < len(stopped) < len(ref):
+        wrong.append(f"the stopped node owns {len(stopped)} of {len(ref)} {unit}")
+    if not (0 < s.pages_saved and s.saves_failed == s.counters["kvplugin_saves_dropped_total"] > 0):
+        wrong.append(f"stopped: {s.pages_saved} saved, {s.saves_failed} failed, {s.counters}")
+    assert not (s.looked_up & stopped or s.loaded & stopped), f"one of the {unit} on the stopped node hit"
+    if s.looked_up != ref - stopped or s.loaded != ref - stopped:
+        wrong.append(f"stopped: {len(ref - stopped - s.looked_up)} lookups and "
+                     f"{len(ref - stopped - s.loaded)} loads on healthy nodes missed")
+    for c in ("kvplugin_saves_dropped_deadline_total", "kvplugin_lookup_deadline_misses_total",
+              "kvplugin_load_deadline_misses_total"):
+        if not s.counters[c]:
+            wrong.append(f"stopped: no call met the node's deadline ({c})")
+    for k in KINDS:
+        if out.extra()[k] * 1000 > bound_ms:
+            wrong.append(f"a {k} took {out.extra()[k] * 1000:.0f} ms more")
+    return wrong
+
+
 def until_clean(run: Callable[[], Outcome], check: Callable[[Outcome], List[str]], name: str,
                 attempts: int = 3) -> Outcome:
     """Runs the scenario until `check` finds nothing wrong, `attempts` times

@@ -594,34 +594,10 @@ def test_a_stopped_node_costs_a_call_at_most_its_deadline_and_healthy_pages_stil
     healthy cluster, under the same rounds, no save is dropped for time and
     every page hits (docs/plugins/sglang.md, "Deadlines"). The worst case:
     no cool-down, so every call that needs the stopped node waits for it."""
-    from sick import KINDS, SGLangDriver, sick_cluster, until_clean
+    from sick import SGLangDriver, check_stopped_node, sick_cluster, until_clean
 
     def check(out):
-        h, s, ref, stopped = out.healthy, out.sick, set(out.ref), out.on_stopped
-        wrong = []
-        if h.saves_failed or h.counters["kvplugin_saves_dropped_total"]:
-            wrong.append(f"healthy: {h.saves_failed} pages not saved")
-        if any(h.counters[k] for k in h.counters if "deadline" in k):
-            wrong.append(f"healthy: calls cut {h.counters}")
-        if h.looked_up != ref or h.loaded != ref:
-            wrong.append(f"healthy: {len(ref - h.looked_up)} lookups and {len(ref - h.loaded)} loads missed")
-        if not 0 < len(stopped) < len(ref):
-            wrong.append(f"the stopped node owns {len(stopped)} of {len(ref)} pages")
-        if not (0 < s.pages_saved and s.saves_failed == s.counters["kvplugin_saves_dropped_total"] > 0):
-            wrong.append(f"stopped: {s.pages_saved} saved, {s.saves_failed} failed, {s.counters}")
-        # Never noise: a hit on a node that answers nothing.
-        assert not (s.looked_up & stopped or s.loaded & stopped), "a page on the stopped node hit"
-        if s.looked_up != ref - stopped or s.loaded != ref - stopped:
-            wrong.append(f"stopped: {len(ref - stopped - s.looked_up)} lookups and "
-                         f"{len(ref - stopped - s.loaded)} loads on healthy nodes missed")
-        for c in ("kvplugin_saves_dropped_deadline_total", "kvplugin_lookup_deadline_misses_total",
-                  "kvplugin_load_deadline_misses_total"):
-            if not s.counters[c]:
-                wrong.append(f"stopped: no call met the node's deadline ({c})")
-        for k in KINDS:
-            if out.extra()[k] * 1000 > SICK_BOUND_MS:
-                wrong.append(f"a {k} took {out.extra()[k] * 1000:.0f} ms more")
-        return wrong
+        return check_stopped_node(out, SICK_BOUND_MS, "pages")
 
     worst = {"options": "peer_cooldown_ms=0"}
     until_clean(lambda: sick_cluster(lambda c: SGLangDriver(c, pages=8, extra=worst), rounds=8), check,
