@@ -1,0 +1,184 @@
+"""A REAL vLLM engine on CPU with kvcellar.vllm as its KV connector.
+
+test_vllm_engine.py and plugins/bench/vllm_engine_tps.py run this file as a
+script, one process per job (vLLM spawns its engine core, so the engines are
+made under ``if __name__ == "__main__":``)::
+
+    python vllm_real_engine.py JOB.json RESULT.json
+
+JOB.json names the engines to start in turn and what each runs; the script
+writes what they did to RESULT.json at the end (docs/plugins/vllm.md,
+"Versions and tests"). vLLM logs to stdout and stderr. The model is a tiny Llama checkpoint written by
+:func:`write_checkpoint`: real weights, so the output depends on the KV of
+the whole prompt (vLLM's dummy weights are so small that it depends on the
+last token only, and a loaded prefix could be wrong unnoticed).
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import math
+import os
+import sys
+import time
+from typing import Any, Dict, List, Optional
+
+# The tiny model: Llama-shaped, 2 layers, GQA (4 query heads, 2 KV heads).
+CONFIG = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 128,
+    "intermediate_size": 256, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
+    "num_hidden_layers": 2, "vocab_size": 1000, "max_position_embeddings": 4096, "rms_norm_eps": 1e-6,
+    "rope_theta": 10000.0, "tie_word_embeddings": False, "torch_dtype": "float32",
+    "bos_token_id": 1, "eos_token_id": 2,
+}
+#: Scales of the attention weights over 1/sqrt(fan in): with these, changing
+#: the prompt's first 256 tokens (or even its first token) changes the greedy
+#: output; at 1/sqrt(fan in) alone only some changes do.
+QK_SCALE, V_SCALE = 2.0, 4.0
+
+
+def write_checkpoint(path: str, seed: int) -> str:
+    """``config.json`` and ``model.safetensors`` of the tiny Llama, weights
+    drawn from ``seed`` (the same seed always gives the same bytes)."""
+    import torch
+    from safetensors.torch import save_file
+
+    c = CONFIG
+    h, inter, v = c["hidden_size"], c["intermediate_size"], c["vocab_size"]
+    nh, nkv, hd = c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"]
+    g = torch.Generator().manual_seed(seed)
+
+    def normal(*shape: int, std: float) -> "torch.Tensor":
+        return (torch.randn(*shape, generator=g) * std).contiguous()
+
+    w = {"model.embed_tokens.weight": normal(v, h, std=1.0), "model.norm.weight": torch.ones(h),
+         "lm_head.weight": normal(v, h, std=1 / math.sqrt(h))}
+    for i in range(c["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        w[p + "input_layernorm.weight"] = torch.ones(h)
+        w[p + "post_attention_layernorm.weight"] = torch.ones(h)
+        w[p + "self_attn.q_proj.weight"] = normal(nh * hd, h, std=QK_SCALE / math.sqrt(h))
+        w[p + "self_attn.k_proj.weight"] = normal(nkv * hd, h, std=QK_SCALE / math.sqrt(h))
+        w[p + "self_attn.v_proj.weight"] = normal(nkv * hd, h, std=V_SCALE / math.sqrt(h))
+        w[p + "self_attn.o_proj.weight"] = normal(h, nh * hd, std=1 / math.sqrt(nh * hd))
+        w[p + "mlp.gate_proj.weight"] = normal(inter, h, std=1 / math.sqrt(h))
+        w[p + "mlp.up_proj.weight"] = normal(inter, h, std=1 / math.sqrt(h))
+        w[p + "mlp.down_proj.weight"] = normal(h, inter, std=1 / math.sqrt(inter))
+    os.makedirs(path, exist_ok=True)
+    save_file(w, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(c, f, indent=1)
+    return path
+
+
+def engine_env() -> Dict[str, str]:
+    """The environment of a process running this script."""
+    return dict(
+        os.environ, HF_HUB_OFFLINE="1", VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1", PYTHONHASHSEED="0",
+        # vLLM's own sockets (engine core, workers) on loopback.
+        VLLM_HOST_IP="127.0.0.1", VLLM_LOOPBACK_IP="127.0.0.1",
+        # LLM.collective_rpc ships a function to the worker (the connector's counters).
+        VLLM_ALLOW_INSECURE_SERIALIZATION="1",
+    )
+
+
+def prompt(seed: int, n: int) -> List[int]:
+    """n token ids (3..999) drawn from ``seed``."""
+    import random
+
+    r = random.Random(seed)
+    return [r.randrange(3, CONFIG["vocab_size"]) for _ in range(n)]
+
+
+# -- run inside the engine's worker (through LLM.collective_rpc) ---------------------
+
+
+def _worker_connector(_worker: Any = None) -> Optional[Dict[str, Any]]:
+    """The worker-side connector's counters and identity (None without one)."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
+
+    if not has_kv_transfer_group():
+        return None
+    c = get_kv_transfer_group()
+    return {
+        "type": type(c).__name__,
+        "active": bool(getattr(c, "active", False)),
+        "counters": c.counters() if hasattr(c, "counters") else {},
+        "tag": getattr(c, "tag", None),
+        "identity": {k: v if isinstance(v, (str, int, float, bool, type(None))) else str(v)
+                     for k, v in (getattr(c, "identity", None) or {}).items()},
+    }
+
+
+# -- the job ---------------------------------------------------------------------------
+
+
+def _make_llm(e: Dict[str, Any]) -> Any:
+    from vllm import LLM
+
+    kw: Dict[str, Any] = dict(
+        model=e["model"], served_model_name=e.get("name") or None, skip_tokenizer_init=True,
+        enforce_eager=True, dtype=e.get("dtype", "float32"), max_model_len=e.get("max_model_len", 2048),
+        gpu_memory_utilization=0.3, kv_cache_memory_bytes=e.get("kv_cache_bytes", 64 << 20), seed=0,
+        enable_prefix_caching=True, max_num_seqs=e.get("max_num_seqs", 16),
+    )
+    if e.get("extra") is not None:
+        kw["kv_transfer_config"] = {
+            "kv_connector": "KVCellarConnector", "kv_connector_module_path": "kvcellar.vllm",
+            "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+            "kv_connector_extra_config": e["extra"],
+        }
+    return LLM(**kw)
+
+
+def _shutdown(llm: Any) -> None:
+    """Stops the engine core process now (and waits for it), not at exit."""
+    core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+    if core is not None:
+        core.shutdown()
+
+
+def _run(llm: Any, run: Dict[str, Any]) -> Dict[str, Any]:
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    if run.get("reset_prefix_cache"):
+        assert llm.reset_prefix_cache(), "vLLM did not reset its prefix cache"
+    sp = SamplingParams(temperature=0.0, max_tokens=run["max_tokens"], ignore_eos=True, detokenize=False,
+                        skip_reading_prefix_cache=bool(run.get("skip_reading_prefix_cache")))
+    t0 = time.perf_counter()
+    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in run["prompts"]], sp, use_tqdm=False)
+    secs = time.perf_counter() - t0
+    return {
+        "outputs": [list(o.outputs[0].token_ids) for o in outs],
+        "cached": [int(o.num_cached_tokens or 0) for o in outs],
+        "secs": secs,
+        "generated": sum(len(o.outputs[0].token_ids) for o in outs),
+        "connector": llm.collective_rpc(_worker_connector)[0],
+    }
+
+
+def main(job_path: str, result_path: str) -> None:
+    with open(job_path) as f:
+        job = json.load(f)
+    results = []
+    for e in job["engines"]:
+        t0 = time.perf_counter()
+        llm = _make_llm(e)
+        start_s = time.perf_counter() - t0
+        try:
+            runs = [_run(llm, r) for r in e["runs"]]
+        finally:
+            _shutdown(llm)
+            del llm
+            gc.collect()
+        results.append({"start_s": start_s, "runs": runs})
+        print(f"engine {len(results)}: started in {start_s:.1f} s", file=sys.stderr, flush=True)
+    with open(result_path + ".tmp", "w") as f:
+        json.dump({"engines": results}, f)
+    os.replace(result_path + ".tmp", result_path)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])
