@@ -78,6 +78,13 @@ def engine_env() -> Dict[str, str]:
         os.environ, HF_HUB_OFFLINE="1", VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1", PYTHONHASHSEED="0",
         # vLLM's own sockets (engine core, workers) on loopback.
         VLLM_HOST_IP="127.0.0.1", VLLM_LOOPBACK_IP="127.0.0.1",
+        # The worker's OpenMP threads on one core, with a connector or without.
+        # vLLM's automatic binding reserves one more core when a KV connector
+        # is configured; on two cores it then reserves none and runs the
+        # forward on two threads against its own busy scheduler loop
+        # (docs/plugins/vllm.md, "Versions and tests"): the same engine
+        # with and without the connector is what is measured and tested.
+        VLLM_CPU_OMP_THREADS_BIND=str(min(os.sched_getaffinity(0))),
         # LLM.collective_rpc ships a function to the worker (the connector's counters).
         VLLM_ALLOW_INSECURE_SERIALIZATION="1",
     )
