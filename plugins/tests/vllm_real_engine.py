@@ -36,6 +36,8 @@ CONFIG = {
 #: the prompt's first 256 tokens (or even its first token) changes the greedy
 #: output; at 1/sqrt(fan in) alone only some changes do.
 QK_SCALE, V_SCALE = 2.0, 4.0
+#: The page geometry fields a connector's pages carry.
+GEOMETRY = ("model_hash", "page_size", "dtype_tag", "layer_num", "head_num", "head_dim", "mla")
 
 
 def write_checkpoint(path: str, seed: int) -> str:
@@ -108,6 +110,7 @@ def _worker_connector(_worker: Any = None) -> Optional[Dict[str, Any]]:
     if not has_kv_transfer_group():
         return None
     c = get_kv_transfer_group()
+    geometry = getattr(c, "geometry", None)
     return {
         "type": type(c).__name__,
         "active": bool(getattr(c, "active", False)),
@@ -115,7 +118,50 @@ def _worker_connector(_worker: Any = None) -> Optional[Dict[str, Any]]:
         "tag": getattr(c, "tag", None),
         "identity": {k: v if isinstance(v, (str, int, float, bool, type(None))) else str(v)
                      for k, v in (getattr(c, "identity", None) or {}).items()},
+        "geometry": {f: getattr(geometry, f) for f in GEOMETRY} if geometry is not None else None,
+        "unit_blocks": getattr(c, "blocks_per_unit", None),
     }
+
+
+# -- the store, from outside the engine ------------------------------------------------
+
+
+def unit_hashes(tokens: List[int], identity: Dict[str, Any], unit_blocks: int) -> List[bytes]:
+    """vLLM's chained hash of each whole unit's last block (the hash part of
+    the connector's keys, docs/plugins/vllm.md "What is stored"), computed
+    as vLLM computes block hashes for a prompt of plain token ids."""
+    from vllm.utils.hashing import get_hash_fn_by_name
+    from vllm.v1.core import kv_cache_utils
+
+    fn = get_hash_fn_by_name(identity["hash"])
+    kv_cache_utils.init_none_hash(fn)
+    size = int(identity["block_size"])
+    parent, blocks = None, []
+    for i in range(len(tokens) // size):
+        parent = kv_cache_utils.hash_block_tokens(fn, parent, tokens[i * size:(i + 1) * size])
+        blocks.append(bytes(parent))
+    return [blocks[(u + 1) * unit_blocks - 1] for u in range(len(blocks) // unit_blocks)]
+
+
+def copy_units(members: str, tokens: List[int], src: Dict[str, Any], dst: Dict[str, Any]) -> int:
+    """Stores the pages ``src`` (a connector's tag, identity and geometry)
+    holds for the whole units of ``tokens`` under ``dst``'s keys and
+    geometry, in place of ``dst``'s own: a direct load of one model's KV
+    into another. Returns the units copied (0 when both are one identity)."""
+    from kvcellar import Client, Geometry, Status
+
+    if src["tag"] == dst["tag"]:
+        return 0
+    hashes = unit_hashes(tokens, src["identity"], src["unit_blocks"])
+    with Client(members, geometry=Geometry(**src["geometry"])) as a, \
+            Client(members, geometry=Geometry(**dst["geometry"])) as b:
+        for h in hashes:
+            got = a.get_bytes(f"{h.hex()}.{src['tag']}", size_hint=1 << 20)
+            assert got.ok, f"no page of the source at {h.hex()}.{src['tag']}: {got.status}"
+            key = f"{h.hex()}.{dst['tag']}"
+            b.delete(key)  # pages are write-once
+            assert b.put(key, got.data) is Status.OK, key
+    return len(hashes)
 
 
 # -- the job ---------------------------------------------------------------------------
@@ -152,6 +198,10 @@ def _run(llm: Any, run: Dict[str, Any]) -> Dict[str, Any]:
 
     if run.get("reset_prefix_cache"):
         assert llm.reset_prefix_cache(), "vLLM did not reset its prefix cache"
+    copied = None
+    if run.get("copy_units_from"):
+        src = run["copy_units_from"]
+        copied = copy_units(src["members"], run["prompts"][0], src, llm.collective_rpc(_worker_connector)[0])
     sp = SamplingParams(temperature=0.0, max_tokens=run["max_tokens"], ignore_eos=True, detokenize=False,
                         skip_reading_prefix_cache=bool(run.get("skip_reading_prefix_cache")))
     t0 = time.perf_counter()
@@ -163,6 +213,7 @@ def _run(llm: Any, run: Dict[str, Any]) -> Dict[str, Any]:
         "secs": secs,
         "generated": sum(len(o.outputs[0].token_ids) for o in outs),
         "connector": llm.collective_rpc(_worker_connector)[0],
+        "copied_units": copied,
     }
 
 
