@@ -11,8 +11,9 @@ Three processes, each a fresh start of vLLM (vllm_real_engine.py runs them):
    that matches is evidence, not luck.
 2. weights A again: vLLM reports the prefix as cached (``num_cached_tokens``)
    and the connector as loaded; the output equals process 1's token for token.
-3. weights B under the same served model name: with its own identity it
-   finds nothing of A's; then A's pages of the prefix are stored under B's
+3. weights B under the same served model name: with its own identity (the
+   weights' fingerprint is in it) it finds nothing of A's; then A's pages of
+   the prefix are stored under B's
    keys (a direct load of A's KV into B), and B's output is no longer its
    own (computed without any cache): the loaded KV is what the forward uses.
 
@@ -58,17 +59,6 @@ OTHER_PREFIX = prompt(12, 2 * UNIT) + PROMPT[2 * UNIT:]
 MAX_TOKENS = 24
 #: One engine process: vLLM starts in 35-60 s here; a hung one is stopped.
 PROCESS_TIMEOUT_S = 600
-
-
-def _fingerprint_option() -> bool:
-    """Whether the connector knows ``model_fingerprint`` (weights in the page
-    identity)."""
-    from kvcellar import vllm as kv
-
-    return "model_fingerprint" in getattr(kv, "OWN_KEYS", ())
-
-
-HAS_FINGERPRINT = _fingerprint_option()
 
 
 class Engines:
@@ -207,9 +197,6 @@ def other_weights(engines):
     return {"first": first, "own_output": own["outputs"][0], "loaded": loaded, "loads_before": own}
 
 
-@pytest.mark.xfail(not HAS_FINGERPRINT, strict=True,
-                   reason="the connector has no weights fingerprint yet: weights B under the same "
-                          "served model name share A's page identity and load A's pages")
 def test_other_weights_under_the_same_name_get_no_hits(engines, other_weights):
     r = other_weights["first"]
     assert r["cached"] == [0], "weights B were served weights A's pages"
@@ -220,10 +207,7 @@ def test_other_weights_under_the_same_name_get_no_hits(engines, other_weights):
 def test_the_other_weights_pages_loaded_directly_change_the_output(engines, other_weights):
     r = other_weights["loaded"]
     before = other_weights["loads_before"]["connector"]["counters"]["load_units"]
-    # No copy when both weights share one identity (no fingerprint): the
-    # keys are A's already.
-    same = r["connector"]["tag"] == engines.results["writer"]["connector"]["tag"]
-    assert r["copied_units"] == (0 if same else 2)
+    assert r["copied_units"] == 2
     assert r["cached"] == [2 * UNIT]
     assert r["connector"]["counters"]["load_units"] == before + 2
     own = other_weights["own_output"]

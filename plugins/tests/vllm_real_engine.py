@@ -150,11 +150,10 @@ def copy_units(members: str, tokens: List[int], src: Dict[str, Any], dst: Dict[s
     """Stores the pages ``src`` (a connector's tag, identity and geometry)
     holds for the whole units of ``tokens`` under ``dst``'s keys and
     geometry, in place of ``dst``'s own: a direct load of one model's KV
-    into another. Returns the units copied (0 when both are one identity)."""
+    into another. Returns the units copied."""
     from kvcellar import Client, Geometry, Status
 
-    if src["tag"] == dst["tag"]:
-        return 0
+    assert src["tag"] != dst["tag"], "one identity: nothing to copy"
     hashes = unit_hashes(tokens, src["identity"], src["unit_blocks"])
     with Client(members, geometry=Geometry(**src["geometry"])) as a, \
             Client(members, geometry=Geometry(**dst["geometry"])) as b:
