@@ -181,6 +181,8 @@ static int phase_put(const char *members, const char *dead) {
   CHECK(kv_set_members(c, "garbage") == KV_EINVAL, "set_members(garbage)");
   CHECK(kv_exist(NULL, "k") == KV_EINVAL, "exist(NULL client)");
   CHECK(kv_epoch(NULL) == 0, "epoch(NULL)");
+  /* The call bound is the thread's: set, read back as the previous one, cleared. */
+  CHECK(kv_set_call_timeout_ms(250) == 0 && kv_set_call_timeout_ms(0) == 250, "call timeout round trip");
   CHECK(kv_start_mds_discovery(NULL, "127.0.0.1:1", "g", 100) == KV_EINVAL, "discovery(NULL client)");
   CHECK(kv_start_mds_discovery(c, NULL, "g", 100) == KV_EINVAL, "discovery(NULL endpoints)");
   CHECK(kv_start_mds_discovery(c, "127.0.0.1:1", NULL, 100) == KV_EINVAL, "discovery(NULL group)");
