@@ -218,10 +218,15 @@ def check(name: str, cond: bool, detail: str):
 
 def main() -> int:
     t_all = time.time()
-    subprocess.run(["bash", os.path.join(ROOT, "scripts", "cluster-up.sh")], env=ENV, check=True, timeout=600,
-                   stdout=subprocess.DEVNULL)
     wrong = 0
     try:
+        up = subprocess.run(["bash", os.path.join(ROOT, "scripts", "cluster-up.sh")], env=ENV, timeout=600,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        if up.returncode != 0:
+            # Say why: cluster-up's own words and the containers' states (the
+            # handler below adds their logs and takes down what did start).
+            print(up.stdout[-4000:] + compose("ps", check=False), flush=True)
+            raise RuntimeError(f"scripts/cluster-up.sh: exit {up.returncode}")
         # 1. The ring, as a client on the cluster network sees it.
         ring = json.loads(sh(*client_cmd("kvctl", "--json", "ring")))
         ids = sorted(m["id"] for m in ring["members"])
