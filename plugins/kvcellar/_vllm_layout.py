@@ -5,7 +5,6 @@ staged path, same byte order). docs/plugins/vllm.md, "What is stored"."""
 
 from __future__ import annotations
 
-import threading
 from typing import Any, List, Sequence, Tuple
 
 #: Host memory a staged (GPU) load or save uses at once.
@@ -77,21 +76,17 @@ class LayerSegments:
 
 class Scratch:
     """Where a load reads the bytes of blocks it skips (vLLM computed them
-    locally): one buffer per loading thread, grown to the largest need,
-    each skipped block of each layer at its own offset. The library
-    refuses overlapping output segments, and a unit's skipped blocks are
-    fewer than its blocks, so a thread's buffer stays under a unit's bytes."""
-
-    def __init__(self) -> None:
-        self._local = threading.local()
+    locally): a buffer of its own per load in flight, made for the load and
+    dropped when its call returned, each skipped block of each layer at its
+    own offset. The library refuses overlapping output segments, and a
+    unit's skipped blocks are fewer than its blocks, so a load's buffer is
+    under a unit's bytes times its units with skips (at most one: only the
+    first unit of a load can start inside a unit)."""
 
     def get(self, nbytes: int) -> Any:
         import torch
 
-        buf = getattr(self._local, "buf", None)
-        if buf is None or buf.numel() < nbytes:
-            buf = self._local.buf = torch.empty(max(1, nbytes), dtype=torch.uint8)
-        return buf
+        return torch.empty(max(1, nbytes), dtype=torch.uint8)
 
 
 def units_segments(

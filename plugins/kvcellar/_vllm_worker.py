@@ -20,9 +20,11 @@ from kvcellar._vllm_common import (
 from kvcellar.client import GetResult, Status
 from kvcellar.config import ConfigError
 
-#: Threads running loads: loads of other requests never queue behind one
-#: slow node (each load's call is bounded by load_timeout_ms too).
-LOAD_THREADS = 4
+#: Most threads running loads at once. The pool starts a thread only when
+#: none is idle, so there is one per load in flight (up to this many): a
+#: request's load never waits for a thread that another request's load
+#: holds on a stalled node (each load's call is bounded by load_timeout_ms).
+LOAD_THREADS_MAX = 64
 
 
 class _Budget:
@@ -43,7 +45,7 @@ class WorkerSide(Side):
         super().__init__(owner, vllm_config, "worker", kv_cache_config)
         self._kv_cache_config = kv_cache_config
         self._layers: List[layout.LayerSegments] = []
-        self._io = ThreadPoolExecutor(max_workers=LOAD_THREADS, thread_name_prefix="kvcellar-load")
+        self._io = ThreadPoolExecutor(max_workers=LOAD_THREADS_MAX, thread_name_prefix="kvcellar-load")
         self._done_loads: Set[str] = set()
         self._load_errors: Set[int] = set()
         self._worker_meta = KVCellarWorkerMeta()

@@ -835,6 +835,65 @@ def test_a_stopped_node_costs_a_step_at_most_the_save_bound(models):
     assert run.loaded == run.expect  # units on the nodes still up still hit
 
 
+def test_a_load_never_waits_behind_loads_stalled_on_a_stopped_node(models):
+    """Eight requests' loads of units on n1, SIGSTOPped, and then one of a
+    unit on n0, all handed to a worker in one step: the n0 load is done in
+    a few ms, not once threads held by the stalled loads come free (their
+    calls end at load_timeout_ms)."""
+    import time
+
+    from conftest import Cluster, stalled
+
+    from kvcellar._vllm_common import KVCellarMetadata, _Transfer
+
+    c = Cluster(3)
+    made = []
+    try:
+        named = {"model_id": "tiny"}  # keys (and so their nodes) the same every run
+        w = engine(models, c.members, extra=named)
+        made.append(w)
+        keys = _unit_keys(w, w.serve([prompt(120 + i, UNIT + 10) for i in range(40)]))
+        owner = {}
+        for n in c.nodes:  # a one-member client asks that node alone
+            with Client(f"{n.name}={n.addr}", geometry=_geometry(w)) as one:
+                owner.update({k: n.name for k, st in zip(keys, one.batch_exist(keys)) if st is Status.OK})
+        stuck = [k for k in keys if owner[k] == "n1"][:8]
+        fast = [k for k in keys if owner[k] == "n0"][:1]
+        assert len(stuck) == 8 and fast, owner
+        r = engine(models, c.members, extra=named)
+        made.append(r)
+        rw = r.worker
+        per_unit = UNIT // 16
+        loads = [_Transfer(f"r{i}", [k], [list(range(i * per_unit, (i + 1) * per_unit))])
+                 for i, k in enumerate(stuck + fast)]
+        with Client(c.members, geometry=_geometry(w)) as probe:  # n1 up and answering
+            assert probe.batch_exist(stuck + fast) == [Status.OK] * 9
+        done = {}
+        with stalled(c.nodes[1]):
+            t0 = time.monotonic()
+            rw.bind_connector_metadata(KVCellarMetadata(loads=loads))
+            rw.start_load_kv(None)
+            rw.clear_connector_metadata()
+            end = t0 + 30
+            while len(done) < len(loads) and time.monotonic() < end:
+                _, got = rw.get_finished(set())
+                done.update({rid: time.monotonic() - t0 for rid in got or ()})
+                time.sleep(0.002)
+        assert len(done) == len(loads), done
+        slow = max(done[f"r{i}"] for i in range(8))
+        bad = rw.get_block_ids_with_load_errors()
+        print(f"\nload of a unit on n0: {done['r8'] * 1e3:.0f} ms; loads of units on the stopped n1: "
+              f"slowest {slow * 1e3:.0f} ms")
+        assert slow >= 0.4  # the stalled loads did stall
+        assert done["r8"] < (0.5 if os.environ.get("CI") else 0.25), done
+        assert not set(loads[8].blocks[0]) & bad  # and it loaded
+        assert rw.counters()["load_units"] == 1
+    finally:
+        for e in made:
+            e.close()
+        c.stop()
+
+
 @pytest.mark.parametrize("owners", [
     ("n0", "n1"),
     # n2 comes after the stopped n1 in member order: its keys must not
