@@ -221,3 +221,151 @@ impl OpLatency {
         Some(l)
     }
 }
+
+/// What one node did between two of its records: the counts and each op's
+/// service-time window, from which every rate shown is computed (the
+/// dashboard's samples and `kvctl top`'s rows, docs/METRICS.md). Intervals
+/// of several nodes over the same time add up ([`Interval::add`]).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Interval {
+    pub secs: f64,
+    pub hits: u64,
+    pub mem_hits: u64,
+    pub disk_hits: u64,
+    /// Gets answered: hits, misses and mismatches.
+    pub gets: u64,
+    /// Puts answered: stored, duplicates and refused.
+    pub puts: u64,
+    pub bytes_read: u64,
+    pub bytes_written: u64,
+    pub evictions: u64,
+    /// Each op's requests and histogram over the interval.
+    pub ops: Vec<OpLatency>,
+}
+
+impl Interval {
+    /// The interval from `prev` to `cur`, `secs` (at least 1 ms) apart.
+    /// Counters that went back (a restarted node) count as zero.
+    pub fn between(prev: &NodeStats, cur: &NodeStats, secs: f64) -> Interval {
+        let d = |f: fn(&NodeStats) -> u64| f(cur).saturating_sub(f(prev));
+        let hits = d(|s| s.hits);
+        Interval {
+            secs: secs.max(1e-3),
+            hits,
+            mem_hits: d(|s| s.mem_hits),
+            disk_hits: d(|s| s.disk_hits),
+            gets: hits + d(|s| s.misses) + d(|s| s.mismatches),
+            puts: d(|s| s.puts) + d(|s| s.put_duplicates) + d(|s| s.put_rejected),
+            bytes_read: d(|s| s.bytes_read),
+            bytes_written: d(|s| s.bytes_written),
+            evictions: d(|s| s.evictions),
+            ops: cur.latency.iter().map(|l| l.since(prev.latency.iter().find(|p| p.op == l.op))).collect(),
+        }
+    }
+
+    /// Adds another node's interval over the same time: counts and
+    /// histograms sum (a histogram of another bucket layout, from another
+    /// release, is left out of that op's sum).
+    pub fn add(&mut self, o: &Interval) {
+        self.secs = self.secs.max(o.secs);
+        self.hits += o.hits;
+        self.mem_hits += o.mem_hits;
+        self.disk_hits += o.disk_hits;
+        self.gets += o.gets;
+        self.puts += o.puts;
+        self.bytes_read += o.bytes_read;
+        self.bytes_written += o.bytes_written;
+        self.evictions += o.evictions;
+        for w in &o.ops {
+            match self.ops.iter_mut().find(|m| m.op == w.op) {
+                None => self.ops.push(w.clone()),
+                Some(m) if m.buckets.len() == w.buckets.len() => {
+                    for (x, y) in m.buckets.iter_mut().zip(&w.buckets) {
+                        x.1 += y.1;
+                    }
+                    m.count += w.count;
+                    m.sum_seconds += w.sum_seconds;
+                }
+                Some(_) => {}
+            }
+        }
+    }
+
+    pub fn per_sec(&self, n: u64) -> f64 {
+        n as f64 / self.secs
+    }
+
+    /// Requests of every op, per second.
+    pub fn requests_per_sec(&self) -> f64 {
+        self.per_sec(self.ops.iter().map(|o| o.count).sum())
+    }
+
+    /// A share of the gets (None without gets).
+    fn share(&self, n: u64) -> Option<f64> {
+        (self.gets > 0).then(|| n as f64 / self.gets as f64)
+    }
+
+    /// Share of gets served, in all, from the memory tier, from the disks.
+    pub fn hit(&self) -> Option<f64> {
+        self.share(self.hits)
+    }
+
+    pub fn memory_hit(&self) -> Option<f64> {
+        self.share(self.mem_hits)
+    }
+
+    pub fn disk_hit(&self) -> Option<f64> {
+        self.share(self.disk_hits)
+    }
+
+    /// One op's window (None: the node served none of it, ever).
+    pub fn op(&self, name: &str) -> Option<&OpLatency> {
+        self.ops.iter().find(|o| o.op == name)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn rec(hits: u64, mem: u64, misses: u64, gets_done: u64) -> NodeStats {
+        NodeStats {
+            hits,
+            mem_hits: mem,
+            disk_hits: hits - mem,
+            misses,
+            bytes_read: hits * 100,
+            latency: vec![OpLatency {
+                op: "get".into(),
+                count: gets_done,
+                sum_seconds: gets_done as f64 * 1e-4,
+                buckets: vec![(1e-4, gets_done), (1e-3, gets_done)],
+            }],
+            ..NodeStats::default()
+        }
+    }
+
+    #[test]
+    fn an_interval_gives_rates_and_tier_shares() {
+        let iv = Interval::between(&rec(10, 4, 0, 10), &rec(40, 24, 10, 50), 2.0);
+        assert_eq!((iv.hits, iv.mem_hits, iv.disk_hits, iv.gets), (30, 20, 10, 40));
+        assert_eq!(iv.per_sec(iv.gets), 20.0);
+        assert_eq!(iv.requests_per_sec(), 20.0);
+        assert_eq!((iv.hit(), iv.memory_hit(), iv.disk_hit()), (Some(0.75), Some(0.5), Some(0.25)));
+        assert_eq!(iv.op("get").map(|w| w.count), Some(40));
+        assert_eq!(Interval::between(&rec(0, 0, 0, 0), &rec(0, 0, 0, 0), 1.0).hit(), None);
+    }
+
+    #[test]
+    fn a_restarted_node_counts_zero_and_intervals_add() {
+        let back = Interval::between(&rec(40, 24, 10, 50), &rec(5, 5, 0, 5), 1.0);
+        assert_eq!((back.gets, back.hits, back.requests_per_sec()), (0, 0, 0.0), "counters that went back count zero");
+        let mut sum = Interval::between(&rec(0, 0, 0, 0), &rec(10, 10, 0, 10), 1.0);
+        sum.add(&Interval::between(&rec(0, 0, 0, 0), &rec(10, 0, 10, 20), 1.0));
+        assert_eq!(
+            (sum.hit(), sum.memory_hit(), sum.disk_hit()),
+            (Some(20.0 / 30.0), Some(10.0 / 30.0), Some(10.0 / 30.0))
+        );
+        assert_eq!(sum.op("get").map(|w| (w.count, w.buckets[0].1)), Some((30, 30)));
+    }
+}

@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use kv_common::mds::MemberRecord;
 use kv_common::size::format_size;
-use kv_common::stats::{NodeStats, OpLatency};
+use kv_common::stats::{Interval, NodeStats};
 
 use crate::cluster;
 
@@ -39,16 +39,18 @@ pub struct Row {
     pub used_bytes: u64,
     pub capacity_bytes: u64,
     pub failed_disks: u64,
+    /// What the rates above were computed from (None before a second record).
     #[serde(skip)]
-    get_window: Option<OpLatency>,
-    #[serde(skip)]
-    put_window: Option<OpLatency>,
-    #[serde(skip)]
-    deltas: [u64; 3],
+    interval: Option<Interval>,
 }
 
-fn op<'a>(s: &'a NodeStats, name: &str) -> Option<&'a OpLatency> {
-    s.latency.iter().find(|l| l.op == name)
+impl Row {
+    /// The shares and percentiles of an interval (rates are per row).
+    fn shares_of(&mut self, iv: &Interval) {
+        (self.hit, self.memory_hit, self.disk_hit) = (iv.hit(), iv.memory_hit(), iv.disk_hit());
+        self.get_p99_s = iv.op("get").and_then(|w| w.quantile(0.99));
+        self.put_p99_s = iv.op("put").and_then(|w| w.quantile(0.99));
+    }
 }
 
 /// The interval from `prev` to `cur`, `secs` long.
@@ -63,47 +65,20 @@ pub fn row(id: &str, addr: &str, prev: Option<&NodeStats>, cur: &NodeStats, secs
         ..Row::default()
     };
     let Some(p) = prev else { return r };
-    let d = |f: fn(&NodeStats) -> u64| f(cur).saturating_sub(f(p));
-    let secs = secs.max(1e-3);
-    let requests: u64 = cur.latency.iter().map(|l| l.since(op(p, &l.op)).count).sum();
-    let (hits, mem) = (d(|s| s.hits), d(|s| s.mem_hits));
-    let gets = hits + d(|s| s.misses) + d(|s| s.mismatches);
-    r.deltas = [hits, mem, gets];
-    r.requests_per_sec = requests as f64 / secs;
-    r.gets_per_sec = gets as f64 / secs;
-    r.read_bytes_per_sec = d(|s| s.bytes_read) as f64 / secs;
-    r.written_bytes_per_sec = d(|s| s.bytes_written) as f64 / secs;
-    let share = |n: u64| (gets > 0).then(|| n as f64 / gets as f64);
-    (r.hit, r.memory_hit, r.disk_hit) = (share(hits), share(mem), share(hits.saturating_sub(mem)));
-    r.get_window = op(cur, "get").map(|l| l.since(op(p, "get")));
-    r.put_window = op(cur, "put").map(|l| l.since(op(p, "put")));
-    r.get_p99_s = r.get_window.as_ref().and_then(|w| w.quantile(0.99));
-    r.put_p99_s = r.put_window.as_ref().and_then(|w| w.quantile(0.99));
+    let iv = Interval::between(p, cur, secs);
+    r.requests_per_sec = iv.requests_per_sec();
+    r.gets_per_sec = iv.per_sec(iv.gets);
+    r.read_bytes_per_sec = iv.per_sec(iv.bytes_read);
+    r.written_bytes_per_sec = iv.per_sec(iv.bytes_written);
+    r.shares_of(&iv);
+    r.interval = Some(iv);
     r
-}
-
-/// Two windows of one op summed (same bucket bounds: same release).
-fn merge(a: Option<OpLatency>, b: &Option<OpLatency>) -> Option<OpLatency> {
-    match (a, b) {
-        (None, b) => b.clone(),
-        (a, None) => a,
-        (Some(mut a), Some(b)) => {
-            if a.buckets.len() == b.buckets.len() {
-                for (x, y) in a.buckets.iter_mut().zip(&b.buckets) {
-                    x.1 += y.1;
-                }
-                a.count += b.count;
-                a.sum_seconds += b.sum_seconds;
-            }
-            Some(a)
-        }
-    }
 }
 
 /// The TOTAL row: sums, hit rates over all gets, p99 over all requests.
 pub fn total(rows: &[Row]) -> Row {
     let mut t = Row { id: "TOTAL".into(), reachable: true, ..Row::default() };
-    let (mut get_w, mut put_w) = (None, None);
+    let mut all: Option<Interval> = None;
     for r in rows.iter().filter(|r| r.reachable) {
         t.requests_per_sec += r.requests_per_sec;
         t.gets_per_sec += r.gets_per_sec;
@@ -112,17 +87,13 @@ pub fn total(rows: &[Row]) -> Row {
         t.used_bytes += r.used_bytes;
         t.capacity_bytes += r.capacity_bytes;
         t.failed_disks += r.failed_disks;
-        for i in 0..3 {
-            t.deltas[i] += r.deltas[i];
+        if let Some(iv) = &r.interval {
+            all.get_or_insert_with(Interval::default).add(iv);
         }
-        get_w = merge(get_w, &r.get_window);
-        put_w = merge(put_w, &r.put_window);
     }
-    let [hits, mem, gets] = t.deltas;
-    let share = |n: u64| (gets > 0).then(|| n as f64 / gets as f64);
-    (t.hit, t.memory_hit, t.disk_hit) = (share(hits), share(mem), share(hits.saturating_sub(mem)));
-    t.get_p99_s = get_w.as_ref().and_then(|w| w.quantile(0.99));
-    t.put_p99_s = put_w.as_ref().and_then(|w| w.quantile(0.99));
+    if let Some(iv) = &all {
+        t.shares_of(iv);
+    }
     let up = rows.iter().filter(|r| r.reachable).count();
     t.addr = format!("{up} of {} nodes", rows.len());
     t

@@ -18,7 +18,7 @@ use std::time::Duration;
 use http_body_util::Full;
 use hyper::body::{Bytes, Incoming};
 use hyper::{Request, Response, StatusCode};
-use kv_common::stats::NodeStats;
+use kv_common::stats::{Interval, NodeStats};
 use prometheus_client::collector::Collector;
 use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric};
 use prometheus_client::metrics::counter::ConstCounter;
@@ -493,35 +493,28 @@ impl History {
 
 /// Rates between two records `secs` apart.
 pub fn sample(prev: &NodeStats, cur: &NodeStats, secs: f64) -> Sample {
-    let d = |f: fn(&NodeStats) -> u64| f(cur).saturating_sub(f(prev)) as f64;
-    let hits = d(|s| s.hits);
-    let mem = d(|s| s.mem_hits);
-    let gets = hits + d(|s| s.misses) + d(|s| s.mismatches);
-    let share = |n: f64| (gets > 0.0).then(|| n / gets);
-    let ops = cur
-        .latency
+    let iv = Interval::between(prev, cur, secs);
+    let ops = iv
+        .ops
         .iter()
-        .map(|l| {
-            let w = l.since(prev.latency.iter().find(|p| p.op == l.op));
-            OpRate {
-                op: l.op.clone(),
-                rps: w.count as f64 / secs,
-                p50: w.quantile(0.5),
-                p99: w.quantile(0.99),
-                mean: (w.count > 0).then(|| w.sum_seconds / w.count as f64),
-            }
+        .map(|w| OpRate {
+            op: w.op.clone(),
+            rps: iv.per_sec(w.count),
+            p50: w.quantile(0.5),
+            p99: w.quantile(0.99),
+            mean: (w.count > 0).then(|| w.sum_seconds / w.count as f64),
         })
         .collect();
     Sample {
         t: std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0.0, |d| d.as_secs_f64()),
-        gets: gets / secs,
-        hit: share(hits),
-        memory_hit: share(mem),
-        disk_hit: share(d(|s| s.disk_hits)),
-        read_bytes: d(|s| s.bytes_read) / secs,
-        written_bytes: d(|s| s.bytes_written) / secs,
-        puts: (d(|s| s.puts) + d(|s| s.put_duplicates) + d(|s| s.put_rejected)) / secs,
-        evictions: d(|s| s.evictions) / secs,
+        gets: iv.per_sec(iv.gets),
+        hit: iv.hit(),
+        memory_hit: iv.memory_hit(),
+        disk_hit: iv.disk_hit(),
+        read_bytes: iv.per_sec(iv.bytes_read),
+        written_bytes: iv.per_sec(iv.bytes_written),
+        puts: iv.per_sec(iv.puts),
+        evictions: iv.per_sec(iv.evictions),
         connections: cur.connections,
         ops,
     }
