@@ -25,6 +25,7 @@ pub mod node;
 pub mod options;
 pub mod rdma;
 pub mod small;
+pub mod topology;
 
 pub use blocking::BlockingClient;
 pub use client::Client;
