@@ -90,7 +90,7 @@ impl Rdma {
             }
         }
         let weak = Arc::downgrade(&rt);
-        crate::store::set_free_hook(Box::new(move |addr, len| {
+        store.pool().set_free_hook(Box::new(move |addr, len| {
             if let Some(rt) = weak.upgrade() {
                 rt.invalidate(addr, len);
             }

@@ -51,6 +51,11 @@ impl AlignedBuf {
         Some(AlignedBuf { ptr, cap, len: 0, arena: Some(arena.clone()) })
     }
 
+    /// `(address, length)` of a buffer from the heap (None: from an arena).
+    pub fn heap_range(&self) -> Option<(usize, usize)> {
+        self.arena.is_none().then_some((self.ptr.as_ptr() as usize, self.cap))
+    }
+
     pub fn capacity(&self) -> usize {
         self.cap
     }
@@ -100,16 +105,11 @@ impl AlignedBuf {
     }
 }
 
-/// Called with `(address, length)` before heap memory of a buffer is
-/// freed: the RDMA engine forgets cached registrations of it, so memory the
-/// allocator maps there later is never reached through the old pages.
-type FreeHook = Box<dyn Fn(usize, usize) + Send + Sync>;
-static FREE_HOOK: std::sync::OnceLock<FreeHook> = std::sync::OnceLock::new();
-
-/// Sets the hook (once per process; later calls are ignored).
-pub fn set_free_hook(f: FreeHook) {
-    let _ = FREE_HOOK.set(f);
-}
+/// Called with `(address, length)` before the heap memory of a pool's
+/// buffer is freed ([`BufPool::set_free_hook`]): the RDMA engine forgets
+/// cached registrations of it, so memory the allocator maps there later is
+/// never reached through the old pages.
+pub type FreeHook = Box<dyn Fn(usize, usize) + Send + Sync>;
 
 impl Drop for AlignedBuf {
     fn drop(&mut self) {
@@ -118,9 +118,6 @@ impl Drop for AlignedBuf {
             // released once (here), and the buffer is being dropped.
             unsafe { a.release(self.ptr, self.cap) };
             return;
-        }
-        if let Some(hook) = FREE_HOOK.get() {
-            hook(self.ptr.as_ptr() as usize, self.cap);
         }
         let layout = Layout::from_size_align(self.cap, ALIGN).expect("aligned layout");
         // SAFETY: allocated in `new` with this same layout.
@@ -158,14 +155,37 @@ impl Drop for PooledBuf {
 struct PoolInner {
     max_bytes: usize,
     free: Mutex<(usize, HashMap<usize, Vec<AlignedBuf>>)>,
+    /// Told of each heap buffer of this pool before it is freed.
+    on_free: std::sync::OnceLock<FreeHook>,
 }
 
 impl PoolInner {
     fn give_back(&self, b: AlignedBuf) {
-        let mut g = self.free.lock().unwrap_or_else(|e| e.into_inner());
-        if g.0 + b.capacity() <= self.max_bytes {
-            g.0 += b.capacity();
-            g.1.entry(b.capacity()).or_default().push(b);
+        {
+            let mut g = self.free.lock().unwrap_or_else(|e| e.into_inner());
+            if g.0 + b.capacity() <= self.max_bytes {
+                g.0 += b.capacity();
+                g.1.entry(b.capacity()).or_default().push(b);
+                return;
+            }
+        }
+        self.release(b);
+    }
+
+    /// Frees a buffer, telling the hook first when its memory is the heap's.
+    fn release(&self, b: AlignedBuf) {
+        if let (Some(hook), Some((addr, len))) = (self.on_free.get(), b.heap_range()) {
+            hook(addr, len);
+        }
+        drop(b);
+    }
+}
+
+impl Drop for PoolInner {
+    fn drop(&mut self) {
+        let parked = std::mem::take(&mut self.free.get_mut().unwrap_or_else(|e| e.into_inner()).1);
+        for b in parked.into_values().flatten() {
+            self.release(b);
         }
     }
 }
@@ -180,7 +200,21 @@ pub struct BufPool {
 
 impl BufPool {
     pub fn new(max_bytes: usize) -> BufPool {
-        BufPool { inner: Arc::new(PoolInner { max_bytes, free: Mutex::new((0, HashMap::new())) }), arena: None }
+        BufPool {
+            inner: Arc::new(PoolInner {
+                max_bytes,
+                free: Mutex::new((0, HashMap::new())),
+                on_free: std::sync::OnceLock::new(),
+            }),
+            arena: None,
+        }
+    }
+
+    /// Sets what is told of each heap buffer of this pool before its memory
+    /// is freed (once per pool; later calls are ignored). Buffers carved
+    /// from the arena stay mapped for the pool's life and are not told.
+    pub fn set_free_hook(&self, f: FreeHook) {
+        let _ = self.inner.on_free.set(f);
     }
 
     /// As [`BufPool::new`], carving new buffers from `arena` first.
@@ -254,6 +288,26 @@ mod tests {
         // Over the pool's bound: dropped, not parked.
         drop(pool.get(2 << 20));
         assert_eq!(pool.parked_bytes(), 8192);
+    }
+
+    #[test]
+    fn the_pools_hook_hears_of_each_heap_buffer_freed_and_of_no_arena_buffer() {
+        let told: Arc<Mutex<Vec<(usize, usize)>>> = Arc::default();
+        // Room for one parked 8 KiB buffer; an arena of 16 KiB.
+        let pool = BufPool::with_arena(8192, Arena::new(16 << 10));
+        let t = told.clone();
+        pool.set_free_hook(Box::new(move |a, n| t.lock().unwrap().push((a, n))));
+        pool.set_free_hook(Box::new(|_, _| panic!("a second hook is ignored")));
+        let in_arena = pool.get(16 << 10);
+        let (a, b) = (pool.get(8192), pool.get(8192));
+        let (ra, rb) = (a.heap_range().unwrap(), b.heap_range().unwrap());
+        assert_eq!(in_arena.heap_range(), None);
+        drop((in_arena, a));
+        assert!(told.lock().unwrap().is_empty(), "one heap buffer parked, the arena's kept mapped");
+        drop(b);
+        assert_eq!(*told.lock().unwrap(), vec![rb], "past the pool's bytes: freed, and told first");
+        drop(pool);
+        assert_eq!(*told.lock().unwrap(), vec![rb, ra], "the parked one, when the pool goes");
     }
 
     #[test]

@@ -29,7 +29,7 @@ use std::time::{Duration, Instant};
 
 use kv_common::page::{HeaderError, PageHeader};
 
-pub use buf::{set_free_hook, AlignedBuf, BufPool, PooledBuf};
+pub use buf::{AlignedBuf, BufPool, FreeHook, PooledBuf};
 pub use device::{Device, FileDevice};
 pub use disk::{Disk, DiskError, Lookup, PutResult, RecoveryReport};
 
