@@ -140,6 +140,8 @@ fn store_cfg(dir: &Path, cap: u64, sync: bool) -> StoreConfig {
         sync_writes: sync,
         pool_bytes: 512 << 20,
         ack_memory_max: None,
+        flushers: 0,
+        warmers: 0,
     }
 }
 

@@ -288,6 +288,7 @@ impl ServerConfig {
         if handoff > 7 * 86_400 {
             return Err("--handoff-secs must be at most 604800 (a week)".into());
         }
+        let disks_n = disks.len();
         Ok(ServerConfig {
             drain: std::time::Duration::from_secs_f64(drain),
             drain_push: !cli.no_drain_push && file.drain_push.unwrap_or(true),
@@ -300,6 +301,8 @@ impl ServerConfig {
                 sync_writes: !(cli.no_sync || file.no_sync.unwrap_or(false)),
                 pool_bytes: 256 << 20,
                 ack_memory_max,
+                flushers: StoreConfig::default_flushers(disks_n),
+                warmers: crate::store::WARMERS,
             },
             log_level,
             max_conns,

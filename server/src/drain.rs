@@ -526,13 +526,15 @@ mod tests {
     }
 
     /// A store of one 64 MiB disk under `t`, and a geometry for its pages.
-    fn one_disk(t: &tempfile::TempDir) -> (Store, Geometry) {
+    fn one_disk(t: &tempfile::TempDir) -> (Arc<Store>, Geometry) {
         let cfg = StoreConfig {
             disks: vec![DiskSpec { dir: t.path().join("d0"), cap: 64 << 20 }],
             mem_cap: 0,
             sync_writes: false,
             pool_bytes: 16 << 20,
             ack_memory_max: None,
+            flushers: 0,
+            warmers: 0,
         };
         let (store, _) = Store::open(&cfg).unwrap();
         (store, Geometry { model_hash: 1, page_size: 16, dtype_tag: 1, tp_size: 1, ..Geometry::default() })

@@ -17,6 +17,7 @@ mod frame;
 pub mod handoff;
 pub mod membership;
 pub mod metrics;
+pub mod node;
 pub mod op_metrics;
 mod ops;
 pub mod rdma;

@@ -22,6 +22,8 @@ fn store_config(dirs: &[PathBuf]) -> StoreConfig {
         sync_writes: false,
         pool_bytes: 16 << 20,
         ack_memory_max: None,
+        flushers: 0,
+        warmers: 0,
     }
 }
 
@@ -64,7 +66,7 @@ impl TestServer {
         let dirs: Vec<PathBuf> = (0..2).map(|i| tmp.path().join(format!("d{i}"))).collect();
         let (store, _) = Store::open(&store_config(&dirs)).unwrap();
         let settings = tune(NodeSettings::new(8 << 20, 64 << 20));
-        let shared = Shared::new(Arc::new(store), settings);
+        let shared = Shared::new(store, settings);
         let shared = Arc::new(shared);
         let kept = shared.clone();
         let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();

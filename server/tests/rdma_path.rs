@@ -75,6 +75,8 @@ impl Node {
             sync_writes: false,
             pool_bytes: 16 << 20,
             ack_memory_max: None,
+            flushers: 0,
+            warmers: 0,
         };
         let (store, _) = Store::open(&cfg).unwrap();
         let fabric = Arc::new(match rdma {
@@ -82,7 +84,7 @@ impl Node {
             None => Rdma::unconfigured(),
         });
         let settings = NodeSettings { fabric: fabric.clone(), ..NodeSettings::new(8 << 20, 64 << 20) };
-        let shared = Arc::new(Shared::new(Arc::new(store), settings));
+        let shared = Arc::new(Shared::new(store, settings));
         let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
         let listener = rt.block_on(tokio::net::TcpListener::bind("127.0.0.1:0")).unwrap();
         let addr = listener.local_addr().unwrap();

@@ -30,6 +30,8 @@ fn cfg(dirs: &[PathBuf], cap: u64, mem_cap: u64) -> StoreConfig {
         sync_writes: false,
         pool_bytes: 16 << 20,
         ack_memory_max: None,
+        flushers: 0,
+        warmers: 0,
     }
 }
 
@@ -195,7 +197,6 @@ fn eviction_is_lru_under_the_byte_cap() {
 fn readers_during_eviction_get_whole_records() {
     let t = tempfile::tempdir().unwrap();
     let (s, _) = Store::open(&cfg(&dirs(&t, 1), 2 << 20, 0)).unwrap();
-    let s = Arc::new(s);
     let len = 60_000;
     // Writers cycle far more bytes than the cap while readers read hot and
     // just-evicted keys; every hit must be the exact page.
@@ -393,7 +394,7 @@ fn torn_journal_tail_keeps_earlier_records() {
 
 type Switches = Arc<Mutex<Vec<(PathBuf, Arc<AtomicI32>)>>>;
 
-fn open_faulty(c: &StoreConfig) -> (Store, Switches) {
+fn open_faulty(c: &StoreConfig) -> (Arc<Store>, Switches) {
     let switches: Switches = Arc::new(Mutex::new(Vec::new()));
     let sw = switches.clone();
     let make = move |p: &Path, sync: bool| -> std::io::Result<Box<dyn kv_server::store::Device>> {
@@ -520,7 +521,6 @@ fn checkpoints_during_puts_and_evictions_lose_nothing_across_a_crash() {
     let c = cfg(&d, 600 << 10, 0);
     let s = {
         let (s, _) = Store::open(&c).unwrap();
-        let s = Arc::new(s);
         let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
         let checkpointer = {
             let (s, stop) = (s.clone(), stop.clone());
@@ -578,7 +578,6 @@ fn a_failing_journal_fails_the_disk_without_hanging() {
     let t = tempfile::tempdir().unwrap();
     let d = dirs(&t, 2);
     let (s, _) = Store::open(&cfg(&d, 64 << 10, 0)).unwrap();
-    let s = Arc::new(s);
     for i in 0..40 {
         put(&s, &format!("k{i}"), 6_000).unwrap();
     }
@@ -672,7 +671,6 @@ fn deletes_run_during_a_revival_scan_and_stay_deleted() {
     let t = tempfile::tempdir().unwrap();
     let d = dirs(&t, 2);
     let (s, _) = Store::open(&cfg(&d, 64 << 20, 0)).unwrap();
-    let s = Arc::new(s);
     let keys: Vec<String> = (0..60).map(|i| format!("k{i}")).collect();
     for k in &keys {
         put(&s, k, 6_000).unwrap();
@@ -829,7 +827,7 @@ fn memory_acked_store(ds: &[PathBuf], max: u64) -> Arc<Store> {
     let mut c = cfg(ds, 256 << 20, 64 << 20);
     c.sync_writes = true;
     c.ack_memory_max = Some(max);
-    Arc::new(Store::open(&c).unwrap().0)
+    Store::open(&c).unwrap().0
 }
 
 /// Waits (up to 30 s) until the flushers hold nothing.
@@ -976,7 +974,7 @@ fn a_flush_batch_is_one_write_cut_in_one_extent_a_record() {
     let make = move |p: &Path, sync: bool| -> std::io::Result<Box<dyn kv_server::store::Device>> {
         Ok(Box::new(CountingDevice { inner: FileDevice::open(p, sync)?, runs: r.clone() }))
     };
-    let s = Arc::new(Store::open_with(&c, &make).unwrap().0);
+    let s = Store::open_with(&c, &make).unwrap().0;
     let keys: Vec<String> = (0..48).map(|i| format!("run-{i}")).collect();
     for key in &keys {
         assert_eq!(put(&s, key, 60 << 10).unwrap(), PutOutcome::Stored);
@@ -999,7 +997,7 @@ fn a_flush_batch_is_one_write_cut_in_one_extent_a_record() {
         let mut c2 = cfg(&ds, 256 << 20, 64 << 20);
         c2.sync_writes = true;
         c2.ack_memory_max = Some(32 << 20);
-        Arc::new(Store::open(&c2).unwrap().0)
+        Store::open(&c2).unwrap().0
     };
     let s = reopen();
     for (i, key) in keys.iter().enumerate() {
@@ -1039,7 +1037,7 @@ fn concurrent_media_puts_are_gathered_into_runs() {
     let make = move |p: &Path, sync: bool| -> std::io::Result<Box<dyn kv_server::store::Device>> {
         Ok(Box::new(CountingDevice { inner: FileDevice::open(p, sync)?, runs: r.clone() }))
     };
-    let s = Arc::new(Store::open_with(&c, &make).unwrap().0);
+    let s = Store::open_with(&c, &make).unwrap().0;
     let threads = 8;
     let barrier = Barrier::new(threads);
     let outcomes: Mutex<Vec<PutOutcome>> = Mutex::default();
@@ -1083,7 +1081,7 @@ fn memory_acked_puts_are_settled_inline_only_when_small() {
     let ds = dirs(&t, 1);
     let mut c = cfg(&ds, 256 << 20, 64 << 20);
     c.ack_memory_max = Some(16 << 20);
-    let s = Arc::new(Store::open(&c).unwrap().0);
+    let s = Store::open(&c).unwrap().0;
     let small = build_record(geo(), b"inline-small", &payload("inline-small", 64 << 10));
     match s.try_put_held(s.pool().copy_of(&small)) {
         Ok(Held::Done(Ok(PutOutcome::Stored))) => {}
@@ -1125,7 +1123,7 @@ fn after_a_power_loss_memory_acks_are_served_whole_or_missed() {
         k.lock().unwrap().push(cut);
         Ok(Box::new(dev) as Box<dyn kv_server::store::Device>)
     };
-    let s = Arc::new(Store::open_with(&c, &make).unwrap().0);
+    let s = Store::open_with(&c, &make).unwrap().0;
     Store::start_flushers(&s, 2).unwrap();
     let journal = d.join(kv_server::store::journal::JOURNAL_FILE);
     let baseline = std::fs::metadata(&journal).unwrap().len();
@@ -1168,7 +1166,7 @@ fn an_exist_warms_pages_found_only_on_disk() {
     let ds = dirs(&t, 1);
     // A tier of 4 MiB (a warming budget of 512 KiB): of 100 pages of 60
     // KiB, the first ones fall out of it.
-    let s = Arc::new(Store::open(&cfg(&ds, 64 << 20, 4 << 20)).unwrap().0);
+    let s = Store::open(&cfg(&ds, 64 << 20, 4 << 20)).unwrap().0;
     Store::start_warmers(&s, 2).unwrap();
     for i in 0..100 {
         assert_eq!(put(&s, &format!("w-{i}"), 60 << 10).unwrap(), PutOutcome::Stored);
@@ -1208,10 +1206,10 @@ fn an_exist_warms_pages_found_only_on_disk() {
 fn a_copys_recheck_removes_only_the_record_it_stored() {
     let t = tempfile::tempdir().unwrap();
     let stores: Vec<(&str, Arc<Store>)> = vec![
-        ("media, no memory tier", Arc::new(Store::open(&cfg(&dirs(&t, 2), 64 << 20, 0)).unwrap().0)),
+        ("media, no memory tier", Store::open(&cfg(&dirs(&t, 2), 64 << 20, 0)).unwrap().0),
         ("media, memory tier", {
             let t2 = t.path().join("tier");
-            Arc::new(Store::open(&cfg(&[t2.join("a"), t2.join("b")], 64 << 20, 8 << 20)).unwrap().0)
+            Store::open(&cfg(&[t2.join("a"), t2.join("b")], 64 << 20, 8 << 20)).unwrap().0
         }),
         ("memory acks", {
             let t3 = t.path().join("behind");

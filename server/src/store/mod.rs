@@ -56,7 +56,25 @@ pub struct StoreConfig {
     /// this many bytes held and not yet on a disk (needs a memory tier).
     /// None: answered once on media (`ack = "media"`).
     pub ack_memory_max: Option<u64>,
+    /// Threads [`Store::open`] starts: write-behind flushers (when puts are
+    /// acknowledged from memory) and prefetch warmers (with a memory tier).
+    /// Zero starts none: a test that wants pages held starts them itself
+    /// ([`Store::start_flushers`], [`Store::start_warmers`]).
+    pub flushers: usize,
+    pub warmers: usize,
 }
+
+impl StoreConfig {
+    /// Write-behind flushers for `disks` disks: eight a disk (their puts
+    /// share each disk's group commits: with two, a group held at most two
+    /// records and the queue drained slower), 8 to 64.
+    pub fn default_flushers(disks: usize) -> usize {
+        (8 * disks).clamp(8, 64)
+    }
+}
+
+/// Prefetch warmers a node runs.
+pub const WARMERS: usize = 2;
 
 /// Why a store operation failed (mapped to a wire status in one place).
 #[derive(Debug, thiserror::Error)]
@@ -194,18 +212,27 @@ pub fn disk_weight(cap: u64) -> u32 {
 }
 
 impl Store {
-    /// Opens the store on real files. A disk taken out of service closes
-    /// its files; its directory is checked every [`REVIVE_EVERY`] and the
-    /// disk is taken back once its marker can be read again (the same
-    /// filesystem repaired and remounted).
-    pub fn open(cfg: &StoreConfig) -> Result<(Store, Vec<RecoveryReport>), String> {
-        let (mut s, r) = Store::open_with(cfg, &file_device)?;
-        s.reopen = Some(Arc::new(file_device));
-        Ok((s, r))
+    /// Opens the store on real files, and starts the threads `cfg` asks
+    /// for. A disk taken out of service closes its files; its directory is
+    /// checked every [`REVIVE_EVERY`] and the disk is taken back once its
+    /// marker can be read again (the same filesystem repaired and
+    /// remounted).
+    pub fn open(cfg: &StoreConfig) -> Result<(Arc<Store>, Vec<RecoveryReport>), String> {
+        Store::open_on(cfg, &file_device, Some(Arc::new(file_device)))
     }
 
-    /// Opens every disk (in parallel) with devices from `make`.
-    pub fn open_with(cfg: &StoreConfig, make: DeviceFactory<'_>) -> Result<(Store, Vec<RecoveryReport>), String> {
+    /// Opens every disk (in parallel) with devices from `make` (a disk
+    /// taken out of service stays out), and starts the threads `cfg` asks
+    /// for.
+    pub fn open_with(cfg: &StoreConfig, make: DeviceFactory<'_>) -> Result<(Arc<Store>, Vec<RecoveryReport>), String> {
+        Store::open_on(cfg, make, None)
+    }
+
+    fn open_on(
+        cfg: &StoreConfig,
+        make: DeviceFactory<'_>,
+        reopen: Option<Reopen>,
+    ) -> Result<(Arc<Store>, Vec<RecoveryReport>), String> {
         if cfg.disks.is_empty() {
             return Err("no --dir given".into());
         }
@@ -247,7 +274,7 @@ impl Store {
             view: RwLock::new(Arc::new(View::new(vec![[0, 0]; slots.len()], slots))),
             specs: cfg.disks.clone(),
             sync_writes: cfg.sync_writes,
-            reopen: None,
+            reopen,
             last_revive: Mutex::new(Instant::now()),
             down_deletes: Mutex::new(DownDeletes::default()),
             revival_hook: Mutex::new(None),
@@ -260,6 +287,14 @@ impl Store {
             c: Counters::default(),
             started: Instant::now(),
         };
+        let store = Arc::new(store);
+        if cfg.flushers > 0 {
+            Store::start_flushers(&store, cfg.flushers)
+                .map_err(|e| format!("cannot start the write-behind flushers: {e}"))?;
+        }
+        if cfg.warmers > 0 {
+            Store::start_warmers(&store, cfg.warmers).map_err(|e| format!("cannot start the prefetch warmers: {e}"))?;
+        }
         Ok((store, reports))
     }
 
