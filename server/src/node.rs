@@ -39,7 +39,10 @@ pub struct Node {
     advertised: Option<String>,
     membership: Option<Membership>,
     stop: tokio::sync::watch::Sender<bool>,
-    served: tokio::task::JoinHandle<std::io::Result<()>>,
+    /// The thread driving the data port's accept loop (off the runtime's
+    /// workers, as the binary's main thread did: the connections' tasks
+    /// are spread over the workers from the runtime's shared queue).
+    served: std::thread::JoinHandle<std::io::Result<()>>,
 }
 
 impl Node {
@@ -120,7 +123,13 @@ impl Node {
             let registry = crate::metrics::registry(&shared, labels);
             rt.spawn(crate::metrics::serve(m, shared.clone(), registry, stopped.clone()));
         }
-        let served = rt.spawn(server::run(listener, shared.clone(), cfg.max_conns, stopped));
+        let served = {
+            let (handle, shared, max_conns) = (rt.handle().clone(), shared.clone(), cfg.max_conns);
+            std::thread::Builder::new()
+                .name("kv-server-accept".into())
+                .spawn(move || handle.block_on(server::run(listener, shared, max_conns, stopped)))
+                .map_err(|e| format!("cannot start the accept thread: {e}"))?
+        };
         let advertised = cfg.membership.as_ref().map(|m| match m.advertise.rsplit_once(':') {
             Some((host, "0")) => format!("{host}:{}", addr.port()),
             _ => m.advertise.clone(),
@@ -203,7 +212,7 @@ impl Node {
     fn finish(mut self, drain: Duration, push: bool, end_early: impl Future<Output = ()>) -> Result<(), String> {
         let membership = self.membership.take();
         let Node { rt, cfg, shared, advertised, stop, served, .. } = self;
-        let done = rt.block_on(async move {
+        rt.block_on(async move {
             shared.draining.store(true, Ordering::SeqCst);
             let ends = Instant::now() + drain;
             let mut left_at = None;
@@ -233,15 +242,14 @@ impl Node {
                 let _ = p.await;
             }
             let _ = stop.send(true);
-            served.await
         });
-        match done {
+        match served.join() {
             Ok(Ok(())) => {
                 tracing::info!("stopped cleanly");
                 Ok(())
             }
             Ok(Err(e)) => Err(format!("checkpoint at shutdown failed: {e}")),
-            Err(e) => Err(format!("the data port's server ended abnormally: {e}")),
+            Err(_) => Err("the data port's accept thread panicked".into()),
         }
     }
 }
