@@ -75,7 +75,7 @@ pub struct FileDevice {
 /// Leader/follower fdatasync: a writer takes a ticket after its write; the
 /// first waiter with no flush running flushes for everyone up to the newest
 /// ticket, the others wait for a flush that started after their write.
-/// Used for the data file here and for the index journal (disk.rs).
+/// Used for the data file here and for the index journal (the `disk` module).
 ///
 /// Waiters sleep on one of two condition variables by the flush that will
 /// cover them (the one running, or the next), so a finished flush wakes the
