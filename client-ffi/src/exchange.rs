@@ -66,14 +66,7 @@ async fn finish_remote_get(
     // The device wrote the buffers before the node answered; order this
     // thread's reads after that answer.
     std::sync::atomic::fence(std::sync::atomic::Ordering::Acquire);
-    let mut crc = crc32fast::Hasher::new();
-    let mut left = need;
-    for b in bufs.iter() {
-        let take = b.len().min(left);
-        crc.update(&b[..take]);
-        left -= take;
-    }
-    if crc.finalize() != ph.payload_crc {
+    if !PayloadSink::new(bufs, need).placed(ph.payload_crc) {
         return done(Status::Corrupt, 0);
     }
     done(Status::Ok, need)
@@ -356,6 +349,62 @@ pub(crate) fn check_get_head(
     Ok(ph)
 }
 
+/// A GET's payload on its way into the caller's segments: `need` bytes
+/// (at most the segments' room: [`check_get_head`] made sure), in order,
+/// its CRC taken as the bytes arrive. Every reader of a GET answer (the
+/// async core's, the caller-thread path's, the RDMA check of bytes already
+/// placed) moves bytes only into what [`PayloadSink::next`] gives, so the
+/// segment walk and the CRC live here once.
+pub(crate) struct PayloadSink<'s, 'b> {
+    bufs: &'s mut [&'b mut [u8]],
+    seg: usize,
+    at: usize,
+    left: usize,
+    crc: crc32fast::Hasher,
+}
+
+impl<'s, 'b> PayloadSink<'s, 'b> {
+    pub(crate) fn new(bufs: &'s mut [&'b mut [u8]], need: usize) -> PayloadSink<'s, 'b> {
+        PayloadSink { bufs, seg: 0, at: 0, left: need, crc: crc32fast::Hasher::new() }
+    }
+
+    /// Where the next bytes of the payload go (None: all of it is in).
+    pub(crate) fn next(&mut self) -> Option<&mut [u8]> {
+        if self.left == 0 {
+            return None;
+        }
+        while self.at >= self.bufs.get(self.seg)?.len() {
+            self.seg += 1;
+            self.at = 0;
+        }
+        let seg = &mut self.bufs[self.seg];
+        let end = seg.len().min(self.at + self.left);
+        Some(&mut seg[self.at..end])
+    }
+
+    /// `n` bytes were written at the start of what [`PayloadSink::next`] gave.
+    pub(crate) fn filled(&mut self, n: usize) {
+        let seg = &self.bufs[self.seg];
+        self.crc.update(&seg[self.at..self.at + n]);
+        self.at += n;
+        self.left -= n;
+    }
+
+    /// Whether the whole payload came and matches the page header's CRC.
+    pub(crate) fn verify(self, crc: u32) -> bool {
+        self.left == 0 && self.crc.finalize() == crc
+    }
+
+    /// The payload is already in the segments (RDMA placed it): whether it
+    /// matches the page header's CRC.
+    pub(crate) fn placed(mut self, crc: u32) -> bool {
+        while let Some(n) = self.next().map(|d| d.len()) {
+            self.filled(n);
+        }
+        self.verify(crc)
+    }
+}
+
 async fn read_get_body(
     conn: &mut AsyncConn,
     geo: &Geometry,
@@ -392,27 +441,64 @@ async fn read_get_body(
         }
     };
     let need = ph.payload_len as usize;
-    let mut crc = crc32fast::Hasher::new();
-    let mut left = need;
-    for seg in bufs.iter_mut() {
-        if left == 0 {
-            break;
+    let mut sink = PayloadSink::new(bufs, need);
+    while let Some(dst) = sink.next() {
+        let n = conn.socket.stream.read(dst).await?;
+        if n == 0 {
+            return Err(OpError::Io(std::io::ErrorKind::UnexpectedEof.into()));
         }
-        let take = seg.len().min(left);
-        let dst = &mut seg[..take];
-        let mut filled = 0;
-        while filled < take {
-            let n = conn.socket.stream.read(&mut dst[filled..]).await?;
-            if n == 0 {
-                return Err(OpError::Io(std::io::ErrorKind::UnexpectedEof.into()));
-            }
-            crc.update(&dst[filled..filled + n]);
-            filled += n;
-        }
-        left -= take;
+        sink.filled(n);
     }
-    if crc.finalize() != ph.payload_crc {
+    if !sink.verify(ph.payload_crc) {
         return done(Status::Corrupt, 0);
     }
     done(Status::Ok, need)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::PayloadSink;
+
+    /// Writes `payload` through a sink over segments of `sizes` bytes, `chunk`
+    /// bytes a read at most: (the segments, whether the CRC matched).
+    fn through(sizes: &[usize], payload: &[u8], chunk: usize, crc: u32) -> (Vec<Vec<u8>>, bool) {
+        let mut segs: Vec<Vec<u8>> = sizes.iter().map(|&n| vec![0u8; n]).collect();
+        let mut bufs: Vec<&mut [u8]> = segs.iter_mut().map(|s| s.as_mut_slice()).collect();
+        let mut sink = PayloadSink::new(&mut bufs, payload.len());
+        let mut at = 0;
+        while let Some(dst) = sink.next() {
+            let n = dst.len().min(chunk);
+            dst[..n].copy_from_slice(&payload[at..at + n]);
+            at += n;
+            sink.filled(n);
+        }
+        assert_eq!(at, payload.len(), "every byte asked for");
+        let ok = sink.verify(crc);
+        (segs, ok)
+    }
+
+    #[test]
+    fn a_payload_fills_the_segments_in_order_across_empty_ones_and_reads_of_any_size() {
+        let payload: Vec<u8> = (1..=9).collect();
+        let crc = crc32fast::hash(&payload);
+        for chunk in [1, 2, 4, 64] {
+            let (segs, ok) = through(&[3, 0, 4, 5], &payload, chunk, crc);
+            assert!(ok, "chunk {chunk}");
+            assert_eq!(segs, vec![vec![1, 2, 3], vec![], vec![4, 5, 6, 7], vec![8, 9, 0, 0, 0]], "chunk {chunk}");
+        }
+        assert!(!through(&[9], &payload, 4, crc ^ 1).1, "another CRC is refused");
+        assert!(through(&[4], &[], 4, 0).1, "an empty payload");
+    }
+
+    #[test]
+    fn bytes_already_placed_are_checked_and_a_short_room_never_passes() {
+        let payload: Vec<u8> = (1..=6).collect();
+        let crc = crc32fast::hash(&payload);
+        let (mut a, mut b) = (payload[..2].to_vec(), [payload[2..].to_vec(), vec![7, 7]].concat());
+        let mut bufs: Vec<&mut [u8]> = vec![&mut a, &mut b];
+        assert!(PayloadSink::new(&mut bufs, 6).placed(crc), "the room's tail is not part of the payload");
+        let mut short = [0u8; 4];
+        let mut bufs: Vec<&mut [u8]> = vec![&mut short];
+        assert!(!PayloadSink::new(&mut bufs, 6).placed(crc32fast::hash(&[0u8; 4])), "4 bytes of room for 6");
+    }
 }

@@ -21,7 +21,7 @@ use kv_common::wire::{self, KeyRequest, Op, FLAG_CHECK_GEOMETRY, FLAG_HANDOFF, F
 use crate::client::Client;
 use crate::conn::{answer_to, is_stale, Blocking, Conn};
 use crate::error::OpError;
-use crate::exchange::{check_get_head, GetReply, MAX_SMALL_ANSWER};
+use crate::exchange::{check_get_head, GetReply, PayloadSink, MAX_SMALL_ANSWER};
 use crate::node::{Node, SyncSlot};
 
 /// Connects to `node` (a new blocking connection), starting in the
@@ -148,20 +148,15 @@ fn get_on(
             return Ok(r);
         }
     };
-    // The payload straight into the caller's buffers, then its CRC.
+    // The payload straight into the caller's buffers, a segment per read.
     let need = ph.payload_len as usize;
-    let mut crc = crc32fast::Hasher::new();
-    let mut left = need;
-    for seg in bufs.iter_mut() {
-        if left == 0 {
-            break;
-        }
-        let take = seg.len().min(left);
-        conn.read_full(&mut seg[..take], deadline, slack, cap)?;
-        crc.update(&seg[..take]);
-        left -= take;
+    let mut sink = PayloadSink::new(bufs, need);
+    while let Some(dst) = sink.next() {
+        let n = dst.len();
+        conn.read_full(dst, deadline, slack, cap)?;
+        sink.filled(n);
     }
-    if crc.finalize() != ph.payload_crc {
+    if !sink.verify(ph.payload_crc) {
         return reply(Status::Corrupt, 0);
     }
     reply(Status::Ok, need)
