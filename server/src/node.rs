@@ -39,9 +39,10 @@ pub struct Node {
     advertised: Option<String>,
     membership: Option<Membership>,
     stop: tokio::sync::watch::Sender<bool>,
-    /// The thread driving the data port's accept loop (off the runtime's
-    /// workers, as the binary's main thread did: the connections' tasks
-    /// are spread over the workers from the runtime's shared queue).
+    /// The thread driving the data port's accept loop, off the runtime's
+    /// workers, as the binary's main thread did before the node was a
+    /// library (docs/BENCHMARKS.md, "Set U": no measured difference either
+    /// way, so the arrangement every earlier benchmark measured stays).
     served: std::thread::JoinHandle<std::io::Result<()>>,
 }
 
