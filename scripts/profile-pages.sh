@@ -38,13 +38,21 @@ print(int(s[:-1]) * m[s[-1]] if s[-1] in m else int(s))")
 [ -n "$count" ] || count=$(python3 -c "print(max(16, (512 << 20) // (8 * $sb)))")
 pages=$((count * 8))
 node=
-cleanup() { [ -n "$node" ] && kill -TERM "$node" 2>/dev/null && wait "$node" 2>/dev/null || true; }
+dir=
+# The node stopped, its disk goes (a put pass writes COUNT x 8 pages: 10 GB
+# for 20,000 batches of 64 KiB); its log and output stay.
+cleanup() {
+  [ -n "$node" ] && kill -TERM "$node" 2>/dev/null && wait "$node" 2>/dev/null
+  [ -n "$dir" ] && rm -rf "$dir/disk"
+  return 0
+}
 trap cleanup EXIT
 trap 'exit 130' INT TERM
 
-start_node() { # start_node DIR: one node; sets $node and $addr
+start_node() { # start_node DIR: one node; sets $node, $addr and $dir
   rm -rf "$1"
   mkdir -p "$1"
+  dir=$1
   # shellcheck disable=SC2086
   "$bin/kv-server" --listen 127.0.0.1:0 --dir "$1/disk" --cap 8G --mem-cap 512M --log-level info \
     --drain-secs 0 ${NODE_ARGS:-} >"$1/out" 2>"$1/log" &
