@@ -49,7 +49,11 @@ fn run(cfg: ServerConfig) -> Result<(), String> {
         tracing::info!("signal received while starting: stopping without joining the group");
         return node.stop();
     }
-    node.join_group()?;
+    if let Err(e) = node.join_group() {
+        // Not in the group: stop without a drain, the index checkpointed.
+        let _ = node.stop();
+        return Err(e);
+    }
     node.runtime().block_on(signals.next());
     // The signal streams were made before the first signal: a second one
     // that arrives while the node leaves its group ends the drain.

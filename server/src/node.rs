@@ -28,7 +28,10 @@ const LISTEN_BACKLOG: u32 = 1024;
 const LEAVE_LIMIT: Duration = Duration::from_secs(3);
 
 /// A running node: serving on its data port from [`Node::start`] until
-/// [`Node::shutdown`] or [`Node::stop`].
+/// [`Node::shutdown`] or [`Node::stop`]. End it with one of those two: they
+/// stop the accept thread and checkpoint the index, which dropping a
+/// `Node` does not (its disks then recover from their journals at the next
+/// start, as after a crash).
 pub struct Node {
     rt: tokio::runtime::Runtime,
     cfg: ServerConfig,
@@ -187,8 +190,10 @@ impl Node {
         self.finish(Duration::ZERO, false, std::future::pending())
     }
 
-    /// Leaves the group first (clients stop routing here while the node
-    /// still answers what is in flight), then drains for the configured
+    /// What a SIGTERM asks (its log lines are the ones docs/DEPLOY.md
+    /// names, "signal received: ..."): leaves the group first (clients
+    /// stop routing here while the node still answers what is in flight),
+    /// then drains for the configured
     /// time: gets, exists and deletes are answered (clients find this
     /// node's pages through the handoff), puts refused; meanwhile, in a
     /// group with the push on, the node pushes its pages, most recently
@@ -198,14 +203,14 @@ impl Node {
         let drain = self.cfg.drain;
         let push = self.cfg.drain_push && self.cfg.membership.is_some();
         if self.cfg.membership.is_some() {
-            tracing::info!(drain_secs = drain.as_secs_f64(), "stopping: leaving the group, then draining");
+            tracing::info!(drain_secs = drain.as_secs_f64(), "signal received: leaving the group, then draining");
         } else if !drain.is_zero() {
             // Static member lists: no group to leave and no view to push
             // by; clients whose lists change (kv_set_members) read this
             // node's pages through the handoff meanwhile.
-            tracing::info!(drain_secs = drain.as_secs_f64(), "stopping: draining (no --mds: no group to leave, pages are not pushed; clients whose member lists no longer name this node read its pages through the handoff)");
+            tracing::info!(drain_secs = drain.as_secs_f64(), "signal received: draining (no --mds: no group to leave, pages are not pushed; clients whose member lists no longer name this node read its pages through the handoff)");
         } else {
-            tracing::info!("stopping");
+            tracing::info!("signal received: stopping");
         }
         self.finish(drain, push, end_early)
     }
@@ -234,7 +239,7 @@ impl Node {
             if !drain.is_zero() {
                 tokio::select! {
                     _ = tokio::time::sleep_until(ends.into()) => tracing::info!("drain over: shutting down"),
-                    _ = end_early => tracing::info!("drain ended early"),
+                    _ = end_early => tracing::info!("second signal: ending the drain"),
                 }
             }
             shared.handoff.push_stop.store(true, Ordering::SeqCst);
