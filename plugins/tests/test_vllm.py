@@ -842,6 +842,7 @@ def test_a_load_never_waits_behind_loads_stalled_on_a_stopped_node(models):
     calls end at load_timeout_ms)."""
     import time
 
+    import torch
     from conftest import Cluster, stalled
 
     from kvcellar._vllm_common import KVCellarMetadata, _Transfer
@@ -852,7 +853,9 @@ def test_a_load_never_waits_behind_loads_stalled_on_a_stopped_node(models):
         named = {"model_id": "tiny"}  # keys (and so their nodes) the same every run
         w = engine(models, c.members, extra=named)
         made.append(w)
-        keys = _unit_keys(w, w.serve([prompt(120 + i, UNIT + 10) for i in range(40)]))
+        reqs = w.serve([prompt(120 + i, UNIT + 10) for i in range(40)])
+        keys = _unit_keys(w, reqs)
+        hashes = {k: q.block_hashes[:UNIT // 16] for k, q in zip(keys, reqs)}
         owner = {}
         for n in c.nodes:  # a one-member client asks that node alone
             with Client(f"{n.name}={n.addr}", geometry=_geometry(w)) as one:
@@ -886,8 +889,13 @@ def test_a_load_never_waits_behind_loads_stalled_on_a_stopped_node(models):
               f"slowest {slow * 1e3:.0f} ms")
         assert slow >= 0.4  # the stalled loads did stall
         assert done["r8"] < (0.5 if os.environ.get("CI") else 0.25), done
-        assert not set(loads[8].blocks[0]) & bad  # and it loaded
+        assert not set(loads[8].blocks[0]) & bad
         assert rw.counters()["load_units"] == 1
+        # And what it loaded is the KV the writer computed, block by block.
+        for j, b in enumerate(loads[8].blocks[0]):
+            for li, v in enumerate(r.layers):
+                got = r._block(v, b)
+                assert torch.equal(got, r.block_bytes(hashes[fast[0]][j], li, got)), (j, li)
     finally:
         for e in made:
             e.close()
