@@ -238,8 +238,8 @@ async fn handshake(
         Greeted::Busy => Hello { version: WIRE_VERSION, status: HELLO_BUSY, max_record: 0 },
         Greeted::Closed => return Ok(Greeted::Closed),
     };
-    wr.write_all(&reply.encode()).await?;
-    wr.flush().await?;
+    // Counted before the answer leaves: a client told "busy" or "denied"
+    // that then reads the node's statistics finds its refusal counted.
     match greeted {
         Greeted::Denied => {
             shared.denied.fetch_add(1, Ordering::Relaxed);
@@ -254,6 +254,8 @@ async fn handshake(
         }
         Greeted::Accepted | Greeted::Closed => {}
     }
+    wr.write_all(&reply.encode()).await?;
+    wr.flush().await?;
     Ok(greeted)
 }
 
