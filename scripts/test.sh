@@ -42,6 +42,19 @@ else
   exit "$rc"
 fi
 echo "== cargo test"
+# The test binaries are built first, apart: a link that fails for want of
+# room or memory on the machine (not for the code) says so here, with the
+# machine's free disk and memory, and is tried once more one job at a time.
+# cargo's own report of a failed link is a page-long command line; only the
+# linker's words are kept.
+if ! cargo test --workspace --locked --features rdma --no-run >target/test-build.log 2>&1; then
+  echo "cargo test --no-run failed; the errors and the linker's last words:"
+  grep -E '^error|collect2|/ld:|ld: |No space|signal [0-9]|Killed|cannot' target/test-build.log | cut -c1-400 | tail -40
+  df -h . "${XDG_CACHE_HOME:-$HOME/.cache}" 2>/dev/null || true
+  free -m || true
+  echo "== cargo test --no-run, again with one job"
+  cargo test --workspace --locked --features rdma --no-run -j 1 2>&1 | grep -v '^ *= note: "cc"' | cut -c1-2000
+fi
 cargo test --workspace --locked --features rdma 2>&1 | tee target/test-output.log
 echo "== fuzz targets: a bounded run over the committed corpus (fuzz/; 20 s per target)"
 cargo run --locked -q -p kv-fuzz -- run --seconds 20 2>&1 | tee target/fuzz.log
