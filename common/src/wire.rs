@@ -14,8 +14,13 @@ use crate::status::Status;
 /// `"KVCW"` as a little-endian u32: opens the client hello and server reply.
 pub const WIRE_MAGIC: u32 = 0x5743_564B;
 /// The newest protocol version this code speaks. v2 added the auth token
-/// after the client's hello; frames are the same in v1 and v2.
-pub const WIRE_VERSION: u16 = 2;
+/// after the client's hello; v3 the batch frames (BATCH_GET) and, in the
+/// client's hello, room for a tenant id. Other frames are the same in every
+/// version.
+pub const WIRE_VERSION: u16 = 3;
+/// The first version that carries batch frames: a client sends them only on
+/// a connection whose hello agreed on this version or a later one.
+pub const WIRE_VERSION_BATCH: u16 = 3;
 /// The oldest version this code still speaks (a node serves v1 clients when
 /// it has no token; a client falls back to v1 against a v1 node).
 pub const WIRE_VERSION_MIN: u16 = 1;
@@ -39,6 +44,27 @@ pub const MAX_BATCH_KEYS: usize = 4096;
 pub const MAX_SMALL_BODY: u32 = 64 * 1024;
 /// Largest BATCH_EXIST body: geometry, count and 4096 maximal keys.
 pub const MAX_BATCH_BODY: u32 = (GEOMETRY_WIRE_LEN + 4 + MAX_BATCH_KEYS * (2 + MAX_KEY_LEN)) as u32;
+/// Most items one BATCH_GET may name.
+pub const MAX_BATCH_ITEMS: usize = 1024;
+/// Bytes before a BATCH_GET's first item: geometry, count, reserved.
+pub const BATCH_GET_HEAD: usize = GEOMETRY_WIRE_LEN + 8;
+/// Bytes of an item's head in a BATCH_GET request (flags, reserved, key
+/// length) and of an item's head in its answer (status, flags, reserved,
+/// length).
+pub const BATCH_ITEM_HEAD: usize = 8;
+/// Largest BATCH_GET body: its head and 1024 items with maximal keys.
+pub const MAX_BATCH_GET_BODY: u32 = (BATCH_GET_HEAD + MAX_BATCH_ITEMS * (4 + MAX_KEY_LEN)) as u32;
+/// The records one BATCH_GET answer carries stop at 64 MiB: the items past
+/// that (the first item always goes, whatever its size) are answered
+/// REJECTED, to be asked again. A client splits its batches so that this
+/// never happens when each buffer is at least its record's payload.
+pub const MAX_BATCH_ANSWER: u64 = 64 << 20;
+/// Per-item flag in a BATCH_GET: a handoff ask for this item (as
+/// [`FLAG_HANDOFF`] on a GET; the frame's FLAG_HANDOFF sets it for all).
+pub const ITEM_HANDOFF: u8 = 1;
+/// Per-item flag in a BATCH_GET, reserved: the client holds the page hot.
+/// Nodes of this release accept it and do nothing with it.
+pub const ITEM_HOT: u8 = 2;
 /// Request flag: compare the stored geometry with the request's (GET, EXIST, BATCH_EXIST).
 pub const FLAG_CHECK_GEOMETRY: u8 = 1;
 /// Response flag on PUT: the key was already stored (write-once; not rewritten).
@@ -75,6 +101,8 @@ pub enum Op {
     Ping = 7,
     /// Sets up this connection's RDMA queue pair (rdma::bootstrap).
     RdmaConnect = 8,
+    /// Many gets in one frame, answered by one frame (protocol v3).
+    BatchGet = 9,
 }
 
 impl Op {
@@ -88,6 +116,7 @@ impl Op {
             6 => Op::Stats,
             7 => Op::Ping,
             8 => Op::RdmaConnect,
+            9 => Op::BatchGet,
             _ => return None,
         })
     }
@@ -102,6 +131,7 @@ impl Op {
             Op::Stats => "stats",
             Op::Ping => "ping",
             Op::RdmaConnect => "rdma_connect",
+            Op::BatchGet => "batch_get",
         }
     }
 }
@@ -144,7 +174,8 @@ pub struct Hello {
     /// the hello (0: none). Node: [`HELLO_ACCEPTED`],
     /// [`HELLO_VERSION_REFUSED`] or [`HELLO_DENIED`] (then it closes).
     pub status: u16,
-    /// Server: the largest record it accepts. Client: 0.
+    /// Server: the largest record it accepts. Client v1 and v2: 0. Client
+    /// v3: its tenant id in the low 32 bits (0: none), the high 32 reserved.
     pub max_record: u64,
 }
 
@@ -169,10 +200,16 @@ impl Hello {
 
 /// What a client sends to open a connection at `version`: the hello, and
 /// from v2 the token after it (its length in the hello's status field).
+///
+/// From v3 the client's bytes 8..12 carry its tenant id (0: none; nodes of
+/// this release read it and do nothing with it yet) and bytes 12..16 are
+/// reserved (0); before v3 all eight bytes are 0.
 pub fn client_hello(version: u16, token: Option<&[u8]>) -> Vec<u8> {
     let token = if version >= 2 { token.unwrap_or(&[]) } else { &[] };
     let len = token.len().min(crate::auth::MAX_TOKEN_LEN);
-    let mut b = Hello { version, status: len as u16, max_record: 0 }.encode().to_vec();
+    let tenant: u32 = 0;
+    let room = if version >= WIRE_VERSION_BATCH { u64::from(tenant) } else { 0 };
+    let mut b = Hello { version, status: len as u16, max_record: room }.encode().to_vec();
     b.extend_from_slice(&token[..len]);
     b
 }
@@ -302,6 +339,7 @@ impl ReqHeader {
         let max = match op {
             Op::Put => limits.max_record.min(u32::MAX as u64),
             Op::BatchExist => MAX_BATCH_BODY as u64,
+            Op::BatchGet => MAX_BATCH_GET_BODY as u64,
             _ => MAX_SMALL_BODY as u64,
         };
         if h.body_len as u64 > max {
@@ -442,6 +480,99 @@ pub fn decode_batch_status(b: &[u8]) -> Result<Vec<Status>, WireError> {
     Ok(b[4..].iter().map(|&x| Status::from_wire(x)).collect())
 }
 
+/// One item of a BATCH_GET request: its flags ([`ITEM_HANDOFF`],
+/// [`ITEM_HOT`]) and key.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BatchItem<'a> {
+    pub flags: u8,
+    pub key: &'a [u8],
+}
+
+/// A BATCH_GET body (docs/PROTOCOL.md §2.5): geometry, u32 count, u32
+/// reserved, then per item u8 flags, u8 reserved, u16 key length, key.
+pub fn encode_batch_get(geometry: &Geometry, items: &[BatchItem<'_>]) -> Vec<u8> {
+    let total: usize = items.iter().map(|i| 4 + i.key.len()).sum();
+    let mut v = Vec::with_capacity(BATCH_GET_HEAD + total);
+    v.extend_from_slice(&geometry.encode());
+    v.extend_from_slice(&(items.len() as u32).to_le_bytes());
+    v.extend_from_slice(&0u32.to_le_bytes());
+    for i in items {
+        v.push(i.flags);
+        v.push(0);
+        v.extend_from_slice(&(i.key.len() as u16).to_le_bytes());
+        v.extend_from_slice(i.key);
+    }
+    v
+}
+
+/// Decodes a BATCH_GET body. The count is checked against the body length
+/// before anything is allocated; the body must end after the last key.
+pub fn decode_batch_get(b: &[u8]) -> Result<(Geometry, Vec<BatchItem<'_>>), WireError> {
+    const WHAT: &str = "batch_get";
+    if b.len() < BATCH_GET_HEAD {
+        return Err(WireError::Malformed(WHAT));
+    }
+    let geometry = Geometry::decode(b).ok_or(WireError::Malformed(WHAT))?;
+    let count = le_u32(b, GEOMETRY_WIRE_LEN) as usize;
+    let mut rest = &b[BATCH_GET_HEAD..];
+    // Each item takes at least 5 bytes: a count beyond that is a lie.
+    if count == 0 || count > MAX_BATCH_ITEMS || count > rest.len() / 5 {
+        return Err(WireError::Malformed(WHAT));
+    }
+    let mut items = Vec::with_capacity(count);
+    for _ in 0..count {
+        if rest.len() < 4 {
+            return Err(WireError::Malformed(WHAT));
+        }
+        let n = le_u16(rest, 2) as usize;
+        if n == 0 || n > MAX_KEY_LEN || rest.len() < 4 + n {
+            return Err(WireError::Malformed(WHAT));
+        }
+        items.push(BatchItem { flags: rest[0], key: &rest[4..4 + n] });
+        rest = &rest[4 + n..];
+    }
+    if !rest.is_empty() {
+        return Err(WireError::Malformed(WHAT));
+    }
+    Ok((geometry, items))
+}
+
+/// The head of a BATCH_GET answer's body: u32 count, u32 reserved.
+pub fn encode_batch_answer_head(count: usize) -> [u8; 8] {
+    let mut b = [0u8; 8];
+    b[0..4].copy_from_slice(&(count as u32).to_le_bytes());
+    b
+}
+
+/// The item count a BATCH_GET answer's head announces.
+pub fn decode_batch_answer_head(b: &[u8; 8]) -> usize {
+    le_u32(b, 0) as usize
+}
+
+/// The head of one item in a BATCH_GET answer: its status, flags (0) and
+/// the length of what follows (the record on OK; a message or nothing
+/// otherwise).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ItemHead {
+    pub status: Status,
+    pub flags: u8,
+    pub len: u32,
+}
+
+impl ItemHead {
+    pub fn encode(&self) -> [u8; BATCH_ITEM_HEAD] {
+        let mut b = [0u8; BATCH_ITEM_HEAD];
+        b[0] = self.status.to_wire();
+        b[1] = self.flags;
+        b[4..8].copy_from_slice(&self.len.to_le_bytes());
+        b
+    }
+
+    pub fn decode(b: &[u8; BATCH_ITEM_HEAD]) -> ItemHead {
+        ItemHead { status: Status::from_wire(b[0]), flags: b[1], len: le_u32(b, 4) }
+    }
+}
+
 /// Most segments one request may name.
 pub const MAX_SEGMENTS: usize = 1024;
 /// Bytes of one segment.
@@ -579,8 +710,8 @@ mod tests {
         assert_eq!(b.len(), HELLO_LEN);
         let h = Hello::decode(b[..].try_into().unwrap()).unwrap();
         assert_eq!(ClientHello::judge(&h), ClientHello::Speak { version: 1, token_len: 0 });
-        let h = Hello { version: 3, status: 0, max_record: 0 };
-        assert_eq!(ClientHello::judge(&h), ClientHello::Unsupported(3));
+        let h = Hello { version: 4, status: 0, max_record: 0 };
+        assert_eq!(ClientHello::judge(&h), ClientHello::Unsupported(4));
         let h = Hello { version: 2, status: 5000, max_record: 0 };
         assert_eq!(ClientHello::judge(&h), ClientHello::TokenTooLong(5000));
         // The client's side.
@@ -588,7 +719,7 @@ mod tests {
         assert_eq!(judge_hello(2, &reply(2, HELLO_ACCEPTED)), HelloVerdict::Accepted { max_record: 9 });
         assert_eq!(judge_hello(2, &reply(1, HELLO_VERSION_REFUSED)), HelloVerdict::Retry(1), "an old node");
         assert!(matches!(judge_hello(1, &reply(1, HELLO_VERSION_REFUSED)), HelloVerdict::Refused(_)));
-        assert_eq!(judge_hello(1, &reply(2, HELLO_DENIED)), HelloVerdict::Retry(2), "a node that wants a token");
+        assert_eq!(judge_hello(1, &reply(3, HELLO_DENIED)), HelloVerdict::Retry(3), "a node that wants a token");
         assert_eq!(judge_hello(2, &reply(2, HELLO_DENIED)), HelloVerdict::Denied);
         assert!(matches!(judge_hello(2, &reply(2, 77)), HelloVerdict::Refused(_)));
     }
@@ -621,6 +752,54 @@ mod tests {
         assert!(KeyRequest::decode(&body[..GEOMETRY_WIRE_LEN]).is_err());
     }
 
+    #[test]
+    fn batch_gets_round_trip_and_lies_are_refused() {
+        let long = vec![b'c'; MAX_KEY_LEN];
+        let items = [
+            BatchItem { flags: 0, key: b"a" },
+            BatchItem { flags: ITEM_HANDOFF | ITEM_HOT, key: b"bb" },
+            BatchItem { flags: 0, key: &long },
+        ];
+        let body = encode_batch_get(&geo(), &items);
+        assert_eq!(body.len(), BATCH_GET_HEAD + 3 * 4 + 1 + 2 + MAX_KEY_LEN);
+        assert_eq!(&body[GEOMETRY_WIRE_LEN..BATCH_GET_HEAD + 4], &[3, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1, 0]);
+        let (g, got) = decode_batch_get(&body).unwrap();
+        assert_eq!((g, got.as_slice()), (geo(), &items[..]));
+        for cut in 1..body.len() {
+            assert!(decode_batch_get(&body[..body.len() - cut]).is_err(), "cut {cut}");
+        }
+        let mut trailing = body.clone();
+        trailing.push(0);
+        assert!(decode_batch_get(&trailing).is_err(), "trailing bytes");
+        assert!(decode_batch_get(&encode_batch_get(&geo(), &[])).is_err(), "an empty batch");
+        let mut zero_key = encode_batch_get(&geo(), &items[..1]);
+        zero_key[BATCH_GET_HEAD + 2] = 0;
+        assert!(decode_batch_get(&zero_key[..BATCH_GET_HEAD + 4]).is_err(), "a key of 0 bytes");
+        let mut lie = body.clone();
+        lie[GEOMETRY_WIRE_LEN..GEOMETRY_WIRE_LEN + 4].copy_from_slice(&(MAX_BATCH_ITEMS as u32 + 1).to_le_bytes());
+        assert!(decode_batch_get(&lie).is_err(), "more items than allowed");
+        let h = ItemHead { status: Status::TooSmall, flags: 0, len: 0x0102_0304 };
+        assert_eq!(h.encode(), [4, 0, 0, 0, 4, 3, 2, 1]);
+        assert_eq!(ItemHead::decode(&h.encode()), h);
+        assert_eq!(decode_batch_answer_head(&encode_batch_answer_head(17)), 17);
+        let over = ReqHeader { op: Op::BatchGet, flags: 0, copy_age: 0, body_len: MAX_BATCH_GET_BODY + 1, req_id: 1 };
+        assert!(ReqHeader::decode(&over.encode(), &Limits::default()).is_err(), "a body over the op's limit");
+    }
+
+    #[test]
+    fn a_v3_hello_has_room_for_a_tenant_and_older_ones_keep_their_zeros() {
+        let v3 = client_hello(3, Some(b"tok"));
+        assert_eq!(&v3[..16], &[0x4b, 0x56, 0x43, 0x57, 3, 0, 3, 0, 0, 0, 0, 0, 0, 0, 0, 0]);
+        assert_eq!(&v3[16..], b"tok");
+        assert_eq!(client_hello(1, Some(b"tok")).len(), HELLO_LEN, "v1 carries no token");
+        let mut h = [0u8; HELLO_LEN];
+        h.copy_from_slice(&v3[..16]);
+        assert_eq!(ClientHello::judge(&Hello::decode(&h).unwrap()), ClientHello::Speak { version: 3, token_len: 3 });
+        // A v2 node refuses v3 naming v2: the client says hello again in v2.
+        let refused = Hello { version: 2, status: HELLO_VERSION_REFUSED, max_record: 0 };
+        assert_eq!(judge_hello(3, &refused), HelloVerdict::Retry(2));
+    }
+
     proptest! {
         #![proptest_config(ProptestConfig::with_cases(2000))]
         #[test]
@@ -641,6 +820,9 @@ mod tests {
                 prop_assert!(keys.len() <= bytes.len() / 3);
             }
             let _ = decode_batch_status(&bytes);
+            if let Ok((_, items)) = decode_batch_get(&bytes) {
+                prop_assert!(items.len() <= bytes.len() / 5);
+            }
             let _ = crate::page::parse_record(&bytes);
         }
 

@@ -48,6 +48,7 @@ pub fn frame(data: &[u8]) {
     let max = match req.op {
         Op::Put => limits.max_record,
         Op::BatchExist => wire::MAX_BATCH_BODY as u64,
+        Op::BatchGet => wire::MAX_BATCH_GET_BODY as u64,
         _ => wire::MAX_SMALL_BODY as u64,
     };
     assert!(u64::from(req.body_len) <= max, "{req:?} passes a body over its limit");
@@ -61,6 +62,17 @@ pub fn frame(data: &[u8]) {
         Op::BatchExist => {
             if let Ok((_, keys)) = wire::decode_batch_exist(body) {
                 assert!(keys.len() <= wire::MAX_BATCH_KEYS);
+            }
+        }
+        Op::BatchGet => {
+            // What decodes is within the limits and encodes back to the
+            // same bytes but for the reserved ones.
+            if let Ok((geo, items)) = wire::decode_batch_get(body) {
+                assert!(!items.is_empty() && items.len() <= wire::MAX_BATCH_ITEMS);
+                assert!(items.iter().all(|i| !i.key.is_empty() && i.key.len() <= kv_common::page::MAX_KEY_LEN));
+                let again = wire::encode_batch_get(&geo, &items);
+                assert_eq!(again.len(), body.len(), "a batch re-encodes to its length");
+                assert_eq!(wire::decode_batch_get(&again).expect("re-encoded batch").1, items);
             }
         }
         Op::Put => page(body),
@@ -175,11 +187,19 @@ pub fn client_reply(data: &[u8]) {
     if let Ok(st) = wire::decode_batch_status(data) {
         assert!(st.len() <= data.len());
     }
+    // A BATCH_GET answer's heads: the body's, then each item's.
+    if let Some(h) = data.get(..wire::BATCH_ITEM_HEAD) {
+        let h: &[u8; wire::BATCH_ITEM_HEAD] = h.try_into().expect("8 bytes");
+        let _ = wire::decode_batch_answer_head(h);
+        let item = wire::ItemHead::decode(h);
+        assert_eq!(wire::ItemHead::decode(&item.encode()), item);
+    }
     let _ = serde_json::from_slice::<kv_common::stats::NodeStats>(data);
     if let Some(h) = data.get(..wire::HELLO_LEN) {
         if let Ok(hello) = Hello::decode(h.try_into().expect("16 bytes")) {
             let _ = wire::judge_hello(1, &hello);
             let _ = wire::judge_hello(2, &hello);
+            let _ = wire::judge_hello(3, &hello);
         }
     }
     // MDS answers (HTTP itself is hyper's): their JSON bodies.

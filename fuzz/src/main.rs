@@ -217,6 +217,12 @@ fn seeds() {
     write("frame", "batch_exist", &hdr(Op::BatchExist, &wire::encode_batch_exist(&geo, &[b"a".as_slice(), b"bb"])));
     write("frame", "delete", &hdr(Op::Delete, b"\x01\x00k"));
     write("frame", "hello_v2", &wire::client_hello(2, Some(b"token")));
+    write("frame", "hello_v3", &wire::client_hello(3, Some(b"token")));
+    let items = [
+        wire::BatchItem { flags: 0, key: b"page-key-1" },
+        wire::BatchItem { flags: wire::ITEM_HANDOFF, key: b"page-key-2" },
+    ];
+    write("frame", "batch_get", &hdr(Op::BatchGet, &wire::encode_batch_get(&geo, &items)));
     {
         use kv_common::wire::{encode_segments, Segment};
         use kv_rdma::bootstrap::{Answer, Endpoint};
@@ -284,6 +290,11 @@ weight = 4
         "batch_status",
         &wire::encode_batch_status(&[kv_common::Status::Ok, kv_common::Status::Miss]),
     );
+    let mut answer = wire::encode_batch_answer_head(1).to_vec();
+    answer
+        .extend_from_slice(&wire::ItemHead { status: kv_common::Status::Ok, flags: 0, len: rec.len() as u32 }.encode());
+    answer.extend_from_slice(&rec);
+    write("client_reply", "batch_get_answer", &answer);
     write("client_reply", "stats", serde_json::to_string(&kv_common::stats::NodeStats::default()).unwrap().as_bytes());
     write("client_reply", "hello", &Hello { version: 2, status: 0, max_record: 1 << 28 }.encode());
     write(
