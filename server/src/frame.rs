@@ -31,6 +31,35 @@ pub enum Body {
     Empty,
     Bytes(Vec<u8>),
     Record(Arc<PooledBuf>),
+    /// A body in pieces, written in order with vectored writes (a batch
+    /// answer: item heads and the records themselves, never copied).
+    Parts(Vec<Part>),
+}
+
+/// A piece of a [`Body::Parts`].
+pub enum Part {
+    Bytes(Vec<u8>),
+    Record(Arc<PooledBuf>),
+}
+
+impl Part {
+    fn as_slice(&self) -> &[u8] {
+        match self {
+            Part::Bytes(b) => b,
+            Part::Record(r) => r.as_slice(),
+        }
+    }
+}
+
+impl Body {
+    fn len(&self) -> usize {
+        match self {
+            Body::Empty => 0,
+            Body::Bytes(b) => b.len(),
+            Body::Record(r) => r.len(),
+            Body::Parts(p) => p.iter().map(|p| p.as_slice().len()).sum(),
+        }
+    }
 }
 
 pub struct Response {
@@ -43,11 +72,7 @@ pub struct Response {
 }
 
 pub fn respond(req: &ReqHeader, status: Status, flags: u16, body: Body) -> Response {
-    let len = match &body {
-        Body::Empty => 0,
-        Body::Bytes(b) => b.len(),
-        Body::Record(r) => r.len(),
-    };
+    let len = body.len();
     let h = RspHeader { status, op: req.op as u8, flags, body_len: len as u32, req_id: req.req_id };
     Response { header: h.encode(), status: status.to_wire(), body, budget: None }
 }
@@ -99,6 +124,22 @@ pub async fn read_body_by(
     }
 }
 
+/// Writes all of `parts` with vectored writes (the kernel takes at most
+/// IOV_MAX slices a call; the rest go in the next).
+async fn write_all_parts(w: &mut OwnedWriteHalf, parts: &[&[u8]]) -> std::io::Result<()> {
+    let mut slices: Vec<std::io::IoSlice<'_>> =
+        parts.iter().filter(|p| !p.is_empty()).map(|p| std::io::IoSlice::new(p)).collect();
+    let mut rest: &mut [std::io::IoSlice<'_>] = &mut slices;
+    while !rest.is_empty() {
+        let n = w.write_vectored(rest).await?;
+        if n == 0 {
+            return Err(std::io::ErrorKind::WriteZero.into());
+        }
+        std::io::IoSlice::advance_slices(&mut rest, n);
+    }
+    Ok(())
+}
+
 /// The write half, shared by the tasks answering this connection's requests:
 /// each writes its own response (no hand-off to a writer task, so an answer
 /// costs no extra task wake-up). Each response must be written within 30 s
@@ -144,11 +185,7 @@ impl Out {
         if *self.dead.borrow() {
             return;
         }
-        let len = match &r.body {
-            Body::Empty => 0,
-            Body::Bytes(b) => b.len(),
-            Body::Record(rec) => rec.len(),
-        };
+        let len = r.body.len();
         // The lock first, then the check: a sender that timed out inside a
         // frame marks the connection dead before it lets go of the writer,
         // so no whole frame is ever written after a partial one.
@@ -162,6 +199,23 @@ impl Out {
                 Body::Empty => &[],
                 Body::Bytes(b) => b,
                 Body::Record(rec) => rec.as_slice(),
+                Body::Parts(parts) => {
+                    if len >= WRITE_BUFFER {
+                        // What is buffered first, then header and pieces
+                        // straight from their buffers, many a system call.
+                        w.flush().await?;
+                        let mut all: Vec<&[u8]> = Vec::with_capacity(parts.len() + 1);
+                        all.push(&r.header);
+                        all.extend(parts.iter().map(Part::as_slice));
+                        write_all_parts(w.get_mut(), &all).await?;
+                    } else {
+                        w.write_all(&r.header).await?;
+                        for p in parts {
+                            w.write_all(p.as_slice()).await?;
+                        }
+                    }
+                    return w.flush().await;
+                }
             };
             if w.buffer().is_empty() && body.len() >= WRITE_BUFFER {
                 // A body the buffer cannot hold: header and body in one

@@ -10,6 +10,7 @@
 //! rewrites a page record: it validates, stores and returns the client's
 //! bytes.
 
+mod batch;
 pub mod config;
 pub mod conn;
 pub mod drain;

@@ -15,7 +15,7 @@ use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
 use prometheus_client::registry::Registry;
 
 /// The ops a node serves, in wire order (index = op number - 1).
-const OPS: [(Op, &str); 8] = [
+const OPS: [(Op, &str); 9] = [
     (Op::Put, "put"),
     (Op::Get, "get"),
     (Op::Exist, "exist"),
@@ -24,6 +24,7 @@ const OPS: [(Op, &str); 8] = [
     (Op::Stats, "stats"),
     (Op::Ping, "ping"),
     (Op::RdmaConnect, "rdma_connect"),
+    (Op::BatchGet, "batch_get"),
 ];
 
 /// Wire statuses 0..=9 (kv_common::status).

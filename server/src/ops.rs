@@ -59,6 +59,23 @@ pub async fn dispatch(
     permit: OwnedSemaphorePermit,
 ) {
     let t0 = Instant::now();
+    if req.op == Op::BatchGet {
+        match crate::batch::start(shared, &req, &body) {
+            crate::batch::Begun::Answered(r) => {
+                s.out.send(counted(shared, req.op, t0, r)).await;
+                drop(permit);
+            }
+            crate::batch::Begun::Disk(started) => {
+                let (shared, s) = (shared.clone(), s.clone());
+                tokio::spawn(async move {
+                    let r = crate::batch::finish(&shared, &req, started).await;
+                    s.out.send(counted(&shared, req.op, t0, r)).await;
+                    drop(permit);
+                });
+            }
+        }
+        return;
+    }
     if !matches!(req.op, Op::Get | Op::RdmaConnect | Op::Delete) {
         if let Some(r) = handle_small(shared, &req, &body) {
             s.out.send(counted(shared, req.op, t0, r)).await;
@@ -440,7 +457,9 @@ fn handle_small(shared: &Shared, req: &ReqHeader, body: &[u8]) -> Option<Respons
         }),
         Op::Ping => Some(respond(req, Status::Ok, 0, Body::Bytes(body.to_vec()))),
         Op::Stats => None,
-        Op::Put | Op::Get | Op::Delete | Op::RdmaConnect => Some(error_response(req, Status::Internal, "misrouted op")),
+        Op::Put | Op::Get | Op::Delete | Op::RdmaConnect | Op::BatchGet => {
+            Some(error_response(req, Status::Internal, "misrouted op"))
+        }
     }
 }
 

@@ -1,0 +1,203 @@
+//! BATCH_GET (docs/PROTOCOL.md §2.5): many gets in one frame, answered by
+//! one frame whose items come in request order. Items in the memory tier
+//! are looked up on the reader's task; a batch whose items are all there
+//! (or absent) is answered from that task, with no hop to another task or
+//! thread. Items that must be read from disk are read as single gets are
+//! (each its own blocking read under an I/O slot, all at once), and the
+//! answer waits for the slowest of them: an item from disk delays the
+//! items from memory of the same batch, never those of other requests.
+//! The answer is written with vectored writes straight from the records'
+//! buffers.
+
+use std::sync::Arc;
+
+use kv_common::page::Geometry;
+use kv_common::status::Status;
+use kv_common::wire::MAX_BATCH_ANSWER;
+use kv_common::wire::{self, ItemHead, ReqHeader, FLAG_CHECK_GEOMETRY, FLAG_HANDOFF, ITEM_HANDOFF};
+use tokio::sync::OwnedSemaphorePermit;
+
+use crate::frame::{error_response, respond, Body, Part, Response};
+use crate::state::Shared;
+use crate::store::{GetOutcome, PooledBuf};
+
+/// What one item will be answered with.
+enum Item {
+    /// Answered: the status, and the record on OK.
+    Done(Status, Option<Arc<PooledBuf>>),
+    /// Over the answer's byte bound: REJECTED with this message.
+    Over,
+    /// In a disk's index with this record length: to be read.
+    Disk(u64),
+    /// A disk's index lock was busy: its length is asked off the reactor.
+    Unknown,
+}
+
+const OVER: &str = "not served: the batch's answer would pass 64 MiB; ask again";
+
+/// How a batch began.
+pub enum Begun {
+    /// Answered from memory (or refused): send it.
+    Answered(Response),
+    /// Items must come from disk: [`finish`] answers, on a task of its own.
+    Disk(Started),
+}
+
+/// Begins the BATCH_GET `req` with `body` in hand.
+pub fn start(shared: &Shared, req: &ReqHeader, body: &[u8]) -> Begun {
+    let (geo, items) = match wire::decode_batch_get(body) {
+        Ok(d) => d,
+        Err(e) => return Begun::Answered(error_response(req, Status::BadRequest, &e.to_string())),
+    };
+    let check = req.flags & FLAG_CHECK_GEOMETRY != 0;
+    let handoff_all = req.flags & FLAG_HANDOFF != 0;
+    let store = &shared.store;
+    let handoff: Vec<bool> = items.iter().map(|i| handoff_all || i.flags & ITEM_HANDOFF != 0).collect();
+    let mut out: Vec<Item> = Vec::with_capacity(items.len());
+    let mut pending = false;
+    for it in &items {
+        let item = match store.get_cached(it.key, check.then_some(&geo)) {
+            Some(GetOutcome::Hit(rec)) => Item::Done(Status::Ok, Some(rec)),
+            Some(GetOutcome::Mismatch) => Item::Done(Status::Mismatch, None),
+            _ => match store.try_record_size(it.key) {
+                Some(Some(n)) => Item::Disk(n),
+                Some(None) => {
+                    store.count_miss();
+                    Item::Done(Status::Miss, None)
+                }
+                None => Item::Unknown,
+            },
+        };
+        pending |= matches!(item, Item::Disk(_) | Item::Unknown);
+        out.push(item);
+    }
+    if !pending {
+        bound(&mut out);
+        count_asks(shared, &handoff, &out);
+        return Begun::Answered(answer(req, out));
+    }
+    Begun::Disk(Started {
+        keys: items.iter().map(|i| i.key.to_vec()).collect(),
+        handoff,
+        geo: check.then_some(geo),
+        items: out,
+    })
+}
+
+/// A batch with items still to read from disk.
+pub struct Started {
+    keys: Vec<Vec<u8>>,
+    /// Which items are handoff asks.
+    handoff: Vec<bool>,
+    geo: Option<Geometry>,
+    items: Vec<Item>,
+}
+
+/// Reads the items of `s` that are on disk and answers the batch.
+pub async fn finish(shared: &Arc<Shared>, req: &ReqHeader, mut s: Started) -> Response {
+    // Lengths the reactor could not look up without waiting.
+    for (i, item) in s.items.iter_mut().enumerate() {
+        if matches!(item, Item::Unknown) {
+            let (store, key) = (shared.store.clone(), s.keys[i].clone());
+            let _io = shared.io_slots.acquire().await.expect("semaphore open");
+            *item = match tokio::task::spawn_blocking(move || store.record_size(&key)).await.unwrap_or(None) {
+                Some(n) => Item::Disk(n),
+                None => {
+                    shared.store.count_miss();
+                    Item::Done(Status::Miss, None)
+                }
+            };
+        }
+    }
+    bound(&mut s.items);
+    // The records read count against --max-inflight until written out (at
+    // most one record's worth of the budget a batch, as a single get).
+    let bytes: u64 = s.items.iter().map(|i| if let Item::Disk(n) = i { *n } else { 0 }).sum();
+    let units = bytes.div_ceil(4096).clamp(1, shared.limits.max_record.div_ceil(4096)) as u32;
+    let budget: OwnedSemaphorePermit =
+        shared.inflight_bytes.clone().acquire_many_owned(units).await.expect("semaphore open");
+    let mut reads = Vec::new();
+    for (i, item) in s.items.iter().enumerate() {
+        if matches!(item, Item::Disk(_)) {
+            let (shared, key, geo) = (shared.clone(), s.keys[i].clone(), s.geo);
+            reads.push((
+                i,
+                tokio::spawn(async move {
+                    let _io = shared.io_slots.acquire().await.expect("semaphore open");
+                    let store = shared.store.clone();
+                    tokio::task::spawn_blocking(move || store.get(&key, geo.as_ref())).await
+                }),
+            ));
+        }
+    }
+    for (i, read) in reads {
+        s.items[i] = match read.await {
+            Ok(Ok(GetOutcome::Hit(rec))) => Item::Done(Status::Ok, Some(rec)),
+            Ok(Ok(GetOutcome::Mismatch)) => Item::Done(Status::Mismatch, None),
+            Ok(Ok(GetOutcome::Miss)) => Item::Done(Status::Miss, None),
+            _ => {
+                tracing::error!("a batch get's read task failed");
+                Item::Done(Status::Internal, None)
+            }
+        };
+    }
+    count_asks(shared, &s.handoff, &s.items);
+    let mut r = answer(req, s.items);
+    r.budget = Some(budget);
+    r
+}
+
+/// Counts the batch's handoff asks and their hits (as GET with
+/// FLAG_HANDOFF counts each ask).
+fn count_asks(shared: &Shared, handoff: &[bool], items: &[Item]) {
+    let asks = handoff.iter().filter(|h| **h).count();
+    if asks > 0 {
+        let hits = handoff.iter().zip(items).filter(|(h, i)| **h && matches!(i, Item::Done(Status::Ok, _))).count();
+        shared.handoff.count_asks(asks, hits);
+    }
+}
+
+/// Marks the items past the answer's byte bound (in request order; the
+/// first item always goes).
+fn bound(items: &mut [Item]) {
+    let mut total = 0u64;
+    for (i, item) in items.iter_mut().enumerate() {
+        let len = match item {
+            Item::Done(_, Some(rec)) => rec.len() as u64,
+            Item::Disk(n) => *n,
+            _ => 0,
+        };
+        total += len;
+        if i > 0 && len > 0 && total > MAX_BATCH_ANSWER {
+            total -= len;
+            *item = Item::Over;
+        }
+    }
+}
+
+/// The answer frame: head, then each item's head and record or message.
+fn answer(req: &ReqHeader, items: Vec<Item>) -> Response {
+    let mut parts = Vec::with_capacity(1 + 2 * items.len());
+    let mut heads = wire::encode_batch_answer_head(items.len()).to_vec();
+    for item in items {
+        let (status, tail) = match item {
+            Item::Done(s, rec) => (s, rec.map(Part::Record)),
+            Item::Over => (Status::Rejected, Some(Part::Bytes(OVER.as_bytes().to_vec()))),
+            Item::Disk(_) | Item::Unknown => (Status::Internal, None),
+        };
+        let len = tail.as_ref().map_or(0, |t| match t {
+            Part::Bytes(b) => b.len(),
+            Part::Record(r) => r.len(),
+        });
+        heads.extend_from_slice(&ItemHead { status, flags: 0, len: len as u32 }.encode());
+        if let Some(t) = tail {
+            // Heads gathered since the last record go as one piece.
+            parts.push(Part::Bytes(std::mem::take(&mut heads)));
+            parts.push(t);
+        }
+    }
+    if !heads.is_empty() {
+        parts.push(Part::Bytes(heads));
+    }
+    respond(req, Status::Ok, 0, Body::Parts(parts))
+}
