@@ -104,7 +104,14 @@ impl Exchange for GetManyX<'_, '_> {
         conn: &'a mut AsyncConn,
         geo: &'a Geometry,
     ) -> BoxFuture<'a, Result<Vec<GetReply>, OpError>> {
-        Box::pin(exchange::get_pipelined(conn, geo, &mut self.items, self.extra))
+        // A node that takes batch frames gets the window as one BATCH_GET
+        // (RDMA connections keep one GET an item: a batch frame names no
+        // segments yet).
+        if conn.batches() && conn.socket.remote.is_none() {
+            Box::pin(exchange::get_batch(conn, geo, &mut self.items, self.extra))
+        } else {
+            Box::pin(exchange::get_pipelined(conn, geo, &mut self.items, self.extra))
+        }
     }
 }
 

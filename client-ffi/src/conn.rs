@@ -35,6 +35,8 @@ pub struct Conn<S = Blocking> {
     pub(crate) socket: S,
     next_id: u64,
     max_record: u64,
+    /// The protocol version the hello agreed on.
+    version: u16,
 }
 
 /// A blocking socket, with its read and write timeouts as last set (each
@@ -67,8 +69,13 @@ pub enum GetResult {
 }
 
 impl<S> Conn<S> {
-    fn new(socket: S, max_record: u64) -> Conn<S> {
-        Conn { socket, next_id: 1, max_record }
+    fn new(socket: S, max_record: u64, version: u16) -> Conn<S> {
+        Conn { socket, next_id: 1, max_record, version }
+    }
+
+    /// Whether the node takes batch frames (BATCH_GET) on this connection.
+    pub(crate) fn batches(&self) -> bool {
+        self.version >= kv_common::wire::WIRE_VERSION_BATCH
     }
 
     /// Largest record the node accepts (told in its hello).
@@ -161,7 +168,7 @@ impl Conn<Blocking> {
             match hello::say_sync(&mut stream, version, token)? {
                 Step::Done { version, max_record } => {
                     let socket = Blocking { stream, read_timeout: timeout, write_timeout: timeout };
-                    return Ok((Conn::new(socket, max_record), version));
+                    return Ok((Conn::new(socket, max_record, version), version));
                 }
                 Step::Again(v) => version = v,
             }
@@ -454,7 +461,9 @@ impl Conn<Async> {
         // Keep-alive probes notice a peer that vanished without a FIN.
         set_keepalive(&stream);
         Ok(match hello::say_async(&mut stream, version, token).await? {
-            Step::Done { version, max_record } => Ok((Conn::new(Async { stream, remote: None }, max_record), version)),
+            Step::Done { version, max_record } => {
+                Ok((Conn::new(Async { stream, remote: None }, max_record, version), version))
+            }
             Step::Again(v) => Err(v),
         })
     }

@@ -5,6 +5,7 @@
 use kv_common::page::{Geometry, PageHeader, HEADER_LEN};
 use kv_common::status::Status;
 use kv_common::wire::{self, KeyRequest, Op, RspHeader, FLAG_CHECK_GEOMETRY, FRAME_HEADER_LEN};
+use kv_common::wire::{BatchItem, ItemHead, BATCH_ITEM_HEAD, MAX_BATCH_ANSWER, MAX_BATCH_ITEMS};
 use kv_common::wire::{FLAG_RDMA, RSP_FLAG_RDMA, RSP_FLAG_RDMA_FAILED};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
@@ -319,6 +320,214 @@ pub async fn get_pipelined(
         replies[i] = Some(get_inline(conn, geo, key, bufs, extra).await?);
     }
     Ok(replies.into_iter().map(|r| r.expect("every id answered")).collect())
+}
+
+/// Several gets on one connection as BATCH_GET frames (a node that agreed
+/// on protocol v3): the items split into frames of at most
+/// [`MAX_BATCH_ITEMS`] and, counting each item's buffers as the record it
+/// may hold, [`MAX_BATCH_ANSWER`] bytes; every frame written at once, then
+/// each answer read item by item in request order, each payload straight
+/// into its item's buffers with its CRC checked as it lands. An item that
+/// is not served costs only itself; the connection stays usable unless
+/// the bytes themselves are wrong. One reply per item, in item order.
+pub async fn get_batch(
+    conn: &mut AsyncConn,
+    geo: &Geometry,
+    items: &mut [(&[u8], &mut [&mut [u8]])],
+    extra: u8,
+) -> Result<Vec<GetReply>, OpError> {
+    let mut frames: Vec<std::ops::Range<usize>> = Vec::new();
+    let (mut start, mut bytes) = (0usize, 0u64);
+    for (i, (key, bufs)) in items.iter().enumerate() {
+        let room = (HEADER_LEN + key.len() + bufs.iter().map(|b| b.len()).sum::<usize>()) as u64;
+        if i > start && (bytes + room > MAX_BATCH_ANSWER || i - start == MAX_BATCH_ITEMS) {
+            frames.push(start..i);
+            (start, bytes) = (i, 0);
+        }
+        bytes += room;
+    }
+    if start < items.len() {
+        frames.push(start..items.len());
+    }
+    let mut out = Vec::new();
+    let mut ids = Vec::with_capacity(frames.len());
+    for r in &frames {
+        let list: Vec<BatchItem<'_>> = items[r.clone()].iter().map(|(key, _)| BatchItem { flags: 0, key }).collect();
+        let body = wire::encode_batch_get(geo, &list);
+        let (id, h) = conn.header(Op::BatchGet, FLAG_CHECK_GEOMETRY | extra, body.len());
+        out.extend_from_slice(&h);
+        out.extend_from_slice(&body);
+        ids.push(id);
+    }
+    conn.socket.stream.write_all(&out).await?;
+    let mut replies: Vec<Option<GetReply>> = (0..items.len()).map(|_| None).collect();
+    let mut answered = vec![false; frames.len()];
+    for _ in 0..frames.len() {
+        let mut hb = [0u8; FRAME_HEADER_LEN];
+        conn.socket.stream.read_exact(&mut hb).await?;
+        let h = RspHeader::decode(&hb);
+        let Some(f) = ids.iter().position(|&id| id == h.req_id).filter(|&f| !answered[f]) else {
+            return Err(OpError::Protocol(format!("unexpected answer id {}", h.req_id)));
+        };
+        answered[f] = true;
+        let r = frames[f].clone();
+        if h.status != Status::Ok {
+            // The whole frame refused (a malformed batch): every item gets
+            // the node's verdict.
+            let body = conn.recv_small(&h, MAX_SMALL_ANSWER).await?;
+            let s = OpError::refused(h.status, &body).status();
+            for reply in &mut replies[r] {
+                *reply = Some(GetReply { status: s, len: 0 });
+            }
+            continue;
+        }
+        let mut rd = FrameReader::new(&mut conn.socket.stream, h.body_len);
+        let mut head = [0u8; 8];
+        rd.exact(&mut head).await?;
+        if wire::decode_batch_answer_head(&head) != r.len() {
+            return Err(OpError::Protocol("batch answer has the wrong count".into()));
+        }
+        for i in r {
+            let (key, bufs) = &mut items[i];
+            replies[i] = Some(read_item(&mut rd, geo, key, bufs).await?);
+        }
+        if !rd.done() {
+            return Err(OpError::Protocol("batch answer longer than its items".into()));
+        }
+    }
+    Ok(replies.into_iter().map(|r| r.expect("every frame answered")).collect())
+}
+
+/// One item of a BATCH_GET answer, leaving `rd` at the next item.
+async fn read_item(
+    rd: &mut FrameReader<'_>,
+    geo: &Geometry,
+    key: &[u8],
+    bufs: &mut [&mut [u8]],
+) -> Result<GetReply, OpError> {
+    let done = |status, len| Ok(GetReply { status, len });
+    let mut ib = [0u8; BATCH_ITEM_HEAD];
+    rd.exact(&mut ib).await?;
+    let ih = ItemHead::decode(&ib);
+    if ih.status != Status::Ok {
+        if ih.len > MAX_SMALL_ANSWER {
+            return Err(OpError::Protocol(format!("unexpected {}-byte item answer", ih.len)));
+        }
+        let mut msg = vec![0u8; ih.len as usize];
+        rd.exact(&mut msg).await?;
+        return match ih.status {
+            Status::Miss | Status::Mismatch => done(ih.status, 0),
+            s => done(OpError::refused(s, &msg).status(), 0),
+        };
+    }
+    let len = u64::from(ih.len);
+    let head = HEADER_LEN + key.len();
+    if len < head as u64 {
+        rd.skip(len).await?;
+        return done(Status::Corrupt, 0);
+    }
+    let mut hk = [0u8; HEADER_LEN + kv_common::page::MAX_KEY_LEN];
+    rd.exact(&mut hk[..head]).await?;
+    let cap: usize = bufs.iter().map(|b| b.len()).sum();
+    let ph = match check_get_head(geo, key, len, &hk[..head], cap) {
+        Ok(ph) => ph,
+        Err(r) => {
+            rd.skip(len - head as u64).await?;
+            return Ok(r);
+        }
+    };
+    let need = ph.payload_len as usize;
+    let mut sink = PayloadSink::new(bufs, need);
+    while let Some(dst) = sink.next() {
+        let n = rd.some(dst).await?;
+        sink.filled(n);
+    }
+    if !sink.verify(ph.payload_crc) {
+        return done(Status::Corrupt, 0);
+    }
+    done(Status::Ok, need)
+}
+
+/// Bytes of a [`FrameReader`]'s buffer.
+const FRAME_READ_BUFFER: usize = 16 * 1024;
+
+/// The body of one answer frame on its way in. Small pieces (item heads,
+/// page headers, keys) come through a buffer that one read fills with as
+/// much of the frame as it holds, so a run of misses or of small records
+/// costs one system call, not several an item; a payload takes what the
+/// buffer has and then goes from the socket straight into its buffers.
+/// It never reads past the frame's end (the next frame may answer
+/// another request).
+struct FrameReader<'s> {
+    stream: &'s mut tokio::net::TcpStream,
+    buf: Box<[u8]>,
+    at: usize,
+    end: usize,
+    /// Bytes of the frame still in the socket.
+    left: u64,
+}
+
+impl<'s> FrameReader<'s> {
+    fn new(stream: &'s mut tokio::net::TcpStream, body_len: u32) -> FrameReader<'s> {
+        let cap = (body_len as usize).min(FRAME_READ_BUFFER);
+        FrameReader { stream, buf: vec![0u8; cap].into_boxed_slice(), at: 0, end: 0, left: u64::from(body_len) }
+    }
+
+    /// Whether the whole frame was taken.
+    fn done(&self) -> bool {
+        self.left == 0 && self.at == self.end
+    }
+
+    /// One read from the socket into `dst` (at most what is left of the frame).
+    async fn read_some(stream: &mut tokio::net::TcpStream, dst: &mut [u8], left: &mut u64) -> Result<usize, OpError> {
+        let n = dst.len().min(usize::try_from(*left).unwrap_or(usize::MAX));
+        if n == 0 {
+            return Err(OpError::Protocol("batch answer shorter than its items".into()));
+        }
+        let got = stream.read(&mut dst[..n]).await?;
+        if got == 0 {
+            return Err(OpError::Io(std::io::ErrorKind::UnexpectedEof.into()));
+        }
+        *left -= got as u64;
+        Ok(got)
+    }
+
+    /// Some bytes into `dst`: from the buffer if it holds any, else one
+    /// read straight from the socket.
+    async fn some(&mut self, dst: &mut [u8]) -> Result<usize, OpError> {
+        if self.at == self.end && dst.len() < self.buf.len() {
+            // A small piece: fill the buffer instead (the next pieces with it).
+            self.at = 0;
+            self.end = Self::read_some(self.stream, &mut self.buf, &mut self.left).await?;
+        }
+        if self.at < self.end {
+            let k = (self.end - self.at).min(dst.len());
+            dst[..k].copy_from_slice(&self.buf[self.at..self.at + k]);
+            self.at += k;
+            return Ok(k);
+        }
+        Self::read_some(self.stream, dst, &mut self.left).await
+    }
+
+    /// Fills all of `dst`.
+    async fn exact(&mut self, dst: &mut [u8]) -> Result<(), OpError> {
+        let mut at = 0;
+        while at < dst.len() {
+            at += self.some(&mut dst[at..]).await?;
+        }
+        Ok(())
+    }
+
+    /// Reads and drops `n` bytes.
+    async fn skip(&mut self, mut n: u64) -> Result<(), OpError> {
+        let mut sink = [0u8; 8192];
+        while n > 0 {
+            let k = n.min(sink.len() as u64) as usize;
+            self.exact(&mut sink[..k]).await?;
+            n -= k as u64;
+        }
+        Ok(())
+    }
 }
 
 /// The body of one GET answer, leaving the connection at the next frame.

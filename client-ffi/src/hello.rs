@@ -1,10 +1,13 @@
 //! The client's side of the hello (docs/PROTOCOL.md §1): version
 //! negotiation and the auth token.
 //!
-//! A client says hello in its newest version (v2, carrying the token). A v1
-//! node refuses that version and names its own: the client connects again
-//! in v1 (which carries no token; a v1 node checks none). A node that wants
-//! a token refuses a v1 hello as denied: the client connects again in v2.
+//! A client says hello in its newest version (v3: the token, and batch
+//! frames on the connection). A v2 node refuses that version and names its
+//! own: the client connects again in v2; a v1 node names v1, and the
+//! client connects again in v1 (which carries no token; a v1 node checks
+//! none). A node that wants
+//! a token refuses a v1 hello as denied: the client connects again in its
+//! newest version.
 //! So a connection takes at most three tries, and each node's last
 //! agreed version is remembered to start the next connection with it.
 
@@ -16,7 +19,7 @@ use kv_common::wire::{self, Hello, HelloVerdict, HELLO_LEN};
 
 use crate::error::OpError;
 
-/// Most connections one hello negotiation may take (v2, v1, v2 again).
+/// Most connections one hello negotiation may take (v3, v1, v3 again).
 pub const MAX_TRIES: usize = 3;
 
 /// How one hello ended.
@@ -31,7 +34,11 @@ pub enum Step {
 fn judge(sent: u16, h: &[u8; HELLO_LEN]) -> Result<Step, OpError> {
     let reply = Hello::decode(h).map_err(|e| OpError::Protocol(e.to_string()))?;
     match wire::judge_hello(sent, &reply) {
-        HelloVerdict::Accepted { max_record } => Ok(Step::Done { version: sent, max_record }),
+        // The node echoes the version it accepted; one that names an older
+        // one is taken at its word (frames of that version only).
+        HelloVerdict::Accepted { max_record } => {
+            Ok(Step::Done { version: sent.min(reply.version).max(wire::WIRE_VERSION_MIN), max_record })
+        }
         HelloVerdict::Retry(v) => Ok(Step::Again(v)),
         HelloVerdict::Denied => Err(OpError::Denied),
         HelloVerdict::Refused(m) => Err(OpError::Protocol(m)),

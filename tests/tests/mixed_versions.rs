@@ -88,6 +88,17 @@ fn previous_and_this_release_serve_one_group() {
         assert_eq!(c.getv(k.as_bytes(), &mut [&mut buf[..]]), Ok(buf.len()), "{k}");
         assert!(buf == page(k), "{k}: wrong bytes");
     }
+    // One batch over both nodes: BATCH_GET frames to this release's node,
+    // one GET an item to the previous release's (it agreed on v1).
+    let mut bufs: Vec<Vec<u8>> = keys.iter().map(|_| vec![0u8; 20_000]).collect();
+    let mut items: Vec<(&[u8], Vec<&mut [u8]>)> =
+        keys.iter().zip(bufs.iter_mut()).map(|(k, b)| (k.as_bytes(), vec![&mut b[..]])).collect();
+    let res = c.batch_getv(&mut items);
+    drop(items);
+    for (i, k) in keys.iter().enumerate() {
+        assert_eq!(res[i], (Status::Ok, 20_000), "{k} in a batch");
+        assert!(bufs[i] == page(k), "{k}: wrong bytes in a batch");
+    }
     let on = |addr: &str| {
         let mut conn = kvclient::Conn::connect(addr, Duration::from_secs(5)).unwrap();
         conn.stats().unwrap()
@@ -147,8 +158,9 @@ fn previous_and_this_release_serve_one_group() {
         Node::start(&["--dir", d_tok.to_str().unwrap(), "--cap", "64M", "--auth-token-file", tok.to_str().unwrap()]);
     let (code, out, err) = run(&old_kvctl, &["put", "--node", &guarded.addr, "k", "v"]);
     assert_ne!(code, 0, "{out}{err}");
-    // (The previous release words it as a protocol mismatch: "node speaks protocol v2".)
-    assert!(err.contains("protocol v2"), "{err}");
+    // (The previous release words it as a protocol mismatch: "node speaks
+    // protocol v3", the node's newest version, which carries a token.)
+    assert!(err.contains("protocol v3"), "{err}");
     let (code, out, err) =
         run("kvctl", &["--auth-token-file", tok.to_str().unwrap(), "put", "--node", &guarded.addr, "k", "v"]);
     assert_eq!(code, 0, "{out}{err}");
