@@ -383,6 +383,8 @@ pub async fn get_batch(
         }
         let mut rd = FrameReader::new(&mut conn.socket.stream, h.body_len);
         let mut head = [0u8; 8];
+        // The answer's head with the first item's heads, in one read.
+        rd.fill(head.len() + BATCH_ITEM_HEAD + HEADER_LEN + items[r.start].0.len()).await?;
         rd.exact(&mut head).await?;
         if wire::decode_batch_answer_head(&head) != r.len() {
             return Err(OpError::Protocol("batch answer has the wrong count".into()));
@@ -406,6 +408,11 @@ async fn read_item(
     bufs: &mut [&mut [u8]],
 ) -> Result<GetReply, OpError> {
     let done = |status, len| Ok(GetReply { status, len });
+    let head = HEADER_LEN + key.len();
+    // The item's head and, for a hit, the page header and key: one read
+    // when the socket has them (a miss leaves the next items' bytes
+    // buffered, never more than this).
+    rd.fill(BATCH_ITEM_HEAD + head).await?;
     let mut ib = [0u8; BATCH_ITEM_HEAD];
     rd.exact(&mut ib).await?;
     let ih = ItemHead::decode(&ib);
@@ -421,7 +428,6 @@ async fn read_item(
         };
     }
     let len = u64::from(ih.len);
-    let head = HEADER_LEN + key.len();
     if len < head as u64 {
         rd.skip(len).await?;
         return done(Status::Corrupt, 0);
@@ -448,19 +454,18 @@ async fn read_item(
     done(Status::Ok, need)
 }
 
-/// Bytes of a [`FrameReader`]'s buffer.
-const FRAME_READ_BUFFER: usize = 16 * 1024;
+/// Bytes of a [`FrameReader`]'s buffer: an item's heads with the longest key.
+const FRAME_READ_BUFFER: usize = BATCH_ITEM_HEAD + HEADER_LEN + kv_common::page::MAX_KEY_LEN;
 
-/// The body of one answer frame on its way in. Small pieces (item heads,
-/// page headers, keys) come through a buffer that one read fills with as
-/// much of the frame as it holds, so a run of misses or of small records
-/// costs one system call, not several an item; a payload takes what the
-/// buffer has and then goes from the socket straight into its buffers.
-/// It never reads past the frame's end (the next frame may answer
-/// another request).
+/// The body of one answer frame on its way in. An item's heads (its own,
+/// the page header, the key) come through a small buffer that one read
+/// fills ([`FrameReader::fill`]), never with more than they take, so no
+/// payload byte is copied twice; a payload goes from the socket straight
+/// into its buffers. It never reads past the frame's end (the next frame
+/// may answer another request).
 struct FrameReader<'s> {
     stream: &'s mut tokio::net::TcpStream,
-    buf: Box<[u8]>,
+    buf: Box<[u8; FRAME_READ_BUFFER]>,
     at: usize,
     end: usize,
     /// Bytes of the frame still in the socket.
@@ -469,8 +474,7 @@ struct FrameReader<'s> {
 
 impl<'s> FrameReader<'s> {
     fn new(stream: &'s mut tokio::net::TcpStream, body_len: u32) -> FrameReader<'s> {
-        let cap = (body_len as usize).min(FRAME_READ_BUFFER);
-        FrameReader { stream, buf: vec![0u8; cap].into_boxed_slice(), at: 0, end: 0, left: u64::from(body_len) }
+        FrameReader { stream, buf: Box::new([0u8; FRAME_READ_BUFFER]), at: 0, end: 0, left: u64::from(body_len) }
     }
 
     /// Whether the whole frame was taken.
@@ -492,14 +496,25 @@ impl<'s> FrameReader<'s> {
         Ok(got)
     }
 
+    /// Has the buffer hold `n` bytes (at most its size, and at most what
+    /// the frame has left), reading no more than that takes.
+    async fn fill(&mut self, n: usize) -> Result<(), OpError> {
+        let n = n.min(self.buf.len());
+        if self.end - self.at >= n {
+            return Ok(());
+        }
+        self.buf.copy_within(self.at..self.end, 0);
+        (self.end, self.at) = (self.end - self.at, 0);
+        while self.end < n && self.left > 0 {
+            let want = n - self.end;
+            self.end += Self::read_some(self.stream, &mut self.buf[self.end..self.end + want], &mut self.left).await?;
+        }
+        Ok(())
+    }
+
     /// Some bytes into `dst`: from the buffer if it holds any, else one
     /// read straight from the socket.
     async fn some(&mut self, dst: &mut [u8]) -> Result<usize, OpError> {
-        if self.at == self.end && dst.len() < self.buf.len() {
-            // A small piece: fill the buffer instead (the next pieces with it).
-            self.at = 0;
-            self.end = Self::read_some(self.stream, &mut self.buf, &mut self.left).await?;
-        }
         if self.at < self.end {
             let k = (self.end - self.at).min(dst.len());
             dst[..k].copy_from_slice(&self.buf[self.at..self.at + k]);

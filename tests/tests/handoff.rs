@@ -190,6 +190,33 @@ fn after_a_join_every_page_still_hits_and_moves_to_its_new_owner() {
 }
 
 #[test]
+fn a_batch_get_across_a_join_finds_every_page_through_batch_frames() {
+    let _s = serial();
+    let g = Group::new("120");
+    let (old, c, n3) = written_then_n3_joins(&g);
+    let moved: Vec<usize> = (0..PAGES).filter(|&i| owner(&c, i) == "n3").collect();
+    assert!(!moved.is_empty());
+    let asks_before: u64 = old.iter().map(|n| node_stats(&n.addr).handoff_asks).sum();
+    // One batch of every page: the moved ones miss at n3 and are asked, as
+    // one BATCH_GET frame with FLAG_HANDOFF a lane, at their previous owners.
+    let keys: Vec<Vec<u8>> = (0..PAGES).map(key).collect();
+    let mut bufs: Vec<Vec<u8>> = (0..PAGES).map(|_| vec![0u8; 8192]).collect();
+    let mut items: Vec<(&[u8], Vec<&mut [u8]>)> =
+        keys.iter().zip(bufs.iter_mut()).map(|(k, b)| (&k[..], vec![&mut b[..]])).collect();
+    let res = c.batch_getv(&mut items);
+    drop(items);
+    for (i, (s, n)) in res.iter().enumerate() {
+        assert_eq!(*s, Status::Ok, "page {i} in the batch (moved: {})", moved.contains(&i));
+        assert_eq!(&bufs[i][..*n], &page(i)[..], "page {i} bytes");
+    }
+    let asks: u64 = old.iter().map(|n| node_stats(&n.addr).handoff_asks).sum::<u64>() - asks_before;
+    assert_eq!(asks, moved.len() as u64, "each moved page asked once, at its previous owner");
+    let frames = |addr: &str, op: &str| node_stats(addr).latency.iter().find(|l| l.op == op).map_or(0, |l| l.count);
+    assert!(frames(&n3.addr, "batch_get") > 0, "n3 was asked by batch frames");
+    assert!(old.iter().all(|n| frames(&n.addr, "get") == 0), "no single GET reached the previous owners");
+}
+
+#[test]
 fn two_joins_inside_one_window_lose_no_hit() {
     let _s = serial();
     let g = Group::new("120");
