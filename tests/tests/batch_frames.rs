@@ -198,3 +198,58 @@ fn an_answer_stops_at_its_byte_bound_and_the_client_splits_by_bytes() {
     }
     node.terminate(Duration::from_secs(30));
 }
+
+#[test]
+fn a_denied_or_stopped_node_answers_a_batch_as_it_answers_single_gets() {
+    let t = tempfile::tempdir().unwrap();
+    let dir = t.path().join("d");
+    let tok = t.path().join("token");
+    std::fs::write(&tok, "batch-token").unwrap();
+    let node =
+        Node::start(&["--dir", dir.to_str().unwrap(), "--cap", "64M", "--auth-token-file", tok.to_str().unwrap()]);
+    let members = format!("n1={}", node.addr);
+    let good = client(&members, &format!("auth_token_file={}", tok.display()), geo());
+    assert_eq!(good.putv(b"bd-0", &[b"page zero"]), Status::Ok);
+    assert_eq!(good.putv(b"bd-1", &[b"page one"]), Status::Ok);
+    let keys = [&b"bd-0"[..], b"bd-1", b"bd-none"];
+    let both = |c: &BlockingClient| -> (Vec<Status>, Vec<Status>) {
+        let mut bufs: Vec<Vec<u8>> = keys.iter().map(|_| vec![0u8; 64]).collect();
+        let mut items: Vec<(&[u8], Vec<&mut [u8]>)> =
+            keys.iter().zip(bufs.iter_mut()).map(|(k, b)| (*k, vec![&mut b[..]])).collect();
+        let batch = c.batch_getv(&mut items).into_iter().map(|r| r.0).collect();
+        let single = keys
+            .iter()
+            .map(|k| {
+                let mut b = [0u8; 64];
+                c.getv(k, &mut [&mut b[..]]).map_or_else(|e| e.0, |_| Status::Ok)
+            })
+            .collect();
+        (batch, single)
+    };
+    let (batch, single) = both(&good);
+    assert_eq!(batch, [Status::Ok, Status::Ok, Status::Miss]);
+    assert_eq!(batch, single);
+    // The wrong token: every item denied, batch or not.
+    let wrong = t.path().join("wrong");
+    std::fs::write(&wrong, "not-the-token").unwrap();
+    let denied = client(&members, &format!("auth_token_file={}", wrong.display()), geo());
+    let (batch, single) = both(&denied);
+    assert_eq!(batch, [Status::Edenied; 3]);
+    assert_eq!(batch, single);
+    // A stopped node: every item times out, batch or not, within the bound.
+    let slow = client(&members, &format!("auth_token_file={},io_timeout_ms=300", tok.display()), geo());
+    let (batch, _) = both(&slow); // pools connections while the node runs
+    assert_eq!(batch, [Status::Ok, Status::Ok, Status::Miss]);
+    node.signal(libc::SIGSTOP);
+    let t0 = std::time::Instant::now();
+    let mut bufs: Vec<Vec<u8>> = keys.iter().map(|_| vec![0u8; 64]).collect();
+    let mut items: Vec<(&[u8], Vec<&mut [u8]>)> =
+        keys.iter().zip(bufs.iter_mut()).map(|(k, b)| (*k, vec![&mut b[..]])).collect();
+    let batch: Vec<Status> = slow.batch_getv(&mut items).into_iter().map(|r| r.0).collect();
+    drop(items);
+    let took = t0.elapsed();
+    node.signal(libc::SIGCONT);
+    assert_eq!(batch, [Status::Timeout; 3], "after {took:?}");
+    assert!(took < Duration::from_secs(3), "bounded by the I/O timeout: {took:?}");
+    node.terminate(Duration::from_secs(20));
+}
