@@ -19,7 +19,8 @@ use kv_common::wire::{self, Hello, HelloVerdict, HELLO_LEN};
 
 use crate::error::OpError;
 
-/// Most connections one hello negotiation may take (v3, v1, v3 again).
+/// Most connections one hello negotiation may take (v3, v2, v1 against a v1
+/// node whose resets come before its answers).
 pub const MAX_TRIES: usize = 3;
 
 /// How one hello ended.
@@ -45,13 +46,14 @@ fn judge(sent: u16, h: &[u8; HELLO_LEN]) -> Result<Step, OpError> {
     }
 }
 
-/// A read of the node's hello failed. A v1 node that refuses a v2 hello
-/// closes with the token unread, and the reset that causes can arrive
-/// before its answer is read: try v1 then.
+/// A read of the node's hello failed. A node that refuses the version of
+/// a hello with a token closes with the token unread, and the reset that
+/// causes can arrive before its answer is read: try one version older
+/// then (a v2 node refusing v3, a v1 node refusing v2).
 fn after_failed_read(e: std::io::Error, sent: u16, token: Option<&Token>) -> Result<Step, OpError> {
     use std::io::ErrorKind::{ConnectionReset, UnexpectedEof};
     if sent >= 2 && token.is_some() && matches!(e.kind(), ConnectionReset | UnexpectedEof) {
-        return Ok(Step::Again(wire::WIRE_VERSION_MIN));
+        return Ok(Step::Again((sent - 1).max(wire::WIRE_VERSION_MIN)));
     }
     Err(match e.kind() {
         std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut => OpError::Timeout,
@@ -87,4 +89,20 @@ pub async fn say_async(
 /// The error when [`MAX_TRIES`] connections did not settle a version.
 pub fn unsettled() -> OpError {
     OpError::Protocol("the node and this client did not agree on a protocol version".into())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_reset_after_a_hello_with_a_token_steps_down_one_version() {
+        let tok = Token::new(b"t").unwrap();
+        let reset = || std::io::Error::from(std::io::ErrorKind::ConnectionReset);
+        // A v2 node refusing v3 (token unread): v2 next, not v1, which a v2
+        // node with a token would deny.
+        assert_eq!(after_failed_read(reset(), 3, Some(&tok)).unwrap(), Step::Again(2));
+        assert_eq!(after_failed_read(reset(), 2, Some(&tok)).unwrap(), Step::Again(1));
+        assert!(after_failed_read(reset(), 3, None).is_err(), "no token: a reset is an error");
+    }
 }

@@ -239,8 +239,9 @@ pub fn judge_hello(sent: u16, reply: &Hello) -> HelloVerdict {
             reply.version
         )),
         // A v1 hello carries no token: a node that wants one is asked again
-        // in a version that carries it.
-        HELLO_DENIED if sent < 2 => HelloVerdict::Retry(WIRE_VERSION),
+        // in a version that carries it, the newest the node names (a v2
+        // node refuses a v3 hello).
+        HELLO_DENIED if sent < 2 => HelloVerdict::Retry(reply.version.clamp(2, WIRE_VERSION)),
         HELLO_DENIED => HelloVerdict::Denied,
         HELLO_BUSY => HelloVerdict::Refused("the node is at its connection cap (--max-conns)".into()),
         s => HelloVerdict::Refused(format!("the node answered the hello with unknown status {s}")),
@@ -720,6 +721,7 @@ mod tests {
         assert_eq!(judge_hello(2, &reply(1, HELLO_VERSION_REFUSED)), HelloVerdict::Retry(1), "an old node");
         assert!(matches!(judge_hello(1, &reply(1, HELLO_VERSION_REFUSED)), HelloVerdict::Refused(_)));
         assert_eq!(judge_hello(1, &reply(3, HELLO_DENIED)), HelloVerdict::Retry(3), "a node that wants a token");
+        assert_eq!(judge_hello(1, &reply(2, HELLO_DENIED)), HelloVerdict::Retry(2), "a v2 node that wants one");
         assert_eq!(judge_hello(2, &reply(2, HELLO_DENIED)), HelloVerdict::Denied);
         assert!(matches!(judge_hello(2, &reply(2, 77)), HelloVerdict::Refused(_)));
     }
