@@ -112,7 +112,11 @@ impl Exchange for GetManyX<'_, '_> {
         // A node that takes batch frames gets the window as one BATCH_GET
         // (RDMA connections keep one GET an item: a batch frame names no
         // segments yet).
-        if conn.batches() && conn.socket.remote.is_none() {
+        // A key a batch frame cannot carry (empty, or over the longest key)
+        // would get the whole frame refused: such a window goes as GETs,
+        // where only that item is refused.
+        let keys_fit = self.items.iter().all(|(k, _)| !k.is_empty() && k.len() <= kv_common::page::MAX_KEY_LEN);
+        if conn.batches() && conn.socket.remote.is_none() && keys_fit {
             Box::pin(exchange::get_batch(conn, geo, &mut self.items, self.extra))
         } else {
             Box::pin(exchange::get_pipelined(conn, geo, &mut self.items, self.extra))

@@ -106,6 +106,12 @@ fn get_on(
     bufs: &mut [&mut [u8]],
     io: Duration,
 ) -> Result<GetReply, OpError> {
+    if key.is_empty() || key.len() > MAX_KEY_LEN {
+        // As the node answers such a GET (and before a buffer sized for
+        // the longest key is sliced by it).
+        let why = format!("key length {} outside 1..=1024", key.len());
+        return Ok(GetReply { status: OpError::refused(Status::BadRequest, why.as_bytes()).status(), len: 0 });
+    }
     let deadline = Instant::now() + io;
     let (slack, cap) = (io / 16, io);
     let req_id = conn.write_frame(Op::Get, FLAG_CHECK_GEOMETRY, &KeyRequest::encode(geo, key), io)?;

@@ -232,8 +232,8 @@ async fn handshake(
     };
     let reply = match greeted {
         Greeted::Accepted => Hello { version, status: HELLO_ACCEPTED, max_record: shared.limits.max_record },
-        // A refused v1 client is told the version that carries a token (the
-        // previous release's client then prints "node speaks protocol v2").
+        // A refused v1 client is told the newest version, which carries a
+        // token (a v1 client then prints "node speaks protocol v3").
         Greeted::Denied => Hello { version: WIRE_VERSION, status: HELLO_DENIED, max_record: shared.limits.max_record },
         Greeted::Busy => Hello { version: WIRE_VERSION, status: HELLO_BUSY, max_record: 0 },
         Greeted::Closed => return Ok(Greeted::Closed),

@@ -229,6 +229,18 @@ fn a_denied_or_stopped_node_answers_a_batch_as_it_answers_single_gets() {
     let (batch, single) = both(&good);
     assert_eq!(batch, [Status::Ok, Status::Ok, Status::Miss]);
     assert_eq!(batch, single);
+    // A key no frame can carry fails only its own item, batch or not.
+    let long = vec![b'k'; 2000];
+    let odd = [&b"bd-0"[..], b"", &long, b"bd-1"];
+    let mut bufs: Vec<Vec<u8>> = odd.iter().map(|_| vec![0u8; 64]).collect();
+    let mut items: Vec<(&[u8], Vec<&mut [u8]>)> =
+        odd.iter().zip(bufs.iter_mut()).map(|(k, b)| (*k, vec![&mut b[..]])).collect();
+    let st: Vec<Status> = good.batch_getv(&mut items).into_iter().map(|r| r.0).collect();
+    drop(items);
+    let one = |k: &[u8]| good.getv(k, &mut [&mut [0u8; 64][..]]).map_or_else(|e| e.0, |_| Status::Ok);
+    assert_eq!(st, odd.iter().map(|k| one(k)).collect::<Vec<_>>());
+    assert_eq!((st[0], st[3]), (Status::Ok, Status::Ok), "{st:?}");
+    assert!(st[1] != Status::Ok && st[2] != Status::Ok, "{st:?}");
     // The wrong token: every item denied, batch or not.
     let wrong = t.path().join("wrong");
     std::fs::write(&wrong, "not-the-token").unwrap();
