@@ -362,6 +362,7 @@ pub async fn get_batch(
     conn.socket.stream.write_all(&out).await?;
     let mut replies: Vec<Option<GetReply>> = (0..items.len()).map(|_| None).collect();
     let mut answered = vec![false; frames.len()];
+    let mut again = Vec::new();
     for _ in 0..frames.len() {
         let mut hb = [0u8; FRAME_HEADER_LEN];
         conn.socket.stream.read_exact(&mut hb).await?;
@@ -391,23 +392,36 @@ pub async fn get_batch(
         }
         for i in r {
             let (key, bufs) = &mut items[i];
-            replies[i] = Some(read_item(&mut rd, geo, key, bufs).await?);
+            let (reply, ask_again) = read_item(&mut rd, geo, key, bufs).await?;
+            if ask_again {
+                again.push(i);
+            }
+            replies[i] = Some(reply);
         }
         if !rd.done() {
             return Err(OpError::Protocol("batch answer longer than its items".into()));
         }
     }
+    // Items past the answer's byte bound (records larger than the buffers
+    // that sized the frames): asked again one by one, so each gets the
+    // answer a single get gives (TOO_SMALL with the size, or the page).
+    for i in again {
+        let (key, bufs) = &mut items[i];
+        replies[i] = Some(get_inline(conn, geo, key, bufs, extra).await?);
+    }
     Ok(replies.into_iter().map(|r| r.expect("every frame answered")).collect())
 }
 
-/// One item of a BATCH_GET answer, leaving `rd` at the next item.
+/// One item of a BATCH_GET answer, leaving `rd` at the next item; true
+/// beside the reply when the node asks for the item again
+/// ([`wire::ITEM_AGAIN`]).
 async fn read_item(
     rd: &mut FrameReader<'_>,
     geo: &Geometry,
     key: &[u8],
     bufs: &mut [&mut [u8]],
-) -> Result<GetReply, OpError> {
-    let done = |status, len| Ok(GetReply { status, len });
+) -> Result<(GetReply, bool), OpError> {
+    let done = |status, len| Ok((GetReply { status, len }, false));
     let head = HEADER_LEN + key.len();
     // The item's head and, for a hit, the page header and key: one read
     // when the socket has them (a miss leaves the next items' bytes
@@ -422,6 +436,9 @@ async fn read_item(
         }
         let mut msg = vec![0u8; ih.len as usize];
         rd.exact(&mut msg).await?;
+        if ih.status == Status::Rejected && ih.flags & wire::ITEM_AGAIN != 0 {
+            return Ok((GetReply { status: Status::Rejected, len: 0 }, true));
+        }
         return match ih.status {
             Status::Miss | Status::Mismatch => done(ih.status, 0),
             s => done(OpError::refused(s, &msg).status(), 0),
@@ -439,7 +456,7 @@ async fn read_item(
         Ok(ph) => ph,
         Err(r) => {
             rd.skip(len - head as u64).await?;
-            return Ok(r);
+            return Ok((r, false));
         }
     };
     let need = ph.payload_len as usize;

@@ -65,6 +65,9 @@ pub const ITEM_HANDOFF: u8 = 1;
 /// Per-item flag in a BATCH_GET, reserved: the client holds the page hot.
 /// Nodes of this release accept it and do nothing with it.
 pub const ITEM_HOT: u8 = 2;
+/// Flag on an item of a BATCH_GET answer: `REJECTED` only because the
+/// answer reached its byte bound ([`MAX_BATCH_ANSWER`]); ask it again.
+pub const ITEM_AGAIN: u8 = 1;
 /// Request flag: compare the stored geometry with the request's (GET, EXIST, BATCH_EXIST).
 pub const FLAG_CHECK_GEOMETRY: u8 = 1;
 /// Response flag on PUT: the key was already stored (write-once; not rewritten).

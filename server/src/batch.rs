@@ -3,9 +3,11 @@
 //! are looked up on the reader's task; a batch whose items are all there
 //! (or absent) is answered from that task, with no hop to another task or
 //! thread. Items that must be read from disk are read as single gets are
-//! (each its own blocking read under an I/O slot, all at once), and the
-//! answer waits for the slowest of them: an item from disk delays the
-//! items from memory of the same batch, never those of other requests.
+//! (each its own blocking read under an I/O slot), at most
+//! [`READS_AT_ONCE`] at a time so that one large batch does not queue ahead
+//! of other clients' gets, and the answer waits for the slowest of them: an
+//! item from disk delays the items from memory of the same batch, never
+//! those of other requests.
 //! The answer is written with vectored writes straight from the records'
 //! buffers.
 
@@ -13,8 +15,8 @@ use std::sync::Arc;
 
 use kv_common::page::Geometry;
 use kv_common::status::Status;
-use kv_common::wire::MAX_BATCH_ANSWER;
-use kv_common::wire::{self, ItemHead, ReqHeader, FLAG_CHECK_GEOMETRY, FLAG_HANDOFF, ITEM_HANDOFF};
+use kv_common::wire::{self, ItemHead, ReqHeader, FLAG_CHECK_GEOMETRY, FLAG_HANDOFF, ITEM_AGAIN, ITEM_HANDOFF};
+use kv_common::wire::{BATCH_ITEM_HEAD, MAX_BATCH_ANSWER};
 use tokio::sync::OwnedSemaphorePermit;
 
 use crate::frame::{error_response, respond, Body, Part, Response};
@@ -23,6 +25,8 @@ use crate::store::{GetOutcome, PooledBuf};
 
 /// What one item will be answered with.
 enum Item {
+    /// Found in the memory tier, not yet counted as served.
+    Mem(Arc<PooledBuf>),
     /// Answered: the status, and the record on OK.
     Done(Status, Option<Arc<PooledBuf>>),
     /// Over the answer's byte bound: REJECTED with this message.
@@ -34,6 +38,9 @@ enum Item {
 }
 
 const OVER: &str = "not served: the batch's answer would pass 64 MiB; ask again";
+
+/// Reads from disk one batch has going at once.
+pub const READS_AT_ONCE: usize = 8;
 
 /// How a batch began.
 pub enum Begun {
@@ -56,8 +63,8 @@ pub fn start(shared: &Shared, req: &ReqHeader, body: &[u8]) -> Begun {
     let mut out: Vec<Item> = Vec::with_capacity(items.len());
     let mut pending = false;
     for it in &items {
-        let item = match store.get_cached(it.key, check.then_some(&geo)) {
-            Some(GetOutcome::Hit(rec)) => Item::Done(Status::Ok, Some(rec)),
+        let item = match store.peek_cached(it.key, check.then_some(&geo)) {
+            Some(GetOutcome::Hit(rec)) => Item::Mem(rec),
             Some(GetOutcome::Mismatch) => Item::Done(Status::Mismatch, None),
             _ => match store.try_record_size(it.key) {
                 Some(Some(n)) => Item::Disk(n),
@@ -72,7 +79,7 @@ pub fn start(shared: &Shared, req: &ReqHeader, body: &[u8]) -> Begun {
         out.push(item);
     }
     if !pending {
-        bound(&mut out);
+        bound(shared, |i| items[i].key, &mut out);
         count_asks(shared, &handoff, &out);
         return Begun::Answered(answer(req, out));
     }
@@ -109,37 +116,51 @@ pub async fn finish(shared: &Arc<Shared>, req: &ReqHeader, mut s: Started) -> Re
             };
         }
     }
-    bound(&mut s.items);
-    // The records read count against --max-inflight until written out (at
-    // most one record's worth of the budget a batch, as a single get).
+    let keys = &s.keys;
+    bound(shared, |i| &keys[i], &mut s.items);
+    // The records read count against --max-inflight until written out, as
+    // a single get's do (never more than the whole budget, which would
+    // wait forever).
     let bytes: u64 = s.items.iter().map(|i| if let Item::Disk(n) = i { *n } else { 0 }).sum();
-    let units = bytes.div_ceil(4096).clamp(1, shared.limits.max_record.div_ceil(4096)) as u32;
+    let units = bytes.div_ceil(4096).clamp(1, u64::from(shared.inflight_units.max(1))) as u32;
     let budget: OwnedSemaphorePermit =
         shared.inflight_bytes.clone().acquire_many_owned(units).await.expect("semaphore open");
-    let mut reads = Vec::new();
-    for (i, item) in s.items.iter().enumerate() {
-        if matches!(item, Item::Disk(_)) {
-            let (shared, key, geo) = (shared.clone(), s.keys[i].clone(), s.geo);
-            reads.push((
-                i,
-                tokio::spawn(async move {
-                    let _io = shared.io_slots.acquire().await.expect("semaphore open");
-                    let store = shared.store.clone();
-                    tokio::task::spawn_blocking(move || store.get(&key, geo.as_ref())).await
-                }),
-            ));
-        }
+    let mut reads = tokio::task::JoinSet::new();
+    let disk: Vec<usize> = (0..s.items.len()).filter(|&i| matches!(s.items[i], Item::Disk(_))).collect();
+    let mut todo = disk.into_iter();
+    let spawn = |reads: &mut tokio::task::JoinSet<_>, i: usize| {
+        let (shared, key, geo) = (shared.clone(), s.keys[i].clone(), s.geo);
+        reads.spawn(async move {
+            let _io = shared.io_slots.acquire().await.expect("semaphore open");
+            let store = shared.store.clone();
+            (i, tokio::task::spawn_blocking(move || store.get(&key, geo.as_ref())).await)
+        });
+    };
+    for i in todo.by_ref().take(READS_AT_ONCE) {
+        spawn(&mut reads, i);
     }
-    for (i, read) in reads {
-        s.items[i] = match read.await {
-            Ok(Ok(GetOutcome::Hit(rec))) => Item::Done(Status::Ok, Some(rec)),
-            Ok(Ok(GetOutcome::Mismatch)) => Item::Done(Status::Mismatch, None),
-            Ok(Ok(GetOutcome::Miss)) => Item::Done(Status::Miss, None),
-            _ => {
-                tracing::error!("a batch get's read task failed");
+    while let Some(done) = reads.join_next().await {
+        let Ok((i, read)) = done else {
+            // A read task panicked: the item it had is still Disk, and
+            // is answered INTERNAL below.
+            tracing::error!("a batch get's read task failed");
+            if let Some(next) = todo.next() {
+                spawn(&mut reads, next);
+            }
+            continue;
+        };
+        s.items[i] = match read {
+            Ok(GetOutcome::Hit(rec)) => Item::Done(Status::Ok, Some(rec)),
+            Ok(GetOutcome::Mismatch) => Item::Done(Status::Mismatch, None),
+            Ok(GetOutcome::Miss) => Item::Done(Status::Miss, None),
+            Err(_) => {
+                tracing::error!("a batch get's read failed");
                 Item::Done(Status::Internal, None)
             }
         };
+        if let Some(next) = todo.next() {
+            spawn(&mut reads, next);
+        }
     }
     count_asks(shared, &s.handoff, &s.items);
     let mut r = answer(req, s.items);
@@ -158,19 +179,27 @@ fn count_asks(shared: &Shared, handoff: &[bool], items: &[Item]) {
 }
 
 /// Marks the items past the answer's byte bound (in request order; the
-/// first item always goes).
-fn bound(items: &mut [Item]) {
+/// first item goes unless the frame could not carry it), and counts the
+/// memory-tier hits that stay served.
+fn bound<'k>(shared: &Shared, key: impl Fn(usize) -> &'k [u8], items: &mut [Item]) {
+    // A frame's body length is a u32: the heads and the longest messages
+    // must fit beside the records, whatever the first item's size.
+    let frame_room = u64::from(u32::MAX) - 8 - (BATCH_ITEM_HEAD + OVER.len()) as u64 * items.len() as u64;
     let mut total = 0u64;
     for (i, item) in items.iter_mut().enumerate() {
         let len = match item {
-            Item::Done(_, Some(rec)) => rec.len() as u64,
+            Item::Mem(rec) => rec.len() as u64,
             Item::Disk(n) => *n,
             _ => 0,
         };
         total += len;
-        if i > 0 && len > 0 && total > MAX_BATCH_ANSWER {
+        let limit = if i == 0 { frame_room } else { MAX_BATCH_ANSWER.min(frame_room) };
+        if len > 0 && total > limit {
             total -= len;
             *item = Item::Over;
+        } else if let Item::Mem(rec) = item {
+            shared.store.count_cached_hit(key(i), rec.len());
+            *item = Item::Done(Status::Ok, Some(rec.clone()));
         }
     }
 }
@@ -180,16 +209,16 @@ fn answer(req: &ReqHeader, items: Vec<Item>) -> Response {
     let mut parts = Vec::with_capacity(1 + 2 * items.len());
     let mut heads = wire::encode_batch_answer_head(items.len()).to_vec();
     for item in items {
-        let (status, tail) = match item {
-            Item::Done(s, rec) => (s, rec.map(Part::Record)),
-            Item::Over => (Status::Rejected, Some(Part::Bytes(OVER.as_bytes().to_vec()))),
-            Item::Disk(_) | Item::Unknown => (Status::Internal, None),
+        let (status, flags, tail) = match item {
+            Item::Done(s, rec) => (s, 0, rec.map(Part::Record)),
+            Item::Over => (Status::Rejected, ITEM_AGAIN, Some(Part::Bytes(OVER.as_bytes().to_vec()))),
+            Item::Mem(_) | Item::Disk(_) | Item::Unknown => (Status::Internal, 0, None),
         };
         let len = tail.as_ref().map_or(0, |t| match t {
             Part::Bytes(b) => b.len(),
             Part::Record(r) => r.len(),
         });
-        heads.extend_from_slice(&ItemHead { status, flags: 0, len: len as u32 }.encode());
+        heads.extend_from_slice(&ItemHead { status, flags, len: len as u32 }.encode());
         if let Some(t) = tail {
             // Heads gathered since the last record go as one piece.
             parts.push(Part::Bytes(std::mem::take(&mut heads)));

@@ -17,6 +17,8 @@ pub struct Shared {
     pub limits: Limits,
     /// Bytes of put bodies held at once, in 4 KiB units.
     pub inflight_bytes: Arc<Semaphore>,
+    /// `inflight_bytes`' size in 4 KiB units: no request asks for more.
+    pub inflight_units: u32,
     /// Store operations running in the blocking pool at once.
     pub io_slots: Semaphore,
     pub connections: AtomicU64,
@@ -165,11 +167,12 @@ impl Shared {
             recovery,
             fabric,
         } = settings;
-        let units = max_inflight.div_ceil(4096).min(Semaphore::MAX_PERMITS as u64) as usize;
+        let units = max_inflight.div_ceil(4096).min(Semaphore::MAX_PERMITS as u64).min(u64::from(u32::MAX)) as usize;
         Shared {
             store,
             limits: Limits { max_record },
             inflight_bytes: Arc::new(Semaphore::new(units)),
+            inflight_units: units as u32,
             io_slots: Semaphore::new(64),
             connections: AtomicU64::new(0),
             idle_timeout,

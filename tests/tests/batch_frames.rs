@@ -183,6 +183,12 @@ fn an_answer_stops_at_its_byte_bound_and_the_client_splits_by_bytes() {
     let st: Vec<Status> = items.iter().map(|(h, _)| h.status).collect();
     assert_eq!(st, [[Status::Ok; 7].as_slice(), &[Status::Rejected; 2]].concat());
     assert!(String::from_utf8_lossy(&items[8].1).contains("64 MiB"));
+    let again: Vec<bool> = items.iter().map(|(h, _)| h.flags & wire::ITEM_AGAIN != 0).collect();
+    assert_eq!(
+        again,
+        [[false; 7].as_slice(), &[true; 2]].concat(),
+        "only the items past the bound are to be asked again"
+    );
     // A record alone may pass the bound: the first item always goes.
     let (_, one, _) = raw_batch(&mut conn, FLAG_CHECK_GEOMETRY, &wire::encode_batch_get(&geo(), &list[..1]));
     assert_eq!(one[0].0.status, Status::Ok);
@@ -196,6 +202,19 @@ fn an_answer_stops_at_its_byte_bound_and_the_client_splits_by_bytes() {
         assert_eq!(res[i], (Status::Ok, MIB8), "item {i}");
         assert!(bufs[i] == pages[i], "item {i} bytes");
     }
+    // Buffers smaller than their records: the frame (sized by the buffers)
+    // meets the node's bound, and the items past it are asked again, so
+    // every item gets what a single get answers (too small, and the size).
+    let mut small: Vec<Vec<u8>> = (0..9).map(|_| vec![0u8; 1 << 20]).collect();
+    let single: Vec<(Status, usize)> = keys
+        .iter()
+        .zip(small.iter_mut())
+        .map(|(k, b)| c.getv(k.as_bytes(), &mut [&mut b[..]]).map_or_else(|e| e, |n| (Status::Ok, n)))
+        .collect();
+    assert_eq!(single[0].0, Status::TooSmall, "{single:?}");
+    let mut items: Vec<(&[u8], Vec<&mut [u8]>)> =
+        keys.iter().zip(small.iter_mut()).map(|(k, b)| (k.as_bytes(), vec![&mut b[..]])).collect();
+    assert_eq!(c.batch_getv(&mut items), single, "each item as a single get");
     node.terminate(Duration::from_secs(30));
 }
 

@@ -44,6 +44,17 @@ impl Store {
     /// A get served from the memory tier alone (no I/O, never blocks on a
     /// disk): None when the record is not held in memory.
     pub fn get_cached(&self, key: &[u8], geo: Option<&Geometry>) -> Option<GetOutcome> {
+        let out = self.peek_cached(key, geo)?;
+        if let GetOutcome::Hit(rec) = &out {
+            self.count_cached_hit(key, rec.len());
+        }
+        Some(out)
+    }
+
+    /// As [`Store::get_cached`], but a hit is not counted (nor noted for
+    /// warming) until [`Store::count_cached_hit`]: for a caller that may
+    /// still decide not to serve it (a batch past its byte bound).
+    pub fn peek_cached(&self, key: &[u8], geo: Option<&Geometry>) -> Option<GetOutcome> {
         let rec = self.mem.as_ref()?.get(key)?;
         if let (Some(g), Ok(h)) = (geo, PageHeader::decode(rec.as_slice())) {
             if !g.matches(&h) {
@@ -51,13 +62,17 @@ impl Store {
                 return Some(GetOutcome::Mismatch);
             }
         }
+        Some(GetOutcome::Hit(rec))
+    }
+
+    /// Counts a memory-tier hit found by [`Store::peek_cached`] and served.
+    pub fn count_cached_hit(&self, key: &[u8], len: usize) {
         self.c.mem_hits.fetch_add(1, Ordering::Relaxed);
         self.c.hits.fetch_add(1, Ordering::Relaxed);
-        self.c.bytes_read.fetch_add(rec.len() as u64, Ordering::Relaxed);
+        self.c.bytes_read.fetch_add(len as u64, Ordering::Relaxed);
         if let Some(w) = &self.warmer {
             w.note_read(key);
         }
-        Some(GetOutcome::Hit(rec))
     }
 
     /// A record read for the drain's push: from its disk, without
