@@ -1,13 +1,21 @@
 #!/usr/bin/env bash
-# Builds kv-server, kv-mds and kvctl of the previous data-plane protocol
-# (the last commit before protocol v2) for tests/tests/mixed_versions.rs,
-# once per machine: the binaries are cached outside the clone, keyed on the
-# commit. Prints the directory that holds them (for KVCELLAR_PREV_BIN_DIR).
-# Usage: scripts/prev-release.sh     (exit 3: the commit is not in this clone)
+# Builds kv-server, kv-mds and kvctl of an earlier data-plane protocol for
+# tests/tests/mixed_versions.rs, once per machine: the binaries are cached
+# outside the clone, keyed on the commit. Prints the directory that holds
+# them (scripts/test.sh names it in KVCELLAR_PREV_BIN_DIR, v1, and
+# KVCELLAR_PREV2_BIN_DIR, v2).
+# Usage: scripts/prev-release.sh [v1|v2]   (default v1; exit 3: the commit
+# is not in this clone)
 set -euo pipefail
 cd "$(dirname "$0")/.."
-# The last commit speaking only protocol v1 (the hello without a token).
-PREV=32f23ef6f9e1ee8c81ee950c0b4f2f5e8f62fcab
+case "${1:-v1}" in
+  # The last commit speaking only protocol v1 (the hello without a token).
+  v1) PREV=32f23ef6f9e1ee8c81ee950c0b4f2f5e8f62fcab ;;
+  # The last commit speaking protocol v2 (a token, no batch frames): the
+  # release before this one's protocol v3.
+  v2) PREV=8011e44ba3af25d42d7aeaed45735f1def53e3d3 ;;
+  *) echo "usage: scripts/prev-release.sh [v1|v2]" >&2; exit 2 ;;
+esac
 CACHE=${KVCELLAR_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/kvcellar}
 out=$CACHE/prev-release/$PREV
 if [ -f "$out/.ready" ]; then

@@ -32,15 +32,21 @@ cargo clippy --workspace --all-targets --locked --features rdma -- -D warnings
 echo "== build binaries and libkvclient.so with RDMA (end-to-end tests use them)"
 cargo build --workspace --locked --features rdma
 echo "== the previous release's binaries, for the mixed-version test (built once per machine)"
-rc=0
-prev=$(bash scripts/prev-release.sh) || rc=$?
-if [ "$rc" = 0 ]; then
-  export KVCELLAR_PREV_BIN_DIR=$prev KVCELLAR_REQUIRE_PREV=1
-elif [ "$rc" = 3 ]; then
-  echo "prev-release: the previous release's commit is not in this clone: the mixed-version test is skipped"
-else
-  exit "$rc"
-fi
+for v in v1 v2; do
+  rc=0
+  prev=$(bash scripts/prev-release.sh $v) || rc=$?
+  if [ "$rc" = 0 ]; then
+    if [ $v = v1 ]; then
+      export KVCELLAR_PREV_BIN_DIR=$prev KVCELLAR_REQUIRE_PREV=1
+    else
+      export KVCELLAR_PREV2_BIN_DIR=$prev KVCELLAR_REQUIRE_PREV2=1
+    fi
+  elif [ "$rc" = 3 ]; then
+    echo "prev-release: the $v release's commit is not in this clone: its mixed-version test is skipped"
+  else
+    exit "$rc"
+  fi
+done
 echo "== cargo test"
 # The test binaries are built first, apart: a link that fails for want of
 # room or memory on the machine (not for the code) says so here, with the

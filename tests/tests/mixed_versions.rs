@@ -1,11 +1,14 @@
 //! A rolling upgrade's mixed versions (docs/DEPLOY.md §9, PROTOCOL.md §2.1):
-//! binaries of the previous release (protocol v1 only, built from the last
-//! commit before protocol v2 by `scripts/prev-release.sh`, which
-//! `scripts/test.sh` runs and names in KVCELLAR_PREV_BIN_DIR) beside this
-//! release's, in one group, with every page checked byte for byte.
+//! binaries of earlier releases beside this release's, in one group, with
+//! every page checked byte for byte. `scripts/prev-release.sh` builds them
+//! and `scripts/test.sh` names them: KVCELLAR_PREV_BIN_DIR holds the
+//! protocol v1 release (the last commit before protocol v2),
+//! KVCELLAR_PREV2_BIN_DIR the protocol v2 release (the last commit before
+//! protocol v3 and its batch frames).
 //!
-//! Without KVCELLAR_PREV_BIN_DIR the test says so and passes, unless
-//! KVCELLAR_REQUIRE_PREV=1 (set by scripts/test.sh when the build worked).
+//! Without a directory its test says so and passes, unless
+//! KVCELLAR_REQUIRE_PREV=1 (or KVCELLAR_REQUIRE_PREV2=1), which
+//! scripts/test.sh sets when the build worked.
 
 use std::time::Duration;
 
@@ -17,14 +20,15 @@ use kv_e2e::{run, Node};
 use kvclient::{BlockingClient, Options};
 
 fn prev_bin(name: &str) -> Option<String> {
-    let dir = match std::env::var("KVCELLAR_PREV_BIN_DIR") {
+    release_bin("KVCELLAR_PREV_BIN_DIR", "KVCELLAR_REQUIRE_PREV", name)
+}
+
+fn release_bin(var: &str, require: &str, name: &str) -> Option<String> {
+    let dir = match std::env::var(var) {
         Ok(d) if !d.is_empty() => d,
         _ => {
-            assert!(
-                std::env::var("KVCELLAR_REQUIRE_PREV").as_deref() != Ok("1"),
-                "KVCELLAR_PREV_BIN_DIR is not set (scripts/prev-release.sh)"
-            );
-            eprintln!("mixed versions: KVCELLAR_PREV_BIN_DIR not set: skipped (run scripts/prev-release.sh)");
+            assert!(std::env::var(require).as_deref() != Ok("1"), "{var} is not set (scripts/prev-release.sh)");
+            eprintln!("mixed versions: {var} not set: skipped (run scripts/prev-release.sh)");
             return None;
         }
     };
@@ -164,4 +168,80 @@ fn previous_and_this_release_serve_one_group() {
     let (code, out, err) =
         run("kvctl", &["--auth-token-file", tok.to_str().unwrap(), "put", "--node", &guarded.addr, "k", "v"]);
     assert_eq!(code, 0, "{out}{err}");
+}
+
+/// The release before this one (protocol v2: a token in the hello, no batch
+/// frames) and this one, both guarded by a token: this release's client
+/// speaks v2 to the old node (pipelined GETs) and v3 to the new one
+/// (BATCH_GET frames) within one batch; each release's kvctl works against
+/// the other's node.
+#[test]
+fn the_v2_release_and_this_one_serve_one_group_with_tokens() {
+    let bin = |n| release_bin("KVCELLAR_PREV2_BIN_DIR", "KVCELLAR_REQUIRE_PREV2", n);
+    let (Some(old_server), Some(old_mds), Some(old_kvctl)) = (bin("kv-server"), bin("kv-mds"), bin("kvctl")) else {
+        return;
+    };
+    let t = tempfile::tempdir().unwrap();
+    let tok = t.path().join("token");
+    std::fs::write(&tok, "rolling-upgrade-token").unwrap();
+    let tok_s = tok.to_str().unwrap();
+    let etcd = Etcd::start(t.path().to_path_buf());
+    let mds_new = Mds::start(&etcd.endpoint(), "3s");
+    let mds_old = Mds::start_bin(&old_mds, "127.0.0.1:0", &etcd.endpoint(), "3s", &[]);
+    let eps = format!("{},{}", mds_old.addr, mds_new.addr);
+    let (d_old, d_new) = (t.path().join("old"), t.path().join("new"));
+    let args = ["--no-sync", "--log-level", "info", "--auth-token-file", tok_s];
+    let old = Node::member(&old_server, "127.0.0.1:0", d_old.to_str().unwrap(), &eps, "g", "old", &args);
+    let new = Node::member("kv-server", "127.0.0.1:0", d_new.to_str().unwrap(), &eps, "g", "new", &args);
+    for replica in [&mds_old.addr, &mds_new.addr] {
+        wait_until(Duration::from_secs(20), "both nodes in the view of each replica", || {
+            MdsClient::new(vec![replica.clone()], Duration::from_secs(2))
+                .view("g")
+                .ok()
+                .filter(|v| v.members.len() == 2)
+        });
+    }
+    // This release's client, through the old replica: the old node refuses
+    // its v3 hello and takes v2 with the token.
+    let opts = format!("auth_token_file={tok_s},io_timeout_ms=5000");
+    let c = BlockingClient::new(Vec::new(), geo(), Options::parse(&opts).unwrap()).unwrap();
+    let first = c.start_discovery(vec![mds_old.addr.clone()], "g".into(), Duration::from_millis(500)).unwrap();
+    assert!(first.is_ok(), "{first:?}");
+    let keys: Vec<String> = (0..40).map(|i| format!("v2-mixed-{i}")).collect();
+    for k in &keys {
+        assert_eq!(c.putv(k.as_bytes(), &[&page(k)]), Status::Ok, "{k}");
+    }
+    let mut bufs: Vec<Vec<u8>> = keys.iter().map(|_| vec![0u8; 20_000]).collect();
+    let mut items: Vec<(&[u8], Vec<&mut [u8]>)> =
+        keys.iter().zip(bufs.iter_mut()).map(|(k, b)| (k.as_bytes(), vec![&mut b[..]])).collect();
+    let res = c.batch_getv(&mut items);
+    drop(items);
+    for (i, k) in keys.iter().enumerate() {
+        assert_eq!(res[i], (Status::Ok, 20_000), "{k} in a batch");
+        assert!(bufs[i] == page(k), "{k}: wrong bytes in a batch");
+    }
+    let stats = |addr: &str| {
+        let token = kv_common::auth::Token::new(b"rolling-upgrade-token").unwrap();
+        let mut conn = kvclient::Conn::connect_with(addr, Duration::from_secs(5), Some(&token)).unwrap();
+        conn.stats().unwrap()
+    };
+    let (objs_old, objs_new) = (stats(&old.addr).objects, stats(&new.addr).objects);
+    assert!(objs_old > 0 && objs_new > 0, "keys on both nodes: old {objs_old}, new {objs_new}");
+    // Each release's kvctl against the other's node, with the token.
+    let tokf = ["--auth-token-file", tok_s];
+    let (code, out, err) = run(&old_kvctl, &[&tokf[..], &["put", "--node", &new.addr, "from-v2", "hello-v2"]].concat());
+    assert_eq!(code, 0, "{out}{err}");
+    let (code, out, err) = run("kvctl", &[&tokf[..], &["get", "--node", &new.addr, "from-v2"]].concat());
+    assert_eq!((code, out.as_str()), (0, "hello-v2"), "{err}");
+    let (code, out, err) = run("kvctl", &[&tokf[..], &["put", "--node", &old.addr, "from-v3", "hello-v3"]].concat());
+    assert_eq!(code, 0, "{out}{err}");
+    let (code, out, err) = run(&old_kvctl, &[&tokf[..], &["get", "--node", &old.addr, "from-v3"]].concat());
+    assert_eq!((code, out.as_str()), (0, "hello-v3"), "{err}");
+    // The v2 kvctl through this release's kv-mds, over both nodes.
+    let (code, out, err) =
+        run(&old_kvctl, &[&tokf[..], &["put", "--mds", &mds_new.addr, "--group", "g", "via-mds", "x"]].concat());
+    assert_eq!(code, 0, "{out}{err}");
+    let (code, out, err) =
+        run(&old_kvctl, &[&tokf[..], &["get", "--mds", &mds_new.addr, "--group", "g", "via-mds"]].concat());
+    assert_eq!((code, out.as_str()), (0, "x"), "{err}");
 }
