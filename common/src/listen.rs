@@ -49,6 +49,9 @@ pub struct Gate {
     /// Longest wait for connections to end after shutdown (then they are
     /// dropped, which closes them); None: no limit.
     pub drain_limit: Option<Duration>,
+    /// Runtimes the connections are spread over, in turn (each connection
+    /// lives on one for its whole life); empty: the accept loop's own.
+    pub spread: Vec<tokio::runtime::Handle>,
 }
 
 /// Openings kept by default: far above what real clients have in their
@@ -79,7 +82,7 @@ impl Gate {
         opening_deadline: Duration,
         drain_limit: Option<Duration>,
     ) -> Gate {
-        Gate { name, max_conns, max_opening: MAX_OPENING, opening_deadline, drain_limit }
+        Gate { name, max_conns, max_opening: MAX_OPENING, opening_deadline, drain_limit, spread: Vec::new() }
     }
 }
 
@@ -311,13 +314,32 @@ pub async fn run<S: Service>(
         while tasks.try_join_next().is_some() {}
         let permit = Arc::new(Mutex::new(None));
         let opening = Opening { id, slots: slots.clone(), permit: permit.clone() };
-        let conn = Accepted { stream, peer, opening, shutdown: shutdown.clone() };
+        // A connection served on another runtime is registered with that
+        // runtime's reactor: it leaves this one's as a plain socket.
+        let (stream, home) = if gate.spread.is_empty() {
+            (Ok(stream), None)
+        } else {
+            let home = gate.spread[id as usize % gate.spread.len()].clone();
+            (Err(stream.into_std()), Some(home))
+        };
+        let shutdown_rx = shutdown.clone();
         let mut stop = shutdown.clone();
         let deadline = tokio::time::Instant::now() + gate.opening_deadline;
         let service = service.clone();
         let slots = slots.clone();
         let name = gate.name;
-        tasks.spawn(async move {
+        let task = async move {
+            let stream = match stream {
+                Ok(s) => s,
+                Err(moved) => match moved.and_then(TcpStream::from_std) {
+                    Ok(s) => s,
+                    Err(e) => {
+                        tracing::warn!(listener = name, %peer, error = %e, "cannot move a connection to its runtime");
+                        return;
+                    }
+                },
+            };
+            let conn = Accepted { stream, peer, opening, shutdown: shutdown_rx };
             // Ends the connection if it is still opening at its deadline,
             // when it is closed to make room, or at shutdown; never once
             // admitted (the service then ends it its own way).
@@ -345,7 +367,11 @@ pub async fn run<S: Service>(
                 _ = watchdog => {}
             }
             drop(permit);
-        });
+        };
+        match &home {
+            Some(h) => tasks.spawn_on(task, h),
+            None => tasks.spawn(task),
+        };
     }
     drop(listener);
     if !tasks.is_empty() {
@@ -428,6 +454,7 @@ mod tests {
             max_opening: 4,
             opening_deadline: Duration::from_secs(2),
             drain_limit: Some(Duration::from_secs(5)),
+            spread: Vec::new(),
         };
         let (addr, counters, _tx, _h) = start(gate).await;
         // Twice the cap of silent sockets, and more than the opening budget.
@@ -466,6 +493,7 @@ mod tests {
             max_opening: 4,
             opening_deadline: Duration::from_secs(5),
             drain_limit: Some(Duration::from_secs(5)),
+            spread: Vec::new(),
         };
         let (addr, _counters, tx, h) = start(gate).await;
         let (a, answer) = hello(addr).await;

@@ -35,6 +35,9 @@ pub struct Cli {
     /// Most client connections served at once; more are refused with a hello saying so (default 1024).
     #[arg(long)]
     pub max_conns: Option<usize>,
+    /// Threads that serve client connections, each its own single-threaded runtime; a connection stays on one for its life, and no thread steals another's work. 0: the node's work-stealing runtime (a worker per core) serves them (default: half the cores, at least 1).
+    #[arg(long)]
+    pub conn_threads: Option<usize>,
     /// Seconds a connection may sit idle (no request in flight, none arriving) before the node closes it, freeing its slot; 0: never (default 120). Clients reconnect transparently.
     #[arg(long)]
     pub idle_timeout: Option<u64>,
@@ -108,6 +111,7 @@ pub struct FileConfig {
     pub mem_cap: Option<String>,
     pub log_level: Option<String>,
     pub max_conns: Option<usize>,
+    pub conn_threads: Option<usize>,
     pub idle_timeout: Option<u64>,
     pub max_record: Option<String>,
     pub max_inflight: Option<String>,
@@ -150,6 +154,9 @@ pub struct ServerConfig {
     pub store: StoreConfig,
     pub log_level: tracing::Level,
     pub max_conns: usize,
+    /// Single-threaded runtimes the connections are spread over; 0: the
+    /// node's work-stealing runtime serves them.
+    pub conn_threads: usize,
     /// None: idle connections are never closed.
     pub idle_timeout: Option<std::time::Duration>,
     pub max_record: u64,
@@ -306,6 +313,13 @@ impl ServerConfig {
             },
             log_level,
             max_conns,
+            conn_threads: {
+                let n = cli.conn_threads.or(file.conn_threads).unwrap_or_else(default_conn_threads);
+                if n > 1024 {
+                    return Err("--conn-threads must be at most 1024".into());
+                }
+                n
+            },
             idle_timeout: match cli.idle_timeout.or(file.idle_timeout).unwrap_or(120) {
                 0 => None,
                 s => Some(std::time::Duration::from_secs(s)),
@@ -485,4 +499,11 @@ mod tests {
         let e = cli(&[&base[..], &["--auth-token-file", tok.to_str().unwrap()]].concat()).unwrap_err();
         assert!(e.contains("--auth-token-file") && e.contains("empty"), "{e}");
     }
+}
+
+/// `--conn-threads` by default: half the host's cores (kv-server shares
+/// them with the inference engines; disk I/O runs on the blocking pool
+/// apart), at least one (docs/BENCHMARKS.md, "Set W").
+pub fn default_conn_threads() -> usize {
+    std::thread::available_parallelism().map_or(1, |n| n.get() / 2).max(1)
 }

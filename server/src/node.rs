@@ -127,11 +127,18 @@ impl Node {
             let registry = crate::metrics::registry(&shared, labels);
             rt.spawn(crate::metrics::serve(m, shared.clone(), registry, stopped.clone()));
         }
+        let conn_threads = ConnThreads::start(cfg.conn_threads)?;
         let served = {
             let (handle, shared, max_conns) = (rt.handle().clone(), shared.clone(), cfg.max_conns);
+            let spread = conn_threads.handles.clone();
             std::thread::Builder::new()
                 .name("kv-server-accept".into())
-                .spawn(move || handle.block_on(server::run(listener, shared, max_conns, stopped)))
+                .spawn(move || {
+                    let r = handle.block_on(server::run(listener, shared, max_conns, spread, stopped));
+                    // Every connection has ended: their threads stop.
+                    conn_threads.stop();
+                    r
+                })
                 .map_err(|e| format!("cannot start the accept thread: {e}"))?
         };
         let advertised = cfg.membership.as_ref().map(|m| match m.advertise.rsplit_once(':') {
@@ -394,5 +401,49 @@ mod tests {
         drop(client);
         let again = bind_data_port(addr).expect("a restart rebinds its port past TIME_WAIT");
         listen_data_port(again).expect("and listens");
+    }
+}
+
+/// The threads of `--conn-threads`: each runs a single-threaded runtime
+/// that client connections are placed on, in turn, by the accept loop. A
+/// connection's reads, writes and the tasks it spawns stay on its thread:
+/// no worker wakes another to steal work (docs/ARCHITECTURE.md, "Threads").
+struct ConnThreads {
+    handles: Vec<tokio::runtime::Handle>,
+    stop: tokio::sync::watch::Sender<bool>,
+    threads: Vec<std::thread::JoinHandle<()>>,
+}
+
+impl ConnThreads {
+    fn start(n: usize) -> Result<ConnThreads, String> {
+        let (stop, stopped) = tokio::sync::watch::channel(false);
+        let mut c = ConnThreads { handles: Vec::new(), stop, threads: Vec::new() };
+        for i in 0..n {
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .thread_name("kv-server-conn")
+                .build()
+                .map_err(|e| format!("cannot start a connection runtime: {e}"))?;
+            c.handles.push(rt.handle().clone());
+            let mut stopped = stopped.clone();
+            let t = std::thread::Builder::new()
+                .name(format!("kv-server-conn-{i}"))
+                .spawn(move || {
+                    rt.block_on(async move {
+                        let _ = stopped.wait_for(|s| *s).await;
+                    })
+                })
+                .map_err(|e| format!("cannot start a connection thread: {e}"))?;
+            c.threads.push(t);
+        }
+        Ok(c)
+    }
+
+    /// Stops the threads (once their connections have ended) and waits for them.
+    fn stop(self) {
+        let _ = self.stop.send(true);
+        for t in self.threads {
+            let _ = t.join();
+        }
     }
 }

@@ -26,6 +26,7 @@ pub async fn run(
     listener: TcpListener,
     shared: Arc<Shared>,
     max_conns: usize,
+    spread: Vec<tokio::runtime::Handle>,
     shutdown: watch::Receiver<bool>,
 ) -> std::io::Result<()> {
     let upkeep = tokio::spawn(upkeep(shared.store.clone(), shutdown.clone()));
@@ -33,7 +34,8 @@ pub async fn run(
     // No limit on the drain: connections end their own within DRAIN_MAX plus
     // the frame they are in, and the checkpoint below must come after every
     // request they started.
-    let gate = kv_common::listen::Gate::new("data port", max_conns, hello_deadline, None);
+    let mut gate = kv_common::listen::Gate::new("data port", max_conns, hello_deadline, None);
+    gate.spread = spread;
     let counters = shared.listener.clone();
     kv_common::listen::run(listener, gate, counters, Arc::new(DataPlane(shared.clone())), shutdown).await;
     let _ = upkeep.await;

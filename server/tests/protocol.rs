@@ -73,7 +73,7 @@ impl TestServer {
         let listener = rt.block_on(tokio::net::TcpListener::bind("127.0.0.1:0")).unwrap();
         let addr = listener.local_addr().unwrap();
         let (stop, rx) = tokio::sync::watch::channel(false);
-        let thread = std::thread::spawn(move || rt.block_on(server::run(listener, shared, max_conns, rx)));
+        let thread = std::thread::spawn(move || rt.block_on(server::run(listener, shared, max_conns, Vec::new(), rx)));
         (TestServer { addr, stop, thread: Some(thread), dirs, tmp: Some(tmp) }, kept)
     }
 

@@ -90,7 +90,7 @@ impl Node {
         let addr = listener.local_addr().unwrap();
         let (stop, rx) = tokio::sync::watch::channel(false);
         let s2 = shared.clone();
-        let thread = Some(std::thread::spawn(move || rt.block_on(server::run(listener, s2, 64, rx))));
+        let thread = Some(std::thread::spawn(move || rt.block_on(server::run(listener, s2, 64, Vec::new(), rx))));
         Node { addr, fabric, stop, thread, _tmp: tmp }
     }
 
