@@ -383,6 +383,13 @@ pub fn parse_file(text: &str) -> Result<FileConfig, String> {
     toml::from_str(text).map_err(|e| e.message().to_string())
 }
 
+/// `--conn-threads` by default: half the host's cores (kv-server shares
+/// them with the inference engines; disk I/O runs on the blocking pool
+/// apart), at least one (docs/BENCHMARKS.md, "Set W").
+pub fn default_conn_threads() -> usize {
+    std::thread::available_parallelism().map_or(1, |n| n.get() / 2).max(1)
+}
+
 #[cfg(test)]
 mod tests {
     #[test]
@@ -499,11 +506,4 @@ mod tests {
         let e = cli(&[&base[..], &["--auth-token-file", tok.to_str().unwrap()]].concat()).unwrap_err();
         assert!(e.contains("--auth-token-file") && e.contains("empty"), "{e}");
     }
-}
-
-/// `--conn-threads` by default: half the host's cores (kv-server shares
-/// them with the inference engines; disk I/O runs on the blocking pool
-/// apart), at least one (docs/BENCHMARKS.md, "Set W").
-pub fn default_conn_threads() -> usize {
-    std::thread::available_parallelism().map_or(1, |n| n.get() / 2).max(1)
 }

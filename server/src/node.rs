@@ -344,6 +344,50 @@ fn listen_data_port(s: tokio::net::TcpSocket) -> std::io::Result<tokio::net::Tcp
     s.listen(LISTEN_BACKLOG)
 }
 
+/// The threads of `--conn-threads`: each runs a single-threaded runtime
+/// that client connections are placed on, in turn, by the accept loop. A
+/// connection's reads, writes and the tasks it spawns stay on its thread:
+/// no worker wakes another to steal work (docs/ARCHITECTURE.md, "Threads").
+struct ConnThreads {
+    handles: Vec<tokio::runtime::Handle>,
+    stop: tokio::sync::watch::Sender<bool>,
+    threads: Vec<std::thread::JoinHandle<()>>,
+}
+
+impl ConnThreads {
+    fn start(n: usize) -> Result<ConnThreads, String> {
+        let (stop, stopped) = tokio::sync::watch::channel(false);
+        let mut c = ConnThreads { handles: Vec::new(), stop, threads: Vec::new() };
+        for i in 0..n {
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .thread_name("kv-server-conn")
+                .build()
+                .map_err(|e| format!("cannot start a connection runtime: {e}"))?;
+            c.handles.push(rt.handle().clone());
+            let mut stopped = stopped.clone();
+            let t = std::thread::Builder::new()
+                .name(format!("kv-server-conn-{i}"))
+                .spawn(move || {
+                    rt.block_on(async move {
+                        let _ = stopped.wait_for(|s| *s).await;
+                    })
+                })
+                .map_err(|e| format!("cannot start a connection thread: {e}"))?;
+            c.threads.push(t);
+        }
+        Ok(c)
+    }
+
+    /// Stops the threads (once their connections have ended) and waits for them.
+    fn stop(self) {
+        let _ = self.stop.send(true);
+        for t in self.threads {
+            let _ = t.join();
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -401,49 +445,5 @@ mod tests {
         drop(client);
         let again = bind_data_port(addr).expect("a restart rebinds its port past TIME_WAIT");
         listen_data_port(again).expect("and listens");
-    }
-}
-
-/// The threads of `--conn-threads`: each runs a single-threaded runtime
-/// that client connections are placed on, in turn, by the accept loop. A
-/// connection's reads, writes and the tasks it spawns stay on its thread:
-/// no worker wakes another to steal work (docs/ARCHITECTURE.md, "Threads").
-struct ConnThreads {
-    handles: Vec<tokio::runtime::Handle>,
-    stop: tokio::sync::watch::Sender<bool>,
-    threads: Vec<std::thread::JoinHandle<()>>,
-}
-
-impl ConnThreads {
-    fn start(n: usize) -> Result<ConnThreads, String> {
-        let (stop, stopped) = tokio::sync::watch::channel(false);
-        let mut c = ConnThreads { handles: Vec::new(), stop, threads: Vec::new() };
-        for i in 0..n {
-            let rt = tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .thread_name("kv-server-conn")
-                .build()
-                .map_err(|e| format!("cannot start a connection runtime: {e}"))?;
-            c.handles.push(rt.handle().clone());
-            let mut stopped = stopped.clone();
-            let t = std::thread::Builder::new()
-                .name(format!("kv-server-conn-{i}"))
-                .spawn(move || {
-                    rt.block_on(async move {
-                        let _ = stopped.wait_for(|s| *s).await;
-                    })
-                })
-                .map_err(|e| format!("cannot start a connection thread: {e}"))?;
-            c.threads.push(t);
-        }
-        Ok(c)
-    }
-
-    /// Stops the threads (once their connections have ended) and waits for them.
-    fn stop(self) {
-        let _ = self.stop.send(true);
-        for t in self.threads {
-            let _ = t.join();
-        }
     }
 }
