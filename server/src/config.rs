@@ -35,7 +35,7 @@ pub struct Cli {
     /// Most client connections served at once; more are refused with a hello saying so (default 1024).
     #[arg(long)]
     pub max_conns: Option<usize>,
-    /// Threads that serve client connections, each its own single-threaded runtime; a connection stays on one for its life, and no thread steals another's work. 0: the node's work-stealing runtime (a worker per core) serves them (default: half the cores, at least 1).
+    /// Threads that serve client connections, each its own single-threaded runtime; a connection stays on one for its life, and no thread steals another's work. 0: the node's work-stealing runtime (a worker per core) serves them (default 0). One thread helps small requests and costs memory-acked puts on a small host (docs/BENCHMARKS.md, Set W).
     #[arg(long)]
     pub conn_threads: Option<usize>,
     /// Seconds a connection may sit idle (no request in flight, none arriving) before the node closes it, freeing its slot; 0: never (default 120). Clients reconnect transparently.
@@ -314,7 +314,7 @@ impl ServerConfig {
             log_level,
             max_conns,
             conn_threads: {
-                let n = cli.conn_threads.or(file.conn_threads).unwrap_or_else(default_conn_threads);
+                let n = cli.conn_threads.or(file.conn_threads).unwrap_or(0);
                 if n > 1024 {
                     return Err("--conn-threads must be at most 1024".into());
                 }
@@ -381,13 +381,6 @@ fn load_file(p: &Path) -> Result<FileConfig, String> {
 /// The TOML form of the configuration, parsed (keys not checked yet).
 pub fn parse_file(text: &str) -> Result<FileConfig, String> {
     toml::from_str(text).map_err(|e| e.message().to_string())
-}
-
-/// `--conn-threads` by default: half the host's cores (kv-server shares
-/// them with the inference engines; disk I/O runs on the blocking pool
-/// apart), at least one (docs/BENCHMARKS.md, "Set W").
-pub fn default_conn_threads() -> usize {
-    std::thread::available_parallelism().map_or(1, |n| n.get() / 2).max(1)
 }
 
 #[cfg(test)]
