@@ -1,5 +1,7 @@
-//! One cache node as the client sees it: an address, a pool of idle
-//! connections (at most `max_conns_per_node` in use at once), and health (a
+//! One cache node as the client sees it: an address, its connections (at
+//! most `max_conns_per_node` open at once, for the async core and the
+//! caller-thread path together: one slot count, and idle connections of
+//! either kind closed to make room), and health (a
 //! cool-down after an I/O failure, during which its keys answer
 //! KV_UNAVAILABLE at once without touching the network).
 
@@ -24,14 +26,14 @@ pub struct Node {
     pub addr: String,
     pub weight: u32,
     idle: Mutex<Vec<AsyncConn>>,
-    /// Blocking connections for small requests driven on the caller's
-    /// thread: slots and idle connections under one lock, so a request
-    /// takes its slot and a pooled connection in one acquisition and gives
-    /// both back in one.
+    /// Idle blocking connections for small requests driven on the
+    /// caller's thread, and how many such callers wait for a slot.
     sync: Mutex<SyncPool>,
-    /// Signalled when a slot frees and someone waits for one.
+    /// Signalled when a blocking caller frees a slot and another waits.
     sync_freed: std::sync::Condvar,
     max_conns: usize,
+    /// The node's connection slots, taken by async and blocking requests
+    /// alike: at most `max_conns` requests hold a connection at once.
     slots: Arc<Semaphore>,
     /// Nanoseconds since `epoch` until which the node is avoided (0: healthy).
     cool_until: AtomicU64,
@@ -77,14 +79,17 @@ impl Checkout {
     }
 }
 
-/// A node's blocking connections: slots in use (capped like the async
-/// ones), callers waiting for a slot, and idle connections.
+/// A node's blocking connections: callers waiting for a slot, and idle
+/// connections.
 #[derive(Default)]
 struct SyncPool {
-    in_use: usize,
     waiters: usize,
     idle: Vec<Conn>,
 }
+
+/// Longest a blocking caller sleeps between looks at the slots: a slot an
+/// async request frees signals no condition variable.
+const SLOT_POLL: Duration = Duration::from_millis(1);
 
 /// A blocking-connection slot, with the pooled connection taken with it (if
 /// any) and the one to pool when it is freed. Freed on drop: one lock, and a
@@ -94,6 +99,8 @@ pub struct SyncSlot {
     node: Arc<Node>,
     idle: Option<Conn>,
     back: Option<Conn>,
+    /// Released after the connection is pooled (in drop).
+    permit: Option<OwnedSemaphorePermit>,
 }
 
 impl SyncSlot {
@@ -118,7 +125,6 @@ impl Drop for SyncSlot {
     fn drop(&mut self) {
         let wake = {
             let mut pool = self.node.sync.lock().unwrap_or_else(|e| e.into_inner());
-            pool.in_use -= 1;
             for c in [self.back.take(), self.idle.take()].into_iter().flatten() {
                 if pool.idle.len() < self.node.max_conns {
                     pool.idle.push(c);
@@ -126,6 +132,9 @@ impl Drop for SyncSlot {
             }
             pool.waiters > 0
         };
+        // Released outside the pool's lock (a release takes the
+        // semaphore's own lock).
+        drop(self.permit.take());
         if wake {
             self.node.sync_freed.notify_one();
         }
@@ -218,18 +227,20 @@ impl Node {
     pub fn sync_slot(self: &Arc<Node>, wait: Duration) -> Option<SyncSlot> {
         let deadline = std::time::Instant::now() + wait;
         let mut pool = self.sync.lock().unwrap_or_else(|e| e.into_inner());
-        while pool.in_use >= self.max_conns {
+        let permit = loop {
+            if let Ok(p) = self.slots.clone().try_acquire_owned() {
+                break p;
+            }
             let left = deadline.saturating_duration_since(std::time::Instant::now());
             if left.is_zero() {
                 return None;
             }
             pool.waiters += 1;
-            pool = self.sync_freed.wait_timeout(pool, left).unwrap_or_else(|e| e.into_inner()).0;
+            pool = self.sync_freed.wait_timeout(pool, left.min(SLOT_POLL)).unwrap_or_else(|e| e.into_inner()).0;
             pool.waiters -= 1;
-        }
-        pool.in_use += 1;
+        };
         let idle = pool.idle.pop();
-        Some(SyncSlot { node: self.clone(), idle, back: None })
+        Some(SyncSlot { node: self.clone(), idle, back: None, permit: Some(permit) })
     }
 
     /// Idle blocking connections (small.rs's pool).
@@ -243,6 +254,25 @@ impl Node {
 
     pub fn in_use(&self, max: usize) -> usize {
         max - self.slots.available_permits()
+    }
+
+    /// Before a connection is opened for a held slot: closes idle
+    /// connections (either kind) until the slots held and the idle
+    /// connections are at most `max_conns`, so the new one keeps the node's
+    /// open connections within it.
+    pub fn make_room(&self) {
+        let in_use = self.max_conns - self.slots.available_permits().min(self.max_conns);
+        loop {
+            let mut a = self.idle.lock().unwrap_or_else(|e| e.into_inner());
+            let mut b = self.sync.lock().unwrap_or_else(|e| e.into_inner());
+            if in_use + a.len() + b.idle.len() <= self.max_conns {
+                return;
+            }
+            // The older kind's last one: either closes the same.
+            if a.pop().is_none() {
+                b.idle.pop();
+            }
+        }
     }
 
     /// Waits for a connection slot (local: no network involved).
@@ -264,6 +294,7 @@ impl Node {
                 return Ok(Checkout { node: self.clone(), conn: Some(conn), reused: true, _slot: slot });
             }
         }
+        self.make_room();
         let conn = tokio::time::timeout(connect_timeout, connect(self)).await.map_err(|_| OpError::Timeout)??;
         Ok(Checkout { node: self.clone(), conn: Some(conn), reused: false, _slot: slot })
     }

@@ -183,6 +183,7 @@ impl Client {
         } else if let Some(c) = slot.take_idle() {
             return Ok((c, true));
         }
+        node.make_room();
         Ok((connect(node, self.opts.connect_timeout.min(io))?, false))
     }
 

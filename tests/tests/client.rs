@@ -352,9 +352,60 @@ fn small_requests_respect_the_per_node_connection_cap() {
     }
     stop.store(true, Ordering::Relaxed);
     let max = monitor.join().unwrap();
-    // The monitor's own, the put's pooled async one, and at most one blocking
-    // one in use (4 threads would open 4 without the cap).
+    // The monitor's own and one of the handle's (4 threads would open 4
+    // without the cap); the put's pooled async one is closed to make room,
+    // and the node may count it until it reads the close.
     assert!(max <= 3, "{max} connections open at once");
+}
+
+/// The caller-thread path (exists, single gets) and the async core (batch
+/// gets) share one cap: once the load ends, the node holds at most
+/// `max_conns_per_node` connections of the handle (each kind's idle ones
+/// made room for the other's), not one pool's worth of each.
+#[test]
+fn both_request_paths_share_one_connection_cap() {
+    let t = tempfile::tempdir().unwrap();
+    let nodes = Node::cluster(&t, 1, &[]);
+    let c = Arc::new(client(&Node::members(&nodes), "max_conns_per_node=2,batch_concurrency=2"));
+    let keys: Vec<String> = (0..8).map(|i| format!("cap-{i}")).collect();
+    for k in &keys {
+        assert_eq!(c.putv(k.as_bytes(), &[k.as_bytes()]), Status::Ok);
+    }
+    let workers: Vec<_> = (0..4)
+        .map(|w| {
+            let (c, keys) = (c.clone(), keys.clone());
+            std::thread::spawn(move || {
+                for _ in 0..200 {
+                    if w % 2 == 0 {
+                        assert_eq!(c.exist(keys[0].as_bytes()), Status::Ok);
+                        assert_eq!(get(&c, &keys[1], 64).unwrap(), keys[1].as_bytes());
+                    } else {
+                        let mut bufs: Vec<Vec<u8>> = keys.iter().map(|_| vec![0u8; 64]).collect();
+                        let mut items: Vec<(&[u8], Vec<&mut [u8]>)> =
+                            keys.iter().zip(bufs.iter_mut()).map(|(k, b)| (k.as_bytes(), vec![&mut b[..]])).collect();
+                        let res = c.batch_getv(&mut items);
+                        assert!(res.iter().all(|r| r.0 == Status::Ok), "{res:?}");
+                    }
+                }
+            })
+        })
+        .collect();
+    for w in workers {
+        w.join().unwrap();
+    }
+    // The node counts a connection until it has read the close: poll.
+    let mut conn = kvclient::Conn::connect(&nodes[0].addr, Duration::from_secs(5)).unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let mut open = conn.stats().unwrap().connections;
+    while open > 3 && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(20));
+        open = conn.stats().unwrap().connections;
+    }
+    // This monitor's own and at most two of the handle's.
+    assert!(open <= 3, "{open} connections open (the cap is 2, plus this one)");
+    let topology = c.core.topology();
+    let idle = topology.nodes[0].idle_conns() + topology.nodes[0].sync_idle();
+    assert!(idle <= 2, "{idle} idle connections pooled for one node");
 }
 
 /// A batch exist larger than `max_conns_per_node` chunks (4096 keys each) to
