@@ -47,6 +47,19 @@ fn page(key: &str) -> Vec<u8> {
     (0..20_000u32).map(|i| (seed.wrapping_add(i.wrapping_mul(2_654_435_761)) >> 13) as u8).collect()
 }
 
+/// One batch get of `keys`, every page checked byte for byte.
+fn batch_reads_every_page(c: &BlockingClient, keys: &[String]) {
+    let mut bufs: Vec<Vec<u8>> = keys.iter().map(|_| vec![0u8; 20_000]).collect();
+    let mut items: Vec<(&[u8], Vec<&mut [u8]>)> =
+        keys.iter().zip(bufs.iter_mut()).map(|(k, b)| (k.as_bytes(), vec![&mut b[..]])).collect();
+    let res = c.batch_getv(&mut items);
+    drop(items);
+    for (i, k) in keys.iter().enumerate() {
+        assert_eq!(res[i], (Status::Ok, 20_000), "{k} in a batch");
+        assert!(bufs[i] == page(k), "{k}: wrong bytes in a batch");
+    }
+}
+
 #[test]
 fn previous_and_this_release_serve_one_group() {
     let (Some(old_server), Some(old_mds), Some(old_kvctl)) =
@@ -94,15 +107,7 @@ fn previous_and_this_release_serve_one_group() {
     }
     // One batch over both nodes: BATCH_GET frames to this release's node,
     // one GET an item to the previous release's (it agreed on v1).
-    let mut bufs: Vec<Vec<u8>> = keys.iter().map(|_| vec![0u8; 20_000]).collect();
-    let mut items: Vec<(&[u8], Vec<&mut [u8]>)> =
-        keys.iter().zip(bufs.iter_mut()).map(|(k, b)| (k.as_bytes(), vec![&mut b[..]])).collect();
-    let res = c.batch_getv(&mut items);
-    drop(items);
-    for (i, k) in keys.iter().enumerate() {
-        assert_eq!(res[i], (Status::Ok, 20_000), "{k} in a batch");
-        assert!(bufs[i] == page(k), "{k}: wrong bytes in a batch");
-    }
+    batch_reads_every_page(&c, &keys);
     let on = |addr: &str| {
         let mut conn = kvclient::Conn::connect(addr, Duration::from_secs(5)).unwrap();
         conn.stats().unwrap()
@@ -211,15 +216,7 @@ fn the_v2_release_and_this_one_serve_one_group_with_tokens() {
     for k in &keys {
         assert_eq!(c.putv(k.as_bytes(), &[&page(k)]), Status::Ok, "{k}");
     }
-    let mut bufs: Vec<Vec<u8>> = keys.iter().map(|_| vec![0u8; 20_000]).collect();
-    let mut items: Vec<(&[u8], Vec<&mut [u8]>)> =
-        keys.iter().zip(bufs.iter_mut()).map(|(k, b)| (k.as_bytes(), vec![&mut b[..]])).collect();
-    let res = c.batch_getv(&mut items);
-    drop(items);
-    for (i, k) in keys.iter().enumerate() {
-        assert_eq!(res[i], (Status::Ok, 20_000), "{k} in a batch");
-        assert!(bufs[i] == page(k), "{k}: wrong bytes in a batch");
-    }
+    batch_reads_every_page(&c, &keys);
     let stats = |addr: &str| {
         let token = kv_common::auth::Token::new(b"rolling-upgrade-token").unwrap();
         let mut conn = kvclient::Conn::connect_with(addr, Duration::from_secs(5), Some(&token)).unwrap();
