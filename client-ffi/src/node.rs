@@ -27,10 +27,8 @@ pub struct Node {
     pub weight: u32,
     idle: Mutex<Vec<AsyncConn>>,
     /// Idle blocking connections for small requests driven on the
-    /// caller's thread, and how many such callers wait for a slot.
+    /// caller's thread.
     sync: Mutex<SyncPool>,
-    /// Signalled when a blocking caller frees a slot and another waits.
-    sync_freed: std::sync::Condvar,
     max_conns: usize,
     /// The node's connection slots, taken by async and blocking requests
     /// alike: at most `max_conns` requests hold a connection at once.
@@ -79,22 +77,16 @@ impl Checkout {
     }
 }
 
-/// A node's blocking connections: callers waiting for a slot, and idle
-/// connections.
+/// A node's idle blocking connections.
 #[derive(Default)]
 struct SyncPool {
-    waiters: usize,
     idle: Vec<Conn>,
 }
 
-/// Longest a blocking caller sleeps between looks at the slots: a slot an
-/// async request frees signals no condition variable.
-const SLOT_POLL: Duration = Duration::from_millis(1);
-
 /// A blocking-connection slot, with the pooled connection taken with it (if
-/// any) and the one to pool when it is freed. Freed on drop: one lock, and a
-/// wake-up only when a caller waits (a condition variable's notify is a
-/// system call even with no waiter, and small requests free a slot each).
+/// any) and the one to pool when it is freed. Freed on drop: the connection
+/// pooled under one lock, then the slot handed to the next waiter of either
+/// path (the semaphore's queue, first come first served).
 pub struct SyncSlot {
     node: Arc<Node>,
     idle: Option<Conn>,
@@ -123,21 +115,30 @@ impl SyncSlot {
 
 impl Drop for SyncSlot {
     fn drop(&mut self) {
-        let wake = {
+        {
             let mut pool = self.node.sync.lock().unwrap_or_else(|e| e.into_inner());
             for c in [self.back.take(), self.idle.take()].into_iter().flatten() {
                 if pool.idle.len() < self.node.max_conns {
                     pool.idle.push(c);
                 }
             }
-            pool.waiters > 0
-        };
-        // Released outside the pool's lock (a release takes the
-        // semaphore's own lock).
-        drop(self.permit.take());
-        if wake {
-            self.node.sync_freed.notify_one();
         }
+        // Released outside the pool's lock (a release takes the
+        // semaphore's own lock, and wakes the next waiter).
+        drop(self.permit.take());
+    }
+}
+
+/// Wakes a thread parked in [`Node::sync_slot`].
+struct Unpark(std::thread::Thread);
+
+impl std::task::Wake for Unpark {
+    fn wake(self: Arc<Self>) {
+        self.0.unpark();
+    }
+
+    fn wake_by_ref(self: &Arc<Self>) {
+        self.0.unpark();
     }
 }
 
@@ -149,7 +150,6 @@ impl Node {
             weight,
             idle: Mutex::new(Vec::new()),
             sync: Mutex::new(SyncPool::default()),
-            sync_freed: std::sync::Condvar::new(),
             max_conns,
             slots: Arc::new(Semaphore::new(max_conns)),
             cool_until: AtomicU64::new(0),
@@ -225,21 +225,36 @@ impl Node {
     /// connection if there is one, waiting up to `wait` for a slot to free
     /// (None then: a local timeout).
     pub fn sync_slot(self: &Arc<Node>, wait: Duration) -> Option<SyncSlot> {
-        let deadline = std::time::Instant::now() + wait;
-        let mut pool = self.sync.lock().unwrap_or_else(|e| e.into_inner());
-        let permit = loop {
-            if let Ok(p) = self.slots.clone().try_acquire_owned() {
-                break p;
+        let permit = match self.slots.clone().try_acquire_owned() {
+            Ok(p) => p,
+            Err(tokio::sync::TryAcquireError::Closed) => return None,
+            // Every slot taken: wait in the semaphore's own queue, behind
+            // the async requests already waiting and before later ones (a
+            // freed slot goes to the queue's head, so a caller that only
+            // tried again would never get one while async requests wait).
+            // The caller's thread is no runtime's: it parks until woken.
+            Err(tokio::sync::TryAcquireError::NoPermits) => {
+                let deadline = Instant::now() + wait;
+                let waker = std::task::Waker::from(Arc::new(Unpark(std::thread::current())));
+                let mut cx = std::task::Context::from_waker(&waker);
+                let mut acquire = std::pin::pin!(self.slots.clone().acquire_owned());
+                loop {
+                    match std::future::Future::poll(acquire.as_mut(), &mut cx) {
+                        std::task::Poll::Ready(Ok(p)) => break p,
+                        std::task::Poll::Ready(Err(_)) => return None,
+                        std::task::Poll::Pending => {
+                            let left = deadline.saturating_duration_since(Instant::now());
+                            if left.is_zero() {
+                                // Dropping the future leaves the queue.
+                                return None;
+                            }
+                            std::thread::park_timeout(left);
+                        }
+                    }
+                }
             }
-            let left = deadline.saturating_duration_since(std::time::Instant::now());
-            if left.is_zero() {
-                return None;
-            }
-            pool.waiters += 1;
-            pool = self.sync_freed.wait_timeout(pool, left.min(SLOT_POLL)).unwrap_or_else(|e| e.into_inner()).0;
-            pool.waiters -= 1;
         };
-        let idle = pool.idle.pop();
+        let idle = self.sync.lock().unwrap_or_else(|e| e.into_inner()).idle.pop();
         Some(SyncSlot { node: self.clone(), idle, back: None, permit: Some(permit) })
     }
 
@@ -257,22 +272,30 @@ impl Node {
     }
 
     /// Before a connection is opened for a held slot: closes idle
-    /// connections (either kind) until the slots held and the idle
-    /// connections are at most `max_conns`, so the new one keeps the node's
-    /// open connections within it.
+    /// connections (either kind, the oldest of the kind with more idle)
+    /// until the slots held and the idle connections are at most
+    /// `max_conns`, so the new one keeps the node's open connections
+    /// within it (but for a moment while a stale one is replaced). They are
+    /// closed after the pools' locks are released.
     pub fn make_room(&self) {
         let in_use = self.max_conns - self.slots.available_permits().min(self.max_conns);
-        loop {
+        let mut closing_async = Vec::new();
+        let mut closing_sync = Vec::new();
+        {
             let mut a = self.idle.lock().unwrap_or_else(|e| e.into_inner());
             let mut b = self.sync.lock().unwrap_or_else(|e| e.into_inner());
-            if in_use + a.len() + b.idle.len() <= self.max_conns {
-                return;
-            }
-            // The older kind's last one: either closes the same.
-            if a.pop().is_none() {
-                b.idle.pop();
+            while in_use + a.len() + b.idle.len() > self.max_conns {
+                if a.len() >= b.idle.len() && !a.is_empty() {
+                    closing_async.push(a.remove(0));
+                } else if !b.idle.is_empty() {
+                    closing_sync.push(b.idle.remove(0));
+                } else {
+                    break;
+                }
             }
         }
+        drop(closing_async);
+        drop(closing_sync);
     }
 
     /// Waits for a connection slot (local: no network involved).

@@ -171,7 +171,9 @@ pub async fn finish(shared: &Arc<Shared>, req: &ReqHeader, mut s: Started) -> Re
 /// Counts the batch's handoff asks and their hits (as GET with
 /// FLAG_HANDOFF counts each ask).
 fn count_asks(shared: &Shared, handoff: &[bool], items: &[Item]) {
-    let asks = handoff.iter().filter(|h| **h).count();
+    // An item past the answer's bound is asked again (a single GET, which
+    // counts itself): it is not an ask here.
+    let asks = handoff.iter().zip(items).filter(|(h, i)| **h && !matches!(i, Item::Over)).count();
     if asks > 0 {
         let hits = handoff.iter().zip(items).filter(|(h, i)| **h && matches!(i, Item::Done(Status::Ok, _))).count();
         shared.handoff.count_asks(asks, hits);

@@ -366,19 +366,23 @@ fn small_requests_respect_the_per_node_connection_cap() {
 fn both_request_paths_share_one_connection_cap() {
     let t = tempfile::tempdir().unwrap();
     let nodes = Node::cluster(&t, 1, &[]);
-    let c = Arc::new(client(&Node::members(&nodes), "max_conns_per_node=2,batch_concurrency=2"));
+    let c = Arc::new(client(&Node::members(&nodes), "max_conns_per_node=2,batch_concurrency=2,io_timeout_ms=5000"));
     let keys: Vec<String> = (0..8).map(|i| format!("cap-{i}")).collect();
     for k in &keys {
         assert_eq!(c.putv(k.as_bytes(), &[k.as_bytes()]), Status::Ok);
     }
-    let workers: Vec<_> = (0..4)
+    let workers: Vec<_> = (0..6)
         .map(|w| {
             let (c, keys) = (c.clone(), keys.clone());
             std::thread::spawn(move || {
                 for _ in 0..200 {
                     if w % 2 == 0 {
+                        // A caller-thread request waits in the slots' queue
+                        // with the async ones, never behind all of them.
+                        let t0 = Instant::now();
                         assert_eq!(c.exist(keys[0].as_bytes()), Status::Ok);
                         assert_eq!(get(&c, &keys[1], 64).unwrap(), keys[1].as_bytes());
+                        assert!(t0.elapsed() < Duration::from_secs(2), "waited {:?} for a slot", t0.elapsed());
                     } else {
                         let mut bufs: Vec<Vec<u8>> = keys.iter().map(|_| vec![0u8; 64]).collect();
                         let mut items: Vec<(&[u8], Vec<&mut [u8]>)> =

@@ -53,7 +53,9 @@ impl Store {
 
     /// As [`Store::get_cached`], but a hit is not counted (nor noted for
     /// warming) until [`Store::count_cached_hit`]: for a caller that may
-    /// still decide not to serve it (a batch past its byte bound).
+    /// still decide not to serve it (a batch past its byte bound). Its
+    /// recency is refreshed either way: a client asks such an item again
+    /// at once.
     pub fn peek_cached(&self, key: &[u8], geo: Option<&Geometry>) -> Option<GetOutcome> {
         let rec = self.mem.as_ref()?.get(key)?;
         if let (Some(g), Ok(h)) = (geo, PageHeader::decode(rec.as_slice())) {
