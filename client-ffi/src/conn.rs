@@ -470,18 +470,7 @@ impl Conn<Async> {
 
     /// Writes all of `parts` with vectored writes.
     pub(crate) async fn write_parts(&mut self, parts: &[&[u8]]) -> Result<(), OpError> {
-        use tokio::io::AsyncWriteExt;
-        let mut slices: Vec<std::io::IoSlice<'_>> =
-            parts.iter().filter(|p| !p.is_empty()).map(|p| std::io::IoSlice::new(p)).collect();
-        let mut rest: &mut [std::io::IoSlice<'_>] = &mut slices;
-        while !rest.is_empty() {
-            let n = self.socket.stream.write_vectored(rest).await?;
-            if n == 0 {
-                return Err(OpError::Io(std::io::ErrorKind::WriteZero.into()));
-            }
-            std::io::IoSlice::advance_slices(&mut rest, n);
-        }
-        Ok(())
+        Ok(kv_common::io::write_all_parts(&mut self.socket.stream, parts).await?)
     }
 
     /// Sends one request frame (header, then each body part): its id.

@@ -22,6 +22,7 @@ pub mod cli;
 pub mod conn;
 #[cfg(feature = "daemon")]
 pub mod daemon;
+pub mod io;
 #[cfg(feature = "daemon")]
 pub mod listen;
 pub mod mds;

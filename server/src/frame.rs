@@ -124,22 +124,6 @@ pub async fn read_body_by(
     }
 }
 
-/// Writes all of `parts` with vectored writes (the kernel takes at most
-/// IOV_MAX slices a call; the rest go in the next).
-async fn write_all_parts(w: &mut OwnedWriteHalf, parts: &[&[u8]]) -> std::io::Result<()> {
-    let mut slices: Vec<std::io::IoSlice<'_>> =
-        parts.iter().filter(|p| !p.is_empty()).map(|p| std::io::IoSlice::new(p)).collect();
-    let mut rest: &mut [std::io::IoSlice<'_>] = &mut slices;
-    while !rest.is_empty() {
-        let n = w.write_vectored(rest).await?;
-        if n == 0 {
-            return Err(std::io::ErrorKind::WriteZero.into());
-        }
-        std::io::IoSlice::advance_slices(&mut rest, n);
-    }
-    Ok(())
-}
-
 /// The write half, shared by the tasks answering this connection's requests:
 /// each writes its own response (no hand-off to a writer task, so an answer
 /// costs no extra task wake-up). Each response must be written within 30 s
@@ -207,7 +191,7 @@ impl Out {
                         let mut all: Vec<&[u8]> = Vec::with_capacity(parts.len() + 1);
                         all.push(&r.header);
                         all.extend(parts.iter().map(Part::as_slice));
-                        write_all_parts(w.get_mut(), &all).await?;
+                        kv_common::io::write_all_parts(w.get_mut(), &all).await?;
                     } else {
                         w.write_all(&r.header).await?;
                         for p in parts {
