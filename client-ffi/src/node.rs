@@ -373,3 +373,47 @@ async fn ask_remote(conn: &mut AsyncConn, setup: &mut Setup<'_>, name: &str) -> 
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::options::Options;
+    use crate::rdma::Fabric;
+
+    /// While async requests keep the one slot busy, each queued before the
+    /// other frees it, a caller-thread request still gets the slot in its
+    /// turn: a freed slot goes to the semaphore's queue head, so one that
+    /// only tried again would wait out its whole deadline.
+    #[test]
+    fn a_caller_thread_waits_its_turn_among_async_requests() {
+        let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+        let node = Arc::new(Node::new(
+            "n1".into(),
+            "127.0.0.1:9".into(),
+            1,
+            1,
+            None,
+            Fabric::start(&Options::default()).offer(),
+        ));
+        let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        for _ in 0..2 {
+            let (node, stop) = (node.clone(), stop.clone());
+            rt.spawn(async move {
+                while !stop.load(Ordering::Relaxed) {
+                    let slot = node.slot().await.unwrap();
+                    tokio::time::sleep(Duration::from_millis(5)).await;
+                    drop(slot);
+                }
+            });
+        }
+        // Both async loops running: one holds the slot, the other waits.
+        std::thread::sleep(Duration::from_millis(50));
+        for _ in 0..5 {
+            let t0 = Instant::now();
+            let slot = node.sync_slot(Duration::from_secs(3));
+            assert!(slot.is_some(), "no slot within 3 s");
+            assert!(t0.elapsed() < Duration::from_millis(500), "waited {:?}", t0.elapsed());
+        }
+        stop.store(true, Ordering::Relaxed);
+    }
+}

@@ -109,7 +109,7 @@ fn get_on(
     if key.is_empty() || key.len() > MAX_KEY_LEN {
         // As the node answers such a GET (and before a buffer sized for
         // the longest key is sliced by it).
-        let why = format!("key length {} outside 1..=1024", key.len());
+        let why = format!("key length {} outside 1..={MAX_KEY_LEN}", key.len());
         return Ok(GetReply { status: OpError::refused(Status::BadRequest, why.as_bytes()).status(), len: 0 });
     }
     let deadline = Instant::now() + io;

@@ -199,9 +199,11 @@ fn bound<'k>(shared: &Shared, key: impl Fn(usize) -> &'k [u8], items: &mut [Item
         if len > 0 && total > limit {
             total -= len;
             *item = Item::Over;
-        } else if let Item::Mem(rec) = item {
-            shared.store.count_cached_hit(key(i), rec.len());
-            *item = Item::Done(Status::Ok, Some(rec.clone()));
+        } else if let Item::Mem(_) = item {
+            if let Item::Mem(rec) = std::mem::replace(item, Item::Unknown) {
+                shared.store.count_cached_hit(key(i), rec.len());
+                *item = Item::Done(Status::Ok, Some(rec));
+            }
         }
     }
 }

@@ -361,13 +361,13 @@ impl ConnThreads {
         for i in 0..n {
             let rt = tokio::runtime::Builder::new_current_thread()
                 .enable_all()
-                .thread_name("kv-server-conn")
+                .thread_name("kv-server-conn-io")
                 .build()
                 .map_err(|e| format!("cannot start a connection runtime: {e}"))?;
             c.handles.push(rt.handle().clone());
             let mut stopped = stopped.clone();
             let t = std::thread::Builder::new()
-                .name(format!("kv-server-conn-{i}"))
+                .name(format!("kv-conn-{i}"))
                 .spawn(move || {
                     rt.block_on(async move {
                         let _ = stopped.wait_for(|s| *s).await;

@@ -53,6 +53,13 @@ fn connections_on_any_number_of_threads_serve_every_page_and_stop_cleanly() {
                 });
             }
         });
+        // The connections were spread: every connection thread served
+        // (each wait for a socket is a voluntary switch; an unused thread
+        // sleeps once), and with 0 there are none.
+        let served = conn_thread_switches(node.pid());
+        let want: usize = threads.parse().unwrap();
+        assert_eq!(served.len(), want, "--conn-threads {threads}: threads {served:?}");
+        assert!(served.iter().all(|&n| n > 10), "--conn-threads {threads}: a thread served nothing: {served:?}");
         node.signal(libc::SIGTERM);
         let (status, lines) = node.wait_exit_lines(Duration::from_secs(30));
         assert!(status.success(), "--conn-threads {threads}: {status:?}\n{}", lines.join("\n"));
@@ -62,4 +69,24 @@ fn connections_on_any_number_of_threads_serve_every_page_and_stop_cleanly() {
         kv_e2e::run("kv-server", &["--listen", "127.0.0.1:0", "--dir", "x", "--cap", "1M", "--conn-threads", "5000"]);
     assert_ne!(code, 0);
     assert!(err.contains("--conn-threads"), "{err}");
+}
+
+/// Voluntary context switches of each of the node's connection threads
+/// (named `kv-conn-N`; their blocking pools' threads are `kv-server-conn-io`).
+fn conn_thread_switches(pid: i32) -> Vec<u64> {
+    let mut out = Vec::new();
+    for t in std::fs::read_dir(format!("/proc/{pid}/task")).unwrap().flatten() {
+        let comm = std::fs::read_to_string(t.path().join("comm")).unwrap_or_default();
+        if !comm.trim_end().starts_with("kv-conn-") {
+            continue;
+        }
+        let status = std::fs::read_to_string(t.path().join("status")).unwrap_or_default();
+        let n = status
+            .lines()
+            .find_map(|l| l.strip_prefix("voluntary_ctxt_switches:"))
+            .and_then(|v| v.trim().parse().ok())
+            .unwrap_or(0);
+        out.push(n);
+    }
+    out
 }
