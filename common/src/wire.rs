@@ -15,12 +15,14 @@ use crate::status::Status;
 pub const WIRE_MAGIC: u32 = 0x5743_564B;
 /// The newest protocol version this code speaks. v2 added the auth token
 /// after the client's hello; v3 the batch frames (BATCH_GET) and, in the
-/// client's hello, room for a tenant id. Other frames are the same in every
-/// version.
-pub const WIRE_VERSION: u16 = 3;
+/// client's hello, room for a tenant id; v4 the batch writes (BATCH_PUT,
+/// BATCH_DELETE). Other frames are the same in every version.
+pub const WIRE_VERSION: u16 = 4;
 /// The first version that carries batch frames: a client sends them only on
 /// a connection whose hello agreed on this version or a later one.
 pub const WIRE_VERSION_BATCH: u16 = 3;
+/// The first version that carries BATCH_PUT and BATCH_DELETE.
+pub const WIRE_VERSION_BATCH_WRITE: u16 = 4;
 /// The oldest version this code still speaks (a node serves v1 clients when
 /// it has no token; a client falls back to v1 against a v1 node).
 pub const WIRE_VERSION_MIN: u16 = 1;
@@ -68,6 +70,20 @@ pub const ITEM_HOT: u8 = 2;
 /// Flag on an item of a BATCH_GET answer: `REJECTED` only because the
 /// answer reached its byte bound ([`MAX_BATCH_ANSWER`]); ask it again.
 pub const ITEM_AGAIN: u8 = 1;
+/// Flag on an item of a BATCH_PUT answer: `OK`, the key was already stored
+/// (as [`RSP_FLAG_DUPLICATE`] on a PUT).
+pub const ITEM_DUPLICATE: u8 = 2;
+/// Bytes before a BATCH_PUT's or BATCH_DELETE's first item, and before the
+/// first item of any batch answer: u32 count, u32 reserved.
+pub const BATCH_HEAD: usize = 8;
+/// The records one BATCH_PUT carries stop at 64 MiB (a larger record goes
+/// as a PUT of its own).
+pub const MAX_BATCH_PUT_RECORDS: u64 = 64 << 20;
+/// Largest BATCH_PUT body: its head, 1024 item heads and 64 MiB of records.
+pub const MAX_BATCH_PUT_BODY: u32 =
+    (BATCH_HEAD + MAX_BATCH_ITEMS * BATCH_ITEM_HEAD) as u32 + MAX_BATCH_PUT_RECORDS as u32;
+/// Largest BATCH_DELETE body: its head and 1024 items with maximal keys.
+pub const MAX_BATCH_DELETE_BODY: u32 = (BATCH_HEAD + MAX_BATCH_ITEMS * (4 + MAX_KEY_LEN)) as u32;
 /// Request flag: compare the stored geometry with the request's (GET, EXIST, BATCH_EXIST).
 pub const FLAG_CHECK_GEOMETRY: u8 = 1;
 /// Response flag on PUT: the key was already stored (write-once; not rewritten).
@@ -106,6 +122,10 @@ pub enum Op {
     RdmaConnect = 8,
     /// Many gets in one frame, answered by one frame (protocol v3).
     BatchGet = 9,
+    /// Many puts in one frame, answered by one frame (protocol v4).
+    BatchPut = 10,
+    /// Many deletes in one frame, answered by one frame (protocol v4).
+    BatchDelete = 11,
 }
 
 impl Op {
@@ -120,6 +140,8 @@ impl Op {
             7 => Op::Ping,
             8 => Op::RdmaConnect,
             9 => Op::BatchGet,
+            10 => Op::BatchPut,
+            11 => Op::BatchDelete,
             _ => return None,
         })
     }
@@ -135,6 +157,8 @@ impl Op {
             Op::Ping => "ping",
             Op::RdmaConnect => "rdma_connect",
             Op::BatchGet => "batch_get",
+            Op::BatchPut => "batch_put",
+            Op::BatchDelete => "batch_delete",
         }
     }
 }
@@ -344,6 +368,8 @@ impl ReqHeader {
             Op::Put => limits.max_record.min(u32::MAX as u64),
             Op::BatchExist => MAX_BATCH_BODY as u64,
             Op::BatchGet => MAX_BATCH_GET_BODY as u64,
+            Op::BatchPut => MAX_BATCH_PUT_BODY as u64,
+            Op::BatchDelete => MAX_BATCH_DELETE_BODY as u64,
             _ => MAX_SMALL_BODY as u64,
         };
         if h.body_len as u64 > max {
@@ -498,14 +524,7 @@ pub fn encode_batch_get(geometry: &Geometry, items: &[BatchItem<'_>]) -> Vec<u8>
     let total: usize = items.iter().map(|i| 4 + i.key.len()).sum();
     let mut v = Vec::with_capacity(BATCH_GET_HEAD + total);
     v.extend_from_slice(&geometry.encode());
-    v.extend_from_slice(&(items.len() as u32).to_le_bytes());
-    v.extend_from_slice(&0u32.to_le_bytes());
-    for i in items {
-        v.push(i.flags);
-        v.push(0);
-        v.extend_from_slice(&(i.key.len() as u16).to_le_bytes());
-        v.extend_from_slice(i.key);
-    }
+    encode_key_items(&mut v, items);
     v
 }
 
@@ -517,28 +536,184 @@ pub fn decode_batch_get(b: &[u8]) -> Result<(Geometry, Vec<BatchItem<'_>>), Wire
         return Err(WireError::Malformed(WHAT));
     }
     let geometry = Geometry::decode(b).ok_or(WireError::Malformed(WHAT))?;
-    let count = le_u32(b, GEOMETRY_WIRE_LEN) as usize;
-    let mut rest = &b[BATCH_GET_HEAD..];
+    Ok((geometry, decode_key_items(&b[GEOMETRY_WIRE_LEN..], WHAT)?))
+}
+
+/// A batch's count and items of the BATCH_GET shape (flags, reserved, u16
+/// key length, key), which must fill `b` exactly.
+fn decode_key_items<'a>(b: &'a [u8], what: &'static str) -> Result<Vec<BatchItem<'a>>, WireError> {
+    if b.len() < BATCH_HEAD {
+        return Err(WireError::Malformed(what));
+    }
+    let count = le_u32(b, 0) as usize;
+    let mut rest = &b[BATCH_HEAD..];
     // Each item takes at least 5 bytes: a count beyond that is a lie.
     if count == 0 || count > MAX_BATCH_ITEMS || count > rest.len() / 5 {
-        return Err(WireError::Malformed(WHAT));
+        return Err(WireError::Malformed(what));
     }
     let mut items = Vec::with_capacity(count);
     for _ in 0..count {
         if rest.len() < 4 {
-            return Err(WireError::Malformed(WHAT));
+            return Err(WireError::Malformed(what));
         }
         let n = le_u16(rest, 2) as usize;
         if n == 0 || n > MAX_KEY_LEN || rest.len() < 4 + n {
-            return Err(WireError::Malformed(WHAT));
+            return Err(WireError::Malformed(what));
         }
         items.push(BatchItem { flags: rest[0], key: &rest[4..4 + n] });
         rest = &rest[4 + n..];
     }
     if !rest.is_empty() {
+        return Err(WireError::Malformed(what));
+    }
+    Ok(items)
+}
+
+/// The items after a batch's count, in the BATCH_GET shape.
+fn encode_key_items(v: &mut Vec<u8>, items: &[BatchItem<'_>]) {
+    v.extend_from_slice(&(items.len() as u32).to_le_bytes());
+    v.extend_from_slice(&0u32.to_le_bytes());
+    for i in items {
+        v.push(i.flags);
+        v.push(0);
+        v.extend_from_slice(&(i.key.len() as u16).to_le_bytes());
+        v.extend_from_slice(i.key);
+    }
+}
+
+/// A BATCH_DELETE body (docs/PROTOCOL.md §2.5): u32 count, u32 reserved,
+/// then items as a BATCH_GET's (flags 0, reserved, u16 key length, key).
+pub fn encode_batch_delete(items: &[BatchItem<'_>]) -> Vec<u8> {
+    let total: usize = items.iter().map(|i| 4 + i.key.len()).sum();
+    let mut v = Vec::with_capacity(BATCH_HEAD + total);
+    encode_key_items(&mut v, items);
+    v
+}
+
+/// Decodes a BATCH_DELETE body; it must end after the last key.
+pub fn decode_batch_delete(b: &[u8]) -> Result<Vec<BatchItem<'_>>, WireError> {
+    decode_key_items(b, "batch_delete")
+}
+
+/// The head of one item of a BATCH_PUT request: flags ([`ITEM_HANDOFF`]:
+/// a handoff copy, aged `copy_age` as a PUT's header carries it), and the
+/// length of the record that follows it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PutItemHead {
+    pub flags: u8,
+    pub copy_age: u16,
+    pub record_len: u32,
+}
+
+impl PutItemHead {
+    pub fn encode(&self) -> [u8; BATCH_ITEM_HEAD] {
+        let mut b = [0u8; BATCH_ITEM_HEAD];
+        b[0] = self.flags;
+        b[2..4].copy_from_slice(&self.copy_age.to_le_bytes());
+        b[4..8].copy_from_slice(&self.record_len.to_le_bytes());
+        b
+    }
+
+    pub fn decode(b: &[u8; BATCH_ITEM_HEAD]) -> PutItemHead {
+        PutItemHead { flags: b[0], copy_age: le_u16(b, 2), record_len: le_u32(b, 4) }
+    }
+
+    /// Whether this item's record fits in the `left` bytes of the body
+    /// that follow its head (a record that does not is a malformed frame).
+    pub fn fits(&self, left: u64) -> bool {
+        u64::from(self.record_len) <= left
+    }
+}
+
+/// The count a BATCH_PUT's head announces, if it is within 1..=1024.
+pub fn batch_count(b: &[u8; BATCH_HEAD]) -> Option<usize> {
+    let n = le_u32(b, 0) as usize;
+    (1..=MAX_BATCH_ITEMS).contains(&n).then_some(n)
+}
+
+/// Splits a whole BATCH_PUT body into its items' heads and records, as a
+/// node reads it (which it does as the bytes arrive, by the same rules: a
+/// known count, each record within the body, nothing after the last).
+/// The records themselves are checked one by one (`page::parse_record`):
+/// a bad one is that item's refusal, not the frame's.
+pub fn decode_batch_put(b: &[u8]) -> Result<Vec<(PutItemHead, &[u8])>, WireError> {
+    const WHAT: &str = "batch_put";
+    let head: &[u8; BATCH_HEAD] =
+        b.get(..BATCH_HEAD).and_then(|h| h.try_into().ok()).ok_or(WireError::Malformed(WHAT))?;
+    let count = batch_count(head).ok_or(WireError::Malformed(WHAT))?;
+    let mut rest = &b[BATCH_HEAD..];
+    if count > rest.len() / BATCH_ITEM_HEAD {
         return Err(WireError::Malformed(WHAT));
     }
-    Ok((geometry, items))
+    let mut items = Vec::with_capacity(count);
+    for _ in 0..count {
+        let ib: &[u8; BATCH_ITEM_HEAD] =
+            rest.get(..BATCH_ITEM_HEAD).and_then(|h| h.try_into().ok()).ok_or(WireError::Malformed(WHAT))?;
+        let ih = PutItemHead::decode(ib);
+        rest = &rest[BATCH_ITEM_HEAD..];
+        if !ih.fits(rest.len() as u64) {
+            return Err(WireError::Malformed(WHAT));
+        }
+        let n = ih.record_len as usize;
+        items.push((ih, &rest[..n]));
+        rest = &rest[n..];
+    }
+    if !rest.is_empty() {
+        return Err(WireError::Malformed(WHAT));
+    }
+    Ok(items)
+}
+
+/// A whole BATCH_PUT body from items' heads and records (the client writes
+/// the same bytes from its buffers, without this copy).
+pub fn encode_batch_put(items: &[(PutItemHead, &[u8])]) -> Vec<u8> {
+    let mut v = Vec::with_capacity(BATCH_HEAD + items.iter().map(|(_, r)| BATCH_ITEM_HEAD + r.len()).sum::<usize>());
+    v.extend_from_slice(&encode_batch_answer_head(items.len()));
+    for (h, r) in items {
+        v.extend_from_slice(&h.encode());
+        v.extend_from_slice(r);
+    }
+    v
+}
+
+/// Decodes the body of a BATCH_PUT or BATCH_DELETE answer: one head per
+/// item, each followed by its message (empty on `OK` and `MISS`). It must
+/// hold exactly `count` items.
+pub fn decode_batch_answer(b: &[u8], count: usize) -> Result<Vec<(ItemHead, &[u8])>, WireError> {
+    const WHAT: &str = "batch answer";
+    let head: &[u8; BATCH_HEAD] =
+        b.get(..BATCH_HEAD).and_then(|h| h.try_into().ok()).ok_or(WireError::Malformed(WHAT))?;
+    if decode_batch_answer_head(head) != count || count > b.len() / BATCH_ITEM_HEAD {
+        return Err(WireError::Malformed(WHAT));
+    }
+    let mut rest = &b[BATCH_HEAD..];
+    let mut items = Vec::with_capacity(count);
+    for _ in 0..count {
+        let ib: &[u8; BATCH_ITEM_HEAD] =
+            rest.get(..BATCH_ITEM_HEAD).and_then(|h| h.try_into().ok()).ok_or(WireError::Malformed(WHAT))?;
+        let ih = ItemHead::decode(ib);
+        rest = &rest[BATCH_ITEM_HEAD..];
+        let n = ih.len as usize;
+        let msg = rest.get(..n).ok_or(WireError::Malformed(WHAT))?;
+        items.push((ih, msg));
+        rest = &rest[n..];
+    }
+    if !rest.is_empty() {
+        return Err(WireError::Malformed(WHAT));
+    }
+    Ok(items)
+}
+
+/// The body of a BATCH_PUT or BATCH_DELETE answer: the head, then each
+/// item's head and message.
+pub fn encode_batch_answer(items: &[(ItemHead, &[u8])]) -> Vec<u8> {
+    let mut v = Vec::with_capacity(BATCH_HEAD + items.iter().map(|(_, m)| BATCH_ITEM_HEAD + m.len()).sum::<usize>());
+    v.extend_from_slice(&encode_batch_answer_head(items.len()));
+    for (h, m) in items {
+        v.extend_from_slice(&h.encode());
+        v.extend_from_slice(m);
+    }
+    v
 }
 
 /// The head of a BATCH_GET answer's body: u32 count, u32 reserved.
@@ -714,8 +889,10 @@ mod tests {
         assert_eq!(b.len(), HELLO_LEN);
         let h = Hello::decode(b[..].try_into().unwrap()).unwrap();
         assert_eq!(ClientHello::judge(&h), ClientHello::Speak { version: 1, token_len: 0 });
+        let h = Hello { version: WIRE_VERSION + 1, status: 0, max_record: 0 };
+        assert_eq!(ClientHello::judge(&h), ClientHello::Unsupported(WIRE_VERSION + 1));
         let h = Hello { version: 4, status: 0, max_record: 0 };
-        assert_eq!(ClientHello::judge(&h), ClientHello::Unsupported(4));
+        assert_eq!(ClientHello::judge(&h), ClientHello::Speak { version: 4, token_len: 0 });
         let h = Hello { version: 2, status: 5000, max_record: 0 };
         assert_eq!(ClientHello::judge(&h), ClientHello::TokenTooLong(5000));
         // The client's side.
@@ -725,6 +902,7 @@ mod tests {
         assert!(matches!(judge_hello(1, &reply(1, HELLO_VERSION_REFUSED)), HelloVerdict::Refused(_)));
         assert_eq!(judge_hello(1, &reply(3, HELLO_DENIED)), HelloVerdict::Retry(3), "a node that wants a token");
         assert_eq!(judge_hello(1, &reply(2, HELLO_DENIED)), HelloVerdict::Retry(2), "a v2 node that wants one");
+        assert_eq!(judge_hello(4, &reply(3, HELLO_VERSION_REFUSED)), HelloVerdict::Retry(3), "a v3 node");
         assert_eq!(judge_hello(2, &reply(2, HELLO_DENIED)), HelloVerdict::Denied);
         assert!(matches!(judge_hello(2, &reply(2, 77)), HelloVerdict::Refused(_)));
     }
@@ -792,6 +970,53 @@ mod tests {
     }
 
     #[test]
+    fn batch_writes_round_trip_and_lies_are_refused() {
+        let (r0, r1) = (crate::page::build_record(geo(), b"k0", b"zero"), vec![9u8; 70]);
+        let items = [
+            (PutItemHead { flags: 0, copy_age: 0, record_len: r0.len() as u32 }, &r0[..]),
+            (PutItemHead { flags: ITEM_HANDOFF, copy_age: 0x8001, record_len: 70 }, &r1[..]),
+        ];
+        let body = encode_batch_put(&items);
+        assert_eq!(body.len(), BATCH_HEAD + 2 * BATCH_ITEM_HEAD + r0.len() + 70);
+        assert_eq!(&body[..8], &[2, 0, 0, 0, 0, 0, 0, 0]);
+        assert_eq!(&body[8 + 8 + r0.len()..8 + 16 + r0.len()], &[1, 0, 1, 0x80, 70, 0, 0, 0]);
+        assert_eq!(decode_batch_put(&body).unwrap(), items);
+        for cut in 1..body.len() {
+            assert!(decode_batch_put(&body[..body.len() - cut]).is_err(), "cut {cut}");
+        }
+        let mut trailing = body.clone();
+        trailing.push(0);
+        assert!(decode_batch_put(&trailing).is_err(), "trailing bytes");
+        assert!(decode_batch_put(&encode_batch_put(&[])).is_err(), "an empty batch");
+        let mut lie = body.clone();
+        lie[..4].copy_from_slice(&(MAX_BATCH_ITEMS as u32 + 1).to_le_bytes());
+        assert!(decode_batch_put(&lie).is_err(), "more items than allowed");
+        assert_eq!(batch_count(&[0, 4, 0, 0, 0, 0, 0, 0]), Some(1024));
+        assert_eq!(batch_count(&[1, 4, 0, 0, 0, 0, 0, 0]), None);
+
+        let keys = [BatchItem { flags: 0, key: b"a" }, BatchItem { flags: 0, key: b"bb" }];
+        let del = encode_batch_delete(&keys);
+        assert_eq!(del, [2, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1, 0, b'a', 0, 0, 2, 0, b'b', b'b']);
+        assert_eq!(decode_batch_delete(&del).unwrap(), keys);
+        assert!(decode_batch_delete(&del[..del.len() - 1]).is_err());
+
+        let answer = [
+            (ItemHead { status: Status::Ok, flags: ITEM_DUPLICATE, len: 0 }, &b""[..]),
+            (ItemHead { status: Status::Rejected, flags: 0, len: 4 }, &b"full"[..]),
+        ];
+        let a = encode_batch_answer(&answer);
+        assert_eq!(decode_batch_answer(&a, 2).unwrap(), answer);
+        assert!(decode_batch_answer(&a, 3).is_err(), "the wrong count");
+        assert!(decode_batch_answer(&a[..a.len() - 1], 2).is_err(), "a message cut short");
+        for (op, max) in [(Op::BatchPut, MAX_BATCH_PUT_BODY), (Op::BatchDelete, MAX_BATCH_DELETE_BODY)] {
+            let ok = ReqHeader { op, flags: 0, copy_age: 0, body_len: max, req_id: 1 };
+            assert!(ReqHeader::decode(&ok.encode(), &Limits::default()).is_ok());
+            let over = ReqHeader { body_len: max + 1, ..ok };
+            assert!(ReqHeader::decode(&over.encode(), &Limits::default()).is_err(), "{op:?} over its limit");
+        }
+    }
+
+    #[test]
     fn a_v3_hello_has_room_for_a_tenant_and_older_ones_keep_their_zeros() {
         let v3 = client_hello(3, Some(b"tok"));
         assert_eq!(&v3[..16], &[0x4b, 0x56, 0x43, 0x57, 3, 0, 3, 0, 0, 0, 0, 0, 0, 0, 0, 0]);
@@ -827,6 +1052,17 @@ mod tests {
             let _ = decode_batch_status(&bytes);
             if let Ok((_, items)) = decode_batch_get(&bytes) {
                 prop_assert!(items.len() <= bytes.len() / 5);
+            }
+            if let Ok(items) = decode_batch_put(&bytes) {
+                prop_assert!(items.len() <= bytes.len() / BATCH_ITEM_HEAD);
+            }
+            if let Ok(items) = decode_batch_delete(&bytes) {
+                prop_assert!(items.len() <= bytes.len() / 5);
+            }
+            for n in [1, 2, 7] {
+                if let Ok(items) = decode_batch_answer(&bytes, n) {
+                    prop_assert_eq!(items.len(), n);
+                }
             }
             let _ = crate::page::parse_record(&bytes);
         }

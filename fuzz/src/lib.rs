@@ -49,6 +49,8 @@ pub fn frame(data: &[u8]) {
         Op::Put => limits.max_record,
         Op::BatchExist => wire::MAX_BATCH_BODY as u64,
         Op::BatchGet => wire::MAX_BATCH_GET_BODY as u64,
+        Op::BatchPut => wire::MAX_BATCH_PUT_BODY as u64,
+        Op::BatchDelete => wire::MAX_BATCH_DELETE_BODY as u64,
         _ => wire::MAX_SMALL_BODY as u64,
     };
     assert!(u64::from(req.body_len) <= max, "{req:?} passes a body over its limit");
@@ -73,6 +75,24 @@ pub fn frame(data: &[u8]) {
                 let again = wire::encode_batch_get(&geo, &items);
                 assert_eq!(again.len(), body.len(), "a batch re-encodes to its length");
                 assert_eq!(wire::decode_batch_get(&again).expect("re-encoded batch").1, items);
+            }
+        }
+        Op::BatchPut => {
+            // The items' heads and records are what the node reads; each
+            // record is then checked as a PUT's body is.
+            if let Ok(items) = wire::decode_batch_put(body) {
+                assert!(!items.is_empty() && items.len() <= wire::MAX_BATCH_ITEMS);
+                assert_eq!(wire::encode_batch_put(&items).len(), body.len(), "a batch put re-encodes to its length");
+                for (_, record) in items {
+                    page(record);
+                }
+            }
+        }
+        Op::BatchDelete => {
+            if let Ok(items) = wire::decode_batch_delete(body) {
+                assert!(!items.is_empty() && items.len() <= wire::MAX_BATCH_ITEMS);
+                let again = wire::encode_batch_delete(&items);
+                assert_eq!(again.len(), body.len(), "a batch delete re-encodes to its length");
             }
         }
         Op::Put => page(body),
@@ -193,6 +213,12 @@ pub fn client_reply(data: &[u8]) {
         let _ = wire::decode_batch_answer_head(h);
         let item = wire::ItemHead::decode(h);
         assert_eq!(wire::ItemHead::decode(&item.encode()), item);
+    }
+    // A BATCH_PUT or BATCH_DELETE answer: what decodes re-encodes.
+    if let Some(&n) = data.first() {
+        if let Ok(items) = wire::decode_batch_answer(data, usize::from(n)) {
+            assert_eq!(wire::encode_batch_answer(&items).len(), data.len());
+        }
     }
     let _ = serde_json::from_slice::<kv_common::stats::NodeStats>(data);
     if let Some(h) = data.get(..wire::HELLO_LEN) {

@@ -223,6 +223,13 @@ fn seeds() {
         wire::BatchItem { flags: wire::ITEM_HANDOFF, key: b"page-key-2" },
     ];
     write("frame", "batch_get", &hdr(Op::BatchGet, &wire::encode_batch_get(&geo, &items)));
+    write("frame", "hello_v4", &wire::client_hello(4, Some(b"token")));
+    let puts = [
+        (wire::PutItemHead { flags: 0, copy_age: 0, record_len: rec.len() as u32 }, &rec[..]),
+        (wire::PutItemHead { flags: wire::ITEM_HANDOFF, copy_age: 12, record_len: rec.len() as u32 }, &rec[..]),
+    ];
+    write("frame", "batch_put", &hdr(Op::BatchPut, &wire::encode_batch_put(&puts)));
+    write("frame", "batch_delete", &hdr(Op::BatchDelete, &wire::encode_batch_delete(&items)));
     {
         use kv_common::wire::{encode_segments, Segment};
         use kv_rdma::bootstrap::{Answer, Endpoint};
@@ -295,6 +302,12 @@ weight = 4
         .extend_from_slice(&wire::ItemHead { status: kv_common::Status::Ok, flags: 0, len: rec.len() as u32 }.encode());
     answer.extend_from_slice(&rec);
     write("client_reply", "batch_get_answer", &answer);
+    let heads = [
+        (wire::ItemHead { status: kv_common::Status::Ok, flags: wire::ITEM_DUPLICATE, len: 0 }, &b""[..]),
+        (wire::ItemHead { status: kv_common::Status::Rejected, flags: 0, len: 4 }, &b"full"[..]),
+    ];
+    // Its first byte is its count (2), as the target reads it.
+    write("client_reply", "batch_put_answer", &wire::encode_batch_answer(&heads));
     write("client_reply", "stats", serde_json::to_string(&kv_common::stats::NodeStats::default()).unwrap().as_bytes());
     write("client_reply", "hello", &Hello { version: 2, status: 0, max_record: 1 << 28 }.encode());
     write(

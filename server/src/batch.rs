@@ -10,16 +10,23 @@
 //! those of other requests.
 //! The answer is written with vectored writes straight from the records'
 //! buffers.
+//!
+//! BATCH_PUT and BATCH_DELETE (protocol v4) are here too: the connection's
+//! reader takes a batch put's records into their own buffers as they
+//! arrive (`crate::conn`), and [`put`] stores them as single puts are
+//! stored, a few at once, answering item by item in one frame.
 
 use std::sync::Arc;
 
 use kv_common::page::Geometry;
 use kv_common::status::Status;
 use kv_common::wire::{self, ItemHead, ReqHeader, FLAG_CHECK_GEOMETRY, FLAG_HANDOFF, ITEM_AGAIN, ITEM_HANDOFF};
-use kv_common::wire::{BATCH_ITEM_HEAD, MAX_BATCH_ANSWER};
+use kv_common::wire::{Op, BATCH_ITEM_HEAD, ITEM_DUPLICATE, MAX_BATCH_ANSWER, RSP_FLAG_DUPLICATE};
 use tokio::sync::OwnedSemaphorePermit;
+use tokio::time::Instant;
 
 use crate::frame::{error_response, respond, Body, Part, Response};
+use crate::ops::{counted, Session};
 use crate::state::Shared;
 use crate::store::{GetOutcome, PooledBuf};
 
@@ -233,4 +240,93 @@ fn answer(req: &ReqHeader, items: Vec<Item>) -> Response {
         parts.push(Part::Bytes(heads));
     }
     respond(req, Status::Ok, 0, Body::Parts(parts))
+}
+
+/// Puts of one batch stored at once: on media acks each waits for its
+/// flush, and the flushes of puts in flight together are one group commit.
+pub const WRITES_AT_ONCE: usize = 8;
+
+/// One item of a BATCH_PUT as the connection's reader took it.
+pub enum PutItem {
+    /// Refused before the store (not a record, over `--max-record`).
+    Refused(Status, String),
+    /// A whole record in its own buffer, with its share of `--max-inflight`.
+    Record { flags: u8, copy_age: u16, buf: PooledBuf, mem: OwnedSemaphorePermit },
+}
+
+/// Stores a BATCH_PUT's items as single puts are stored ([`crate::ops`]'s
+/// put pipeline, a handoff copy's rules for items with `ITEM_HANDOFF`), at
+/// most [`WRITES_AT_ONCE`] at a time, and answers them in one frame in
+/// request order. `rest`: what of the frame's share of `--max-inflight`
+/// no item took. `t0`: when the whole frame was in hand.
+pub async fn put(
+    shared: Arc<Shared>,
+    s: Arc<Session>,
+    req: ReqHeader,
+    items: Vec<PutItem>,
+    rest: OwnedSemaphorePermit,
+    permit: OwnedSemaphorePermit,
+    t0: Instant,
+) {
+    use futures_util::stream::{self, StreamExt};
+    let answers: Vec<(Status, u8, Vec<u8>)> = stream::iter(items)
+        .map(|item| {
+            let shared = &shared;
+            async move {
+                match item {
+                    PutItem::Refused(status, why) => (status, 0, why.into_bytes()),
+                    PutItem::Record { flags, copy_age, buf, mem } => {
+                        let one = ReqHeader {
+                            op: Op::Put,
+                            flags: if flags & ITEM_HANDOFF != 0 { FLAG_HANDOFF } else { 0 },
+                            copy_age,
+                            body_len: buf.len() as u32,
+                            req_id: req.req_id,
+                        };
+                        let (status, rflags, msg) = crate::ops::store_put(shared, &one, buf, mem, t0).await.into_item();
+                        let dup = if rflags & RSP_FLAG_DUPLICATE != 0 { ITEM_DUPLICATE } else { 0 };
+                        (status, dup, msg)
+                    }
+                }
+            }
+        })
+        .buffered(WRITES_AT_ONCE)
+        .collect()
+        .await;
+    drop(rest);
+    let r = small_answer(&req, answers);
+    s.out.send(counted(&shared, req.op, t0, r)).await;
+    drop(permit);
+}
+
+/// BATCH_DELETE: each key's tombstone first (as DELETE), then the deletes,
+/// in one pass off the reactor (each appends to an index journal).
+pub async fn delete(shared: &Arc<Shared>, req: &ReqHeader, body: &[u8]) -> Response {
+    let items = match wire::decode_batch_delete(body) {
+        Ok(i) => i,
+        Err(e) => return error_response(req, Status::BadRequest, &e.to_string()),
+    };
+    for it in &items {
+        shared.handoff.deleted(kv_common::page::key_hash(it.key));
+    }
+    let keys: Vec<Vec<u8>> = items.iter().map(|i| i.key.to_vec()).collect();
+    let store = shared.store.clone();
+    let _io = shared.io_slots.acquire().await.expect("semaphore open");
+    match tokio::task::spawn_blocking(move || keys.iter().map(|k| store.delete(k)).collect::<Vec<bool>>()).await {
+        Ok(found) => small_answer(
+            req,
+            found.into_iter().map(|f| (if f { Status::Ok } else { Status::Miss }, 0, Vec::new())).collect(),
+        ),
+        Err(_) => error_response(req, Status::Internal, "internal error"),
+    }
+}
+
+/// A batch answer without records: the head, then each item's head and
+/// message, in one buffer.
+fn small_answer(req: &ReqHeader, items: Vec<(Status, u8, Vec<u8>)>) -> Response {
+    let heads: Vec<(ItemHead, &[u8])> = items
+        .iter()
+        .map(|(status, flags, msg)| (ItemHead { status: *status, flags: *flags, len: msg.len() as u32 }, &msg[..]))
+        .collect();
+    respond(req, Status::Ok, 0, Body::Bytes(wire::encode_batch_answer(&heads)))
 }

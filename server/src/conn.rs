@@ -298,6 +298,9 @@ async fn read_request(
     if req.op == Op::Put {
         return read_put(rd, session, shared, req, permit, deadline).await;
     }
+    if req.op == Op::BatchPut {
+        return read_batch_put(rd, session, shared, req, permit, deadline).await;
+    }
     // Memory follows the bytes that arrive, not the length claimed: a peer
     // that announces a 4 MiB batch and dribbles it holds what it sent. Small
     // bodies (every GET, EXIST, DELETE; at most 64 KiB) are read in one go.
@@ -392,6 +395,115 @@ async fn read_put(
     pre.extend_from_slice(&rest[..key_len]);
     let payload = Payload::Remote { pre, segs, record_len: h.record_len() as usize };
     tokio::spawn(ops::put(shared.clone(), session, req, payload, permit, Instant::now()));
+    Ok(())
+}
+
+/// Reads a BATCH_PUT's frame (docs/PROTOCOL.md §2.5): its count, the
+/// frame's share of `--max-inflight` (refused whole when the budget
+/// cannot hold it), then each item's head and page header, and its record straight
+/// into a buffer of its own. A record that fails its header's checks is
+/// that item's refusal; a frame whose items do not fill its body exactly
+/// is refused whole (BAD_REQUEST, nothing stored), and the connection
+/// stays usable: its length delimits it. The records are stored in
+/// [`crate::batch::put`].
+async fn read_batch_put(
+    rd: &mut BufReader<OwnedReadHalf>,
+    session: &Arc<Session>,
+    shared: &Arc<Shared>,
+    req: ReqHeader,
+    permit: OwnedSemaphorePermit,
+    deadline: Instant,
+) -> Result<(), ConnError> {
+    use crate::batch::PutItem;
+    use wire::{PutItemHead, BATCH_HEAD, BATCH_ITEM_HEAD};
+    let len = u64::from(req.body_len);
+    let mut left = len;
+    let mut hb = [0u8; BATCH_HEAD];
+    let count = if left >= BATCH_HEAD as u64 {
+        read_exact_by(rd, &mut hb, deadline).await?;
+        left -= BATCH_HEAD as u64;
+        wire::batch_count(&hb)
+    } else {
+        None
+    };
+    let Some(count) = count else {
+        skip(rd, left, deadline).await?;
+        let why = "malformed batch_put body: its count is not within 1..=1024";
+        refuse(shared, session, &req, Status::BadRequest, why).await;
+        return Ok(());
+    };
+    // The frame's share of --max-inflight: its bytes, and a unit more an
+    // item for the rounding of each record's buffer. A frame the whole
+    // budget cannot hold is refused whole (its records would pass it).
+    let units = len.div_ceil(4096) + count as u64;
+    if units > u64::from(shared.inflight_units) {
+        skip(rd, left, deadline).await?;
+        let why = format!(
+            "batch_put of {len} bytes in {count} items over this node's --max-inflight: send it in smaller frames"
+        );
+        refuse(shared, session, &req, Status::Rejected, &why).await;
+        return Ok(());
+    }
+    let mut mem = shared.inflight_bytes.clone().acquire_many_owned(units as u32).await.expect("semaphore open");
+    // Waiting for memory is the node's doing, not the peer's.
+    let deadline = deadline.max(Instant::now() + shared.frame_timeout + frame_allowance(req.body_len));
+    let mut items: Vec<PutItem> = Vec::with_capacity(count);
+    let mut malformed = None;
+    for _ in 0..count {
+        if left < BATCH_ITEM_HEAD as u64 {
+            malformed = Some("an item's head passes the frame's end");
+            break;
+        }
+        let mut ib = [0u8; BATCH_ITEM_HEAD];
+        read_exact_by(rd, &mut ib, deadline).await?;
+        left -= BATCH_ITEM_HEAD as u64;
+        let ih = PutItemHead::decode(&ib);
+        if !ih.fits(left) {
+            malformed = Some("an item's record passes the frame's end");
+            break;
+        }
+        let n = ih.record_len as usize;
+        let mut head = [0u8; HEADER_LEN];
+        let hn = n.min(HEADER_LEN);
+        read_exact_by(rd, &mut head[..hn], deadline).await?;
+        let verdict = match PageHeader::decode(&head[..hn]) {
+            Ok(h) if h.record_len() != n as u64 => Err("record length disagrees with the item's length".to_string()),
+            Ok(_) if n as u64 > shared.limits.max_record => Ok(false),
+            Ok(_) => Ok(true),
+            Err(e) => Err(e.to_string()),
+        };
+        match verdict {
+            Ok(true) => {
+                let mut buf = shared.store.pool().get(n);
+                buf.full_mut()[..HEADER_LEN].copy_from_slice(&head);
+                read_body_by(rd, &mut buf.full_mut()[HEADER_LEN..n], deadline).await?;
+                buf.set_len(n);
+                let want = (n as u64).div_ceil(4096) as usize;
+                let share = mem.split(want.min(mem.num_permits())).expect("within the permit's count");
+                items.push(PutItem::Record { flags: ih.flags, copy_age: ih.copy_age, buf, mem: share });
+            }
+            Ok(false) => {
+                skip(rd, (n - hn) as u64, deadline).await?;
+                items.push(PutItem::Refused(Status::Rejected, "record over the node's --max-record".into()));
+            }
+            Err(msg) => {
+                skip(rd, (n - hn) as u64, deadline).await?;
+                items.push(PutItem::Refused(Status::BadRequest, format!("invalid record: {msg}")));
+            }
+        }
+        left -= n as u64;
+    }
+    if malformed.is_none() && left > 0 {
+        malformed = Some("bytes follow its last item");
+    }
+    if let Some(why) = malformed {
+        skip(rd, left, deadline).await?;
+        drop(items);
+        refuse(shared, session, &req, Status::BadRequest, &format!("malformed batch_put body: {why}")).await;
+        return Ok(());
+    }
+    let t0 = Instant::now();
+    tokio::spawn(crate::batch::put(shared.clone(), session.clone(), req, items, mem, permit, t0));
     Ok(())
 }
 

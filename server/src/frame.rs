@@ -77,6 +77,19 @@ pub fn respond(req: &ReqHeader, status: Status, flags: u16, body: Body) -> Respo
     Response { header: h.encode(), status: status.to_wire(), body, budget: None }
 }
 
+impl Response {
+    /// This answer as one item of a batch answer: its status, its flags
+    /// and its body (a message, or nothing).
+    pub fn into_item(self) -> (Status, u16, Vec<u8>) {
+        let flags = u16::from_le_bytes([self.header[2], self.header[3]]);
+        let body = match self.body {
+            Body::Bytes(b) => b,
+            Body::Empty | Body::Record(_) | Body::Parts(_) => Vec::new(),
+        };
+        (Status::from_wire(self.status), flags, body)
+    }
+}
+
 pub fn error_response(req: &ReqHeader, status: Status, msg: &str) -> Response {
     respond(req, status, 0, Body::Bytes(msg.as_bytes().to_vec()))
 }

@@ -15,7 +15,7 @@ use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
 use prometheus_client::registry::Registry;
 
 /// The ops a node serves, in wire order (index = op number - 1).
-const OPS: [(Op, &str); 9] = [
+const OPS: [(Op, &str); 11] = [
     (Op::Put, "put"),
     (Op::Get, "get"),
     (Op::Exist, "exist"),
@@ -25,6 +25,8 @@ const OPS: [(Op, &str); 9] = [
     (Op::Ping, "ping"),
     (Op::RdmaConnect, "rdma_connect"),
     (Op::BatchGet, "batch_get"),
+    (Op::BatchPut, "batch_put"),
+    (Op::BatchDelete, "batch_delete"),
 ];
 
 /// Wire statuses 0..=9 (kv_common::status).

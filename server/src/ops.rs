@@ -76,7 +76,7 @@ pub async fn dispatch(
         }
         return;
     }
-    if !matches!(req.op, Op::Get | Op::RdmaConnect | Op::Delete) {
+    if !matches!(req.op, Op::Get | Op::RdmaConnect | Op::Delete | Op::BatchDelete) {
         if let Some(r) = handle_small(shared, &req, &body) {
             s.out.send(counted(shared, req.op, t0, r)).await;
             drop(permit);
@@ -95,6 +95,7 @@ pub async fn dispatch(
             }
             Op::RdmaConnect => connect(&shared, &s, req, body).await,
             Op::Delete => delete(&shared, &req, &body).await,
+            Op::BatchDelete => crate::batch::delete(&shared, &req, &body).await,
             // An index lock was busy (a put, a checkpoint copy) or the op
             // must take locks: answered from the blocking pool instead of
             // making the reactor wait.
@@ -250,7 +251,7 @@ async fn answer_hit(
 
 /// Stores a received record: the put's answer. `t0`: when the whole
 /// request was in hand.
-async fn store_put(
+pub(crate) async fn store_put(
     shared: &Arc<Shared>,
     req: &ReqHeader,
     buf: PooledBuf,
@@ -457,7 +458,7 @@ fn handle_small(shared: &Shared, req: &ReqHeader, body: &[u8]) -> Option<Respons
         }),
         Op::Ping => Some(respond(req, Status::Ok, 0, Body::Bytes(body.to_vec()))),
         Op::Stats => None,
-        Op::Put | Op::Get | Op::Delete | Op::RdmaConnect | Op::BatchGet => {
+        Op::Put | Op::Get | Op::Delete | Op::RdmaConnect | Op::BatchGet | Op::BatchPut | Op::BatchDelete => {
             Some(error_response(req, Status::Internal, "misrouted op"))
         }
     }
