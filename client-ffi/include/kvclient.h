@@ -132,6 +132,9 @@ int kv_batch_putv(kv_client *c, size_t n, const char *const *keys, const kv_iove
 int kv_batch_getv(kv_client *c, size_t n, const char *const *keys, const kv_iovec *iov,
                   const size_t *iovcnt, size_t *out_lens, int *out_status);
 int kv_batch_exist(kv_client *c, size_t n, const char *const *keys, int *out_status);
+/* Removes n keys at their owners (as kv_delete does each): per key KV_OK or
+   KV_MISS in out_status; returns the number removed (KV_OK). */
+int kv_batch_delete(kv_client *c, size_t n, const char *const *keys, int *out_status);
 
 /* RDMA: registers a long-lived region (an engine's host pool) once with
    every rail, so pages move to and from it without per-call registration;

@@ -108,6 +108,15 @@ impl BlockingClient {
         r
     }
 
+    /// Per-key Ok or Miss: one BATCH_DELETE frame per owner where nodes
+    /// take it (see `Client::batch_delete`).
+    pub fn batch_delete(&self, keys: &[&[u8]]) -> Vec<Status> {
+        let t0 = std::time::Instant::now();
+        let r = crate::call::scoped(|| self.rt.block_on(self.core.batch_delete(keys)));
+        self.core.metrics.timed("batch_delete", t0);
+        r
+    }
+
     pub fn batch_putv(&self, items: &[(&[u8], Vec<&[u8]>)]) -> Vec<Status> {
         let t0 = std::time::Instant::now();
         let r = crate::call::scoped(|| self.rt.block_on(self.core.batch_putv(items)));

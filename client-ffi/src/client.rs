@@ -12,11 +12,13 @@ use futures_util::stream::{self, StreamExt};
 use kv_common::page::{Geometry, PageHeader};
 use kv_common::ring::Placement;
 use kv_common::status::Status;
-use kv_common::wire::{MAX_BATCH_KEYS, WIRE_VERSION_BATCH};
+use kv_common::wire::{
+    MAX_BATCH_ITEMS, MAX_BATCH_KEYS, MAX_BATCH_PUT_RECORDS, WIRE_VERSION_BATCH, WIRE_VERSION_BATCH_WRITE,
+};
 
 use crate::conn::is_stale;
 use crate::error::OpError;
-use crate::exchange::{self, GetReply};
+use crate::exchange::{self, GetReply, PutItem};
 use crate::members::Member;
 use crate::metrics::Metrics;
 use crate::node::{AsyncConn, Node};
@@ -75,6 +77,54 @@ impl Exchange for PutX<'_> {
     }
 }
 
+/// The puts of one BATCH_PUT frame. Per item: Ok, or the node's refusal.
+struct PutManyX<'b> {
+    items: Vec<PutItem<'b>>,
+}
+
+impl Exchange for PutManyX<'_> {
+    type Out = Vec<Result<(), OpError>>;
+    fn run<'a>(&'a mut self, conn: &'a mut AsyncConn, _geo: &'a Geometry) -> BoxFuture<'a, Result<Self::Out, OpError>> {
+        Box::pin(async move {
+            // RDMA connections put one by one (a batch frame names no
+            // segments yet), and so does a node that no longer takes
+            // batch writes (rolled back since its last hello).
+            if conn.batch_writes() && conn.socket.remote.is_none() {
+                return exchange::put_batch(conn, &self.items).await;
+            }
+            let mut out = Vec::with_capacity(self.items.len());
+            for it in &self.items {
+                match exchange::put(conn, &it.header, it.key, it.bufs, 0, 0).await {
+                    Err(e) if !matches!(e, OpError::Node(..)) => return Err(e),
+                    r => out.push(r),
+                }
+            }
+            Ok(out)
+        })
+    }
+}
+
+/// The deletes of one BATCH_DELETE frame (keys of 1..=1024 bytes).
+struct DeleteManyX<'b> {
+    keys: Vec<&'b [u8]>,
+}
+
+impl Exchange for DeleteManyX<'_> {
+    type Out = Vec<Status>;
+    fn run<'a>(&'a mut self, conn: &'a mut AsyncConn, _geo: &'a Geometry) -> BoxFuture<'a, Result<Self::Out, OpError>> {
+        Box::pin(async move {
+            if conn.batch_writes() {
+                return exchange::delete_batch(conn, &self.keys).await;
+            }
+            let mut out = Vec::with_capacity(self.keys.len());
+            for key in &self.keys {
+                out.push(exchange::delete(conn, key).await?);
+            }
+            Ok(out)
+        })
+    }
+}
+
 pub(crate) struct GetX<'b, 'c> {
     pub(crate) key: &'b [u8],
     pub(crate) bufs: &'b mut [&'c mut [u8]],
@@ -92,6 +142,10 @@ impl Exchange for GetX<'_, '_> {
 /// Gets in flight on one connection at once within a batch lane (on a
 /// node that takes batch frames: items in one BATCH_GET frame).
 pub const PIPELINE_WINDOW: usize = 16;
+
+/// Most puts one exchange of a batch put's lane carries (one BATCH_PUT
+/// frame, within one I/O timeout: on media acks the node stores 8 at once).
+pub const PUT_FRAME_ITEMS: usize = 64;
 
 /// Fewest items a batch get's lane carries to a node that takes batch
 /// frames (unless the node has fewer): `batch_concurrency` lanes at most.
@@ -523,21 +577,124 @@ impl Client {
         groups
     }
 
-    /// Puts many pages: items fan out to their owners, at most
-    /// `batch_concurrency` at once per owner. Per-item statuses.
+    /// Puts many pages: items fan out to their owners. To a node that takes
+    /// batch writes, an owner's items are spread over up to
+    /// `batch_concurrency` lanes of at least [`MIN_BATCH_LANE_ITEMS`], each
+    /// lane's items sent as BATCH_PUT frames one after another on one
+    /// connection; to an older node (or over RDMA), at most
+    /// `batch_concurrency` single puts at once. Per-item statuses.
     pub async fn batch_putv(&self, items: &[(&[u8], Vec<&[u8]>)]) -> Vec<Status> {
         let limit = self.opts.batch_concurrency;
         let topo = self.topology();
         let mut out = vec![Status::Unavailable; items.len()];
         let groups = self.group(&topo, items.iter().map(|(k, _)| *k), &mut out);
-        let per_owner = groups.into_iter().map(|(_, idx)| {
-            stream::iter(idx)
-                .map(|i| async move { (i, self.putv(items[i].0, &items[i].1).await) })
-                .buffer_unordered(limit)
-                .collect::<Vec<_>>()
-        });
-        for (i, s) in join_all(per_owner).await.into_iter().flatten() {
+        let (mut framed, mut single) = (Vec::new(), Vec::new());
+        for (node, idx) in groups {
+            if node.hello_version() >= WIRE_VERSION_BATCH_WRITE && !self.fabric.is_on() {
+                let lanes = limit.min(idx.len().div_ceil(MIN_BATCH_LANE_ITEMS)).max(1);
+                let mut of_node: Vec<Vec<usize>> = vec![Vec::new(); lanes];
+                for (n, i) in idx.into_iter().enumerate() {
+                    of_node[n % lanes].push(i);
+                }
+                framed.extend(of_node.into_iter().map(|lane| self.put_lane(node.clone(), lane, items)));
+            } else {
+                single.push(
+                    stream::iter(idx)
+                        .map(|i| async move { (i, self.putv(items[i].0, &items[i].1).await) })
+                        .buffer_unordered(limit)
+                        .collect::<Vec<_>>(),
+                );
+            }
+        }
+        let (a, b) = futures_util::future::join(join_all(framed), join_all(single)).await;
+        for (i, s) in a.into_iter().chain(b).flatten() {
             out[i] = s;
+        }
+        out
+    }
+
+    /// One lane of a batch put: its items as BATCH_PUT frames (at most
+    /// [`PUT_FRAME_ITEMS`] items and 64 MiB of records an exchange), one
+    /// frame at a time on one connection.
+    async fn put_lane(&self, node: Arc<Node>, lane: Vec<usize>, items: &[(&[u8], Vec<&[u8]>)]) -> Vec<(usize, Status)> {
+        let mut out = Vec::with_capacity(lane.len());
+        let record = |i: usize| {
+            let (key, bufs) = &items[i];
+            let len: u64 = bufs.iter().map(|b| b.len() as u64).sum();
+            let mut h = crc32fast::Hasher::new();
+            for b in bufs {
+                h.update(b);
+            }
+            PutItem { header: PageHeader::new(self.geo, key, len, h.finalize()).encode(), key, bufs }
+        };
+        let mut at = 0;
+        while at < lane.len() {
+            // This frame's items: at least one, then while they fit.
+            let mut x = PutManyX { items: vec![record(lane[at])] };
+            let mut bytes = x.items[0].record_len();
+            while at + x.items.len() < lane.len() && x.items.len() < PUT_FRAME_ITEMS {
+                let next = record(lane[at + x.items.len()]);
+                if bytes + next.record_len() > MAX_BATCH_PUT_RECORDS {
+                    break;
+                }
+                bytes += next.record_len();
+                x.items.push(next);
+            }
+            let idx = &lane[at..at + x.items.len()];
+            at += x.items.len();
+            let lens: Vec<u64> = x.items.iter().map(|it| it.record_len() - (64 + it.key.len()) as u64).collect();
+            match self.run_on(&node, &mut x).await {
+                Ok(rs) => {
+                    for ((&i, r), len) in idx.iter().zip(rs).zip(lens) {
+                        let s = match r {
+                            Ok(()) => self.metrics.count_put(Status::Ok, len),
+                            Err(e) => self.metrics.count_put(self.failed_node(&node, e), 0),
+                        };
+                        out.push((i, s));
+                    }
+                }
+                Err(e) => {
+                    let s = e.status();
+                    for &i in idx {
+                        out.push((i, self.metrics.count_put(s, 0)));
+                    }
+                }
+            }
+        }
+        out
+    }
+
+    /// Removes many keys at their owners: Ok or Miss per key. One
+    /// BATCH_DELETE frame per owner and 1024 keys to a node that takes
+    /// batch writes (one DELETE a key to an older one); inside a handoff
+    /// window, each key as [`Client::delete`] removes it, at every previous
+    /// owner too.
+    pub async fn batch_delete(&self, keys: &[&[u8]]) -> Vec<Status> {
+        let topo = self.topology();
+        let fits = |k: &&[u8]| !k.is_empty() && k.len() <= kv_common::page::MAX_KEY_LEN;
+        if !topo.previous.is_empty() || !keys.iter().all(fits) {
+            let limit = self.opts.batch_concurrency;
+            return stream::iter(keys).map(|k| self.delete(k)).buffered(limit).collect().await;
+        }
+        let mut out = vec![Status::Unavailable; keys.len()];
+        let groups = self.group(&topo, keys.iter().copied(), &mut out);
+        let jobs = groups.into_iter().flat_map(|(node, idx)| {
+            idx.chunks(MAX_BATCH_ITEMS).map(|c| (node.clone(), c.to_vec())).collect::<Vec<_>>()
+        });
+        let results = join_all(jobs.map(|(node, idx)| async move {
+            let mut x = DeleteManyX { keys: idx.iter().map(|&i| keys[i]).collect() };
+            let r = self.run_on(&node, &mut x).await;
+            (idx, r)
+        }))
+        .await;
+        for (idx, r) in results {
+            match r {
+                Ok(st) => idx.into_iter().zip(st).for_each(|(i, s)| out[i] = s),
+                Err(e) => idx.into_iter().for_each(|i| out[i] = e.status()),
+            }
+        }
+        for s in &mut out {
+            *s = self.metrics.count_delete(*s);
         }
         out
     }

@@ -78,6 +78,11 @@ impl<S> Conn<S> {
         self.version >= kv_common::wire::WIRE_VERSION_BATCH
     }
 
+    /// Whether the node takes BATCH_PUT and BATCH_DELETE on this connection.
+    pub(crate) fn batch_writes(&self) -> bool {
+        self.version >= kv_common::wire::WIRE_VERSION_BATCH_WRITE
+    }
+
     /// Largest record the node accepts (told in its hello).
     pub fn max_record(&self) -> u64 {
         self.max_record

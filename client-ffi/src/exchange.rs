@@ -6,6 +6,7 @@ use kv_common::page::{Geometry, PageHeader, HEADER_LEN};
 use kv_common::status::Status;
 use kv_common::wire::{self, KeyRequest, Op, RspHeader, FLAG_CHECK_GEOMETRY, FRAME_HEADER_LEN};
 use kv_common::wire::{BatchItem, ItemHead, BATCH_ITEM_HEAD, MAX_BATCH_ANSWER, MAX_BATCH_ITEMS};
+use kv_common::wire::{PutItemHead, MAX_BATCH_PUT_RECORDS};
 use kv_common::wire::{FLAG_RDMA, RSP_FLAG_RDMA, RSP_FLAG_RDMA_FAILED};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
@@ -113,6 +114,157 @@ pub async fn put(
         Status::Ok => Ok(()),
         s => Err(OpError::refused(s, &body)),
     }
+}
+
+/// One item of a batch put: its record's header, its key and the pieces
+/// of its payload.
+pub struct PutItem<'b> {
+    pub header: [u8; HEADER_LEN],
+    pub key: &'b [u8],
+    pub bufs: &'b [&'b [u8]],
+}
+
+impl PutItem<'_> {
+    /// The record's length: header, key and payload.
+    pub fn record_len(&self) -> u64 {
+        (HEADER_LEN + self.key.len()) as u64 + self.bufs.iter().map(|b| b.len() as u64).sum::<u64>()
+    }
+}
+
+/// Longest answer to a BATCH_PUT or BATCH_DELETE read into memory: 1024
+/// item heads with messages (a node's are a line each).
+const MAX_BATCH_WRITE_ANSWER: u32 = 4 << 20;
+
+/// Puts on one connection as BATCH_PUT frames (a node that agreed on
+/// protocol v4), one frame at a time: at most [`MAX_BATCH_ITEMS`] items
+/// and [`MAX_BATCH_PUT_RECORDS`] bytes of records (or half the node's
+/// `max_record`) a frame, written with vectored writes straight from the
+/// caller's buffers, answered item by item. A record over the node's
+/// `max_record` is refused here, as a single put refuses it; a record over
+/// a frame's bound, or the items of a frame the node's memory budget
+/// refused, go as PUTs of their own.
+/// Per item: Ok, or the node's refusal. Err: the exchange failed (the
+/// connection's bytes are in doubt).
+pub async fn put_batch(conn: &mut AsyncConn, items: &[PutItem<'_>]) -> Result<Vec<Result<(), OpError>>, OpError> {
+    let mut out: Vec<Option<Result<(), OpError>>> = (0..items.len()).map(|_| None).collect();
+    // A frame's records stay within half the node's max_record too: a node
+    // holds a whole frame within its --max-inflight budget, which is at
+    // least max_record, and refuses a frame it cannot hold.
+    let cap = MAX_BATCH_PUT_RECORDS.min(conn.max_record() / 2);
+    let mut frames: Vec<Vec<usize>> = Vec::new();
+    let (mut cur, mut bytes) = (Vec::new(), 0u64);
+    let mut alone = Vec::new();
+    for (i, it) in items.iter().enumerate() {
+        let len = it.record_len();
+        if len > conn.max_record() {
+            out[i] = Some(Err(OpError::Node(Status::Rejected, format!("record of {len} bytes over the node's limit"))));
+            continue;
+        }
+        if len > cap {
+            alone.push(i);
+            continue;
+        }
+        if !cur.is_empty() && (bytes + len > cap || cur.len() == MAX_BATCH_ITEMS) {
+            frames.push(std::mem::take(&mut cur));
+            bytes = 0;
+        }
+        cur.push(i);
+        bytes += len;
+    }
+    if !cur.is_empty() {
+        frames.push(cur);
+    }
+    for framed in frames {
+        match put_frame(conn, items, &framed).await? {
+            Some(answers) => {
+                for (i, r) in framed.into_iter().zip(answers) {
+                    out[i] = Some(r);
+                }
+            }
+            // Refused whole for the node's memory budget: one by one.
+            None => alone.extend(framed),
+        }
+    }
+    for i in alone {
+        let it = &items[i];
+        out[i] = Some(match put(conn, &it.header, it.key, it.bufs, 0, 0).await {
+            Ok(()) => Ok(()),
+            Err(e @ OpError::Node(..)) => Err(e),
+            Err(e) => return Err(e),
+        });
+    }
+    Ok(out.into_iter().map(|r| r.expect("every item answered")).collect())
+}
+
+/// One BATCH_PUT frame of `items[framed]`: per item Ok or the node's
+/// refusal; None when the node refused the whole frame as more than its
+/// memory budget holds (REJECTED): the items are to go one by one.
+async fn put_frame(
+    conn: &mut AsyncConn,
+    items: &[PutItem<'_>],
+    framed: &[usize],
+) -> Result<Option<Vec<Result<(), OpError>>>, OpError> {
+    let heads: Vec<[u8; BATCH_ITEM_HEAD]> = framed
+        .iter()
+        .map(|&i| PutItemHead { flags: 0, copy_age: 0, record_len: items[i].record_len() as u32 }.encode())
+        .collect();
+    let count = wire::encode_batch_answer_head(framed.len());
+    let body_len =
+        count.len() + framed.iter().map(|&i| BATCH_ITEM_HEAD + items[i].record_len() as usize).sum::<usize>();
+    let (id, fh) = conn.header(Op::BatchPut, 0, body_len);
+    let mut parts: Vec<&[u8]> = Vec::with_capacity(2 + framed.len() * 4);
+    parts.push(&fh);
+    parts.push(&count);
+    for (k, &i) in framed.iter().enumerate() {
+        parts.push(&heads[k]);
+        parts.push(&items[i].header);
+        parts.push(items[i].key);
+        parts.extend_from_slice(items[i].bufs);
+    }
+    conn.write_parts(&parts).await?;
+    let h = conn.recv_header(id).await?;
+    let body = conn.recv_small(&h, MAX_BATCH_WRITE_ANSWER).await?;
+    match h.status {
+        Status::Ok => {}
+        Status::Rejected => return Ok(None),
+        // The whole frame refused (malformed, to the node): every item
+        // gets its verdict.
+        s => return Ok(Some(framed.iter().map(|_| Err(OpError::refused(s, &body))).collect())),
+    }
+    let answers = wire::decode_batch_answer(&body, framed.len())
+        .map_err(|e| OpError::Protocol(format!("batch put answer: {e}")))?;
+    Ok(Some(
+        answers
+            .into_iter()
+            .map(|(ih, msg)| match ih.status {
+                Status::Ok => Ok(()),
+                s => Err(OpError::refused(s, msg)),
+            })
+            .collect(),
+    ))
+}
+
+/// Deletes on one connection as one BATCH_DELETE frame (a node that agreed
+/// on protocol v4; at most [`MAX_BATCH_ITEMS`] keys of 1..=1024 bytes):
+/// per key Ok or Miss, or the node's refusal of the frame for every key.
+pub async fn delete_batch(conn: &mut AsyncConn, keys: &[&[u8]]) -> Result<Vec<Status>, OpError> {
+    let list: Vec<BatchItem<'_>> = keys.iter().map(|key| BatchItem { flags: 0, key }).collect();
+    let body = wire::encode_batch_delete(&list);
+    let id = conn.send(Op::BatchDelete, 0, &[&body]).await?;
+    let h = conn.recv_header(id).await?;
+    let body = conn.recv_small(&h, MAX_BATCH_WRITE_ANSWER).await?;
+    if h.status != Status::Ok {
+        return Err(OpError::refused(h.status, &body));
+    }
+    let answers = wire::decode_batch_answer(&body, keys.len())
+        .map_err(|e| OpError::Protocol(format!("batch delete answer: {e}")))?;
+    Ok(answers
+        .into_iter()
+        .map(|(ih, msg)| match ih.status {
+            Status::Ok | Status::Miss => ih.status,
+            s => OpError::refused(s, msg).status(),
+        })
+        .collect())
 }
 
 /// A put by RDMA: Ok(true) when stored, Ok(false) when it must go inline

@@ -685,6 +685,31 @@ pub unsafe extern "C" fn kv_batch_exist(
     })
 }
 
+/// Removes `n` keys at their owners: per key KV_OK or KV_MISS; one
+/// BATCH_DELETE frame per owner where the nodes take it.
+///
+/// # Safety
+/// `keys` holds `n` NUL-terminated strings; `out_status` writable for `n` ints.
+#[no_mangle]
+pub unsafe extern "C" fn kv_batch_delete(
+    c: *mut kv_client,
+    n: usize,
+    keys: *const *const c_char,
+    out_status: *mut c_int,
+) -> c_int {
+    entry(|| {
+        let cl = client(c)?;
+        batch_len(n)?;
+        if n > 0 && out_status.is_null() {
+            return Err(einval("out_status is NULL"));
+        }
+        // SAFETY: the caller's contract, stated in this function's # Safety, covers this argument.
+        let ks = unsafe { batch_keys(keys, n) }?;
+        let st = cl.batch_delete(&ks);
+        Ok(write_statuses(out_status, &st))
+    })
+}
+
 /// Registers a long-lived region (an engine's host pool) with every RDMA
 /// rail once, so payloads land in it and leave it without per-op
 /// registration. A checked no-op on TCP. The memory must stay mapped until

@@ -1,14 +1,14 @@
 //! The client's side of the hello (docs/PROTOCOL.md §1): version
 //! negotiation and the auth token.
 //!
-//! A client says hello in its newest version (v3: the token, and batch
-//! frames on the connection). A v2 node refuses that version and names its
-//! own: the client connects again in v2; a v1 node names v1, and the
+//! A client says hello in its newest version (v4: the token, and every
+//! batch frame on the connection). A v3 or v2 node refuses that version and
+//! names its own: the client connects again in it; a v1 node names v1, and the
 //! client connects again in v1 (which carries no token; a v1 node checks
 //! none). A node that wants
 //! a token refuses a v1 hello as denied: the client connects again in its
 //! newest version.
-//! So a connection takes at most three tries, and each node's last
+//! So a connection takes at most four tries, and each node's last
 //! agreed version is remembered to start the next connection with it.
 
 use std::io::{Read, Write};
@@ -19,9 +19,9 @@ use kv_common::wire::{self, Hello, HelloVerdict, HELLO_LEN};
 
 use crate::error::OpError;
 
-/// Most connections one hello negotiation may take (v3, v2, v1 against a v1
-/// node whose resets come before its answers).
-pub const MAX_TRIES: usize = 3;
+/// Most connections one hello negotiation may take (v4, v3, v2, v1 against
+/// a v1 node whose resets come before its answers).
+pub const MAX_TRIES: usize = 4;
 
 /// How one hello ended.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -101,8 +101,11 @@ mod tests {
         let reset = || std::io::Error::from(std::io::ErrorKind::ConnectionReset);
         // A v2 node refusing v3 (token unread): v2 next, not v1, which a v2
         // node with a token would deny.
+        assert_eq!(after_failed_read(reset(), 4, Some(&tok)).unwrap(), Step::Again(3));
         assert_eq!(after_failed_read(reset(), 3, Some(&tok)).unwrap(), Step::Again(2));
         assert_eq!(after_failed_read(reset(), 2, Some(&tok)).unwrap(), Step::Again(1));
         assert!(after_failed_read(reset(), 3, None).is_err(), "no token: a reset is an error");
+        // The whole walk down from this release's version to v1 fits.
+        assert_eq!(usize::from(wire::WIRE_VERSION - wire::WIRE_VERSION_MIN) + 1, MAX_TRIES);
     }
 }

@@ -38,7 +38,7 @@ fn slot(s: Status) -> usize {
 const OPS: [&str; 4] = ["put", "get", "exist", "delete"];
 
 /// Calls timed by the latency histograms (batches: the whole call).
-pub const TIMED: [&str; 7] = ["put", "get", "exist", "delete", "batch_put", "batch_get", "batch_exist"];
+pub const TIMED: [&str; 8] = ["put", "get", "exist", "delete", "batch_put", "batch_get", "batch_exist", "batch_delete"];
 
 /// Latency of a call as the caller sees it: 16 µs to 8.4 s, doubling.
 fn latency_buckets() -> impl Iterator<Item = f64> {

@@ -92,6 +92,7 @@ _SIGNATURES = {
         ],
     ),
     "kv_batch_exist": (_c.c_int, [_P, _c.c_size_t, _c.POINTER(_c.c_char_p), _c.POINTER(_c.c_int)]),
+    "kv_batch_delete": (_c.c_int, [_P, _c.c_size_t, _c.POINTER(_c.c_char_p), _c.POINTER(_c.c_int)]),
     "kv_register_memory": (_c.c_int, [_P, _c.c_void_p, _c.c_size_t]),
     "kv_unregister_memory": (_c.c_int, [_P, _c.c_void_p]),
     "kv_stats_snapshot": (_c.c_size_t, [_P, _c.c_char_p, _c.c_size_t]),

@@ -525,6 +525,14 @@ class Client:
         self._check(self._lib.kv_batch_exist(self._handle(), n, _keys(keys), st))
         return [Status(s) for s in st]
 
+    def batch_delete(self, keys: Sequence[Key]) -> List[Status]:
+        """Removes many keys at their owners: per key OK, or MISS when it
+        was not stored (one request per owner node)."""
+        n = len(keys)
+        st = (ctypes.c_int * n)()
+        self._check(self._lib.kv_batch_delete(self._handle(), n, _keys(keys), st))
+        return [Status(s) for s in st]
+
     def leading_hits(self, keys: Sequence[Key]) -> int:
         """How many keys, counted from the first, a get would hit (what
         engines' prefix lookups want)."""
