@@ -2,9 +2,9 @@
 # Builds kv-server, kv-mds and kvctl of an earlier data-plane protocol for
 # tests/tests/mixed_versions.rs, once per machine: the binaries are cached
 # outside the clone, keyed on the commit. Prints the directory that holds
-# them (scripts/test.sh names it in KVCELLAR_PREV_BIN_DIR, v1, and
-# KVCELLAR_PREV2_BIN_DIR, v2).
-# Usage: scripts/prev-release.sh [v1|v2]   (default v1; exit 3: the commit
+# them (scripts/test.sh names it in KVCELLAR_PREV_BIN_DIR, v1,
+# KVCELLAR_PREV2_BIN_DIR, v2, and KVCELLAR_PREV3_BIN_DIR, v3).
+# Usage: scripts/prev-release.sh [v1|v2|v3]   (default v1; exit 3: the commit
 # is not in this clone)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -14,7 +14,10 @@ case "${1:-v1}" in
   # The last commit speaking protocol v2 (a token, no batch frames): the
   # release before this one's protocol v3.
   v2) PREV=8011e44ba3af25d42d7aeaed45735f1def53e3d3 ;;
-  *) echo "usage: scripts/prev-release.sh [v1|v2]" >&2; exit 2 ;;
+  # The last commit speaking protocol v3 (BATCH_GET, no batch writes): the
+  # release before this one's protocol v4.
+  v3) PREV=4275d8eaee44a4fccfec45af96cb8899be39cd28 ;;
+  *) echo "usage: scripts/prev-release.sh [v1|v2|v3]" >&2; exit 2 ;;
 esac
 CACHE=${KVCELLAR_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/kvcellar}
 out=$CACHE/prev-release/$PREV

@@ -32,15 +32,15 @@ cargo clippy --workspace --all-targets --locked --features rdma -- -D warnings
 echo "== build binaries and libkvclient.so with RDMA (end-to-end tests use them)"
 cargo build --workspace --locked --features rdma
 echo "== the previous release's binaries, for the mixed-version test (built once per machine)"
-for v in v1 v2; do
+for v in v1 v2 v3; do
   rc=0
   prev=$(bash scripts/prev-release.sh $v) || rc=$?
   if [ "$rc" = 0 ]; then
-    if [ $v = v1 ]; then
-      export KVCELLAR_PREV_BIN_DIR=$prev KVCELLAR_REQUIRE_PREV=1
-    else
-      export KVCELLAR_PREV2_BIN_DIR=$prev KVCELLAR_REQUIRE_PREV2=1
-    fi
+    case $v in
+      v1) export KVCELLAR_PREV_BIN_DIR=$prev KVCELLAR_REQUIRE_PREV=1 ;;
+      v2) export KVCELLAR_PREV2_BIN_DIR=$prev KVCELLAR_REQUIRE_PREV2=1 ;;
+      v3) export KVCELLAR_PREV3_BIN_DIR=$prev KVCELLAR_REQUIRE_PREV3=1 ;;
+    esac
   elif [ "$rc" = 3 ]; then
     echo "prev-release: the $v release's commit is not in this clone: its mixed-version test is skipped"
   else

@@ -147,9 +147,24 @@ impl Node {
     }
 
     /// Sends a signal to this node (only to the process we started).
+    /// Sends `sig`; after SIGSTOP, returns once the process has stopped
+    /// (kill(2) returns before the target's threads are all halted).
     pub fn signal(&self, sig: i32) {
         // SAFETY: kill(2) on the pid of a child we spawned and have not reaped.
         unsafe { libc::kill(self.pid(), sig) };
+        if sig == libc::SIGSTOP {
+            let stat = format!("/proc/{}/stat", self.pid());
+            let stopped = || {
+                std::fs::read_to_string(&stat)
+                    .ok()
+                    .and_then(|s| s.rsplit_once(')').map(|(_, rest)| rest.trim_start().starts_with('T')))
+                    .unwrap_or(true)
+            };
+            let deadline = std::time::Instant::now() + Duration::from_secs(5);
+            while !stopped() && std::time::Instant::now() < deadline {
+                std::thread::sleep(Duration::from_millis(1));
+            }
+        }
     }
 
     /// SIGKILL and reap.

@@ -4,11 +4,13 @@
 //! and `scripts/test.sh` names them: KVCELLAR_PREV_BIN_DIR holds the
 //! protocol v1 release (the last commit before protocol v2),
 //! KVCELLAR_PREV2_BIN_DIR the protocol v2 release (the last commit before
-//! protocol v3 and its batch frames).
+//! protocol v3 and its batch frames), KVCELLAR_PREV3_BIN_DIR the protocol
+//! v3 release (the last commit before protocol v4 and its batch writes).
 //!
 //! Without a directory its test says so and passes, unless
-//! KVCELLAR_REQUIRE_PREV=1 (or KVCELLAR_REQUIRE_PREV2=1), which
-//! scripts/test.sh sets when the build worked.
+//! KVCELLAR_REQUIRE_PREV=1 (or KVCELLAR_REQUIRE_PREV2=1,
+//! KVCELLAR_REQUIRE_PREV3=1), which scripts/test.sh sets when the build
+//! worked.
 
 use std::time::Duration;
 
@@ -168,21 +170,31 @@ fn previous_and_this_release_serve_one_group() {
     let (code, out, err) = run(&old_kvctl, &["put", "--node", &guarded.addr, "k", "v"]);
     assert_ne!(code, 0, "{out}{err}");
     // (The previous release words it as a protocol mismatch: "node speaks
-    // protocol v3", the node's newest version, which carries a token.)
-    assert!(err.contains("protocol v3"), "{err}");
+    // protocol v4", the node's newest version, which carries a token.)
+    assert!(err.contains("protocol v4"), "{err}");
     let (code, out, err) =
         run("kvctl", &["--auth-token-file", tok.to_str().unwrap(), "put", "--node", &guarded.addr, "k", "v"]);
     assert_eq!(code, 0, "{out}{err}");
 }
 
-/// The release before this one (protocol v2: a token in the hello, no batch
-/// frames) and this one, both guarded by a token: this release's client
-/// speaks v2 to the old node (pipelined GETs) and v3 to the new one
-/// (BATCH_GET frames) within one batch; each release's kvctl works against
-/// the other's node.
 #[test]
 fn the_v2_release_and_this_one_serve_one_group_with_tokens() {
-    let bin = |n| release_bin("KVCELLAR_PREV2_BIN_DIR", "KVCELLAR_REQUIRE_PREV2", n);
+    one_group_with_tokens("v2", "KVCELLAR_PREV2_BIN_DIR", "KVCELLAR_REQUIRE_PREV2");
+}
+
+#[test]
+fn the_v3_release_and_this_one_serve_one_group_with_tokens() {
+    one_group_with_tokens("v3", "KVCELLAR_PREV3_BIN_DIR", "KVCELLAR_REQUIRE_PREV3");
+}
+
+/// A group of one node of the release `label` (protocol v2 or v3) and one
+/// of this release, both with a token, and a kv-mds of each: this
+/// release's client writes and deletes in batches (BATCH_PUT and
+/// BATCH_DELETE frames to the new node, single frames to the old one) and
+/// reads in one batch, and each release's kvctl works against the other's
+/// node and kv-mds.
+fn one_group_with_tokens(label: &str, var: &str, require: &str) {
+    let bin = |n| release_bin(var, require, n);
     let (Some(old_server), Some(old_mds), Some(old_kvctl)) = (bin("kv-server"), bin("kv-mds"), bin("kvctl")) else {
         return;
     };
@@ -207,15 +219,15 @@ fn the_v2_release_and_this_one_serve_one_group_with_tokens() {
         });
     }
     // This release's client, through the old replica: the old node refuses
-    // its v3 hello and takes v2 with the token.
+    // its hello and takes the older version with the token.
     let opts = format!("auth_token_file={tok_s},io_timeout_ms=5000");
     let c = BlockingClient::new(Vec::new(), geo(), Options::parse(&opts).unwrap()).unwrap();
     let first = c.start_discovery(vec![mds_old.addr.clone()], "g".into(), Duration::from_millis(500)).unwrap();
     assert!(first.is_ok(), "{first:?}");
-    let keys: Vec<String> = (0..40).map(|i| format!("v2-mixed-{i}")).collect();
-    for k in &keys {
-        assert_eq!(c.putv(k.as_bytes(), &[&page(k)]), Status::Ok, "{k}");
-    }
+    let keys: Vec<String> = (0..40).map(|i| format!("{label}-mixed-{i}")).collect();
+    let pages: Vec<Vec<u8>> = keys.iter().map(|k| page(k)).collect();
+    let items: Vec<(&[u8], Vec<&[u8]>)> = keys.iter().zip(&pages).map(|(k, p)| (k.as_bytes(), vec![&p[..]])).collect();
+    assert_eq!(c.batch_putv(&items), vec![Status::Ok; 40], "a batch put over both nodes");
     batch_reads_every_page(&c, &keys);
     let stats = |addr: &str| {
         let token = kv_common::auth::Token::new(b"rolling-upgrade-token").unwrap();
@@ -224,17 +236,27 @@ fn the_v2_release_and_this_one_serve_one_group_with_tokens() {
     };
     let (objs_old, objs_new) = (stats(&old.addr).objects, stats(&new.addr).objects);
     assert!(objs_old > 0 && objs_new > 0, "keys on both nodes: old {objs_old}, new {objs_new}");
+    let frames = |addr: &str, op: &str| stats(addr).latency.iter().find(|l| l.op == op).map_or(0, |l| l.count);
+    assert!(frames(&new.addr, "batch_put") > 0, "batch frames to this release's node");
+    assert_eq!(frames(&old.addr, "put"), objs_old, "single puts to the {label} node");
+    // A batch delete of ten keys over both nodes, and one of keys gone.
+    let gone: Vec<&[u8]> = keys[..10].iter().map(|k| k.as_bytes()).collect();
+    assert_eq!(c.batch_delete(&gone), vec![Status::Ok; 10]);
+    assert_eq!(c.batch_delete(&gone), vec![Status::Miss; 10], "deleted already");
+    assert_eq!(c.batch_exist(&gone), vec![Status::Miss; 10]);
+    batch_reads_every_page(&c, &keys[10..]);
     // Each release's kvctl against the other's node, with the token.
     let tokf = ["--auth-token-file", tok_s];
-    let (code, out, err) = run(&old_kvctl, &[&tokf[..], &["put", "--node", &new.addr, "from-v2", "hello-v2"]].concat());
+    let (code, out, err) =
+        run(&old_kvctl, &[&tokf[..], &["put", "--node", &new.addr, "from-old", "hello-old"]].concat());
     assert_eq!(code, 0, "{out}{err}");
-    let (code, out, err) = run("kvctl", &[&tokf[..], &["get", "--node", &new.addr, "from-v2"]].concat());
-    assert_eq!((code, out.as_str()), (0, "hello-v2"), "{err}");
-    let (code, out, err) = run("kvctl", &[&tokf[..], &["put", "--node", &old.addr, "from-v3", "hello-v3"]].concat());
+    let (code, out, err) = run("kvctl", &[&tokf[..], &["get", "--node", &new.addr, "from-old"]].concat());
+    assert_eq!((code, out.as_str()), (0, "hello-old"), "{err}");
+    let (code, out, err) = run("kvctl", &[&tokf[..], &["put", "--node", &old.addr, "from-new", "hello-new"]].concat());
     assert_eq!(code, 0, "{out}{err}");
-    let (code, out, err) = run(&old_kvctl, &[&tokf[..], &["get", "--node", &old.addr, "from-v3"]].concat());
-    assert_eq!((code, out.as_str()), (0, "hello-v3"), "{err}");
-    // The v2 kvctl through this release's kv-mds, over both nodes.
+    let (code, out, err) = run(&old_kvctl, &[&tokf[..], &["get", "--node", &old.addr, "from-new"]].concat());
+    assert_eq!((code, out.as_str()), (0, "hello-new"), "{err}");
+    // The old kvctl through this release's kv-mds, over both nodes.
     let (code, out, err) =
         run(&old_kvctl, &[&tokf[..], &["put", "--mds", &mds_new.addr, "--group", "g", "via-mds", "x"]].concat());
     assert_eq!(code, 0, "{out}{err}");
