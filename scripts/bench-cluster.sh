@@ -49,3 +49,4 @@ run "batch exist, 128 keys" --threads 8 --op batch-exist --batch 128 --size 4K -
 run "batch exist, 128 keys, one thread" --op batch-exist --batch 128 --size 4K --count 20000 --keys 1024 --threads 1
 run "get 64 KiB" --threads 8 --op get --size 64K --count 40000 --keys 1024
 run "batch get 64 KiB x32 (pipelined per connection)" --threads 8 --op get --size 64K --batch 32 --count 1500 --keys 1024
+run "batch put 64 KiB x32" --threads 8 --op put --size 64K --batch 32 --count 400
