@@ -69,6 +69,11 @@ def test_batches_and_leading_hits(cluster):
                 assert r.status is Status.MISS
             else:
                 assert r.ok and r.length == len(v) and bufs[i][: r.length] == v
+        # a batch delete: removed where stored, a miss at the hole
+        gone = c.batch_delete(keys[5:10])
+        assert gone == [Status.OK, Status.OK, Status.MISS, Status.OK, Status.OK]
+        assert c.batch_exist(keys[5:10]) == [Status.MISS] * 5
+        assert c.leading_hits(keys) == 5
         # raw pointer form: 2 segments per item
         segs = [(ctypes.c_char * 4096)() for _ in range(4)]
         addrs = [ctypes.addressof(s) for s in segs]

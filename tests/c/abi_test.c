@@ -156,6 +156,13 @@ static int phase_put(const char *members, const char *dead) {
   /* Overlapping output buffers are refused before any I/O. */
   kv_iovec ov[2] = {{bufs[0], 256}, {bufs[0] + 100, 256}};
   CHECK(kv_getv(cb, keys[0], ov, 2, lens) == KV_EINVAL && strstr(kv_last_error(), "overlap"), "overlapping iovecs refused");
+  /* A batch delete: each status as the batch put's, then nothing left. */
+  int delst[N];
+  int dok = kv_batch_delete(cb, N, keys, delst);
+  int same_del = 1;
+  for (int i = 0; i < N; i++) same_del &= delst[i] == st[i];
+  CHECK(dok == ok && same_del, "batch delete: %d removed, each status as the batch put's", dok);
+  CHECK(kv_batch_exist(cb, N, keys, est) == 0, "nothing left after the batch delete");
   kv_close(cb);
 
   /* No member at all: unavailable, not a crash. */
@@ -177,6 +184,8 @@ static int phase_put(const char *members, const char *dead) {
   CHECK(kv_getv(c, "page-1", NULL, 2, &got) == KV_EINVAL, "getv(NULL iov)");
   CHECK(kv_batch_exist(c, 2, NULL, st) == KV_EINVAL, "batch_exist(NULL keys)");
   CHECK(kv_batch_exist(c, 2, keys, NULL) == KV_EINVAL, "batch_exist(NULL out_status)");
+  CHECK(kv_batch_delete(c, 2, NULL, st) == KV_EINVAL, "batch_delete(NULL keys)");
+  CHECK(kv_batch_delete(c, 2, keys, NULL) == KV_EINVAL, "batch_delete(NULL out_status)");
   CHECK(kv_set_members(c, NULL) == KV_EINVAL, "set_members(NULL)");
   CHECK(kv_set_members(c, "garbage") == KV_EINVAL, "set_members(garbage)");
   CHECK(kv_exist(NULL, "k") == KV_EINVAL, "exist(NULL client)");

@@ -284,3 +284,43 @@ fn a_denied_or_stopped_node_fails_a_batch_write_as_single_writes() {
     assert_eq!(ok.batch_delete(&keys), [Status::Ok; 3]);
     node.terminate(Duration::from_secs(20));
 }
+
+#[test]
+fn handoff_copies_in_a_batch_put_follow_a_single_copys_rules() {
+    let t = tempfile::tempdir().unwrap();
+    let dir = t.path().join("d");
+    let node = Node::start(&["--dir", dir.to_str().unwrap(), "--cap", "64M", "--no-sync", "--handoff-secs", "60"]);
+    let c = client(&format!("n1={}", node.addr), "");
+    assert_eq!(c.putv(b"hc-deleted", &[b"stale page"]), Status::Ok);
+    assert_eq!(c.delete(b"hc-deleted"), Status::Ok, "its tombstone lasts the window");
+    let copy = |key: &[u8], age: Duration, payload: &[u8]| {
+        let rec = build_record(geo(), key, payload);
+        let head = PutItemHead {
+            flags: wire::ITEM_HANDOFF,
+            copy_age: wire::encode_copy_age(age),
+            record_len: rec.len() as u32,
+        };
+        (head, rec)
+    };
+    let items = [
+        copy(b"hc-deleted", Duration::ZERO, b"stale page"),
+        copy(b"hc-fresh", Duration::from_secs(2), b"fresh copy"),
+        copy(b"hc-old", Duration::from_secs(40), b"old copy"),
+    ];
+    // A plain put of the deleted key beside them is taken: the tombstone
+    // refuses copies, never a caller's put.
+    let plain = build_record(geo(), b"hc-deleted", b"new page");
+    let mut list: Vec<(PutItemHead, &[u8])> = items.iter().map(|(h, r)| (*h, &r[..])).collect();
+    list.push((PutItemHead { flags: 0, copy_age: 0, record_len: plain.len() as u32 }, &plain[..]));
+    let mut conn = Conn::connect(&node.addr, Duration::from_secs(10)).unwrap();
+    let (status, got, _) = raw(&mut conn, Op::BatchPut, &wire::encode_batch_put(&list));
+    assert_eq!(status, Status::Ok);
+    let st: Vec<Status> = got.iter().map(|(h, _)| h.status).collect();
+    assert_eq!(st, [Status::Rejected, Status::Ok, Status::Rejected, Status::Ok], "{got:?}");
+    assert!(got[0].1.contains("deleted"), "{}", got[0].1);
+    assert!(got[2].1.contains("too old"), "{}", got[2].1);
+    assert_eq!(read(&c, "hc-fresh", 64).as_deref(), Ok(&b"fresh copy"[..]));
+    assert_eq!(read(&c, "hc-old", 64), Err(Status::Miss));
+    assert_eq!(read(&c, "hc-deleted", 64).as_deref(), Ok(&b"new page"[..]));
+    node.terminate(Duration::from_secs(20));
+}
