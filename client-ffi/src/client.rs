@@ -590,7 +590,7 @@ impl Client {
         let groups = self.group(&topo, items.iter().map(|(k, _)| *k), &mut out);
         let (mut framed, mut single) = (Vec::new(), Vec::new());
         for (node, idx) in groups {
-            if node.hello_version() >= WIRE_VERSION_BATCH_WRITE && !self.fabric.is_on() {
+            if node.speaks() >= WIRE_VERSION_BATCH_WRITE && !self.fabric.is_on() {
                 let lanes = limit.min(idx.len().div_ceil(MIN_BATCH_LANE_ITEMS)).max(1);
                 let mut of_node: Vec<Vec<usize>> = vec![Vec::new(); lanes];
                 for (n, i) in idx.into_iter().enumerate() {
@@ -718,7 +718,7 @@ impl Client {
             // frames": 64 KiB pages in batches of 32 over three nodes, 4
             // items a lane served about 1.35x what 1 or 2 a lane did, at
             // a fifth less node CPU a page).
-            let per_lane = if node.hello_version() >= WIRE_VERSION_BATCH { MIN_BATCH_LANE_ITEMS } else { 1 };
+            let per_lane = if node.speaks() >= WIRE_VERSION_BATCH { MIN_BATCH_LANE_ITEMS } else { 1 };
             let lanes = limit.min(idx.len().div_ceil(per_lane)).max(1);
             let mut lanes_of_node: Vec<Vec<(usize, &mut GetItem<'_, '_>)>> = (0..lanes).map(|_| Vec::new()).collect();
             for (n, i) in idx.into_iter().enumerate() {

@@ -672,17 +672,8 @@ pub unsafe extern "C" fn kv_batch_exist(
     keys: *const *const c_char,
     out_status: *mut c_int,
 ) -> c_int {
-    entry(|| {
-        let cl = client(c)?;
-        batch_len(n)?;
-        if n > 0 && out_status.is_null() {
-            return Err(einval("out_status is NULL"));
-        }
-        // SAFETY: the caller's contract, stated in this function's # Safety, covers this argument.
-        let ks = unsafe { batch_keys(keys, n) }?;
-        let st = cl.batch_exist(&ks);
-        Ok(write_statuses(out_status, &st))
-    })
+    // SAFETY: the caller's contract, stated in this function's # Safety, covers these arguments.
+    unsafe { keys_call(c, n, keys, out_status, |cl, ks| cl.batch_exist(ks)) }
 }
 
 /// Removes `n` keys at their owners: per key KV_OK or KV_MISS; one
@@ -697,15 +688,31 @@ pub unsafe extern "C" fn kv_batch_delete(
     keys: *const *const c_char,
     out_status: *mut c_int,
 ) -> c_int {
+    // SAFETY: the caller's contract, stated in this function's # Safety, covers these arguments.
+    unsafe { keys_call(c, n, keys, out_status, |cl, ks| cl.batch_delete(ks)) }
+}
+
+/// A batch call over `n` keys with one status each (exist, delete): the
+/// arguments checked, `f` run, its statuses written; the number of `KV_OK`.
+///
+/// # Safety
+/// `keys` holds `n` NUL-terminated strings; `out_status` writable for `n` ints.
+unsafe fn keys_call(
+    c: *mut kv_client,
+    n: usize,
+    keys: *const *const c_char,
+    out_status: *mut c_int,
+    f: impl FnOnce(&BlockingClient, &[&[u8]]) -> Vec<Status>,
+) -> c_int {
     entry(|| {
         let cl = client(c)?;
         batch_len(n)?;
         if n > 0 && out_status.is_null() {
             return Err(einval("out_status is NULL"));
         }
-        // SAFETY: the caller's contract, stated in this function's # Safety, covers this argument.
+        // SAFETY: `keys` holds `n` strings (this function's # Safety).
         let ks = unsafe { batch_keys(keys, n) }?;
-        let st = cl.batch_delete(&ks);
+        let st = f(&cl, &ks);
         Ok(write_statuses(out_status, &st))
     })
 }

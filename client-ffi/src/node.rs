@@ -46,8 +46,13 @@ pub struct Node {
     /// The group's auth token, sent in every hello.
     pub token: Option<Token>,
     /// The protocol version the last hello with this node agreed on: the
-    /// next connection starts with it (see hello.rs).
+    /// next connection starts with it (see hello.rs), and batches choose
+    /// their frames by it.
     proto: AtomicU16,
+    /// When a hello last had to step down from a newer version (ns since
+    /// `epoch`): [`STEP_UP_AFTER`] later, new connections try the newest
+    /// again (the node may have been upgraded).
+    stepped_down: AtomicU64,
     /// Whether its connections ask for RDMA (until it says it offers none).
     pub offer: Offer,
 }
@@ -129,6 +134,10 @@ impl Drop for SyncSlot {
     }
 }
 
+/// How long after a hello had to step down to an older version new
+/// connections keep starting in it before they try the newest again.
+pub const STEP_UP_AFTER: Duration = Duration::from_secs(60);
+
 /// Wakes a thread parked in [`Node::sync_slot`].
 struct Unpark(std::thread::Thread);
 
@@ -160,17 +169,42 @@ impl Node {
             came_back: AtomicU64::new(0),
             token,
             proto: AtomicU16::new(WIRE_VERSION),
+            stepped_down: AtomicU64::new(0),
             offer,
         }
     }
 
-    /// The version to say hello in first.
+    /// The version a new connection says hello in first: the one the node
+    /// last agreed on, or this client's newest once [`STEP_UP_AFTER`] has
+    /// passed since a hello had to step down (a node upgraded in a rolling
+    /// upgrade is then spoken to in the newest version it speaks; one that
+    /// was not costs one refused hello a period).
     pub fn hello_version(&self) -> u16 {
+        self.hello_version_at(self.epoch.elapsed().as_nanos() as u64)
+    }
+
+    /// [`Node::hello_version`] at `now` (ns since `epoch`).
+    fn hello_version_at(&self, now: u64) -> u16 {
+        let v = self.proto.load(Ordering::Relaxed);
+        let since = now.saturating_sub(self.stepped_down.load(Ordering::Relaxed));
+        if v < WIRE_VERSION && since > STEP_UP_AFTER.as_nanos() as u64 {
+            WIRE_VERSION
+        } else {
+            v
+        }
+    }
+
+    /// The version the node's last hello agreed on (what batch frames
+    /// follow).
+    pub fn speaks(&self) -> u16 {
         self.proto.load(Ordering::Relaxed)
     }
 
-    /// Remembers the version a hello agreed on.
-    pub fn agreed_version(&self, v: u16) {
+    /// Remembers the version a hello that started at `started` agreed on.
+    pub fn agreed_version(&self, started: u16, v: u16) {
+        if v < started {
+            self.stepped_down.store(self.epoch.elapsed().as_nanos() as u64, Ordering::Relaxed);
+        }
         self.proto.store(v, Ordering::Relaxed);
     }
 
@@ -335,11 +369,12 @@ impl Node {
 /// on a protocol version (hello.rs) and sets up the connection's RDMA when
 /// the node is asked for it.
 async fn connect(node: &Node) -> Result<AsyncConn, OpError> {
-    let mut version = node.hello_version();
+    let started = node.hello_version();
+    let mut version = started;
     for _ in 0..crate::hello::MAX_TRIES {
         match Conn::<Async>::open(&node.addr, node.token.as_ref(), version).await? {
             Ok((mut conn, version)) => {
-                node.agreed_version(version);
+                node.agreed_version(started, version);
                 let name = format!("{} ({})", node.id, node.addr);
                 let Some(mut setup) = node.offer.start(&name) else { return Ok(conn) };
                 match ask_remote(&mut conn, &mut setup, &name).await {
@@ -379,6 +414,26 @@ mod tests {
     use super::*;
     use crate::options::Options;
     use crate::rdma::Fabric;
+
+    #[test]
+    fn a_node_that_stepped_down_is_asked_the_newest_version_again_after_a_while() {
+        let node = Node::new("n1".into(), "127.0.0.1:9".into(), 1, 1, None, Fabric::start(&Options::default()).offer());
+        assert_eq!((node.hello_version(), node.speaks()), (WIRE_VERSION, WIRE_VERSION));
+        // A v3 node refused the newest: v3 from now on, for a while.
+        node.agreed_version(WIRE_VERSION, 3);
+        assert_eq!((node.hello_version(), node.speaks()), (3, 3));
+        // A connection that started in v3 and got it changes nothing.
+        node.agreed_version(3, 3);
+        assert_eq!(node.hello_version(), 3);
+        // The period passed: new connections try the newest again, while
+        // batches still follow what the node last agreed on.
+        let later = node.stepped_down.load(Ordering::Relaxed) + STEP_UP_AFTER.as_nanos() as u64 + 1;
+        assert_eq!((node.hello_version_at(later), node.speaks()), (WIRE_VERSION, 3));
+        assert_eq!(node.hello_version_at(later - 2), 3, "not before");
+        // The upgraded node agrees: the newest from now on.
+        node.agreed_version(WIRE_VERSION, WIRE_VERSION);
+        assert_eq!((node.hello_version(), node.speaks()), (WIRE_VERSION, WIRE_VERSION));
+    }
 
     /// While async requests keep the one slot busy, each queued before the
     /// other frees it, a caller-thread request still gets the slot in its

@@ -31,9 +31,9 @@ fn connect(node: &Node, timeout: Duration) -> Result<Conn, OpError> {
         std::io::ErrorKind::TimedOut => OpError::Timeout,
         _ => OpError::Io(e),
     };
-    let (conn, version) =
-        Conn::<Blocking>::open(&node.addr, timeout, node.token.as_ref(), node.hello_version(), unreachable)?;
-    node.agreed_version(version);
+    let started = node.hello_version();
+    let (conn, version) = Conn::<Blocking>::open(&node.addr, timeout, node.token.as_ref(), started, unreachable)?;
+    node.agreed_version(started, version);
     Ok(conn)
 }
 

@@ -499,6 +499,9 @@ pub fn encode_batch_status(st: &[Status]) -> Vec<u8> {
     v
 }
 
+/// Decodes a BATCH_EXIST answer's statuses. Bit 7 of each byte
+/// ([`EXIST_FLAGS_MASK`]) is kept for a per-key flag (from protocol v4;
+/// nodes of this release send 0) and read past.
 pub fn decode_batch_status(b: &[u8]) -> Result<Vec<Status>, WireError> {
     if b.len() < 4 {
         return Err(WireError::Malformed("batch status"));
@@ -507,8 +510,12 @@ pub fn decode_batch_status(b: &[u8]) -> Result<Vec<Status>, WireError> {
     if b.len() - 4 != n {
         return Err(WireError::Malformed("batch status"));
     }
-    Ok(b[4..].iter().map(|&x| Status::from_wire(x)).collect())
+    Ok(b[4..].iter().map(|&x| Status::from_wire(x & !EXIST_FLAGS_MASK)).collect())
 }
+
+/// The bits of a BATCH_EXIST answer's status byte kept for per-key flags
+/// (a later release's "hot" mark): clients read past them.
+pub const EXIST_FLAGS_MASK: u8 = 0x80;
 
 /// One item of a BATCH_GET request: its flags ([`ITEM_HANDOFF`],
 /// [`ITEM_HOT`]) and key.
@@ -931,6 +938,9 @@ mod tests {
         assert_eq!(got, keys.iter().map(|k| k.as_slice()).collect::<Vec<_>>());
         let st = vec![Status::Ok, Status::Miss, Status::Mismatch];
         assert_eq!(decode_batch_status(&encode_batch_status(&st)).unwrap(), st);
+        let mut flagged = encode_batch_status(&st);
+        flagged[4] |= EXIST_FLAGS_MASK;
+        assert_eq!(decode_batch_status(&flagged).unwrap(), st, "a per-key flag is read past");
         assert!(decode_batch_exist(&body[..body.len() - 1]).is_err());
         assert!(KeyRequest::decode(&body[..GEOMETRY_WIRE_LEN]).is_err());
     }
