@@ -638,36 +638,89 @@ pub fn batch_count(b: &[u8; BATCH_HEAD]) -> Option<usize> {
     (1..=MAX_BATCH_ITEMS).contains(&n).then_some(n)
 }
 
-/// Splits a whole BATCH_PUT body into its items' heads and records, as a
-/// node reads it (which it does as the bytes arrive, by the same rules: a
-/// known count, each record within the body, nothing after the last).
-/// The records themselves are checked one by one (`page::parse_record`):
-/// a bad one is that item's refusal, not the frame's.
-pub fn decode_batch_put(b: &[u8]) -> Result<Vec<(PutItemHead, &[u8])>, WireError> {
-    const WHAT: &str = "batch_put";
-    let head: &[u8; BATCH_HEAD] =
-        b.get(..BATCH_HEAD).and_then(|h| h.try_into().ok()).ok_or(WireError::Malformed(WHAT))?;
-    let count = batch_count(head).ok_or(WireError::Malformed(WHAT))?;
-    let mut rest = &b[BATCH_HEAD..];
-    if count > rest.len() / BATCH_ITEM_HEAD {
-        return Err(WireError::Malformed(WHAT));
-    }
-    let mut items = Vec::with_capacity(count);
-    for _ in 0..count {
-        let ib: &[u8; BATCH_ITEM_HEAD] =
-            rest.get(..BATCH_ITEM_HEAD).and_then(|h| h.try_into().ok()).ok_or(WireError::Malformed(WHAT))?;
-        let ih = PutItemHead::decode(ib);
-        rest = &rest[BATCH_ITEM_HEAD..];
-        if !ih.fits(rest.len() as u64) {
-            return Err(WireError::Malformed(WHAT));
+/// A BATCH_PUT body taken as it arrives: the one place its framing rules
+/// are kept. A node reads a frame through it as the bytes come in
+/// (`server/src/conn.rs`); [`decode_batch_put`] is the same over a slice.
+/// The rules: a head with a count of 1..=1024, then that many items, each
+/// an 8-byte head and a record that fit in the body, and nothing after the
+/// last. An `Err` is why the frame is malformed (refused whole); the
+/// records themselves are checked one by one, each its item's verdict.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PutFrame {
+    /// Body bytes not yet taken.
+    left: u64,
+    /// Items not yet taken.
+    items: usize,
+}
+
+impl PutFrame {
+    /// A frame of `body_len` bytes, before its head: the head must fit.
+    pub fn open(body_len: u64) -> Result<PutFrame, &'static str> {
+        match body_len.checked_sub(BATCH_HEAD as u64) {
+            Some(left) => Ok(PutFrame { left, items: 0 }),
+            None => Err("shorter than its head"),
         }
+    }
+
+    /// Takes the head: the count it announces.
+    pub fn count(&mut self, head: &[u8; BATCH_HEAD]) -> Result<usize, &'static str> {
+        let n = batch_count(head).ok_or("its count is not within 1..=1024")?;
+        self.items = n;
+        Ok(n)
+    }
+
+    /// Body bytes not yet taken: what to skip when the frame is refused.
+    pub fn left(&self) -> u64 {
+        self.left
+    }
+
+    /// Whether another item follows (its head then fits in the body).
+    pub fn more(&self) -> Result<bool, &'static str> {
+        match self.items {
+            0 => Ok(false),
+            _ if self.left < BATCH_ITEM_HEAD as u64 => Err("an item's head passes the frame's end"),
+            _ => Ok(true),
+        }
+    }
+
+    /// Takes an item's head, and its record's bytes as to be read next:
+    /// the record must fit in what is left of the body.
+    pub fn item(&mut self, b: &[u8; BATCH_ITEM_HEAD]) -> Result<PutItemHead, &'static str> {
+        self.left -= BATCH_ITEM_HEAD as u64;
+        self.items -= 1;
+        let ih = PutItemHead::decode(b);
+        self.left = self.left.checked_sub(u64::from(ih.record_len)).ok_or("an item's record passes the frame's end")?;
+        Ok(ih)
+    }
+
+    /// After the last item: nothing may follow it.
+    pub fn end(&self) -> Result<(), &'static str> {
+        match self.left {
+            0 => Ok(()),
+            _ => Err("bytes follow its last item"),
+        }
+    }
+}
+
+/// Splits a whole BATCH_PUT body into its items' heads and records by the
+/// rules of [`PutFrame`], which a node applies as the bytes arrive. The
+/// records themselves are checked one by one (`page::parse_record`): a bad
+/// one is that item's refusal, not the frame's.
+pub fn decode_batch_put(b: &[u8]) -> Result<Vec<(PutItemHead, &[u8])>, WireError> {
+    let bad = |_| WireError::Malformed("batch_put");
+    let mut frame = PutFrame::open(b.len() as u64).map_err(bad)?;
+    let head: &[u8; BATCH_HEAD] = b[..BATCH_HEAD].try_into().expect("the head fits");
+    let count = frame.count(head).map_err(bad)?;
+    let mut at = BATCH_HEAD;
+    let mut items = Vec::with_capacity(count);
+    while frame.more().map_err(bad)? {
+        let ih = frame.item(b[at..at + BATCH_ITEM_HEAD].try_into().expect("the head fits")).map_err(bad)?;
+        at += BATCH_ITEM_HEAD;
         let n = ih.record_len as usize;
-        items.push((ih, &rest[..n]));
-        rest = &rest[n..];
+        items.push((ih, &b[at..at + n]));
+        at += n;
     }
-    if !rest.is_empty() {
-        return Err(WireError::Malformed(WHAT));
-    }
+    frame.end().map_err(bad)?;
     Ok(items)
 }
 

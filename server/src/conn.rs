@@ -415,29 +415,32 @@ async fn read_batch_put(
     deadline: Instant,
 ) -> Result<(), ConnError> {
     use crate::batch::PutItem;
-    use wire::{PutItemHead, BATCH_HEAD, BATCH_ITEM_HEAD};
+    use wire::{PutFrame, BATCH_HEAD, BATCH_ITEM_HEAD};
     let len = u64::from(req.body_len);
-    let mut left = len;
-    let mut hb = [0u8; BATCH_HEAD];
-    let count = if left >= BATCH_HEAD as u64 {
-        read_exact_by(rd, &mut hb, deadline).await?;
-        left -= BATCH_HEAD as u64;
-        wire::batch_count(&hb)
-    } else {
-        None
+    let mut frame = PutFrame::open(len);
+    let count = match &mut frame {
+        Ok(f) => {
+            let mut hb = [0u8; BATCH_HEAD];
+            read_exact_by(rd, &mut hb, deadline).await?;
+            f.count(&hb)
+        }
+        Err(why) => Err(*why),
     };
-    let Some(count) = count else {
-        skip(rd, left, deadline).await?;
-        let why = "malformed batch_put body: its count is not within 1..=1024";
-        refuse(shared, session, &req, Status::BadRequest, why).await;
-        return Ok(());
+    let count = match count {
+        Ok(n) => n,
+        Err(why) => {
+            skip(rd, frame.map_or(len, |f| f.left()), deadline).await?;
+            refuse(shared, session, &req, Status::BadRequest, &format!("malformed batch_put body: {why}")).await;
+            return Ok(());
+        }
     };
+    let mut frame = frame.expect("a frame with a count");
     // The frame's share of --max-inflight: its bytes, and a unit more an
     // item for the rounding of each record's buffer. A frame the whole
     // budget cannot hold is refused whole (its records would pass it).
     let units = len.div_ceil(4096) + count as u64;
     if units > u64::from(shared.inflight_units) {
-        skip(rd, left, deadline).await?;
+        skip(rd, frame.left(), deadline).await?;
         let why = format!(
             "batch_put of {len} bytes in {count} items over this node's --max-inflight: send it in smaller frames"
         );
@@ -449,19 +452,25 @@ async fn read_batch_put(
     let deadline = deadline.max(Instant::now() + shared.frame_timeout + frame_allowance(req.body_len));
     let mut items: Vec<PutItem> = Vec::with_capacity(count);
     let mut malformed = None;
-    for _ in 0..count {
-        if left < BATCH_ITEM_HEAD as u64 {
-            malformed = Some("an item's head passes the frame's end");
-            break;
+    loop {
+        match frame.more() {
+            Ok(true) => {}
+            Ok(false) => break,
+            Err(why) => {
+                malformed = Some(why);
+                break;
+            }
         }
         let mut ib = [0u8; BATCH_ITEM_HEAD];
         read_exact_by(rd, &mut ib, deadline).await?;
-        left -= BATCH_ITEM_HEAD as u64;
-        let ih = PutItemHead::decode(&ib);
-        if !ih.fits(left) {
-            malformed = Some("an item's record passes the frame's end");
-            break;
-        }
+        let ih = match frame.item(&ib) {
+            Ok(ih) => ih,
+            Err(why) => {
+                malformed = Some(why);
+                break;
+            }
+        };
+        // The record's bytes are read (or skipped) here, whatever its verdict.
         let n = ih.record_len as usize;
         let mut head = [0u8; HEADER_LEN];
         let hn = n.min(HEADER_LEN);
@@ -491,13 +500,12 @@ async fn read_batch_put(
                 items.push(PutItem::Refused(Status::BadRequest, format!("invalid record: {msg}")));
             }
         }
-        left -= n as u64;
     }
-    if malformed.is_none() && left > 0 {
-        malformed = Some("bytes follow its last item");
+    if malformed.is_none() {
+        malformed = frame.end().err();
     }
     if let Some(why) = malformed {
-        skip(rd, left, deadline).await?;
+        skip(rd, frame.left(), deadline).await?;
         drop(items);
         refuse(shared, session, &req, Status::BadRequest, &format!("malformed batch_put body: {why}")).await;
         return Ok(());
