@@ -73,7 +73,7 @@ struct PutX<'b> {
 impl Exchange for PutX<'_> {
     type Out = ();
     fn run<'a>(&'a mut self, conn: &'a mut AsyncConn, _geo: &'a Geometry) -> BoxFuture<'a, Result<(), OpError>> {
-        Box::pin(exchange::put(conn, &self.header, self.key, self.bufs, 0, 0))
+        Box::pin(async move { exchange::put(conn, &self.header, self.key, self.bufs, 0, 0).await.map(|_| ()) })
     }
 }
 
@@ -89,14 +89,14 @@ impl Exchange for PutManyX<'_> {
             // RDMA connections put one by one (a batch frame names no
             // segments yet), and so does a node that no longer takes
             // batch writes (rolled back since its last hello).
-            if conn.batch_writes() && conn.socket.remote.is_none() {
+            if conn.batch_writes() && conn.remote.is_none() {
                 return exchange::put_batch(conn, &self.items).await;
             }
             let mut out = Vec::with_capacity(self.items.len());
             for it in &self.items {
                 match exchange::put(conn, &it.header, it.key, it.bufs, 0, 0).await {
                     Err(e) if !matches!(e, OpError::Node(..)) => return Err(e),
-                    r => out.push(r),
+                    r => out.push(r.map(|_| ())),
                 }
             }
             Ok(out)
@@ -170,7 +170,7 @@ impl Exchange for GetManyX<'_, '_> {
         // would get the whole frame refused: such a window goes as GETs,
         // where only that item is refused.
         let keys_fit = self.items.iter().all(|(k, _)| !k.is_empty() && k.len() <= kv_common::page::MAX_KEY_LEN);
-        if conn.batches() && conn.socket.remote.is_none() && keys_fit {
+        if conn.batches() && conn.remote.is_none() && keys_fit {
             Box::pin(exchange::get_batch(conn, geo, &mut self.items, self.extra))
         } else {
             Box::pin(exchange::get_pipelined(conn, geo, &mut self.items, self.extra))

@@ -58,8 +58,14 @@ impl OpError {
 }
 
 impl From<std::io::Error> for OpError {
+    /// A socket's timeout is [`OpError::Timeout`]; an answer out of step
+    /// (kv_common::driver::out_of_step) is a protocol fault.
     fn from(e: std::io::Error) -> Self {
-        OpError::Io(e)
+        match e.kind() {
+            std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut => OpError::Timeout,
+            std::io::ErrorKind::InvalidData => OpError::Protocol(e.to_string()),
+            _ => OpError::Io(e),
+        }
     }
 }
 

@@ -1,17 +1,20 @@
-//! Request/response exchanges on one connection. A get reads the payload
-//! from the socket straight into the caller's buffers, in order, and folds
-//! each chunk into the CRC as it lands (no page-sized buffer, no second pass).
+//! Request/response exchanges on one connection, written once for either
+//! socket (conn.rs): the async core awaits them, the caller-thread path and
+//! the tools run them with `kv_common::driver::block_on`. A get reads the
+//! payload from the socket straight into the caller's buffers, in order,
+//! and folds each chunk into the CRC as it lands (no page-sized buffer, no
+//! second pass).
 
+use kv_common::driver::{self, Socket};
 use kv_common::page::{Geometry, PageHeader, HEADER_LEN};
 use kv_common::status::Status;
-use kv_common::wire::{self, KeyRequest, Op, RspHeader, FLAG_CHECK_GEOMETRY, FRAME_HEADER_LEN};
+use kv_common::wire::{self, KeyRequest, Op, RspHeader, FLAG_CHECK_GEOMETRY};
 use kv_common::wire::{BatchItem, ItemHead, BATCH_ITEM_HEAD, MAX_BATCH_ANSWER, MAX_BATCH_ITEMS};
 use kv_common::wire::{PutItemHead, MAX_BATCH_PUT_RECORDS};
-use kv_common::wire::{FLAG_RDMA, RSP_FLAG_RDMA, RSP_FLAG_RDMA_FAILED};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use kv_common::wire::{FLAG_RDMA, RSP_FLAG_DUPLICATE, RSP_FLAG_RDMA, RSP_FLAG_RDMA_FAILED};
 
+use crate::conn::Conn;
 use crate::error::OpError;
-use crate::node::AsyncConn;
 use crate::rdma::{Access, Named};
 
 /// Largest error/answer body read into memory (anything else is a record).
@@ -24,8 +27,8 @@ fn ranges_mut(bufs: &mut [&mut [u8]]) -> Vec<(usize, usize)> {
 /// The caller's buffers named for the node to fill or read by the
 /// connection's remote transport, if it has one and they qualify (else
 /// the payload goes inline).
-fn named(conn: &AsyncConn, ranges: Vec<(usize, usize)>, access: Access) -> Option<Named> {
-    conn.socket.remote.as_ref()?.name(ranges, access)
+fn named<S>(conn: &Conn<S>, ranges: Vec<(usize, usize)>, access: Access) -> Option<Named> {
+    conn.remote.as_ref()?.name(ranges, access)
 }
 
 /// The answer to a GET that asked for RDMA: with RSP_FLAG_RDMA the payload
@@ -33,8 +36,8 @@ fn named(conn: &AsyncConn, ranges: Vec<(usize, usize)>, access: Access) -> Optio
 /// are checked as over TCP, and then the payload's CRC over the buffers.
 /// An answer without it came inline (the node's queue pair is gone): read
 /// as over TCP, and this connection stops asking.
-async fn finish_remote_get(
-    conn: &mut AsyncConn,
+async fn finish_remote_get<S: Socket>(
+    conn: &mut Conn<S>,
     geo: &Geometry,
     key: &[u8],
     bufs: &mut [&mut [u8]],
@@ -43,11 +46,11 @@ async fn finish_remote_get(
     let placed = h.flags & RSP_FLAG_RDMA != 0;
     if !placed && h.status != Status::TooSmall {
         if h.status == Status::Ok {
-            conn.socket.remote = None;
+            conn.remote = None;
         }
         return read_get_body(conn, geo, key, bufs, h).await;
     }
-    let body = conn.recv_small(h, MAX_SMALL_ANSWER).await?;
+    let body = conn.answer_body(h, MAX_SMALL_ANSWER).await?;
     let done = |status, len| Ok(GetReply { status, len });
     let Ok(ph) = PageHeader::decode(&body) else { return done(Status::Corrupt, 0) };
     if body.len() != HEADER_LEN + key.len()
@@ -83,35 +86,61 @@ pub struct GetReply {
     pub len: usize,
 }
 
+/// Bytes of an answer read with its frame header when they came with it:
+/// a short answer's whole body (a status line, an exist's statuses).
+const SMALL_AHEAD: usize = 256;
+
 /// `extra`: request flags beside the exchange's own (FLAG_HANDOFF);
 /// `copy_age`: with FLAG_HANDOFF, the copy's age as the header carries it
 /// (`kv_common::wire::encode_copy_age`, docs/PROTOCOL.md §2.9), else 0.
-pub async fn put(
-    conn: &mut AsyncConn,
+/// Ok(true) when newly stored, Ok(false) when the key was there (write-once).
+pub async fn put<S: Socket>(
+    conn: &mut Conn<S>,
     header: &[u8; HEADER_LEN],
     key: &[u8],
     bufs: &[&[u8]],
     extra: u8,
     copy_age: u16,
-) -> Result<(), OpError> {
-    let payload: u64 = bufs.iter().map(|b| b.len() as u64).sum();
-    let len = HEADER_LEN as u64 + key.len() as u64 + payload;
-    if len > conn.max_record() {
-        return Err(OpError::Node(Status::Rejected, format!("record of {len} bytes over the node's limit")));
-    }
+) -> Result<bool, OpError> {
     // A handoff copy comes from the client's own staging buffer: inline.
-    if conn.socket.remote.is_some() && extra == 0 && put_remote(conn, header, key, bufs).await? {
-        return Ok(());
+    if conn.remote.is_some() && extra == 0 {
+        let payload: u64 = bufs.iter().map(|b| b.len() as u64).sum();
+        over_limit(conn, HEADER_LEN as u64 + key.len() as u64 + payload)?;
+        if put_remote(conn, header, key, bufs).await? {
+            return Ok(true);
+        }
     }
     let mut parts: Vec<&[u8]> = Vec::with_capacity(bufs.len() + 2);
     parts.push(header);
     parts.push(key);
     parts.extend_from_slice(bufs);
-    let id = conn.send_aged(Op::Put, extra, copy_age, &parts).await?;
-    let h = conn.recv_header(id).await?;
-    let body = conn.recv_small(&h, MAX_SMALL_ANSWER).await?;
+    put_record(conn, &parts, extra, copy_age).await
+}
+
+/// Refuses here a record the node would close the connection on.
+fn over_limit<S: Socket>(conn: &Conn<S>, len: u64) -> Result<(), OpError> {
+    if len > conn.max_record() {
+        let why = format!("record of {len} bytes exceeds the node's limit of {}", conn.max_record());
+        return Err(OpError::Node(Status::Rejected, why));
+    }
+    Ok(())
+}
+
+/// A PUT of a record given as parts (header, key, payload pieces), sent
+/// without joining them: Ok(true) when newly stored, Ok(false) when the key
+/// was there.
+pub(crate) async fn put_record<S: Socket>(
+    conn: &mut Conn<S>,
+    parts: &[&[u8]],
+    extra: u8,
+    copy_age: u16,
+) -> Result<bool, OpError> {
+    over_limit(conn, parts.iter().map(|p| p.len() as u64).sum())?;
+    let id = conn.request(Op::Put, extra, copy_age, parts).await?;
+    let h = conn.answer(id, SMALL_AHEAD).await?;
+    let body = conn.answer_body(&h, MAX_SMALL_ANSWER).await?;
     match h.status {
-        Status::Ok => Ok(()),
+        Status::Ok => Ok(h.flags & RSP_FLAG_DUPLICATE == 0),
         s => Err(OpError::refused(s, &body)),
     }
 }
@@ -145,7 +174,10 @@ const MAX_BATCH_WRITE_ANSWER: u32 = 4 << 20;
 /// refused, go as PUTs of their own.
 /// Per item: Ok, or the node's refusal. Err: the exchange failed (the
 /// connection's bytes are in doubt).
-pub async fn put_batch(conn: &mut AsyncConn, items: &[PutItem<'_>]) -> Result<Vec<Result<(), OpError>>, OpError> {
+pub async fn put_batch<S: Socket>(
+    conn: &mut Conn<S>,
+    items: &[PutItem<'_>],
+) -> Result<Vec<Result<(), OpError>>, OpError> {
     let mut out: Vec<Option<Result<(), OpError>>> = (0..items.len()).map(|_| None).collect();
     // A frame's records stay within half the node's max_record too: a node
     // holds a whole frame within its --max-inflight budget, which is at
@@ -188,7 +220,7 @@ pub async fn put_batch(conn: &mut AsyncConn, items: &[PutItem<'_>]) -> Result<Ve
     for i in alone {
         let it = &items[i];
         out[i] = Some(match put(conn, &it.header, it.key, it.bufs, 0, 0).await {
-            Ok(()) => Ok(()),
+            Ok(_) => Ok(()),
             Err(e @ OpError::Node(..)) => Err(e),
             Err(e) => return Err(e),
         });
@@ -199,8 +231,8 @@ pub async fn put_batch(conn: &mut AsyncConn, items: &[PutItem<'_>]) -> Result<Ve
 /// One BATCH_PUT frame of `items[framed]`: per item Ok or the node's
 /// refusal; None when the node refused the whole frame as more than its
 /// memory budget holds (REJECTED): the items are to go one by one.
-async fn put_frame(
-    conn: &mut AsyncConn,
+async fn put_frame<S: Socket>(
+    conn: &mut Conn<S>,
     items: &[PutItem<'_>],
     framed: &[usize],
 ) -> Result<Option<Vec<Result<(), OpError>>>, OpError> {
@@ -209,11 +241,7 @@ async fn put_frame(
         .map(|&i| PutItemHead { flags: 0, copy_age: 0, record_len: items[i].record_len() as u32 }.encode())
         .collect();
     let count = wire::encode_batch_answer_head(framed.len());
-    let body_len =
-        count.len() + framed.iter().map(|&i| BATCH_ITEM_HEAD + items[i].record_len() as usize).sum::<usize>();
-    let (id, fh) = conn.header(Op::BatchPut, 0, body_len);
-    let mut parts: Vec<&[u8]> = Vec::with_capacity(2 + framed.len() * 4);
-    parts.push(&fh);
+    let mut parts: Vec<&[u8]> = Vec::with_capacity(1 + framed.len() * 4);
     parts.push(&count);
     for (k, &i) in framed.iter().enumerate() {
         parts.push(&heads[k]);
@@ -221,9 +249,9 @@ async fn put_frame(
         parts.push(items[i].key);
         parts.extend_from_slice(items[i].bufs);
     }
-    conn.write_parts(&parts).await?;
-    let h = conn.recv_header(id).await?;
-    let body = conn.recv_small(&h, MAX_BATCH_WRITE_ANSWER).await?;
+    let id = conn.request(Op::BatchPut, 0, 0, &parts).await?;
+    let h = conn.answer(id, SMALL_AHEAD).await?;
+    let body = conn.answer_body(&h, MAX_BATCH_WRITE_ANSWER).await?;
     match h.status {
         Status::Ok => {}
         Status::Rejected => return Ok(None),
@@ -247,12 +275,12 @@ async fn put_frame(
 /// Deletes on one connection as one BATCH_DELETE frame (a node that agreed
 /// on protocol v4; at most [`MAX_BATCH_ITEMS`] keys of 1..=1024 bytes):
 /// per key Ok or Miss, or the node's refusal of the frame for every key.
-pub async fn delete_batch(conn: &mut AsyncConn, keys: &[&[u8]]) -> Result<Vec<Status>, OpError> {
+pub async fn delete_batch<S: Socket>(conn: &mut Conn<S>, keys: &[&[u8]]) -> Result<Vec<Status>, OpError> {
     let list: Vec<BatchItem<'_>> = keys.iter().map(|key| BatchItem { flags: 0, key }).collect();
     let body = wire::encode_batch_delete(&list);
-    let id = conn.send(Op::BatchDelete, 0, &[&body]).await?;
-    let h = conn.recv_header(id).await?;
-    let body = conn.recv_small(&h, MAX_BATCH_WRITE_ANSWER).await?;
+    let id = conn.request(Op::BatchDelete, 0, 0, &[&body]).await?;
+    let h = conn.answer(id, SMALL_AHEAD).await?;
+    let body = conn.answer_body(&h, MAX_BATCH_WRITE_ANSWER).await?;
     if h.status != Status::Ok {
         return Err(OpError::refused(h.status, &body));
     }
@@ -270,8 +298,8 @@ pub async fn delete_batch(conn: &mut AsyncConn, keys: &[&[u8]]) -> Result<Vec<St
 /// A put by RDMA: Ok(true) when stored, Ok(false) when it must go inline
 /// (no segments, the node could not read them, or what it read failed the
 /// CRC: a stale registration), Err as any put.
-async fn put_remote(
-    conn: &mut AsyncConn,
+async fn put_remote<S: Socket>(
+    conn: &mut Conn<S>,
     header: &[u8; HEADER_LEN],
     key: &[u8],
     bufs: &[&[u8]],
@@ -281,13 +309,13 @@ async fn put_remote(
         // The node reads the payload from these buffers by RDMA READ.
         let mut tail = Vec::new();
         named.encode(&mut tail);
-        let id = conn.send(Op::Put, FLAG_RDMA, &[header, key, &tail]).await?;
-        let h = conn.recv_header(id).await?;
-        let body = conn.recv_small(&h, MAX_SMALL_ANSWER).await?;
+        let id = conn.request(Op::Put, FLAG_RDMA, 0, &[header, key, &tail]).await?;
+        let h = conn.answer(id, SMALL_AHEAD).await?;
+        let body = conn.answer_body(&h, MAX_SMALL_ANSWER).await?;
         match h.status {
             Status::Ok => return Ok(true),
             // The node could not read it: send it inline, on TCP from now on.
-            Status::Unavailable if h.flags & RSP_FLAG_RDMA_FAILED != 0 => conn.socket.remote = None,
+            Status::Unavailable if h.flags & RSP_FLAG_RDMA_FAILED != 0 => conn.remote = None,
             // What the node read does not match the CRC computed over the
             // buffers: a stale registration, most likely. Send it inline.
             Status::Corrupt => named.stale(),
@@ -297,14 +325,20 @@ async fn put_remote(
     Ok(false)
 }
 
-pub async fn get(
-    conn: &mut AsyncConn,
+pub async fn get<S: Socket>(
+    conn: &mut Conn<S>,
     geo: &Geometry,
     key: &[u8],
     bufs: &mut [&mut [u8]],
     extra: u8,
 ) -> Result<GetReply, OpError> {
-    if conn.socket.remote.is_some() {
+    if key.is_empty() || key.len() > kv_common::page::MAX_KEY_LEN {
+        // As the node answers such a GET (and before a buffer sized for
+        // the longest key is sliced by it).
+        let why = format!("key length {} outside 1..={}", key.len(), kv_common::page::MAX_KEY_LEN);
+        return Ok(GetReply { status: OpError::refused(Status::BadRequest, why.as_bytes()).status(), len: 0 });
+    }
+    if conn.remote.is_some() {
         if let Some(r) = get_remote(conn, geo, key, bufs, extra).await? {
             return Ok(r);
         }
@@ -314,8 +348,8 @@ pub async fn get(
 
 /// A get by RDMA: None when it must go inline (no segments, or the payload
 /// placed failed its CRC: a stale registration; then retried inline).
-async fn get_remote(
-    conn: &mut AsyncConn,
+async fn get_remote<S: Socket>(
+    conn: &mut Conn<S>,
     geo: &Geometry,
     key: &[u8],
     bufs: &mut [&mut [u8]],
@@ -326,8 +360,8 @@ async fn get_remote(
         let mut body = Vec::new();
         named.encode(&mut body);
         body.extend_from_slice(&KeyRequest::encode(geo, key));
-        let id = conn.send(Op::Get, FLAG_CHECK_GEOMETRY | FLAG_RDMA | extra, &[&body]).await?;
-        let h = conn.recv_header(id).await?;
+        let id = conn.request(Op::Get, FLAG_CHECK_GEOMETRY | FLAG_RDMA | extra, 0, &[&body]).await?;
+        let h = conn.answer(id, HEADER_LEN + key.len()).await?;
         let r = finish_remote_get(conn, geo, key, bufs, &h).await?;
         if r.status != Status::Corrupt || h.flags & RSP_FLAG_RDMA == 0 {
             return Ok(Some(r));
@@ -339,70 +373,74 @@ async fn get_remote(
     Ok(None)
 }
 
-async fn get_inline(
-    conn: &mut AsyncConn,
+async fn get_inline<S: Socket>(
+    conn: &mut Conn<S>,
     geo: &Geometry,
     key: &[u8],
     bufs: &mut [&mut [u8]],
     extra: u8,
 ) -> Result<GetReply, OpError> {
     let req = KeyRequest::encode(geo, key);
-    let id = conn.send(Op::Get, FLAG_CHECK_GEOMETRY | extra, &[&req]).await?;
-    let h = conn.recv_header(id).await?;
+    let id = conn.request(Op::Get, FLAG_CHECK_GEOMETRY | extra, 0, &[&req]).await?;
+    // The frame header with the page header and key behind it: one read.
+    let h = conn.answer(id, HEADER_LEN + key.len()).await?;
     read_get_body(conn, geo, key, bufs, &h).await
 }
 
-pub async fn exist(conn: &mut AsyncConn, geo: &Geometry, key: &[u8]) -> Result<Status, OpError> {
-    let req = KeyRequest::encode(geo, key);
-    let id = conn.send(Op::Exist, FLAG_CHECK_GEOMETRY, &[&req]).await?;
-    let h = conn.recv_header(id).await?;
-    let body = conn.recv_small(&h, MAX_SMALL_ANSWER).await?;
-    match h.status {
-        s @ (Status::Ok | Status::Miss | Status::Mismatch) => Ok(s),
-        s => Err(OpError::refused(s, &body)),
+pub async fn exist<S: Socket>(conn: &mut Conn<S>, geo: &Geometry, key: &[u8]) -> Result<Status, OpError> {
+    let id = conn.request(Op::Exist, FLAG_CHECK_GEOMETRY, 0, &[&KeyRequest::encode(geo, key)]).await?;
+    Ok(exist_answer(conn, id, Op::Exist, 1).await?[0])
+}
+
+/// The answer to an EXIST (one status: Ok, Miss or Mismatch) or to a
+/// BATCH_EXIST of `count` keys (a status a key), request `id`; Err with
+/// the node's refusal otherwise.
+pub(crate) async fn exist_answer<S: Socket>(
+    conn: &mut Conn<S>,
+    id: u64,
+    op: Op,
+    count: usize,
+) -> Result<Vec<Status>, OpError> {
+    let h = conn.answer(id, SMALL_AHEAD.max(8 + count)).await?;
+    let body = conn.answer_body(&h, MAX_SMALL_ANSWER).await?;
+    match (op, h.status) {
+        (Op::Exist, s @ (Status::Ok | Status::Miss | Status::Mismatch)) => Ok(vec![s]),
+        (Op::BatchExist, Status::Ok) => {
+            let st = wire::decode_batch_status(&body).map_err(|e| OpError::Protocol(e.to_string()))?;
+            if st.len() != count {
+                return Err(OpError::Protocol("batch answer has the wrong count".into()));
+            }
+            Ok(st)
+        }
+        (_, s) => Err(OpError::refused(s, &body)),
     }
 }
 
 /// Removes `key` at this node: Ok or Miss (absent).
-pub async fn delete(conn: &mut AsyncConn, key: &[u8]) -> Result<Status, OpError> {
-    let id = conn.send(Op::Delete, 0, &[key]).await?;
-    let h = conn.recv_header(id).await?;
-    let body = conn.recv_small(&h, MAX_SMALL_ANSWER).await?;
+pub async fn delete<S: Socket>(conn: &mut Conn<S>, key: &[u8]) -> Result<Status, OpError> {
+    let id = conn.request(Op::Delete, 0, 0, &[key]).await?;
+    let h = conn.answer(id, SMALL_AHEAD).await?;
+    let body = conn.answer_body(&h, MAX_SMALL_ANSWER).await?;
     match h.status {
         s @ (Status::Ok | Status::Miss) => Ok(s),
         s => Err(OpError::refused(s, &body)),
     }
 }
 
-pub async fn batch_exist(
-    conn: &mut AsyncConn,
+pub async fn batch_exist<S: Socket>(
+    conn: &mut Conn<S>,
     geo: &Geometry,
     keys: &[&[u8]],
     extra: u8,
 ) -> Result<Vec<Status>, OpError> {
     let body = wire::encode_batch_exist(geo, keys);
-    let id = conn.send(Op::BatchExist, FLAG_CHECK_GEOMETRY | extra, &[&body]).await?;
-    let h = conn.recv_header(id).await?;
-    let answer = conn.recv_small(&h, MAX_SMALL_ANSWER).await?;
-    if h.status != Status::Ok {
-        return Err(OpError::refused(h.status, &answer));
-    }
-    let st = wire::decode_batch_status(&answer).map_err(|e| OpError::Protocol(e.to_string()))?;
-    if st.len() != keys.len() {
-        return Err(OpError::Protocol("batch answer has the wrong count".into()));
-    }
-    Ok(st)
+    let id = conn.request(Op::BatchExist, FLAG_CHECK_GEOMETRY | extra, 0, &[&body]).await?;
+    exist_answer(conn, id, Op::BatchExist, keys.len()).await
 }
 
 /// Reads and discards `n` bytes (to keep a pipelined connection in step).
-async fn drain(conn: &mut AsyncConn, mut n: u64) -> Result<(), OpError> {
-    let mut sink = [0u8; 8192];
-    while n > 0 {
-        let k = n.min(sink.len() as u64) as usize;
-        conn.socket.stream.read_exact(&mut sink[..k]).await?;
-        n -= k as u64;
-    }
-    Ok(())
+async fn drain<S: Socket>(conn: &mut Conn<S>, n: u64) -> Result<(), OpError> {
+    Ok(conn.link.skip(n).await?)
 }
 
 /// Several gets on one connection: all requests are written, then the
@@ -410,15 +448,14 @@ async fn drain(conn: &mut AsyncConn, mut n: u64) -> Result<(), OpError> {
 /// its own item's buffers (matched by request id) with its CRC checked as
 /// it lands. Answers that are not served have their bodies drained, so the
 /// connection stays usable. Returns one reply per item, in item order.
-pub async fn get_pipelined(
-    conn: &mut AsyncConn,
+pub async fn get_pipelined<S: Socket>(
+    conn: &mut Conn<S>,
     geo: &Geometry,
     items: &mut [(&[u8], &mut [&mut [u8]])],
     extra: u8,
 ) -> Result<Vec<GetReply>, OpError> {
-    let remote = conn.socket.remote.is_some();
-    let mut ids = Vec::with_capacity(items.len());
-    let mut frames = Vec::new();
+    let remote = conn.remote.is_some();
+    let mut frames: Vec<(u8, Vec<u8>)> = Vec::with_capacity(items.len());
     // The items whose buffers were named for the node (None: inline), held
     // until all answers are in (empty: no remote transport, no allocation).
     let mut by_remote: Vec<Option<Named>> = Vec::new();
@@ -438,19 +475,16 @@ pub async fn get_pipelined(
         if remote {
             by_remote.push(named);
         }
-        let (req_id, h) = conn.header(Op::Get, flags, body.len());
-        frames.extend_from_slice(&h);
-        frames.extend_from_slice(&body);
-        ids.push(req_id);
+        frames.push((flags, body));
     }
-    conn.socket.stream.write_all(&frames).await?;
+    let list: Vec<(Op, u8, &[u8])> = frames.iter().map(|(f, b)| (Op::Get, *f, b.as_slice())).collect();
+    let ids = conn.link.send_all(&list).await?;
+    let ahead = HEADER_LEN + items.iter().map(|(k, _)| k.len()).max().unwrap_or(0);
     // Items placed by RDMA whose payload failed its CRC: retried inline.
     let mut again = Vec::new();
     let mut replies: Vec<Option<GetReply>> = (0..items.len()).map(|_| None).collect();
     for _ in 0..items.len() {
-        let mut hb = [0u8; FRAME_HEADER_LEN];
-        conn.socket.stream.read_exact(&mut hb).await?;
-        let h = RspHeader::decode(&hb);
+        let h = conn.link.recv_header(ahead).await?;
         let Some(i) = ids.iter().position(|&id| id == h.req_id).filter(|&i| replies[i].is_none()) else {
             return Err(OpError::Protocol(format!("unexpected answer id {}", h.req_id)));
         };
@@ -482,8 +516,8 @@ pub async fn get_pipelined(
 /// into its item's buffers with its CRC checked as it lands. An item that
 /// is not served costs only itself; the connection stays usable unless
 /// the bytes themselves are wrong. One reply per item, in item order.
-pub async fn get_batch(
-    conn: &mut AsyncConn,
+pub async fn get_batch<S: Socket>(
+    conn: &mut Conn<S>,
     geo: &Geometry,
     items: &mut [(&[u8], &mut [&mut [u8]])],
     extra: u8,
@@ -501,24 +535,22 @@ pub async fn get_batch(
     if start < items.len() {
         frames.push(start..items.len());
     }
-    let mut out = Vec::new();
-    let mut ids = Vec::with_capacity(frames.len());
-    for r in &frames {
-        let list: Vec<BatchItem<'_>> = items[r.clone()].iter().map(|(key, _)| BatchItem { flags: 0, key }).collect();
-        let body = wire::encode_batch_get(geo, &list);
-        let (id, h) = conn.header(Op::BatchGet, FLAG_CHECK_GEOMETRY | extra, body.len());
-        out.extend_from_slice(&h);
-        out.extend_from_slice(&body);
-        ids.push(id);
-    }
-    conn.socket.stream.write_all(&out).await?;
+    let bodies: Vec<Vec<u8>> = frames
+        .iter()
+        .map(|r| {
+            let list: Vec<BatchItem<'_>> =
+                items[r.clone()].iter().map(|(key, _)| BatchItem { flags: 0, key }).collect();
+            wire::encode_batch_get(geo, &list)
+        })
+        .collect();
+    let list: Vec<(Op, u8, &[u8])> =
+        bodies.iter().map(|b| (Op::BatchGet, FLAG_CHECK_GEOMETRY | extra, b.as_slice())).collect();
+    let ids = conn.link.send_all(&list).await?;
     let mut replies: Vec<Option<GetReply>> = (0..items.len()).map(|_| None).collect();
     let mut answered = vec![false; frames.len()];
     let mut again = Vec::new();
     for _ in 0..frames.len() {
-        let mut hb = [0u8; FRAME_HEADER_LEN];
-        conn.socket.stream.read_exact(&mut hb).await?;
-        let h = RspHeader::decode(&hb);
+        let h = conn.link.recv_header(0).await?;
         let Some(f) = ids.iter().position(|&id| id == h.req_id).filter(|&f| !answered[f]) else {
             return Err(OpError::Protocol(format!("unexpected answer id {}", h.req_id)));
         };
@@ -527,14 +559,14 @@ pub async fn get_batch(
         if h.status != Status::Ok {
             // The whole frame refused (a malformed batch): every item gets
             // the node's verdict.
-            let body = conn.recv_small(&h, MAX_SMALL_ANSWER).await?;
+            let body = conn.answer_body(&h, MAX_SMALL_ANSWER).await?;
             let s = OpError::refused(h.status, &body).status();
             for reply in &mut replies[r] {
                 *reply = Some(GetReply { status: s, len: 0 });
             }
             continue;
         }
-        let mut rd = FrameReader::new(&mut conn.socket.stream, h.body_len);
+        let mut rd = FrameReader { link: &mut conn.link, left: u64::from(h.body_len) };
         let mut head = [0u8; 8];
         // The answer's head with the first item's heads, in one read.
         rd.fill(head.len() + BATCH_ITEM_HEAD + HEADER_LEN + items[r.start].0.len()).await?;
@@ -567,8 +599,8 @@ pub async fn get_batch(
 /// One item of a BATCH_GET answer, leaving `rd` at the next item; true
 /// beside the reply when the node asks for the item again
 /// ([`wire::ITEM_AGAIN`]).
-async fn read_item(
-    rd: &mut FrameReader<'_>,
+async fn read_item<S: Socket>(
+    rd: &mut FrameReader<'_, S>,
     geo: &Geometry,
     key: &[u8],
     bufs: &mut [&mut [u8]],
@@ -623,93 +655,63 @@ async fn read_item(
     done(Status::Ok, need)
 }
 
-/// Bytes of a [`FrameReader`]'s buffer: an item's heads with the longest key.
-const FRAME_READ_BUFFER: usize = BATCH_ITEM_HEAD + HEADER_LEN + kv_common::page::MAX_KEY_LEN;
-
-/// The body of one answer frame on its way in. An item's heads (its own,
-/// the page header, the key) come through a small buffer that one read
-/// fills ([`FrameReader::fill`]), never with more than they take, so no
-/// payload byte is copied twice; a payload goes from the socket straight
-/// into its buffers. It never reads past the frame's end (the next frame
-/// may answer another request).
-struct FrameReader<'s> {
-    stream: &'s mut tokio::net::TcpStream,
-    buf: Box<[u8; FRAME_READ_BUFFER]>,
-    at: usize,
-    end: usize,
-    /// Bytes of the frame still in the socket.
+/// The body of one answer frame on its way in, through the connection's
+/// buffer (kv_common::driver): an item's heads (its own, the page header,
+/// the key) come with one read when the socket has them, and a payload
+/// goes from the socket straight into its buffers. It never takes past
+/// the frame's end (the next frame may answer another request).
+struct FrameReader<'s, S> {
+    link: &'s mut driver::Conn<S>,
+    /// Bytes of the frame not yet taken.
     left: u64,
 }
 
-impl<'s> FrameReader<'s> {
-    fn new(stream: &'s mut tokio::net::TcpStream, body_len: u32) -> FrameReader<'s> {
-        FrameReader { stream, buf: Box::new([0u8; FRAME_READ_BUFFER]), at: 0, end: 0, left: u64::from(body_len) }
-    }
-
+impl<S: Socket> FrameReader<'_, S> {
     /// Whether the whole frame was taken.
     fn done(&self) -> bool {
-        self.left == 0 && self.at == self.end
+        self.left == 0
     }
 
-    /// One read from the socket into `dst` (at most what is left of the frame).
-    async fn read_some(stream: &mut tokio::net::TcpStream, dst: &mut [u8], left: &mut u64) -> Result<usize, OpError> {
-        let n = dst.len().min(usize::try_from(*left).unwrap_or(usize::MAX));
-        if n == 0 {
-            return Err(OpError::Protocol("batch answer shorter than its items".into()));
-        }
-        let got = stream.read(&mut dst[..n]).await?;
-        if got == 0 {
-            return Err(OpError::Io(std::io::ErrorKind::UnexpectedEof.into()));
-        }
-        *left -= got as u64;
-        Ok(got)
+    fn short() -> OpError {
+        OpError::Protocol("batch answer shorter than its items".into())
     }
 
-    /// Has the buffer hold `n` bytes (at most its size, and at most what
-    /// the frame has left), reading no more than that takes.
+    /// Has the connection's buffer hold the frame's next `n` bytes (at most
+    /// what the frame has left), reading no more than that takes.
     async fn fill(&mut self, n: usize) -> Result<(), OpError> {
-        let n = n.min(self.buf.len());
-        if self.end - self.at >= n {
-            return Ok(());
-        }
-        self.buf.copy_within(self.at..self.end, 0);
-        (self.end, self.at) = (self.end - self.at, 0);
-        while self.end < n && self.left > 0 {
-            let want = n - self.end;
-            self.end += Self::read_some(self.stream, &mut self.buf[self.end..self.end + want], &mut self.left).await?;
-        }
-        Ok(())
+        let n = n.min(usize::try_from(self.left).unwrap_or(usize::MAX));
+        Ok(self.link.fill(n, n).await?)
     }
 
     /// Some bytes into `dst`: from the buffer if it holds any, else one
     /// read straight from the socket.
     async fn some(&mut self, dst: &mut [u8]) -> Result<usize, OpError> {
-        if self.at < self.end {
-            let k = (self.end - self.at).min(dst.len());
-            dst[..k].copy_from_slice(&self.buf[self.at..self.at + k]);
-            self.at += k;
-            return Ok(k);
+        let n = dst.len().min(usize::try_from(self.left).unwrap_or(usize::MAX));
+        if n == 0 {
+            return Err(Self::short());
         }
-        Self::read_some(self.stream, dst, &mut self.left).await
+        let got = self.link.some(&mut dst[..n]).await?;
+        self.left -= got as u64;
+        Ok(got)
     }
 
     /// Fills all of `dst`.
     async fn exact(&mut self, dst: &mut [u8]) -> Result<(), OpError> {
-        let mut at = 0;
-        while at < dst.len() {
-            at += self.some(&mut dst[at..]).await?;
+        if dst.len() as u64 > self.left {
+            return Err(Self::short());
         }
+        self.link.exact(dst).await?;
+        self.left -= dst.len() as u64;
         Ok(())
     }
 
     /// Reads and drops `n` bytes.
-    async fn skip(&mut self, mut n: u64) -> Result<(), OpError> {
-        let mut sink = [0u8; 8192];
-        while n > 0 {
-            let k = n.min(sink.len() as u64) as usize;
-            self.exact(&mut sink[..k]).await?;
-            n -= k as u64;
+    async fn skip(&mut self, n: u64) -> Result<(), OpError> {
+        if n > self.left {
+            return Err(Self::short());
         }
+        self.link.skip(n).await?;
+        self.left -= n;
         Ok(())
     }
 }
@@ -798,8 +800,12 @@ impl<'s, 'b> PayloadSink<'s, 'b> {
     }
 }
 
-async fn read_get_body(
-    conn: &mut AsyncConn,
+/// A payload's reads into one segment are at most this long, so its CRC
+/// is taken over bytes that just landed (still in the cache).
+const PAYLOAD_CHUNK: usize = 256 << 10;
+
+async fn read_get_body<S: Socket>(
+    conn: &mut Conn<S>,
     geo: &Geometry,
     key: &[u8],
     bufs: &mut [&mut [u8]],
@@ -807,7 +813,7 @@ async fn read_get_body(
 ) -> Result<GetReply, OpError> {
     let done = |status, len| Ok(GetReply { status, len });
     if h.status != Status::Ok {
-        let body = conn.recv_small(h, MAX_SMALL_ANSWER).await?;
+        let body = conn.answer_body(h, MAX_SMALL_ANSWER).await?;
         return match h.status {
             Status::Miss | Status::Mismatch => done(h.status, 0),
             // The answer was read whole: this item alone is not served (a
@@ -824,7 +830,7 @@ async fn read_get_body(
     // The page header and the key in one read (the key's length is the
     // one asked for; a body at least that long holds both).
     let mut hk = [0u8; HEADER_LEN + kv_common::page::MAX_KEY_LEN];
-    conn.socket.stream.read_exact(&mut hk[..head]).await?;
+    conn.link.exact(&mut hk[..head]).await?;
     let cap: usize = bufs.iter().map(|b| b.len()).sum();
     let ph = match check_get_head(geo, key, body_len, &hk[..head], cap) {
         Ok(ph) => ph,
@@ -836,10 +842,16 @@ async fn read_get_body(
     let need = ph.payload_len as usize;
     let mut sink = PayloadSink::new(bufs, need);
     while let Some(dst) = sink.next() {
-        let n = conn.socket.stream.read(dst).await?;
-        if n == 0 {
-            return Err(OpError::Io(std::io::ErrorKind::UnexpectedEof.into()));
-        }
+        let k = dst.len().min(PAYLOAD_CHUNK);
+        let dst = &mut dst[..k];
+        // The bytes that came with the heads, then the rest straight from
+        // the socket (on a blocking socket one call a chunk, MSG_WAITALL).
+        let n = if conn.link.buffered() > 0 {
+            conn.link.some(dst).await?
+        } else {
+            conn.link.exact(dst).await?;
+            k
+        };
         sink.filled(n);
     }
     if !sink.verify(ph.payload_crc) {

@@ -344,7 +344,7 @@ impl Client {
                     let reused = co.reused;
                     let age = encode_copy_age(read_at.elapsed());
                     match exchange::put(co.conn(), &header, &key, &[&data], FLAG_HANDOFF, age).await {
-                        Ok(()) => {
+                        Ok(_) => {
                             co.release();
                             return Ok(());
                         }

@@ -11,10 +11,8 @@
 //! So a connection takes at most four tries, and each node's last
 //! agreed version is remembered to start the next connection with it.
 
-use std::io::{Read, Write};
-use std::net::TcpStream;
-
 use kv_common::auth::Token;
+use kv_common::driver::Socket;
 use kv_common::wire::{self, Hello, HelloVerdict, HELLO_LEN};
 
 use crate::error::OpError;
@@ -61,27 +59,14 @@ fn after_failed_read(e: std::io::Error, sent: u16, token: Option<&Token>) -> Res
     })
 }
 
-/// Says hello at `version` on a blocking stream (its timeouts set).
-pub fn say_sync(stream: &mut TcpStream, version: u16, token: Option<&Token>) -> Result<Step, OpError> {
-    stream.write_all(&wire::client_hello(version, token.map(Token::as_bytes)))?;
+/// Says hello at `version` on a socket just connected: a blocking one (its
+/// timeouts bound the time, `kv_common::driver::block_on` runs it) or an
+/// async one (the caller bounds the time).
+pub async fn say<S: Socket>(socket: &mut S, version: u16, token: Option<&Token>) -> Result<Step, OpError> {
+    socket.write_parts(&[&wire::client_hello(version, token.map(Token::as_bytes))]).await?;
     let mut h = [0u8; HELLO_LEN];
-    match stream.read_exact(&mut h) {
+    match socket.read_exact(&mut h).await {
         Ok(()) => judge(version, &h),
-        Err(e) => after_failed_read(e, version, token),
-    }
-}
-
-/// Says hello at `version` on an async stream (the caller bounds the time).
-pub async fn say_async(
-    stream: &mut tokio::net::TcpStream,
-    version: u16,
-    token: Option<&Token>,
-) -> Result<Step, OpError> {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    stream.write_all(&wire::client_hello(version, token.map(Token::as_bytes))).await?;
-    let mut h = [0u8; HELLO_LEN];
-    match stream.read_exact(&mut h).await {
-        Ok(_) => judge(version, &h),
         Err(e) => after_failed_read(e, version, token),
     }
 }

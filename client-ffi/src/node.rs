@@ -379,7 +379,7 @@ async fn connect(node: &Node) -> Result<AsyncConn, OpError> {
                 let Some(mut setup) = node.offer.start(&name) else { return Ok(conn) };
                 match ask_remote(&mut conn, &mut setup, &name).await {
                     Ok(remote) => {
-                        conn.socket.remote = remote;
+                        conn.remote = remote;
                         return Ok(conn);
                     }
                     // A node from before RDMA closes on the unknown op:
@@ -398,9 +398,9 @@ async fn connect(node: &Node) -> Result<AsyncConn, OpError> {
 /// connection failed.
 async fn ask_remote(conn: &mut AsyncConn, setup: &mut Setup<'_>, name: &str) -> Result<Option<Remote>, OpError> {
     loop {
-        let id = conn.send(Op::RdmaConnect, 0, &[&setup.request()]).await?;
-        let h = conn.recv_header(id).await?;
-        let body = conn.recv_small(&h, 4096).await?;
+        let id = conn.request(Op::RdmaConnect, 0, 0, &[&setup.request()]).await?;
+        let h = conn.answer(id, 0).await?;
+        let body = conn.answer_body(&h, 4096).await?;
         match setup.answered(h.status, &body, name) {
             Answered::Connected(remote) => return Ok(Some(remote)),
             Answered::Again => continue,

@@ -1,5 +1,6 @@
 //! Small requests (exist, batch exist) and single gets driven on the
-//! caller's own thread with blocking sockets: the request to every owner is
+//! caller's own thread with blocking sockets (the exchanges are exchange.rs's,
+//! run with `kv_common::driver::block_on`): the request to every owner is
 //! written first, then every answer read, so the caller wakes straight from
 //! its socket. Through the async core each answer costs an extra thread
 //! wake-up (the runtime's worker sees the readiness and unparks the caller),
@@ -13,15 +14,16 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use kv_common::page::{Geometry, HEADER_LEN, MAX_KEY_LEN};
+use kv_common::driver::block_on;
+use kv_common::page::Geometry;
 use kv_common::status::Status;
 use kv_common::wire::MAX_BATCH_KEYS;
-use kv_common::wire::{self, KeyRequest, Op, FLAG_CHECK_GEOMETRY, FLAG_HANDOFF, FRAME_HEADER_LEN};
+use kv_common::wire::{self, KeyRequest, Op, FLAG_CHECK_GEOMETRY, FLAG_HANDOFF};
 
 use crate::client::Client;
-use crate::conn::{answer_to, is_stale, Blocking, Conn};
+use crate::conn::{is_stale, Blocking, Conn};
 use crate::error::OpError;
-use crate::exchange::{check_get_head, GetReply, PayloadSink, MAX_SMALL_ANSWER};
+use crate::exchange::{self, GetReply};
 use crate::node::{Node, SyncSlot};
 
 /// Connects to `node` (a new blocking connection), starting in the
@@ -52,7 +54,6 @@ struct Pending {
     /// Its answer is due by then (the I/O timeout from when it was sent, so
     /// a slow connect to another owner does not eat into this one's time).
     deadline: Instant,
-    io_timeout: Duration,
     /// A handoff ask (FLAG_HANDOFF): the end of the window of the set that
     /// named this node. A failure then starts no cool-down (handoff.rs).
     handoff: Option<Instant>,
@@ -60,45 +61,18 @@ struct Pending {
 
 fn send(p: &mut Pending, io_timeout: Duration) -> Result<(), OpError> {
     p.deadline = Instant::now() + io_timeout;
-    p.io_timeout = io_timeout;
+    p.conn.bound(io_timeout)?;
     let flags = FLAG_CHECK_GEOMETRY | if p.handoff.is_some() { FLAG_HANDOFF } else { 0 };
-    p.req_id = p.conn.write_frame(p.op, flags, &p.body, io_timeout)?;
+    p.req_id = block_on(p.conn.request(p.op, flags, 0, &[&p.body]))?;
     Ok(())
 }
 
 fn recv(p: &mut Pending) -> Result<Vec<Status>, OpError> {
-    // A read may end up to 1/16 of the I/O timeout past the deadline rather
-    // than pay a setsockopt per answer.
-    let (slack, cap) = (p.io_timeout / 16, p.io_timeout);
-    // One request is in flight on this connection, so whatever arrives is
-    // this answer: read header and (usually) body with one call.
-    let mut first = [0u8; 1024];
-    let got = p.conn.read_at_least(&mut first, FRAME_HEADER_LEN, p.deadline, slack, cap)?;
-    let h = answer_to(&first, p.req_id)?;
-    let body_len = h.body_len as usize;
-    if body_len > 1 << 20 || got > FRAME_HEADER_LEN + body_len {
-        return Err(OpError::Protocol(format!("unexpected {}-byte answer", got.max(body_len))));
-    }
-    let mut body = vec![0u8; body_len];
-    body[..got - FRAME_HEADER_LEN].copy_from_slice(&first[FRAME_HEADER_LEN..got]);
-    let deadline = p.deadline;
-    p.conn.read_full(&mut body[got - FRAME_HEADER_LEN..], deadline, slack, cap)?;
-    match (p.op, h.status) {
-        (Op::Exist, s @ (Status::Ok | Status::Miss | Status::Mismatch)) => Ok(vec![s]),
-        (Op::BatchExist, Status::Ok) => {
-            let st = wire::decode_batch_status(&body).map_err(|e| OpError::Protocol(e.to_string()))?;
-            if st.len() != p.idx.len() {
-                return Err(OpError::Protocol("batch answer has the wrong count".into()));
-            }
-            Ok(st)
-        }
-        (_, s) => Err(OpError::Node(s, String::from_utf8_lossy(&body).into_owned())),
-    }
+    block_on(exchange::exist_answer(&mut p.conn, p.req_id, p.op, p.idx.len()))
 }
 
-/// One get on `conn`, answered into `bufs` (one request in flight, so
-/// whatever arrives is its answer): Ok when the whole answer was read, the
-/// connection then between frames and fit to pool again.
+/// One get on `conn`, answered into `bufs` within `io`: Ok when the whole
+/// answer was read, the connection then between frames and fit to pool again.
 fn get_on(
     conn: &mut Conn,
     geo: &Geometry,
@@ -106,66 +80,8 @@ fn get_on(
     bufs: &mut [&mut [u8]],
     io: Duration,
 ) -> Result<GetReply, OpError> {
-    if key.is_empty() || key.len() > MAX_KEY_LEN {
-        // As the node answers such a GET (and before a buffer sized for
-        // the longest key is sliced by it).
-        let why = format!("key length {} outside 1..={MAX_KEY_LEN}", key.len());
-        return Ok(GetReply { status: OpError::refused(Status::BadRequest, why.as_bytes()).status(), len: 0 });
-    }
-    let deadline = Instant::now() + io;
-    let (slack, cap) = (io / 16, io);
-    let req_id = conn.write_frame(Op::Get, FLAG_CHECK_GEOMETRY, &KeyRequest::encode(geo, key), io)?;
-    // The frame header, and with it (an answer is written at once) the
-    // page header and the key, in one read.
-    let head = HEADER_LEN + key.len();
-    let mut first = [0u8; FRAME_HEADER_LEN + HEADER_LEN + MAX_KEY_LEN];
-    let first = &mut first[..FRAME_HEADER_LEN + head];
-    let got = conn.read_at_least(first, FRAME_HEADER_LEN, deadline, slack, cap)?;
-    let h = answer_to(first, req_id)?;
-    let (body_len, have) = (h.body_len as usize, got - FRAME_HEADER_LEN);
-    if have > body_len {
-        return Err(OpError::Protocol(format!("{have} bytes after a {body_len}-byte answer")));
-    }
-    let reply = |status, len| Ok(GetReply { status, len });
-    if h.status != Status::Ok {
-        if h.body_len > MAX_SMALL_ANSWER {
-            return Err(OpError::Protocol(format!("unexpected {body_len}-byte answer")));
-        }
-        let mut body = vec![0u8; body_len];
-        body[..have].copy_from_slice(&first[FRAME_HEADER_LEN..got]);
-        conn.read_full(&mut body[have..], deadline, slack, cap)?;
-        return match h.status {
-            Status::Miss | Status::Mismatch => reply(h.status, 0),
-            // Read whole: this get alone is not served (a node's internal
-            // failure reads as unavailable, never negative).
-            s => reply(OpError::refused(s, &body).status(), 0),
-        };
-    }
-    if body_len < head {
-        conn.skip(body_len - have, deadline, slack, cap)?;
-        return reply(Status::Corrupt, 0);
-    }
-    conn.read_full(&mut first[got..], deadline, slack, cap)?;
-    let room: usize = bufs.iter().map(|b| b.len()).sum();
-    let ph = match check_get_head(geo, key, body_len as u64, &first[FRAME_HEADER_LEN..], room) {
-        Ok(ph) => ph,
-        Err(r) => {
-            conn.skip(body_len - head, deadline, slack, cap)?;
-            return Ok(r);
-        }
-    };
-    // The payload straight into the caller's buffers, a segment per read.
-    let need = ph.payload_len as usize;
-    let mut sink = PayloadSink::new(bufs, need);
-    while let Some(dst) = sink.next() {
-        let n = dst.len();
-        conn.read_full(dst, deadline, slack, cap)?;
-        sink.filled(n);
-    }
-    if !sink.verify(ph.payload_crc) {
-        return reply(Status::Corrupt, 0);
-    }
-    reply(Status::Ok, need)
+    conn.bound(io)?;
+    block_on(exchange::get(conn, geo, key, bufs, 0))
 }
 
 impl Client {
@@ -400,7 +316,6 @@ impl Client {
             body,
             idx: chunk,
             deadline: Instant::now(),
-            io_timeout: io,
             handoff,
         };
         match self.send_retrying(&mut p) {

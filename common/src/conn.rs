@@ -1,5 +1,6 @@
 //! A blocking data-plane connection (docs/PROTOCOL.md §2: the hello, then
-//! frames answered by request id, several in flight at once) and a bounded
+//! frames answered by request id, several in flight at once), on the
+//! request driver every client shares ([`crate::driver`]), and a bounded
 //! pool of them keyed by node address.
 //!
 //! The node's drain push (docs/ARCHITECTURE.md, "Draining") sends its pages
@@ -8,13 +9,14 @@
 //! peer costs its caller that long at most, never a thread for good.
 
 use std::collections::VecDeque;
-use std::io::{self, Read, Write};
+use std::io;
 use std::net::{TcpStream, ToSocketAddrs};
 use std::sync::Mutex;
 use std::time::Duration;
 
+use crate::driver::{self, block_on, Blocking, Socket};
 use crate::status::Status;
-use crate::wire::{self, Hello, HelloVerdict, Op, ReqHeader, RspHeader, FRAME_HEADER_LEN, HELLO_LEN, WIRE_VERSION};
+use crate::wire::{self, Hello, HelloVerdict, Op, HELLO_LEN, WIRE_VERSION};
 
 /// Largest answer body read from a node (a STATS body, an error message,
 /// a GET's record up to `max_record` is asked for by the caller).
@@ -37,12 +39,14 @@ impl Answer {
     }
 }
 
-/// A connection to one node, hello done.
+/// A connection to one node, hello done: the request driver's connection
+/// ([`driver::Conn`]) over a blocking socket, with what a pool needs to
+/// know of it.
 pub struct DataConn {
-    stream: TcpStream,
+    link: driver::Conn<Blocking>,
     addr: String,
-    max_record: u64,
-    next_id: u64,
+    /// The id of the last request sent (answers name one at most this).
+    last_id: u64,
     in_flight: usize,
     /// An I/O error or an answer out of step happened: the stream's
     /// framing can no longer be trusted (a pool closes it).
@@ -56,7 +60,7 @@ fn err(msg: String) -> io::Error {
 }
 
 impl DataConn {
-    /// Connects to `addr` and says hello (protocol v2, with `token`).
+    /// Connects to `addr` and says hello (this release's protocol, with `token`).
     pub fn connect(
         addr: &str,
         token: Option<&[u8]>,
@@ -64,20 +68,20 @@ impl DataConn {
         io_timeout: Duration,
     ) -> io::Result<DataConn> {
         let sa = addr.to_socket_addrs()?.next().ok_or_else(|| err(format!("{addr} resolves to no address")))?;
-        let mut s = TcpStream::connect_timeout(&sa, connect_timeout)?;
+        let s = TcpStream::connect_timeout(&sa, connect_timeout)?;
         s.set_nodelay(true)?;
-        s.set_read_timeout(Some(io_timeout))?;
-        s.set_write_timeout(Some(io_timeout))?;
-        s.write_all(&wire::client_hello(WIRE_VERSION, token))?;
+        let mut socket = Blocking::new(s, io_timeout)?;
         let mut hb = [0u8; HELLO_LEN];
-        s.read_exact(&mut hb)?;
+        block_on(async {
+            socket.write_parts(&[&wire::client_hello(WIRE_VERSION, token)]).await?;
+            socket.read_exact(&mut hb).await
+        })?;
         let reply = Hello::decode(&hb).map_err(|e| err(format!("{addr}: {e}")))?;
         match wire::judge_hello(WIRE_VERSION, &reply) {
             HelloVerdict::Accepted { max_record } => Ok(DataConn {
-                stream: s,
+                link: driver::Conn::new(socket, max_record, WIRE_VERSION),
                 addr: addr.to_string(),
-                max_record,
-                next_id: 1,
+                last_id: 0,
                 in_flight: 0,
                 broken: false,
                 reused: false,
@@ -95,7 +99,7 @@ impl DataConn {
 
     /// The largest record the node takes in a PUT.
     pub fn max_record(&self) -> u64 {
-        self.max_record
+        self.link.max_record()
     }
 
     /// Requests sent and not yet answered.
@@ -105,8 +109,7 @@ impl DataConn {
 
     /// Sets the deadline of each read and write from now on.
     pub fn set_io_timeout(&mut self, d: Duration) -> io::Result<()> {
-        self.stream.set_read_timeout(Some(d))?;
-        self.stream.set_write_timeout(Some(d))
+        self.link.socket.set_timeouts(d)
     }
 
     fn broke<T>(&mut self, r: io::Result<T>) -> io::Result<T> {
@@ -120,18 +123,9 @@ impl DataConn {
     /// header's age of a handoff copy ([`wire::encode_copy_age`], 0
     /// otherwise; docs/PROTOCOL.md). Returns its id.
     pub fn send(&mut self, op: Op, flags: u8, copy_age: u16, parts: &[&[u8]]) -> io::Result<u64> {
-        let len: usize = parts.iter().map(|p| p.len()).sum();
-        let body_len = u32::try_from(len).map_err(|_| err(format!("a body of {len} bytes does not fit a frame")))?;
-        let req_id = self.next_id;
-        self.next_id += 1;
-        let sent = (|| {
-            self.stream.write_all(&ReqHeader { op, flags, body_len, req_id, copy_age }.encode())?;
-            for p in parts {
-                self.stream.write_all(p)?;
-            }
-            Ok(())
-        })();
-        self.broke(sent)?;
+        let sent = block_on(self.link.send(op, flags, copy_age, parts));
+        let req_id = self.broke(sent)?;
+        self.last_id = req_id;
         self.in_flight += 1;
         Ok(req_id)
     }
@@ -142,17 +136,14 @@ impl DataConn {
         if self.in_flight == 0 {
             return Err(err("no request in flight to answer".into()));
         }
-        let mut rb = [0u8; FRAME_HEADER_LEN];
-        let got = self.stream.read_exact(&mut rb);
-        self.broke(got)?;
-        let r = RspHeader::decode(&rb);
-        if r.body_len > max_body || r.req_id == 0 || r.req_id >= self.next_id {
+        let got = block_on(self.link.recv_header(0));
+        let r = self.broke(got)?;
+        if r.body_len > max_body || r.req_id == 0 || r.req_id > self.last_id {
             let e = err(format!("{}: an answer out of step (id {}, {} bytes)", self.addr, r.req_id, r.body_len));
             return self.broke(Err(e));
         }
-        let mut body = vec![0u8; r.body_len as usize];
-        let got = self.stream.read_exact(&mut body);
-        self.broke(got)?;
+        let got = block_on(self.link.recv_body(&r, max_body));
+        let body = self.broke(got)?;
         self.in_flight -= 1;
         Ok(Answer { req_id: r.req_id, status: r.status, flags: r.flags, body })
     }
@@ -229,6 +220,8 @@ impl ConnPool {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::wire::{ReqHeader, RspHeader, FRAME_HEADER_LEN};
+    use std::io::{Read, Write};
     use std::net::TcpListener;
 
     /// A node stand-in on loopback: accepts `conns` connections, answers

@@ -10,8 +10,10 @@
 //!
 //! Without the `daemon` feature two modules do I/O: [`mds`], the one small
 //! blocking HTTP client of the membership API (used by nodes, the client
-//! library and kvctl), and [`conn`], a blocking data-plane connection and a
-//! bounded pool of them (the node's drain push uses it). The RDMA
+//! library and kvctl), [`driver`], the request driver every data-plane
+//! client shares (one connection type over a blocking or a tokio socket),
+//! and [`conn`], a bounded pool of blocking driver connections (the node's
+//! drain push uses it). The RDMA
 //! transport is its own crate, `kv-rdma`.
 //! Behind the `daemon` feature, for kv-server and kv-mds only: logging and
 //! signals ([`daemon`]) and the accept loop every listener shares
@@ -22,6 +24,7 @@ pub mod cli;
 pub mod conn;
 #[cfg(feature = "daemon")]
 pub mod daemon;
+pub mod driver;
 pub mod io;
 #[cfg(feature = "daemon")]
 pub mod listen;
