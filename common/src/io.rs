@@ -7,6 +7,9 @@ use tokio::io::{AsyncWrite, AsyncWriteExt};
 /// most IOV_MAX slices a call, and the rest go in the next), skipping
 /// empty parts.
 pub async fn write_all_parts<W: AsyncWrite + Unpin>(w: &mut W, parts: &[&[u8]]) -> std::io::Result<()> {
+    if let [one] = parts {
+        return w.write_all(one).await;
+    }
     let mut slices: Vec<std::io::IoSlice<'_>> =
         parts.iter().filter(|p| !p.is_empty()).map(|p| std::io::IoSlice::new(p)).collect();
     let mut rest: &mut [std::io::IoSlice<'_>] = &mut slices;
