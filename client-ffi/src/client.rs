@@ -7,7 +7,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
-use futures_util::future::{join_all, BoxFuture};
+use futures_util::future::join_all;
 use futures_util::stream::{self, StreamExt};
 use kv_common::page::{Geometry, PageHeader};
 use kv_common::ring::Placement;
@@ -16,20 +16,18 @@ use kv_common::wire::{
     MAX_BATCH_ITEMS, MAX_BATCH_KEYS, MAX_BATCH_PUT_RECORDS, WIRE_VERSION_BATCH, WIRE_VERSION_BATCH_WRITE,
 };
 
-use crate::conn::is_stale;
 use crate::error::OpError;
-use crate::exchange::{self, GetReply, PutItem};
+use crate::exchange::{GetReply, PutItem};
+use crate::handoff::{Handoff, Handoffs};
 use crate::members::Member;
 use crate::metrics::Metrics;
-use crate::node::{AsyncConn, Node};
+use crate::node::Node;
 use crate::options::Options;
+use crate::pipeline::{BatchExistX, DeleteManyX, DeleteX, ExistX, GetManyX, GetX, Pipeline, PutManyX, PutX};
 pub use crate::topology::{GivenSet, Previous, Topology};
 
 /// One item of a batch get: the key and the buffers its payload fills.
 pub type GetItem<'k, 'b> = (&'k [u8], Vec<&'b mut [u8]>);
-
-/// Most previous owners asked for one key.
-pub const MAX_HANDOFF_ASKS: usize = 2;
 
 pub struct Client {
     pub opts: Options,
@@ -44,99 +42,8 @@ pub struct Client {
     swapping: std::sync::Mutex<()>,
     discovery_error: std::sync::Mutex<Option<String>>,
     pub metrics: Metrics,
-    /// Background handoff copies writing at once (the rest wait, within
-    /// the byte budget), so copies hold few of an owner's connections.
-    pub(crate) copy_slots: Arc<tokio::sync::Semaphore>,
-    /// The handoff window this client knows now, in ms (the latest view's
-    /// `handoff_ms`, else the `handoff_ms` option, as `install` resolves
-    /// it): a background copy older than half of it is given up.
-    pub(crate) handoff_window_ms: Arc<AtomicU64>,
-}
-
-/// Background handoff copies one handle writes at once.
-pub const HANDOFF_COPIES_AT_ONCE: usize = 4;
-
-/// One request exchange on a connection, re-runnable for a retry.
-pub(crate) trait Exchange {
-    type Out;
-    /// Runs on `conn`; on Ok the whole answer was read, so the connection
-    /// is between frames and goes back to the pool.
-    fn run<'a>(&'a mut self, conn: &'a mut AsyncConn, geo: &'a Geometry) -> BoxFuture<'a, Result<Self::Out, OpError>>;
-}
-
-struct PutX<'b> {
-    header: [u8; 64],
-    key: &'b [u8],
-    bufs: &'b [&'b [u8]],
-}
-
-impl Exchange for PutX<'_> {
-    type Out = ();
-    fn run<'a>(&'a mut self, conn: &'a mut AsyncConn, _geo: &'a Geometry) -> BoxFuture<'a, Result<(), OpError>> {
-        Box::pin(async move { exchange::put(conn, &self.header, self.key, self.bufs, 0, 0).await.map(|_| ()) })
-    }
-}
-
-/// The puts of one BATCH_PUT frame. Per item: Ok, or the node's refusal.
-struct PutManyX<'b> {
-    items: Vec<PutItem<'b>>,
-}
-
-impl Exchange for PutManyX<'_> {
-    type Out = Vec<Result<(), OpError>>;
-    fn run<'a>(&'a mut self, conn: &'a mut AsyncConn, _geo: &'a Geometry) -> BoxFuture<'a, Result<Self::Out, OpError>> {
-        Box::pin(async move {
-            // RDMA connections put one by one (a batch frame names no
-            // segments yet), and so does a node that no longer takes
-            // batch writes (rolled back since its last hello).
-            if conn.batch_writes() && conn.remote.is_none() {
-                return exchange::put_batch(conn, &self.items).await;
-            }
-            let mut out = Vec::with_capacity(self.items.len());
-            for it in &self.items {
-                match exchange::put(conn, &it.header, it.key, it.bufs, 0, 0).await {
-                    Err(e) if !matches!(e, OpError::Node(..)) => return Err(e),
-                    r => out.push(r.map(|_| ())),
-                }
-            }
-            Ok(out)
-        })
-    }
-}
-
-/// The deletes of one BATCH_DELETE frame (keys of 1..=1024 bytes).
-struct DeleteManyX<'b> {
-    keys: Vec<&'b [u8]>,
-}
-
-impl Exchange for DeleteManyX<'_> {
-    type Out = Vec<Status>;
-    fn run<'a>(&'a mut self, conn: &'a mut AsyncConn, _geo: &'a Geometry) -> BoxFuture<'a, Result<Self::Out, OpError>> {
-        Box::pin(async move {
-            if conn.batch_writes() {
-                return exchange::delete_batch(conn, &self.keys).await;
-            }
-            let mut out = Vec::with_capacity(self.keys.len());
-            for key in &self.keys {
-                out.push(exchange::delete(conn, key).await?);
-            }
-            Ok(out)
-        })
-    }
-}
-
-pub(crate) struct GetX<'b, 'c> {
-    pub(crate) key: &'b [u8],
-    pub(crate) bufs: &'b mut [&'c mut [u8]],
-    /// Request flags beside the get's own (FLAG_HANDOFF for an ask).
-    pub(crate) extra: u8,
-}
-
-impl Exchange for GetX<'_, '_> {
-    type Out = GetReply;
-    fn run<'a>(&'a mut self, conn: &'a mut AsyncConn, geo: &'a Geometry) -> BoxFuture<'a, Result<GetReply, OpError>> {
-        Box::pin(exchange::get(conn, geo, self.key, self.bufs, self.extra))
-    }
+    /// The ring handoff's own state: its window and background copies.
+    handoffs: Handoffs,
 }
 
 /// Gets in flight on one connection at once within a batch lane (on a
@@ -150,71 +57,6 @@ pub const PUT_FRAME_ITEMS: usize = 64;
 /// Fewest items a batch get's lane carries to a node that takes batch
 /// frames (unless the node has fewer): `batch_concurrency` lanes at most.
 pub const MIN_BATCH_LANE_ITEMS: usize = 4;
-
-pub(crate) struct GetManyX<'b, 'c> {
-    pub(crate) items: Vec<(&'b [u8], &'b mut [&'c mut [u8]])>,
-    pub(crate) extra: u8,
-}
-
-impl Exchange for GetManyX<'_, '_> {
-    type Out = Vec<GetReply>;
-    fn run<'a>(
-        &'a mut self,
-        conn: &'a mut AsyncConn,
-        geo: &'a Geometry,
-    ) -> BoxFuture<'a, Result<Vec<GetReply>, OpError>> {
-        // A node that takes batch frames gets the window as one BATCH_GET
-        // (RDMA connections keep one GET an item: a batch frame names no
-        // segments yet).
-        // A key a batch frame cannot carry (empty, or over the longest key)
-        // would get the whole frame refused: such a window goes as GETs,
-        // where only that item is refused.
-        let keys_fit = self.items.iter().all(|(k, _)| !k.is_empty() && k.len() <= kv_common::page::MAX_KEY_LEN);
-        if conn.batches() && conn.remote.is_none() && keys_fit {
-            Box::pin(exchange::get_batch(conn, geo, &mut self.items, self.extra))
-        } else {
-            Box::pin(exchange::get_pipelined(conn, geo, &mut self.items, self.extra))
-        }
-    }
-}
-
-struct ExistX<'b> {
-    key: &'b [u8],
-}
-
-impl Exchange for ExistX<'_> {
-    type Out = Status;
-    fn run<'a>(&'a mut self, conn: &'a mut AsyncConn, geo: &'a Geometry) -> BoxFuture<'a, Result<Status, OpError>> {
-        Box::pin(exchange::exist(conn, geo, self.key))
-    }
-}
-
-pub(crate) struct DeleteX<'b> {
-    pub(crate) key: &'b [u8],
-}
-
-impl Exchange for DeleteX<'_> {
-    type Out = Status;
-    fn run<'a>(&'a mut self, conn: &'a mut AsyncConn, _geo: &'a Geometry) -> BoxFuture<'a, Result<Status, OpError>> {
-        Box::pin(exchange::delete(conn, self.key))
-    }
-}
-
-pub(crate) struct BatchExistX<'b> {
-    pub(crate) keys: Vec<&'b [u8]>,
-    pub(crate) extra: u8,
-}
-
-impl Exchange for BatchExistX<'_> {
-    type Out = Vec<Status>;
-    fn run<'a>(
-        &'a mut self,
-        conn: &'a mut AsyncConn,
-        geo: &'a Geometry,
-    ) -> BoxFuture<'a, Result<Vec<Status>, OpError>> {
-        Box::pin(exchange::batch_exist(conn, geo, &self.keys, self.extra))
-    }
-}
 
 impl Client {
     pub fn new(members: Vec<Member>, geo: Geometry, opts: Options) -> Client {
@@ -235,7 +77,7 @@ impl Client {
     }
 
     fn build(members: Vec<Member>, geo: Geometry, opts: Options, fabric: crate::rdma::Fabric) -> Client {
-        let window_ms = u64::try_from(opts.handoff.as_millis()).unwrap_or(u64::MAX);
+        let window = opts.handoff;
         let c = Client {
             opts,
             geo,
@@ -245,8 +87,7 @@ impl Client {
             swapping: std::sync::Mutex::new(()),
             discovery_error: std::sync::Mutex::new(None),
             metrics: Metrics::default(),
-            copy_slots: Arc::new(tokio::sync::Semaphore::new(HANDOFF_COPIES_AT_ONCE)),
-            handoff_window_ms: Arc::new(AtomicU64::new(window_ms)),
+            handoffs: Handoffs::new(window),
         };
         if !members.is_empty() {
             c.set_members(members);
@@ -289,7 +130,7 @@ impl Client {
         let local = self.epochs.fetch_add(1, Ordering::AcqRel) + 1;
         let epoch = epoch.unwrap_or(local);
         let window = if self.opts.handoff.is_zero() { Duration::ZERO } else { window.unwrap_or(self.opts.handoff) };
-        self.handoff_window_ms.store(u64::try_from(window.as_millis()).unwrap_or(u64::MAX), Ordering::Relaxed);
+        self.handoffs.set_window(window);
         let next = old.next(&members, placement, epoch, given, window, |m| {
             Node::new(
                 m.id.clone(),
@@ -334,82 +175,19 @@ impl Client {
         Ok(node.clone())
     }
 
-    /// Runs an exchange on a connection to `node` within the I/O timeout,
-    /// retrying once on a fresh connection when a pooled one was stale, and
-    /// keeping the node's health.
-    async fn run_on<X: Exchange>(&self, node: &Arc<Node>, x: &mut X) -> Result<X::Out, OpError> {
-        // Within the call's bound too (call.rs): an exchange cut by it is
-        // dropped here, with its connection, before the call returns.
-        let deadline: tokio::time::Instant =
-            crate::call::clamp((tokio::time::Instant::now() + self.opts.io_timeout).into_std()).into();
-        let mut retried = false;
-        loop {
-            // Waiting for a local slot is not the peer's doing: a timeout
-            // there does not start its cool-down.
-            let slot = tokio::time::timeout_at(deadline, node.slot()).await.map_err(|_| OpError::LocalTimeout)??;
-            let started = std::time::Instant::now();
-            if started >= deadline.into_std() {
-                return Err(OpError::LocalTimeout);
-            }
-            let r =
-                tokio::time::timeout_at(deadline, self.attempt(node, x, slot, retried)).await.unwrap_or_else(|_| {
-                    // Cut by the call's end before it had a fair time: not the node's fault.
-                    let e = if crate::call::cut_early(started, deadline.into_std()) {
-                        OpError::LocalTimeout
-                    } else {
-                        OpError::Timeout
-                    };
-                    Err((e, false))
-                });
-            match r {
-                Ok(out) => {
-                    node.mark_ok();
-                    return Ok(out);
-                }
-                Err((e, reused)) if reused && !retried && is_stale(&e) => {
-                    // The node closed a pooled connection (restart, idle
-                    // reaping): the other idle ones are as dead. One
-                    // transparent retry, on a new connection.
-                    self.metrics.stale_retries.fetch_add(1, Ordering::Relaxed);
-                    node.drop_idle();
-                    retried = true;
-                }
-                Err((e, _)) => return Err(self.failed(node, e)),
-            }
-        }
+    /// The request pipeline over this handle's options, geometry and metrics.
+    pub(crate) fn pipeline(&self) -> Pipeline<'_> {
+        Pipeline { opts: &self.opts, geo: &self.geo, metrics: &self.metrics }
     }
 
-    /// One try: (error, whether the connection came from the pool).
-    pub(crate) async fn attempt<X: Exchange>(
-        &self,
-        node: &Arc<Node>,
-        x: &mut X,
-        slot: tokio::sync::OwnedSemaphorePermit,
-        fresh: bool,
-    ) -> Result<X::Out, (OpError, bool)> {
-        let mut co = node.checkout(slot, self.opts.connect_timeout, fresh).await.map_err(|e| (e, false))?;
-        let reused = co.reused;
-        match x.run(co.conn(), &self.geo).await {
-            Ok(out) => {
-                co.release();
-                Ok(out)
-            }
-            Err(e) => Err((e, reused)),
-        }
+    /// The ring handoff over this handle's pipeline.
+    pub(crate) fn handoff(&self) -> Handoff<'_> {
+        Handoff::over(self.pipeline(), &self.handoffs)
     }
 
     /// Records a failed request to `node`; the status its items get.
     pub(crate) fn failed_node(&self, node: &Node, e: OpError) -> Status {
-        self.failed(node, e).status()
-    }
-
-    fn failed(&self, node: &Node, e: OpError) -> OpError {
-        crate::error::note(format!("node {} ({}): {e}", node.id, node.addr));
-        if e.is_peer_failure() {
-            self.metrics.peer_failures.fetch_add(1, Ordering::Relaxed);
-            node.mark_failed(self.opts.peer_cooldown);
-        }
-        e
+        self.pipeline().failed(node, e).status()
     }
 
     /// Stores the payload gathered from `bufs` under `key`.
@@ -426,7 +204,7 @@ impl Client {
         }
         let header = PageHeader::new(self.geo, key, len, h.finalize()).encode();
         let mut x = PutX { header, key, bufs };
-        let s = match self.run_on(&node, &mut x).await {
+        let s = match self.pipeline().run_on(&node, &mut x).await {
             Ok(()) => Status::Ok,
             Err(e) => e.status(),
         };
@@ -442,12 +220,12 @@ impl Client {
             Err(s) => return Err(self.metrics.count_get(s, 0, 0)),
         };
         let mut x = GetX { key, bufs, extra: 0 };
-        let mut reply = match self.run_on(&node, &mut x).await {
+        let mut reply = match self.pipeline().run_on(&node, &mut x).await {
             Ok(r) => r,
             Err(e) => return Err(self.metrics.count_get(e.status(), 0, 0)),
         };
         if reply.status == Status::Miss && !topo.previous.is_empty() {
-            reply = self.handoff_get(&topo, &node, key, x.bufs).await.unwrap_or(reply);
+            reply = self.handoff().get(&topo, &node, key, x.bufs).await.unwrap_or(reply);
         }
         match reply {
             GetReply { status: Status::Ok, len, .. } => {
@@ -465,13 +243,13 @@ impl Client {
             Ok(n) => n,
             Err(s) => return s,
         };
-        let mut s = match self.run_on(&node, &mut ExistX { key }).await {
+        let mut s = match self.pipeline().run_on(&node, &mut ExistX { key }).await {
             Ok(s) => s,
             Err(e) => e.status(),
         };
         if s == Status::Miss && !topo.previous.is_empty() {
             let mut out = [s];
-            self.handoff_exist(&topo, &[key], &mut out).await;
+            self.handoff().exist(&topo, &[key], &mut out).await;
             s = out[0];
         }
         self.metrics.count_exist(s, 1)
@@ -484,7 +262,7 @@ impl Client {
             Ok(n) => n,
             Err(s) => return self.metrics.count_delete(s),
         };
-        let mut s = match self.run_on(&node, &mut DeleteX { key }).await {
+        let mut s = match self.pipeline().run_on(&node, &mut DeleteX { key }).await {
             Ok(s) => s,
             Err(e) => e.status(),
         };
@@ -493,7 +271,7 @@ impl Client {
         // one had it; a previous owner that could not be reached is the
         // answer (the delete is not done) unless the owner failed first.
         if !topo.previous.is_empty() && matches!(s, Status::Ok | Status::Miss) {
-            match self.handoff_delete(&topo, &node, key).await {
+            match self.handoff().delete(&topo, &node, key).await {
                 Err(failed) => s = failed,
                 Ok(true) => s = Status::Ok,
                 Ok(false) => {}
@@ -513,7 +291,7 @@ impl Client {
             .flat_map(|(node, idx)| idx.chunks(MAX_BATCH_KEYS).map(|c| (node.clone(), c.to_vec())).collect::<Vec<_>>());
         let results = join_all(jobs.map(|(node, idx)| async move {
             let mut x = BatchExistX { keys: idx.iter().map(|&i| keys[i]).collect(), extra: 0 };
-            let r = self.run_on(&node, &mut x).await;
+            let r = self.pipeline().run_on(&node, &mut x).await;
             (idx, r)
         }))
         .await;
@@ -532,7 +310,7 @@ impl Client {
             }
         }
         if !topo.previous.is_empty() {
-            self.handoff_exist(&topo, keys, &mut out).await;
+            self.handoff().exist(&topo, keys, &mut out).await;
         }
         for s in &out {
             self.metrics.count_exist(*s, 1);
@@ -643,7 +421,7 @@ impl Client {
             let idx = &lane[at..at + x.items.len()];
             at += x.items.len();
             let lens: Vec<u64> = x.items.iter().map(|it| it.record_len() - (64 + it.key.len()) as u64).collect();
-            match self.run_on(&node, &mut x).await {
+            match self.pipeline().run_on(&node, &mut x).await {
                 Ok(rs) => {
                     for ((&i, r), len) in idx.iter().zip(rs).zip(lens) {
                         let s = match r {
@@ -683,7 +461,7 @@ impl Client {
         });
         let results = join_all(jobs.map(|(node, idx)| async move {
             let mut x = DeleteManyX { keys: idx.iter().map(|&i| keys[i]).collect() };
-            let r = self.run_on(&node, &mut x).await;
+            let r = self.pipeline().run_on(&node, &mut x).await;
             (idx, r)
         }))
         .await;
@@ -735,7 +513,7 @@ impl Client {
             out[i] = r;
         }
         if defer && out.iter().any(|r| r.0 == Status::Miss) {
-            self.handoff_get_many(&topo, items, &mut out).await;
+            self.handoff().get_many(&topo, items, &mut out).await;
         }
         out
     }
@@ -753,7 +531,7 @@ impl Client {
             let idx: Vec<usize> = window.iter().map(|(i, _)| *i).collect();
             let mut x =
                 GetManyX { items: window.iter_mut().map(|(_, item)| (item.0, &mut item.1[..])).collect(), extra: 0 };
-            match self.run_on(&node, &mut x).await {
+            match self.pipeline().run_on(&node, &mut x).await {
                 Ok(replies) => {
                     for (i, r) in idx.into_iter().zip(replies) {
                         let bytes = if r.status == Status::Ok { r.len as u64 } else { 0 };

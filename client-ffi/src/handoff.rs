@@ -19,23 +19,67 @@ use kv_common::page::PageHeader;
 use kv_common::status::Status;
 use kv_common::wire::{encode_copy_age, FLAG_HANDOFF, MAX_BATCH_KEYS};
 
-use crate::client::{
-    BatchExistX, Client, DeleteX, Exchange, GetItem, GetManyX, GetX, Topology, MAX_HANDOFF_ASKS, PIPELINE_WINDOW,
-};
+use crate::client::{GetItem, PIPELINE_WINDOW};
 use crate::conn::is_stale;
 use crate::error::OpError;
 use crate::exchange::{self, GetReply};
 use crate::node::Node;
+use crate::pipeline::{BatchExistX, DeleteX, Exchange, GetManyX, GetX, Pipeline};
+use crate::topology::Topology;
+
+/// Most previous owners asked for one key.
+pub const MAX_HANDOFF_ASKS: usize = 2;
+
+/// Background handoff copies one handle writes at once.
+pub const HANDOFF_COPIES_AT_ONCE: usize = 4;
 
 /// A previous owner to ask, and the end of the window of the set naming it.
 pub(crate) type Candidate = (Arc<Node>, Instant);
 
-impl Client {
+/// A handle's handoff state, kept across requests.
+pub(crate) struct Handoffs {
+    /// Background copies writing at once (the rest wait, within the byte
+    /// budget), so copies hold few of an owner's connections.
+    copy_slots: Arc<tokio::sync::Semaphore>,
+    /// The handoff window this client knows now, in ms (the latest view's
+    /// `handoff_ms`, else the `handoff_ms` option, as the client's install
+    /// resolves it): a background copy older than half of it is given up.
+    window_ms: Arc<AtomicU64>,
+}
+
+impl Handoffs {
+    pub(crate) fn new(window: Duration) -> Handoffs {
+        let h = Handoffs {
+            copy_slots: Arc::new(tokio::sync::Semaphore::new(HANDOFF_COPIES_AT_ONCE)),
+            window_ms: Arc::new(AtomicU64::new(0)),
+        };
+        h.set_window(window);
+        h
+    }
+
+    /// The window of the member set installed now.
+    pub(crate) fn set_window(&self, window: Duration) {
+        self.window_ms.store(u64::try_from(window.as_millis()).unwrap_or(u64::MAX), Ordering::Relaxed);
+    }
+}
+
+/// The handoff as a layer over a handle's request pipeline: what a miss
+/// at the owner asks of the previous owners, and the copies it writes.
+pub(crate) struct Handoff<'c> {
+    pipe: Pipeline<'c>,
+    state: &'c Handoffs,
+}
+
+impl<'c> Handoff<'c> {
+    pub(crate) fn over(pipe: Pipeline<'c>, state: &'c Handoffs) -> Handoff<'c> {
+        Handoff { pipe, state }
+    }
+
     /// The previous owners to ask for `key`, which missed at `owner`:
     /// distinct nodes other than the owner, newest set first, leaving out
     /// nodes in their cool-down and nodes whose handoff ask failed in their
     /// window.
-    pub(crate) fn handoff_candidates(&self, topo: &Topology, key: &[u8], owner: &Node) -> Vec<Candidate> {
+    pub(crate) fn candidates(&self, topo: &Topology, key: &[u8], owner: &Node) -> Vec<Candidate> {
         let now = Instant::now();
         let mut out: Vec<Candidate> = Vec::new();
         for p in &topo.previous {
@@ -64,25 +108,20 @@ impl Client {
     /// Runs a handoff ask on `node` within `handoff_timeout_ms`. A failure
     /// starts no cool-down: the node is skipped for handoff asks until
     /// `until` and the caller keeps its miss.
-    pub(crate) async fn run_handoff<X: Exchange>(&self, node: &Arc<Node>, until: Instant, mut x: X) -> Option<X::Out> {
-        self.run_handoff_on(node, until, &mut x).await
+    pub(crate) async fn ask<X: Exchange>(&self, node: &Arc<Node>, until: Instant, mut x: X) -> Option<X::Out> {
+        self.ask_on(node, until, &mut x).await
     }
 
-    /// As [`Client::run_handoff`], with the exchange borrowed (its buffers
+    /// As [`Handoff::ask`], with the exchange borrowed (its buffers
     /// are read after it).
-    pub(crate) async fn run_handoff_on<X: Exchange>(
-        &self,
-        node: &Arc<Node>,
-        until: Instant,
-        x: &mut X,
-    ) -> Option<X::Out> {
+    pub(crate) async fn ask_on<X: Exchange>(&self, node: &Arc<Node>, until: Instant, x: &mut X) -> Option<X::Out> {
         let deadline: tokio::time::Instant =
-            crate::call::clamp((tokio::time::Instant::now() + self.opts.handoff_timeout).into_std()).into();
+            crate::call::clamp((tokio::time::Instant::now() + self.pipe.opts.handoff_timeout).into_std()).into();
         let mut retried = false;
         loop {
             // All of the node's connections busy: a local wait, not the node's fault.
             let slot = tokio::time::timeout_at(deadline, node.slot()).await.ok()?.ok()?;
-            let r = tokio::time::timeout_at(deadline, self.attempt(node, x, slot, retried))
+            let r = tokio::time::timeout_at(deadline, self.pipe.attempt(node, x, slot, retried))
                 .await
                 .unwrap_or(Err((OpError::Timeout, false)));
             match r {
@@ -92,7 +131,7 @@ impl Client {
                     retried = true;
                 }
                 Err((e, _)) => {
-                    self.metrics.handoff.failures.fetch_add(1, Ordering::Relaxed);
+                    self.pipe.metrics.handoff.failures.fetch_add(1, Ordering::Relaxed);
                     if e.is_peer_failure() {
                         node.skip_handoff(until);
                     }
@@ -105,7 +144,7 @@ impl Client {
     /// A get that missed at `owner`, asked at the previous owners. Some:
     /// a hit (its page is in `bufs`, and a copy goes to `owner`), or
     /// another answer worth more than the miss (a mismatch, too small).
-    pub(crate) async fn handoff_get(
+    pub(crate) async fn get(
         &self,
         topo: &Topology,
         owner: &Arc<Node>,
@@ -113,14 +152,14 @@ impl Client {
         bufs: &mut [&mut [u8]],
     ) -> Option<GetReply> {
         let mut better = None;
-        for (node, until) in self.handoff_candidates(topo, key, owner) {
-            self.metrics.handoff.asks.fetch_add(1, Ordering::Relaxed);
+        for (node, until) in self.candidates(topo, key, owner) {
+            self.pipe.metrics.handoff.asks.fetch_add(1, Ordering::Relaxed);
             let mut x = GetX { key, bufs: &mut *bufs, extra: FLAG_HANDOFF };
             // The page is read at most this long ago once the answer is in.
             let asked_at = Instant::now();
-            match self.run_handoff_on(&node, until, &mut x).await {
+            match self.ask_on(&node, until, &mut x).await {
                 Some(r @ GetReply { status: Status::Ok, len }) => {
-                    self.metrics.handoff.hits.fetch_add(1, Ordering::Relaxed);
+                    self.pipe.metrics.handoff.hits.fetch_add(1, Ordering::Relaxed);
                     self.copy_later(owner.clone(), key, bufs, len, asked_at);
                     return Some(r);
                 }
@@ -136,7 +175,7 @@ impl Client {
     /// previous owners: a round per candidate rank, each a batch per node,
     /// nodes concurrently. A hit there is KV_OK; a page there with another
     /// geometry is KV_MISMATCH.
-    pub(crate) async fn handoff_exist(&self, topo: &Topology, keys: &[&[u8]], out: &mut [Status]) {
+    pub(crate) async fn exist(&self, topo: &Topology, keys: &[&[u8]], out: &mut [Status]) {
         let cands = self.candidates_of_misses(topo, keys.iter().copied(), out);
         // A page of another geometry at one previous owner does not stop
         // the asks (another may hold this client's); it is the answer when
@@ -151,16 +190,16 @@ impl Client {
                 idx.chunks(MAX_BATCH_KEYS).map(|c| (node.clone(), until, c.to_vec())).collect::<Vec<_>>()
             });
             let results = join_all(jobs.map(|(node, until, idx)| async move {
-                self.metrics.handoff.asks.fetch_add(idx.len() as u64, Ordering::Relaxed);
+                self.pipe.metrics.handoff.asks.fetch_add(idx.len() as u64, Ordering::Relaxed);
                 let mut x = BatchExistX { keys: idx.iter().map(|&i| keys[i]).collect(), extra: FLAG_HANDOFF };
-                (idx, self.run_handoff_on(&node, until, &mut x).await)
+                (idx, self.ask_on(&node, until, &mut x).await)
             }))
             .await;
             for (idx, r) in results {
                 let Some(st) = r else { continue };
                 for (i, s) in idx.into_iter().zip(st) {
                     if s == Status::Ok {
-                        self.metrics.handoff.hits.fetch_add(1, Ordering::Relaxed);
+                        self.pipe.metrics.handoff.hits.fetch_add(1, Ordering::Relaxed);
                         out[i] = Status::Ok;
                     } else if s == Status::Mismatch {
                         mismatch[i] = true;
@@ -189,7 +228,7 @@ impl Client {
                     return Vec::new();
                 }
                 match self.owner_node(topo, key) {
-                    Some(owner) => self.handoff_candidates(topo, key, &owner),
+                    Some(owner) => self.candidates(topo, key, &owner),
                     None => Vec::new(),
                 }
             })
@@ -199,12 +238,7 @@ impl Client {
     /// Batch-get items that missed at their owners, asked at the previous
     /// owners (pipelined per node); hits are copied to their owners. Counts
     /// the final outcome of every item that missed.
-    pub(crate) async fn handoff_get_many(
-        &self,
-        topo: &Topology,
-        items: &mut [GetItem<'_, '_>],
-        out: &mut [(Status, usize)],
-    ) {
+    pub(crate) async fn get_many(&self, topo: &Topology, items: &mut [GetItem<'_, '_>], out: &mut [(Status, usize)]) {
         let missed: Vec<Status> = out.iter().map(|r| r.0).collect();
         let cands = self.candidates_of_misses(topo, items.iter().map(|(k, _)| *k), &missed);
         let mut mismatch = vec![false; out.len()];
@@ -223,17 +257,17 @@ impl Client {
             let results = join_all(lanes.into_iter().map(|(node, until, mut lane)| async move {
                 let mut got = Vec::with_capacity(lane.len());
                 for window in lane.chunks_mut(PIPELINE_WINDOW) {
-                    self.metrics.handoff.asks.fetch_add(window.len() as u64, Ordering::Relaxed);
+                    self.pipe.metrics.handoff.asks.fetch_add(window.len() as u64, Ordering::Relaxed);
                     let idx: Vec<usize> = window.iter().map(|(i, _)| *i).collect();
                     let mut x = GetManyX {
                         items: window.iter_mut().map(|(_, item)| (item.0, &mut item.1[..])).collect(),
                         extra: FLAG_HANDOFF,
                     };
                     let asked_at = Instant::now();
-                    let Some(replies) = self.run_handoff_on(&node, until, &mut x).await else { break };
+                    let Some(replies) = self.ask_on(&node, until, &mut x).await else { break };
                     for ((i, r), (_, item)) in idx.into_iter().zip(replies).zip(window.iter()) {
                         if r.status == Status::Ok {
-                            self.metrics.handoff.hits.fetch_add(1, Ordering::Relaxed);
+                            self.pipe.metrics.handoff.hits.fetch_add(1, Ordering::Relaxed);
                             if let Some(owner) = self.owner_node(topo, item.0) {
                                 self.copy_later(owner, item.0, &item.1, r.len, asked_at);
                             }
@@ -260,7 +294,7 @@ impl Client {
         for (r, m) in out.iter().zip(missed) {
             if m == Status::Miss {
                 let bytes = if r.0 == Status::Ok { r.1 as u64 } else { 0 };
-                self.metrics.count_get(r.0, bytes, r.1);
+                self.pipe.metrics.count_get(r.0, bytes, r.1);
             }
         }
     }
@@ -270,7 +304,7 @@ impl Client {
     /// Ok(true) when one of them had it; Err when one could not be reached
     /// (its copy may remain). Nodes skipped for asks are asked too: a
     /// delete must reach every copy a later ask could find.
-    pub(crate) async fn handoff_delete(&self, topo: &Topology, owner: &Node, key: &[u8]) -> Result<bool, Status> {
+    pub(crate) async fn delete(&self, topo: &Topology, owner: &Node, key: &[u8]) -> Result<bool, Status> {
         let now = Instant::now();
         let mut asked: Vec<(Arc<Node>, Instant)> = Vec::new();
         for p in topo.previous.iter().filter(|p| p.until > now) {
@@ -281,7 +315,7 @@ impl Client {
             }
             asked.push((n.clone(), p.until));
         }
-        let done = join_all(asked.iter().map(|(n, until)| self.run_handoff(n, *until, DeleteX { key }))).await;
+        let done = join_all(asked.iter().map(|(n, until)| self.ask(n, *until, DeleteX { key }))).await;
         if done.contains(&None) {
             return Err(Status::Unavailable);
         }
@@ -297,12 +331,12 @@ impl Client {
     /// copy slot ends there, and it carries its age to the owner, which
     /// refuses it past half its own window (docs/PROTOCOL.md §2.9).
     pub(crate) fn copy_later(&self, owner: Arc<Node>, key: &[u8], bufs: &[&mut [u8]], len: usize, read_at: Instant) {
-        let h = self.metrics.handoff.clone();
+        let h = self.pipe.metrics.handoff.clone();
         let Ok(rt) = tokio::runtime::Handle::try_current() else {
             h.copies_failed.fetch_add(1, Ordering::Relaxed);
             return;
         };
-        let budget = self.opts.handoff_budget;
+        let budget = self.pipe.opts.handoff_budget;
         let n = len as u64;
         let taken = h
             .inflight_bytes
@@ -319,11 +353,11 @@ impl Client {
                 break;
             }
         }
-        let header = PageHeader::new(self.geo, key, n, crc32fast::hash(&data)).encode();
+        let header = PageHeader::new(*self.pipe.geo, key, n, crc32fast::hash(&data)).encode();
         let key = key.to_vec();
-        let (connect, io) = (self.opts.connect_timeout, self.opts.io_timeout);
-        let gate = self.copy_slots.clone();
-        let window = self.handoff_window_ms.clone();
+        let (connect, io) = (self.pipe.opts.connect_timeout, self.pipe.opts.io_timeout);
+        let gate = self.state.copy_slots.clone();
+        let window = self.state.window_ms.clone();
         rt.spawn(async move {
             // A few copies at once per handle: they wait here, not in the
             // owner's connection queue ahead of the caller's own requests;
@@ -410,6 +444,7 @@ pub(crate) fn asks_of_round(
 mod tests {
     use super::*;
     use crate::options::Options;
+    use crate::Client;
     use kv_common::page::Geometry;
 
     #[test]
@@ -449,12 +484,12 @@ mod tests {
         let h = c.metrics.handoff.clone();
         let mut page = vec![5u8; 4096];
         // Read a second ago: past half of 400 ms already.
-        c.copy_later(owner.clone(), b"k1", &[&mut page[..]], 4096, Instant::now() - Duration::from_secs(1));
+        c.handoff().copy_later(owner.clone(), b"k1", &[&mut page[..]], 4096, Instant::now() - Duration::from_secs(1));
         eventually("the stale copy to be dropped", || h.copies_expired.load(Ordering::Relaxed) == 1);
         // Fresh, but every copy slot is taken and stays taken.
-        let held = rt.block_on(c.copy_slots.clone().acquire_many_owned(crate::client::HANDOFF_COPIES_AT_ONCE as u32));
+        let held = rt.block_on(c.handoff().state.copy_slots.clone().acquire_many_owned(HANDOFF_COPIES_AT_ONCE as u32));
         let queued = Instant::now();
-        c.copy_later(owner, b"k2", &[&mut page[..]], 4096, queued);
+        c.handoff().copy_later(owner, b"k2", &[&mut page[..]], 4096, queued);
         eventually("the waiting copy to expire", || h.copies_expired.load(Ordering::Relaxed) == 2);
         assert!(queued.elapsed() >= Duration::from_millis(200), "it waited until its deadline");
         drop(held);

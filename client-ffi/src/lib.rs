@@ -2,8 +2,11 @@
 //!
 //! Layers: [`options`] and [`members`] (parsing), [`node`] (a node's
 //! connection pool and health), [`exchange`] (one request on one connection,
-//! zero-copy scatter/gather, streaming CRC), [`client`] (the async core:
-//! ring routing, retries, batches), [`blocking`] (the facade for
+//! zero-copy scatter/gather, streaming CRC, written once for blocking and
+//! async sockets over kv-common's request driver), [`pipeline`] (an
+//! exchange run on a node: slots, bounds, stale retries, health),
+//! [`handoff`] (the ring handoff, a layer over the pipeline), [`client`]
+//! (the async core: ring routing, batches), [`blocking`] (the facade for
 //! synchronous callers), [`call`] (a per-thread bound on a whole call), and the C ABI over it (`libkvclient.so`,
 //! `include/kvclient.h`). [`conn`] is a minimal blocking single-connection
 //! client for tools and tests. This crate must not depend on the server or
@@ -23,6 +26,7 @@ pub mod members;
 pub mod metrics;
 pub mod node;
 pub mod options;
+pub mod pipeline;
 pub mod rdma;
 pub mod small;
 pub mod topology;

@@ -159,9 +159,9 @@ impl Client {
         self.exist_waves(groups.into_iter().map(|(node, idx)| (node, idx, None)).collect(), keys, &mut out);
         if !topo.previous.is_empty() {
             // Misses asked at previous owners (handoff.rs), a round per rank.
-            let cands = self.candidates_of_misses(&topo, keys.iter().copied(), &out);
+            let cands = self.handoff().candidates_of_misses(&topo, keys.iter().copied(), &out);
             let mut mismatch = vec![false; keys.len()];
-            for round in 0..crate::client::MAX_HANDOFF_ASKS {
+            for round in 0..crate::handoff::MAX_HANDOFF_ASKS {
                 let groups = crate::handoff::asks_of_round(&cands, round, |i| out[i] == Status::Miss);
                 if groups.is_empty() {
                     break;
