@@ -13,7 +13,8 @@
 //! over the socket; on a blocking socket they run with
 //! `kv_common::driver::block_on`, one poll on the caller's thread. A
 //! connection may also hold its reach into the node for payloads that do
-//! not travel inline (its RDMA queue pair, rdma.rs; the async core's only).
+//! not travel inline (transport.rs; an RDMA queue pair, rdma.rs: the async
+//! core's only).
 
 use std::net::TcpStream;
 use std::os::fd::AsRawFd;
@@ -41,7 +42,7 @@ pub struct Conn<S = Blocking> {
     pub(crate) link: driver::Conn<S>,
     /// The connection's remote-memory transport once one was set up (None:
     /// every payload of this connection goes inline).
-    pub(crate) remote: Option<crate::rdma::Remote>,
+    pub(crate) remote: Option<Box<dyn crate::transport::RemoteMemory>>,
 }
 
 /// A response: header and body.

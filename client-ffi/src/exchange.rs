@@ -1,90 +1,23 @@
 //! Request/response exchanges on one connection, written once for either
 //! socket (conn.rs): the async core awaits them, the caller-thread path and
-//! the tools run them with `kv_common::driver::block_on`. A get reads the
-//! payload from the socket straight into the caller's buffers, in order,
-//! and folds each chunk into the CRC as it lands (no page-sized buffer, no
-//! second pass).
+//! the tools run them with `kv_common::driver::block_on`. What a get's
+//! answer does to the caller's buffers is answer.rs's; a payload that
+//! travels by the connection's remote memory rather than inline goes
+//! through transport.rs, which falls back to the inline request here.
 
-use kv_common::driver::{self, Socket};
-use kv_common::page::{Geometry, PageHeader, HEADER_LEN};
+use kv_common::driver::Socket;
+use kv_common::page::{Geometry, HEADER_LEN};
 use kv_common::status::Status;
-use kv_common::wire::{self, KeyRequest, Op, RspHeader, FLAG_CHECK_GEOMETRY};
-use kv_common::wire::{BatchItem, ItemHead, BATCH_ITEM_HEAD, MAX_BATCH_ANSWER, MAX_BATCH_ITEMS};
+use kv_common::wire::RSP_FLAG_DUPLICATE;
+use kv_common::wire::{self, KeyRequest, Op, FLAG_CHECK_GEOMETRY};
+use kv_common::wire::{BatchItem, BATCH_ITEM_HEAD, MAX_BATCH_ANSWER, MAX_BATCH_ITEMS};
 use kv_common::wire::{PutItemHead, MAX_BATCH_PUT_RECORDS};
-use kv_common::wire::{FLAG_RDMA, RSP_FLAG_DUPLICATE, RSP_FLAG_RDMA, RSP_FLAG_RDMA_FAILED};
 
+pub use crate::answer::GetReply;
+use crate::answer::{read_get_body, read_item, FrameReader, MAX_SMALL_ANSWER};
 use crate::conn::Conn;
 use crate::error::OpError;
-use crate::rdma::{Access, Named};
-
-/// Largest error/answer body read into memory (anything else is a record).
-pub(crate) const MAX_SMALL_ANSWER: u32 = 1 << 20;
-
-fn ranges_mut(bufs: &mut [&mut [u8]]) -> Vec<(usize, usize)> {
-    bufs.iter_mut().map(|b| (b.as_mut_ptr() as usize, b.len())).collect()
-}
-
-/// The caller's buffers named for the node to fill or read by the
-/// connection's remote transport, if it has one and they qualify (else
-/// the payload goes inline).
-fn named<S>(conn: &Conn<S>, ranges: Vec<(usize, usize)>, access: Access) -> Option<Named> {
-    conn.remote.as_ref()?.name(ranges, access)
-}
-
-/// The answer to a GET that asked for RDMA: with RSP_FLAG_RDMA the payload
-/// is in the caller's buffers and the body holds the header and key, which
-/// are checked as over TCP, and then the payload's CRC over the buffers.
-/// An answer without it came inline (the node's queue pair is gone): read
-/// as over TCP, and this connection stops asking.
-async fn finish_remote_get<S: Socket>(
-    conn: &mut Conn<S>,
-    geo: &Geometry,
-    key: &[u8],
-    bufs: &mut [&mut [u8]],
-    h: &RspHeader,
-) -> Result<GetReply, OpError> {
-    let placed = h.flags & RSP_FLAG_RDMA != 0;
-    if !placed && h.status != Status::TooSmall {
-        if h.status == Status::Ok {
-            conn.remote = None;
-        }
-        return read_get_body(conn, geo, key, bufs, h).await;
-    }
-    let body = conn.answer_body(h, MAX_SMALL_ANSWER).await?;
-    let done = |status, len| Ok(GetReply { status, len });
-    let Ok(ph) = PageHeader::decode(&body) else { return done(Status::Corrupt, 0) };
-    if body.len() != HEADER_LEN + key.len()
-        || ph.key_len as usize != key.len()
-        || ph.check_key(key).is_err()
-        || &body[HEADER_LEN..] != key
-        || !geo.matches(&ph)
-    {
-        return done(Status::Mismatch, 0);
-    }
-    let need = ph.payload_len as usize;
-    if !placed {
-        return done(Status::TooSmall, need);
-    }
-    if need > bufs.iter().map(|b| b.len()).sum::<usize>() {
-        return done(Status::Corrupt, 0);
-    }
-    // The device wrote the buffers before the node answered; order this
-    // thread's reads after that answer.
-    std::sync::atomic::fence(std::sync::atomic::Ordering::Acquire);
-    if !PayloadSink::new(bufs, need).placed(ph.payload_crc) {
-        return done(Status::Corrupt, 0);
-    }
-    done(Status::Ok, need)
-}
-
-/// What a get produced.
-#[derive(Debug)]
-pub struct GetReply {
-    /// Ok, or why not served.
-    pub status: Status,
-    /// Payload bytes written (Ok), or the size needed (TooSmall).
-    pub len: usize,
-}
+use crate::transport::{self, Named};
 
 /// Bytes of an answer read with its frame header when they came with it:
 /// a short answer's whole body (a status line, an exist's statuses).
@@ -106,7 +39,7 @@ pub async fn put<S: Socket>(
     if conn.remote.is_some() && extra == 0 {
         let payload: u64 = bufs.iter().map(|b| b.len() as u64).sum();
         over_limit(conn, HEADER_LEN as u64 + key.len() as u64 + payload)?;
-        if put_remote(conn, header, key, bufs).await? {
+        if transport::put(conn, header, key, bufs).await? {
             return Ok(true);
         }
     }
@@ -295,36 +228,6 @@ pub async fn delete_batch<S: Socket>(conn: &mut Conn<S>, keys: &[&[u8]]) -> Resu
         .collect())
 }
 
-/// A put by RDMA: Ok(true) when stored, Ok(false) when it must go inline
-/// (no segments, the node could not read them, or what it read failed the
-/// CRC: a stale registration), Err as any put.
-async fn put_remote<S: Socket>(
-    conn: &mut Conn<S>,
-    header: &[u8; HEADER_LEN],
-    key: &[u8],
-    bufs: &[&[u8]],
-) -> Result<bool, OpError> {
-    let ranges: Vec<(usize, usize)> = bufs.iter().map(|b| (b.as_ptr() as usize, b.len())).collect();
-    if let Some(named) = named(conn, ranges, Access::NodeReads) {
-        // The node reads the payload from these buffers by RDMA READ.
-        let mut tail = Vec::new();
-        named.encode(&mut tail);
-        let id = conn.request(Op::Put, FLAG_RDMA, 0, &[header, key, &tail]).await?;
-        let h = conn.answer(id, SMALL_AHEAD).await?;
-        let body = conn.answer_body(&h, MAX_SMALL_ANSWER).await?;
-        match h.status {
-            Status::Ok => return Ok(true),
-            // The node could not read it: send it inline, on TCP from now on.
-            Status::Unavailable if h.flags & RSP_FLAG_RDMA_FAILED != 0 => conn.remote = None,
-            // What the node read does not match the CRC computed over the
-            // buffers: a stale registration, most likely. Send it inline.
-            Status::Corrupt => named.stale(),
-            s => return Err(OpError::refused(s, &body)),
-        }
-    }
-    Ok(false)
-}
-
 pub async fn get<S: Socket>(
     conn: &mut Conn<S>,
     geo: &Geometry,
@@ -339,38 +242,11 @@ pub async fn get<S: Socket>(
         return Ok(GetReply { status: OpError::refused(Status::BadRequest, why.as_bytes()).status(), len: 0 });
     }
     if conn.remote.is_some() {
-        if let Some(r) = get_remote(conn, geo, key, bufs, extra).await? {
+        if let Some(r) = transport::get(conn, geo, key, bufs, extra).await? {
             return Ok(r);
         }
     }
     get_inline(conn, geo, key, bufs, extra).await
-}
-
-/// A get by RDMA: None when it must go inline (no segments, or the payload
-/// placed failed its CRC: a stale registration; then retried inline).
-async fn get_remote<S: Socket>(
-    conn: &mut Conn<S>,
-    geo: &Geometry,
-    key: &[u8],
-    bufs: &mut [&mut [u8]],
-    extra: u8,
-) -> Result<Option<GetReply>, OpError> {
-    let ranges = ranges_mut(bufs);
-    if let Some(named) = named(conn, ranges, Access::NodeWrites) {
-        let mut body = Vec::new();
-        named.encode(&mut body);
-        body.extend_from_slice(&KeyRequest::encode(geo, key));
-        let id = conn.request(Op::Get, FLAG_CHECK_GEOMETRY | FLAG_RDMA | extra, 0, &[&body]).await?;
-        let h = conn.answer(id, HEADER_LEN + key.len()).await?;
-        let r = finish_remote_get(conn, geo, key, bufs, &h).await?;
-        if r.status != Status::Corrupt || h.flags & RSP_FLAG_RDMA == 0 {
-            return Ok(Some(r));
-        }
-        // The payload placed by RDMA failed its CRC (a stale registration,
-        // most likely): once more, inline.
-        named.stale();
-    }
-    Ok(None)
 }
 
 async fn get_inline<S: Socket>(
@@ -438,11 +314,6 @@ pub async fn batch_exist<S: Socket>(
     exist_answer(conn, id, Op::BatchExist, keys.len()).await
 }
 
-/// Reads and discards `n` bytes (to keep a pipelined connection in step).
-async fn drain<S: Socket>(conn: &mut Conn<S>, n: u64) -> Result<(), OpError> {
-    Ok(conn.link.skip(n).await?)
-}
-
 /// Several gets on one connection: all requests are written, then the
 /// answers read in whatever order the node sends them, each scattered into
 /// its own item's buffers (matched by request id) with its CRC checked as
@@ -457,20 +328,13 @@ pub async fn get_pipelined<S: Socket>(
     let remote = conn.remote.is_some();
     let mut frames: Vec<(u8, Vec<u8>)> = Vec::with_capacity(items.len());
     // The items whose buffers were named for the node (None: inline), held
-    // until all answers are in (empty: no remote transport, no allocation).
-    let mut by_remote: Vec<Option<Named>> = Vec::new();
+    // until all answers are in (empty: no remote memory, no allocation).
+    let mut by_remote: Vec<Option<Box<dyn Named>>> = Vec::new();
     for (key, bufs) in items.iter_mut() {
-        let mut flags = FLAG_CHECK_GEOMETRY | extra;
-        let named = if remote { named(conn, ranges_mut(bufs), Access::NodeWrites) } else { None };
-        let body = match &named {
-            None => KeyRequest::encode(geo, key),
-            Some(n) => {
-                let mut body = Vec::new();
-                n.encode(&mut body);
-                body.extend_from_slice(&KeyRequest::encode(geo, key));
-                flags |= FLAG_RDMA;
-                body
-            }
+        let named = if remote { transport::get_request(conn, geo, key, bufs, extra) } else { None };
+        let (flags, body, named) = match named {
+            Some((flags, body, named)) => (flags, body, Some(named)),
+            None => (FLAG_CHECK_GEOMETRY | extra, KeyRequest::encode(geo, key), None),
         };
         if remote {
             by_remote.push(named);
@@ -491,8 +355,8 @@ pub async fn get_pipelined<S: Socket>(
         let (key, bufs) = &mut items[i];
         replies[i] = Some(match by_remote.get_mut(i).and_then(Option::take) {
             Some(named) => {
-                let r = finish_remote_get(conn, geo, key, bufs, &h).await?;
-                if r.status == Status::Corrupt && h.flags & RSP_FLAG_RDMA != 0 {
+                let (r, stale) = transport::finish_get(conn, geo, key, bufs, &h).await?;
+                if stale {
                     again.push((i, named));
                 }
                 r
@@ -594,316 +458,4 @@ pub async fn get_batch<S: Socket>(
         replies[i] = Some(get_inline(conn, geo, key, bufs, extra).await?);
     }
     Ok(replies.into_iter().map(|r| r.expect("every frame answered")).collect())
-}
-
-/// One item of a BATCH_GET answer, leaving `rd` at the next item; true
-/// beside the reply when the node asks for the item again
-/// ([`wire::ITEM_AGAIN`]).
-async fn read_item<S: Socket>(
-    rd: &mut FrameReader<'_, S>,
-    geo: &Geometry,
-    key: &[u8],
-    bufs: &mut [&mut [u8]],
-) -> Result<(GetReply, bool), OpError> {
-    let done = |status, len| Ok((GetReply { status, len }, false));
-    let head = HEADER_LEN + key.len();
-    // The item's head and, for a hit, the page header and key: one read
-    // when the socket has them (a miss leaves the next items' bytes
-    // buffered, never more than this).
-    rd.fill(BATCH_ITEM_HEAD + head).await?;
-    let mut ib = [0u8; BATCH_ITEM_HEAD];
-    rd.exact(&mut ib).await?;
-    let ih = ItemHead::decode(&ib);
-    if ih.status != Status::Ok {
-        if ih.len > MAX_SMALL_ANSWER {
-            return Err(OpError::Protocol(format!("unexpected {}-byte item answer", ih.len)));
-        }
-        let mut msg = vec![0u8; ih.len as usize];
-        rd.exact(&mut msg).await?;
-        if ih.status == Status::Rejected && ih.flags & wire::ITEM_AGAIN != 0 {
-            return Ok((GetReply { status: Status::Rejected, len: 0 }, true));
-        }
-        return match ih.status {
-            Status::Miss | Status::Mismatch => done(ih.status, 0),
-            s => done(OpError::refused(s, &msg).status(), 0),
-        };
-    }
-    let len = u64::from(ih.len);
-    if len < head as u64 {
-        rd.skip(len).await?;
-        return done(Status::Corrupt, 0);
-    }
-    let mut hk = [0u8; HEADER_LEN + kv_common::page::MAX_KEY_LEN];
-    rd.exact(&mut hk[..head]).await?;
-    let cap: usize = bufs.iter().map(|b| b.len()).sum();
-    let ph = match check_get_head(geo, key, len, &hk[..head], cap) {
-        Ok(ph) => ph,
-        Err(r) => {
-            rd.skip(len - head as u64).await?;
-            return Ok((r, false));
-        }
-    };
-    let need = ph.payload_len as usize;
-    let mut sink = PayloadSink::new(bufs, need);
-    while let Some(dst) = sink.next() {
-        let n = rd.some(dst).await?;
-        sink.filled(n);
-    }
-    if !sink.verify(ph.payload_crc) {
-        return done(Status::Corrupt, 0);
-    }
-    done(Status::Ok, need)
-}
-
-/// The body of one answer frame on its way in, through the connection's
-/// buffer (kv_common::driver): an item's heads (its own, the page header,
-/// the key) come with one read when the socket has them, and a payload
-/// goes from the socket straight into its buffers. It never takes past
-/// the frame's end (the next frame may answer another request).
-struct FrameReader<'s, S> {
-    link: &'s mut driver::Conn<S>,
-    /// Bytes of the frame not yet taken.
-    left: u64,
-}
-
-impl<S: Socket> FrameReader<'_, S> {
-    /// Whether the whole frame was taken.
-    fn done(&self) -> bool {
-        self.left == 0
-    }
-
-    fn short() -> OpError {
-        OpError::Protocol("batch answer shorter than its items".into())
-    }
-
-    /// Has the connection's buffer hold the frame's next `n` bytes (at most
-    /// what the frame has left), reading no more than that takes.
-    async fn fill(&mut self, n: usize) -> Result<(), OpError> {
-        let n = n.min(usize::try_from(self.left).unwrap_or(usize::MAX));
-        Ok(self.link.fill(n, n).await?)
-    }
-
-    /// Some bytes into `dst`: from the buffer if it holds any, else one
-    /// read straight from the socket.
-    async fn some(&mut self, dst: &mut [u8]) -> Result<usize, OpError> {
-        let n = dst.len().min(usize::try_from(self.left).unwrap_or(usize::MAX));
-        if n == 0 {
-            return Err(Self::short());
-        }
-        let got = self.link.some(&mut dst[..n]).await?;
-        self.left -= got as u64;
-        Ok(got)
-    }
-
-    /// Fills all of `dst`.
-    async fn exact(&mut self, dst: &mut [u8]) -> Result<(), OpError> {
-        if dst.len() as u64 > self.left {
-            return Err(Self::short());
-        }
-        self.link.exact(dst).await?;
-        self.left -= dst.len() as u64;
-        Ok(())
-    }
-
-    /// Reads and drops `n` bytes.
-    async fn skip(&mut self, n: u64) -> Result<(), OpError> {
-        if n > self.left {
-            return Err(Self::short());
-        }
-        self.link.skip(n).await?;
-        self.left -= n;
-        Ok(())
-    }
-}
-
-/// The body of one GET answer, leaving the connection at the next frame.
-/// Checks the page header and key that open a get's answer of `body_len`
-/// bytes (`hk`: the header, then as many bytes as `key` has) against what
-/// was asked: Ok(header) when its payload fits in `cap` bytes, else the
-/// reply the item gets (the caller drains the rest of the body).
-pub(crate) fn check_get_head(
-    geo: &Geometry,
-    key: &[u8],
-    body_len: u64,
-    hk: &[u8],
-    cap: usize,
-) -> Result<PageHeader, GetReply> {
-    let no = |status, len| Err(GetReply { status, len });
-    let mut hb = [0u8; HEADER_LEN];
-    hb.copy_from_slice(&hk[..HEADER_LEN]);
-    let ph = match PageHeader::decode(&hb) {
-        Ok(ph) if ph.record_len() == body_len => ph,
-        _ => return no(Status::Corrupt, 0),
-    };
-    if ph.key_len as usize != key.len() || ph.check_key(key).is_err() || !geo.matches(&ph) || &hk[HEADER_LEN..] != key {
-        return no(Status::Mismatch, 0);
-    }
-    if ph.payload_len as usize > cap {
-        return no(Status::TooSmall, ph.payload_len as usize);
-    }
-    Ok(ph)
-}
-
-/// A GET's payload on its way into the caller's segments: `need` bytes
-/// (at most the segments' room: [`check_get_head`] made sure), in order,
-/// its CRC taken as the bytes arrive. Every reader of a GET answer (the
-/// async core's, the caller-thread path's, the RDMA check of bytes already
-/// placed) moves bytes only into what [`PayloadSink::next`] gives, so the
-/// segment walk and the CRC live here once.
-pub(crate) struct PayloadSink<'s, 'b> {
-    bufs: &'s mut [&'b mut [u8]],
-    seg: usize,
-    at: usize,
-    left: usize,
-    crc: crc32fast::Hasher,
-}
-
-impl<'s, 'b> PayloadSink<'s, 'b> {
-    pub(crate) fn new(bufs: &'s mut [&'b mut [u8]], need: usize) -> PayloadSink<'s, 'b> {
-        PayloadSink { bufs, seg: 0, at: 0, left: need, crc: crc32fast::Hasher::new() }
-    }
-
-    /// Where the next bytes of the payload go (None: all of it is in).
-    pub(crate) fn next(&mut self) -> Option<&mut [u8]> {
-        if self.left == 0 {
-            return None;
-        }
-        while self.at >= self.bufs.get(self.seg)?.len() {
-            self.seg += 1;
-            self.at = 0;
-        }
-        let seg = &mut self.bufs[self.seg];
-        let end = seg.len().min(self.at + self.left);
-        Some(&mut seg[self.at..end])
-    }
-
-    /// `n` bytes were written at the start of what [`PayloadSink::next`] gave.
-    pub(crate) fn filled(&mut self, n: usize) {
-        let seg = &self.bufs[self.seg];
-        self.crc.update(&seg[self.at..self.at + n]);
-        self.at += n;
-        self.left -= n;
-    }
-
-    /// Whether the whole payload came and matches the page header's CRC.
-    pub(crate) fn verify(self, crc: u32) -> bool {
-        self.left == 0 && self.crc.finalize() == crc
-    }
-
-    /// The payload is already in the segments (RDMA placed it): whether it
-    /// matches the page header's CRC.
-    pub(crate) fn placed(mut self, crc: u32) -> bool {
-        while let Some(n) = self.next().map(|d| d.len()) {
-            self.filled(n);
-        }
-        self.verify(crc)
-    }
-}
-
-/// A payload's reads into one segment are at most this long, so its CRC
-/// is taken over bytes that just landed (still in the cache).
-const PAYLOAD_CHUNK: usize = 256 << 10;
-
-async fn read_get_body<S: Socket>(
-    conn: &mut Conn<S>,
-    geo: &Geometry,
-    key: &[u8],
-    bufs: &mut [&mut [u8]],
-    h: &RspHeader,
-) -> Result<GetReply, OpError> {
-    let done = |status, len| Ok(GetReply { status, len });
-    if h.status != Status::Ok {
-        let body = conn.answer_body(h, MAX_SMALL_ANSWER).await?;
-        return match h.status {
-            Status::Miss | Status::Mismatch => done(h.status, 0),
-            // The answer was read whole: this item alone is not served (a
-            // node's internal failure reads as unavailable, never negative).
-            s => done(OpError::refused(s, &body).status(), 0),
-        };
-    }
-    let body_len = h.body_len as u64;
-    let head = HEADER_LEN + key.len();
-    if body_len < head as u64 {
-        drain(conn, body_len).await?;
-        return done(Status::Corrupt, 0);
-    }
-    // The page header and the key in one read (the key's length is the
-    // one asked for; a body at least that long holds both).
-    let mut hk = [0u8; HEADER_LEN + kv_common::page::MAX_KEY_LEN];
-    conn.link.exact(&mut hk[..head]).await?;
-    let cap: usize = bufs.iter().map(|b| b.len()).sum();
-    let ph = match check_get_head(geo, key, body_len, &hk[..head], cap) {
-        Ok(ph) => ph,
-        Err(r) => {
-            drain(conn, body_len - head as u64).await?;
-            return Ok(r);
-        }
-    };
-    let need = ph.payload_len as usize;
-    let mut sink = PayloadSink::new(bufs, need);
-    while let Some(dst) = sink.next() {
-        let k = dst.len().min(PAYLOAD_CHUNK);
-        let dst = &mut dst[..k];
-        // The bytes that came with the heads, then the rest straight from
-        // the socket (on a blocking socket one call a chunk, MSG_WAITALL).
-        let n = if conn.link.buffered() > 0 {
-            conn.link.some(dst).await?
-        } else {
-            conn.link.exact(dst).await?;
-            k
-        };
-        sink.filled(n);
-    }
-    if !sink.verify(ph.payload_crc) {
-        return done(Status::Corrupt, 0);
-    }
-    done(Status::Ok, need)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::PayloadSink;
-
-    /// Writes `payload` through a sink over segments of `sizes` bytes, `chunk`
-    /// bytes a read at most: (the segments, whether the CRC matched).
-    fn through(sizes: &[usize], payload: &[u8], chunk: usize, crc: u32) -> (Vec<Vec<u8>>, bool) {
-        let mut segs: Vec<Vec<u8>> = sizes.iter().map(|&n| vec![0u8; n]).collect();
-        let mut bufs: Vec<&mut [u8]> = segs.iter_mut().map(|s| s.as_mut_slice()).collect();
-        let mut sink = PayloadSink::new(&mut bufs, payload.len());
-        let mut at = 0;
-        while let Some(dst) = sink.next() {
-            let n = dst.len().min(chunk);
-            dst[..n].copy_from_slice(&payload[at..at + n]);
-            at += n;
-            sink.filled(n);
-        }
-        assert_eq!(at, payload.len(), "every byte asked for");
-        let ok = sink.verify(crc);
-        (segs, ok)
-    }
-
-    #[test]
-    fn a_payload_fills_the_segments_in_order_across_empty_ones_and_reads_of_any_size() {
-        let payload: Vec<u8> = (1..=9).collect();
-        let crc = crc32fast::hash(&payload);
-        for chunk in [1, 2, 4, 64] {
-            let (segs, ok) = through(&[3, 0, 4, 5], &payload, chunk, crc);
-            assert!(ok, "chunk {chunk}");
-            assert_eq!(segs, vec![vec![1, 2, 3], vec![], vec![4, 5, 6, 7], vec![8, 9, 0, 0, 0]], "chunk {chunk}");
-        }
-        assert!(!through(&[9], &payload, 4, crc ^ 1).1, "another CRC is refused");
-        assert!(through(&[4], &[], 4, 0).1, "an empty payload");
-    }
-
-    #[test]
-    fn bytes_already_placed_are_checked_and_a_short_room_never_passes() {
-        let payload: Vec<u8> = (1..=6).collect();
-        let crc = crc32fast::hash(&payload);
-        let (mut a, mut b) = (payload[..2].to_vec(), [payload[2..].to_vec(), vec![7, 7]].concat());
-        let mut bufs: Vec<&mut [u8]> = vec![&mut a, &mut b];
-        assert!(PayloadSink::new(&mut bufs, 6).placed(crc), "the room's tail is not part of the payload");
-        let mut short = [0u8; 4];
-        let mut bufs: Vec<&mut [u8]> = vec![&mut short];
-        assert!(!PayloadSink::new(&mut bufs, 6).placed(crc32fast::hash(&[0u8; 4])), "4 bytes of room for 6");
-    }
 }

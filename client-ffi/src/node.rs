@@ -15,7 +15,8 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 use crate::conn::{Async, Conn};
 use crate::error::OpError;
-use crate::rdma::{Answered, Offer, Remote, Setup};
+use crate::rdma::{Answered, Offer, Setup};
+use crate::transport::RemoteMemory;
 
 /// A connection of the async core.
 pub type AsyncConn = Conn<Async>;
@@ -396,13 +397,17 @@ async fn connect(node: &Node) -> Result<AsyncConn, OpError> {
 /// Sets the connection's queue pair up (RDMA_CONNECT): Some when
 /// connected, None when the connection goes on over TCP, Err when the
 /// connection failed.
-async fn ask_remote(conn: &mut AsyncConn, setup: &mut Setup<'_>, name: &str) -> Result<Option<Remote>, OpError> {
+async fn ask_remote(
+    conn: &mut AsyncConn,
+    setup: &mut Setup<'_>,
+    name: &str,
+) -> Result<Option<Box<dyn RemoteMemory>>, OpError> {
     loop {
         let id = conn.request(Op::RdmaConnect, 0, 0, &[&setup.request()]).await?;
         let h = conn.answer(id, 0).await?;
         let body = conn.answer_body(&h, 4096).await?;
         match setup.answered(h.status, &body, name) {
-            Answered::Connected(remote) => return Ok(Some(remote)),
+            Answered::Connected(remote) => return Ok(Some(Box::new(remote))),
             Answered::Again => continue,
             Answered::Tcp => return Ok(None),
         }

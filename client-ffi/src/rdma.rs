@@ -1,8 +1,9 @@
 //! The client's RDMA transport over the `kv-rdma` engine: the rest of the
 //! library sees it through [`Fabric`] (the handle's engine and counters),
 //! [`Offer`] (whether a node is asked for RDMA), [`Setup`] (a connection's
-//! queue pair, docs/PROTOCOL.md §2.8) and [`Remote::name`] (the caller's
-//! buffers named as segments of the frame, for the node to fill or read).
+//! queue pair, docs/PROTOCOL.md §2.8) and [`Remote`], the connection's
+//! `transport::RemoteMemory` (the caller's buffers named as segments of the
+//! frame, for the node to fill or read).
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -15,6 +16,7 @@ use kv_rdma::Counters;
 
 use crate::error::OpError;
 use crate::options::Options;
+use crate::transport::{self, Access, RemoteMemory};
 
 /// Payloads smaller than this go inline even on a connection with a queue
 /// pair: a small record costs less over TCP than a registration lookup and
@@ -190,20 +192,11 @@ fn accept(link: &Link, theirs: &Endpoint) -> Result<(), String> {
 /// A connection's queue pair: its reach into the node for payloads.
 pub struct Remote(Link);
 
-/// What the node does with named buffers.
-#[derive(Clone, Copy)]
-pub enum Access {
-    /// Reads them (a put's payload: read-only memory may be sent).
-    NodeReads,
-    /// Writes them (a get's payload).
-    NodeWrites,
-}
-
-impl Remote {
-    /// Names buffers `(address, length)` as segments for the node,
-    /// registering them as needed (cached). None: this request goes inline
-    /// (a small payload, too many pieces, or a registration that failed).
-    pub fn name(&self, bufs: Vec<(usize, usize)>, access: Access) -> Option<Named> {
+impl RemoteMemory for Remote {
+    /// Names buffers as segments for the node, registering them as needed
+    /// (cached). None: this request goes inline (a small payload, too many
+    /// pieces, or a registration that failed).
+    fn name(&self, bufs: Vec<(usize, usize)>, access: Access) -> Option<Box<dyn transport::Named>> {
         let total: usize = bufs.iter().map(|b| b.1).sum();
         if total < RDMA_MIN_PAYLOAD || bufs.len() > MAX_SEGMENTS {
             return None;
@@ -220,22 +213,22 @@ impl Remote {
             segs.push(s);
             regs.push(r);
         }
-        Some(Named { segs, _regs: regs, rt: rt.clone(), ranges: bufs })
+        Some(Box::new(Named { segs, _regs: regs, rt: rt.clone(), ranges: bufs }))
     }
 }
 
 /// Buffers named for one request; their registrations are held until it
 /// is answered.
-pub struct Named {
+struct Named {
     segs: Vec<Segment>,
     _regs: Vec<Registration>,
     rt: Arc<Runtime>,
     ranges: Vec<(usize, usize)>,
 }
 
-impl Named {
+impl transport::Named for Named {
     /// The segment list, as the frame carries it.
-    pub fn encode(&self, out: &mut Vec<u8>) {
+    fn encode(&self, out: &mut Vec<u8>) {
         encode_segments(&self.segs, out);
     }
 
@@ -245,7 +238,7 @@ impl Named {
     /// cached ones for these buffers; the retry, inline, and later requests
     /// use the memory there now. Pinned regions (`kv_register_memory`) are
     /// the caller's word.
-    pub fn stale(self) {
+    fn stale(self: Box<Self>) {
         for &(a, l) in &self.ranges {
             self.rt.invalidate(a, l);
         }

@@ -1,0 +1,180 @@
+//! The payload's way when it does not travel inline in its frame
+//! (docs/ARCHITECTURE.md, "Transports"): the client's side of the node's
+//! `server/src/transport.rs`. Over TCP a put's payload follows its header
+//! in the frame and a get's record is the answer's body (exchange.rs, with
+//! nothing from here). A connection that reaches the node's memory holds a
+//! [`RemoteMemory`] (RDMA: rdma.rs's `Remote`), used through one call:
+//! name these buffers for the node to read (a put) or write (a get). The
+//! names go in the frame (`kv_common::wire::Segment`, FLAG_RDMA); the node
+//! moves the payload and answers over TCP. Whatever goes wrong on the way
+//! (no names, a node that could not move it, a payload that fails its CRC)
+//! ends in the same request sent inline, so a transport can only make a
+//! request faster, never change what it returns.
+
+use kv_common::driver::Socket;
+use kv_common::page::{Geometry, PageHeader, HEADER_LEN};
+use kv_common::status::Status;
+use kv_common::wire::{KeyRequest, Op, RspHeader, FLAG_CHECK_GEOMETRY};
+use kv_common::wire::{FLAG_RDMA, RSP_FLAG_RDMA, RSP_FLAG_RDMA_FAILED};
+
+use crate::answer::{read_get_body, GetReply, PayloadSink, MAX_SMALL_ANSWER};
+use crate::conn::Conn;
+use crate::error::OpError;
+
+/// What the node does with named buffers.
+#[derive(Clone, Copy)]
+pub enum Access {
+    /// Reads them (a put's payload: read-only memory may be sent).
+    NodeReads,
+    /// Writes them (a get's payload).
+    NodeWrites,
+}
+
+/// One connection's reach into the node for payloads.
+pub trait RemoteMemory: Send + Sync {
+    /// Names buffers `(address, length)` for the node, registering them as
+    /// needed. None: this request goes inline (a small payload, too many
+    /// pieces, or a registration that failed).
+    fn name(&self, bufs: Vec<(usize, usize)>, access: Access) -> Option<Box<dyn Named>>;
+}
+
+/// Buffers named for one request, held until it is answered.
+pub trait Named: Send {
+    /// The names, as the frame carries them (appended to `out`).
+    fn encode(&self, out: &mut Vec<u8>);
+    /// A payload moved through them failed its check: what this transport
+    /// remembers of these buffers may be stale (forget it).
+    fn stale(self: Box<Self>);
+}
+
+/// Bytes of an answer read with its frame header when they came with it.
+const SMALL_AHEAD: usize = 256;
+
+pub(crate) fn ranges_mut(bufs: &mut [&mut [u8]]) -> Vec<(usize, usize)> {
+    bufs.iter_mut().map(|b| (b.as_mut_ptr() as usize, b.len())).collect()
+}
+
+/// The caller's buffers named for the node to fill or read by the
+/// connection's remote memory, if it has one and they qualify (else the
+/// payload goes inline).
+pub(crate) fn named<S>(conn: &Conn<S>, ranges: Vec<(usize, usize)>, access: Access) -> Option<Box<dyn Named>> {
+    conn.remote.as_ref()?.name(ranges, access)
+}
+
+/// The answer to a GET that asked for RDMA: with RSP_FLAG_RDMA the payload
+/// is in the caller's buffers and the body holds the header and key, which
+/// are checked as over TCP, and then the payload's CRC over the buffers.
+/// An answer without it came inline (the node's remote memory is gone):
+/// read as over TCP, and this connection stops naming buffers. True beside
+/// the reply when a payload placed failed its CRC: the names are stale and
+/// the get is to go again inline.
+pub(crate) async fn finish_get<S: Socket>(
+    conn: &mut Conn<S>,
+    geo: &Geometry,
+    key: &[u8],
+    bufs: &mut [&mut [u8]],
+    h: &RspHeader,
+) -> Result<(GetReply, bool), OpError> {
+    let placed = h.flags & RSP_FLAG_RDMA != 0;
+    if !placed && h.status != Status::TooSmall {
+        if h.status == Status::Ok {
+            conn.remote = None;
+        }
+        return Ok((read_get_body(conn, geo, key, bufs, h).await?, false));
+    }
+    let body = conn.answer_body(h, MAX_SMALL_ANSWER).await?;
+    // A corrupt payload placed remotely: the names may be stale.
+    let done = |status, len| Ok((GetReply { status, len }, placed && status == Status::Corrupt));
+    let Ok(ph) = PageHeader::decode(&body) else { return done(Status::Corrupt, 0) };
+    if body.len() != HEADER_LEN + key.len()
+        || ph.key_len as usize != key.len()
+        || ph.check_key(key).is_err()
+        || &body[HEADER_LEN..] != key
+        || !geo.matches(&ph)
+    {
+        return done(Status::Mismatch, 0);
+    }
+    let need = ph.payload_len as usize;
+    if !placed {
+        return done(Status::TooSmall, need);
+    }
+    if need > bufs.iter().map(|b| b.len()).sum::<usize>() {
+        return done(Status::Corrupt, 0);
+    }
+    // The device wrote the buffers before the node answered; order this
+    // thread's reads after that answer.
+    std::sync::atomic::fence(std::sync::atomic::Ordering::Acquire);
+    if !PayloadSink::new(bufs, need).placed(ph.payload_crc) {
+        return done(Status::Corrupt, 0);
+    }
+    done(Status::Ok, need)
+}
+
+/// A put by RDMA: Ok(true) when stored, Ok(false) when it must go inline
+/// (no segments, the node could not read them, or what it read failed the
+/// CRC: a stale registration), Err as any put.
+pub(crate) async fn put<S: Socket>(
+    conn: &mut Conn<S>,
+    header: &[u8; HEADER_LEN],
+    key: &[u8],
+    bufs: &[&[u8]],
+) -> Result<bool, OpError> {
+    let ranges: Vec<(usize, usize)> = bufs.iter().map(|b| (b.as_ptr() as usize, b.len())).collect();
+    if let Some(named) = named(conn, ranges, Access::NodeReads) {
+        // The node reads the payload from these buffers by RDMA READ.
+        let mut tail = Vec::new();
+        named.encode(&mut tail);
+        let id = conn.request(Op::Put, FLAG_RDMA, 0, &[header, key, &tail]).await?;
+        let h = conn.answer(id, SMALL_AHEAD).await?;
+        let body = conn.answer_body(&h, MAX_SMALL_ANSWER).await?;
+        match h.status {
+            Status::Ok => return Ok(true),
+            // The node could not read it: send it inline, on TCP from now on.
+            Status::Unavailable if h.flags & RSP_FLAG_RDMA_FAILED != 0 => conn.remote = None,
+            // What the node read does not match the CRC computed over the
+            // buffers: a stale registration, most likely. Send it inline.
+            Status::Corrupt => named.stale(),
+            s => return Err(OpError::refused(s, &body)),
+        }
+    }
+    Ok(false)
+}
+
+/// A get by RDMA: None when it must go inline (no segments, or the payload
+/// placed failed its CRC: a stale registration; then retried inline).
+pub(crate) async fn get<S: Socket>(
+    conn: &mut Conn<S>,
+    geo: &Geometry,
+    key: &[u8],
+    bufs: &mut [&mut [u8]],
+    extra: u8,
+) -> Result<Option<GetReply>, OpError> {
+    let Some((flags, body, named)) = get_request(conn, geo, key, bufs, extra) else { return Ok(None) };
+    let id = conn.request(Op::Get, flags, 0, &[&body]).await?;
+    let h = conn.answer(id, HEADER_LEN + key.len()).await?;
+    let (r, again) = finish_get(conn, geo, key, bufs, &h).await?;
+    if !again {
+        return Ok(Some(r));
+    }
+    // The payload placed failed its CRC (a stale registration, most
+    // likely): once more, inline.
+    named.stale();
+    Ok(None)
+}
+
+/// A GET naming `bufs` for the node to write the payload into: its flags,
+/// its body and the names (held until the answer is in). None: this get
+/// goes inline (no remote memory, or the buffers do not qualify).
+pub(crate) fn get_request<S>(
+    conn: &Conn<S>,
+    geo: &Geometry,
+    key: &[u8],
+    bufs: &mut [&mut [u8]],
+    extra: u8,
+) -> Option<(u8, Vec<u8>, Box<dyn Named>)> {
+    let named = named(conn, ranges_mut(bufs), Access::NodeWrites)?;
+    let mut body = Vec::new();
+    named.encode(&mut body);
+    body.extend_from_slice(&KeyRequest::encode(geo, key));
+    Some((FLAG_CHECK_GEOMETRY | FLAG_RDMA | extra, body, named))
+}
