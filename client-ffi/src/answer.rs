@@ -151,7 +151,6 @@ impl<S: Socket> FrameReader<'_, S> {
     }
 }
 
-/// The body of one GET answer, leaving the connection at the next frame.
 /// Checks the page header and key that open a get's answer of `body_len`
 /// bytes (`hk`: the header, then as many bytes as `key` has) against what
 /// was asked: Ok(header) when its payload fits in `cap` bytes, else the
@@ -239,6 +238,8 @@ impl<'s, 'b> PayloadSink<'s, 'b> {
 /// is taken over bytes that just landed (still in the cache).
 const PAYLOAD_CHUNK: usize = 256 << 10;
 
+/// The body of one GET answer (its header `h` read), into `bufs`, leaving
+/// the connection at the next frame.
 pub(crate) async fn read_get_body<S: Socket>(
     conn: &mut Conn<S>,
     geo: &Geometry,

@@ -84,8 +84,9 @@ impl<S: Socket> Conn<S> {
         Ok(self.link.send(op, flags, copy_age, body).await?)
     }
 
-    /// Reads the header of the answer to `req_id`, with up to `ahead`
-    /// bytes of its body when they came with it.
+    /// Reads the header of the answer to `req_id`, taking up to `ahead`
+    /// more bytes with it when they came (its body's first bytes; any of
+    /// the next answer's stay buffered for it).
     pub(crate) async fn answer(&mut self, req_id: u64, ahead: usize) -> Result<RspHeader, OpError> {
         Ok(self.link.answer(req_id, ahead).await?)
     }

@@ -68,7 +68,20 @@ fn send(p: &mut Pending, io_timeout: Duration) -> Result<(), OpError> {
 }
 
 fn recv(p: &mut Pending) -> Result<Vec<Status>, OpError> {
-    block_on(exchange::exist_answer(&mut p.conn, p.req_id, p.op, p.idx.len()))
+    let st = block_on(exchange::exist_answer(&mut p.conn, p.req_id, p.op, p.idx.len()))?;
+    in_step(&p.conn)?;
+    Ok(st)
+}
+
+/// One request was in flight on `conn` and its answer is read: bytes
+/// beyond it are the node's fault, found now (the connection is then
+/// closed, not pooled, and the node that sent them blamed) rather than by
+/// the next request on it.
+fn in_step(conn: &Conn) -> Result<(), OpError> {
+    match conn.link.buffered() {
+        0 => Ok(()),
+        n => Err(OpError::Protocol(format!("{n} bytes after the answer"))),
+    }
 }
 
 /// One get on `conn`, answered into `bufs` within `io`: Ok when the whole
@@ -81,7 +94,9 @@ fn get_on(
     io: Duration,
 ) -> Result<GetReply, OpError> {
     conn.bound(io)?;
-    block_on(exchange::get(conn, geo, key, bufs, 0))
+    let r = block_on(exchange::get(conn, geo, key, bufs, 0))?;
+    in_step(conn)?;
+    Ok(r)
 }
 
 impl Client {

@@ -123,6 +123,11 @@ impl DataConn {
     /// header's age of a handoff copy ([`wire::encode_copy_age`], 0
     /// otherwise; docs/PROTOCOL.md). Returns its id.
     pub fn send(&mut self, op: Op, flags: u8, copy_age: u16, parts: &[&[u8]]) -> io::Result<u64> {
+        let len: usize = parts.iter().map(|p| p.len()).sum();
+        if u32::try_from(len).is_err() {
+            // Refused before a byte is written: the connection stays usable.
+            return Err(err(format!("a body of {len} bytes does not fit a frame")));
+        }
         let sent = block_on(self.link.send(op, flags, copy_age, parts));
         let req_id = self.broke(sent)?;
         self.last_id = req_id;

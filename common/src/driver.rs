@@ -27,7 +27,7 @@ use std::sync::Arc;
 use std::task::{Context, Poll, Wake};
 use std::time::{Duration, Instant};
 
-use tokio::io::AsyncReadExt;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 use crate::wire::{Op, ReqHeader, RspHeader, FRAME_HEADER_LEN};
 
@@ -50,7 +50,24 @@ pub trait Socket: Send {
 
 impl Socket for tokio::net::TcpStream {
     async fn write_parts(&mut self, parts: &[&[u8]]) -> io::Result<()> {
-        crate::io::write_all_parts(self, parts).await
+        if let [one] = parts {
+            // std's send, under tokio's write, passes MSG_NOSIGNAL.
+            return self.write_all(one).await;
+        }
+        let mut slices: Vec<io::IoSlice<'_>> =
+            parts.iter().filter(|p| !p.is_empty()).map(|p| io::IoSlice::new(p)).collect();
+        let mut rest: &mut [io::IoSlice<'_>] = &mut slices;
+        while !rest.is_empty() {
+            self.writable().await?;
+            let fd = self.as_raw_fd();
+            match self.try_io(tokio::io::Interest::WRITABLE, || send_parts(fd, rest)) {
+                Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
+                Ok(n) => io::IoSlice::advance_slices(&mut rest, n),
+                Err(e) if matches!(e.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::Interrupted) => {}
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(())
     }
 
     async fn read_some(&mut self, dst: &mut [u8]) -> io::Result<usize> {
@@ -191,13 +208,14 @@ impl Blocking {
 
     fn write_now(&mut self, parts: &[&[u8]]) -> io::Result<()> {
         if let [one] = parts {
+            // std's send passes MSG_NOSIGNAL.
             return self.stream.write_all(one).map_err(timed_out);
         }
         let mut slices: Vec<io::IoSlice<'_>> =
             parts.iter().filter(|p| !p.is_empty()).map(|p| io::IoSlice::new(p)).collect();
         let mut rest: &mut [io::IoSlice<'_>] = &mut slices;
         while !rest.is_empty() {
-            match self.stream.write_vectored(rest) {
+            match send_parts(self.stream.as_raw_fd(), rest) {
                 Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
                 Ok(n) => io::IoSlice::advance_slices(&mut rest, n),
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
@@ -206,6 +224,27 @@ impl Blocking {
         }
         Ok(())
     }
+}
+
+/// One vectored send of `slices` (at most 1024 of them, IOV_MAX) on socket
+/// `fd` with MSG_NOSIGNAL: a peer that reset the connection is an EPIPE
+/// error, never a SIGPIPE that would end a host process that does not
+/// ignore it (`writev` has no such flag). The bytes sent.
+fn send_parts(fd: std::os::fd::RawFd, slices: &[io::IoSlice<'_>]) -> io::Result<usize> {
+    // SAFETY: an all-zero msghdr is a valid empty one (null pointers, zero
+    // lengths); only its iovec fields are set below.
+    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+    // IoSlice is ABI-compatible with iovec on Unix (std's documented
+    // guarantee); the kernel only reads through the pointer.
+    msg.msg_iov = slices.as_ptr() as *mut libc::iovec;
+    msg.msg_iovlen = slices.len().min(1024) as _;
+    // SAFETY: `msg` points at `slices`, live for the call, whose iovecs
+    // name live buffers the kernel reads at most their lengths of.
+    let n = unsafe { libc::sendmsg(fd, &msg, libc::MSG_NOSIGNAL) };
+    if n < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(n as usize)
 }
 
 /// A socket timeout reads as TimedOut (the kernel says EAGAIN).
@@ -508,6 +547,29 @@ mod tests {
         let e = block_on(c.recv_header(0)).unwrap_err();
         assert_eq!(e.kind(), io::ErrorKind::TimedOut);
         assert!(t0.elapsed() < Duration::from_secs(5));
+    }
+
+    /// A vectored frame to a peer that is gone is an error, not a SIGPIPE:
+    /// with the signal's default action (a C host's), the process lives.
+    #[test]
+    fn a_write_to_a_closed_peer_is_an_error_not_a_signal() {
+        let (a, b) = pair();
+        let mut c = Conn::new(Blocking::new(a, Duration::from_secs(5)).unwrap(), 1 << 20, 4);
+        drop(b);
+        // SAFETY: signal() with a valid signal number and SIG_DFL / the
+        // handler it returned; no handler code of ours runs.
+        let before = unsafe { libc::signal(libc::SIGPIPE, libc::SIG_DFL) };
+        let big = vec![7u8; 64 << 10];
+        let end = Instant::now() + Duration::from_secs(10);
+        let failed = loop {
+            match block_on(c.send(Op::Ping, 0, 0, &[&big, &big])) {
+                Err(e) => break e,
+                Ok(_) => assert!(Instant::now() < end, "writes to a closed peer kept succeeding"),
+            }
+        };
+        // SAFETY: as above, putting the previous disposition back.
+        unsafe { libc::signal(libc::SIGPIPE, before) };
+        assert!(matches!(failed.kind(), io::ErrorKind::BrokenPipe | io::ErrorKind::ConnectionReset), "{failed}");
     }
 
     #[test]
