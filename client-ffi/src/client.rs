@@ -24,10 +24,8 @@ use crate::metrics::Metrics;
 use crate::node::Node;
 use crate::options::Options;
 use crate::pipeline::{BatchExistX, DeleteManyX, DeleteX, ExistX, GetManyX, GetX, Pipeline, PutManyX, PutX};
+pub use crate::pipeline::{GetItem, PIPELINE_WINDOW};
 pub use crate::topology::{GivenSet, Previous, Topology};
-
-/// One item of a batch get: the key and the buffers its payload fills.
-pub type GetItem<'k, 'b> = (&'k [u8], Vec<&'b mut [u8]>);
 
 pub struct Client {
     pub opts: Options,
@@ -45,10 +43,6 @@ pub struct Client {
     /// The ring handoff's own state: its window and background copies.
     handoffs: Handoffs,
 }
-
-/// Gets in flight on one connection at once within a batch lane (on a
-/// node that takes batch frames: items in one BATCH_GET frame).
-pub const PIPELINE_WINDOW: usize = 16;
 
 /// Most puts one exchange of a batch put's lane carries (one BATCH_PUT
 /// frame, within one I/O timeout: on media acks the node stores 8 at once).

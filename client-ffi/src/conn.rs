@@ -5,7 +5,8 @@
 //!
 //! - [`Blocking`], a socket driven on the caller's own thread: the tools'
 //!   client (kvctl, tests; requests may be pipelined with [`Conn::send`] /
-//!   [`Conn::recv`]) and the core's small requests (small.rs), which wake
+//!   [`Conn::recv`]; the tools' operations that share the core's exchanges,
+//!   `put` and `batch_exist`, are in exchange.rs) and the core's small requests (small.rs), which wake
 //!   the caller straight from its socket;
 //! - [`Async`], a tokio socket: the async core.
 //!
@@ -22,13 +23,12 @@ use std::time::Duration;
 
 use kv_common::auth::Token;
 use kv_common::driver::{self, block_on, Socket};
-use kv_common::page::{parse_record, Geometry, PageHeader, HEADER_LEN};
+use kv_common::page::{parse_record, Geometry, HEADER_LEN};
 use kv_common::stats::NodeStats;
 use kv_common::status::Status;
 use kv_common::wire::{Op, RspHeader, WIRE_VERSION};
 
 use crate::error::OpError;
-use crate::exchange;
 use crate::hello::{self, Step};
 
 pub use kv_common::driver::Blocking;
@@ -42,7 +42,7 @@ pub struct Conn<S = Blocking> {
     pub(crate) link: driver::Conn<S>,
     /// The connection's remote-memory transport once one was set up (None:
     /// every payload of this connection goes inline).
-    pub(crate) remote: Option<Box<dyn crate::transport::RemoteMemory>>,
+    pub(crate) remote: Option<Box<dyn crate::remote::RemoteMemory>>,
 }
 
 /// A response: header and body.
@@ -181,18 +181,6 @@ impl Conn<Blocking> {
         Ok(r)
     }
 
-    /// Stores `payload` under `key`. Returns Ok(true) when newly stored,
-    /// Ok(false) when the key was already there (write-once).
-    pub fn put(&mut self, geo: &Geometry, key: &[u8], payload: &[u8]) -> Result<bool, OpError> {
-        let h = PageHeader::new(*geo, key, payload.len() as u64, crc32fast::hash(payload));
-        self.put_parts(&[&h.encode(), key, payload])
-    }
-
-    /// Sends a record given as parts (header, key, payload) without joining them.
-    pub fn put_parts(&mut self, parts: &[&[u8]]) -> Result<bool, OpError> {
-        block_on(exchange::put_record(self, parts, 0, 0))
-    }
-
     /// The raw record for `key` (no checks beyond the node's).
     pub fn get_record(&mut self, geo: Option<&Geometry>, key: &[u8]) -> Result<(Status, Vec<u8>), OpError> {
         let g = geo.copied().unwrap_or_default();
@@ -214,11 +202,6 @@ impl Conn<Blocking> {
         let g = geo.copied().unwrap_or_default();
         let flags = if geo.is_some() { kv_common::wire::FLAG_CHECK_GEOMETRY } else { 0 };
         Ok(self.call(Op::Exist, flags, &[&kv_common::wire::KeyRequest::encode(&g, key)])?.header.status)
-    }
-
-    pub fn batch_exist<K: AsRef<[u8]>>(&mut self, geo: &Geometry, keys: &[K]) -> Result<Vec<Status>, OpError> {
-        let keys: Vec<&[u8]> = keys.iter().map(AsRef::as_ref).collect();
-        block_on(exchange::batch_exist(self, geo, &keys, 0))
     }
 
     pub fn delete(&mut self, key: &[u8]) -> Result<Status, OpError> {

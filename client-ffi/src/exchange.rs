@@ -5,8 +5,8 @@
 //! travels by the connection's remote memory rather than inline goes
 //! through transport.rs, which falls back to the inline request here.
 
-use kv_common::driver::Socket;
-use kv_common::page::{Geometry, HEADER_LEN};
+use kv_common::driver::{block_on, Socket};
+use kv_common::page::{Geometry, PageHeader, HEADER_LEN};
 use kv_common::status::Status;
 use kv_common::wire::RSP_FLAG_DUPLICATE;
 use kv_common::wire::{self, KeyRequest, Op, FLAG_CHECK_GEOMETRY};
@@ -15,9 +15,10 @@ use kv_common::wire::{PutItemHead, MAX_BATCH_PUT_RECORDS};
 
 pub use crate::answer::GetReply;
 use crate::answer::{read_get_body, read_item, FrameReader, MAX_SMALL_ANSWER};
-use crate::conn::Conn;
+use crate::conn::{Blocking, Conn};
 use crate::error::OpError;
-use crate::transport::{self, Named};
+use crate::remote::Named;
+use crate::transport;
 
 /// Bytes of an answer read with its frame header when they came with it:
 /// a short answer's whole body (a status line, an exist's statuses).
@@ -458,4 +459,25 @@ pub async fn get_batch<S: Socket>(
         replies[i] = Some(get_inline(conn, geo, key, bufs, extra).await?);
     }
     Ok(replies.into_iter().map(|r| r.expect("every frame answered")).collect())
+}
+
+/// The tools' operations (kvctl, tests) that are the core's exchanges,
+/// run on the caller's thread.
+impl Conn<Blocking> {
+    /// Stores `payload` under `key`. Returns Ok(true) when newly stored,
+    /// Ok(false) when the key was already there (write-once).
+    pub fn put(&mut self, geo: &Geometry, key: &[u8], payload: &[u8]) -> Result<bool, OpError> {
+        let h = PageHeader::new(*geo, key, payload.len() as u64, crc32fast::hash(payload));
+        self.put_parts(&[&h.encode(), key, payload])
+    }
+
+    /// Sends a record given as parts (header, key, payload) without joining them.
+    pub fn put_parts(&mut self, parts: &[&[u8]]) -> Result<bool, OpError> {
+        block_on(put_record(self, parts, 0, 0))
+    }
+
+    pub fn batch_exist<K: AsRef<[u8]>>(&mut self, geo: &Geometry, keys: &[K]) -> Result<Vec<Status>, OpError> {
+        let keys: Vec<&[u8]> = keys.iter().map(AsRef::as_ref).collect();
+        block_on(batch_exist(self, geo, &keys, 0))
+    }
 }

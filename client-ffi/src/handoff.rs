@@ -19,12 +19,11 @@ use kv_common::page::PageHeader;
 use kv_common::status::Status;
 use kv_common::wire::{encode_copy_age, FLAG_HANDOFF, MAX_BATCH_KEYS};
 
-use crate::client::{GetItem, PIPELINE_WINDOW};
 use crate::conn::is_stale;
 use crate::error::OpError;
 use crate::exchange::{self, GetReply};
 use crate::node::Node;
-use crate::pipeline::{BatchExistX, DeleteX, Exchange, GetManyX, GetX, Pipeline};
+use crate::pipeline::{BatchExistX, DeleteX, Exchange, GetItem, GetManyX, GetX, Pipeline, PIPELINE_WINDOW};
 use crate::topology::Topology;
 
 /// Most previous owners asked for one key.

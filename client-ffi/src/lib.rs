@@ -4,8 +4,9 @@
 //! connection pool and health), [`exchange`] (one request on one connection,
 //! zero-copy scatter/gather, streaming CRC, written once for blocking and
 //! async sockets over kv-common's request driver; [`answer`] reads a get's
-//! answer into the caller's buffers, [`transport`] is the seam a payload
-//! that does not travel inline goes through, RDMA in [`rdma`]), [`pipeline`] (an
+//! answer into the caller's buffers, [`transport`] the remote way a payload
+//! that does not travel inline goes, over the seam in [`remote`], which
+//! RDMA ([`rdma`]) implements), [`pipeline`] (an
 //! exchange run on a node: slots, bounds, stale retries, health),
 //! [`handoff`] (the ring handoff, a layer over the pipeline), [`client`]
 //! (the async core: ring routing, batches), [`blocking`] (the facade for
@@ -31,6 +32,7 @@ pub mod node;
 pub mod options;
 pub mod pipeline;
 pub mod rdma;
+pub mod remote;
 pub mod small;
 pub mod topology;
 pub mod transport;

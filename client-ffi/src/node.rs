@@ -16,7 +16,7 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use crate::conn::{Async, Conn};
 use crate::error::OpError;
 use crate::rdma::{Answered, Offer, Setup};
-use crate::transport::RemoteMemory;
+use crate::remote::RemoteMemory;
 
 /// A connection of the async core.
 pub type AsyncConn = Conn<Async>;

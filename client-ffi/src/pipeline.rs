@@ -168,6 +168,13 @@ impl Exchange for BatchExistX<'_> {
     }
 }
 
+/// One item of a batch get: the key and the buffers its payload fills.
+pub type GetItem<'k, 'b> = (&'k [u8], Vec<&'b mut [u8]>);
+
+/// Gets in flight on one connection at once within a batch lane (on a
+/// node that takes batch frames: items in one BATCH_GET frame).
+pub const PIPELINE_WINDOW: usize = 16;
+
 /// Runs exchanges on nodes, over a handle's options, geometry and metrics.
 #[derive(Clone, Copy)]
 pub(crate) struct Pipeline<'c> {

@@ -2,7 +2,7 @@
 //! library sees it through [`Fabric`] (the handle's engine and counters),
 //! [`Offer`] (whether a node is asked for RDMA), [`Setup`] (a connection's
 //! queue pair, docs/PROTOCOL.md §2.8) and [`Remote`], the connection's
-//! `transport::RemoteMemory` (the caller's buffers named as segments of the
+//! `remote::RemoteMemory` (the caller's buffers named as segments of the
 //! frame, for the node to fill or read).
 
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -16,7 +16,7 @@ use kv_rdma::Counters;
 
 use crate::error::OpError;
 use crate::options::Options;
-use crate::transport::{self, Access, RemoteMemory};
+use crate::remote::{self, Access, RemoteMemory};
 
 /// Payloads smaller than this go inline even on a connection with a queue
 /// pair: a small record costs less over TCP than a registration lookup and
@@ -196,7 +196,7 @@ impl RemoteMemory for Remote {
     /// Names buffers as segments for the node, registering them as needed
     /// (cached). None: this request goes inline (a small payload, too many
     /// pieces, or a registration that failed).
-    fn name(&self, bufs: Vec<(usize, usize)>, access: Access) -> Option<Box<dyn transport::Named>> {
+    fn name(&self, bufs: Vec<(usize, usize)>, access: Access) -> Option<Box<dyn remote::Named>> {
         let total: usize = bufs.iter().map(|b| b.1).sum();
         if total < RDMA_MIN_PAYLOAD || bufs.len() > MAX_SEGMENTS {
             return None;
@@ -226,7 +226,7 @@ struct Named {
     ranges: Vec<(usize, usize)>,
 }
 
-impl transport::Named for Named {
+impl remote::Named for Named {
     /// The segment list, as the frame carries it.
     fn encode(&self, out: &mut Vec<u8>) {
         encode_segments(&self.segs, out);

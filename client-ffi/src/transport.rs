@@ -3,7 +3,7 @@
 //! `server/src/transport.rs`. Over TCP a put's payload follows its header
 //! in the frame and a get's record is the answer's body (exchange.rs, with
 //! nothing from here). A connection that reaches the node's memory holds a
-//! [`RemoteMemory`] (RDMA: rdma.rs's `Remote`), used through one call:
+//! `remote::RemoteMemory` (RDMA: rdma.rs's `Remote`), used through one call:
 //! name these buffers for the node to read (a put) or write (a get). The
 //! names go in the frame (`kv_common::wire::Segment`, FLAG_RDMA); the node
 //! moves the payload and answers over TCP. Whatever goes wrong on the way
@@ -20,32 +20,7 @@ use kv_common::wire::{FLAG_RDMA, RSP_FLAG_RDMA, RSP_FLAG_RDMA_FAILED};
 use crate::answer::{read_get_body, GetReply, PayloadSink, MAX_SMALL_ANSWER};
 use crate::conn::Conn;
 use crate::error::OpError;
-
-/// What the node does with named buffers.
-#[derive(Clone, Copy)]
-pub enum Access {
-    /// Reads them (a put's payload: read-only memory may be sent).
-    NodeReads,
-    /// Writes them (a get's payload).
-    NodeWrites,
-}
-
-/// One connection's reach into the node for payloads.
-pub trait RemoteMemory: Send + Sync {
-    /// Names buffers `(address, length)` for the node, registering them as
-    /// needed. None: this request goes inline (a small payload, too many
-    /// pieces, or a registration that failed).
-    fn name(&self, bufs: Vec<(usize, usize)>, access: Access) -> Option<Box<dyn Named>>;
-}
-
-/// Buffers named for one request, held until it is answered.
-pub trait Named: Send {
-    /// The names, as the frame carries them (appended to `out`).
-    fn encode(&self, out: &mut Vec<u8>);
-    /// A payload moved through them failed its check: what this transport
-    /// remembers of these buffers may be stale (forget it).
-    fn stale(self: Box<Self>);
-}
+use crate::remote::{Access, Named};
 
 /// Bytes of an answer read with its frame header when they came with it.
 const SMALL_AHEAD: usize = 256;
