@@ -139,19 +139,6 @@ impl Drop for SyncSlot {
 /// connections keep starting in it before they try the newest again.
 pub const STEP_UP_AFTER: Duration = Duration::from_secs(60);
 
-/// Wakes a thread parked in [`Node::sync_slot`].
-struct Unpark(std::thread::Thread);
-
-impl std::task::Wake for Unpark {
-    fn wake(self: Arc<Self>) {
-        self.0.unpark();
-    }
-
-    fn wake_by_ref(self: &Arc<Self>) {
-        self.0.unpark();
-    }
-}
-
 impl Node {
     pub fn new(id: String, addr: String, weight: u32, max_conns: usize, token: Option<Token>, offer: Offer) -> Node {
         Node {
@@ -270,7 +257,7 @@ impl Node {
             // The caller's thread is no runtime's: it parks until woken.
             Err(tokio::sync::TryAcquireError::NoPermits) => {
                 let deadline = Instant::now() + wait;
-                let waker = std::task::Waker::from(Arc::new(Unpark(std::thread::current())));
+                let waker = kv_common::driver::thread_waker();
                 let mut cx = std::task::Context::from_waker(&waker);
                 let mut acquire = std::pin::pin!(self.slots.clone().acquire_owned());
                 loop {

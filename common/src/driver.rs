@@ -24,7 +24,7 @@ use std::net::TcpStream;
 use std::os::fd::AsRawFd;
 use std::pin::pin;
 use std::sync::Arc;
-use std::task::{Context, Poll, Wake};
+use std::task::{Context, Poll, Wake, Waker};
 use std::time::{Duration, Instant};
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -293,12 +293,24 @@ impl Wake for Unpark {
     }
 }
 
+thread_local! {
+    /// The calling thread's waker, made once per thread (no allocation a request).
+    static THREAD_WAKER: Waker = Arc::new(Unpark(std::thread::current())).into();
+}
+
+/// A waker that unparks the calling thread (for a thread that polls a
+/// future by hand and parks while it is pending).
+pub fn thread_waker() -> Waker {
+    // try_with: during thread teardown the cached one may be gone.
+    THREAD_WAKER.try_with(Waker::clone).unwrap_or_else(|_| Arc::new(Unpark(std::thread::current())).into())
+}
+
 /// Runs `f` to its end on the calling thread. Over a [`Blocking`] socket
 /// every step is ready at once, so this is one poll; anything else that
 /// waits parks the thread until it is woken.
 pub fn block_on<F: Future>(f: F) -> F::Output {
     let mut f = pin!(f);
-    let waker = Arc::new(Unpark(std::thread::current())).into();
+    let waker = thread_waker();
     let mut cx = Context::from_waker(&waker);
     loop {
         if let Poll::Ready(v) = f.as_mut().poll(&mut cx) {
