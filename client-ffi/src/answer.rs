@@ -31,16 +31,66 @@ pub(crate) async fn drain<S: Socket>(conn: &mut Conn<S>, n: u64) -> Result<(), O
     Ok(conn.link.skip(n).await?)
 }
 
-/// One item of a BATCH_GET answer, leaving `rd` at the next item; true
-/// beside the reply when the node asks for the item again
-/// ([`wire::ITEM_AGAIN`]).
+/// What a batch item's answer leaves to do.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Follow {
+    /// Nothing: the reply is the item's.
+    Done,
+    /// Ask for the item again on its own ([`wire::ITEM_AGAIN`]).
+    Again,
+    /// The payload placed in its named buffers failed its CRC: the names
+    /// may be stale (forget them) and the item is asked again inline.
+    Stale,
+    /// Its buffers were named but the record came inline (the node's
+    /// queue pair is gone): this connection names no more.
+    Unplaced,
+}
+
+/// The header and key that answer a get whose payload the node placed in
+/// the named buffers (or that found them too small): checked as a get's
+/// are, against what was asked. Err: the reply.
+pub(crate) fn check_placed_head(geo: &Geometry, key: &[u8], body: &[u8]) -> Result<PageHeader, GetReply> {
+    let no = |status| Err(GetReply { status, len: 0 });
+    let Ok(ph) = PageHeader::decode(body) else { return no(Status::Corrupt) };
+    if body.len() != HEADER_LEN + key.len()
+        || ph.key_len as usize != key.len()
+        || ph.check_key(key).is_err()
+        || &body[HEADER_LEN..] != key
+        || !geo.matches(&ph)
+    {
+        return no(Status::Mismatch);
+    }
+    Ok(ph)
+}
+
+/// The payload the node placed in `bufs` for a page of header `ph`: a hit
+/// when it fits and matches its CRC, else Corrupt (the names may be stale).
+pub(crate) fn check_placed(bufs: &mut [&mut [u8]], ph: &PageHeader) -> GetReply {
+    let need = ph.payload_len as usize;
+    let corrupt = GetReply { status: Status::Corrupt, len: 0 };
+    if need > bufs.iter().map(|b| b.len()).sum::<usize>() {
+        return corrupt;
+    }
+    // The device wrote the buffers before the node answered; order this
+    // thread's reads after that answer.
+    std::sync::atomic::fence(std::sync::atomic::Ordering::Acquire);
+    if !PayloadSink::new(bufs, need).placed(ph.payload_crc) {
+        return corrupt;
+    }
+    GetReply { status: Status::Ok, len: need }
+}
+
+/// One item of a BATCH_GET answer, leaving `rd` at the next item, and what
+/// it leaves to do. `named`: the item named its buffers for the node
+/// ([`wire::ITEM_RDMA`]).
 pub(crate) async fn read_item<S: Socket>(
     rd: &mut FrameReader<'_, S>,
     geo: &Geometry,
     key: &[u8],
     bufs: &mut [&mut [u8]],
-) -> Result<(GetReply, bool), OpError> {
-    let done = |status, len| Ok((GetReply { status, len }, false));
+    named: bool,
+) -> Result<(GetReply, Follow), OpError> {
+    let done = |status, len| Ok((GetReply { status, len }, Follow::Done));
     let head = HEADER_LEN + key.len();
     // The item's head and, for a hit, the page header and key: one read
     // when the socket has them (a miss leaves the next items' bytes
@@ -49,6 +99,25 @@ pub(crate) async fn read_item<S: Socket>(
     let mut ib = [0u8; BATCH_ITEM_HEAD];
     rd.exact(&mut ib).await?;
     let ih = ItemHead::decode(&ib);
+    if named && ih.flags & wire::ITEM_PLACED != 0 && matches!(ih.status, Status::Ok | Status::TooSmall) {
+        // The payload is in the buffers (or they are too small for it):
+        // the item's bytes are the header and key.
+        if ih.len as usize != head {
+            return Err(OpError::Protocol(format!("placed batch item of {} bytes", ih.len)));
+        }
+        let mut hk = [0u8; HEADER_LEN + kv_common::page::MAX_KEY_LEN];
+        rd.exact(&mut hk[..head]).await?;
+        let ph = match check_placed_head(geo, key, &hk[..head]) {
+            Ok(ph) => ph,
+            Err(r) => return Ok((r, Follow::Done)),
+        };
+        if ih.status == Status::TooSmall {
+            return done(Status::TooSmall, ph.payload_len as usize);
+        }
+        let r = check_placed(bufs, &ph);
+        let follow = if r.status == Status::Ok { Follow::Done } else { Follow::Stale };
+        return Ok((r, follow));
+    }
     if ih.status != Status::Ok {
         if ih.len > MAX_SMALL_ANSWER {
             return Err(OpError::Protocol(format!("unexpected {}-byte item answer", ih.len)));
@@ -56,7 +125,7 @@ pub(crate) async fn read_item<S: Socket>(
         let mut msg = vec![0u8; ih.len as usize];
         rd.exact(&mut msg).await?;
         if ih.status == Status::Rejected && ih.flags & wire::ITEM_AGAIN != 0 {
-            return Ok((GetReply { status: Status::Rejected, len: 0 }, true));
+            return Ok((GetReply { status: Status::Rejected, len: 0 }, Follow::Again));
         }
         return match ih.status {
             Status::Miss | Status::Mismatch => done(ih.status, 0),
@@ -75,7 +144,7 @@ pub(crate) async fn read_item<S: Socket>(
         Ok(ph) => ph,
         Err(r) => {
             rd.skip(len - head as u64).await?;
-            return Ok((r, false));
+            return Ok((r, Follow::Done));
         }
     };
     let need = ph.payload_len as usize;
@@ -84,10 +153,11 @@ pub(crate) async fn read_item<S: Socket>(
         let n = rd.some(dst).await?;
         sink.filled(n);
     }
+    let follow = if named { Follow::Unplaced } else { Follow::Done };
     if !sink.verify(ph.payload_crc) {
-        return done(Status::Corrupt, 0);
+        return Ok((GetReply { status: Status::Corrupt, len: 0 }, follow));
     }
-    done(Status::Ok, need)
+    Ok((GetReply { status: Status::Ok, len: need }, follow))
 }
 
 /// The body of one answer frame on its way in, through the connection's

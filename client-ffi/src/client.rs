@@ -353,8 +353,9 @@ impl Client {
     /// batch writes, an owner's items are spread over up to
     /// `batch_concurrency` lanes of at least [`MIN_BATCH_LANE_ITEMS`], each
     /// lane's items sent as BATCH_PUT frames one after another on one
-    /// connection; to an older node (or over RDMA), at most
-    /// `batch_concurrency` single puts at once. Per-item statuses.
+    /// connection (over RDMA, a node whose bootstrap predates segments in
+    /// batch items takes a lane's items one by one); to an older node, at
+    /// most `batch_concurrency` single puts at once. Per-item statuses.
     pub async fn batch_putv(&self, items: &[(&[u8], Vec<&[u8]>)]) -> Vec<Status> {
         let limit = self.opts.batch_concurrency;
         let topo = self.topology();
@@ -362,7 +363,7 @@ impl Client {
         let groups = self.group(&topo, items.iter().map(|(k, _)| *k), &mut out);
         let (mut framed, mut single) = (Vec::new(), Vec::new());
         for (node, idx) in groups {
-            if node.speaks() >= WIRE_VERSION_BATCH_WRITE && !self.fabric.is_on() {
+            if node.speaks() >= WIRE_VERSION_BATCH_WRITE {
                 let lanes = limit.min(idx.len().div_ceil(MIN_BATCH_LANE_ITEMS)).max(1);
                 let mut of_node: Vec<Vec<usize>> = vec![Vec::new(); lanes];
                 for (n, i) in idx.into_iter().enumerate() {

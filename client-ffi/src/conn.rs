@@ -74,6 +74,18 @@ impl<S: Socket> Conn<S> {
         self.link.version() >= kv_common::wire::WIRE_VERSION_BATCH_WRITE
     }
 
+    /// Whether gets go as BATCH_GET frames here: the node takes them, and
+    /// buffers named for the node (if this connection names any) can go in
+    /// a batch's items.
+    pub(crate) fn batch_gets(&self) -> bool {
+        self.batches() && self.remote.as_ref().is_none_or(|r| r.batches())
+    }
+
+    /// Whether puts go as BATCH_PUT frames here (as [`Conn::batch_gets`]).
+    pub(crate) fn batch_puts(&self) -> bool {
+        self.batch_writes() && self.remote.as_ref().is_none_or(|r| r.batches())
+    }
+
     /// Largest record the node accepts (told in its hello).
     pub fn max_record(&self) -> u64 {
         self.link.max_record()

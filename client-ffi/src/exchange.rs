@@ -10,14 +10,14 @@ use kv_common::page::{Geometry, PageHeader, HEADER_LEN};
 use kv_common::status::Status;
 use kv_common::wire::RSP_FLAG_DUPLICATE;
 use kv_common::wire::{self, KeyRequest, Op, FLAG_CHECK_GEOMETRY};
-use kv_common::wire::{BatchItem, BATCH_ITEM_HEAD, MAX_BATCH_ANSWER, MAX_BATCH_ITEMS};
-use kv_common::wire::{PutItemHead, MAX_BATCH_PUT_RECORDS};
+use kv_common::wire::{BatchItem, BATCH_ITEM_HEAD, ITEM_RDMA, MAX_BATCH_ANSWER, MAX_BATCH_ITEMS, MAX_ITEM_SEGMENTS};
+use kv_common::wire::{PutItemHead, ITEM_AGAIN, ITEM_RDMA_FAILED, MAX_BATCH_PUT_RECORDS};
 
 pub use crate::answer::GetReply;
-use crate::answer::{read_get_body, read_item, FrameReader, MAX_SMALL_ANSWER};
+use crate::answer::{read_get_body, read_item, Follow, FrameReader, MAX_SMALL_ANSWER};
 use crate::conn::{Blocking, Conn};
 use crate::error::OpError;
-use crate::remote::Named;
+use crate::remote::{Access, Named};
 use crate::transport;
 
 /// Bytes of an answer read with its frame header when they came with it:
@@ -102,10 +102,14 @@ const MAX_BATCH_WRITE_ANSWER: u32 = 4 << 20;
 /// protocol v4), one frame at a time: at most [`MAX_BATCH_ITEMS`] items
 /// and [`MAX_BATCH_PUT_RECORDS`] bytes of records (or half the node's
 /// `max_record`) a frame, written with vectored writes straight from the
-/// caller's buffers, answered item by item. A record over the node's
-/// `max_record` is refused here, as a single put refuses it; a record over
-/// a frame's bound, or the items of a frame the node's memory budget
-/// refused, go as PUTs of their own.
+/// caller's buffers, answered item by item. On a connection that reaches
+/// the node's memory (RDMA, its bootstrap agreeing on segments in batch
+/// items), an item whose buffers can be named sends its header, key and
+/// the names instead of the payload ([`ITEM_RDMA`]); the node reads it.
+/// A record over the node's `max_record` is refused here, as a single put
+/// refuses it; a record over a frame's bound, the items of a frame the
+/// node's memory budget refused, and named items the node could not read
+/// (or read wrong: a stale registration) go as PUTs of their own.
 /// Per item: Ok, or the node's refusal. Err: the exchange failed (the
 /// connection's bytes are in doubt).
 pub async fn put_batch<S: Socket>(
@@ -113,9 +117,25 @@ pub async fn put_batch<S: Socket>(
     items: &[PutItem<'_>],
 ) -> Result<Vec<Result<(), OpError>>, OpError> {
     let mut out: Vec<Option<Result<(), OpError>>> = (0..items.len()).map(|_| None).collect();
+    // Buffers named for the node, and their lists (empty: none).
+    let mut named: Vec<Option<Box<dyn Named>>> = (0..items.len()).map(|_| None).collect();
+    let mut lists: Vec<Vec<u8>> = vec![Vec::new(); items.len()];
+    if conn.remote.as_ref().is_some_and(|r| r.batches()) {
+        for (i, it) in items.iter().enumerate() {
+            let ranges = it.bufs.iter().map(|b| (b.as_ptr() as usize, b.len())).collect();
+            if let Some(n) =
+                transport::named(conn, ranges, Access::NodeReads).filter(|n| n.count() <= MAX_ITEM_SEGMENTS)
+            {
+                n.encode(&mut lists[i]);
+                named[i] = Some(n);
+            }
+        }
+    }
     // A frame's records stay within half the node's max_record too: a node
     // holds a whole frame within its --max-inflight budget, which is at
-    // least max_record, and refuses a frame it cannot hold.
+    // least max_record, and refuses a frame it cannot hold. (A named
+    // item's payload counts too: the node takes memory for it to read it
+    // into.)
     let cap = MAX_BATCH_PUT_RECORDS.min(conn.max_record() / 2);
     let mut frames: Vec<Vec<usize>> = Vec::new();
     let (mut cur, mut bytes) = (Vec::new(), 0u64);
@@ -141,16 +161,41 @@ pub async fn put_batch<S: Socket>(
         frames.push(cur);
     }
     for framed in frames {
-        match put_frame(conn, items, &framed).await? {
-            Some(answers) => {
-                for (i, r) in framed.into_iter().zip(answers) {
-                    out[i] = Some(r);
-                }
-            }
+        let Some(answers) = put_frame(conn, items, &lists, &framed).await? else {
             // Refused whole for the node's memory budget: one by one.
-            None => alone.extend(framed),
+            alone.extend(framed);
+            continue;
+        };
+        for (i, (status, flags, msg)) in framed.into_iter().zip(answers) {
+            let by_name = !lists[i].is_empty();
+            out[i] = Some(match status {
+                Status::Ok => Ok(()),
+                // The node could not read it (its queue pair is gone):
+                // inline, and this connection on TCP from now on.
+                Status::Unavailable if by_name && flags & ITEM_RDMA_FAILED != 0 => {
+                    conn.remote = None;
+                    alone.push(i);
+                    continue;
+                }
+                // Its memory budget was busy: on its own.
+                Status::Rejected if flags & ITEM_AGAIN != 0 => {
+                    alone.push(i);
+                    continue;
+                }
+                // What the node read does not match the CRC computed over
+                // the buffers: a stale registration, most likely.
+                Status::Corrupt if by_name => {
+                    if let Some(n) = named[i].take() {
+                        n.stale();
+                    }
+                    alone.push(i);
+                    continue;
+                }
+                s => Err(OpError::refused(s, &msg)),
+            });
         }
     }
+    drop(named);
     for i in alone {
         let it = &items[i];
         out[i] = Some(match put(conn, &it.header, it.key, it.bufs, 0, 0).await {
@@ -162,17 +207,27 @@ pub async fn put_batch<S: Socket>(
     Ok(out.into_iter().map(|r| r.expect("every item answered")).collect())
 }
 
-/// One BATCH_PUT frame of `items[framed]`: per item Ok or the node's
-/// refusal; None when the node refused the whole frame as more than its
-/// memory budget holds (REJECTED): the items are to go one by one.
+/// One BATCH_PUT frame of `items[framed]` (an item with a segment list in
+/// `lists` sends it instead of its payload): per item the node's status,
+/// item flags and message; None when the node refused the whole frame as
+/// more than its memory budget holds (REJECTED): the items are to go one
+/// by one.
 async fn put_frame<S: Socket>(
     conn: &mut Conn<S>,
     items: &[PutItem<'_>],
+    lists: &[Vec<u8>],
     framed: &[usize],
-) -> Result<Option<Vec<Result<(), OpError>>>, OpError> {
+) -> Result<Option<Vec<(Status, u8, Vec<u8>)>>, OpError> {
     let heads: Vec<[u8; BATCH_ITEM_HEAD]> = framed
         .iter()
-        .map(|&i| PutItemHead { flags: 0, copy_age: 0, record_len: items[i].record_len() as u32 }.encode())
+        .map(|&i| {
+            let it = &items[i];
+            let head = match lists[i].len() {
+                0 => PutItemHead { flags: 0, copy_age: 0, record_len: it.record_len() as u32 },
+                n => PutItemHead { flags: ITEM_RDMA, copy_age: 0, record_len: (HEADER_LEN + it.key.len() + n) as u32 },
+            };
+            head.encode()
+        })
         .collect();
     let count = wire::encode_batch_answer_head(framed.len());
     let mut parts: Vec<&[u8]> = Vec::with_capacity(1 + framed.len() * 4);
@@ -181,7 +236,11 @@ async fn put_frame<S: Socket>(
         parts.push(&heads[k]);
         parts.push(&items[i].header);
         parts.push(items[i].key);
-        parts.extend_from_slice(items[i].bufs);
+        if lists[i].is_empty() {
+            parts.extend_from_slice(items[i].bufs);
+        } else {
+            parts.push(&lists[i]);
+        }
     }
     let id = conn.request(Op::BatchPut, 0, 0, &parts).await?;
     let h = conn.answer(id, SMALL_AHEAD).await?;
@@ -191,26 +250,18 @@ async fn put_frame<S: Socket>(
         Status::Rejected => return Ok(None),
         // The whole frame refused (malformed, to the node): every item
         // gets its verdict.
-        s => return Ok(Some(framed.iter().map(|_| Err(OpError::refused(s, &body))).collect())),
+        s => return Ok(Some(framed.iter().map(|_| (s, 0, body.clone())).collect())),
     }
     let answers = wire::decode_batch_answer(&body, framed.len())
         .map_err(|e| OpError::Protocol(format!("batch put answer: {e}")))?;
-    Ok(Some(
-        answers
-            .into_iter()
-            .map(|(ih, msg)| match ih.status {
-                Status::Ok => Ok(()),
-                s => Err(OpError::refused(s, msg)),
-            })
-            .collect(),
-    ))
+    Ok(Some(answers.into_iter().map(|(ih, msg)| (ih.status, ih.flags, msg.to_vec())).collect()))
 }
 
 /// Deletes on one connection as one BATCH_DELETE frame (a node that agreed
 /// on protocol v4; at most [`MAX_BATCH_ITEMS`] keys of 1..=1024 bytes):
 /// per key Ok or Miss, or the node's refusal of the frame for every key.
 pub async fn delete_batch<S: Socket>(conn: &mut Conn<S>, keys: &[&[u8]]) -> Result<Vec<Status>, OpError> {
-    let list: Vec<BatchItem<'_>> = keys.iter().map(|key| BatchItem { flags: 0, key }).collect();
+    let list: Vec<BatchItem<'_>> = keys.iter().map(|key| BatchItem { flags: 0, key, segs: &[] }).collect();
     let body = wire::encode_batch_delete(&list);
     let id = conn.request(Op::BatchDelete, 0, 0, &[&body]).await?;
     let h = conn.answer(id, SMALL_AHEAD).await?;
@@ -378,19 +429,44 @@ pub async fn get_pipelined<S: Socket>(
 /// [`MAX_BATCH_ITEMS`] and, counting each item's buffers as the record it
 /// may hold, [`MAX_BATCH_ANSWER`] bytes; every frame written at once, then
 /// each answer read item by item in request order, each payload straight
-/// into its item's buffers with its CRC checked as it lands. An item that
-/// is not served costs only itself; the connection stays usable unless
-/// the bytes themselves are wrong. One reply per item, in item order.
+/// into its item's buffers with its CRC checked as it lands. On a
+/// connection that reaches the node's memory (RDMA, its bootstrap agreeing
+/// on segments in batch items), an item whose buffers can be named names
+/// them ([`ITEM_RDMA`]): the node writes its payload there and answers its
+/// header and key, checked here with the payload's CRC. An item that is not
+/// served costs only itself; the connection stays usable unless the bytes
+/// themselves are wrong. One reply per item, in item order.
 pub async fn get_batch<S: Socket>(
     conn: &mut Conn<S>,
     geo: &Geometry,
     items: &mut [(&[u8], &mut [&mut [u8]])],
     extra: u8,
 ) -> Result<Vec<GetReply>, OpError> {
+    // Buffers named for the node, held until the answers are in (empty:
+    // this connection names none, no allocation), and their lists.
+    let naming = conn.remote.as_ref().is_some_and(|r| r.batches());
+    let mut named: Vec<Option<Box<dyn Named>>> = Vec::new();
+    let mut lists: Vec<Vec<u8>> = Vec::new();
+    if naming {
+        for (_, bufs) in items.iter_mut() {
+            let n = transport::named(conn, transport::ranges_mut(bufs), Access::NodeWrites)
+                .filter(|n| n.count() <= MAX_ITEM_SEGMENTS);
+            let mut list = Vec::new();
+            if let Some(n) = &n {
+                n.encode(&mut list);
+            }
+            named.push(n);
+            lists.push(list);
+        }
+    }
+    let asked: Vec<bool> = named.iter().map(Option::is_some).collect();
+    let is_named = |i: usize| asked.get(i).copied().unwrap_or(false);
     let mut frames: Vec<std::ops::Range<usize>> = Vec::new();
     let (mut start, mut bytes) = (0usize, 0u64);
     for (i, (key, bufs)) in items.iter().enumerate() {
-        let room = (HEADER_LEN + key.len() + bufs.iter().map(|b| b.len()).sum::<usize>()) as u64;
+        // A named item's answer is its header and key.
+        let payload = if is_named(i) { 0 } else { bufs.iter().map(|b| b.len()).sum::<usize>() };
+        let room = (HEADER_LEN + key.len() + payload) as u64;
         if i > start && (bytes + room > MAX_BATCH_ANSWER || i - start == MAX_BATCH_ITEMS) {
             frames.push(start..i);
             (start, bytes) = (i, 0);
@@ -403,8 +479,13 @@ pub async fn get_batch<S: Socket>(
     let bodies: Vec<Vec<u8>> = frames
         .iter()
         .map(|r| {
-            let list: Vec<BatchItem<'_>> =
-                items[r.clone()].iter().map(|(key, _)| BatchItem { flags: 0, key }).collect();
+            let list: Vec<BatchItem<'_>> = r
+                .clone()
+                .map(|i| match lists.get(i).filter(|l| !l.is_empty()) {
+                    Some(segs) => BatchItem { flags: ITEM_RDMA, key: items[i].0, segs },
+                    None => BatchItem { flags: 0, key: items[i].0, segs: &[] },
+                })
+                .collect();
             wire::encode_batch_get(geo, &list)
         })
         .collect();
@@ -413,7 +494,7 @@ pub async fn get_batch<S: Socket>(
     let ids = conn.link.send_all(&list).await?;
     let mut replies: Vec<Option<GetReply>> = (0..items.len()).map(|_| None).collect();
     let mut answered = vec![false; frames.len()];
-    let mut again = Vec::new();
+    let (mut again, mut unplaced) = (Vec::new(), false);
     for _ in 0..frames.len() {
         let h = conn.link.recv_header(0).await?;
         let Some(f) = ids.iter().position(|&id| id == h.req_id).filter(|&f| !answered[f]) else {
@@ -441,9 +522,17 @@ pub async fn get_batch<S: Socket>(
         }
         for i in r {
             let (key, bufs) = &mut items[i];
-            let (reply, ask_again) = read_item(&mut rd, geo, key, bufs).await?;
-            if ask_again {
-                again.push(i);
+            let (reply, follow) = read_item(&mut rd, geo, key, bufs, is_named(i)).await?;
+            match follow {
+                Follow::Done => {}
+                Follow::Again => again.push(i),
+                Follow::Stale => {
+                    if let Some(n) = named.get_mut(i).and_then(Option::take) {
+                        n.stale();
+                    }
+                    again.push(i);
+                }
+                Follow::Unplaced => unplaced = true,
             }
             replies[i] = Some(reply);
         }
@@ -451,9 +540,16 @@ pub async fn get_batch<S: Socket>(
             return Err(OpError::Protocol("batch answer longer than its items".into()));
         }
     }
+    drop(named);
+    if unplaced {
+        // The node answered named items inline: its queue pair for this
+        // connection is gone. This connection goes on over TCP.
+        conn.remote = None;
+    }
     // Items past the answer's byte bound (records larger than the buffers
-    // that sized the frames): asked again one by one, so each gets the
-    // answer a single get gives (TOO_SMALL with the size, or the page).
+    // that sized the frames), and payloads placed that failed their CRC:
+    // asked again one by one, so each gets the answer a single get gives
+    // (TOO_SMALL with the size, or the page), inline.
     for i in again {
         let (key, bufs) = &mut items[i];
         replies[i] = Some(get_inline(conn, geo, key, bufs, extra).await?);

@@ -50,10 +50,10 @@ impl Exchange for PutManyX<'_> {
     type Out = Vec<Result<(), OpError>>;
     fn run<'a>(&'a mut self, conn: &'a mut AsyncConn, _geo: &'a Geometry) -> BoxFuture<'a, Result<Self::Out, OpError>> {
         Box::pin(async move {
-            // RDMA connections put one by one (a batch frame names no
-            // segments yet), and so does a node that no longer takes
-            // batch writes (rolled back since its last hello).
-            if conn.batch_writes() && conn.remote.is_none() {
+            // One by one to a node that no longer takes batch writes
+            // (rolled back since its last hello) or whose RDMA bootstrap
+            // predates segments in batch items.
+            if conn.batch_puts() {
                 return exchange::put_batch(conn, &self.items).await;
             }
             let mut out = Vec::with_capacity(self.items.len());
@@ -116,13 +116,13 @@ impl Exchange for GetManyX<'_, '_> {
         geo: &'a Geometry,
     ) -> BoxFuture<'a, Result<Vec<GetReply>, OpError>> {
         // A node that takes batch frames gets the window as one BATCH_GET
-        // (RDMA connections keep one GET an item: a batch frame names no
-        // segments yet).
+        // (an RDMA connection whose bootstrap predates segments in batch
+        // items keeps one GET an item).
         // A key a batch frame cannot carry (empty, or over the longest key)
         // would get the whole frame refused: such a window goes as GETs,
         // where only that item is refused.
         let keys_fit = self.items.iter().all(|(k, _)| !k.is_empty() && k.len() <= kv_common::page::MAX_KEY_LEN);
-        if conn.batches() && conn.remote.is_none() && keys_fit {
+        if conn.batch_gets() && keys_fit {
             Box::pin(exchange::get_batch(conn, geo, &mut self.items, self.extra))
         } else {
             Box::pin(exchange::get_pipelined(conn, geo, &mut self.items, self.extra))

@@ -156,18 +156,22 @@ impl Setup<'_> {
         let (why, for_good) = match Answer::decode(body) {
             Ok(Answer::Accepted(theirs)) => match self.link.take() {
                 Some(link) => match accept(&link, &theirs) {
-                    Ok(()) => return Answered::Connected(Remote(link)),
+                    Ok(()) => return Answered::Connected(Remote { link, batches: theirs.batches }),
                     Err(e) => (e, false),
                 },
                 None => ("a second answer to RDMA_CONNECT".to_string(), false),
             },
             Ok(Answer::NotOffered(why)) => (why, true),
             Ok(Answer::SetupFailed(why)) => (format!("the node could not set up a queue pair: {why}"), false),
-            // A node of the previous release speaks version 1: say it again
-            // without the read limits (the queue pair then issues no more
+            // A node of an older release: say it again in its version, 2
+            // without batch segments (its batches name none), 1 without
+            // the read limits either (the queue pair then issues no more
             // READs than the smaller of its own limits).
-            Ok(Answer::VersionRefused(1)) if self.mine.reads.is_some() => {
-                self.mine.reads = None;
+            Ok(Answer::VersionRefused(v @ (1 | 2))) if v < self.mine.version() => {
+                self.mine.batches = false;
+                if v == 1 {
+                    self.mine.reads = None;
+                }
                 return Answered::Again;
             }
             Ok(Answer::VersionRefused(v)) => (format!("the node speaks RDMA bootstrap version {v}"), true),
@@ -189,8 +193,12 @@ fn accept(link: &Link, theirs: &Endpoint) -> Result<(), String> {
     link.connect(theirs).map_err(|e| format!("cannot connect the queue pair: {e}"))
 }
 
-/// A connection's queue pair: its reach into the node for payloads.
-pub struct Remote(Link);
+/// A connection's queue pair: its reach into the node for payloads, and
+/// whether the node takes segments in batch items (bootstrap version 3).
+pub struct Remote {
+    link: Link,
+    batches: bool,
+}
 
 impl RemoteMemory for Remote {
     /// Names buffers as segments for the node, registering them as needed
@@ -205,15 +213,19 @@ impl RemoteMemory for Remote {
             Access::NodeReads => PeerAccess::Reads,
             Access::NodeWrites => PeerAccess::Writes,
         };
-        let rt = self.0.runtime();
+        let rt = self.link.runtime();
         let mut segs = Vec::with_capacity(bufs.len());
         let mut regs = Vec::with_capacity(bufs.len());
         for &(addr, len) in bufs.iter().filter(|b| b.1 > 0) {
-            let (s, r) = rt.segment_for(self.0.rail(), addr, len, access).ok()?;
+            let (s, r) = rt.segment_for(self.link.rail(), addr, len, access).ok()?;
             segs.push(s);
             regs.push(r);
         }
         Some(Box::new(Named { segs, _regs: regs, rt: rt.clone(), ranges: bufs }))
+    }
+
+    fn batches(&self) -> bool {
+        self.batches
     }
 }
 
@@ -230,6 +242,10 @@ impl remote::Named for Named {
     /// The segment list, as the frame carries it.
     fn encode(&self, out: &mut Vec<u8>) {
         encode_segments(&self.segs, out);
+    }
+
+    fn count(&self) -> usize {
+        self.segs.len()
     }
 
     /// A payload moved through them failed its check: a cached registration

@@ -21,12 +21,19 @@ pub trait RemoteMemory: Send + Sync {
     /// needed. None: this request goes inline (a small payload, too many
     /// pieces, or a registration that failed).
     fn name(&self, bufs: Vec<(usize, usize)>, access: Access) -> Option<Box<dyn Named>>;
+    /// Whether the node takes named buffers in batch items (BATCH_GET and
+    /// BATCH_PUT with `ITEM_RDMA`); if not, a batch on this connection goes
+    /// as single requests, each naming its own.
+    fn batches(&self) -> bool;
 }
 
 /// Buffers named for one request, held until it is answered.
 pub trait Named: Send {
     /// The names, as the frame carries them (appended to `out`).
     fn encode(&self, out: &mut Vec<u8>);
+    /// How many pieces the names are (a batch item names at most
+    /// `kv_common::wire::MAX_ITEM_SEGMENTS`).
+    fn count(&self) -> usize;
     /// A payload moved through them failed its check: what this transport
     /// remembers of these buffers may be stale (forget it).
     fn stale(self: Box<Self>);

@@ -12,12 +12,12 @@
 //! request faster, never change what it returns.
 
 use kv_common::driver::Socket;
-use kv_common::page::{Geometry, PageHeader, HEADER_LEN};
+use kv_common::page::{Geometry, HEADER_LEN};
 use kv_common::status::Status;
 use kv_common::wire::{KeyRequest, Op, RspHeader, FLAG_CHECK_GEOMETRY};
 use kv_common::wire::{FLAG_RDMA, RSP_FLAG_RDMA, RSP_FLAG_RDMA_FAILED};
 
-use crate::answer::{read_get_body, GetReply, PayloadSink, MAX_SMALL_ANSWER};
+use crate::answer::{check_placed, check_placed_head, read_get_body, GetReply, MAX_SMALL_ANSWER};
 use crate::conn::Conn;
 use crate::error::OpError;
 use crate::remote::{Access, Named};
@@ -58,31 +58,17 @@ pub(crate) async fn finish_get<S: Socket>(
         return Ok((read_get_body(conn, geo, key, bufs, h).await?, false));
     }
     let body = conn.answer_body(h, MAX_SMALL_ANSWER).await?;
-    // A corrupt payload placed remotely: the names may be stale.
-    let done = |status, len| Ok((GetReply { status, len }, placed && status == Status::Corrupt));
-    let Ok(ph) = PageHeader::decode(&body) else { return done(Status::Corrupt, 0) };
-    if body.len() != HEADER_LEN + key.len()
-        || ph.key_len as usize != key.len()
-        || ph.check_key(key).is_err()
-        || &body[HEADER_LEN..] != key
-        || !geo.matches(&ph)
-    {
-        return done(Status::Mismatch, 0);
-    }
-    let need = ph.payload_len as usize;
+    let ph = match check_placed_head(geo, key, &body) {
+        Ok(ph) => ph,
+        Err(r) => return Ok((r, false)),
+    };
     if !placed {
-        return done(Status::TooSmall, need);
+        return Ok((GetReply { status: Status::TooSmall, len: ph.payload_len as usize }, false));
     }
-    if need > bufs.iter().map(|b| b.len()).sum::<usize>() {
-        return done(Status::Corrupt, 0);
-    }
-    // The device wrote the buffers before the node answered; order this
-    // thread's reads after that answer.
-    std::sync::atomic::fence(std::sync::atomic::Ordering::Acquire);
-    if !PayloadSink::new(bufs, need).placed(ph.payload_crc) {
-        return done(Status::Corrupt, 0);
-    }
-    done(Status::Ok, need)
+    // A corrupt payload placed remotely: the names may be stale.
+    let r = check_placed(bufs, &ph);
+    let stale = r.status == Status::Corrupt;
+    Ok((r, stale))
 }
 
 /// A put by RDMA: Ok(true) when stored, Ok(false) when it must go inline

@@ -8,7 +8,7 @@
 //! against [`Limits`] before a caller allocates anything.
 
 use crate::page::{le_u16, le_u32, le_u64};
-use crate::page::{Geometry, GEOMETRY_WIRE_LEN, MAX_KEY_LEN};
+use crate::page::{Geometry, PageHeader, GEOMETRY_WIRE_LEN, MAX_KEY_LEN};
 use crate::status::Status;
 
 /// `"KVCW"` as a little-endian u32: opens the client hello and server reply.
@@ -54,8 +54,13 @@ pub const BATCH_GET_HEAD: usize = GEOMETRY_WIRE_LEN + 8;
 /// length) and of an item's head in its answer (status, flags, reserved,
 /// length).
 pub const BATCH_ITEM_HEAD: usize = 8;
-/// Largest BATCH_GET body: its head and 1024 items with maximal keys.
-pub const MAX_BATCH_GET_BODY: u32 = (BATCH_GET_HEAD + MAX_BATCH_ITEMS * (4 + MAX_KEY_LEN)) as u32;
+/// Most segments one batch item names ([`ITEM_RDMA`]); an item whose
+/// buffers are in more pieces goes inline.
+pub const MAX_ITEM_SEGMENTS: usize = 64;
+/// Largest BATCH_GET body: its head and 1024 items with maximal keys, each
+/// naming [`MAX_ITEM_SEGMENTS`] segments.
+pub const MAX_BATCH_GET_BODY: u32 =
+    (BATCH_GET_HEAD + MAX_BATCH_ITEMS * (4 + MAX_KEY_LEN + 2 + SEGMENT_LEN * MAX_ITEM_SEGMENTS)) as u32;
 /// The records one BATCH_GET answer carries stop at 64 MiB: the items past
 /// that (the first item always goes, whatever its size) are answered
 /// REJECTED, to be asked again. A client splits its batches so that this
@@ -67,9 +72,25 @@ pub const ITEM_HANDOFF: u8 = 1;
 /// Per-item flag in a BATCH_GET, reserved: the client holds the page hot.
 /// Nodes of this release accept it and do nothing with it.
 pub const ITEM_HOT: u8 = 2;
-/// Flag on an item of a BATCH_GET answer: `REJECTED` only because the
-/// answer reached its byte bound ([`MAX_BATCH_ANSWER`]); ask it again.
+/// Per-item flag in a BATCH_GET or BATCH_PUT (on a connection whose RDMA
+/// bootstrap agreed on version 3, docs/PROTOCOL.md §2.8): the payload moves
+/// by RDMA. A BATCH_GET item's key is followed by a segment list for the
+/// node to write the payload into; a BATCH_PUT item's record is the page
+/// header and key followed by a segment list to read the payload from.
+pub const ITEM_RDMA: u8 = 4;
+/// Flag on an item of a BATCH_GET or BATCH_PUT answer: `REJECTED` only
+/// because the answer reached its byte bound ([`MAX_BATCH_ANSWER`]; a get)
+/// or the node's memory budget was busy for an [`ITEM_RDMA`] put; ask it
+/// again on its own.
 pub const ITEM_AGAIN: u8 = 1;
+/// Flag on an `OK` (or `TOO_SMALL`) item of a BATCH_GET answer to an
+/// [`ITEM_RDMA`] item: the payload was written into the item's segments;
+/// the item's bytes are the record's header and key only.
+pub const ITEM_PLACED: u8 = 4;
+/// Flag on an `UNAVAILABLE` item of a BATCH_PUT answer to an [`ITEM_RDMA`]
+/// item: the node could not read the payload (no queue pair, or it broke);
+/// nothing was stored. Send it again inline.
+pub const ITEM_RDMA_FAILED: u8 = 8;
 /// Flag on an item of a BATCH_PUT answer: `OK`, the key was already stored
 /// (as [`RSP_FLAG_DUPLICATE`] on a PUT).
 pub const ITEM_DUPLICATE: u8 = 2;
@@ -518,17 +539,30 @@ pub fn decode_batch_status(b: &[u8]) -> Result<Vec<Status>, WireError> {
 pub const EXIST_FLAGS_MASK: u8 = 0x80;
 
 /// One item of a BATCH_GET request: its flags ([`ITEM_HANDOFF`],
-/// [`ITEM_HOT`]) and key.
+/// [`ITEM_HOT`], [`ITEM_RDMA`]), key and, with [`ITEM_RDMA`], the segment
+/// list as the frame carries it ([`encode_segments`]; empty otherwise).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct BatchItem<'a> {
     pub flags: u8,
     pub key: &'a [u8],
+    pub segs: &'a [u8],
+}
+
+impl BatchItem<'_> {
+    /// The segments the item names (empty without [`ITEM_RDMA`]); a
+    /// decoded item's list was checked already.
+    pub fn segments(&self) -> Vec<Segment> {
+        if self.flags & ITEM_RDMA == 0 {
+            return Vec::new();
+        }
+        decode_segments(self.segs).unwrap_or_default()
+    }
 }
 
 /// A BATCH_GET body (docs/PROTOCOL.md §2.5): geometry, u32 count, u32
 /// reserved, then per item u8 flags, u8 reserved, u16 key length, key.
 pub fn encode_batch_get(geometry: &Geometry, items: &[BatchItem<'_>]) -> Vec<u8> {
-    let total: usize = items.iter().map(|i| 4 + i.key.len()).sum();
+    let total: usize = items.iter().map(|i| 4 + i.key.len() + i.segs.len()).sum();
     let mut v = Vec::with_capacity(BATCH_GET_HEAD + total);
     v.extend_from_slice(&geometry.encode());
     encode_key_items(&mut v, items);
@@ -543,12 +577,13 @@ pub fn decode_batch_get(b: &[u8]) -> Result<(Geometry, Vec<BatchItem<'_>>), Wire
         return Err(WireError::Malformed(WHAT));
     }
     let geometry = Geometry::decode(b).ok_or(WireError::Malformed(WHAT))?;
-    Ok((geometry, decode_key_items(&b[GEOMETRY_WIRE_LEN..], WHAT)?))
+    Ok((geometry, decode_key_items(&b[GEOMETRY_WIRE_LEN..], WHAT, true)?))
 }
 
 /// A batch's count and items of the BATCH_GET shape (flags, reserved, u16
-/// key length, key), which must fill `b` exactly.
-fn decode_key_items<'a>(b: &'a [u8], what: &'static str) -> Result<Vec<BatchItem<'a>>, WireError> {
+/// key length, key, and with [`ITEM_RDMA`] where `segments` allows it a
+/// segment list of 1..=[`MAX_ITEM_SEGMENTS`]), which must fill `b` exactly.
+fn decode_key_items<'a>(b: &'a [u8], what: &'static str, segments: bool) -> Result<Vec<BatchItem<'a>>, WireError> {
     if b.len() < BATCH_HEAD {
         return Err(WireError::Malformed(what));
     }
@@ -567,8 +602,22 @@ fn decode_key_items<'a>(b: &'a [u8], what: &'static str) -> Result<Vec<BatchItem
         if n == 0 || n > MAX_KEY_LEN || rest.len() < 4 + n {
             return Err(WireError::Malformed(what));
         }
-        items.push(BatchItem { flags: rest[0], key: &rest[4..4 + n] });
+        let (flags, key) = (rest[0], &rest[4..4 + n]);
         rest = &rest[4 + n..];
+        let mut segs: &[u8] = &[];
+        if segments && flags & ITEM_RDMA != 0 {
+            if rest.len() < 2 {
+                return Err(WireError::Malformed(what));
+            }
+            let k = le_u16(rest, 0) as usize;
+            if k > MAX_ITEM_SEGMENTS || rest.len() < 2 + k * SEGMENT_LEN {
+                return Err(WireError::Malformed(what));
+            }
+            segs = &rest[..2 + k * SEGMENT_LEN];
+            decode_segments(segs)?;
+            rest = &rest[segs.len()..];
+        }
+        items.push(BatchItem { flags, key, segs });
     }
     if !rest.is_empty() {
         return Err(WireError::Malformed(what));
@@ -585,11 +634,13 @@ fn encode_key_items(v: &mut Vec<u8>, items: &[BatchItem<'_>]) {
         v.push(0);
         v.extend_from_slice(&(i.key.len() as u16).to_le_bytes());
         v.extend_from_slice(i.key);
+        v.extend_from_slice(i.segs);
     }
 }
 
 /// A BATCH_DELETE body (docs/PROTOCOL.md §2.5): u32 count, u32 reserved,
-/// then items as a BATCH_GET's (flags 0, reserved, u16 key length, key).
+/// then items as a BATCH_GET's (flags 0, reserved, u16 key length, key;
+/// never a segment list).
 pub fn encode_batch_delete(items: &[BatchItem<'_>]) -> Vec<u8> {
     let total: usize = items.iter().map(|i| 4 + i.key.len()).sum();
     let mut v = Vec::with_capacity(BATCH_HEAD + total);
@@ -599,7 +650,7 @@ pub fn encode_batch_delete(items: &[BatchItem<'_>]) -> Vec<u8> {
 
 /// Decodes a BATCH_DELETE body; it must end after the last key.
 pub fn decode_batch_delete(b: &[u8]) -> Result<Vec<BatchItem<'_>>, WireError> {
-    decode_key_items(b, "batch_delete")
+    decode_key_items(b, "batch_delete", false)
 }
 
 /// The head of one item of a BATCH_PUT request: flags ([`ITEM_HANDOFF`]:
@@ -630,6 +681,22 @@ impl PutItemHead {
     pub fn fits(&self, left: u64) -> bool {
         u64::from(self.record_len) <= left
     }
+}
+
+/// The segments of a put whose payload is in the client's memory (a PUT
+/// with [`FLAG_RDMA`], a BATCH_PUT item with [`ITEM_RDMA`]): after the page
+/// header `h`, `rest` is the key and a segment list of at most `max`
+/// segments whose lengths add up to the header's `payload_len`.
+pub fn remote_put_segments(h: &PageHeader, rest: &[u8], max: usize) -> Result<Vec<Segment>, String> {
+    let list = rest.get(usize::from(h.key_len)..).ok_or("RDMA put body is not header, key and segment list")?;
+    let segs = decode_segments(list).map_err(|e| e.to_string())?;
+    if segs.len() > max {
+        return Err(format!("RDMA put names {} segments, over {max}", segs.len()));
+    }
+    if segs.iter().map(|s| u64::from(s.len)).sum::<u64>() != h.payload_len {
+        return Err("RDMA put: segments do not add up to the payload length".into());
+    }
+    Ok(segs)
 }
 
 /// The count a BATCH_PUT's head announces, if it is within 1..=1024.
@@ -1002,9 +1069,9 @@ mod tests {
     fn batch_gets_round_trip_and_lies_are_refused() {
         let long = vec![b'c'; MAX_KEY_LEN];
         let items = [
-            BatchItem { flags: 0, key: b"a" },
-            BatchItem { flags: ITEM_HANDOFF | ITEM_HOT, key: b"bb" },
-            BatchItem { flags: 0, key: &long },
+            BatchItem { flags: 0, key: b"a", segs: &[] },
+            BatchItem { flags: ITEM_HANDOFF | ITEM_HOT, key: b"bb", segs: &[] },
+            BatchItem { flags: 0, key: &long, segs: &[] },
         ];
         let body = encode_batch_get(&geo(), &items);
         assert_eq!(body.len(), BATCH_GET_HEAD + 3 * 4 + 1 + 2 + MAX_KEY_LEN);
@@ -1033,6 +1100,52 @@ mod tests {
     }
 
     #[test]
+    fn batch_items_naming_segments_round_trip_and_bad_lists_are_refused() {
+        let mut list = Vec::new();
+        encode_segments(
+            &[Segment { addr: 0x1000, rkey: 7, len: 4096 }, Segment { addr: 0x9000, rkey: 7, len: 12 }],
+            &mut list,
+        );
+        let items = [
+            BatchItem { flags: ITEM_RDMA, key: b"a", segs: &list },
+            BatchItem { flags: 0, key: b"bb", segs: &[] },
+            BatchItem { flags: ITEM_RDMA | ITEM_HANDOFF, key: b"c", segs: &list },
+        ];
+        let body = encode_batch_get(&geo(), &items);
+        assert_eq!(body.len(), BATCH_GET_HEAD + 3 * 4 + 4 + 2 * list.len());
+        let (_, got) = decode_batch_get(&body).unwrap();
+        assert_eq!(got, items);
+        assert_eq!(got[0].segments().len(), 2);
+        assert!(got[1].segments().is_empty());
+        for cut in 1..body.len() {
+            assert!(decode_batch_get(&body[..body.len() - cut]).is_err(), "cut {cut}");
+        }
+        // A list of 0 or more than MAX_ITEM_SEGMENTS segments, an empty one.
+        let mut none = Vec::new();
+        encode_segments(&[], &mut none);
+        let mut many = Vec::new();
+        encode_segments(&vec![Segment { addr: 1, rkey: 1, len: 1 }; MAX_ITEM_SEGMENTS + 1], &mut many);
+        let mut empty = Vec::new();
+        encode_segments(&[Segment { addr: 1, rkey: 1, len: 0 }], &mut empty);
+        for bad in [&none, &many, &empty] {
+            let body = encode_batch_get(&geo(), &[BatchItem { flags: ITEM_RDMA, key: b"a", segs: bad }]);
+            assert!(decode_batch_get(&body).is_err());
+        }
+        // A batch delete never carries a list: the bit is ignored there.
+        let del = encode_batch_delete(&[BatchItem { flags: ITEM_RDMA, key: b"a", segs: &[] }]);
+        assert_eq!(decode_batch_delete(&del).unwrap()[0].key, b"a");
+
+        let h = crate::page::PageHeader::new(geo(), b"k", 4108, 0);
+        let mut rest = b"k".to_vec();
+        rest.extend_from_slice(&list);
+        assert_eq!(remote_put_segments(&h, &rest, MAX_ITEM_SEGMENTS).unwrap().len(), 2);
+        assert!(remote_put_segments(&h, &rest, 1).is_err(), "over the item's limit");
+        let short = crate::page::PageHeader::new(geo(), b"k", 4107, 0);
+        assert!(remote_put_segments(&short, &rest, MAX_ITEM_SEGMENTS).is_err(), "lengths that do not add up");
+        assert!(remote_put_segments(&h, &rest[..rest.len() - 1], MAX_ITEM_SEGMENTS).is_err());
+    }
+
+    #[test]
     fn batch_writes_round_trip_and_lies_are_refused() {
         let (r0, r1) = (crate::page::build_record(geo(), b"k0", b"zero"), vec![9u8; 70]);
         let items = [
@@ -1057,7 +1170,7 @@ mod tests {
         assert_eq!(batch_count(&[0, 4, 0, 0, 0, 0, 0, 0]), Some(1024));
         assert_eq!(batch_count(&[1, 4, 0, 0, 0, 0, 0, 0]), None);
 
-        let keys = [BatchItem { flags: 0, key: b"a" }, BatchItem { flags: 0, key: b"bb" }];
+        let keys = [BatchItem { flags: 0, key: b"a", segs: &[] }, BatchItem { flags: 0, key: b"bb", segs: &[] }];
         let del = encode_batch_delete(&keys);
         assert_eq!(del, [2, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1, 0, b'a', 0, 0, 2, 0, b'b', b'b']);
         assert_eq!(decode_batch_delete(&del).unwrap(), keys);

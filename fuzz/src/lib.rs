@@ -72,6 +72,11 @@ pub fn frame(data: &[u8]) {
             if let Ok((geo, items)) = wire::decode_batch_get(body) {
                 assert!(!items.is_empty() && items.len() <= wire::MAX_BATCH_ITEMS);
                 assert!(items.iter().all(|i| !i.key.is_empty() && i.key.len() <= kv_common::page::MAX_KEY_LEN));
+                for i in &items {
+                    // An item naming segments names 1..=MAX_ITEM_SEGMENTS.
+                    let n = i.segments().len();
+                    assert_eq!(i.flags & wire::ITEM_RDMA != 0, (1..=wire::MAX_ITEM_SEGMENTS).contains(&n));
+                }
                 let again = wire::encode_batch_get(&geo, &items);
                 assert_eq!(again.len(), body.len(), "a batch re-encodes to its length");
                 assert_eq!(wire::decode_batch_get(&again).expect("re-encoded batch").1, items);
@@ -83,8 +88,18 @@ pub fn frame(data: &[u8]) {
             if let Ok(items) = wire::decode_batch_put(body) {
                 assert!(!items.is_empty() && items.len() <= wire::MAX_BATCH_ITEMS);
                 assert_eq!(wire::encode_batch_put(&items).len(), body.len(), "a batch put re-encodes to its length");
-                for (_, record) in items {
-                    page(record);
+                for (head, record) in items {
+                    if head.flags & wire::ITEM_RDMA == 0 {
+                        page(record);
+                        continue;
+                    }
+                    // A header, key and segment list, as the node reads it.
+                    if let Ok(h) = kv_common::page::PageHeader::decode(record) {
+                        let rest = &record[kv_common::page::HEADER_LEN..];
+                        if let Ok(segs) = wire::remote_put_segments(&h, rest, wire::MAX_ITEM_SEGMENTS) {
+                            assert!(!segs.is_empty() && segs.len() <= wire::MAX_ITEM_SEGMENTS);
+                        }
+                    }
                 }
             }
         }

@@ -219,8 +219,8 @@ fn seeds() {
     write("frame", "hello_v2", &wire::client_hello(2, Some(b"token")));
     write("frame", "hello_v3", &wire::client_hello(3, Some(b"token")));
     let items = [
-        wire::BatchItem { flags: 0, key: b"page-key-1" },
-        wire::BatchItem { flags: wire::ITEM_HANDOFF, key: b"page-key-2" },
+        wire::BatchItem { flags: 0, key: b"page-key-1", segs: &[] },
+        wire::BatchItem { flags: wire::ITEM_HANDOFF, key: b"page-key-2", segs: &[] },
     ];
     write("frame", "batch_get", &hdr(Op::BatchGet, &wire::encode_batch_get(&geo, &items)));
     write("frame", "hello_v4", &wire::client_hello(4, Some(b"token")));
@@ -230,6 +230,25 @@ fn seeds() {
     ];
     write("frame", "batch_put", &hdr(Op::BatchPut, &wire::encode_batch_put(&puts)));
     write("frame", "batch_delete", &hdr(Op::BatchDelete, &wire::encode_batch_delete(&items)));
+    {
+        // Items naming segments of the client's memory (ITEM_RDMA).
+        let mut segs = Vec::new();
+        wire::encode_segments(&[wire::Segment { addr: 0x7f00_0000_0000, rkey: 5, len: 4 }], &mut segs);
+        let named = [
+            wire::BatchItem { flags: wire::ITEM_RDMA, key: b"page-key-1", segs: &segs },
+            wire::BatchItem { flags: 0, key: b"page-key-2", segs: &[] },
+        ];
+        write("frame", "batch_get_rdma", &hdr(Op::BatchGet, &wire::encode_batch_get(&geo, &named)));
+        let h = kv_common::page::PageHeader::new(geo, b"k", 4, 0);
+        let mut remote = h.encode().to_vec();
+        remote.extend_from_slice(b"k");
+        remote.extend_from_slice(&segs);
+        let puts = [
+            (wire::PutItemHead { flags: wire::ITEM_RDMA, copy_age: 0, record_len: remote.len() as u32 }, &remote[..]),
+            (wire::PutItemHead { flags: 0, copy_age: 0, record_len: rec.len() as u32 }, &rec[..]),
+        ];
+        write("frame", "batch_put_rdma", &hdr(Op::BatchPut, &wire::encode_batch_put(&puts)));
+    }
     {
         use kv_common::wire::{encode_segments, Segment};
         use kv_rdma::bootstrap::{Answer, Endpoint};
@@ -243,6 +262,7 @@ fn seeds() {
             psn: 0xab_cdef,
             device: "mlx5_0".into(),
             reads: None,
+            batches: false,
         };
         write("frame", "rdma_connect", &hdr(Op::RdmaConnect, &ep.encode_request()));
         write("rdma", "endpoint", &ep.encode_request());

@@ -9,8 +9,10 @@
 //! The memory segments a request names (address, length, key) so the node
 //! can move the payload by RDMA are part of the frame: `kv_common::wire`.
 
-/// The bootstrap version this code speaks.
-pub const BOOTSTRAP_VERSION: u16 = 2;
+/// The bootstrap version this code speaks. Version 3 has version 2's
+/// layout; saying it means "this end names (client) or serves (node)
+/// segments in batch items" (docs/PROTOCOL.md §2.8).
+pub const BOOTSTRAP_VERSION: u16 = 3;
 
 fn le_u16(b: &[u8], at: usize) -> u16 {
     u16::from_le_bytes([b[at], b[at + 1]])
@@ -47,6 +49,9 @@ pub struct Endpoint {
     /// The RDMA READs this end's device serves and issues at once (version
     /// 2; None from a peer of version 1, and in a version 1 request).
     pub reads: Option<ReadLimits>,
+    /// Version 3: this end takes segments in BATCH_GET and BATCH_PUT items
+    /// (only with `reads`: a version 1 endpoint cannot say it).
+    pub batches: bool,
 }
 
 /// Outstanding RDMA READs of one end's device: as the responder
@@ -100,12 +105,13 @@ impl Endpoint {
         }
     }
 
-    /// The version this endpoint is said in: 2 with read limits, else 1.
+    /// The version this endpoint is said in: 3 with read limits and batch
+    /// segments, 2 with read limits only, else 1.
     pub fn version(&self) -> u16 {
-        if self.reads.is_some() {
-            2
-        } else {
-            1
+        match (self.reads.is_some(), self.batches) {
+            (true, true) => 3,
+            (true, false) => 2,
+            (false, _) => 1,
         }
     }
 
@@ -140,6 +146,7 @@ impl Endpoint {
             psn: le_u32(b, 26),
             device,
             reads,
+            batches: version >= 3,
         };
         if e.depth == 0 || u32::from(e.depth) > super::MAX_DEPTH {
             return Err(BootstrapError::Invalid("depth out of range 1..=1024"));
@@ -167,7 +174,7 @@ impl Endpoint {
         out
     }
 
-    /// Decodes a request (version 1 or 2). A version this end does not
+    /// Decodes a request (version 1, 2 or 3). A version this end does not
     /// speak is [`BootstrapError::Version`]: answer with
     /// [`Answer::VersionRefused`].
     pub fn decode_request(b: &[u8]) -> Result<Endpoint, BootstrapError> {
@@ -257,7 +264,24 @@ mod tests {
             psn: 0xabcdef,
             device: "mlx5_0".into(),
             reads: None,
+            batches: false,
         }
+    }
+
+    /// Version 3 is version 2's layout under another number: it says the
+    /// end takes segments in batch items.
+    #[test]
+    fn version_3_is_version_2_that_takes_batch_segments() {
+        let v2 = Endpoint { reads: Some(ReadLimits { responder: 8, initiator: 16 }), ..ep() };
+        let v3 = Endpoint { batches: true, ..v2.clone() };
+        let (b2, b3) = (v2.encode_request(), v3.encode_request());
+        assert_eq!(&b3[0..2], &[3, 0]);
+        assert_eq!(b2[2..], b3[2..], "the same layout");
+        assert_eq!(Endpoint::decode_request(&b3).unwrap(), v3);
+        assert_eq!(Endpoint::decode_request(&b2).unwrap(), v2);
+        assert_eq!(Answer::decode(&Answer::Accepted(v3.clone()).encode()).unwrap(), Answer::Accepted(v3));
+        // Without read limits it cannot be said: version 1.
+        assert_eq!(Endpoint { batches: true, ..ep() }.version(), 1);
     }
 
     /// Version 2 carries the read limits after the device name; version 1
@@ -321,8 +345,8 @@ mod tests {
     #[test]
     fn versions_and_bad_bodies_are_refused_with_a_reason() {
         let mut b = ep().encode_request();
-        b[0] = 3;
-        assert_eq!(Endpoint::decode_request(&b), Err(BootstrapError::Version { theirs: 3 }));
+        b[0] = 4;
+        assert_eq!(Endpoint::decode_request(&b), Err(BootstrapError::Version { theirs: 4 }));
         assert!(Endpoint::decode_request(&[1]).is_err());
         let good = ep().encode_request();
         assert!(matches!(Endpoint::decode_request(&good[..20]), Err(BootstrapError::Short(_))));

@@ -917,6 +917,7 @@ mod tests {
             psn: 1,
             device: device.into(),
             reads: None,
+            batches: false,
         };
         let ib = |prefix: u8, id: u8| {
             let mut g = [0u8; 16];

@@ -165,6 +165,7 @@ impl Backend for Verbs {
             psn: psn(),
             device: r.spec.device.clone(),
             reads: Some(ReadLimits { responder: r.rd_atom, initiator: r.init_rd_atom }),
+            batches: true,
         };
         Ok(Box::new(VerbsQp {
             qp: ManuallyDrop::new(Mutex::new(qp)),

@@ -18,10 +18,13 @@
 
 use std::sync::Arc;
 
-use kv_common::page::Geometry;
+use kv_common::page::{Geometry, PageHeader, HEADER_LEN};
 use kv_common::status::Status;
-use kv_common::wire::{self, ItemHead, ReqHeader, FLAG_CHECK_GEOMETRY, FLAG_HANDOFF, ITEM_AGAIN, ITEM_HANDOFF};
+use kv_common::wire::{
+    self, ItemHead, ReqHeader, Segment, FLAG_CHECK_GEOMETRY, FLAG_HANDOFF, ITEM_AGAIN, ITEM_HANDOFF,
+};
 use kv_common::wire::{Op, BATCH_ITEM_HEAD, ITEM_DUPLICATE, MAX_BATCH_ANSWER, RSP_FLAG_DUPLICATE};
+use kv_common::wire::{ITEM_PLACED, ITEM_RDMA, ITEM_RDMA_FAILED};
 use tokio::sync::OwnedSemaphorePermit;
 use tokio::time::Instant;
 
@@ -29,6 +32,7 @@ use crate::frame::{error_response, respond, Body, Part, Response};
 use crate::ops::{counted, Session};
 use crate::state::Shared;
 use crate::store::{GetOutcome, PooledBuf};
+use crate::transport::RemoteMemory;
 
 /// What one item will be answered with.
 enum Item {
@@ -42,6 +46,10 @@ enum Item {
     Disk(u64),
     /// A disk's index lock was busy: its length is asked off the reactor.
     Unknown,
+    /// Its payload was written into the item's segments (OK), or they are
+    /// too small for it (TOO_SMALL): answered with the record's first
+    /// bytes (its header and key), this many.
+    Placed(Status, Arc<PooledBuf>, usize),
 }
 
 const OVER: &str = "not served: the batch's answer would pass 64 MiB; ask again";
@@ -57,8 +65,10 @@ pub enum Begun {
     Disk(Started),
 }
 
-/// Begins the BATCH_GET `req` with `body` in hand.
-pub fn start(shared: &Shared, req: &ReqHeader, body: &[u8]) -> Begun {
+/// Begins the BATCH_GET `req` with `body` in hand, on the connection `s`
+/// (whose remote memory, if any, takes the payloads of items that name
+/// segments).
+pub fn start(shared: &Shared, s: &Session, req: &ReqHeader, body: &[u8]) -> Begun {
     let (geo, items) = match wire::decode_batch_get(body) {
         Ok(d) => d,
         Err(e) => return Begun::Answered(error_response(req, Status::BadRequest, &e.to_string())),
@@ -67,9 +77,18 @@ pub fn start(shared: &Shared, req: &ReqHeader, body: &[u8]) -> Begun {
     let handoff_all = req.flags & FLAG_HANDOFF != 0;
     let store = &shared.store;
     let handoff: Vec<bool> = items.iter().map(|i| handoff_all || i.flags & ITEM_HANDOFF != 0).collect();
+    // Items that name segments are delivered there when the connection's
+    // remote memory works; without it they are answered inline (as a GET
+    // with FLAG_RDMA is), and the client stops naming.
+    let remote = items.iter().any(|i| i.flags & ITEM_RDMA != 0).then(|| s.remote.get()).flatten();
+    let segs: Vec<Vec<Segment>> = match &remote {
+        Some(_) => items.iter().map(|i| i.segments()).collect(),
+        None => Vec::new(),
+    };
+    let named = |i: usize| segs.get(i).is_some_and(|s| !s.is_empty());
     let mut out: Vec<Item> = Vec::with_capacity(items.len());
     let mut pending = false;
-    for it in &items {
+    for (i, it) in items.iter().enumerate() {
         let item = match store.peek_cached(it.key, check.then_some(&geo)) {
             Some(GetOutcome::Hit(rec)) => Item::Mem(rec),
             Some(GetOutcome::Mismatch) => Item::Done(Status::Mismatch, None),
@@ -82,11 +101,13 @@ pub fn start(shared: &Shared, req: &ReqHeader, body: &[u8]) -> Begun {
                 None => Item::Unknown,
             },
         };
-        pending |= matches!(item, Item::Disk(_) | Item::Unknown);
+        // A hit to deliver into the client's memory waits for the transfer:
+        // not answered from this task.
+        pending |= matches!(item, Item::Disk(_) | Item::Unknown) || (named(i) && matches!(item, Item::Mem(_)));
         out.push(item);
     }
     if !pending {
-        bound(shared, |i| items[i].key, &mut out);
+        bound(shared, |i| items[i].key, |_| false, &mut out);
         count_asks(shared, &handoff, &out);
         return Begun::Answered(answer(req, out));
     }
@@ -95,6 +116,7 @@ pub fn start(shared: &Shared, req: &ReqHeader, body: &[u8]) -> Begun {
         handoff,
         geo: check.then_some(geo),
         items: out,
+        remote: remote.map(|r| (r, segs)),
     })
 }
 
@@ -105,10 +127,17 @@ pub struct Started {
     handoff: Vec<bool>,
     geo: Option<Geometry>,
     items: Vec<Item>,
+    /// Where items that named segments go, when any did.
+    remote: Option<Delivery>,
 }
 
-/// Reads the items of `s` that are on disk and answers the batch.
-pub async fn finish(shared: &Arc<Shared>, req: &ReqHeader, mut s: Started) -> Response {
+/// The connection's remote memory, and each item's segments (empty:
+/// answered inline).
+type Delivery = (Arc<dyn RemoteMemory>, Vec<Vec<Segment>>);
+
+/// Reads the items of `s` that are on disk, delivers those that named
+/// segments, and answers the batch.
+pub async fn finish(shared: &Arc<Shared>, session: &Session, req: &ReqHeader, mut s: Started) -> Response {
     // Lengths the reactor could not look up without waiting.
     for (i, item) in s.items.iter_mut().enumerate() {
         if matches!(item, Item::Unknown) {
@@ -124,7 +153,8 @@ pub async fn finish(shared: &Arc<Shared>, req: &ReqHeader, mut s: Started) -> Re
         }
     }
     let keys = &s.keys;
-    bound(shared, |i| &keys[i], &mut s.items);
+    let placed = |i: usize| s.remote.as_ref().is_some_and(|(_, segs)| !segs[i].is_empty());
+    bound(shared, |i| &keys[i], placed, &mut s.items);
     // The records read count against --max-inflight until written out, as
     // a single get's do (never more than the whole budget, which would
     // wait forever).
@@ -169,10 +199,80 @@ pub async fn finish(shared: &Arc<Shared>, req: &ReqHeader, mut s: Started) -> Re
             spawn(&mut reads, next);
         }
     }
+    if let Some((remote, segs)) = &s.remote {
+        deliver(session, remote, segs, &mut s.items).await;
+    }
     count_asks(shared, &s.handoff, &s.items);
     let mut r = answer(req, s.items);
     r.budget = Some(budget);
     r
+}
+
+/// Deliveries into the client's memory one batch has going at once.
+const DELIVERIES_AT_ONCE: usize = 16;
+
+/// Writes the payloads of the hits that named segments into them (by the
+/// connection's remote memory), at most [`DELIVERIES_AT_ONCE`] at a time:
+/// such an item is then answered with its header and key and
+/// [`ITEM_PLACED`], or TOO_SMALL with them when its segments cannot hold
+/// the payload. If a transfer fails, the remote memory is closed and the
+/// items not placed are answered inline (within the answer's byte bound).
+async fn deliver(session: &Session, remote: &Arc<dyn RemoteMemory>, segs: &[Vec<Segment>], items: &mut [Item]) {
+    use futures_util::stream::{self, StreamExt};
+    let mut todo = Vec::new();
+    for (i, item) in items.iter_mut().enumerate() {
+        let Item::Done(Status::Ok, Some(rec)) = item else { continue };
+        if segs[i].is_empty() {
+            continue;
+        }
+        let Ok(h) = PageHeader::decode(rec.as_slice()) else { continue };
+        let pre = HEADER_LEN + usize::from(h.key_len);
+        let room: u64 = segs[i].iter().map(|s| u64::from(s.len)).sum();
+        if h.payload_len > room {
+            // As over TCP: the caller learns the size it needs.
+            *item = Item::Placed(Status::TooSmall, rec.clone(), pre);
+            continue;
+        }
+        todo.push((i, rec.clone(), pre));
+    }
+    let done: Vec<(usize, usize, Result<(), String>)> = stream::iter(todo)
+        .map(|(i, rec, pre)| async move { (i, pre, remote.deliver(rec, pre, &segs[i]).await) })
+        .buffer_unordered(DELIVERIES_AT_ONCE)
+        .collect()
+        .await;
+    let mut failed = false;
+    for (i, pre, r) in done {
+        match r {
+            Ok(()) => {
+                if let Item::Done(_, Some(rec)) = &items[i] {
+                    items[i] = Item::Placed(Status::Ok, rec.clone(), pre);
+                }
+            }
+            Err(e) => {
+                if !failed {
+                    tracing::warn!(peer = %session.out.peer, error = %e, "RDMA write of a batch get failed; answering over TCP");
+                    session.remote.failed(remote);
+                }
+                failed = true;
+            }
+        }
+    }
+    if failed {
+        // The items that go inline now must fit the answer's bound.
+        let mut total: u64 = items
+            .iter()
+            .filter_map(|i| if let Item::Done(_, Some(rec)) = i { Some(rec.len() as u64) } else { None })
+            .sum();
+        for (i, item) in items.iter_mut().enumerate().rev() {
+            if total <= MAX_BATCH_ANSWER {
+                break;
+            }
+            if let (false, Item::Done(_, Some(rec))) = (segs[i].is_empty(), &item) {
+                total -= rec.len() as u64;
+                *item = Item::Over;
+            }
+        }
+    }
 }
 
 /// Counts the batch's handoff asks and their hits (as GET with
@@ -189,14 +289,16 @@ fn count_asks(shared: &Shared, handoff: &[bool], items: &[Item]) {
 
 /// Marks the items past the answer's byte bound (in request order; the
 /// first item goes unless the frame could not carry it), and counts the
-/// memory-tier hits that stay served.
-fn bound<'k>(shared: &Shared, key: impl Fn(usize) -> &'k [u8], items: &mut [Item]) {
+/// memory-tier hits that stay served. An item to be `placed` in the
+/// client's memory carries no record in the answer.
+fn bound<'k>(shared: &Shared, key: impl Fn(usize) -> &'k [u8], placed: impl Fn(usize) -> bool, items: &mut [Item]) {
     // A frame's body length is a u32: the heads and the longest messages
     // must fit beside the records, whatever the first item's size.
     let frame_room = u64::from(u32::MAX) - 8 - (BATCH_ITEM_HEAD + OVER.len()) as u64 * items.len() as u64;
     let mut total = 0u64;
     for (i, item) in items.iter_mut().enumerate() {
         let len = match item {
+            _ if placed(i) => 0,
             Item::Mem(rec) => rec.len() as u64,
             Item::Disk(n) => *n,
             _ => 0,
@@ -222,6 +324,7 @@ fn answer(req: &ReqHeader, items: Vec<Item>) -> Response {
     for item in items {
         let (status, flags, tail) = match item {
             Item::Done(s, rec) => (s, 0, rec.map(Part::Record)),
+            Item::Placed(s, rec, pre) => (s, ITEM_PLACED, Some(Part::Bytes(rec.as_slice()[..pre].to_vec()))),
             Item::Over => (Status::Rejected, ITEM_AGAIN, Some(Part::Bytes(OVER.as_bytes().to_vec()))),
             Item::Mem(_) | Item::Disk(_) | Item::Unknown => (Status::Internal, 0, None),
         };
@@ -252,6 +355,47 @@ pub enum PutItem {
     Refused(Status, String),
     /// A whole record in its own buffer, with its share of `--max-inflight`.
     Record { flags: u8, copy_age: u16, buf: PooledBuf, mem: OwnedSemaphorePermit },
+    /// A record whose payload is in the client's memory ([`ITEM_RDMA`]):
+    /// its header and key (`pre`), and the segments to read the payload
+    /// from, `record_len` bytes in all.
+    Remote { flags: u8, copy_age: u16, pre: Vec<u8>, segs: Vec<Segment>, record_len: usize },
+}
+
+/// Why an [`ITEM_RDMA`] put's memory was not taken: the item goes again on
+/// its own, where it may wait for it.
+const BUDGET_BUSY: &str = "not stored: this node's --max-inflight budget is busy; put it on its own";
+
+/// Reads a remote item's payload into a record buffer: the buffer with its
+/// share of `--max-inflight`, or the item's answer. The share is taken only
+/// if free now: a frame holds the shares of its later items meanwhile, so
+/// waiting here could wait on itself.
+async fn fill_remote(
+    shared: &Shared,
+    s: &Session,
+    pre: Vec<u8>,
+    segs: Vec<Segment>,
+    record_len: usize,
+) -> Result<(PooledBuf, OwnedSemaphorePermit), (Status, u8, Vec<u8>)> {
+    let Some(remote) = s.remote.get() else {
+        return Err((Status::Unavailable, ITEM_RDMA_FAILED, b"rdma: no RDMA queue pair on this connection".to_vec()));
+    };
+    let units = (record_len as u64).div_ceil(4096).max(1) as u32;
+    let Ok(mem) = shared.inflight_bytes.clone().try_acquire_many_owned(units) else {
+        return Err((Status::Rejected, ITEM_AGAIN, BUDGET_BUSY.as_bytes().to_vec()));
+    };
+    let mut buf = shared.store.pool().get(record_len);
+    buf.full_mut()[..pre.len()].copy_from_slice(&pre);
+    match remote.fill(buf, pre.len(), record_len - pre.len(), &segs).await {
+        Ok(mut buf) => {
+            buf.set_len(record_len);
+            Ok((buf, mem))
+        }
+        Err(e) => {
+            tracing::warn!(peer = %s.out.peer, error = %e, "RDMA read of a batch put failed; the client sends it over TCP");
+            s.remote.failed(&remote);
+            Err((Status::Unavailable, ITEM_RDMA_FAILED, format!("rdma: {e}").into_bytes()))
+        }
+    }
 }
 
 /// Stores a BATCH_PUT's items as single puts are stored ([`crate::ops`]'s
@@ -271,23 +415,28 @@ pub async fn put(
     use futures_util::stream::{self, StreamExt};
     let answers: Vec<(Status, u8, Vec<u8>)> = stream::iter(items)
         .map(|item| {
-            let shared = &shared;
+            let (shared, s) = (&shared, &s);
             async move {
-                match item {
-                    PutItem::Refused(status, why) => (status, 0, why.into_bytes()),
-                    PutItem::Record { flags, copy_age, buf, mem } => {
-                        let one = ReqHeader {
-                            op: Op::Put,
-                            flags: if flags & ITEM_HANDOFF != 0 { FLAG_HANDOFF } else { 0 },
-                            copy_age,
-                            body_len: buf.len() as u32,
-                            req_id: req.req_id,
-                        };
-                        let (status, rflags, msg) = crate::ops::store_put(shared, &one, buf, mem, t0).await.into_item();
-                        let dup = if rflags & RSP_FLAG_DUPLICATE != 0 { ITEM_DUPLICATE } else { 0 };
-                        (status, dup, msg)
+                let (flags, copy_age, buf, mem) = match item {
+                    PutItem::Refused(status, why) => return (status, 0, why.into_bytes()),
+                    PutItem::Record { flags, copy_age, buf, mem } => (flags, copy_age, buf, mem),
+                    PutItem::Remote { flags, copy_age, pre, segs, record_len } => {
+                        match fill_remote(shared, s, pre, segs, record_len).await {
+                            Ok((buf, mem)) => (flags, copy_age, buf, mem),
+                            Err(answer) => return answer,
+                        }
                     }
-                }
+                };
+                let one = ReqHeader {
+                    op: Op::Put,
+                    flags: if flags & ITEM_HANDOFF != 0 { FLAG_HANDOFF } else { 0 },
+                    copy_age,
+                    body_len: buf.len() as u32,
+                    req_id: req.req_id,
+                };
+                let (status, rflags, msg) = crate::ops::store_put(shared, &one, buf, mem, t0).await.into_item();
+                let dup = if rflags & RSP_FLAG_DUPLICATE != 0 { ITEM_DUPLICATE } else { 0 };
+                (status, dup, msg)
             }
         })
         .buffered(WRITES_AT_ONCE)

@@ -375,15 +375,10 @@ async fn read_put(
     let mut rest = vec![0u8; len - HEADER_LEN];
     read_exact_by(rd, &mut rest, deadline).await?;
     let key_len = usize::from(h.key_len);
-    let segs = match wire::decode_segments(&rest[key_len..]) {
-        Ok(s) if s.iter().map(|s| u64::from(s.len)).sum::<u64>() == h.payload_len => s,
-        Ok(_) => {
-            let why = "RDMA put: segments do not add up to the payload length";
-            refuse(shared, &session, &req, Status::BadRequest, why).await;
-            return Ok(());
-        }
+    let segs = match wire::remote_put_segments(&h, &rest, MAX_SEGMENTS) {
+        Ok(s) => s,
         Err(e) => {
-            refuse(shared, &session, &req, Status::BadRequest, &e.to_string()).await;
+            refuse(shared, &session, &req, Status::BadRequest, &e).await;
             return Ok(());
         }
     };
@@ -472,6 +467,19 @@ async fn read_batch_put(
         };
         // The record's bytes are read (or skipped) here, whatever its verdict.
         let n = ih.record_len as usize;
+        if ih.flags & wire::ITEM_RDMA != 0 {
+            // The header, key and segments of a payload in the client's memory.
+            if !(HEADER_LEN..=MAX_REMOTE_ITEM).contains(&n) {
+                skip(rd, n as u64, deadline).await?;
+                let why = format!("invalid record: an RDMA item of {n} bytes is not a header, key and segment list");
+                items.push(PutItem::Refused(Status::BadRequest, why));
+                continue;
+            }
+            let mut rec = vec![0u8; n];
+            read_exact_by(rd, &mut rec, deadline).await?;
+            items.push(remote_item(shared, &ih, rec));
+            continue;
+        }
         let mut head = [0u8; HEADER_LEN];
         let hn = n.min(HEADER_LEN);
         read_exact_by(rd, &mut head[..hn], deadline).await?;
@@ -513,6 +521,31 @@ async fn read_batch_put(
     let t0 = Instant::now();
     tokio::spawn(crate::batch::put(shared.clone(), session.clone(), req, items, mem, permit, t0));
     Ok(())
+}
+
+/// Longest BATCH_PUT item naming segments: a header, the longest key and
+/// the most segments an item names.
+const MAX_REMOTE_ITEM: usize = HEADER_LEN + kv_common::page::MAX_KEY_LEN + 2 + SEGMENT_LEN * wire::MAX_ITEM_SEGMENTS;
+
+/// A BATCH_PUT item with `ITEM_RDMA` (its bytes `rec`: header, key and
+/// segment list): the put to fill from the client's memory, or the item's
+/// refusal.
+fn remote_item(shared: &Shared, ih: &wire::PutItemHead, rec: Vec<u8>) -> crate::batch::PutItem {
+    use crate::batch::PutItem;
+    let h = match PageHeader::decode(&rec) {
+        Ok(h) => h,
+        Err(e) => return PutItem::Refused(Status::BadRequest, format!("invalid record: {e}")),
+    };
+    let segs = match wire::remote_put_segments(&h, &rec[HEADER_LEN..], wire::MAX_ITEM_SEGMENTS) {
+        Ok(segs) => segs,
+        Err(e) => return PutItem::Refused(Status::BadRequest, format!("invalid record: {e}")),
+    };
+    if h.record_len() > shared.limits.max_record {
+        return PutItem::Refused(Status::Rejected, "record over the node's --max-record".into());
+    }
+    let mut pre = rec;
+    pre.truncate(HEADER_LEN + usize::from(h.key_len));
+    PutItem::Remote { flags: ih.flags, copy_age: ih.copy_age, pre, segs, record_len: h.record_len() as usize }
 }
 
 /// Reads and drops `n` bytes of a frame by `deadline`.

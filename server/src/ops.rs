@@ -60,7 +60,7 @@ pub async fn dispatch(
 ) {
     let t0 = Instant::now();
     if req.op == Op::BatchGet {
-        match crate::batch::start(shared, &req, &body) {
+        match crate::batch::start(shared, s, &req, &body) {
             crate::batch::Begun::Answered(r) => {
                 s.out.send(counted(shared, req.op, t0, r)).await;
                 drop(permit);
@@ -68,7 +68,7 @@ pub async fn dispatch(
             crate::batch::Begun::Disk(started) => {
                 let (shared, s) = (shared.clone(), s.clone());
                 tokio::spawn(async move {
-                    let r = crate::batch::finish(&shared, &req, started).await;
+                    let r = crate::batch::finish(&shared, &s, &req, started).await;
                     s.out.send(counted(&shared, req.op, t0, r)).await;
                     drop(permit);
                 });

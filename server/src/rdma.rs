@@ -128,9 +128,11 @@ impl Fabric for Rdma {
                         Ok(link) => {
                             let mut local = link.local().clone();
                             local.depth = depth as u16;
+                            // A client of an older release is answered in
+                            // its version: 2 without batch segments, 1
+                            // without the read limits either.
+                            local.batches &= theirs.batches;
                             if theirs.reads.is_none() {
-                                // A client of the previous release: answered
-                                // in its version (1), without the read limits.
                                 local.reads = None;
                             }
                             tracing::debug!(%peer, device = %local.device, qpn = local.qpn, remote_qpn = theirs.qpn, "RDMA queue pair connected");

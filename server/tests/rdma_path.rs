@@ -54,6 +54,7 @@ fn engine_as(net: &FakeNet, device: &str, remote_access: bool) -> Arc<Runtime> {
 struct Node {
     addr: SocketAddr,
     fabric: Arc<Rdma>,
+    shared: Arc<Shared>,
     stop: tokio::sync::watch::Sender<bool>,
     thread: Option<std::thread::JoinHandle<std::io::Result<()>>>,
     _tmp: tempfile::TempDir,
@@ -91,11 +92,16 @@ impl Node {
         let (stop, rx) = tokio::sync::watch::channel(false);
         let s2 = shared.clone();
         let thread = Some(std::thread::spawn(move || rt.block_on(server::run(listener, s2, 64, Vec::new(), rx))));
-        Node { addr, fabric, stop, thread, _tmp: tmp }
+        Node { addr, fabric, shared, stop, thread, _tmp: tmp }
     }
 
     fn counters(&self) -> &Counters {
         self.fabric.counters()
+    }
+
+    /// Requests of `op` ("get", "batch_get", ...) the node answered.
+    fn answered(&self, op: &str) -> u64 {
+        self.shared.ops.latencies().iter().filter(|l| l.op == op).map(|l| l.count).sum()
     }
 }
 
@@ -279,7 +285,7 @@ fn a_stale_registration_is_caught_by_the_crc_and_retried_inline() {
     out.fill(0);
     assert_eq!(c.getv(b"old", &mut [&mut out[..]]), Ok(256 << 10));
     assert_eq!(out, old);
-    // And in a pipelined batch.
+    // And in a batch (BATCH_GET naming the buffers).
     net.replace_memory_under(out.as_ptr() as usize);
     out.fill(0);
     let mut other = vec![0u8; 256 << 10];
@@ -293,6 +299,94 @@ fn a_stale_registration_is_caught_by_the_crc_and_retried_inline() {
     assert_eq!(c.getv(b"new", &mut [&mut out[..]]), Ok(256 << 10));
     assert_eq!(out, new);
     assert_eq!(written(node.counters()), before + (256 << 10));
+}
+
+/// Batch frames name the caller's buffers item by item (BATCH_PUT and
+/// BATCH_GET with ITEM_RDMA): the node reads and writes the payloads by
+/// RDMA and answers every item in one frame. Items that cannot be named
+/// (a small payload, more pieces than an item may name) go inline in the
+/// same frames; a miss and a buffer too small for its page cost only
+/// themselves.
+#[test]
+fn batch_frames_name_caller_buffers_and_pages_move_by_rdma() {
+    let net = FakeNet::default();
+    let node = Node::start(Some(node_engine(&net, "mlx5_0")));
+    let crt = engine(&net, "mlx5_0");
+    let c = client(&node, crt.clone());
+    const N: usize = 8;
+    const LEN: usize = 256 << 10;
+    let mut pool = vec![0u8; 2 * N * LEN];
+    crt.pin(pool.as_ptr() as usize, pool.len()).unwrap();
+    let keys: Vec<String> = (0..N).map(|i| format!("r{i}")).collect();
+    for i in 0..N {
+        pool[i * LEN..(i + 1) * LEN].copy_from_slice(&page(40 + i as u32, LEN));
+    }
+    // 70 pieces of 4 KiB: more than an item names, so inline.
+    let pieces: Vec<Vec<u8>> = (0..70).map(|i| page(90 + i, 4096)).collect();
+    let tiny = page(99, 100);
+    let (src, dst) = pool.split_at_mut(N * LEN);
+    let mut puts: Vec<(&[u8], Vec<&[u8]>)> =
+        keys.iter().enumerate().map(|(i, k)| (k.as_bytes(), vec![&src[i * LEN..(i + 1) * LEN]])).collect();
+    puts.push((b"pieces", pieces.iter().map(|p| &p[..]).collect()));
+    puts.push((b"tiny", vec![&tiny[..]]));
+    assert!(c.batch_putv(&puts).iter().all(|s| *s == Status::Ok));
+    assert_eq!(read(node.counters()), (N * LEN) as u64, "the named payloads came by RDMA READ");
+    assert_eq!((node.answered("batch_put") >= 1, node.answered("put")), (true, 0), "no single puts");
+
+    let mut pieces_out: Vec<Vec<u8>> = (0..70).map(|_| vec![0u8; 4096]).collect();
+    let mut tiny_out = vec![0u8; 100];
+    let mut small = vec![0u8; 64 << 10];
+    let mut absent = vec![0u8; LEN];
+    let mut items: Vec<GetItem> = keys.iter().zip(dst.chunks_mut(LEN)).map(|(k, o)| (k.as_bytes(), vec![o])).collect();
+    items.push((b"pieces", pieces_out.iter_mut().map(|p| &mut p[..]).collect()));
+    items.push((b"tiny", vec![&mut tiny_out[..]]));
+    items.push((b"r0", vec![&mut small[..]]));
+    items.push((b"absent", vec![&mut absent[..]]));
+    let st = c.batch_getv(&mut items);
+    drop(items);
+    assert!(st[..N + 2].iter().all(|s| s.0 == Status::Ok), "{st:?}");
+    assert_eq!(st[N + 2], (Status::TooSmall, LEN), "the size it needs");
+    assert_eq!(st[N + 3].0, Status::Miss);
+    for i in 0..N {
+        assert_eq!(&dst[i * LEN..(i + 1) * LEN], &page(40 + i as u32, LEN)[..], "item {i}");
+    }
+    assert_eq!(pieces_out, pieces);
+    assert_eq!(tiny_out, tiny);
+    assert_eq!(written(node.counters()), (N * LEN) as u64, "the named payloads went by RDMA WRITE");
+    assert_eq!((node.answered("batch_get") >= 1, node.answered("get")), (true, 0), "no single gets");
+    assert_eq!(crt.counters().fallbacks.load(Ordering::Relaxed), 0);
+    assert!(crt.unpin(pool.as_ptr() as usize));
+}
+
+/// A queue pair that breaks under batch frames: the items the node could
+/// not read are sent again inline, those it could not write are answered
+/// inline, and no page is lost or wrong.
+#[test]
+fn a_broken_queue_pair_under_batch_frames_loses_no_page() {
+    let net = FakeNet::default();
+    let node = Node::start(Some(node_engine(&net, "mlx5_0")));
+    let crt = engine(&net, "mlx5_0");
+    let c = client(&node, crt.clone());
+    let pages: Vec<Vec<u8>> = (0..6).map(|i| page(60 + i, 128 << 10)).collect();
+    let keys: Vec<String> = (0..12).map(|i| format!("q{i}")).collect();
+    let puts: Vec<(&[u8], Vec<&[u8]>)> =
+        keys[..6].iter().zip(&pages).map(|(k, p)| (k.as_bytes(), vec![&p[..]])).collect();
+    assert!(c.batch_putv(&puts).iter().all(|s| *s == Status::Ok));
+    net.fail_all(12);
+    // Puts after the break: read by nobody, sent again inline.
+    let puts: Vec<(&[u8], Vec<&[u8]>)> =
+        keys[6..].iter().zip(&pages).map(|(k, p)| (k.as_bytes(), vec![&p[..]])).collect();
+    assert!(c.batch_putv(&puts).iter().all(|s| *s == Status::Ok));
+    let mut outs: Vec<Vec<u8>> = (0..12).map(|_| vec![0u8; 128 << 10]).collect();
+    let mut items: Vec<GetItem> =
+        keys.iter().zip(outs.iter_mut()).map(|(k, o)| (k.as_bytes(), vec![&mut o[..]])).collect();
+    let st = c.batch_getv(&mut items);
+    drop(items);
+    assert!(st.iter().all(|s| *s == (Status::Ok, 128 << 10)), "{st:?}");
+    for (i, o) in outs.iter().enumerate() {
+        assert_eq!(o, &pages[i % 6], "item {i}");
+    }
+    assert!(node.counters().qp_broken.load(Ordering::Relaxed) >= 1);
 }
 
 #[test]
@@ -409,10 +503,11 @@ fn answer(s: &mut std::net::TcpStream, h: &kv_common::wire::ReqHeader, body: &[u
     s.write_all(body).unwrap();
 }
 
-/// A client of the previous release says RDMA_CONNECT in bootstrap version
-/// 1 (no read limits): the node answers in version 1, byte for byte what
+/// A client of an older release says RDMA_CONNECT in bootstrap version 1
+/// (no read limits): the node answers in version 1, byte for byte what
 /// that client decodes, and its queue pair issues no more READs than the
-/// smaller of its own card's limits.
+/// smaller of its own card's limits. The previous release's version 2 is
+/// answered in version 2.
 #[test]
 fn a_client_of_the_previous_release_is_answered_in_bootstrap_version_1() {
     use kv_rdma::bootstrap::Answer;
@@ -452,10 +547,28 @@ fn a_client_of_the_previous_release_is_answered_in_bootstrap_version_1() {
     let Answer::Accepted(theirs) = Answer::decode(&ab).unwrap() else { panic!("accepted") };
     assert_eq!(theirs.reads, None);
     assert_eq!(net.read_depth(theirs.qpn), Some(8), "the smaller of the node card's limits");
+
+    // The previous release's version 2 (read limits, no batch segments):
+    // answered in version 2, so that client never sees version 3.
+    let link2 = crt.link(0, 8).unwrap();
+    let mut v2 = link2.local().clone();
+    v2.batches = false;
+    let body = v2.encode_request();
+    assert_eq!(&body[0..2], &[2, 0]);
+    let h = kv_common::wire::ReqHeader { body_len: body.len() as u32, req_id: 2, ..h };
+    s.write_all(&h.encode()).unwrap();
+    s.write_all(&body).unwrap();
+    s.read_exact(&mut rb).unwrap();
+    let rh = kv_common::wire::RspHeader::decode(&rb);
+    let mut ab = vec![0u8; rh.body_len as usize];
+    s.read_exact(&mut ab).unwrap();
+    assert_eq!(&ab[0..4], &[2, 0, 0, 0], "accepted, in version 2");
+    let Answer::Accepted(theirs) = Answer::decode(&ab).unwrap() else { panic!("accepted") };
+    assert!(theirs.reads.is_some() && !theirs.batches);
 }
 
-/// Against a node of the previous release (bootstrap version 1 only) the
-/// client is refused its version 2 request, says it again in version 1,
+/// Against a node of an older release (bootstrap version 1 only) the
+/// client is refused its version 3 request, says it again in version 1,
 /// and then moves pages by RDMA; its queue pair issues no more READs than
 /// the smaller of its own card's limits.
 #[test]
@@ -506,8 +619,67 @@ fn a_node_of_the_previous_release_is_asked_again_in_bootstrap_version_1() {
     let c = BlockingClient::over(Client::with_rdma(m, geo(), Options::default(), crt.clone())).unwrap();
     assert_eq!(c.putv(b"k", &[&page(1, 256 << 10)]), Status::Ok);
     let (versions, by_rdma, qpn, linked) = script.join().unwrap();
-    assert_eq!(versions, vec![2, 1], "asked in version 2, then again in 1");
+    assert_eq!(versions, vec![3, 1], "asked in version 3, then again in 1");
     assert!(linked && by_rdma, "the put named segments: RDMA is up");
     assert_eq!(crt.counters().fallbacks.load(Ordering::Relaxed), 0);
     assert_eq!(net.read_depth(qpn), Some(4), "the smaller of the client card's limits");
+}
+
+/// Against a node of the previous release (bootstrap version 2: no segments
+/// in batch items) the client is refused its version 3 request, says it
+/// again in version 2, and then sends a batch put as single PUTs naming
+/// their segments, never a batch item the node would misread.
+#[test]
+fn a_node_of_the_previous_release_is_asked_again_in_bootstrap_version_2() {
+    use kv_rdma::bootstrap::{Answer, Endpoint};
+    use std::io::{Read, Write};
+    let net = FakeNet::default();
+    let old_node = node_engine(&net, "mlx5_0");
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap();
+    let script = std::thread::spawn(move || {
+        let (mut s, _) = listener.accept().unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        let mut hello = [0u8; kv_common::wire::HELLO_LEN];
+        s.read_exact(&mut hello).unwrap();
+        let reply = kv_common::wire::Hello {
+            version: kv_common::wire::WIRE_VERSION,
+            status: kv_common::wire::HELLO_ACCEPTED,
+            max_record: 8 << 20,
+        };
+        s.write_all(&reply.encode()).unwrap();
+        let (mut versions, mut data, mut link) = (Vec::new(), Vec::new(), None);
+        while data.len() < 2 {
+            let (h, body) = read_frame(&mut s);
+            if h.op != kv_common::wire::Op::RdmaConnect {
+                data.push((h.op, h.flags));
+                answer(&mut s, &h, b"");
+                continue;
+            }
+            versions.push(u16::from_le_bytes([body[0], body[1]]));
+            match Endpoint::decode_request(&body) {
+                Ok(remote) if remote.version() == 2 => {
+                    let l = old_node.link(0, 8).unwrap();
+                    l.connect(&remote).unwrap();
+                    let mut local = l.local().clone();
+                    local.batches = false;
+                    answer(&mut s, &h, &Answer::Accepted(local).encode());
+                    link = Some(l);
+                }
+                _ => answer(&mut s, &h, &Answer::VersionRefused(2).encode()),
+            }
+        }
+        (versions, data, link.is_some())
+    });
+    let crt = engine(&net, "mlx5_9");
+    let m = vec![Member { id: "n0".into(), addr: addr.to_string(), weight: 1 }];
+    let c = BlockingClient::over(Client::with_rdma(m, geo(), Options::default(), crt.clone())).unwrap();
+    let (a, b) = (page(1, 256 << 10), page(2, 256 << 10));
+    assert_eq!(c.batch_putv(&[(b"a", vec![&a[..]]), (b"b", vec![&b[..]])]), vec![Status::Ok, Status::Ok]);
+    let (versions, data, linked) = script.join().unwrap();
+    assert_eq!(versions, vec![3, 2], "asked in version 3, then again in 2");
+    assert!(linked);
+    let put_by_rdma = (kv_common::wire::Op::Put, kv_common::wire::FLAG_RDMA);
+    assert_eq!(data, vec![put_by_rdma, put_by_rdma], "single PUTs naming segments");
+    assert_eq!(crt.counters().fallbacks.load(Ordering::Relaxed), 0);
 }

@@ -138,7 +138,7 @@ fn a_batch_delete_answers_every_key_as_single_deletes_do() {
     assert!(st[1] != Status::Ok && st[2] != Status::Ok, "{st:?}");
     // Raw, with a malformed frame between good ones.
     let mut conn = Conn::connect(&a.addr, Duration::from_secs(10)).unwrap();
-    let list = [BatchItem { flags: 0, key: b"x" }, BatchItem { flags: 0, key: b"y" }];
+    let list = [BatchItem { flags: 0, key: b"x", segs: &[] }, BatchItem { flags: 0, key: b"y", segs: &[] }];
     let good = wire::encode_batch_delete(&list);
     let mut lie = good.clone();
     lie[0..4].copy_from_slice(&3u32.to_le_bytes());
@@ -322,5 +322,70 @@ fn handoff_copies_in_a_batch_put_follow_a_single_copys_rules() {
     assert_eq!(read(&c, "hc-fresh", 64).as_deref(), Ok(&b"fresh copy"[..]));
     assert_eq!(read(&c, "hc-old", 64), Err(Status::Miss));
     assert_eq!(read(&c, "hc-deleted", 64).as_deref(), Ok(&b"new page"[..]));
+    node.terminate(Duration::from_secs(20));
+}
+
+/// Items that name segments of the client's memory (ITEM_RDMA) on a
+/// connection with no RDMA queue pair: a put item is answered UNAVAILABLE
+/// with ITEM_RDMA_FAILED and stores nothing (the client sends it again
+/// inline), a get item is answered inline, a bad segment list is that put
+/// item's BAD_REQUEST or the whole get frame's, and the other items of the
+/// frames are served.
+#[test]
+fn items_naming_segments_without_rdma_are_answered_as_single_rdma_requests_are() {
+    use kv_common::page::{PageHeader, HEADER_LEN};
+    use kv_common::wire::{Segment, ITEM_RDMA, ITEM_RDMA_FAILED};
+    let t = tempfile::tempdir().unwrap();
+    let dir = t.path().join("d");
+    let node = Node::start(&["--dir", dir.to_str().unwrap(), "--cap", "64M", "--no-sync"]);
+    let c = client(&format!("n1={}", node.addr), "");
+    let mut conn = Conn::connect(&node.addr, Duration::from_secs(10)).unwrap();
+    let payload = page(5, 32 << 10);
+    let named = |key: &[u8], segs: &[Segment]| {
+        let h = PageHeader::new(geo(), key, payload.len() as u64, crc32fast::hash(&payload));
+        let mut rec = h.encode().to_vec();
+        rec.extend_from_slice(key);
+        wire::encode_segments(segs, &mut rec);
+        rec
+    };
+    let seg = Segment { addr: 0x7f00_0000_0000, rkey: 3, len: payload.len() as u32 };
+    let remote = named(b"seg-0", &[seg]);
+    let short = named(b"seg-1", &[Segment { len: 100, ..seg }]);
+    let plain = build_record(geo(), b"seg-2", b"inline");
+    let item = |flags, r: &[u8]| (PutItemHead { flags, copy_age: 0, record_len: r.len() as u32 }, r.to_vec());
+    let list = [item(ITEM_RDMA, &remote), item(ITEM_RDMA, &short), item(0, &plain)];
+    let body = wire::encode_batch_put(&list.iter().map(|(h, r)| (*h, &r[..])).collect::<Vec<_>>());
+    let (status, items, _) = raw(&mut conn, Op::BatchPut, &body);
+    assert_eq!(status, Status::Ok);
+    assert_eq!((items[0].0.status, items[0].0.flags), (Status::Unavailable, ITEM_RDMA_FAILED), "{items:?}");
+    assert!(items[0].1.contains("rdma"), "{items:?}");
+    assert_eq!(items[1].0.status, Status::BadRequest, "{items:?}");
+    assert!(items[1].1.contains("add up"), "{items:?}");
+    assert_eq!(items[2].0.status, Status::Ok);
+    assert_eq!(read(&c, "seg-0", 64 << 10), Err(Status::Miss), "nothing stored");
+    assert_eq!(read(&c, "seg-2", 64).as_deref(), Ok(&b"inline"[..]));
+    assert!(remote.len() > HEADER_LEN);
+
+    // A get item naming segments: answered inline (the whole record).
+    let mut segs = Vec::new();
+    wire::encode_segments(&[seg], &mut segs);
+    let get = wire::encode_batch_get(
+        &geo(),
+        &[BatchItem { flags: ITEM_RDMA, key: b"seg-2", segs: &segs }, BatchItem { flags: 0, key: b"nope", segs: &[] }],
+    );
+    let id = conn.send(Op::BatchGet, wire::FLAG_CHECK_GEOMETRY, &[&get]).unwrap();
+    let r = conn.recv().unwrap();
+    assert_eq!((r.header.req_id, r.header.status), (id, Status::Ok));
+    let answer = wire::decode_batch_answer(&r.body, 2).unwrap();
+    assert_eq!((answer[0].0.status, answer[0].0.flags), (Status::Ok, 0));
+    assert_eq!(answer[0].1, &plain[..], "the record inline");
+    assert_eq!(answer[1].0.status, Status::Miss);
+    // A get item with an empty segment list: the whole frame refused.
+    let mut empty = Vec::new();
+    wire::encode_segments(&[Segment { len: 0, ..seg }], &mut empty);
+    let bad = wire::encode_batch_get(&geo(), &[BatchItem { flags: ITEM_RDMA, key: b"seg-2", segs: &empty }]);
+    conn.send(Op::BatchGet, wire::FLAG_CHECK_GEOMETRY, &[&bad]).unwrap();
+    assert_eq!(conn.recv().unwrap().header.status, Status::BadRequest);
+    assert_eq!(conn.ping(b"still").unwrap(), b"still", "the connection stays usable");
     node.terminate(Duration::from_secs(20));
 }

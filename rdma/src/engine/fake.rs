@@ -216,6 +216,7 @@ impl QueuePair for FakeQp {
             psn: (self.qpn * 7) & 0xff_ffff,
             device: self.device.clone(),
             reads: Some(self.net.read_limits(&self.device)),
+            batches: true,
         }
     }
 
