@@ -142,6 +142,8 @@ impl BlockingClient {
                 addr: n.addr.to_string(),
                 up: !n.cooling(),
                 idle_conns: n.idle_conns() as u64,
+                opened: n.opened.load(std::sync::atomic::Ordering::Relaxed),
+                moved: n.moved.load(std::sync::atomic::Ordering::Relaxed),
                 failures: n.failures.load(std::sync::atomic::Ordering::Relaxed),
                 went_down: n.went_down.load(std::sync::atomic::Ordering::Relaxed),
                 came_back: n.came_back.load(std::sync::atomic::Ordering::Relaxed),

@@ -118,6 +118,23 @@ pub(crate) fn is_stale(e: &OpError) -> bool {
 }
 
 impl Conn<Blocking> {
+    /// This connection for the async core: made non-blocking and registered
+    /// with the current runtime's reactor (Err outside a runtime), with the
+    /// keep-alive the core's own connections have.
+    pub(crate) fn into_async(self) -> std::io::Result<Conn<Async>> {
+        if tokio::runtime::Handle::try_current().is_err() {
+            return Err(std::io::Error::other("no runtime to register the socket with"));
+        }
+        let Conn { link, remote } = self;
+        let link = link.map_socket(|s| {
+            let stream = s.into_stream();
+            stream.set_nonblocking(true)?;
+            set_keepalive(&stream);
+            Async::from_std(stream)
+        })?;
+        Ok(Conn { link, remote })
+    }
+
     /// The socket's descriptor (to wait for several answers at once).
     pub(crate) fn raw_fd(&self) -> std::os::fd::RawFd {
         self.link.socket.raw_fd()
@@ -248,6 +265,13 @@ fn dial(addr: &str, timeout: Duration) -> std::io::Result<TcpStream> {
 }
 
 impl Conn<Async> {
+    /// This connection on the caller's thread: taken off the runtime's
+    /// reactor and made blocking (its timeouts set by the first bound).
+    pub(crate) fn into_blocking(self) -> std::io::Result<Conn<Blocking>> {
+        let Conn { link, remote } = self;
+        Ok(Conn { link: link.map_socket(|s| Blocking::adopt(s.into_std()?))?, remote })
+    }
+
     /// Connects to `addr` and says hello in `version`: the connection and the
     /// version agreed, or (Err) the version the node asks for instead (this
     /// connection is then closed). The caller bounds the time.
@@ -268,7 +292,7 @@ impl Conn<Async> {
 }
 
 /// Turns on TCP keep-alive (idle 30 s) on the socket.
-fn set_keepalive(stream: &tokio::net::TcpStream) -> bool {
+fn set_keepalive(stream: &impl AsRawFd) -> bool {
     let fd = stream.as_raw_fd();
     let on: libc::c_int = 1;
     let idle: libc::c_int = 30;

@@ -132,6 +132,8 @@ pub struct PeerSnapshot {
     pub addr: String,
     pub up: bool,
     pub idle_conns: u64,
+    pub opened: u64,
+    pub moved: u64,
     pub failures: u64,
     pub went_down: u64,
     pub came_back: u64,
@@ -312,6 +314,16 @@ impl Metrics {
             "peer_idle_conns",
             "Pooled idle connections",
             peers.iter().map(|p| (peer(p), p.idle_conns)).collect(),
+        ));
+        fams.push(Fam::counter(
+            "peer_connections_opened",
+            "Connections opened, per peer",
+            peers.iter().map(|p| (peer(p), p.opened)).collect(),
+        ));
+        fams.push(Fam::counter(
+            "peer_connections_moved",
+            "Idle connections one request path took from the other, per peer",
+            peers.iter().map(|p| (peer(p), p.moved)).collect(),
         ));
         fams.push(Fam::counter(
             "peer_io_failures",

@@ -1,7 +1,7 @@
 //! One cache node as the client sees it: an address, its connections (at
 //! most `max_conns_per_node` open at once, for the async core and the
-//! caller-thread path together: one slot count, and idle connections of
-//! either kind closed to make room), and health (a
+//! caller-thread path together: one slot count and one idle list, whose
+//! connections either path takes), and health (a
 //! cool-down after an I/O failure, during which its keys answer
 //! KV_UNAVAILABLE at once without touching the network).
 
@@ -26,10 +26,8 @@ pub struct Node {
     /// `host:port` as the member list gave it, resolved on every connect.
     pub addr: String,
     pub weight: u32,
-    idle: Mutex<Vec<AsyncConn>>,
-    /// Idle blocking connections for small requests driven on the
-    /// caller's thread.
-    sync: Mutex<SyncPool>,
+    /// Idle connections of both paths, oldest first.
+    idle: Mutex<Vec<Idle>>,
     max_conns: usize,
     /// The node's connection slots, taken by async and blocking requests
     /// alike: at most `max_conns` requests hold a connection at once.
@@ -44,6 +42,11 @@ pub struct Node {
     /// Times the node went into its cool-down, and answered again after one.
     pub went_down: AtomicU64,
     pub came_back: AtomicU64,
+    /// Connections opened to the node (hello agreed), by either path.
+    pub opened: AtomicU64,
+    /// Idle connections one path took from the other (moved between the
+    /// runtime's reactor and the caller's thread).
+    pub moved: AtomicU64,
     /// The group's auth token, sent in every hello.
     pub token: Option<Token>,
     /// The protocol version the last hello with this node agreed on: the
@@ -56,6 +59,17 @@ pub struct Node {
     stepped_down: AtomicU64,
     /// Whether its connections ask for RDMA (until it says it offers none).
     pub offer: Offer,
+}
+
+/// An idle connection, of the kind its last request used. A request of the
+/// other kind takes it when none of its own kind is idle: moving a socket
+/// between the runtime's reactor and the caller's thread costs a few system
+/// calls (`Conn::into_async`, `Conn::into_blocking`), far less than a new
+/// connection and its hello, and the node's open connections stay within
+/// one cap without closing either kind's.
+enum Idle {
+    Async(AsyncConn),
+    Blocking(Conn),
 }
 
 /// A connection checked out of a node's pool. It goes back to the pool only
@@ -78,15 +92,9 @@ impl Checkout {
     /// The request completed and the connection is between frames: pool it.
     pub fn release(mut self) {
         if let Some(c) = self.conn.take() {
-            self.node.idle.lock().unwrap_or_else(|e| e.into_inner()).push(c);
+            self.node.pool(Idle::Async(c));
         }
     }
-}
-
-/// A node's idle blocking connections.
-#[derive(Default)]
-struct SyncPool {
-    idle: Vec<Conn>,
 }
 
 /// A blocking-connection slot, with the pooled connection taken with it (if
@@ -121,16 +129,11 @@ impl SyncSlot {
 
 impl Drop for SyncSlot {
     fn drop(&mut self) {
-        {
-            let mut pool = self.node.sync.lock().unwrap_or_else(|e| e.into_inner());
-            for c in [self.back.take(), self.idle.take()].into_iter().flatten() {
-                if pool.idle.len() < self.node.max_conns {
-                    pool.idle.push(c);
-                }
-            }
+        for c in [self.back.take(), self.idle.take()].into_iter().flatten() {
+            self.node.pool(Idle::Blocking(c));
         }
-        // Released outside the pool's lock (a release takes the
-        // semaphore's own lock, and wakes the next waiter).
+        // Released after the pool's lock (a release takes the semaphore's
+        // own lock, and wakes the next waiter).
         drop(self.permit.take());
     }
 }
@@ -146,7 +149,6 @@ impl Node {
             addr,
             weight,
             idle: Mutex::new(Vec::new()),
-            sync: Mutex::new(SyncPool::default()),
             max_conns,
             slots: Arc::new(Semaphore::new(max_conns)),
             cool_until: AtomicU64::new(0),
@@ -155,6 +157,8 @@ impl Node {
             failures: AtomicU64::new(0),
             went_down: AtomicU64::new(0),
             came_back: AtomicU64::new(0),
+            opened: AtomicU64::new(0),
+            moved: AtomicU64::new(0),
             token,
             proto: AtomicU16::new(WIRE_VERSION),
             stepped_down: AtomicU64::new(0),
@@ -225,8 +229,7 @@ impl Node {
             self.went_down.fetch_add(1, Ordering::Relaxed);
         }
         // Idle connections to a failing node are suspect too.
-        self.idle.lock().unwrap_or_else(|e| e.into_inner()).clear();
-        self.sync.lock().unwrap_or_else(|e| e.into_inner()).idle.clear();
+        self.drop_idle();
     }
 
     pub fn mark_ok(&self) {
@@ -276,15 +279,45 @@ impl Node {
                 }
             }
         };
-        let idle = self.sync.lock().unwrap_or_else(|e| e.into_inner()).idle.pop();
+        let idle = match self.take_idle(|c| matches!(c, Idle::Blocking(_))) {
+            Some(Idle::Blocking(c)) => Some(c),
+            // Off the reactor; one that cannot be is closed (a new one is opened).
+            Some(Idle::Async(c)) => self.moved(c.into_blocking()),
+            None => None,
+        };
         Some(SyncSlot { node: self.clone(), idle, back: None, permit: Some(permit) })
     }
 
-    /// Idle blocking connections (small.rs's pool).
-    pub fn sync_idle(&self) -> usize {
-        self.sync.lock().unwrap_or_else(|e| e.into_inner()).idle.len()
+    /// A connection moved to the other path (counted), if it could be.
+    fn moved<S>(&self, c: std::io::Result<Conn<S>>) -> Option<Conn<S>> {
+        let c = c.ok()?;
+        self.moved.fetch_add(1, Ordering::Relaxed);
+        Some(c)
     }
 
+    /// The newest idle connection of the kind `mine` accepts, else the
+    /// newest of the other kind.
+    fn take_idle(&self, mine: impl Fn(&Idle) -> bool) -> Option<Idle> {
+        let mut idle = self.idle.lock().unwrap_or_else(|e| e.into_inner());
+        match idle.iter().rposition(mine) {
+            Some(i) => Some(idle.remove(i)),
+            None => idle.pop(),
+        }
+    }
+
+    /// Pools a connection between frames (within the cap: one over it, a
+    /// moment's replacement of a stale one, is closed).
+    fn pool(&self, c: Idle) {
+        let mut idle = self.idle.lock().unwrap_or_else(|e| e.into_inner());
+        if idle.len() < self.max_conns {
+            idle.push(c);
+            return;
+        }
+        drop(idle);
+        drop(c);
+    }
+
+    /// Idle connections, of both paths.
     pub fn idle_conns(&self) -> usize {
         self.idle.lock().unwrap_or_else(|e| e.into_inner()).len()
     }
@@ -293,31 +326,19 @@ impl Node {
         max - self.slots.available_permits()
     }
 
-    /// Before a connection is opened for a held slot: closes idle
-    /// connections (either kind, the oldest of the kind with more idle)
-    /// until the slots held and the idle connections are at most
-    /// `max_conns`, so the new one keeps the node's open connections
-    /// within it (but for a moment while a stale one is replaced). They are
-    /// closed after the pools' locks are released.
+    /// Before a connection is opened for a held slot: closes the oldest
+    /// idle connections until the slots held and the idle connections are
+    /// at most `max_conns`, so the new one keeps the node's open
+    /// connections within it (but for a moment while a stale one is
+    /// replaced). They are closed after the list's lock is released.
     pub fn make_room(&self) {
         let in_use = self.max_conns - self.slots.available_permits().min(self.max_conns);
-        let mut closing_async = Vec::new();
-        let mut closing_sync = Vec::new();
-        {
-            let mut a = self.idle.lock().unwrap_or_else(|e| e.into_inner());
-            let mut b = self.sync.lock().unwrap_or_else(|e| e.into_inner());
-            while in_use + a.len() + b.idle.len() > self.max_conns {
-                if a.len() >= b.idle.len() && !a.is_empty() {
-                    closing_async.push(a.remove(0));
-                } else if !b.idle.is_empty() {
-                    closing_sync.push(b.idle.remove(0));
-                } else {
-                    break;
-                }
-            }
-        }
-        drop(closing_async);
-        drop(closing_sync);
+        let closing: Vec<Idle> = {
+            let mut idle = self.idle.lock().unwrap_or_else(|e| e.into_inner());
+            let over = (in_use + idle.len()).saturating_sub(self.max_conns).min(idle.len());
+            idle.drain(..over).collect()
+        };
+        drop(closing);
     }
 
     /// Waits for a connection slot (local: no network involved).
@@ -334,8 +355,14 @@ impl Node {
         fresh: bool,
     ) -> Result<Checkout, OpError> {
         if !fresh {
-            let idle = self.idle.lock().unwrap_or_else(|e| e.into_inner()).pop();
-            if let Some(conn) = idle {
+            let conn = match self.take_idle(|c| matches!(c, Idle::Async(_))) {
+                Some(Idle::Async(c)) => Some(c),
+                // Onto the reactor; one that cannot be is closed (a new
+                // one is opened).
+                Some(Idle::Blocking(c)) => self.moved(c.into_async()),
+                None => None,
+            };
+            if let Some(conn) = conn {
                 return Ok(Checkout { node: self.clone(), conn: Some(conn), reused: true, _slot: slot });
             }
         }
@@ -347,8 +374,8 @@ impl Node {
     /// A pooled connection turned out stale (the node restarted or closed
     /// idle connections): the other idle ones share its fate.
     pub fn drop_idle(&self) {
-        self.idle.lock().unwrap_or_else(|e| e.into_inner()).clear();
-        self.sync.lock().unwrap_or_else(|e| e.into_inner()).idle.clear();
+        let closing = std::mem::take(&mut *self.idle.lock().unwrap_or_else(|e| e.into_inner()));
+        drop(closing);
     }
 }
 
@@ -363,6 +390,7 @@ async fn connect(node: &Node) -> Result<AsyncConn, OpError> {
         match Conn::<Async>::open(&node.addr, node.token.as_ref(), version).await? {
             Ok((mut conn, version)) => {
                 node.agreed_version(started, version);
+                node.opened.fetch_add(1, Ordering::Relaxed);
                 let name = format!("{} ({})", node.id, node.addr);
                 let Some(mut setup) = node.offer.start(&name) else { return Ok(conn) };
                 match ask_remote(&mut conn, &mut setup, &name).await {

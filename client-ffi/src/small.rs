@@ -36,6 +36,7 @@ fn connect(node: &Node, timeout: Duration) -> Result<Conn, OpError> {
     let started = node.hello_version();
     let (conn, version) = Conn::<Blocking>::open(&node.addr, timeout, node.token.as_ref(), started, unreachable)?;
     node.agreed_version(started, version);
+    node.opened.fetch_add(1, Ordering::Relaxed);
     Ok(conn)
 }
 
@@ -226,7 +227,7 @@ impl Client {
         // call. (An unbounded call keeps the member order: no extra lock.)
         let bounded = crate::call::current().is_some();
         if bounded {
-            work.sort_by_cached_key(|(node, _, _)| node.sync_idle() == 0);
+            work.sort_by_cached_key(|(node, _, _)| node.idle_conns() == 0);
         }
         let mut work: std::collections::VecDeque<_> = work.into();
         while !work.is_empty() {
@@ -500,7 +501,7 @@ impl Client {
             if let Some(m) = topo.ring.owner(key) {
                 if !std::mem::replace(&mut seen[m], true) {
                     let n = &topo.nodes[m];
-                    if n.sync_idle() == 0 && !n.cooling() {
+                    if n.idle_conns() == 0 && !n.cooling() {
                         return true;
                     }
                 }

@@ -101,6 +101,19 @@ impl Blocking {
         Ok(Blocking { stream, read_timeout: timeout, write_timeout: timeout, deadline: None })
     }
 
+    /// Takes a connected stream whose timeouts are not known (a socket the
+    /// async core had): made blocking, its timeouts set by the first
+    /// [`Blocking::bound`].
+    pub fn adopt(stream: TcpStream) -> io::Result<Blocking> {
+        stream.set_nonblocking(false)?;
+        Ok(Blocking { stream, read_timeout: Duration::ZERO, write_timeout: Duration::ZERO, deadline: None })
+    }
+
+    /// The stream, to be a socket of another kind.
+    pub fn into_stream(self) -> TcpStream {
+        self.stream
+    }
+
     /// The stream (to write raw bytes, or to wait for it with poll).
     pub fn stream(&mut self) -> &mut TcpStream {
         &mut self.stream
@@ -342,6 +355,13 @@ pub struct Conn<S> {
 impl<S: Socket> Conn<S> {
     pub fn new(socket: S, max_record: u64, version: u16) -> Conn<S> {
         Conn { socket, next_id: 1, max_record, version, buf: Box::new([0u8; READ_AHEAD]), at: 0, end: 0 }
+    }
+
+    /// The same connection over another kind of socket made from this one
+    /// (`f`), its request ids, version and buffered bytes kept.
+    pub fn map_socket<T>(self, f: impl FnOnce(S) -> io::Result<T>) -> io::Result<Conn<T>> {
+        let Conn { socket, next_id, max_record, version, buf, at, end } = self;
+        Ok(Conn { socket: f(socket)?, next_id, max_record, version, buf, at, end })
     }
 
     /// The protocol version agreed in the hello.

@@ -408,8 +408,32 @@ fn both_request_paths_share_one_connection_cap() {
     // This monitor's own and at most two of the handle's.
     assert!(open <= 3, "{open} connections open (the cap is 2, plus this one)");
     let topology = c.core.topology();
-    let idle = topology.nodes[0].idle_conns() + topology.nodes[0].sync_idle();
+    let idle = topology.nodes[0].idle_conns();
     assert!(idle <= 2, "{idle} idle connections pooled for one node");
+}
+
+/// One idle list serves both request paths: with one connection allowed,
+/// async puts and caller-thread exists and gets take turns on the same
+/// connection, moved between the paths, never closed and opened again.
+#[test]
+fn the_two_request_paths_take_turns_on_one_connection() {
+    let t = tempfile::tempdir().unwrap();
+    let nodes = Node::cluster(&t, 1, &[]);
+    let c = client(&Node::members(&nodes), "max_conns_per_node=1,io_timeout_ms=5000");
+    for i in 0..40 {
+        let k = format!("turn-{i}");
+        assert_eq!(c.putv(k.as_bytes(), &[k.as_bytes()]), Status::Ok, "async core");
+        assert_eq!(c.exist(k.as_bytes()), Status::Ok, "caller's thread");
+        assert_eq!(get(&c, &k, 64).unwrap(), k.as_bytes(), "caller's thread");
+    }
+    let text = c.stats_text();
+    let value = |name: &str| -> u64 {
+        let line = text.lines().find(|l| l.starts_with(name)).unwrap_or_else(|| panic!("{name} in {text}"));
+        line.rsplit(' ').next().unwrap().parse().unwrap()
+    };
+    assert_eq!(value("kvclient_peer_connections_opened_total"), 1, "{text}");
+    assert!(value("kvclient_peer_connections_moved_total") >= 79, "{text}");
+    assert_eq!(c.core.topology().nodes[0].idle_conns(), 1);
 }
 
 /// A batch exist larger than `max_conns_per_node` chunks (4096 keys each) to
