@@ -614,7 +614,7 @@ fn decode_key_items<'a>(b: &'a [u8], what: &'static str, segments: bool) -> Resu
                 return Err(WireError::Malformed(what));
             }
             segs = &rest[..2 + k * SEGMENT_LEN];
-            decode_segments(segs)?;
+            decode_segments(segs).map_err(|_| WireError::Malformed(what))?;
             rest = &rest[segs.len()..];
         }
         items.push(BatchItem { flags, key, segs });

@@ -385,7 +385,9 @@ fn items_naming_segments_without_rdma_are_answered_as_single_rdma_requests_are()
     wire::encode_segments(&[Segment { len: 0, ..seg }], &mut empty);
     let bad = wire::encode_batch_get(&geo(), &[BatchItem { flags: ITEM_RDMA, key: b"seg-2", segs: &empty }]);
     conn.send(Op::BatchGet, wire::FLAG_CHECK_GEOMETRY, &[&bad]).unwrap();
-    assert_eq!(conn.recv().unwrap().header.status, Status::BadRequest);
+    let r = conn.recv().unwrap();
+    assert_eq!(r.header.status, Status::BadRequest);
+    assert!(String::from_utf8_lossy(&r.body).contains("malformed batch_get"), "{:?}", String::from_utf8_lossy(&r.body));
     assert_eq!(conn.ping(b"still").unwrap(), b"still", "the connection stays usable");
     node.terminate(Duration::from_secs(20));
 }
