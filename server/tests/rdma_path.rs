@@ -119,6 +119,16 @@ fn client(node: &Node, rt: Arc<Runtime>) -> BlockingClient {
     BlockingClient::over(Client::with_rdma(m, geo(), Options::default(), rt)).unwrap()
 }
 
+/// A fabric, a node on it with RDMA, a client engine on the same device,
+/// and a client over that engine.
+fn rig() -> (FakeNet, Node, Arc<Runtime>, BlockingClient) {
+    let net = FakeNet::default();
+    let node = Node::start(Some(node_engine(&net, "mlx5_0")));
+    let crt = engine(&net, "mlx5_0");
+    let c = client(&node, crt.clone());
+    (net, node, crt, c)
+}
+
 fn page(tag: u32, n: usize) -> Vec<u8> {
     (0..n as u32).map(|i| (i.wrapping_mul(2654435761) ^ tag) as u8).collect()
 }
@@ -133,10 +143,7 @@ fn read(c: &Counters) -> u64 {
 
 #[test]
 fn pages_move_by_rdma_into_and_out_of_caller_memory() {
-    let net = FakeNet::default();
-    let node = Node::start(Some(node_engine(&net, "mlx5_0")));
-    let crt = engine(&net, "mlx5_0");
-    let c = client(&node, crt.clone());
+    let (_net, node, crt, c) = rig();
 
     // The engine's host pool, registered once (kv_register_memory).
     let mut pool = vec![0u8; 8 << 20];
@@ -207,10 +214,7 @@ fn pages_move_by_rdma_into_and_out_of_caller_memory() {
 
 #[test]
 fn a_broken_queue_pair_falls_back_to_tcp_without_losing_a_page() {
-    let net = FakeNet::default();
-    let node = Node::start(Some(node_engine(&net, "mlx5_0")));
-    let crt = engine(&net, "mlx5_0");
-    let c = client(&node, crt.clone());
+    let (net, node, _crt, c) = rig();
     let p = page(7, 300 << 10);
     assert_eq!(c.putv(b"a", &[&p]), Status::Ok);
     // Every work request fails from now on (a cable pulled, a remote access
@@ -264,10 +268,7 @@ fn a_stale_registration_is_caught_by_the_crc_and_retried_inline() {
     // the cached registration still reaches the old pages. The CRC check
     // turns that into a retry over TCP, never a wrong page, and the
     // registration is made again.
-    let net = FakeNet::default();
-    let node = Node::start(Some(node_engine(&net, "mlx5_0")));
-    let crt = engine(&net, "mlx5_0");
-    let c = client(&node, crt.clone());
+    let (net, node, crt, c) = rig();
     let old = page(20, 256 << 10);
     let mut buf = old.clone();
     assert_eq!(c.putv(b"old", &[&buf]), Status::Ok);
@@ -309,10 +310,7 @@ fn a_stale_registration_is_caught_by_the_crc_and_retried_inline() {
 /// themselves.
 #[test]
 fn batch_frames_name_caller_buffers_and_pages_move_by_rdma() {
-    let net = FakeNet::default();
-    let node = Node::start(Some(node_engine(&net, "mlx5_0")));
-    let crt = engine(&net, "mlx5_0");
-    let c = client(&node, crt.clone());
+    let (_net, node, crt, c) = rig();
     const N: usize = 8;
     const LEN: usize = 256 << 10;
     let mut pool = vec![0u8; 2 * N * LEN];
@@ -363,10 +361,7 @@ fn batch_frames_name_caller_buffers_and_pages_move_by_rdma() {
 /// inline, and no page is lost or wrong.
 #[test]
 fn a_broken_queue_pair_under_batch_frames_loses_no_page() {
-    let net = FakeNet::default();
-    let node = Node::start(Some(node_engine(&net, "mlx5_0")));
-    let crt = engine(&net, "mlx5_0");
-    let c = client(&node, crt.clone());
+    let (net, node, _crt, c) = rig();
     let pages: Vec<Vec<u8>> = (0..6).map(|i| page(60 + i, 128 << 10)).collect();
     let keys: Vec<String> = (0..12).map(|i| format!("q{i}")).collect();
     let puts: Vec<(&[u8], Vec<&[u8]>)> =
@@ -393,10 +388,7 @@ fn a_broken_queue_pair_under_batch_frames_loses_no_page() {
 fn a_failed_registration_turns_rdma_off_with_one_fallback() {
     // Pinned memory runs out (RLIMIT_MEMLOCK) at the client: it serves over
     // TCP from then on, says so once and counts one fallback.
-    let net = FakeNet::default();
-    let node = Node::start(Some(node_engine(&net, "mlx5_0")));
-    let crt = engine(&net, "mlx5_0");
-    let c = client(&node, crt.clone());
+    let (net, node, crt, c) = rig();
     let p = page(30, 256 << 10);
     assert_eq!(c.putv(b"a", &[&p]), Status::Ok);
     assert_eq!(read(node.counters()), 256 << 10, "RDMA while registrations work");
@@ -441,10 +433,7 @@ fn a_failed_registration_turns_rdma_off_with_one_fallback() {
 /// off for the whole client). A get into writable memory still goes by RDMA.
 #[test]
 fn a_put_from_read_only_memory_goes_by_rdma_and_rdma_stays_on() {
-    let net = FakeNet::default();
-    let node = Node::start(Some(node_engine(&net, "mlx5_0")));
-    let crt = engine(&net, "mlx5_0");
-    let c = client(&node, crt.clone());
+    let (_net, node, crt, c) = rig();
     let len = 256 << 10;
     let p = page(40, len);
     // SAFETY: a fresh anonymous mapping of `len` bytes, filled, then made
