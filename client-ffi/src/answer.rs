@@ -140,11 +140,14 @@ pub(crate) async fn read_item<S: Socket>(
     let mut hk = [0u8; HEADER_LEN + kv_common::page::MAX_KEY_LEN];
     rd.exact(&mut hk[..head]).await?;
     let cap: usize = bufs.iter().map(|b| b.len()).sum();
+    // Named buffers answered with the record inline: the node's queue
+    // pair for this connection is gone.
+    let follow = if named { Follow::Unplaced } else { Follow::Done };
     let ph = match check_get_head(geo, key, len, &hk[..head], cap) {
         Ok(ph) => ph,
         Err(r) => {
             rd.skip(len - head as u64).await?;
-            return Ok((r, Follow::Done));
+            return Ok((r, follow));
         }
     };
     let need = ph.payload_len as usize;
@@ -153,7 +156,6 @@ pub(crate) async fn read_item<S: Socket>(
         let n = rd.some(dst).await?;
         sink.filled(n);
     }
-    let follow = if named { Follow::Unplaced } else { Follow::Done };
     if !sink.verify(ph.payload_crc) {
         return Ok((GetReply { status: Status::Corrupt, len: 0 }, follow));
     }

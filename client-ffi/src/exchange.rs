@@ -194,6 +194,11 @@ pub async fn put_batch<S: Socket>(
                 s => Err(OpError::refused(s, &msg)),
             });
         }
+        if conn.remote.is_none() {
+            // This connection names no more: later frames carry their
+            // payloads inline.
+            lists.iter_mut().for_each(Vec::clear);
+        }
     }
     drop(named);
     for i in alone {

@@ -158,10 +158,15 @@ pub async fn finish(shared: &Arc<Shared>, session: &Session, req: &ReqHeader, mu
     // The records read count against --max-inflight until written out, as
     // a single get's do (never more than the whole budget, which would
     // wait forever).
+    // A batch with nothing to read (memory hits to deliver) takes none.
     let bytes: u64 = s.items.iter().map(|i| if let Item::Disk(n) = i { *n } else { 0 }).sum();
-    let units = bytes.div_ceil(4096).clamp(1, u64::from(shared.inflight_units.max(1))) as u32;
-    let budget: OwnedSemaphorePermit =
-        shared.inflight_bytes.clone().acquire_many_owned(units).await.expect("semaphore open");
+    let budget: Option<OwnedSemaphorePermit> = match bytes {
+        0 => None,
+        _ => {
+            let units = bytes.div_ceil(4096).clamp(1, u64::from(shared.inflight_units.max(1))) as u32;
+            Some(shared.inflight_bytes.clone().acquire_many_owned(units).await.expect("semaphore open"))
+        }
+    };
     let mut reads = tokio::task::JoinSet::new();
     let disk: Vec<usize> = (0..s.items.len()).filter(|&i| matches!(s.items[i], Item::Disk(_))).collect();
     let mut todo = disk.into_iter();
@@ -204,7 +209,7 @@ pub async fn finish(shared: &Arc<Shared>, session: &Session, req: &ReqHeader, mu
     }
     count_asks(shared, &s.handoff, &s.items);
     let mut r = answer(req, s.items);
-    r.budget = Some(budget);
+    r.budget = budget;
     r
 }
 
@@ -258,18 +263,18 @@ async fn deliver(session: &Session, remote: &Arc<dyn RemoteMemory>, segs: &[Vec<
         }
     }
     if failed {
-        // The items that go inline now must fit the answer's bound.
-        let mut total: u64 = items
-            .iter()
-            .filter_map(|i| if let Item::Done(_, Some(rec)) = i { Some(rec.len() as u64) } else { None })
-            .sum();
-        for (i, item) in items.iter_mut().enumerate().rev() {
-            if total <= MAX_BATCH_ANSWER {
-                break;
-            }
-            if let (false, Item::Done(_, Some(rec))) = (segs[i].is_empty(), &item) {
-                total -= rec.len() as u64;
+        // The items that go inline now must fit the answer's bound: walked
+        // in request order, a named item whose record would take the
+        // inline records past it is asked again (the others were bounded
+        // already).
+        let mut total = 0u64;
+        for (i, item) in items.iter_mut().enumerate() {
+            let Item::Done(_, Some(rec)) = &item else { continue };
+            let len = rec.len() as u64;
+            if !segs[i].is_empty() && total + len > MAX_BATCH_ANSWER {
                 *item = Item::Over;
+            } else {
+                total += len;
             }
         }
     }
@@ -282,15 +287,18 @@ fn count_asks(shared: &Shared, handoff: &[bool], items: &[Item]) {
     // counts itself): it is not an ask here.
     let asks = handoff.iter().zip(items).filter(|(h, i)| **h && !matches!(i, Item::Over)).count();
     if asks > 0 {
-        let hits = handoff.iter().zip(items).filter(|(h, i)| **h && matches!(i, Item::Done(Status::Ok, _))).count();
+        let hit = |i: &Item| matches!(i, Item::Done(Status::Ok, _) | Item::Placed(Status::Ok, _, _));
+        let hits = handoff.iter().zip(items).filter(|(h, i)| **h && hit(i)).count();
         shared.handoff.count_asks(asks, hits);
     }
 }
 
 /// Marks the items past the answer's byte bound (in request order; the
 /// first item goes unless the frame could not carry it), and counts the
-/// memory-tier hits that stay served. An item to be `placed` in the
-/// client's memory carries no record in the answer.
+/// memory-tier hits that stay served. A memory-tier hit to be `placed` in
+/// the client's memory carries no record in the answer; one read from disk
+/// still counts (its record is held in the node's memory until delivered,
+/// so the bound keeps a frame's reads within 64 MiB as for inline items).
 fn bound<'k>(shared: &Shared, key: impl Fn(usize) -> &'k [u8], placed: impl Fn(usize) -> bool, items: &mut [Item]) {
     // A frame's body length is a u32: the heads and the longest messages
     // must fit beside the records, whatever the first item's size.
@@ -298,7 +306,7 @@ fn bound<'k>(shared: &Shared, key: impl Fn(usize) -> &'k [u8], placed: impl Fn(u
     let mut total = 0u64;
     for (i, item) in items.iter_mut().enumerate() {
         let len = match item {
-            _ if placed(i) => 0,
+            Item::Mem(_) if placed(i) => 0,
             Item::Mem(rec) => rec.len() as u64,
             Item::Disk(n) => *n,
             _ => 0,

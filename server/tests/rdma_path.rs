@@ -672,3 +672,32 @@ fn a_node_of_the_previous_release_is_asked_again_in_bootstrap_version_2() {
     assert_eq!(data, vec![put_by_rdma, put_by_rdma], "single PUTs naming segments");
     assert_eq!(crt.counters().fallbacks.load(Ordering::Relaxed), 0);
 }
+
+/// Named batch items read from disk (no memory tier): each record is read
+/// under the node's memory budget and written into the caller's buffers by
+/// RDMA; none goes as a single GET.
+#[test]
+fn named_batch_items_read_from_disk_move_by_rdma() {
+    let net = FakeNet::default();
+    let node = Node::start_with(Some(node_engine(&net, "mlx5_0")), 0);
+    let crt = engine(&net, "mlx5_0");
+    let c = client(&node, crt.clone());
+    let pages: Vec<Vec<u8>> = (0..6).map(|i| page(80 + i, 192 << 10)).collect();
+    let keys: Vec<String> = (0..6).map(|i| format!("d{i}")).collect();
+    let puts: Vec<(&[u8], Vec<&[u8]>)> = keys.iter().zip(&pages).map(|(k, p)| (k.as_bytes(), vec![&p[..]])).collect();
+    assert!(c.batch_putv(&puts).iter().all(|s| *s == Status::Ok));
+    let mut outs: Vec<Vec<u8>> = (0..6).map(|_| vec![0u8; 192 << 10]).collect();
+    let mut items: Vec<GetItem> =
+        keys.iter().zip(outs.iter_mut()).map(|(k, o)| (k.as_bytes(), vec![&mut o[..]])).collect();
+    let st = c.batch_getv(&mut items);
+    drop(items);
+    assert!(st.iter().all(|s| *s == (Status::Ok, 192 << 10)), "{st:?}");
+    assert_eq!(outs, pages);
+    assert_eq!(written(node.counters()), 6 * (192 << 10), "placed by RDMA WRITE");
+    assert_eq!((node.answered("batch_get") >= 1, node.answered("get")), (true, 0));
+    assert_eq!(
+        node.shared.inflight_bytes.available_permits(),
+        node.shared.inflight_units as usize,
+        "budget given back"
+    );
+}
