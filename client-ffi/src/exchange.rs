@@ -117,10 +117,13 @@ pub async fn put_batch<S: Socket>(
     items: &[PutItem<'_>],
 ) -> Result<Vec<Result<(), OpError>>, OpError> {
     let mut out: Vec<Option<Result<(), OpError>>> = (0..items.len()).map(|_| None).collect();
-    // Buffers named for the node, and their lists (empty: none).
-    let mut named: Vec<Option<Box<dyn Named>>> = (0..items.len()).map(|_| None).collect();
-    let mut lists: Vec<Vec<u8>> = vec![Vec::new(); items.len()];
+    // Buffers named for the node, and their lists (left empty, with no
+    // allocation, when this connection names none).
+    let mut named: Vec<Option<Box<dyn Named>>> = Vec::new();
+    let mut lists: Vec<Vec<u8>> = Vec::new();
     if conn.remote.as_ref().is_some_and(|r| r.batches()) {
+        named = (0..items.len()).map(|_| None).collect();
+        lists = vec![Vec::new(); items.len()];
         for (i, it) in items.iter().enumerate() {
             let ranges = it.bufs.iter().map(|b| (b.as_ptr() as usize, b.len())).collect();
             if let Some(n) =
@@ -167,7 +170,7 @@ pub async fn put_batch<S: Socket>(
             continue;
         };
         for (i, (status, flags, msg)) in framed.into_iter().zip(answers) {
-            let by_name = !lists[i].is_empty();
+            let by_name = lists.get(i).is_some_and(|l| !l.is_empty());
             out[i] = Some(match status {
                 Status::Ok => Ok(()),
                 // The node could not read it (its queue pair is gone):
@@ -185,7 +188,7 @@ pub async fn put_batch<S: Socket>(
                 // What the node read does not match the CRC computed over
                 // the buffers: a stale registration, most likely.
                 Status::Corrupt if by_name => {
-                    if let Some(n) = named[i].take() {
+                    if let Some(n) = named.get_mut(i).and_then(Option::take) {
                         n.stale();
                     }
                     alone.push(i);
@@ -227,7 +230,7 @@ async fn put_frame<S: Socket>(
         .iter()
         .map(|&i| {
             let it = &items[i];
-            let head = match lists[i].len() {
+            let head = match lists.get(i).map_or(0, Vec::len) {
                 0 => PutItemHead { flags: 0, copy_age: 0, record_len: it.record_len() as u32 },
                 n => PutItemHead { flags: ITEM_RDMA, copy_age: 0, record_len: (HEADER_LEN + it.key.len() + n) as u32 },
             };
@@ -241,10 +244,9 @@ async fn put_frame<S: Socket>(
         parts.push(&heads[k]);
         parts.push(&items[i].header);
         parts.push(items[i].key);
-        if lists[i].is_empty() {
-            parts.extend_from_slice(items[i].bufs);
-        } else {
-            parts.push(&lists[i]);
+        match lists.get(i).filter(|l| !l.is_empty()) {
+            Some(list) => parts.push(list),
+            None => parts.extend_from_slice(items[i].bufs),
         }
     }
     let id = conn.request(Op::BatchPut, 0, 0, &parts).await?;

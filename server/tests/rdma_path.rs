@@ -467,6 +467,19 @@ fn a_put_from_read_only_memory_goes_by_rdma_and_rdma_stays_on() {
     unsafe { libc::munmap(ro, len) };
 }
 
+/// A scripted node's connection: accepted, the client's hello read and
+/// answered as accepted in `version`.
+fn greeted(listener: &std::net::TcpListener, version: u16) -> std::net::TcpStream {
+    use std::io::{Read, Write};
+    let (mut s, _) = listener.accept().unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    let mut hello = [0u8; kv_common::wire::HELLO_LEN];
+    s.read_exact(&mut hello).unwrap();
+    let reply = kv_common::wire::Hello { version, status: kv_common::wire::HELLO_ACCEPTED, max_record: 8 << 20 };
+    s.write_all(&reply.encode()).unwrap();
+    s
+}
+
 /// Reads a request frame (header and body) off a raw connection.
 fn read_frame(s: &mut std::net::TcpStream) -> (kv_common::wire::ReqHeader, Vec<u8>) {
     use std::io::Read;
@@ -563,7 +576,6 @@ fn a_client_of_the_previous_release_is_answered_in_bootstrap_version_1() {
 #[test]
 fn a_node_of_the_previous_release_is_asked_again_in_bootstrap_version_1() {
     use kv_rdma::bootstrap::{Answer, Endpoint};
-    use std::io::{Read, Write};
     let net = FakeNet::default();
     net.set_read_limits("mlx5_9", 4, 16);
     let old_node = node_engine(&net, "mlx5_0");
@@ -571,12 +583,7 @@ fn a_node_of_the_previous_release_is_asked_again_in_bootstrap_version_1() {
     let addr = listener.local_addr().unwrap();
     // The previous release's node, as far as the bootstrap goes.
     let script = std::thread::spawn(move || {
-        let (mut s, _) = listener.accept().unwrap();
-        s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
-        let mut hello = [0u8; kv_common::wire::HELLO_LEN];
-        s.read_exact(&mut hello).unwrap();
-        let reply = kv_common::wire::Hello { version: 2, status: kv_common::wire::HELLO_ACCEPTED, max_record: 8 << 20 };
-        s.write_all(&reply.encode()).unwrap();
+        let mut s = greeted(&listener, 2);
         let mut versions = Vec::new();
         let mut link = None;
         let mut qpn = 0;
@@ -621,22 +628,12 @@ fn a_node_of_the_previous_release_is_asked_again_in_bootstrap_version_1() {
 #[test]
 fn a_node_of_the_previous_release_is_asked_again_in_bootstrap_version_2() {
     use kv_rdma::bootstrap::{Answer, Endpoint};
-    use std::io::{Read, Write};
     let net = FakeNet::default();
     let old_node = node_engine(&net, "mlx5_0");
     let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let addr = listener.local_addr().unwrap();
     let script = std::thread::spawn(move || {
-        let (mut s, _) = listener.accept().unwrap();
-        s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
-        let mut hello = [0u8; kv_common::wire::HELLO_LEN];
-        s.read_exact(&mut hello).unwrap();
-        let reply = kv_common::wire::Hello {
-            version: kv_common::wire::WIRE_VERSION,
-            status: kv_common::wire::HELLO_ACCEPTED,
-            max_record: 8 << 20,
-        };
-        s.write_all(&reply.encode()).unwrap();
+        let mut s = greeted(&listener, kv_common::wire::WIRE_VERSION);
         let (mut versions, mut data, mut link) = (Vec::new(), Vec::new(), None);
         while data.len() < 2 {
             let (h, body) = read_frame(&mut s);
