@@ -194,6 +194,31 @@ fn eviction_is_lru_under_the_byte_cap() {
 }
 
 #[test]
+fn a_read_served_from_memory_keeps_its_page_on_disk_as_recent() {
+    // 5 pages of 12 KiB fit on the disk and in the memory tier. k0 is the
+    // oldest on disk; read from memory it becomes the most recent there
+    // too, so the next puts evict k1 and k2 (true LRU order), not k0.
+    let t = tempfile::tempdir().unwrap();
+    let (s, _) = Store::open(&cfg(&dirs(&t, 1), 60 << 10, 60 << 10)).unwrap();
+    for i in 0..5 {
+        put(&s, &format!("k{i}"), 12_000).unwrap();
+    }
+    let disk_hits = s.stats().disk_hits;
+    assert!(get(&s, "k0").is_some());
+    assert_eq!(s.stats().disk_hits, disk_hits, "k0 was served from memory");
+    for i in 5..7 {
+        put(&s, &format!("k{i}"), 12_000).unwrap();
+    }
+    assert_eq!(s.stats().evictions, 2);
+    for gone in ["k1", "k2"] {
+        assert!(get(&s, gone).is_none(), "{gone} was the least recently used");
+    }
+    for kept in ["k0", "k3", "k4", "k5", "k6"] {
+        assert!(get(&s, kept).is_some(), "{kept} is among the 5 most recent");
+    }
+}
+
+#[test]
 fn readers_during_eviction_get_whole_records() {
     let t = tempfile::tempdir().unwrap();
     let (s, _) = Store::open(&cfg(&dirs(&t, 1), 2 << 20, 0)).unwrap();

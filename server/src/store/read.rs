@@ -69,11 +69,23 @@ impl Store {
 
     /// Counts a memory-tier hit found by [`Store::peek_cached`] and served.
     pub fn count_cached_hit(&self, key: &[u8], len: usize) {
-        self.c.mem_hits.fetch_add(1, Ordering::Relaxed);
         self.c.hits.fetch_add(1, Ordering::Relaxed);
         self.c.bytes_read.fetch_add(len as u64, Ordering::Relaxed);
+        self.served_from_memory(key);
+    }
+
+    /// A read served from the memory tier: counted, noted for warming, and
+    /// passed on to the disk that holds the key, whose eviction order must
+    /// see it (otherwise a page read only from memory ages on its disk and
+    /// is evicted before colder ones).
+    fn served_from_memory(&self, key: &[u8]) {
+        self.c.mem_hits.fetch_add(1, Ordering::Relaxed);
         if let Some(w) = &self.warmer {
             w.note_read(key);
+        }
+        let v = self.view();
+        if let Some(super::Slot::Live(d)) = v.ring.owner(key).map(|m| &v.slots[v.disk_of[m]]) {
+            d.touch_later(key);
         }
     }
 
@@ -100,10 +112,7 @@ impl Store {
                         return GetOutcome::Mismatch;
                     }
                 }
-                self.c.mem_hits.fetch_add(1, Ordering::Relaxed);
-                if let Some(w) = &self.warmer {
-                    w.note_read(key);
-                }
+                self.served_from_memory(key);
                 return GetOutcome::Hit(rec);
             }
         }

@@ -202,8 +202,18 @@ pub struct Disk {
     checkpointing: Mutex<()>,
     /// Keys recovered after an unclean stop, waiting for a payload check.
     scrub_queue: Mutex<Vec<Arc<[u8]>>>,
+    /// Keys read from the memory tier since the index last saw them
+    /// ([`Disk::touch_later`]), oldest first: applied to the index's
+    /// recency before anything is evicted. A leaf lock: never held while
+    /// `state` is taken.
+    touched: Mutex<Vec<Box<[u8]>>>,
     _lock: File,
 }
+
+/// Memory-tier reads a disk remembers for its index's recency between two
+/// evictions (or two [`Disk::maintain`] calls) at most; past it the newest
+/// are not remembered.
+pub const MAX_TOUCHED: usize = 1 << 16;
 
 fn take_dir_lock(dir: &Path) -> io::Result<File> {
     let f = OpenOptions::new().create(true).truncate(false).write(true).open(dir.join(LOCK_FILE))?;
@@ -370,6 +380,7 @@ impl Disk {
             gather: Gather::default(),
             checkpointing: Mutex::new(()),
             scrub_queue: Mutex::new(scrub_queue),
+            touched: Mutex::new(Vec::new()),
             _lock: lockf,
         };
         Ok((disk, report))
@@ -424,6 +435,32 @@ impl Disk {
         }
     }
 
+    /// Notes a read of `key` served from the memory tier: its record here
+    /// becomes the most recent before the next eviction, as a read from
+    /// this disk would have made it at once (docs/ARCHITECTURE.md,
+    /// "Eviction and readers"). Cheap enough for the memory tier's path: no
+    /// index lock is taken.
+    pub fn touch_later(&self, key: &[u8]) {
+        let mut t = lock(&self.touched);
+        if t.len() < MAX_TOUCHED {
+            t.push(key.into());
+        }
+    }
+
+    /// Applies the reads [`Disk::touch_later`] noted, in their order.
+    fn apply_touched(&self, st: &mut State) {
+        let keys = std::mem::take(&mut *lock(&self.touched));
+        if keys.is_empty() {
+            return;
+        }
+        let now = use_tick();
+        for k in &keys {
+            if let Some(e) = st.index.get_mut(&k[..]) {
+                e.used = now;
+            }
+        }
+    }
+
     /// Evicts the least recently used record. False when the index is empty.
     fn evict_one(&self, st: &mut State) -> bool {
         let Some((key, entry)) = st.index.pop_lru() else {
@@ -447,13 +484,18 @@ impl Disk {
                 st.index.clear();
                 self.drain_released(&mut st);
             }
+            lock(&self.touched).clear();
             return Ok(());
         }
         if !self.dir.join(MARKER_FILE).exists() {
             self.fail("disk directory or its marker vanished");
             return Ok(());
         }
-        let live = lock(&self.state).index.len() as u64;
+        let live = {
+            let mut st = lock(&self.state);
+            self.apply_touched(&mut st);
+            st.index.len() as u64
+        };
         let entries = lock(&self.journal).entries();
         let compacted = if entries > 2 * live + 4096 { self.checkpoint() } else { Ok(()) };
         if self.appends_since_sync.swap(0, Ordering::Relaxed) > 0 {
@@ -475,7 +517,9 @@ impl Disk {
     pub fn checkpoint(&self) -> io::Result<()> {
         let _one = lock(&self.checkpointing);
         let live: Vec<LiveRecord> = {
-            let st = lock(&self.state);
+            let mut st = lock(&self.state);
+            // The snapshot keeps the recency order a restart recovers.
+            self.apply_touched(&mut st);
             lock(&self.journal).begin_snapshot();
             st.index.iter().rev().map(|(k, e)| (k.clone(), e.header_bytes, e.ext.off, e.ext.len)).collect()
         };
