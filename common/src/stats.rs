@@ -324,9 +324,32 @@ impl Interval {
     }
 }
 
+/// The read balance of a group: the busiest of `loads` (each node's gets
+/// over the same interval) against their mean, and which it is (None when
+/// there are none, or all are 0). 1.0 is an even spread; a node that alone
+/// serves a group of N gives N. `kvctl top`, `kvctl replay` and the kv-mds
+/// dashboard show it (docs/METRICS.md, "Read balance").
+pub fn busiest_over_mean(loads: &[f64]) -> Option<(usize, f64)> {
+    let sum: f64 = loads.iter().sum();
+    if loads.is_empty() || sum <= 0.0 || !sum.is_finite() {
+        return None;
+    }
+    let (at, max) = loads.iter().copied().enumerate().fold((0, f64::MIN), |b, (i, v)| if v > b.1 { (i, v) } else { b });
+    Some((at, max * loads.len() as f64 / sum))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_read_balance_is_the_busiest_against_the_mean() {
+        assert_eq!(busiest_over_mean(&[1.0, 1.0, 1.0]), Some((0, 1.0)));
+        assert_eq!(busiest_over_mean(&[1.0, 3.0]), Some((1, 1.5)));
+        assert_eq!(busiest_over_mean(&[0.0, 0.0, 5.0, 0.0]), Some((2, 4.0)));
+        assert_eq!(busiest_over_mean(&[0.0, 0.0]), None);
+        assert_eq!(busiest_over_mean(&[]), None);
+    }
 
     fn rec(hits: u64, mem: u64, misses: u64, gets_done: u64) -> NodeStats {
         NodeStats {

@@ -128,6 +128,15 @@ pub fn gather(members: &[MemberRecord], timeout: Duration) -> Vec<Result<NodeSta
     })
 }
 
+/// How full a disk (or node) is against its cap, as a percentage.
+pub fn full_pct(used: u64, cap: u64) -> String {
+    if cap == 0 {
+        "-".into()
+    } else {
+        format!("{:.1}%", 100.0 * used as f64 / cap as f64)
+    }
+}
+
 fn hit_pct(hits: u64, misses: u64) -> f64 {
     if hits + misses == 0 {
         0.0
@@ -227,6 +236,7 @@ pub fn stat_all(group: &str, epoch: Option<u64>, members: &[MemberRecord], timeo
             "ADDRESS",
             "USED",
             "CAPACITY",
+            "FULL",
             "OBJECTS",
             "HITS",
             "MISSES",
@@ -247,6 +257,7 @@ pub fn stat_all(group: &str, epoch: Option<u64>, members: &[MemberRecord], timeo
             addr.to_string(),
             format_size(s.used_bytes),
             format_size(s.capacity_bytes),
+            full_pct(s.used_bytes, s.capacity_bytes),
             s.objects.to_string(),
             s.hits.to_string(),
             s.misses.to_string(),

@@ -414,16 +414,17 @@ fn run(cli: &Cli) -> Result<u8, String> {
                 );
             }
             println!(
-                "{:<7} {:>10} {:>10} {:>9} {:>9}  {:<8} dir",
-                "disk", "used", "cap", "objects", "evicted", "state"
+                "{:<7} {:>10} {:>10} {:>6} {:>9} {:>9}  {:<8} dir",
+                "disk", "used", "cap", "full", "objects", "evicted", "state"
             );
             for d in &s.disks {
                 let state = if d.failed { "FAILED" } else { "ok" };
                 println!(
-                    "{:<7} {:>10} {:>10} {:>9} {:>9}  {:<8} {}{}",
+                    "{:<7} {:>10} {:>10} {:>6} {:>9} {:>9}  {:<8} {}{}",
                     d.id,
                     format_size(d.used_bytes),
                     format_size(d.capacity_bytes),
+                    cluster::full_pct(d.used_bytes, d.capacity_bytes),
                     d.objects,
                     d.evictions,
                     state,

@@ -401,7 +401,12 @@ fn dashboards_are_self_contained_and_kvctl_top_reads_the_group() {
     assert_eq!(frame["total"]["capacity_bytes"], 128u64 << 20);
     let (status, out, _) = run("kvctl", &["stat", "--all", "--mds", &t.mds.addr, "--group", "obs"]);
     assert_eq!(status, 0);
-    assert!(out.contains("MEM-HIT%") && out.contains("DISK-HIT%"), "{out}");
+    assert!(out.contains("MEM-HIT%") && out.contains("DISK-HIT%") && out.contains("FULL"), "{out}");
+    // One node: how full each disk is against its cap.
+    let (status, out, _) = run("kvctl", &["stat", &t.node.addr]);
+    assert_eq!(status, 0);
+    let disk0 = out.lines().find(|l| l.starts_with("disk0")).unwrap_or_else(|| panic!("no disk0 line: {out}"));
+    assert!(out.contains(" full ") && disk0.contains("0.0%"), "{out}");
 }
 
 /// The node's metrics port holds at most 64 connections: past them a clear

@@ -92,3 +92,72 @@ fn a_replayed_slice_hits_its_ceiling_and_every_page_is_the_one_put() {
     assert_eq!(err.lines().count(), 1, "{err}");
     assert!(err.contains("bad.jsonl:2: malformed trace line"), "{err}");
 }
+
+/// Under pressure (a quarter of the slice's working set) with a memory
+/// tier, the nodes keep what one LRU per node on the same ring keeps: a
+/// page read from memory stays recent on its disk, every disk is full to
+/// its cap, and the gets each node counted add up to the replay's.
+#[test]
+fn under_pressure_the_nodes_hit_what_an_lru_per_node_would() {
+    let t = tempfile::tempdir().expect("tempdir");
+    // The first 2,000 requests: 36,808 distinct pages of 8 KiB on disk
+    // (4 KiB payload), 288 MiB; 3 nodes of 24 MiB hold a quarter of it.
+    let nodes: Vec<Node> = (0..3)
+        .map(|i| {
+            let d = t.path().join(format!("n{i}"));
+            Node::start(&[
+                "--dir",
+                d.to_str().expect("utf-8 path"),
+                "--cap",
+                "24M",
+                "--mem-cap",
+                "8M",
+                "--no-sync",
+                "--log-level",
+                "warn",
+            ])
+        })
+        .collect();
+    let members = Node::members(&nodes);
+    let trace = workspace_root().join("traces/conversation_trace.jsonl");
+    let args = [
+        "replay",
+        "--members",
+        &members,
+        trace.to_str().expect("utf-8 path"),
+        "--limit",
+        "2000",
+        "--engines",
+        "1",
+        "--page-bytes",
+        "4K",
+        "--tag",
+        "pressure",
+        "--json",
+    ];
+    let (code, out, err) = run("kvctl", &args);
+    assert_eq!(code, 0, "{out}\n{err}");
+    let j = json(&out, &err);
+    assert_eq!(j["wrong_pages"], 0, "{j}");
+    let hits = j["hits"].as_u64().expect("hits");
+    let n = &j["nodes"];
+    let partitioned = n["partitioned_lru"]["hits"].as_u64().expect("partitioned hits");
+    let pooled = j["lru"]["hits"].as_u64().expect("pooled hits");
+    assert!(partitioned <= pooled + pooled / 100, "{n}");
+    assert!(
+        hits as f64 >= 0.98 * partitioned as f64,
+        "the nodes hit {hits}, an LRU per node {partitioned}: capacity is lost somewhere ({n})"
+    );
+    let rows = n["members"].as_array().expect("members");
+    assert_eq!(rows.len(), 3, "{n}");
+    let gets: u64 = rows.iter().map(|r| r["gets"].as_u64().expect("every node answered")).sum();
+    let asked = hits + j["get_missed_after_exist"].as_u64().unwrap_or(0);
+    assert_eq!(gets, asked, "the nodes' own get counts add up to the gets the replay made: {n}");
+    for r in rows {
+        let (used, cap) = (r["used_bytes"].as_u64().unwrap_or(0), r["capacity_bytes"].as_u64().unwrap_or(0));
+        assert!(used <= cap && used as f64 >= 0.97 * cap as f64, "a node under pressure is full to its cap: {r}");
+        assert!(r["evictions"].as_u64().unwrap_or(0) > 0, "{r}");
+    }
+    let balance = n["gets_max_over_mean"].as_f64().expect("balance");
+    assert!((1.0..3.0).contains(&balance), "{n}");
+}

@@ -337,29 +337,93 @@ impl Events {
     }
 }
 
-/// The group's disk capacity from its members' statistics, and where it came from.
-fn group_capacity(target: &Target, timeout: Duration) -> Result<(u64, String), String> {
-    let members = match target.cluster()? {
-        Cluster::Mds { endpoints, group } => crate::cluster::fetch_view(&endpoints, &group, timeout)?.members,
-        Cluster::Members(m) => crate::cluster::member_records(&m)?,
-    };
-    let stats = crate::cluster::gather(&members, timeout);
-    let cap: u64 = stats.iter().flatten().map(|s| s.capacity_bytes).sum();
-    let down: Vec<&str> = members.iter().zip(&stats).filter(|(_, s)| s.is_err()).map(|(m, _)| m.id.as_str()).collect();
-    if down.len() == members.len() {
-        return Err(format!("no member answered for its statistics ({} members)", members.len()));
+/// The group as the replay found it: its members in view order, the ring
+/// that places keys on them, and each member's capacity and gets served so
+/// far (None for a member that did not answer).
+struct Layout {
+    ids: Vec<String>,
+    members: Vec<kv_common::mds::MemberRecord>,
+    ring: kv_common::ring::Ring,
+    capacity: Vec<Option<u64>>,
+    gets: Vec<Option<u64>>,
+}
+
+impl Layout {
+    fn of(target: &Target, timeout: Duration) -> Result<Layout, String> {
+        use kv_common::ring::{Placement, Ring, RingMember};
+        let (members, rule) = match target.cluster()? {
+            Cluster::Mds { endpoints, group } => {
+                let view = crate::cluster::fetch_view(&endpoints, &group, timeout)?;
+                let rule = view.placement()?;
+                (view.members, rule)
+            }
+            Cluster::Members(m) => (crate::cluster::member_records(&m)?, Placement::Ketama),
+        };
+        let ring = Ring::with_placement(
+            members.iter().map(|m| RingMember { id: m.id.clone(), weight: m.weight }).collect(),
+            rule,
+        );
+        let stats = crate::cluster::gather(&members, timeout);
+        if !members.is_empty() && stats.iter().all(|s| s.is_err()) {
+            return Err(format!("no member answered for its statistics ({} members)", members.len()));
+        }
+        Ok(Layout {
+            ids: members.iter().map(|m| m.id.clone()).collect(),
+            capacity: stats.iter().map(|s| s.as_ref().ok().map(|s| s.capacity_bytes)).collect(),
+            gets: stats.iter().map(|s| s.as_ref().ok().map(|s| s.hits + s.misses)).collect(),
+            members,
+            ring,
+        })
     }
-    let source = if down.is_empty() {
-        format!("node statistics of {} members", members.len())
-    } else {
-        format!(
-            "node statistics of {} of {} members ({} unreachable)",
-            members.len() - down.len(),
-            members.len(),
-            down.join(", ")
-        )
-    };
-    Ok((cap, source))
+
+    /// The group's disk capacity and where the figure came from.
+    fn total_capacity(&self) -> (u64, String) {
+        let cap = self.capacity.iter().flatten().sum();
+        let down: Vec<&str> =
+            self.ids.iter().zip(&self.capacity).filter(|(_, c)| c.is_none()).map(|(id, _)| id.as_str()).collect();
+        let source = if down.is_empty() {
+            format!("node statistics of {} members", self.ids.len())
+        } else {
+            format!(
+                "node statistics of {} of {} members ({} unreachable)",
+                self.ids.len() - down.len(),
+                self.ids.len(),
+                down.join(", ")
+            )
+        };
+        (cap, source)
+    }
+
+    /// What each member did since this layout was taken (None: it did not
+    /// answer then or now, or restarted since).
+    fn since(&self, timeout: Duration) -> Vec<Option<Served>> {
+        crate::cluster::gather(&self.members, timeout)
+            .iter()
+            .zip(&self.gets)
+            .map(|(now, before)| match (now, before) {
+                (Ok(s), Some(b)) => (s.hits + s.misses).checked_sub(*b).map(|gets| Served {
+                    gets,
+                    used_bytes: s.used_bytes,
+                    evictions: s.evictions,
+                }),
+                _ => None,
+            })
+            .collect()
+    }
+
+    /// The member (its index) that owns `key`.
+    fn owner(&self, key: &[u8]) -> usize {
+        self.ring.owner(key).unwrap_or(0)
+    }
+}
+
+/// A member's figures at the end of a replay: the gets it served during
+/// it, the bytes it holds (against its capacity) and its evictions so far.
+#[derive(Clone, Copy, Debug)]
+struct Served {
+    gets: u64,
+    used_bytes: u64,
+    evictions: u64,
 }
 
 /// The end of the warm-up (--warm-until): the paced part starts when every
@@ -591,12 +655,23 @@ pub fn run(a: &ReplayArgs, json: bool, timeout: Duration) -> Result<u8, String> 
         let why = kvclient::error::take_last_failure().unwrap_or_default();
         return Err(crate::denied_line(&why));
     }
+    let layout = match Layout::of(&a.target, timeout) {
+        Ok(l) if !l.ids.is_empty() => Some(l),
+        Ok(_) => {
+            eprintln!("kvctl replay: the group has no members: no per-node figures");
+            None
+        }
+        Err(e) => {
+            eprintln!("kvctl replay: no per-node figures: {e}");
+            None
+        }
+    };
     let capacity = match plan.capacity {
         Some(c) => Some((c, "--capacity-bytes".to_string())),
-        None => match group_capacity(&a.target, timeout) {
-            Ok(c) => Some(c),
-            Err(e) => {
-                eprintln!("kvctl replay: no LRU simulation: {e} (give --capacity-bytes)");
+        None => match &layout {
+            Some(l) => Some(l.total_capacity()),
+            None => {
+                eprintln!("kvctl replay: no LRU simulation (give --capacity-bytes)");
                 None
             }
         },
@@ -669,6 +744,7 @@ pub fn run(a: &ReplayArgs, json: bool, timeout: Duration) -> Result<u8, String> 
         wall
     });
     let runs = events.finish();
+    let served = layout.as_ref().map(|l| l.since(timeout));
 
     let r = report::build(report::Input {
         name: &name,
@@ -678,6 +754,7 @@ pub fn run(a: &ReplayArgs, json: bool, timeout: Duration) -> Result<u8, String> 
         outcomes: &outcomes,
         working,
         capacity,
+        layout: layout.as_ref().zip(served),
         runs,
         wall,
     });

@@ -86,6 +86,44 @@ pub fn lru<T: Copy + Eq + Hash>(chains: &[&[T]], cap: u64) -> Vec<u64> {
         .collect()
 }
 
+/// The replay's flow against one LRU per node (each of its node's
+/// capacity in pages), a page kept by the node `owner` names: what hash
+/// partitioning alone costs against [`lru`] over the pooled capacity.
+/// Returns the leading hits of each request and the gets each node served
+/// (the leading hits it held).
+pub fn lru_partitioned<T: Copy + Eq + Hash>(
+    chains: &[&[T]],
+    caps: &[u64],
+    owner: impl Fn(&T) -> usize,
+) -> (Vec<u64>, Vec<u64>) {
+    let mut nodes: Vec<Lru<T>> = caps.iter().map(|&c| Lru::new(c)).collect();
+    let mut gets = vec![0u64; caps.len()];
+    let hits = chains
+        .iter()
+        .map(|chain| {
+            let lead = chain.iter().take_while(|p| nodes.get(owner(p)).is_some_and(|n| n.contains(p))).count();
+            for p in &chain[..lead] {
+                let o = owner(p);
+                nodes[o].touch(p);
+                gets[o] += 1;
+            }
+            for p in &chain[lead..] {
+                if let Some(n) = nodes.get_mut(owner(p)) {
+                    n.put(*p);
+                }
+            }
+            lead as u64
+        })
+        .collect();
+    (hits, gets)
+}
+
+/// The busiest of `counts` against their mean (None when all are 0).
+pub fn max_over_mean(counts: &[u64]) -> Option<f64> {
+    let loads: Vec<f64> = counts.iter().map(|&c| c as f64).collect();
+    kv_common::stats::busiest_over_mean(&loads).map(|(_, m)| m)
+}
+
 /// The window (index) a trace time in ms falls in.
 pub fn window_of(ts_ms: u64, window_ms: u64) -> u64 {
     ts_ms / window_ms.max(1)
@@ -183,6 +221,28 @@ mod tests {
         let mut z = Lru::new(0);
         z.put(1);
         assert!(!z.contains(&1));
+    }
+
+    #[test]
+    fn one_lru_per_node_is_the_pooled_one_with_one_node_and_loses_to_it_when_split() {
+        let a: &[u32] = &[1, 2, 3];
+        let b: &[u32] = &[1, 2, 4];
+        let c: &[u32] = &[5, 6];
+        let d: &[u32] = &[1, 2, 3];
+        let chains = [a, b, c, d];
+        for cap in [4, 5, 100] {
+            assert_eq!(lru_partitioned(&chains, &[cap], |_| 0).0, lru(&chains, cap), "cap {cap}");
+        }
+        // Two nodes of 2 and 3 pages: odd pages on node 0, even on node 1.
+        // Pooled (5 pages) d gets 1 and 2; split, node 0 holds 1, 3, 5 in
+        // 2 pages, so c's 5 evicts 3 (1 was got by b since): d gets 1, 2.
+        let (hits, gets) = lru_partitioned(&chains, &[2, 3], |p| (*p % 2 == 0) as usize);
+        assert_eq!(hits, vec![0, 2, 0, 2]);
+        assert_eq!(gets, vec![2, 2], "b and d each got 1 from node 0 and 2 from node 1");
+        assert_eq!(max_over_mean(&gets), Some(1.0));
+        assert_eq!(max_over_mean(&[3, 1]), Some(1.5));
+        assert_eq!(max_over_mean(&[0, 0]), None);
+        assert_eq!(max_over_mean(&[]), None);
     }
 
     #[test]

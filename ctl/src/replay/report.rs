@@ -8,7 +8,7 @@ use serde_json::json;
 
 use super::model::{self, rate, Tally};
 use super::trace::{PageId, Request};
-use super::{EventRun, Outcome, Plan};
+use super::{EventRun, Layout, Outcome, Plan, Served};
 use crate::cluster::table;
 
 /// The distinct pages of the replayed slice and what they take.
@@ -31,6 +31,8 @@ pub struct Input<'a> {
     pub working: WorkingSet,
     /// Bytes and where the figure came from.
     pub capacity: Option<(u64, String)>,
+    /// The group's members and the gets each served during the replay.
+    pub layout: Option<(&'a Layout, Vec<Option<Served>>)>,
     pub runs: Vec<Option<EventRun>>,
     pub wall: f64,
 }
@@ -40,6 +42,28 @@ pub struct Lru {
     pub source: String,
     pub capacity_pages: u64,
     pub hits: u64,
+}
+
+/// One member: its capacity, the gets an LRU of that capacity on the same
+/// ring would have served, and what it did (None: no statistics).
+pub struct NodeRow {
+    pub id: String,
+    pub capacity_bytes: Option<u64>,
+    pub capacity_pages: u64,
+    pub simulated_gets: u64,
+    pub served: Option<Served>,
+}
+
+/// The per-node figures: an LRU per node on the group's ring, each of its
+/// node's capacity (what hash partitioning alone costs against the pooled
+/// LRU), and the read balance.
+pub struct Nodes {
+    pub rows: Vec<NodeRow>,
+    pub partitioned_hits: u64,
+    /// Gets the busiest member served against the mean, measured (every
+    /// member answered) and simulated.
+    pub gets_max_over_mean: Option<f64>,
+    pub simulated_max_over_mean: Option<f64>,
 }
 
 pub struct EventReport {
@@ -72,6 +96,7 @@ pub struct Report {
     pub hits: u64,
     pub ceiling: u64,
     pub lru: Option<Lru>,
+    pub nodes: Option<Nodes>,
     /// Every block of the issued requests, partial last blocks too
     /// (traces/README.md's figures): blocks, distinct, leading hits.
     pub blocks: (u64, u64, u64),
@@ -103,6 +128,7 @@ pub fn build(i: Input<'_>) -> Report {
         let hits = model::lru(&chains, capacity_pages).iter().sum();
         Lru { capacity_bytes: bytes, source, capacity_pages, hits }
     });
+    let nodes = i.layout.map(|(l, served)| nodes(l, served, &chains, plan, i.working.footprint_per_page));
     let hash_chains: Vec<&[u64]> = issued.iter().map(|&k| &i.reqs[k].hash_ids[..]).collect();
     let blocks = model::block_figures(&hash_chains);
 
@@ -123,6 +149,7 @@ pub fn build(i: Input<'_>) -> Report {
         hits: 0,
         ceiling: ceiling.iter().sum(),
         lru,
+        nodes,
         blocks,
         working: i.working,
         l3_p50_ms: 0.0,
@@ -195,6 +222,33 @@ pub fn build(i: Input<'_>) -> Report {
     r
 }
 
+fn nodes(l: &Layout, served: Vec<Option<Served>>, chains: &[&[PageId]], plan: &Plan, footprint: u64) -> Nodes {
+    let mut owner: std::collections::HashMap<PageId, usize> = std::collections::HashMap::new();
+    for p in chains.iter().flat_map(|c| c.iter()) {
+        owner.entry(*p).or_insert_with(|| l.owner(super::trace::key(&plan.tag, *p).as_bytes()));
+    }
+    let caps: Vec<u64> = l.capacity.iter().map(|c| c.unwrap_or(0) / footprint.max(1)).collect();
+    let (hits, sim_gets) = model::lru_partitioned(chains, &caps, |p| owner.get(p).copied().unwrap_or(0));
+    let measured: Option<Vec<u64>> = served.iter().map(|s| s.map(|s| s.gets)).collect();
+    Nodes {
+        rows: l
+            .ids
+            .iter()
+            .enumerate()
+            .map(|(k, id)| NodeRow {
+                id: id.clone(),
+                capacity_bytes: l.capacity[k],
+                capacity_pages: caps[k],
+                simulated_gets: sim_gets[k],
+                served: served[k],
+            })
+            .collect(),
+        partitioned_hits: hits.iter().sum(),
+        gets_max_over_mean: measured.as_deref().and_then(model::max_over_mean),
+        simulated_max_over_mean: model::max_over_mean(&sim_gets),
+    }
+}
+
 fn pct(part: u64, all: u64) -> String {
     format!("{:.1}%", 100.0 * rate(part, all))
 }
@@ -245,6 +299,16 @@ impl Report {
             "lru": self.lru.as_ref().map(|l| json!({
                 "capacity_bytes": l.capacity_bytes, "capacity_source": l.source,
                 "capacity_pages": l.capacity_pages, "hits": l.hits, "hit_rate": rate(l.hits, self.pages),
+            })),
+            "nodes": self.nodes.as_ref().map(|n| json!({
+                "partitioned_lru": {"hits": n.partitioned_hits, "hit_rate": rate(n.partitioned_hits, self.pages)},
+                "gets_max_over_mean": n.gets_max_over_mean,
+                "simulated_gets_max_over_mean": n.simulated_max_over_mean,
+                "members": n.rows.iter().map(|r| json!({
+                    "id": r.id, "capacity_bytes": r.capacity_bytes, "capacity_pages": r.capacity_pages,
+                    "simulated_gets": r.simulated_gets, "gets": r.served.map(|s| s.gets),
+                    "used_bytes": r.served.map(|s| s.used_bytes), "evictions": r.served.map(|s| s.evictions),
+                })).collect::<Vec<_>>(),
             })),
             "all_blocks": {
                 "blocks": self.blocks.0, "distinct": self.blocks.1, "ceiling_hits": self.blocks.2,
@@ -322,6 +386,20 @@ impl Report {
             ),
             None => row("LRU at group capacity", "not simulated (no capacity)".into()),
         }
+        if let Some(n) = &self.nodes {
+            row(
+                "LRU per node, same ring",
+                format!("{} ({}); each node's capacity", n.partitioned_hits, pct(n.partitioned_hits, self.pages)),
+            );
+            row(
+                "gets busiest/mean node",
+                format!(
+                    "{} (LRU per node: {})",
+                    n.gets_max_over_mean.map_or("-".into(), |m| format!("{m:.2}")),
+                    n.simulated_max_over_mean.map_or("-".into(), |m| format!("{m:.2}"))
+                ),
+            );
+        }
         row(
             "all blocks, partial too",
             format!(
@@ -357,6 +435,29 @@ impl Report {
         }
         println!("{t}");
 
+        if let Some(n) = &self.nodes {
+            println!();
+            println!(
+                "per node (full and evictions at the end; gets served: the node's own count over the replay; LRU gets: an \
+                 LRU of its capacity on the same ring):"
+            );
+            let mut t = table(&["NODE", "CAPACITY", "PAGES", "FULL", "EVICTIONS", "GETS SERVED", "LRU GETS"], 1);
+            for r in &n.rows {
+                t.add_row(vec![
+                    r.id.clone(),
+                    r.capacity_bytes.map_or("-".into(), format_size),
+                    r.capacity_pages.to_string(),
+                    match (r.served, r.capacity_bytes) {
+                        (Some(s), Some(c)) => crate::cluster::full_pct(s.used_bytes, c),
+                        _ => "-".into(),
+                    },
+                    r.served.map_or("-".into(), |s| s.evictions.to_string()),
+                    r.served.map_or("-".into(), |s| s.gets.to_string()),
+                    r.simulated_gets.to_string(),
+                ]);
+            }
+            println!("{t}");
+        }
         println!();
         println!("requests whose leading hits ended at a page that was not served, by status:");
         let mut t = table(&["STATUS", "REQUESTS"], 1);
