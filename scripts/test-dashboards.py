@@ -136,6 +136,8 @@ def main() -> int:
         check(dom.count("serving") >= 2, "each member's health read from its own page", failures)
         check(re.search(r"[0-9.]+ % [0-9.]+ %|\d+\.\d %", dom) is not None, "shares shown", failures)
         check("etcd reachable" in dom, "etcd state shown", failures)
+        check(re.search(r"read balance [0-9.]+x the mean gets \(busiest: gpu-node-[12]\)", dom) is not None,
+              "the read balance shown", failures)
         check(os.path.getsize(mds_png) > 10_000, "screenshot saved", failures)
         print(f"screenshots: {node_png} {mds_png}")
     finally:

@@ -147,7 +147,20 @@ pub fn render(header: &str, rows: &[Row], first: bool) -> String {
     }
     line(&total(rows));
     let note = if first { "\n(rates appear from the second refresh)" } else { "" };
-    format!("{header}\n{t}{note}")
+    let balance = match balance(rows) {
+        Some((id, m)) => format!("\nread balance: {m:.2}x the mean gets at the busiest node ({id})"),
+        None => String::new(),
+    };
+    format!("{header}\n{t}{balance}{note}")
+}
+
+/// The busiest reachable node's gets over the interval against the mean of
+/// the reachable nodes, and its id (None before a second refresh or
+/// without gets).
+pub fn balance(rows: &[Row]) -> Option<(String, f64)> {
+    let up: Vec<&Row> = rows.iter().filter(|r| r.reachable && r.interval.is_some()).collect();
+    let loads: Vec<f64> = up.iter().map(|r| r.gets_per_sec).collect();
+    kv_common::stats::busiest_over_mean(&loads).map(|(i, m)| (up[i].id.clone(), m))
 }
 
 /// Runs until interrupted, or for `iterations` refreshes.
@@ -194,7 +207,9 @@ pub fn run(
             }
         }
         if json {
-            let frame = serde_json::json!({"source": label, "nodes": rows, "total": total(&rows)});
+            let read_balance = balance(&rows).map(|(id, m)| serde_json::json!({"busiest": id, "max_over_mean": m}));
+            let frame = serde_json::json!({"source": label, "nodes": rows, "total": total(&rows),
+                "read_balance": read_balance});
             println!("{frame}");
         } else {
             let header = format!("kvctl top  {label}  every {:.1}s", interval.as_secs_f64());
@@ -214,5 +229,31 @@ pub fn run(
             return Ok(0);
         }
         std::thread::sleep(interval.saturating_sub(started.elapsed()));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn stats(hits: u64, misses: u64) -> NodeStats {
+        NodeStats { hits, misses, ..NodeStats::default() }
+    }
+
+    #[test]
+    fn the_read_balance_names_the_busiest_reachable_node() {
+        let rows = vec![
+            row("n1", "a:1", Some(&stats(0, 0)), &stats(100, 20), 2.0),
+            row("n2", "a:2", Some(&stats(0, 0)), &stats(30, 10), 2.0),
+            Row { id: "n3".into(), ..Row::default() },
+            row("n4", "a:4", Some(&stats(0, 0)), &stats(40, 0), 2.0),
+        ];
+        // Gets per second 60, 20 and 20 at the reachable nodes: 1.8x the mean.
+        let (id, m) = balance(&rows).expect("a balance");
+        assert_eq!(id, "n1");
+        assert!((m - 1.8).abs() < 1e-9, "{m}");
+        assert!(render("h", &rows, false).contains("read balance: 1.80x the mean gets at the busiest node (n1)"));
+        // Before a second refresh there are no rates, so no balance.
+        assert_eq!(balance(&[row("n1", "a:1", None, &stats(5, 0), 0.0)]), None);
     }
 }
