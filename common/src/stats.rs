@@ -102,6 +102,20 @@ pub struct NodeStats {
     pub handoff_too_old: u64,
     #[serde(default)]
     pub tombstones: u64,
+    /// Hot keys (docs/ARCHITECTURE.md, "Hot keys"): keys marked hot now,
+    /// reads of hot keys served, keys that turned hot, keys not marked for
+    /// the bound on the hot set, and the reads in a window that make a key
+    /// hot now.
+    #[serde(default)]
+    pub hot_keys: u64,
+    #[serde(default)]
+    pub hot_reads: u64,
+    #[serde(default)]
+    pub hot_marked: u64,
+    #[serde(default)]
+    pub hot_refused: u64,
+    #[serde(default)]
+    pub hot_threshold: u64,
     /// Pages this node pushed to their new owners while draining, their
     /// record bytes, and pushes refused or failed.
     #[serde(default)]

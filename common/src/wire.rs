@@ -69,8 +69,10 @@ pub const MAX_BATCH_ANSWER: u64 = 64 << 20;
 /// Per-item flag in a BATCH_GET: a handoff ask for this item (as
 /// [`FLAG_HANDOFF`] on a GET; the frame's FLAG_HANDOFF sets it for all).
 pub const ITEM_HANDOFF: u8 = 1;
-/// Per-item flag in a BATCH_GET, reserved: the client holds the page hot.
-/// Nodes of this release accept it and do nothing with it.
+/// Per-item flag in a BATCH_GET request, reserved: the client holds the
+/// page hot (nodes of this release accept it and do nothing with it). On
+/// a BATCH_GET answer's `OK` item: the key is hot at this node, and the
+/// item head's third byte is its spread (docs/PROTOCOL.md §2.5).
 pub const ITEM_HOT: u8 = 2;
 /// Per-item flag in a BATCH_GET or BATCH_PUT (on a connection whose RDMA
 /// bootstrap agreed on version 3, docs/PROTOCOL.md §2.8): the payload moves
@@ -127,6 +129,28 @@ pub const RSP_FLAG_RDMA: u16 = 2;
 /// Response flag: the RDMA transfer could not be made (no queue pair, or it
 /// broke); nothing was stored. Send the request again without FLAG_RDMA.
 pub const RSP_FLAG_RDMA_FAILED: u16 = 4;
+/// Response flag on a GET answered `OK`: the key is hot at this node; the
+/// flags' high byte is its spread, the nodes its reads should be spread
+/// over, the owner included (docs/PROTOCOL.md §2.3).
+pub const RSP_FLAG_HOT: u16 = 8;
+
+/// The response flags that mark a key hot with `spread` (0: none).
+pub fn hot_flags(spread: u8) -> u16 {
+    if spread == 0 {
+        0
+    } else {
+        RSP_FLAG_HOT | (u16::from(spread) << 8)
+    }
+}
+
+/// The spread a GET answer's flags mark its key with (0: not hot).
+pub fn spread_of_flags(flags: u16) -> u8 {
+    if flags & RSP_FLAG_HOT == 0 {
+        0
+    } else {
+        (flags >> 8) as u8
+    }
+}
 
 /// Operations.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -862,6 +886,9 @@ pub fn decode_batch_answer_head(b: &[u8; 8]) -> usize {
 pub struct ItemHead {
     pub status: Status,
     pub flags: u8,
+    /// With [`ITEM_HOT`] on a BATCH_GET answer: the spread (nodes to read
+    /// the key from, owner included); otherwise 0.
+    pub spread: u8,
     pub len: u32,
 }
 
@@ -870,12 +897,13 @@ impl ItemHead {
         let mut b = [0u8; BATCH_ITEM_HEAD];
         b[0] = self.status.to_wire();
         b[1] = self.flags;
+        b[2] = self.spread;
         b[4..8].copy_from_slice(&self.len.to_le_bytes());
         b
     }
 
     pub fn decode(b: &[u8; BATCH_ITEM_HEAD]) -> ItemHead {
-        ItemHead { status: Status::from_wire(b[0]), flags: b[1], len: le_u32(b, 4) }
+        ItemHead { status: Status::from_wire(b[0]), flags: b[1], spread: b[2], len: le_u32(b, 4) }
     }
 }
 
@@ -1091,7 +1119,7 @@ mod tests {
         let mut lie = body.clone();
         lie[GEOMETRY_WIRE_LEN..GEOMETRY_WIRE_LEN + 4].copy_from_slice(&(MAX_BATCH_ITEMS as u32 + 1).to_le_bytes());
         assert!(decode_batch_get(&lie).is_err(), "more items than allowed");
-        let h = ItemHead { status: Status::TooSmall, flags: 0, len: 0x0102_0304 };
+        let h = ItemHead { status: Status::TooSmall, flags: 0, spread: 0, len: 0x0102_0304 };
         assert_eq!(h.encode(), [4, 0, 0, 0, 4, 3, 2, 1]);
         assert_eq!(ItemHead::decode(&h.encode()), h);
         assert_eq!(decode_batch_answer_head(&encode_batch_answer_head(17)), 17);
@@ -1177,8 +1205,8 @@ mod tests {
         assert!(decode_batch_delete(&del[..del.len() - 1]).is_err());
 
         let answer = [
-            (ItemHead { status: Status::Ok, flags: ITEM_DUPLICATE, len: 0 }, &b""[..]),
-            (ItemHead { status: Status::Rejected, flags: 0, len: 4 }, &b"full"[..]),
+            (ItemHead { status: Status::Ok, flags: ITEM_DUPLICATE, spread: 0, len: 0 }, &b""[..]),
+            (ItemHead { status: Status::Rejected, flags: 0, spread: 0, len: 4 }, &b"full"[..]),
         ];
         let a = encode_batch_answer(&answer);
         assert_eq!(decode_batch_answer(&a, 2).unwrap(), answer);

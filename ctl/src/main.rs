@@ -399,6 +399,10 @@ fn run(cli: &Cli) -> Result<u8, String> {
                 format_size(s.bytes_read), format_size(s.bytes_written), s.evictions, s.failed_disks
             );
             println!("{}", cluster::handoff_line(&s));
+            println!(
+                "hot keys {}  reads of hot keys {}  turned hot {}  threshold {} reads a window",
+                s.hot_keys, s.hot_reads, s.hot_marked, s.hot_threshold
+            );
             if s.ack_memory {
                 println!("{}", cluster::ack_line(&s));
             }

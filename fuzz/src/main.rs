@@ -318,13 +318,14 @@ weight = 4
         &wire::encode_batch_status(&[kv_common::Status::Ok, kv_common::Status::Miss]),
     );
     let mut answer = wire::encode_batch_answer_head(1).to_vec();
-    answer
-        .extend_from_slice(&wire::ItemHead { status: kv_common::Status::Ok, flags: 0, len: rec.len() as u32 }.encode());
+    answer.extend_from_slice(
+        &wire::ItemHead { status: kv_common::Status::Ok, flags: 0, spread: 0, len: rec.len() as u32 }.encode(),
+    );
     answer.extend_from_slice(&rec);
     write("client_reply", "batch_get_answer", &answer);
     let heads = [
-        (wire::ItemHead { status: kv_common::Status::Ok, flags: wire::ITEM_DUPLICATE, len: 0 }, &b""[..]),
-        (wire::ItemHead { status: kv_common::Status::Rejected, flags: 0, len: 4 }, &b"full"[..]),
+        (wire::ItemHead { status: kv_common::Status::Ok, flags: wire::ITEM_DUPLICATE, spread: 0, len: 0 }, &b""[..]),
+        (wire::ItemHead { status: kv_common::Status::Rejected, flags: 0, spread: 0, len: 4 }, &b"full"[..]),
     ];
     // Its first byte is its count (2), as the target reads it.
     write("client_reply", "batch_put_answer", &wire::encode_batch_answer(&heads));

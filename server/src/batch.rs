@@ -21,7 +21,7 @@ use std::sync::Arc;
 use kv_common::page::{Geometry, PageHeader, HEADER_LEN};
 use kv_common::status::Status;
 use kv_common::wire::{
-    self, ItemHead, ReqHeader, Segment, FLAG_CHECK_GEOMETRY, FLAG_HANDOFF, ITEM_AGAIN, ITEM_HANDOFF,
+    self, ItemHead, ReqHeader, Segment, FLAG_CHECK_GEOMETRY, FLAG_HANDOFF, ITEM_AGAIN, ITEM_HANDOFF, ITEM_HOT,
 };
 use kv_common::wire::{Op, BATCH_ITEM_HEAD, ITEM_DUPLICATE, MAX_BATCH_ANSWER, RSP_FLAG_DUPLICATE};
 use kv_common::wire::{ITEM_PLACED, ITEM_RDMA, ITEM_RDMA_FAILED};
@@ -109,7 +109,7 @@ pub fn start(shared: &Shared, s: &Session, req: &ReqHeader, body: &[u8]) -> Begu
     if !pending {
         bound(shared, |i| items[i].key, |_| false, &mut out);
         count_asks(shared, &handoff, &out);
-        return Begun::Answered(answer(req, out));
+        return Begun::Answered(answer(shared, req, out, |i| items[i].key));
     }
     Begun::Disk(Started {
         keys: items.iter().map(|i| i.key.to_vec()).collect(),
@@ -208,7 +208,8 @@ pub async fn finish(shared: &Arc<Shared>, session: &Session, req: &ReqHeader, mu
         deliver(session, remote, segs, &mut s.items).await;
     }
     count_asks(shared, &s.handoff, &s.items);
-    let mut r = answer(req, s.items);
+    let keys = &s.keys;
+    let mut r = answer(shared, req, s.items, |i| &keys[i]);
     r.budget = budget;
     r
 }
@@ -326,11 +327,13 @@ fn bound<'k>(shared: &Shared, key: impl Fn(usize) -> &'k [u8], placed: impl Fn(u
 }
 
 /// The answer frame: head, then each item's head and record or message.
-fn answer(req: &ReqHeader, items: Vec<Item>) -> Response {
+/// Each page served counts as a read of its key ([`crate::heat`]), and a
+/// hot one is marked [`ITEM_HOT`] with its spread.
+fn answer<'k>(shared: &Shared, req: &ReqHeader, items: Vec<Item>, key: impl Fn(usize) -> &'k [u8]) -> Response {
     let mut parts = Vec::with_capacity(1 + 2 * items.len());
     let mut heads = wire::encode_batch_answer_head(items.len()).to_vec();
-    for item in items {
-        let (status, flags, tail) = match item {
+    for (i, item) in items.into_iter().enumerate() {
+        let (status, mut flags, tail) = match item {
             Item::Done(s, rec) => (s, 0, rec.map(Part::Record)),
             Item::Placed(s, rec, pre) => (s, ITEM_PLACED, Some(Part::Bytes(rec.as_slice()[..pre].to_vec()))),
             Item::Over => (Status::Rejected, ITEM_AGAIN, Some(Part::Bytes(OVER.as_bytes().to_vec()))),
@@ -340,7 +343,11 @@ fn answer(req: &ReqHeader, items: Vec<Item>) -> Response {
             Part::Bytes(b) => b.len(),
             Part::Record(r) => r.len(),
         });
-        heads.extend_from_slice(&ItemHead { status, flags, len: len as u32 }.encode());
+        let spread = if status == Status::Ok { shared.heat.read(key(i)) } else { 0 };
+        if spread > 0 {
+            flags |= ITEM_HOT;
+        }
+        heads.extend_from_slice(&ItemHead { status, flags, spread, len: len as u32 }.encode());
         if let Some(t) = tail {
             // Heads gathered since the last record go as one piece.
             parts.push(Part::Bytes(std::mem::take(&mut heads)));
@@ -483,7 +490,9 @@ pub async fn delete(shared: &Arc<Shared>, req: &ReqHeader, body: &[u8]) -> Respo
 fn small_answer(req: &ReqHeader, items: Vec<(Status, u8, Vec<u8>)>) -> Response {
     let heads: Vec<(ItemHead, &[u8])> = items
         .iter()
-        .map(|(status, flags, msg)| (ItemHead { status: *status, flags: *flags, len: msg.len() as u32 }, &msg[..]))
+        .map(|(status, flags, msg)| {
+            (ItemHead { status: *status, flags: *flags, spread: 0, len: msg.len() as u32 }, &msg[..])
+        })
         .collect();
     respond(req, Status::Ok, 0, Body::Bytes(wire::encode_batch_answer(&heads)))
 }

@@ -89,6 +89,12 @@ pub struct Cli {
     /// With --ack memory: bytes acknowledged and not yet on a disk, at most (e.g. 1G; default a quarter of --mem-cap); past it puts are answered on media.
     #[arg(long)]
     pub ack_memory_max: Option<String>,
+    /// Reads of one key in a window (--hot-window-ms) that make it hot at least: its answers then ask clients to spread its reads (docs/ARCHITECTURE.md, "Hot keys"); 0: mark no key (default 64).
+    #[arg(long)]
+    pub hot_reads: Option<u32>,
+    /// The window hot keys are counted in, in ms, 100..=60000 (default 1000).
+    #[arg(long)]
+    pub hot_window_ms: Option<u64>,
     /// Do not push pages to their new owners while draining (with --mds, a draining node pushes its pages, most recently used first, to the owners in the group it left, until the drain ends).
     #[arg(long)]
     pub no_drain_push: bool,
@@ -130,6 +136,8 @@ pub struct FileConfig {
     pub drain_push: Option<bool>,
     pub ack: Option<String>,
     pub ack_memory_max: Option<String>,
+    pub hot_reads: Option<u32>,
+    pub hot_window_ms: Option<u64>,
 }
 
 /// Membership through kv-mds (`--mds`).
@@ -175,6 +183,8 @@ pub struct ServerConfig {
     pub handoff: std::time::Duration,
     /// Whether a draining node pushes its pages to their new owners.
     pub drain_push: bool,
+    /// How hot keys are marked (`--hot-reads`, `--hot-window-ms`).
+    pub heat: crate::heat::HeatConfig,
 }
 
 fn size(what: &str, s: &str) -> Result<u64, String> {
@@ -295,8 +305,17 @@ impl ServerConfig {
         if handoff > 7 * 86_400 {
             return Err("--handoff-secs must be at most 604800 (a week)".into());
         }
+        let hot_window = cli.hot_window_ms.or(file.hot_window_ms).unwrap_or(1000);
+        if !(100..=60_000).contains(&hot_window) {
+            return Err("--hot-window-ms must be 100..=60000".into());
+        }
+        let heat = crate::heat::HeatConfig {
+            window: std::time::Duration::from_millis(hot_window),
+            min_reads: cli.hot_reads.or(file.hot_reads).unwrap_or(crate::heat::HeatConfig::default().min_reads),
+        };
         let disks_n = disks.len();
         Ok(ServerConfig {
+            heat,
             drain: std::time::Duration::from_secs_f64(drain),
             drain_push: !cli.no_drain_push && file.drain_push.unwrap_or(true),
             handoff: std::time::Duration::from_secs(handoff),

@@ -16,6 +16,7 @@ pub mod conn;
 pub mod drain;
 mod frame;
 pub mod handoff;
+pub mod heat;
 pub mod membership;
 pub mod metrics;
 pub mod node;

@@ -105,6 +105,7 @@ impl Node {
                 seconds: started.elapsed().as_secs_f64(),
             },
             fabric: Arc::new(crate::rdma::Rdma::start(&cfg.rdma, &store)),
+            heat: cfg.heat,
             ..server::NodeSettings::new(cfg.max_record, cfg.max_inflight)
         };
         let shared = Arc::new(Shared::new(store, settings));

@@ -217,14 +217,19 @@ fn transport_failed(req: &ReqHeader, why: &str) -> Response {
 /// some and the connection's remote memory works (the body then holds the
 /// header and key only), else with the whole record inline.
 async fn answer_hit(
+    shared: &Shared,
     s: &Session,
     req: &ReqHeader,
+    key: &[u8],
     rec: Arc<PooledBuf>,
     segs: &[Segment],
     budget: Option<OwnedSemaphorePermit>,
 ) -> Response {
+    // A page served is a read of its key; a hot key's answer says so
+    // (docs/ARCHITECTURE.md, "Hot keys").
+    let hot = wire::hot_flags(shared.heat.read(key));
     let inline = |rec: Arc<PooledBuf>, budget| {
-        let mut r = respond(req, Status::Ok, 0, Body::Record(rec));
+        let mut r = respond(req, Status::Ok, hot, Body::Record(rec));
         r.budget = budget;
         r
     };
@@ -240,7 +245,7 @@ async fn answer_hit(
         return respond(req, Status::TooSmall, 0, Body::Bytes(rec.as_slice()[..pre].to_vec()));
     }
     match remote.deliver(rec.clone(), pre, segs).await {
-        Ok(()) => respond(req, Status::Ok, RSP_FLAG_RDMA, Body::Bytes(rec.as_slice()[..pre].to_vec())),
+        Ok(()) => respond(req, Status::Ok, RSP_FLAG_RDMA | hot, Body::Bytes(rec.as_slice()[..pre].to_vec())),
         Err(e) => {
             tracing::warn!(peer = %s.out.peer, error = %e, "RDMA write of a get failed; answering over TCP");
             s.remote.failed(&remote);
@@ -382,7 +387,7 @@ async fn handle_get(shared: &Arc<Shared>, s: &Session, req: &ReqHeader, body: &[
     // blocking pool (its buffer is shared, not copied; it is bounded by
     // --mem-cap, not by the in-flight budget).
     match shared.store.get_cached(kr.key, check.then_some(&geo)) {
-        Some(GetOutcome::Hit(rec)) => return answer_hit(s, req, rec, &segs, None).await,
+        Some(GetOutcome::Hit(rec)) => return answer_hit(shared, s, req, kr.key, rec, &segs, None).await,
         Some(GetOutcome::Mismatch) => return respond(req, Status::Mismatch, 0, Body::Empty),
         _ => {}
     }
@@ -410,7 +415,7 @@ async fn handle_get(shared: &Arc<Shared>, s: &Session, req: &ReqHeader, body: &[
         tokio::task::spawn_blocking(move || store.get(&key, check.then_some(&geo))).await
     };
     match res {
-        Ok(GetOutcome::Hit(rec)) => answer_hit(s, req, rec, &segs, Some(budget)).await,
+        Ok(GetOutcome::Hit(rec)) => answer_hit(shared, s, req, kr.key, rec, &segs, Some(budget)).await,
         Ok(GetOutcome::Mismatch) => respond(req, Status::Mismatch, 0, Body::Empty),
         Ok(GetOutcome::Miss) => respond(req, Status::Miss, 0, Body::Empty),
         Err(e) => {

@@ -10,8 +10,6 @@ use std::time::Duration;
 use tokio::net::TcpListener;
 use tokio::sync::watch;
 
-use crate::store::Store;
-
 pub use crate::state::{Fresh, NodeSettings, Recovery, Shared};
 
 /// Serves on `listener` until `shutdown` turns true, then drains and
@@ -29,7 +27,7 @@ pub async fn run(
     spread: Vec<tokio::runtime::Handle>,
     shutdown: watch::Receiver<bool>,
 ) -> std::io::Result<()> {
-    let upkeep = tokio::spawn(upkeep(shared.store.clone(), shutdown.clone()));
+    let upkeep = tokio::spawn(upkeep(shared.clone(), shutdown.clone()));
     let hello_deadline = HELLO_DEADLINE.min(shared.frame_timeout);
     // No limit on the drain: connections end their own within DRAIN_MAX plus
     // the frame they are in, and the checkpoint below must come after every
@@ -57,14 +55,22 @@ impl kv_common::listen::Service for DataPlane {
     }
 }
 
-async fn upkeep(store: Arc<Store>, mut shutdown: watch::Receiver<bool>) {
-    let mut tick = tokio::time::interval(Duration::from_secs(1));
+async fn upkeep(shared: Arc<Shared>, mut shutdown: watch::Receiver<bool>) {
+    let mut tick = tokio::time::interval(Duration::from_millis(100));
+    let mut last = std::time::Instant::now();
     loop {
         tokio::select! {
             _ = kv_common::listen::stopped(&mut shutdown) => return,
             _ = tick.tick() => {}
         }
-        let s = store.clone();
+        // Hot keys' windows end on time (they may be as short as 100 ms);
+        // the store's upkeep runs every second.
+        shared.heat.tick(std::time::Instant::now());
+        if last.elapsed() < Duration::from_secs(1) {
+            continue;
+        }
+        last = std::time::Instant::now();
+        let s = shared.store.clone();
         let _ = tokio::task::spawn_blocking(move || {
             s.maintain();
             // After a crash: check recovered payloads at up to 256 MiB/s.

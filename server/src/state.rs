@@ -55,6 +55,8 @@ pub struct Shared {
     pub fabric: Arc<dyn crate::transport::Fabric>,
     /// Tombstones and counters of ring handoff (docs/ARCHITECTURE.md).
     pub handoff: crate::handoff::Handoff,
+    /// Reads per key and the keys marked hot (docs/ARCHITECTURE.md, "Hot keys").
+    pub heat: crate::heat::Heat,
     /// True from a SIGTERM until the drain ends: the node has left its group
     /// and answers gets, exists and deletes, never puts.
     pub draining: std::sync::atomic::AtomicBool,
@@ -124,6 +126,8 @@ pub struct NodeSettings {
     /// The transport that reaches clients' memory (`--rdma-dev`:
     /// [`crate::rdma::Rdma::start`]; none named: TCP only).
     pub fabric: Arc<dyn crate::transport::Fabric>,
+    /// How hot keys are marked (`--hot-reads`, `--hot-window-ms`).
+    pub heat: crate::heat::HeatConfig,
 }
 
 impl NodeSettings {
@@ -140,6 +144,7 @@ impl NodeSettings {
             group: None,
             recovery: Recovery::default(),
             fabric: Arc::new(crate::rdma::Rdma::unconfigured()),
+            heat: crate::heat::HeatConfig::default(),
         }
     }
 }
@@ -166,6 +171,7 @@ impl Shared {
             group,
             recovery,
             fabric,
+            heat,
         } = settings;
         let units = max_inflight.div_ceil(4096).min(Semaphore::MAX_PERMITS as u64).min(u64::from(u32::MAX)) as usize;
         Shared {
@@ -190,6 +196,7 @@ impl Shared {
             group,
             fabric,
             handoff: crate::handoff::Handoff::new(handoff_window),
+            heat: crate::heat::Heat::new(heat),
             draining: std::sync::atomic::AtomicBool::new(false),
         }
     }
@@ -227,6 +234,12 @@ impl Shared {
         s.drain_push_owner_failed = h.push_failed_owner.load(Ordering::Relaxed);
         s.drain_push_left = h.push_left.load(Ordering::Relaxed);
         s.drain_push_owners = h.push_owners.load(Ordering::Relaxed);
+        let heat = self.heat.stats();
+        s.hot_keys = heat.hot_keys;
+        s.hot_reads = heat.hot_reads;
+        s.hot_marked = heat.hot_marked;
+        s.hot_refused = heat.hot_refused;
+        s.hot_threshold = heat.threshold;
         s
     }
 }

@@ -548,3 +548,62 @@ fn a_copy_of_a_key_deleted_twice_is_refused() {
     let st = c.stats().unwrap();
     assert_eq!((st.handoff_refused, st.handoff_copies, st.tombstones), (1, 1, 1), "{st:?}");
 }
+
+/// Hot keys (docs/ARCHITECTURE.md, "Hot keys"): a key read past the
+/// node's threshold in a window is marked in its GET and BATCH_GET answers
+/// with a spread; a key read less is not; the mark goes once the reads stop.
+#[test]
+fn a_key_read_past_the_threshold_is_marked_hot_until_its_reads_stop() {
+    use kv_common::wire::{self, BatchItem, KeyRequest, ITEM_HOT};
+    let heat = kv_server::heat::HeatConfig { window: Duration::from_secs(1), min_reads: 20 };
+    let (s, shared) = TestServer::start_node(16, |d| NodeSettings { heat, ..d });
+    let g = geo();
+    let mut c = s.conn();
+    for k in [&b"prompt"[..], b"other"] {
+        assert!(c.put(&g, k, &vec![3u8; 4_000]).unwrap());
+    }
+    let get_flags = |c: &mut Conn, key: &[u8]| {
+        c.send(Op::Get, 0, &[&KeyRequest::encode(&g, key)]).unwrap();
+        let r = c.recv().unwrap();
+        assert_eq!(r.header.status, Status::Ok);
+        r.header.flags
+    };
+    // A few reads of "other": not hot. "prompt" read until marked: within
+    // one window (1 s) at most 20 reads, however slow the machine, and in
+    // any case within a few windows.
+    for _ in 0..5 {
+        assert_eq!(get_flags(&mut c, b"other"), 0);
+    }
+    let mut reads = 0;
+    let f = loop {
+        let f = get_flags(&mut c, b"prompt");
+        reads += 1;
+        if f != 0 || reads == 200 {
+            break f;
+        }
+    };
+    assert_ne!(f & wire::RSP_FLAG_HOT, 0, "flags {f:#x} after {reads} reads");
+    assert!(reads >= 20, "marked after {reads} reads, fewer than the threshold");
+    assert!(wire::spread_of_flags(f) >= 2, "flags {f:#x}");
+    // A BATCH_GET marks the hot item and only it.
+    let items = [BatchItem { flags: 0, key: b"prompt", segs: &[] }, BatchItem { flags: 0, key: b"other", segs: &[] }];
+    c.send(Op::BatchGet, 0, &[&wire::encode_batch_get(&g, &items)]).unwrap();
+    let r = c.recv().unwrap();
+    assert_eq!(r.header.status, Status::Ok);
+    let answer = wire::decode_batch_answer(&r.body, 2).unwrap();
+    assert_eq!(answer[0].0.status, Status::Ok);
+    assert_ne!(answer[0].0.flags & ITEM_HOT, 0, "{:?}", answer[0].0);
+    assert!(answer[0].0.spread >= 2, "{:?}", answer[0].0);
+    assert_eq!((answer[1].0.flags & ITEM_HOT, answer[1].0.spread), (0, 0), "{:?}", answer[1].0);
+    let st = c.stats().unwrap();
+    assert_eq!((st.hot_keys, st.hot_marked), (1, 1), "{st:?}");
+    assert!(st.hot_reads >= 2, "{st:?}");
+    // No more reads: the mark goes after its lingering windows.
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while shared.heat.spread(b"prompt") > 0 {
+        assert!(std::time::Instant::now() < deadline, "the hot mark never expired");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert_eq!(c.stats().unwrap().hot_keys, 0);
+    assert_eq!(get_flags(&mut c, b"prompt"), 0, "one read after the reads stopped is not hot");
+}
