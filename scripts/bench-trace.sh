@@ -12,6 +12,13 @@
 #             WARM=SECS replays the trace up to SECS before the event as fast
 #             as possible (kvctl replay --warm-until) and only the rest at
 #             SPEED: with SPEED=1, the events at the trace's own pace.
+#   policy    what the nodes keep under pressure (docs/BENCHMARKS.md, "Where the
+#             capacity went"): the whole trace as fast as it goes at a quarter
+#             and a tenth of its working set on 3 and on 12 nodes, each beside
+#             the replay's LRU simulations (pooled, and one per node on the
+#             same ring): placed by ketama without and with a memory tier (a
+#             third of each node's cap), and by multiprobe. One line a run in
+#             policy-summary.txt.
 #   fleet     the events at fleet size: NODES (default 24) nodes of CAP (default
 #             400M, no memory tier), a control run, then a graceful stop of
 #             n12, a join of two nodes, a kill -9 of n7 (back after 60 s of
@@ -24,7 +31,7 @@
 # kvctl replay JSON per run and summary.txt) go to $KVCELLAR_WORK (default
 # target/bench-trace).
 #
-# Usage: scripts/bench-trace.sh [capacity|events|fleet|all]
+# Usage: scripts/bench-trace.sh [capacity|events|policy|fleet|all]
 #        EVENTS="stop rolling" HANDOFFS=600 scripts/bench-trace.sh events   (a subset)
 #        SPEED=1 WARM=30 scripts/bench-trace.sh events                     (real time)
 set -euo pipefail
@@ -146,6 +153,47 @@ if [ "$what" = events ] || [ "$what" = all ]; then
     done
   done
   summary "$results" "" | tee "$work/summary.txt"
+fi
+
+if [ "$what" = policy ] || [ "$what" = all ]; then
+  policy="$work/results-policy"
+  mkdir -p "$policy"
+  results=$policy
+  # The working set on disk: 170,899 pages of 20 KiB, 3,338 MiB; a quarter
+  # and a tenth of it over 3 and over 12 nodes.
+  for size in "3 278M 93M quarter" "3 111M 37M tenth" "12 70M 23M quarter" "12 28M 9M tenth"; do
+    read -r n cap mem frac <<<"$size"
+    for variant in ketama ketama-mem multiprobe; do
+      args=""
+      [ "$variant" = ketama-mem ] && args="--mem-cap $mem"
+      NODES=$n NODE_ARGS="$args" bash scripts/trace-cluster.sh "$cluster" up 1 "$cap" 600
+      if [ "$variant" = multiprobe ]; then
+        "$bin/kvctl" ring --mds "$(bash scripts/trace-cluster.sh "$cluster" mds)" --group trace \
+          --set-placement multiprobe >/dev/null
+      fi
+      # One engine stream: requests in trace order, as the simulations
+      # take them (with several, a request can run before the puts of the
+      # one before it, which no simulation models).
+      replay "$n-$frac-$variant" --speed 0 --engines 1 --tag trace
+      bash scripts/trace-cluster.sh "$cluster" down
+    done
+  done
+  python3 - "$policy" <<'EOF' | tee "$work/policy-summary.txt"
+import json, sys, os
+d = sys.argv[1]
+print(f"{'nodes':>5} {'of set':<8} {'placement':<11} {'hits':>7} {'pooled':>7} {'per node':>8} {'/pooled':>8} {'/per node':>9} {'gets max/mean':>13} {'wrong':>5}")
+for n in ["3", "12"]:
+    for frac in ["quarter", "tenth"]:
+        for v in ["ketama", "ketama-mem", "multiprobe"]:
+            try:
+                r = json.load(open(os.path.join(d, f"{n}-{frac}-{v}.json")))
+            except OSError:
+                continue
+            pooled, part = r["lru"]["hits"], r["nodes"]["partitioned_lru"]["hits"]
+            bal = r["nodes"]["gets_max_over_mean"] or 0.0
+            print(f"{n:>5} {frac:<8} {v:<11} {r['hits']:>7} {pooled:>7} {part:>8} {100*r['hits']/pooled:>7.1f}% "
+                  f"{100*r['hits']/part:>8.1f}% {bal:>13.2f} {r['wrong_pages']:>5}")
+EOF
 fi
 
 if [ "$what" = fleet ]; then

@@ -9,7 +9,9 @@
 #        scripts/trace-cluster.sh WORK rolling [ID...]             these nodes (default: all) in turn: stop, start, rejoin
 #        scripts/trace-cluster.sh WORK down                        stop everything started here
 #
-# NODES (environment, default 3) is the group's size at `up`.
+# NODES (environment, default 3) is the group's size at `up`; NODE_ARGS
+# (environment, at `up`) are more kv-server flags for every node started
+# (a memory tier: NODE_ARGS="--mem-cap 64M").
 # SCALE divides the membership clocks (lease TTL 30 s, drain 30 s, handoff
 # window HANDOFF_SECS) as the replay's --speed divides trace time. Nodes
 # listen on ports picked at `up` and kept, so a restarted node comes back at
@@ -61,6 +63,7 @@ start_node() { # start_node ID
   "$bin/kv-server" --listen "127.0.0.1:$port" --dir "$work/$id/disk" --cap "$(cat "$state/cap")" \
     --mds "$(cat "$state/mds")" --group trace --id "$id" --advertise "127.0.0.1:$port" \
     --drain-secs "$(cat "$state/drain")" --handoff-secs "$(cat "$state/handoff")" --log-level info $push \
+    $(cat "$state/node-args" 2>/dev/null) \
     >"$work/$id.out" 2>>"$work/$id.log" &
   echo $! >"$state/$id.pid"
   await_line "$work/$id.out" $! kv-server
@@ -85,6 +88,7 @@ case $cmd in
     rm -rf "$work"
     mkdir -p "$state"
     echo "$cap" >"$state/cap"
+    echo "${NODE_ARGS:-}" >"$state/node-args"
     # The membership clocks, divided by SCALE (etcd leases: whole seconds, at least 2).
     python3 -c "import sys; s=float(sys.argv[1]); print(max(2, round(30/s)))" "$scale" >"$state/ttl"
     python3 -c "import sys; s=float(sys.argv[1]); print(round(30/s, 3))" "$scale" >"$state/drain"
