@@ -103,7 +103,7 @@ pub struct NodeStats {
     #[serde(default)]
     pub tombstones: u64,
     /// Hot keys (docs/ARCHITECTURE.md, "Hot keys"): keys marked hot now,
-    /// reads of hot keys served, keys that turned hot, keys not marked for
+    /// reads of hot keys served, keys that turned hot, reads not marked for
     /// the bound on the hot set, and the reads in a window that make a key
     /// hot now.
     #[serde(default)]

@@ -3,16 +3,17 @@
 //! least a window's threshold is *hot*: its answers carry a mark and a
 //! spread, the number of nodes its reads should be spread over
 //! (docs/PROTOCOL.md §2.3 and §2.5). The threshold follows the node's own
-//! load: a quarter of the reads of the keys that are not hot in the
-//! window before (so a key is hot when it alone is a sizeable part of a
-//! node's work), at least `--hot-reads`. A hot key's spread is its reads
-//! over that threshold, so every copy carries about a threshold's reads.
-//! A key stays hot while it is read that much, and is forgotten after
-//! [`LINGER_WINDOWS`] windows below it.
+//! load: an eighth of all its reads in the window before (so a key is hot
+//! when it alone is a sizeable part of the node's work, and reads spread
+//! evenly over many keys mark none), at least `--hot-reads`; nothing is
+//! marked before a first window has ended. A hot key's spread is its reads
+//! over that threshold. A key stays hot while it is read that much, and is
+//! forgotten after [`LINGER_WINDOWS`] windows below it.
 //!
 //! Counting costs a get two relaxed atomic additions (a count-min sketch
-//! of two rows) and, while some key is hot, one lookup under a lock; the
-//! hot set is bounded by [`MAX_HOT_KEYS`].
+//! of two rows) and a bit test (a filter of the hot keys' hashes); only a
+//! key whose bit is set, or whose count crossed the threshold, takes the
+//! lock of the hot set, which is bounded by [`MAX_HOT_KEYS`].
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU32, AtomicU64, AtomicUsize, Ordering};
@@ -22,15 +23,19 @@ use std::time::{Duration, Instant};
 /// Counters a row of the sketch has.
 const WIDTH: usize = 1 << 13;
 /// Keys held hot at once, at most; past it a key that turns hot is not
-/// marked (and counted in `hot_refused`).
+/// marked (each such read is counted in `hot_refused`). No more than an
+/// eighth of a window's reads can make a key hot, so at most 8 keys turn
+/// hot a window: the bound is a safety net.
 pub const MAX_HOT_KEYS: usize = 1024;
 /// The largest spread a node asks for.
 pub const MAX_SPREAD: u8 = 64;
 /// Windows a hot key may be read less than the threshold before it is
 /// forgotten.
 pub const LINGER_WINDOWS: u32 = 5;
-/// The share of the node's reads of keys not hot that makes one key hot.
-const HOT_SHARE: f64 = 0.25;
+/// The share of a node's reads in a window that makes one key hot (1/8).
+const HOT_SHARE_DIV: u64 = 8;
+/// Bits of the filter of hot keys' hashes.
+const FILTER_BITS: usize = 1 << 14;
 
 /// How a node marks hot keys.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -72,8 +77,11 @@ pub struct HeatStats {
 pub struct Heat {
     cfg: HeatConfig,
     rows: Box<[AtomicU32]>,
+    /// A bit per hash slot of a hot key (false positives only).
+    filter: Box<[AtomicU64]>,
     reads: AtomicU64,
     threshold: AtomicU32,
+    max_keys: usize,
     hot: Mutex<HashMap<Box<[u8]>, HotKey>>,
     hot_len: AtomicUsize,
     window: Mutex<Window>,
@@ -88,11 +96,18 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 
 impl Heat {
     pub fn new(cfg: HeatConfig) -> Heat {
+        Heat::with_max_keys(cfg, MAX_HOT_KEYS)
+    }
+
+    fn with_max_keys(cfg: HeatConfig, max_keys: usize) -> Heat {
         Heat {
+            max_keys,
             cfg,
             rows: (0..2 * WIDTH).map(|_| AtomicU32::new(0)).collect(),
+            filter: (0..FILTER_BITS / 64).map(|_| AtomicU64::new(0)).collect(),
             reads: AtomicU64::new(0),
-            threshold: AtomicU32::new(cfg.min_reads.max(1)),
+            // No key is hot before a window has shown the node's load.
+            threshold: AtomicU32::new(u32::MAX),
             hot: Mutex::new(HashMap::new()),
             hot_len: AtomicUsize::new(0),
             window: Mutex::new(Window { started: Instant::now() }),
@@ -108,14 +123,19 @@ impl Heat {
         if self.cfg.min_reads == 0 {
             return 0;
         }
-        self.reads.fetch_add(1, Ordering::Relaxed);
+        let so_far = self.reads.fetch_add(1, Ordering::Relaxed) + 1;
         let h = kv_common::page::key_hash(key);
         let a = (h as usize) % WIDTH;
         let b = WIDTH + ((h >> 32) as usize) % WIDTH;
         let est = (self.rows[a].fetch_add(1, Ordering::Relaxed).saturating_add(1))
             .min(self.rows[b].fetch_add(1, Ordering::Relaxed).saturating_add(1));
-        let threshold = self.threshold.load(Ordering::Relaxed);
-        if self.hot_len.load(Ordering::Relaxed) == 0 && est < threshold {
+        // The window before's threshold, or an eighth of this window's reads
+        // so far if more: at the onset of load, reads spread over many keys
+        // mark none.
+        let threshold =
+            self.threshold.load(Ordering::Relaxed).max((so_far / HOT_SHARE_DIV).min(u64::from(u32::MAX)) as u32);
+        let bit = filter_bit(h);
+        if est < threshold && self.filter[bit / 64].load(Ordering::Relaxed) & (1 << (bit % 64)) == 0 {
             return 0;
         }
         let mut hot = lock(&self.hot);
@@ -127,12 +147,13 @@ impl Heat {
         if est < threshold {
             return 0;
         }
-        if hot.len() >= MAX_HOT_KEYS {
+        if hot.len() >= self.max_keys {
             self.refused.fetch_add(1, Ordering::Relaxed);
             return 0;
         }
         let spread = spread_of(u64::from(est), u64::from(threshold));
         hot.insert(key.into(), HotKey { spread, reads: est, cool: 0 });
+        self.filter[bit / 64].fetch_or(1 << (bit % 64), Ordering::Relaxed);
         self.hot_len.store(hot.len(), Ordering::Relaxed);
         self.marked.fetch_add(1, Ordering::Relaxed);
         self.hot_reads.fetch_add(1, Ordering::Relaxed);
@@ -162,10 +183,7 @@ impl Heat {
             c.store(0, Ordering::Relaxed);
         }
         let mut hot = lock(&self.hot);
-        let hot_reads: u64 = hot.values().map(|k| u64::from(k.reads)).sum();
-        let cold = reads.saturating_sub(hot_reads);
-        let threshold =
-            ((cold as f64 * HOT_SHARE) as u64).clamp(u64::from(self.cfg.min_reads.max(1)), u64::from(u32::MAX));
+        let threshold = (reads / HOT_SHARE_DIV).clamp(u64::from(self.cfg.min_reads.max(1)), u64::from(u32::MAX - 1));
         hot.retain(|_, k| {
             if u64::from(k.reads) >= threshold {
                 k.spread = spread_of(u64::from(k.reads), threshold);
@@ -176,6 +194,13 @@ impl Heat {
             k.reads = 0;
             k.cool < LINGER_WINDOWS
         });
+        for f in self.filter.iter() {
+            f.store(0, Ordering::Relaxed);
+        }
+        for key in hot.keys() {
+            let bit = filter_bit(kv_common::page::key_hash(key));
+            self.filter[bit / 64].fetch_or(1 << (bit % 64), Ordering::Relaxed);
+        }
         self.hot_len.store(hot.len(), Ordering::Relaxed);
         self.threshold.store(threshold as u32, Ordering::Relaxed);
     }
@@ -186,9 +211,17 @@ impl Heat {
             hot_reads: self.hot_reads.load(Ordering::Relaxed),
             hot_marked: self.marked.load(Ordering::Relaxed),
             hot_refused: self.refused.load(Ordering::Relaxed),
-            threshold: u64::from(self.threshold.load(Ordering::Relaxed)),
+            threshold: match self.threshold.load(Ordering::Relaxed) {
+                u32::MAX => 0,
+                t => u64::from(t),
+            },
         }
     }
+}
+
+/// The bit of the hot keys' filter for a key of hash `h`.
+fn filter_bit(h: u64) -> usize {
+    (h >> 16) as usize % FILTER_BITS
 }
 
 /// Nodes to spread `reads` over so each gets about `threshold`: 2 to
@@ -201,13 +234,26 @@ fn spread_of(reads: u64, threshold: u64) -> u8 {
 mod tests {
     use super::*;
 
-    fn heat(min_reads: u32) -> Heat {
-        Heat::new(HeatConfig { window: Duration::from_secs(1), min_reads })
+    /// A tracker whose first window has ended (with no reads), and when.
+    fn heat(min_reads: u32) -> (Heat, Instant) {
+        let h = Heat::new(HeatConfig { window: Duration::from_secs(1), min_reads });
+        let t0 = Instant::now() + Duration::from_secs(1);
+        h.tick(t0);
+        (h, t0)
+    }
+
+    #[test]
+    fn nothing_is_hot_before_a_first_window_has_ended() {
+        let h = Heat::new(HeatConfig { window: Duration::from_secs(1), min_reads: 4 });
+        for _ in 0..100 {
+            assert_eq!(h.read(b"p"), 0);
+        }
+        assert_eq!(h.stats().threshold, 0, "none yet");
     }
 
     #[test]
     fn a_key_read_past_the_threshold_is_marked_and_others_are_not() {
-        let h = heat(10);
+        let (h, _) = heat(10);
         for _ in 0..9 {
             assert_eq!(h.read(b"hot"), 0);
             assert_eq!(h.read(b"cold"), 0);
@@ -216,56 +262,82 @@ mod tests {
         assert_eq!(h.spread(b"hot"), 2);
         assert_eq!(h.spread(b"cold"), 0);
         let s = h.stats();
-        assert_eq!((s.hot_keys, s.hot_marked, s.hot_reads), (1, 1, 1));
+        assert_eq!((s.hot_keys, s.hot_marked, s.hot_reads, s.threshold), (1, 1, 1, 10));
     }
 
     #[test]
-    fn the_spread_follows_the_reads_against_the_nodes_other_load_and_hot_state_expires() {
-        let h = heat(4);
-        let t0 = Instant::now();
-        // Window 1: 400 reads of "p", 100 of 100 other keys.
-        for i in 0..100 {
-            h.read(format!("k{i}").as_bytes());
+    fn the_spread_follows_the_reads_against_the_nodes_load_and_hot_state_expires() {
+        let (h, t0) = heat(4);
+        // Window 2: 400 reads of "p", 400 spread over 100 other keys.
+        for r in 0..4 {
+            for i in 0..100 {
+                assert_eq!(h.read(format!("k{i}").as_bytes()), 0, "round {r}");
+            }
         }
         for _ in 0..400 {
             h.read(b"p");
         }
         h.tick(t0 + Duration::from_secs(1));
-        // Threshold: a quarter of the 100 cold reads = 25; "p": 400/25 = 16.
-        assert_eq!(h.stats().threshold, 25);
-        assert_eq!(h.spread(b"p"), 16);
+        // Threshold: an eighth of the 800 reads = 100; "p": 400/100 = 4.
+        assert_eq!(h.stats().threshold, 100);
+        assert_eq!(h.spread(b"p"), 4);
+        assert_eq!(h.stats().hot_keys, 1, "keys read 4 times are not hot");
         // Read less: the spread shrinks with the reads.
-        for _ in 0..60 {
+        for _ in 0..250 {
             h.read(b"p");
         }
         for i in 0..100 {
             h.read(format!("k{i}").as_bytes());
         }
         h.tick(t0 + Duration::from_secs(2));
-        assert_eq!(h.spread(b"p"), 3, "60 reads over a threshold of 25");
+        assert_eq!(h.stats().threshold, 43, "350 reads / 8");
+        assert_eq!(h.spread(b"p"), 6, "250 reads over a threshold of 43");
         // Not read at all: forgotten after LINGER_WINDOWS windows.
         for w in 0..LINGER_WINDOWS {
-            assert_eq!(h.spread(b"p"), 3, "still hot in window {w}");
+            assert_eq!(h.spread(b"p"), 6, "still hot in window {w}");
             h.tick(t0 + Duration::from_secs(3 + u64::from(w)));
         }
         assert_eq!(h.spread(b"p"), 0);
         assert_eq!(h.stats().hot_keys, 0);
         // A tick before the window ends changes nothing.
         h.read(b"q");
-        h.tick(t0 + Duration::from_secs(3 + u64::from(LINGER_WINDOWS)) + Duration::from_millis(10));
-        assert_eq!(h.stats().threshold, 4, "no cold reads: the floor");
+        h.tick(t0 + Duration::from_secs(2 + u64::from(LINGER_WINDOWS)) + Duration::from_millis(10));
+        assert_eq!(h.stats().threshold, 4, "no reads: the floor");
+    }
+
+    #[test]
+    fn reads_spread_evenly_over_many_keys_mark_none() {
+        let (h, t0) = heat(4);
+        for w in 0..3u64 {
+            for r in 0..50 {
+                for i in 0..40 {
+                    assert_eq!(h.read(format!("k{i}").as_bytes()), 0, "window {w} round {r}");
+                }
+            }
+            h.tick(t0 + Duration::from_secs(1 + w));
+        }
+        // 50 reads a key a window, 2,000 in all: the threshold is 250.
+        assert_eq!(h.stats(), HeatStats { threshold: 250, ..HeatStats::default() });
     }
 
     #[test]
     fn the_hot_set_is_bounded_and_marking_can_be_off() {
-        let h = heat(1);
-        for i in 0..MAX_HOT_KEYS + 10 {
-            h.read(format!("k{i}").as_bytes());
+        let h = Heat::with_max_keys(HeatConfig { window: Duration::from_secs(1), min_reads: 1 }, 4);
+        h.tick(Instant::now() + Duration::from_secs(1));
+        // 8 keys read in turn: each is an eighth of the reads, so each is
+        // hot; 4 are marked, the others' reads counted as refused.
+        let mut marked = std::collections::HashSet::new();
+        for _ in 0..10 {
+            for i in 0..8 {
+                if h.read(format!("k{i}").as_bytes()) > 0 {
+                    marked.insert(i);
+                }
+            }
         }
         let s = h.stats();
-        assert_eq!(s.hot_keys, MAX_HOT_KEYS as u64);
-        assert_eq!(s.hot_refused, 10);
-        let off = heat(0);
+        assert_eq!((s.hot_keys, marked.len()), (4, 4), "{s:?}");
+        assert_eq!(s.hot_refused, 40, "{s:?}");
+        let (off, _) = heat(0);
         for _ in 0..1000 {
             assert_eq!(off.read(b"p"), 0);
         }

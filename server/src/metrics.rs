@@ -270,7 +270,12 @@ impl Collector for StatsCollector {
         gauge(&mut e, "hot_keys", "Keys marked hot now: read past the hot threshold in a window", s.hot_keys)?;
         counter(&mut e, "hot_reads", "Reads served of keys marked hot", s.hot_reads)?;
         counter(&mut e, "hot_marked", "Keys that turned hot", s.hot_marked)?;
-        counter(&mut e, "hot_refused", "Keys not marked hot for the bound on the hot set", s.hot_refused)?;
+        counter(
+            &mut e,
+            "hot_refused",
+            "Reads of keys past the hot threshold not marked for the bound on the hot set",
+            s.hot_refused,
+        )?;
         gauge(&mut e, "hot_threshold", "Reads of one key in a window that make it hot now", s.hot_threshold)?;
         counter(&mut e, "drain_pushed", "Pages pushed to their new owners while draining", s.drain_pushed)?;
         counter(
