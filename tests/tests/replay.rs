@@ -17,25 +17,24 @@ fn json(out: &str, err: &str) -> serde_json::Value {
     serde_json::from_str(out).unwrap_or_else(|e| panic!("kvctl replay --json printed no JSON ({e}): {out}\n{err}"))
 }
 
+/// Three nodes, each with one disk directory under `t` and `extra` flags.
+fn three_nodes(t: &tempfile::TempDir, extra: &[&str]) -> Vec<Node> {
+    (0..3)
+        .map(|i| {
+            let d = t.path().join(format!("n{i}"));
+            let mut args = vec!["--dir", d.to_str().expect("utf-8 path"), "--no-sync", "--log-level", "warn"];
+            args.extend_from_slice(extra);
+            Node::start(&args)
+        })
+        .collect()
+}
+
 #[test]
 fn a_replayed_slice_hits_its_ceiling_and_every_page_is_the_one_put() {
     let t = tempfile::tempdir().expect("tempdir");
     // 3 nodes of 128 MiB: the slice's working set is 7,515 pages of 8 KiB
     // on disk (4 KiB payload + header + key, rounded up), about 59 MiB.
-    let nodes: Vec<Node> = (0..3)
-        .map(|i| {
-            let d = t.path().join(format!("n{i}"));
-            Node::start(&[
-                "--dir",
-                d.to_str().expect("utf-8 path"),
-                "--cap",
-                "128M",
-                "--no-sync",
-                "--log-level",
-                "warn",
-            ])
-        })
-        .collect();
+    let nodes = three_nodes(&t, &["--cap", "128M"]);
     let members = Node::members(&nodes);
     let trace = workspace_root().join("traces/conversation_trace.jsonl");
     let trace = trace.to_str().expect("utf-8 path");
@@ -102,22 +101,7 @@ fn under_pressure_the_nodes_hit_what_an_lru_per_node_would() {
     let t = tempfile::tempdir().expect("tempdir");
     // The first 2,000 requests: 36,808 distinct pages of 8 KiB on disk
     // (4 KiB payload), 288 MiB; 3 nodes of 24 MiB hold a quarter of it.
-    let nodes: Vec<Node> = (0..3)
-        .map(|i| {
-            let d = t.path().join(format!("n{i}"));
-            Node::start(&[
-                "--dir",
-                d.to_str().expect("utf-8 path"),
-                "--cap",
-                "24M",
-                "--mem-cap",
-                "8M",
-                "--no-sync",
-                "--log-level",
-                "warn",
-            ])
-        })
-        .collect();
+    let nodes = three_nodes(&t, &["--cap", "24M", "--mem-cap", "8M"]);
     let members = Node::members(&nodes);
     let trace = workspace_root().join("traces/conversation_trace.jsonl");
     let args = [
