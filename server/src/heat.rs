@@ -10,10 +10,11 @@
 //! over that threshold. A key stays hot while it is read that much, and is
 //! forgotten after [`LINGER_WINDOWS`] windows below it.
 //!
-//! Counting costs a get two relaxed atomic additions (a count-min sketch
-//! of two rows) and a bit test (a filter of the hot keys' hashes); only a
-//! key whose bit is set, or whose count crossed the threshold, takes the
-//! lock of the hot set, which is bounded by [`MAX_HOT_KEYS`].
+//! Counting costs a get three relaxed atomic additions (the window's reads
+//! and a count-min sketch of two rows) and a bit test (a filter of the hot
+//! keys' hashes); only a key whose bit is set, or whose count crossed the
+//! threshold, takes the lock of the hot set, which is bounded by
+//! [`MAX_HOT_KEYS`].
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU32, AtomicU64, AtomicUsize, Ordering};
@@ -23,9 +24,10 @@ use std::time::{Duration, Instant};
 /// Counters a row of the sketch has.
 const WIDTH: usize = 1 << 13;
 /// Keys held hot at once, at most; past it a key that turns hot is not
-/// marked (each such read is counted in `hot_refused`). No more than an
-/// eighth of a window's reads can make a key hot, so at most 8 keys turn
-/// hot a window: the bound is a safety net.
+/// marked (each such read is counted in `hot_refused`). A key must take an
+/// eighth of the reads, so under steady load at most 8 keys turn hot a
+/// window (more while the load grows, and lingering keys add up): the
+/// bound is a safety net.
 pub const MAX_HOT_KEYS: usize = 1024;
 /// The largest spread a node asks for.
 pub const MAX_SPREAD: u8 = 64;
@@ -169,9 +171,10 @@ impl Heat {
         lock(&self.hot).get(key).map_or(0, |k| k.spread)
     }
 
-    /// Ends the window when it is due (the node's upkeep calls it every
-    /// second): the next threshold from this window's reads, each hot
-    /// key's spread from its reads, and the keys read less forgotten.
+    /// Ends the window when it is due (the node calls it every 50 ms): the
+    /// next threshold from this window's reads, each hot key's spread from
+    /// its reads, and the keys read less than the threshold for
+    /// [`LINGER_WINDOWS`] windows forgotten.
     pub fn tick(&self, now: Instant) {
         let mut w = lock(&self.window);
         if now.saturating_duration_since(w.started) < self.cfg.window {
@@ -183,10 +186,12 @@ impl Heat {
             c.store(0, Ordering::Relaxed);
         }
         let mut hot = lock(&self.hot);
-        let threshold = (reads / HOT_SHARE_DIV).clamp(u64::from(self.cfg.min_reads.max(1)), u64::from(u32::MAX - 1));
+        // Below u32::MAX, which stands for "no window ended yet".
+        let threshold = (reads / HOT_SHARE_DIV).max(u64::from(self.cfg.min_reads.max(1))).min(u64::from(u32::MAX - 1));
         hot.retain(|_, k| {
+            // A key cooling down is asked to be spread less at once.
+            k.spread = spread_of(u64::from(k.reads), threshold);
             if u64::from(k.reads) >= threshold {
-                k.spread = spread_of(u64::from(k.reads), threshold);
                 k.cool = 0;
             } else {
                 k.cool += 1;
@@ -212,6 +217,7 @@ impl Heat {
             hot_marked: self.marked.load(Ordering::Relaxed),
             hot_refused: self.refused.load(Ordering::Relaxed),
             threshold: match self.threshold.load(Ordering::Relaxed) {
+                _ if self.cfg.min_reads == 0 => 0,
                 u32::MAX => 0,
                 t => u64::from(t),
             },
@@ -240,6 +246,14 @@ mod tests {
         let t0 = Instant::now() + Duration::from_secs(1);
         h.tick(t0);
         (h, t0)
+    }
+
+    #[test]
+    fn the_largest_floor_ends_windows_without_a_panic() {
+        let (h, t0) = heat(u32::MAX);
+        h.read(b"p");
+        h.tick(t0 + Duration::from_secs(1));
+        assert_eq!(h.stats().threshold, u64::from(u32::MAX - 1));
     }
 
     #[test]
@@ -294,7 +308,8 @@ mod tests {
         assert_eq!(h.spread(b"p"), 6, "250 reads over a threshold of 43");
         // Not read at all: forgotten after LINGER_WINDOWS windows.
         for w in 0..LINGER_WINDOWS {
-            assert_eq!(h.spread(b"p"), 6, "still hot in window {w}");
+            let want = if w == 0 { 6 } else { 2 };
+            assert_eq!(h.spread(b"p"), want, "still hot in window {w}, spread less once unread");
             h.tick(t0 + Duration::from_secs(3 + u64::from(w)));
         }
         assert_eq!(h.spread(b"p"), 0);
@@ -341,6 +356,6 @@ mod tests {
         for _ in 0..1000 {
             assert_eq!(off.read(b"p"), 0);
         }
-        assert_eq!(off.stats(), HeatStats { threshold: 1, ..HeatStats::default() });
+        assert_eq!(off.stats(), HeatStats::default(), "marking off: no threshold");
     }
 }

@@ -225,11 +225,11 @@ async fn answer_hit(
     segs: &[Segment],
     budget: Option<OwnedSemaphorePermit>,
 ) -> Response {
-    // A page served is a read of its key; a hot key's answer says so
-    // (docs/ARCHITECTURE.md, "Hot keys").
-    let hot = wire::hot_flags(shared.heat.read(key));
+    // A page served is a read of its key (once, when it is answered OK); a
+    // hot key's answer says so (docs/ARCHITECTURE.md, "Hot keys").
+    let hot = || wire::hot_flags(shared.heat.read(key));
     let inline = |rec: Arc<PooledBuf>, budget| {
-        let mut r = respond(req, Status::Ok, hot, Body::Record(rec));
+        let mut r = respond(req, Status::Ok, hot(), Body::Record(rec));
         r.budget = budget;
         r
     };
@@ -245,7 +245,7 @@ async fn answer_hit(
         return respond(req, Status::TooSmall, 0, Body::Bytes(rec.as_slice()[..pre].to_vec()));
     }
     match remote.deliver(rec.clone(), pre, segs).await {
-        Ok(()) => respond(req, Status::Ok, RSP_FLAG_RDMA | hot, Body::Bytes(rec.as_slice()[..pre].to_vec())),
+        Ok(()) => respond(req, Status::Ok, RSP_FLAG_RDMA | hot(), Body::Bytes(rec.as_slice()[..pre].to_vec())),
         Err(e) => {
             tracing::warn!(peer = %s.out.peer, error = %e, "RDMA write of a get failed; answering over TCP");
             s.remote.failed(&remote);

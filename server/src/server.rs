@@ -11,6 +11,7 @@ use tokio::net::TcpListener;
 use tokio::sync::watch;
 
 pub use crate::state::{Fresh, NodeSettings, Recovery, Shared};
+use crate::store::Store;
 
 /// Serves on `listener` until `shutdown` turns true, then drains and
 /// checkpoints. Returns the checkpoint's result.
@@ -27,7 +28,8 @@ pub async fn run(
     spread: Vec<tokio::runtime::Handle>,
     shutdown: watch::Receiver<bool>,
 ) -> std::io::Result<()> {
-    let upkeep = tokio::spawn(upkeep(shared.clone(), shutdown.clone()));
+    let upkeep = tokio::spawn(upkeep(shared.store.clone(), shutdown.clone()));
+    let windows = tokio::spawn(heat_windows(shared.clone(), shutdown.clone()));
     let hello_deadline = HELLO_DEADLINE.min(shared.frame_timeout);
     // No limit on the drain: connections end their own within DRAIN_MAX plus
     // the frame they are in, and the checkpoint below must come after every
@@ -37,6 +39,7 @@ pub async fn run(
     let counters = shared.listener.clone();
     kv_common::listen::run(listener, gate, counters, Arc::new(DataPlane(shared.clone())), shutdown).await;
     let _ = upkeep.await;
+    let _ = windows.await;
     let store = shared.store.clone();
     let r = tokio::task::spawn_blocking(move || store.close()).await;
     r.unwrap_or_else(|e| Err(std::io::Error::other(e.to_string())))
@@ -55,22 +58,27 @@ impl kv_common::listen::Service for DataPlane {
     }
 }
 
-async fn upkeep(shared: Arc<Shared>, mut shutdown: watch::Receiver<bool>) {
-    let mut tick = tokio::time::interval(Duration::from_millis(100));
-    let mut last = std::time::Instant::now();
+/// Ends hot keys' windows on time (they may be as short as 100 ms), apart
+/// from the store's upkeep, which may wait for a disk.
+async fn heat_windows(shared: Arc<Shared>, mut shutdown: watch::Receiver<bool>) {
+    let mut tick = tokio::time::interval(Duration::from_millis(50));
     loop {
         tokio::select! {
             _ = kv_common::listen::stopped(&mut shutdown) => return,
             _ = tick.tick() => {}
         }
-        // Hot keys' windows end on time (they may be as short as 100 ms);
-        // the store's upkeep runs every second.
         shared.heat.tick(std::time::Instant::now());
-        if last.elapsed() < Duration::from_secs(1) {
-            continue;
+    }
+}
+
+async fn upkeep(store: Arc<Store>, mut shutdown: watch::Receiver<bool>) {
+    let mut tick = tokio::time::interval(Duration::from_secs(1));
+    loop {
+        tokio::select! {
+            _ = kv_common::listen::stopped(&mut shutdown) => return,
+            _ = tick.tick() => {}
         }
-        last = std::time::Instant::now();
-        let s = shared.store.clone();
+        let s = store.clone();
         let _ = tokio::task::spawn_blocking(move || {
             s.maintain();
             // After a crash: check recovered payloads at up to 256 MiB/s.

@@ -219,6 +219,31 @@ fn a_read_served_from_memory_keeps_its_page_on_disk_as_recent() {
 }
 
 #[test]
+fn one_page_read_from_memory_over_and_over_leaves_room_for_the_others_reads() {
+    // k0 is read from memory more times than a disk's touch log holds
+    // keys; k1 once after it. Both are still recent on disk: the next two
+    // puts evict k2 and k3.
+    let t = tempfile::tempdir().unwrap();
+    let (s, _) = Store::open(&cfg(&dirs(&t, 1), 60 << 10, 60 << 10)).unwrap();
+    for i in 0..5 {
+        put(&s, &format!("k{i}"), 12_000).unwrap();
+    }
+    for _ in 0..kv_server::store::disk::MAX_TOUCHED + 10 {
+        assert!(matches!(s.get(b"k0", None), GetOutcome::Hit(_)));
+    }
+    assert!(get(&s, "k1").is_some());
+    for i in 5..7 {
+        put(&s, &format!("k{i}"), 12_000).unwrap();
+    }
+    for gone in ["k2", "k3"] {
+        assert!(get(&s, gone).is_none(), "{gone} was the least recently used");
+    }
+    for kept in ["k0", "k1", "k4", "k5", "k6"] {
+        assert!(get(&s, kept).is_some(), "{kept} is among the 5 most recent");
+    }
+}
+
+#[test]
 fn readers_during_eviction_get_whole_records() {
     let t = tempfile::tempdir().unwrap();
     let (s, _) = Store::open(&cfg(&dirs(&t, 1), 2 << 20, 0)).unwrap();

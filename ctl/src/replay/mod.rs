@@ -350,14 +350,18 @@ struct Layout {
 
 impl Layout {
     fn of(target: &Target, timeout: Duration) -> Result<Layout, String> {
-        use kv_common::ring::{Placement, Ring, RingMember};
+        use kv_common::ring::{Ring, RingMember};
         let (members, rule) = match target.cluster()? {
             Cluster::Mds { endpoints, group } => {
                 let view = crate::cluster::fetch_view(&endpoints, &group, timeout)?;
                 let rule = view.placement()?;
                 (view.members, rule)
             }
-            Cluster::Members(m) => (crate::cluster::member_records(&m)?, Placement::Ketama),
+            // A static list is placed by the client's option, as the
+            // client the replay drives places it.
+            Cluster::Members(m) => {
+                (crate::cluster::member_records(&m)?, kvclient::Options::parse(&target.options)?.placement)
+            }
         };
         let ring = Ring::with_placement(
             members.iter().map(|m| RingMember { id: m.id.clone(), weight: m.weight }).collect(),

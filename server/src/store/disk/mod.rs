@@ -4,7 +4,8 @@
 //! work and journal appends, never across data I/O. Journal appends that
 //! describe the index (PUT on insert, DEL on evict/delete) happen under
 //! `state`, so the journal order is the index order. Lock order: state, then
-//! journal.
+//! journal; `touched` (memory-tier reads waiting for the index) is a leaf,
+//! taken alone or under `state`.
 //!
 //! Readers pin a record's extent through an `Arc<Extent>`; eviction only
 //! drops the index's reference, and the space goes back to the allocator
@@ -203,16 +204,17 @@ pub struct Disk {
     /// Keys recovered after an unclean stop, waiting for a payload check.
     scrub_queue: Mutex<Vec<Arc<[u8]>>>,
     /// Keys read from the memory tier since the index last saw them
-    /// ([`Disk::touch_later`]), oldest first: applied to the index's
-    /// recency before anything is evicted. A leaf lock: never held while
-    /// `state` is taken.
-    touched: Mutex<Vec<Box<[u8]>>>,
+    /// ([`Disk::touch_later`]), each once, in the order of their last
+    /// read: applied to the index's recency before anything is evicted. A
+    /// leaf lock: never held while `state` is taken.
+    touched: Mutex<LruCache<Box<[u8]>, ()>>,
     _lock: File,
 }
 
-/// Memory-tier reads a disk remembers for its index's recency between two
-/// evictions (or two [`Disk::maintain`] calls) at most; past it the newest
-/// are not remembered.
+/// Keys read from the memory tier a disk remembers for its index's recency
+/// between two evictions (or two [`Disk::maintain`] calls) at most; past
+/// it the key read longest ago is forgotten (its page then keeps the
+/// recency its disk last saw).
 pub const MAX_TOUCHED: usize = 1 << 16;
 
 fn take_dir_lock(dir: &Path) -> io::Result<File> {
@@ -380,7 +382,9 @@ impl Disk {
             gather: Gather::default(),
             checkpointing: Mutex::new(()),
             scrub_queue: Mutex::new(scrub_queue),
-            touched: Mutex::new(Vec::new()),
+            touched: Mutex::new(LruCache::new(
+                std::num::NonZeroUsize::new(MAX_TOUCHED).unwrap_or(std::num::NonZeroUsize::MIN),
+            )),
             _lock: lockf,
         };
         Ok((disk, report))
@@ -442,17 +446,25 @@ impl Disk {
     /// index lock is taken.
     pub fn touch_later(&self, key: &[u8]) {
         let mut t = lock(&self.touched);
-        if t.len() < MAX_TOUCHED {
-            t.push(key.into());
+        // A key read again moves to the end; only a new one is copied.
+        if t.get(key).is_none() {
+            t.put(key.into(), ());
         }
     }
 
-    /// Applies the reads [`Disk::touch_later`] noted, in their order.
+    /// Applies the reads [`Disk::touch_later`] noted, oldest first.
     fn apply_touched(&self, st: &mut State) {
-        let keys = std::mem::take(&mut *lock(&self.touched));
-        if keys.is_empty() {
-            return;
-        }
+        let keys: Vec<Box<[u8]>> = {
+            let mut t = lock(&self.touched);
+            if t.is_empty() {
+                return;
+            }
+            let mut keys = Vec::with_capacity(t.len());
+            while let Some((k, ())) = t.pop_lru() {
+                keys.push(k);
+            }
+            keys
+        };
         let now = use_tick();
         for k in &keys {
             if let Some(e) = st.index.get_mut(&k[..]) {
@@ -461,8 +473,10 @@ impl Disk {
         }
     }
 
-    /// Evicts the least recently used record. False when the index is empty.
+    /// Evicts the least recently used record (after the memory tier's
+    /// reads are applied). False when the index is empty.
     fn evict_one(&self, st: &mut State) -> bool {
+        self.apply_touched(st);
         let Some((key, entry)) = st.index.pop_lru() else {
             return false;
         };

@@ -176,9 +176,6 @@ impl Disk {
             if st.index.contains(key) {
                 return Ok(PutResult::Duplicate);
             }
-            if st.used + alloc_len > self.cap {
-                self.apply_touched(&mut st);
-            }
             while st.used + alloc_len > self.cap {
                 if !self.evict_one(&mut st) {
                     break;
@@ -272,9 +269,6 @@ impl Disk {
             let total: u64 = fresh.iter().map(|&i| lens[i]).sum();
             if total > self.cap {
                 return None;
-            }
-            if st.used + total > self.cap {
-                self.apply_touched(&mut st);
             }
             while st.used + total > self.cap {
                 if !self.evict_one(&mut st) {
