@@ -163,7 +163,7 @@ impl Heat {
     }
 
     /// The spread a key is marked with now (0: not hot), without counting
-    /// a read: for exists.
+    /// a read (for tests and tools: exists are not marked).
     pub fn spread(&self, key: &[u8]) -> u8 {
         if self.hot_len.load(Ordering::Relaxed) == 0 {
             return 0;

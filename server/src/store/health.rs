@@ -85,6 +85,12 @@ impl View {
         View { ring: Ring::new(members), disk_of, slots, carried }
     }
 
+    /// The slot of the disk placement names for `key` (None: no disk in
+    /// service).
+    pub(super) fn owner_slot(&self, key: &[u8]) -> Option<&Slot> {
+        self.ring.owner(key).map(|m| &self.slots[self.disk_of[m]])
+    }
+
     pub(super) fn live(&self) -> impl Iterator<Item = &Arc<Disk>> {
         self.slots.iter().filter_map(|s| match s {
             Slot::Live(d) => Some(d),

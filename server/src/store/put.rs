@@ -184,7 +184,7 @@ impl Store {
     /// otherwise the put takes the media path and gets its error).
     fn can_store(&self, key: &[u8], len: u64) -> bool {
         let v = self.view();
-        match v.ring.owner(key).map(|m| &v.slots[v.disk_of[m]]) {
+        match v.owner_slot(key) {
             Some(Slot::Live(d)) => !d.is_failed() && buf::align_up(len) <= d.cap(),
             _ => false,
         }
@@ -200,7 +200,7 @@ impl Store {
     ) -> Result<(PutOutcome, Option<Stamp>), StoreError> {
         for _ in 0..2 {
             let v = self.view();
-            let Some(Slot::Live(disk)) = v.ring.owner(key).map(|m| &v.slots[v.disk_of[m]]) else {
+            let Some(Slot::Live(disk)) = v.owner_slot(key) else {
                 return Err(StoreError::NoDisk);
             };
             match Self::put_outcome(disk.put_gathered(rec, key, header)) {

@@ -84,7 +84,7 @@ impl Store {
             w.note_read(key);
         }
         let v = self.view();
-        if let Some(super::Slot::Live(d)) = v.ring.owner(key).map(|m| &v.slots[v.disk_of[m]]) {
+        if let Some(super::Slot::Live(d)) = v.owner_slot(key) {
             d.touch_later(key);
         }
     }
