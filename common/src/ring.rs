@@ -374,6 +374,53 @@ impl Ring {
         }
     }
 
+    /// The first `n` distinct members (at most all of them) met walking
+    /// the ring clockwise from where `key` lands: its owner first, then the
+    /// members whose points follow. Computable from the member list alone,
+    /// like the owner; a hot key's reads are spread over these
+    /// (docs/ARCHITECTURE.md, "Hot keys").
+    pub fn owners(&self, key: &[u8], n: usize) -> Vec<usize> {
+        let n = n.min(self.members.len());
+        let mut out = Vec::with_capacity(n);
+        if n == 0 || self.len == 0 {
+            return out;
+        }
+        // Where the key lands: its own point under Ketama, the point of its
+        // winning probe under multi-probe (the owner's first point past it).
+        let start = match self.placement {
+            Placement::Ketama => key_point(key),
+            Placement::MultiProbe => self.multiprobe_point(key_point(key)),
+        };
+        let (mut p, mut slot) = self.successor(start);
+        for _ in 0..self.len {
+            let m = self.slots[slot as usize] as usize;
+            if !out.contains(&m) {
+                out.push(m);
+                if out.len() == n {
+                    break;
+                }
+            }
+            // The next point: the first past this one (wrapping at the top).
+            (p, slot) = self.successor(p.wrapping_add(1));
+        }
+        out
+    }
+
+    /// The winning probe's point of a key whose point is `h` (the ring not
+    /// empty): where [`Ring::multiprobe_owner`] lands.
+    fn multiprobe_point(&self, h: u64) -> u64 {
+        let mut best = (u64::MAX, 0u64);
+        for j in 0..MULTIPROBE_PROBES {
+            let p = probe_point(h, j);
+            let (q, _) = self.successor(p);
+            let d = q.wrapping_sub(p);
+            if d < best.0 || j == 0 {
+                best = (d, p);
+            }
+        }
+        best.1
+    }
+
     /// The multi-probe owner of a key whose point is `h`: of the key's
     /// probes, the one whose next point (wrapping) is nearest decides; on
     /// equal distances the earlier probe wins.
@@ -551,6 +598,37 @@ mod tests {
         let s = reference_ring().shares();
         assert!((s.iter().sum::<f64>() - 1.0).abs() < 1e-9);
         assert!(s[1] > 0.4 && s[1] < 0.6, "n2 has weight 2 of 4: {s:?}");
+    }
+
+    #[test]
+    fn a_keys_owners_start_at_its_owner_and_are_distinct_successors() {
+        for placement in [Placement::Ketama, Placement::MultiProbe] {
+            let members: Vec<RingMember> = (0..12).map(|i| RingMember { id: format!("node-{i}"), weight: 1 }).collect();
+            let ring = Ring::with_placement(members, placement);
+            for k in 0..200 {
+                let key = format!("key-{k}");
+                let all = ring.owners(key.as_bytes(), 64);
+                assert_eq!(all.len(), 12, "every member once");
+                assert_eq!(Some(all[0]), ring.owner(key.as_bytes()), "{placement}: the owner first");
+                let mut seen = all.clone();
+                seen.sort_unstable();
+                seen.dedup();
+                assert_eq!(seen.len(), 12);
+                assert_eq!(ring.owners(key.as_bytes(), 3), all[..3], "a prefix of the longer list");
+            }
+            // Without one member, the others keep their order.
+            let fewer: Vec<RingMember> =
+                (0..12).filter(|&i| i != 5).map(|i| RingMember { id: format!("node-{i}"), weight: 1 }).collect();
+            let less = Ring::with_placement(fewer, placement);
+            let ids = |r: &Ring, v: Vec<usize>| v.into_iter().map(|i| r.members()[i].id.clone()).collect::<Vec<_>>();
+            if placement == Placement::Ketama {
+                let mut was = ids(&ring, ring.owners(b"key-7", 12));
+                was.retain(|id| id != "node-5");
+                assert_eq!(ids(&less, less.owners(b"key-7", 11)), was);
+            }
+        }
+        assert!(Ring::default().owners(b"x", 4).is_empty());
+        assert!(reference_ring().owners(b"x", 0).is_empty());
     }
 
     #[test]

@@ -69,10 +69,11 @@ pub const MAX_BATCH_ANSWER: u64 = 64 << 20;
 /// Per-item flag in a BATCH_GET: a handoff ask for this item (as
 /// [`FLAG_HANDOFF`] on a GET; the frame's FLAG_HANDOFF sets it for all).
 pub const ITEM_HANDOFF: u8 = 1;
-/// Per-item flag in a BATCH_GET request, reserved: the client holds the
-/// page hot (nodes of this release accept it and do nothing with it). On
-/// a BATCH_GET answer's `OK` item: the key is hot at this node, and the
-/// item head's third byte is its spread (docs/PROTOCOL.md §2.5).
+/// Per-item flag in a BATCH_GET request: the client spreads this key's
+/// reads, over as many nodes as the item head's second byte says, and this
+/// read at its owner stands for that many (nodes before this release
+/// ignore it). On a BATCH_GET answer's `OK` item: the key is hot at this
+/// node, and the item head's third byte is its spread (docs/PROTOCOL.md §2.5).
 pub const ITEM_HOT: u8 = 2;
 /// Per-item flag in a BATCH_GET or BATCH_PUT (on a connection whose RDMA
 /// bootstrap agreed on version 3, docs/PROTOCOL.md §2.8): the payload moves
@@ -350,13 +351,27 @@ pub struct ReqHeader {
     pub op: Op,
     pub flags: u8,
     /// Bytes 2..4. For a PUT with [`FLAG_HANDOFF`]: the copy's age, how
-    /// long ago the page it copies was read ([`encode_copy_age`]). Otherwise
-    /// 0, and ignored by nodes (so is a copy's age on nodes that predate
-    /// it; a copy from a client that predates it reads as age 0).
+    /// long ago the page it copies was read ([`encode_copy_age`]). For a
+    /// GET: the spread the client reads a hot key with, so that the owner
+    /// counts this read as that many ([`ReqHeader::read_weight`]).
+    /// Otherwise 0, and ignored by nodes (so is a copy's age or a spread
+    /// on nodes that predate it; a copy from a client that predates it
+    /// reads as age 0).
     pub copy_age: u16,
     pub body_len: u32,
     pub req_id: u64,
 }
+
+impl ReqHeader {
+    /// The reads a GET stands for: the spread in bytes 2..4, at most
+    /// [`MAX_SPREAD`], at least 1 (docs/PROTOCOL.md §2.2).
+    pub fn read_weight(&self) -> u8 {
+        self.copy_age.clamp(1, u16::from(MAX_SPREAD)) as u8
+    }
+}
+
+/// The most nodes a hot key's reads are spread over.
+pub const MAX_SPREAD: u8 = 64;
 
 /// Below this encoded value a copy's age counts units of
 /// [`COPY_AGE_FINE_MS`]; from it on, units of [`COPY_AGE_COARSE_MS`] past
@@ -570,6 +585,10 @@ pub struct BatchItem<'a> {
     pub flags: u8,
     pub key: &'a [u8],
     pub segs: &'a [u8],
+    /// The item head's second byte. With [`ITEM_HOT`] on a BATCH_GET item:
+    /// the spread the client reads the key with, so the owner counts this
+    /// read as that many (docs/PROTOCOL.md §2.5); 0 otherwise.
+    pub spread: u8,
 }
 
 impl BatchItem<'_> {
@@ -626,7 +645,7 @@ fn decode_key_items<'a>(b: &'a [u8], what: &'static str, segments: bool) -> Resu
         if n == 0 || n > MAX_KEY_LEN || rest.len() < 4 + n {
             return Err(WireError::Malformed(what));
         }
-        let (flags, key) = (rest[0], &rest[4..4 + n]);
+        let (flags, spread, key) = (rest[0], rest[1], &rest[4..4 + n]);
         rest = &rest[4 + n..];
         let mut segs: &[u8] = &[];
         if segments && flags & ITEM_RDMA != 0 {
@@ -641,7 +660,7 @@ fn decode_key_items<'a>(b: &'a [u8], what: &'static str, segments: bool) -> Resu
             decode_segments(segs).map_err(|_| WireError::Malformed(what))?;
             rest = &rest[segs.len()..];
         }
-        items.push(BatchItem { flags, key, segs });
+        items.push(BatchItem { flags, key, segs, spread });
     }
     if !rest.is_empty() {
         return Err(WireError::Malformed(what));
@@ -655,7 +674,7 @@ fn encode_key_items(v: &mut Vec<u8>, items: &[BatchItem<'_>]) {
     v.extend_from_slice(&0u32.to_le_bytes());
     for i in items {
         v.push(i.flags);
-        v.push(0);
+        v.push(i.spread);
         v.extend_from_slice(&(i.key.len() as u16).to_le_bytes());
         v.extend_from_slice(i.key);
         v.extend_from_slice(i.segs);
@@ -1097,9 +1116,9 @@ mod tests {
     fn batch_gets_round_trip_and_lies_are_refused() {
         let long = vec![b'c'; MAX_KEY_LEN];
         let items = [
-            BatchItem { flags: 0, key: b"a", segs: &[] },
-            BatchItem { flags: ITEM_HANDOFF | ITEM_HOT, key: b"bb", segs: &[] },
-            BatchItem { flags: 0, key: &long, segs: &[] },
+            BatchItem { flags: 0, key: b"a", segs: &[], spread: 0 },
+            BatchItem { flags: ITEM_HANDOFF | ITEM_HOT, key: b"bb", segs: &[], spread: 0 },
+            BatchItem { flags: 0, key: &long, segs: &[], spread: 0 },
         ];
         let body = encode_batch_get(&geo(), &items);
         assert_eq!(body.len(), BATCH_GET_HEAD + 3 * 4 + 1 + 2 + MAX_KEY_LEN);
@@ -1135,9 +1154,9 @@ mod tests {
             &mut list,
         );
         let items = [
-            BatchItem { flags: ITEM_RDMA, key: b"a", segs: &list },
-            BatchItem { flags: 0, key: b"bb", segs: &[] },
-            BatchItem { flags: ITEM_RDMA | ITEM_HANDOFF, key: b"c", segs: &list },
+            BatchItem { flags: ITEM_RDMA, key: b"a", segs: &list, spread: 0 },
+            BatchItem { flags: 0, key: b"bb", segs: &[], spread: 0 },
+            BatchItem { flags: ITEM_RDMA | ITEM_HANDOFF, key: b"c", segs: &list, spread: 0 },
         ];
         let body = encode_batch_get(&geo(), &items);
         assert_eq!(body.len(), BATCH_GET_HEAD + 3 * 4 + 4 + 2 * list.len());
@@ -1156,11 +1175,11 @@ mod tests {
         let mut empty = Vec::new();
         encode_segments(&[Segment { addr: 1, rkey: 1, len: 0 }], &mut empty);
         for bad in [&none, &many, &empty] {
-            let body = encode_batch_get(&geo(), &[BatchItem { flags: ITEM_RDMA, key: b"a", segs: bad }]);
+            let body = encode_batch_get(&geo(), &[BatchItem { flags: ITEM_RDMA, key: b"a", segs: bad, spread: 0 }]);
             assert!(decode_batch_get(&body).is_err());
         }
         // A batch delete never carries a list: the bit is ignored there.
-        let del = encode_batch_delete(&[BatchItem { flags: ITEM_RDMA, key: b"a", segs: &[] }]);
+        let del = encode_batch_delete(&[BatchItem { flags: ITEM_RDMA, key: b"a", segs: &[], spread: 0 }]);
         assert_eq!(decode_batch_delete(&del).unwrap()[0].key, b"a");
 
         let h = crate::page::PageHeader::new(geo(), b"k", 4108, 0);
@@ -1198,7 +1217,10 @@ mod tests {
         assert_eq!(batch_count(&[0, 4, 0, 0, 0, 0, 0, 0]), Some(1024));
         assert_eq!(batch_count(&[1, 4, 0, 0, 0, 0, 0, 0]), None);
 
-        let keys = [BatchItem { flags: 0, key: b"a", segs: &[] }, BatchItem { flags: 0, key: b"bb", segs: &[] }];
+        let keys = [
+            BatchItem { flags: 0, key: b"a", segs: &[], spread: 0 },
+            BatchItem { flags: 0, key: b"bb", segs: &[], spread: 0 },
+        ];
         let del = encode_batch_delete(&keys);
         assert_eq!(del, [2, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1, 0, b'a', 0, 0, 2, 0, b'b', b'b']);
         assert_eq!(decode_batch_delete(&del).unwrap(), keys);

@@ -219,8 +219,8 @@ fn seeds() {
     write("frame", "hello_v2", &wire::client_hello(2, Some(b"token")));
     write("frame", "hello_v3", &wire::client_hello(3, Some(b"token")));
     let items = [
-        wire::BatchItem { flags: 0, key: b"page-key-1", segs: &[] },
-        wire::BatchItem { flags: wire::ITEM_HANDOFF, key: b"page-key-2", segs: &[] },
+        wire::BatchItem { flags: 0, key: b"page-key-1", segs: &[], spread: 0 },
+        wire::BatchItem { flags: wire::ITEM_HANDOFF, key: b"page-key-2", segs: &[], spread: 0 },
     ];
     write("frame", "batch_get", &hdr(Op::BatchGet, &wire::encode_batch_get(&geo, &items)));
     write("frame", "hello_v4", &wire::client_hello(4, Some(b"token")));
@@ -235,8 +235,8 @@ fn seeds() {
         let mut segs = Vec::new();
         wire::encode_segments(&[wire::Segment { addr: 0x7f00_0000_0000, rkey: 5, len: 4 }], &mut segs);
         let named = [
-            wire::BatchItem { flags: wire::ITEM_RDMA, key: b"page-key-1", segs: &segs },
-            wire::BatchItem { flags: 0, key: b"page-key-2", segs: &[] },
+            wire::BatchItem { flags: wire::ITEM_RDMA, key: b"page-key-1", segs: &segs, spread: 0 },
+            wire::BatchItem { flags: 0, key: b"page-key-2", segs: &[], spread: 0 },
         ];
         write("frame", "batch_get_rdma", &hdr(Op::BatchGet, &wire::encode_batch_get(&geo, &named)));
         let h = kv_common::page::PageHeader::new(geo, b"k", 4, 0);

@@ -77,6 +77,10 @@ pub fn start(shared: &Shared, s: &Session, req: &ReqHeader, body: &[u8]) -> Begu
     let handoff_all = req.flags & FLAG_HANDOFF != 0;
     let store = &shared.store;
     let handoff: Vec<bool> = items.iter().map(|i| handoff_all || i.flags & ITEM_HANDOFF != 0).collect();
+    // The reads each item stands for (a hot key's read at its owner by a
+    // client that spreads its reads, docs/ARCHITECTURE.md "Hot keys").
+    let weights: Vec<u8> =
+        items.iter().map(|i| if i.flags & ITEM_HOT != 0 { i.spread.clamp(1, wire::MAX_SPREAD) } else { 1 }).collect();
     // Items that name segments are delivered there when the connection's
     // remote memory works; without it they are answered inline (as a GET
     // with FLAG_RDMA is), and the client stops naming.
@@ -109,11 +113,12 @@ pub fn start(shared: &Shared, s: &Session, req: &ReqHeader, body: &[u8]) -> Begu
     if !pending {
         bound(shared, |i| items[i].key, |_| false, &mut out);
         count_asks(shared, &handoff, &out);
-        return Begun::Answered(answer(shared, req, out, |i| items[i].key));
+        return Begun::Answered(answer(shared, req, out, |i| items[i].key, &weights));
     }
     Begun::Disk(Started {
         keys: items.iter().map(|i| i.key.to_vec()).collect(),
         handoff,
+        weights,
         geo: check.then_some(geo),
         items: out,
         remote: remote.map(|r| (r, segs)),
@@ -125,6 +130,8 @@ pub struct Started {
     keys: Vec<Vec<u8>>,
     /// Which items are handoff asks.
     handoff: Vec<bool>,
+    /// The reads each item stands for.
+    weights: Vec<u8>,
     geo: Option<Geometry>,
     items: Vec<Item>,
     /// Where items that named segments go, when any did.
@@ -209,7 +216,7 @@ pub async fn finish(shared: &Arc<Shared>, session: &Session, req: &ReqHeader, mu
     }
     count_asks(shared, &s.handoff, &s.items);
     let keys = &s.keys;
-    let mut r = answer(shared, req, s.items, |i| &keys[i]);
+    let mut r = answer(shared, req, s.items, |i| &keys[i], &s.weights);
     r.budget = budget;
     r
 }
@@ -327,9 +334,15 @@ fn bound<'k>(shared: &Shared, key: impl Fn(usize) -> &'k [u8], placed: impl Fn(u
 }
 
 /// The answer frame: head, then each item's head and record or message.
-/// Each page served counts as a read of its key ([`crate::heat`]), and a
-/// hot one is marked [`ITEM_HOT`] with its spread.
-fn answer<'k>(shared: &Shared, req: &ReqHeader, items: Vec<Item>, key: impl Fn(usize) -> &'k [u8]) -> Response {
+/// Each page served counts as a read of its key ([`crate::heat`]; as
+/// `weights[i]` reads), and a hot one is marked [`ITEM_HOT`] with its spread.
+fn answer<'k>(
+    shared: &Shared,
+    req: &ReqHeader,
+    items: Vec<Item>,
+    key: impl Fn(usize) -> &'k [u8],
+    weights: &[u8],
+) -> Response {
     let mut parts = Vec::with_capacity(1 + 2 * items.len());
     let mut heads = wire::encode_batch_answer_head(items.len()).to_vec();
     for (i, item) in items.into_iter().enumerate() {
@@ -343,7 +356,7 @@ fn answer<'k>(shared: &Shared, req: &ReqHeader, items: Vec<Item>, key: impl Fn(u
             Part::Bytes(b) => b.len(),
             Part::Record(r) => r.len(),
         });
-        let spread = if status == Status::Ok { shared.heat.read(key(i)) } else { 0 };
+        let spread = if status == Status::Ok { shared.heat.read(key(i), weights[i]) } else { 0 };
         if spread > 0 {
             flags |= ITEM_HOT;
         }

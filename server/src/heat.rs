@@ -30,7 +30,7 @@ const WIDTH: usize = 1 << 13;
 /// bound is a safety net.
 pub const MAX_HOT_KEYS: usize = 1024;
 /// The largest spread a node asks for.
-pub const MAX_SPREAD: u8 = 64;
+pub use kv_common::wire::MAX_SPREAD;
 /// Windows a hot key may be read less than the threshold before it is
 /// forgotten.
 pub const LINGER_WINDOWS: u32 = 5;
@@ -82,6 +82,8 @@ pub struct Heat {
     /// A bit per hash slot of a hot key (false positives only).
     filter: Box<[AtomicU64]>,
     reads: AtomicU64,
+    /// Reads in the window before.
+    last_reads: AtomicU64,
     threshold: AtomicU32,
     max_keys: usize,
     hot: Mutex<HashMap<Box<[u8]>, HotKey>>,
@@ -108,6 +110,7 @@ impl Heat {
             rows: (0..2 * WIDTH).map(|_| AtomicU32::new(0)).collect(),
             filter: (0..FILTER_BITS / 64).map(|_| AtomicU64::new(0)).collect(),
             reads: AtomicU64::new(0),
+            last_reads: AtomicU64::new(0),
             // No key is hot before a window has shown the node's load.
             threshold: AtomicU32::new(u32::MAX),
             hot: Mutex::new(HashMap::new()),
@@ -119,18 +122,21 @@ impl Heat {
         }
     }
 
-    /// A read of `key` served: counted; the spread to mark its answer with
+    /// A read of `key` served, standing for `weight` reads (a client that
+    /// spreads a hot key's reads over that many nodes sends its owner one
+    /// of them; 1 otherwise): counted; the spread to mark its answer with
     /// (0: not hot).
-    pub fn read(&self, key: &[u8]) -> u8 {
+    pub fn read(&self, key: &[u8], weight: u8) -> u8 {
         if self.cfg.min_reads == 0 {
             return 0;
         }
-        let so_far = self.reads.fetch_add(1, Ordering::Relaxed) + 1;
+        let w = u32::from(weight.max(1));
+        let so_far = self.reads.fetch_add(u64::from(w), Ordering::Relaxed) + u64::from(w);
         let h = kv_common::page::key_hash(key);
         let a = (h as usize) % WIDTH;
         let b = WIDTH + ((h >> 32) as usize) % WIDTH;
-        let est = (self.rows[a].fetch_add(1, Ordering::Relaxed).saturating_add(1))
-            .min(self.rows[b].fetch_add(1, Ordering::Relaxed).saturating_add(1));
+        let est = (self.rows[a].fetch_add(w, Ordering::Relaxed).saturating_add(w))
+            .min(self.rows[b].fetch_add(w, Ordering::Relaxed).saturating_add(w));
         // The window before's threshold, or an eighth of this window's reads
         // so far if more: at the onset of load, reads spread over many keys
         // mark none.
@@ -142,7 +148,7 @@ impl Heat {
         }
         let mut hot = lock(&self.hot);
         if let Some(k) = hot.get_mut(key) {
-            k.reads = k.reads.saturating_add(1);
+            k.reads = k.reads.saturating_add(w);
             self.hot_reads.fetch_add(1, Ordering::Relaxed);
             return k.spread;
         }
@@ -153,7 +159,10 @@ impl Heat {
             self.refused.fetch_add(1, Ordering::Relaxed);
             return 0;
         }
-        let spread = spread_of(u64::from(est), u64::from(threshold));
+        // The node's reads in a window: the window before's, or this
+        // one's so far if more.
+        let base = self.last_reads.load(Ordering::Relaxed).max(so_far);
+        let spread = spread_of(u64::from(est), base);
         hot.insert(key.into(), HotKey { spread, reads: est, cool: 0 });
         self.filter[bit / 64].fetch_or(1 << (bit % 64), Ordering::Relaxed);
         self.hot_len.store(hot.len(), Ordering::Relaxed);
@@ -182,6 +191,7 @@ impl Heat {
         }
         w.started = now;
         let reads = self.reads.swap(0, Ordering::Relaxed);
+        self.last_reads.store(reads, Ordering::Relaxed);
         for c in self.rows.iter() {
             c.store(0, Ordering::Relaxed);
         }
@@ -190,7 +200,7 @@ impl Heat {
         let threshold = (reads / HOT_SHARE_DIV).max(u64::from(self.cfg.min_reads.max(1))).min(u64::from(u32::MAX - 1));
         hot.retain(|_, k| {
             // A key cooling down is asked to be spread less at once.
-            k.spread = spread_of(u64::from(k.reads), threshold);
+            k.spread = spread_of(u64::from(k.reads), reads);
             if u64::from(k.reads) >= threshold {
                 k.cool = 0;
             } else {
@@ -230,10 +240,15 @@ fn filter_bit(h: u64) -> usize {
     (h >> 16) as usize % FILTER_BITS
 }
 
-/// Nodes to spread `reads` over so each gets about `threshold`: 2 to
-/// [`MAX_SPREAD`].
-fn spread_of(reads: u64, threshold: u64) -> u8 {
-    reads.div_ceil(threshold.max(1)).clamp(2, u64::from(MAX_SPREAD)) as u8
+/// Nodes to spread a key's `reads` over, of a node's `total` in the same
+/// window, so that each of them serves at most an eighth of what the node
+/// serves besides (the key's reads over an eighth of the others'): 2 to
+/// [`MAX_SPREAD`]. The node's other reads stand for a node's fair load,
+/// since keys are placed evenly; a key that is all a node serves (a
+/// thundering herd) asks for the widest spread.
+fn spread_of(reads: u64, total: u64) -> u8 {
+    let others = total.saturating_sub(reads) / HOT_SHARE_DIV;
+    reads.div_ceil(others.max(1)).clamp(2, u64::from(MAX_SPREAD)) as u8
 }
 
 #[cfg(test)]
@@ -251,7 +266,7 @@ mod tests {
     #[test]
     fn the_largest_floor_ends_windows_without_a_panic() {
         let (h, t0) = heat(u32::MAX);
-        h.read(b"p");
+        h.read(b"p", 1);
         h.tick(t0 + Duration::from_secs(1));
         assert_eq!(h.stats().threshold, u64::from(u32::MAX - 1));
     }
@@ -260,7 +275,7 @@ mod tests {
     fn nothing_is_hot_before_a_first_window_has_ended() {
         let h = Heat::new(HeatConfig { window: Duration::from_secs(1), min_reads: 4 });
         for _ in 0..100 {
-            assert_eq!(h.read(b"p"), 0);
+            assert_eq!(h.read(b"p", 1), 0);
         }
         assert_eq!(h.stats().threshold, 0, "none yet");
     }
@@ -269,11 +284,12 @@ mod tests {
     fn a_key_read_past_the_threshold_is_marked_and_others_are_not() {
         let (h, _) = heat(10);
         for _ in 0..9 {
-            assert_eq!(h.read(b"hot"), 0);
-            assert_eq!(h.read(b"cold"), 0);
+            assert_eq!(h.read(b"hot", 1), 0);
+            assert_eq!(h.read(b"cold", 1), 0);
         }
-        assert_eq!(h.read(b"hot"), 2, "the 10th read makes it hot, spread at least 2");
-        assert_eq!(h.spread(b"hot"), 2);
+        // Its 10 reads over an eighth of the 9 others' (1, at least).
+        assert_eq!(h.read(b"hot", 1), 10, "the 10th read makes it hot");
+        assert_eq!(h.spread(b"hot"), 10);
         assert_eq!(h.spread(b"cold"), 0);
         let s = h.stats();
         assert_eq!((s.hot_keys, s.hot_marked, s.hot_reads, s.threshold), (1, 1, 1, 10));
@@ -285,39 +301,58 @@ mod tests {
         // Window 2: 400 reads of "p", 400 spread over 100 other keys.
         for r in 0..4 {
             for i in 0..100 {
-                assert_eq!(h.read(format!("k{i}").as_bytes()), 0, "round {r}");
+                assert_eq!(h.read(format!("k{i}").as_bytes(), 1), 0, "round {r}");
             }
         }
         for _ in 0..400 {
-            h.read(b"p");
+            h.read(b"p", 1);
         }
         h.tick(t0 + Duration::from_secs(1));
-        // Threshold: an eighth of the 800 reads = 100; "p": 400/100 = 4.
+        // Threshold: an eighth of the 800 reads = 100. "p" took 400, the
+        // others 400: spread over 400 / (400 / 8) = 8 nodes.
         assert_eq!(h.stats().threshold, 100);
-        assert_eq!(h.spread(b"p"), 4);
+        assert_eq!(h.spread(b"p"), 8);
         assert_eq!(h.stats().hot_keys, 1, "keys read 4 times are not hot");
         // Read less: the spread shrinks with the reads.
         for _ in 0..250 {
-            h.read(b"p");
+            h.read(b"p", 1);
         }
         for i in 0..100 {
-            h.read(format!("k{i}").as_bytes());
+            h.read(format!("k{i}").as_bytes(), 1);
         }
         h.tick(t0 + Duration::from_secs(2));
         assert_eq!(h.stats().threshold, 43, "350 reads / 8");
-        assert_eq!(h.spread(b"p"), 6, "250 reads over a threshold of 43");
+        assert_eq!(h.spread(b"p"), 21, "250 reads over an eighth of the other 100 (12)");
         // Not read at all: forgotten after LINGER_WINDOWS windows.
         for w in 0..LINGER_WINDOWS {
-            let want = if w == 0 { 6 } else { 2 };
+            let want = if w == 0 { 21 } else { 2 };
             assert_eq!(h.spread(b"p"), want, "still hot in window {w}, spread less once unread");
             h.tick(t0 + Duration::from_secs(3 + u64::from(w)));
         }
         assert_eq!(h.spread(b"p"), 0);
         assert_eq!(h.stats().hot_keys, 0);
         // A tick before the window ends changes nothing.
-        h.read(b"q");
+        h.read(b"q", 1);
         h.tick(t0 + Duration::from_secs(2 + u64::from(LINGER_WINDOWS)) + Duration::from_millis(10));
         assert_eq!(h.stats().threshold, 4, "no reads: the floor");
+    }
+
+    #[test]
+    fn a_weighted_read_counts_as_the_reads_it_stands_for() {
+        let (h, t0) = heat(8);
+        // One read a client spreads over 8 nodes stands for 8: it alone
+        // reaches the floor.
+        assert_eq!(h.read(b"p", 8), 8, "all the node serves: spread as wide as its reads");
+        for i in 0..16 {
+            h.read(format!("k{i}").as_bytes(), 1);
+        }
+        for _ in 0..3 {
+            h.read(b"p", 8);
+        }
+        h.tick(t0 + Duration::from_secs(1));
+        // 48 reads of which "p" 32: spread 32 / (16 / 8).
+        assert_eq!(h.spread(b"p"), 16);
+        assert_eq!(h.stats().hot_reads, 4, "reads served, not the weights");
     }
 
     #[test]
@@ -326,7 +361,7 @@ mod tests {
         for w in 0..3u64 {
             for r in 0..50 {
                 for i in 0..40 {
-                    assert_eq!(h.read(format!("k{i}").as_bytes()), 0, "window {w} round {r}");
+                    assert_eq!(h.read(format!("k{i}").as_bytes(), 1), 0, "window {w} round {r}");
                 }
             }
             h.tick(t0 + Duration::from_secs(1 + w));
@@ -344,7 +379,7 @@ mod tests {
         let mut marked = std::collections::HashSet::new();
         for _ in 0..10 {
             for i in 0..8 {
-                if h.read(format!("k{i}").as_bytes()) > 0 {
+                if h.read(format!("k{i}").as_bytes(), 1) > 0 {
                     marked.insert(i);
                 }
             }
@@ -354,7 +389,7 @@ mod tests {
         assert_eq!(s.hot_refused, 40, "{s:?}");
         let (off, _) = heat(0);
         for _ in 0..1000 {
-            assert_eq!(off.read(b"p"), 0);
+            assert_eq!(off.read(b"p", 1), 0);
         }
         assert_eq!(off.stats(), HeatStats::default(), "marking off: no threshold");
     }

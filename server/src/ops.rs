@@ -227,7 +227,7 @@ async fn answer_hit(
 ) -> Response {
     // A page served is a read of its key (once, when it is answered OK); a
     // hot key's answer says so (docs/ARCHITECTURE.md, "Hot keys").
-    let hot = || wire::hot_flags(shared.heat.read(key));
+    let hot = || wire::hot_flags(shared.heat.read(key, req.read_weight()));
     let inline = |rec: Arc<PooledBuf>, budget| {
         let mut r = respond(req, Status::Ok, hot(), Body::Record(rec));
         r.budget = budget;

@@ -586,7 +586,10 @@ fn a_key_read_past_the_threshold_is_marked_hot_until_its_reads_stop() {
     assert!(reads >= 20, "marked after {reads} reads, fewer than the threshold");
     assert!(wire::spread_of_flags(f) >= 2, "flags {f:#x}");
     // A BATCH_GET marks the hot item and only it.
-    let items = [BatchItem { flags: 0, key: b"prompt", segs: &[] }, BatchItem { flags: 0, key: b"other", segs: &[] }];
+    let items = [
+        BatchItem { flags: 0, key: b"prompt", segs: &[], spread: 0 },
+        BatchItem { flags: 0, key: b"other", segs: &[], spread: 0 },
+    ];
     c.send(Op::BatchGet, 0, &[&wire::encode_batch_get(&g, &items)]).unwrap();
     let r = c.recv().unwrap();
     assert_eq!(r.header.status, Status::Ok);

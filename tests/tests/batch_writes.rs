@@ -138,7 +138,10 @@ fn a_batch_delete_answers_every_key_as_single_deletes_do() {
     assert!(st[1] != Status::Ok && st[2] != Status::Ok, "{st:?}");
     // Raw, with a malformed frame between good ones.
     let mut conn = Conn::connect(&a.addr, Duration::from_secs(10)).unwrap();
-    let list = [BatchItem { flags: 0, key: b"x", segs: &[] }, BatchItem { flags: 0, key: b"y", segs: &[] }];
+    let list = [
+        BatchItem { flags: 0, key: b"x", segs: &[], spread: 0 },
+        BatchItem { flags: 0, key: b"y", segs: &[], spread: 0 },
+    ];
     let good = wire::encode_batch_delete(&list);
     let mut lie = good.clone();
     lie[0..4].copy_from_slice(&3u32.to_le_bytes());
@@ -371,7 +374,10 @@ fn items_naming_segments_without_rdma_are_answered_as_single_rdma_requests_are()
     wire::encode_segments(&[seg], &mut segs);
     let get = wire::encode_batch_get(
         &geo(),
-        &[BatchItem { flags: ITEM_RDMA, key: b"seg-2", segs: &segs }, BatchItem { flags: 0, key: b"nope", segs: &[] }],
+        &[
+            BatchItem { flags: ITEM_RDMA, key: b"seg-2", segs: &segs, spread: 0 },
+            BatchItem { flags: 0, key: b"nope", segs: &[], spread: 0 },
+        ],
     );
     let id = conn.send(Op::BatchGet, wire::FLAG_CHECK_GEOMETRY, &[&get]).unwrap();
     let r = conn.recv().unwrap();
@@ -383,7 +389,7 @@ fn items_naming_segments_without_rdma_are_answered_as_single_rdma_requests_are()
     // A get item with an empty segment list: the whole frame refused.
     let mut empty = Vec::new();
     wire::encode_segments(&[Segment { len: 0, ..seg }], &mut empty);
-    let bad = wire::encode_batch_get(&geo(), &[BatchItem { flags: ITEM_RDMA, key: b"seg-2", segs: &empty }]);
+    let bad = wire::encode_batch_get(&geo(), &[BatchItem { flags: ITEM_RDMA, key: b"seg-2", segs: &empty, spread: 0 }]);
     conn.send(Op::BatchGet, wire::FLAG_CHECK_GEOMETRY, &[&bad]).unwrap();
     let r = conn.recv().unwrap();
     assert_eq!(r.header.status, Status::BadRequest);
