@@ -24,6 +24,9 @@ pub struct GetReply {
     pub status: Status,
     /// Payload bytes written (Ok), or the size needed (TooSmall).
     pub len: usize,
+    /// On a hit: the spread the node marked the key hot with (0: not hot;
+    /// docs/PROTOCOL.md §2.3, §2.5).
+    pub spread: u8,
 }
 
 /// Reads and discards `n` bytes (to keep a pipelined connection in step).
@@ -50,7 +53,7 @@ pub(crate) enum Follow {
 /// the named buffers (or that found them too small): checked as a get's
 /// are, against what was asked. Err: the reply.
 pub(crate) fn check_placed_head(geo: &Geometry, key: &[u8], body: &[u8]) -> Result<PageHeader, GetReply> {
-    let no = |status| Err(GetReply { status, len: 0 });
+    let no = |status| Err(GetReply { status, len: 0, spread: 0 });
     let Ok(ph) = PageHeader::decode(body) else { return no(Status::Corrupt) };
     if body.len() != HEADER_LEN + key.len()
         || ph.key_len as usize != key.len()
@@ -67,7 +70,7 @@ pub(crate) fn check_placed_head(geo: &Geometry, key: &[u8], body: &[u8]) -> Resu
 /// when it fits and matches its CRC, else Corrupt (the names may be stale).
 pub(crate) fn check_placed(bufs: &mut [&mut [u8]], ph: &PageHeader) -> GetReply {
     let need = ph.payload_len as usize;
-    let corrupt = GetReply { status: Status::Corrupt, len: 0 };
+    let corrupt = GetReply { status: Status::Corrupt, len: 0, spread: 0 };
     if need > bufs.iter().map(|b| b.len()).sum::<usize>() {
         return corrupt;
     }
@@ -77,7 +80,7 @@ pub(crate) fn check_placed(bufs: &mut [&mut [u8]], ph: &PageHeader) -> GetReply 
     if !PayloadSink::new(bufs, need).placed(ph.payload_crc) {
         return corrupt;
     }
-    GetReply { status: Status::Ok, len: need }
+    GetReply { status: Status::Ok, len: need, spread: 0 }
 }
 
 /// One item of a BATCH_GET answer, leaving `rd` at the next item, and what
@@ -90,7 +93,7 @@ pub(crate) async fn read_item<S: Socket>(
     bufs: &mut [&mut [u8]],
     named: bool,
 ) -> Result<(GetReply, Follow), OpError> {
-    let done = |status, len| Ok((GetReply { status, len }, Follow::Done));
+    let done = |status, len| Ok((GetReply { status, len, spread: 0 }, Follow::Done));
     let head = HEADER_LEN + key.len();
     // The item's head and, for a hit, the page header and key: one read
     // when the socket has them (a miss leaves the next items' bytes
@@ -114,8 +117,9 @@ pub(crate) async fn read_item<S: Socket>(
         if ih.status == Status::TooSmall {
             return done(Status::TooSmall, ph.payload_len as usize);
         }
-        let r = check_placed(bufs, &ph);
+        let mut r = check_placed(bufs, &ph);
         let follow = if r.status == Status::Ok { Follow::Done } else { Follow::Stale };
+        r.spread = item_spread(&ih, r.status);
         return Ok((r, follow));
     }
     if ih.status != Status::Ok {
@@ -125,7 +129,7 @@ pub(crate) async fn read_item<S: Socket>(
         let mut msg = vec![0u8; ih.len as usize];
         rd.exact(&mut msg).await?;
         if ih.status == Status::Rejected && ih.flags & wire::ITEM_AGAIN != 0 {
-            return Ok((GetReply { status: Status::Rejected, len: 0 }, Follow::Again));
+            return Ok((GetReply { status: Status::Rejected, len: 0, spread: 0 }, Follow::Again));
         }
         return match ih.status {
             Status::Miss | Status::Mismatch => done(ih.status, 0),
@@ -157,9 +161,18 @@ pub(crate) async fn read_item<S: Socket>(
         sink.filled(n);
     }
     if !sink.verify(ph.payload_crc) {
-        return Ok((GetReply { status: Status::Corrupt, len: 0 }, follow));
+        return Ok((GetReply { status: Status::Corrupt, len: 0, spread: 0 }, follow));
     }
-    Ok((GetReply { status: Status::Ok, len: need }, follow))
+    Ok((GetReply { status: Status::Ok, len: need, spread: item_spread(&ih, Status::Ok) }, follow))
+}
+
+/// The spread a BATCH_GET answer's item marks its key hot with (0: not).
+fn item_spread(ih: &ItemHead, status: Status) -> u8 {
+    if status == Status::Ok && ih.flags & wire::ITEM_HOT != 0 {
+        ih.spread
+    } else {
+        0
+    }
 }
 
 /// The body of one answer frame on its way in, through the connection's
@@ -234,7 +247,7 @@ pub(crate) fn check_get_head(
     hk: &[u8],
     cap: usize,
 ) -> Result<PageHeader, GetReply> {
-    let no = |status, len| Err(GetReply { status, len });
+    let no = |status, len| Err(GetReply { status, len, spread: 0 });
     let mut hb = [0u8; HEADER_LEN];
     hb.copy_from_slice(&hk[..HEADER_LEN]);
     let ph = match PageHeader::decode(&hb) {
@@ -319,7 +332,7 @@ pub(crate) async fn read_get_body<S: Socket>(
     bufs: &mut [&mut [u8]],
     h: &RspHeader,
 ) -> Result<GetReply, OpError> {
-    let done = |status, len| Ok(GetReply { status, len });
+    let done = |status, len| Ok(GetReply { status, len, spread: 0 });
     if h.status != Status::Ok {
         let body = conn.answer_body(h, MAX_SMALL_ANSWER).await?;
         return match h.status {
@@ -365,7 +378,7 @@ pub(crate) async fn read_get_body<S: Socket>(
     if !sink.verify(ph.payload_crc) {
         return done(Status::Corrupt, 0);
     }
-    done(Status::Ok, need)
+    Ok(GetReply { status: Status::Ok, len: need, spread: wire::spread_of_flags(h.flags) })
 }
 
 #[cfg(test)]

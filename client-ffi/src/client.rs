@@ -19,6 +19,7 @@ use kv_common::wire::{
 use crate::error::OpError;
 use crate::exchange::{GetReply, PutItem};
 use crate::handoff::{Handoff, Handoffs};
+use crate::hot::HotKeys;
 use crate::members::Member;
 use crate::metrics::Metrics;
 use crate::node::Node;
@@ -42,6 +43,20 @@ pub struct Client {
     pub metrics: Metrics,
     /// The ring handoff's own state: its window and background copies.
     handoffs: Handoffs,
+    /// The keys whose reads this handle spreads (hot.rs).
+    pub(crate) hot: HotKeys,
+}
+
+/// Where one read goes (docs/ARCHITECTURE.md, "Hot keys"): indices into
+/// the topology's nodes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct ReadRoute {
+    /// The key's owner.
+    pub(crate) owner: usize,
+    /// For a hot key, the node of its spread to ask first (None: the owner).
+    pub(crate) copy: Option<usize>,
+    /// The spread a hot key is read with, told to its owner (0: not hot).
+    pub(crate) weight: u8,
 }
 
 /// Most puts one exchange of a batch put's lane carries (one BATCH_PUT
@@ -72,6 +87,8 @@ impl Client {
 
     fn build(members: Vec<Member>, geo: Geometry, opts: Options, fabric: crate::rdma::Fabric) -> Client {
         let window = opts.handoff;
+        let metrics = Metrics::default();
+        let hot = HotKeys::new(metrics.hot.clone());
         let c = Client {
             opts,
             geo,
@@ -80,8 +97,9 @@ impl Client {
             epochs: AtomicU64::new(0),
             swapping: std::sync::Mutex::new(()),
             discovery_error: std::sync::Mutex::new(None),
-            metrics: Metrics::default(),
+            metrics,
             handoffs: Handoffs::new(window),
+            hot,
         };
         if !members.is_empty() {
             c.set_members(members);
@@ -169,6 +187,83 @@ impl Client {
         Ok(node.clone())
     }
 
+    /// Whether this handle spreads hot keys' reads: copies are handoff
+    /// copies, so not where the handoff is off (a zero window).
+    pub(crate) fn spreads(&self) -> bool {
+        self.handoffs.window_open()
+    }
+
+    /// The owner's answer to a read of `key` (a hit): remembers the key hot
+    /// or forgets it, as the answer says.
+    pub(crate) fn note_hot(&self, key: &[u8], spread: u8) {
+        if self.spreads() {
+            self.hot.noted(key, spread);
+        }
+    }
+
+    /// Whether this handle spreads the reads of `key` now (for tools and tests).
+    pub fn is_hot_key(&self, key: &[u8]) -> bool {
+        self.hot.is_hot(key)
+    }
+
+    /// Where a read of `key` goes: the one routing rule of reads
+    /// (docs/ARCHITECTURE.md, "Hot keys"). A key this handle holds hot is
+    /// read, in turn, at each of the first `spread` distinct members from
+    /// its owner on the ring (the owner included; fewer when the set is
+    /// smaller), skipping a node cooling down or whose last spread read
+    /// failed; any other key at its owner. Err: the status to answer
+    /// without the network (no members, or the owner cooling down and no
+    /// copy to ask).
+    pub(crate) fn read_route(&self, topo: &Topology, key: &[u8]) -> Result<ReadRoute, Status> {
+        let Some(owner) = topo.ring.owner(key) else {
+            crate::error::note("no members: give a member list or start discovery".into());
+            return Err(Status::Unavailable);
+        };
+        let node = &topo.nodes[owner];
+        let hot = if self.spreads() { self.hot.turn(key) } else { None };
+        if let Some((spread, turn)) = hot {
+            let n = usize::from(spread).min(topo.nodes.len());
+            if n >= 2 {
+                let weight = n as u8;
+                let mut pick = turn as usize % n;
+                if pick == 0 && node.cooling() {
+                    pick = 1;
+                }
+                if pick > 0 {
+                    let members = topo.ring.owners(key, n);
+                    let c = &topo.nodes[members[pick]];
+                    if !c.cooling() && !c.handoff_skipped() {
+                        return Ok(ReadRoute { owner, copy: Some(members[pick]), weight });
+                    }
+                }
+                if !node.cooling() {
+                    return Ok(ReadRoute { owner, copy: None, weight });
+                }
+            }
+        }
+        if node.cooling() {
+            self.metrics.fast_unavailable.fetch_add(1, Ordering::Relaxed);
+            crate::error::note(format!("node {} ({}) is cooling down after a failure", node.id, node.addr));
+            return Err(Status::Unavailable);
+        }
+        Ok(ReadRoute { owner, copy: None, weight: 0 })
+    }
+
+    /// A read of a hot key's copy at `node` failed: a node at fault is
+    /// skipped for spread reads for the peer cool-down, its own keys
+    /// untouched (the read goes on at the owner).
+    pub(crate) fn copy_failed(&self, node: &Node, e: OpError) {
+        crate::error::note(format!("node {} ({}), read of a hot key's copy: {e}", node.id, node.addr));
+        if e.is_peer_failure() {
+            node.skip_handoff(std::time::Instant::now() + self.opts.peer_cooldown);
+        }
+    }
+
+    /// Counts reads of copies that go on at the owner.
+    fn fell_back(&self, n: usize) {
+        self.metrics.hot.fallbacks.fetch_add(n as u64, Ordering::Relaxed);
+    }
+
     /// The request pipeline over this handle's options, geometry and metrics.
     pub(crate) fn pipeline(&self) -> Pipeline<'_> {
         Pipeline { opts: &self.opts, geo: &self.geo, metrics: &self.metrics }
@@ -209,18 +304,51 @@ impl Client {
     /// Err((status, needed)) otherwise (`needed` is set for KV_TOO_SMALL).
     pub async fn getv(&self, key: &[u8], bufs: &mut [&mut [u8]]) -> Result<usize, (Status, usize)> {
         let topo = self.topology();
-        let node = match self.route(&topo, key) {
-            Ok(n) => n,
+        let route = match self.read_route(&topo, key) {
+            Ok(r) => r,
             Err(s) => return Err(self.metrics.count_get(s, 0, 0)),
         };
-        let mut x = GetX { key, bufs, extra: 0 };
+        let node = topo.nodes[route.owner].clone();
+        // A hot key: its copy first, within the handoff timeout; the owner
+        // after a miss or a failure there (and a copy made after a miss).
+        let mut fill = None;
+        if let Some(c) = route.copy {
+            let copy = &topo.nodes[c];
+            let asked_at = std::time::Instant::now();
+            let mut x = GetX { key, bufs: &mut *bufs, extra: 0, weight: 0 };
+            match self.pipeline().run_short(copy, self.opts.handoff_timeout, &mut x).await {
+                Ok(r @ GetReply { status: Status::Ok | Status::TooSmall, .. }) => {
+                    self.metrics.hot.copy_hits.fetch_add(1, Ordering::Relaxed);
+                    return self.got(r);
+                }
+                Ok(GetReply { status: Status::Miss, .. }) => fill = Some((copy.clone(), asked_at)),
+                Ok(_) => {}
+                Err(e) => self.copy_failed(copy, e),
+            }
+            self.fell_back(1);
+            if node.cooling() {
+                return Err(self.metrics.count_get(Status::Unavailable, 0, 0));
+            }
+        }
+        let mut x = GetX { key, bufs, extra: 0, weight: route.weight };
         let mut reply = match self.pipeline().run_on(&node, &mut x).await {
             Ok(r) => r,
             Err(e) => return Err(self.metrics.count_get(e.status(), 0, 0)),
         };
+        if reply.status == Status::Ok {
+            self.note_hot(key, reply.spread);
+            if let Some((copy, asked_at)) = fill {
+                self.handoff().copy_later(copy, key, x.bufs, reply.len, asked_at, true);
+            }
+        }
         if reply.status == Status::Miss && !topo.previous.is_empty() {
             reply = self.handoff().get(&topo, &node, key, x.bufs).await.unwrap_or(reply);
         }
+        self.got(reply)
+    }
+
+    /// A get's outcome, counted.
+    fn got(&self, reply: GetReply) -> Result<usize, (Status, usize)> {
         match reply {
             GetReply { status: Status::Ok, len, .. } => {
                 self.metrics.count_get(Status::Ok, len as u64, 0);
@@ -260,15 +388,20 @@ impl Client {
             Ok(s) => s,
             Err(e) => e.status(),
         };
-        // Inside a handoff window the page may sit at any previous owner too:
-        // removed there as well, so no handoff serves it again. KV_OK when
+        // A copy may sit elsewhere: at any previous owner inside a handoff
+        // window, and at the nodes a hot key's reads were spread over
+        // (Handoff::holders). Removed there too, all at once (a dead node
+        // costs one handoff timeout), so no read finds it again. KV_OK when
         // one had it; a previous owner that could not be reached is the
         // answer (the delete is not done) unless the owner failed first.
-        if !topo.previous.is_empty() && matches!(s, Status::Ok | Status::Miss) {
-            match self.handoff().delete(&topo, &node, key).await {
-                Err(failed) => s = failed,
-                Ok(true) => s = Status::Ok,
-                Ok(false) => {}
+        if (self.spreads() || !topo.previous.is_empty()) && matches!(s, Status::Ok | Status::Miss) {
+            let handoff = self.handoff();
+            let holders = handoff.holders(&topo, key, &node, self.spreads());
+            let done = join_all(holders.iter().map(|(n, until, _)| handoff.ask(n, *until, DeleteX { key }))).await;
+            if done.iter().zip(&holders).any(|(d, h)| d.is_none() && h.2) {
+                s = Status::Unavailable;
+            } else if done.contains(&Some(Status::Ok)) {
+                s = Status::Ok;
             }
         }
         self.metrics.count_delete(s)
@@ -439,13 +572,14 @@ impl Client {
 
     /// Removes many keys at their owners: Ok or Miss per key. One
     /// BATCH_DELETE frame per owner and 1024 keys to a node that takes
-    /// batch writes (one DELETE a key to an older one); inside a handoff
-    /// window, each key as [`Client::delete`] removes it, at every previous
-    /// owner too.
+    /// batch writes (one DELETE a key to an older one); then, as
+    /// [`Client::delete`] does, at every other node that may hold a copy
+    /// (previous owners, the nodes of a hot key's spread), one frame per
+    /// node and 1024 keys, all at once.
     pub async fn batch_delete(&self, keys: &[&[u8]]) -> Vec<Status> {
         let topo = self.topology();
         let fits = |k: &&[u8]| !k.is_empty() && k.len() <= kv_common::page::MAX_KEY_LEN;
-        if !topo.previous.is_empty() || !keys.iter().all(fits) {
+        if !keys.iter().all(fits) {
             let limit = self.opts.batch_concurrency;
             return stream::iter(keys).map(|k| self.delete(k)).buffered(limit).collect().await;
         }
@@ -466,46 +600,127 @@ impl Client {
                 Err(e) => idx.into_iter().for_each(|i| out[i] = e.status()),
             }
         }
+        if self.spreads() || !topo.previous.is_empty() {
+            self.delete_copies(&topo, keys, &mut out).await;
+        }
         for s in &mut out {
             *s = self.metrics.count_delete(*s);
         }
         out
     }
 
+    /// The second half of a batch delete: each key its owner removed (Ok or
+    /// Miss in `out`) removed at the other nodes that may hold a copy
+    /// (Handoff::holders), grouped by node. Ok when one had it; Unavailable
+    /// when one the delete must reach (a previous owner) could not be.
+    async fn delete_copies(&self, topo: &Topology, keys: &[&[u8]], out: &mut [Status]) {
+        let handoff = self.handoff();
+        // Per node: the items, each with whether the delete must reach it.
+        let mut groups: Vec<(Arc<Node>, std::time::Instant, Vec<(usize, bool)>)> = Vec::new();
+        for (i, key) in keys.iter().enumerate() {
+            if !matches!(out[i], Status::Ok | Status::Miss) {
+                continue;
+            }
+            let Some(o) = topo.ring.owner(key) else { continue };
+            for (n, until, must) in handoff.holders(topo, key, &topo.nodes[o], self.spreads()) {
+                match groups.iter_mut().find(|g| Arc::ptr_eq(&g.0, &n)) {
+                    Some(g) => g.2.push((i, must)),
+                    None => groups.push((n, until, vec![(i, must)])),
+                }
+            }
+        }
+        let jobs = groups.into_iter().flat_map(|(node, until, idx)| {
+            idx.chunks(MAX_BATCH_ITEMS).map(|c| (node.clone(), until, c.to_vec())).collect::<Vec<_>>()
+        });
+        let handoff = &handoff;
+        let results = join_all(jobs.map(|(node, until, idx)| async move {
+            let x = DeleteManyX { keys: idx.iter().map(|&(i, _)| keys[i]).collect() };
+            (idx, handoff.ask(&node, until, x).await)
+        }))
+        .await;
+        let (mut had, mut failed) = (vec![false; keys.len()], vec![false; keys.len()]);
+        for (idx, r) in results {
+            match r {
+                None => idx.into_iter().filter(|&(_, must)| must).for_each(|(i, _)| failed[i] = true),
+                Some(st) => {
+                    idx.into_iter().zip(st).filter(|(_, s)| *s == Status::Ok).for_each(|((i, _), _)| had[i] = true)
+                }
+            }
+        }
+        for (i, s) in out.iter_mut().enumerate() {
+            if failed[i] {
+                *s = Status::Unavailable;
+            } else if had[i] {
+                *s = Status::Ok;
+            }
+        }
+    }
+
     /// Gets many pages into their buffers; per-item (status, length). Per
-    /// owner, items are spread over up to `batch_concurrency` connections
+    /// node, items are spread over up to `batch_concurrency` connections
     /// (lanes); each lane pipelines its items, [`PIPELINE_WINDOW`] requests in
-    /// flight on its connection at once.
+    /// flight on its connection at once. Items go where [`Client::read_route`]
+    /// sends them: a hot key's to a node of its spread, asked within the
+    /// handoff timeout, and to its owner after a miss or a failure there
+    /// (a copy then written where it missed).
     pub async fn batch_getv(&self, items: &mut [GetItem<'_, '_>]) -> Vec<(Status, usize)> {
-        let limit = self.opts.batch_concurrency;
         let topo = self.topology();
         let mut early = vec![Status::Ok; items.len()];
-        let groups = self.group(&topo, items.iter().map(|(k, _)| *k), &mut early);
+        // Without a hot key (the common case) every item goes to its owner.
+        let routes: Vec<Option<ReadRoute>> = if self.spreads() && self.hot.any() {
+            items
+                .iter()
+                .enumerate()
+                .map(|(i, (k, _))| self.read_route(&topo, k).map_err(|s| early[i] = s).ok())
+                .collect()
+        } else {
+            Vec::new()
+        };
+        let weights: Vec<u8> = routes.iter().map(|r| r.map_or(0, |r| r.weight)).collect();
+        let (groups, copies) = if routes.is_empty() {
+            (self.group(&topo, items.iter().map(|(k, _)| *k), &mut early), Vec::new())
+        } else {
+            let owners = by_node(&topo, routes.iter().map(|r| r.filter(|r| r.copy.is_none()).map(|r| r.owner)));
+            (owners, by_node(&topo, routes.iter().map(|r| r.and_then(|r| r.copy))))
+        };
         let mut out: Vec<(Status, usize)> = early.iter().map(|&s| (s, 0)).collect();
-        // Hand each owner's group its own items (disjoint &mut borrows).
+        // Hand each group its own items (disjoint &mut borrows).
         let mut slots: Vec<Option<&mut GetItem<'_, '_>>> = items.iter_mut().map(Some).collect();
         let mut lanes_all = Vec::new();
         for (node, idx) in groups {
-            // A node that takes batch frames gets fewer, fuller lanes: its
-            // items then go as fewer frames (docs/BENCHMARKS.md, "Batch
-            // frames": 64 KiB pages in batches of 32 over three nodes, 4
-            // items a lane served about 1.35x what 1 or 2 a lane did, at
-            // a fifth less node CPU a page).
-            let per_lane = if node.speaks() >= WIRE_VERSION_BATCH { MIN_BATCH_LANE_ITEMS } else { 1 };
-            let lanes = limit.min(idx.len().div_ceil(per_lane)).max(1);
-            let mut lanes_of_node: Vec<Vec<(usize, &mut GetItem<'_, '_>)>> = (0..lanes).map(|_| Vec::new()).collect();
-            for (n, i) in idx.into_iter().enumerate() {
-                // Until its answer comes, an item is not served: one that a
-                // lane never answered can never read as a hit.
-                out[i] = (Status::Unavailable, 0);
-                lanes_of_node[n % lanes].push((i, slots[i].take().expect("each item in one group")));
-            }
-            lanes_all.extend(lanes_of_node.into_iter().map(|lane| (node.clone(), lane)));
+            lanes_all.extend(self.lanes(node, idx, &mut slots, &mut out));
+        }
+        let mut copy_lanes = Vec::new();
+        for (node, idx) in copies {
+            copy_lanes.extend(self.lanes(node, idx, &mut slots, &mut out));
         }
         let defer = !topo.previous.is_empty();
-        let results = join_all(lanes_all.into_iter().map(|(node, lane)| self.get_lane(node, lane, defer))).await;
+        let asked_at = std::time::Instant::now();
+        let w = &weights;
+        let (results, at_copies) = futures_util::future::join(
+            join_all(lanes_all.into_iter().map(|(node, lane)| self.get_lane(node, lane, defer, w))),
+            join_all(copy_lanes.into_iter().map(|(node, lane)| self.copy_lane(node, lane))),
+        )
+        .await;
         for (i, r) in results.into_iter().flatten() {
             out[i] = r;
+        }
+        // Copies that did not serve: their items asked at their owners.
+        let mut again: Vec<(usize, bool)> = Vec::new();
+        for (i, r) in at_copies.into_iter().flatten() {
+            match r {
+                Some(r) if matches!(r.status, Status::Ok | Status::TooSmall) => {
+                    let bytes = if r.status == Status::Ok { r.len as u64 } else { 0 };
+                    self.metrics.hot.copy_hits.fetch_add(1, Ordering::Relaxed);
+                    self.metrics.count_get(r.status, bytes, r.len);
+                    out[i] = (r.status, r.len);
+                }
+                r => again.push((i, r.is_some_and(|r| r.status == Status::Miss))),
+            }
+        }
+        if !again.is_empty() {
+            self.fell_back(again.len());
+            self.fall_back(&topo, items, &routes, &again, asked_at, &mut out).await;
         }
         if defer && out.iter().any(|r| r.0 == Status::Miss) {
             self.handoff().get_many(&topo, items, &mut out).await;
@@ -513,23 +728,101 @@ impl Client {
         out
     }
 
+    /// Items of hot keys whose copies did not serve them (`again`: item,
+    /// whether its copy missed), asked at their owners; a page found there
+    /// is copied to the node that missed it.
+    async fn fall_back(
+        &self,
+        topo: &Topology,
+        items: &mut [GetItem<'_, '_>],
+        routes: &[Option<ReadRoute>],
+        again: &[(usize, bool)],
+        asked_at: std::time::Instant,
+        out: &mut [(Status, usize)],
+    ) {
+        let mut owners = vec![None; routes.len()];
+        for &(i, _) in again {
+            match routes[i] {
+                Some(r) if !topo.nodes[r.owner].cooling() => owners[i] = Some(r.owner),
+                _ => {
+                    self.metrics.count_get(Status::Unavailable, 0, 0);
+                    out[i] = (Status::Unavailable, 0);
+                }
+            }
+        }
+        let weights: Vec<u8> = routes.iter().map(|r| r.map_or(0, |r| r.weight)).collect();
+        let mut slots: Vec<Option<&mut GetItem<'_, '_>>> = items.iter_mut().map(Some).collect();
+        let mut lanes = Vec::new();
+        for (node, idx) in by_node(topo, owners.into_iter()) {
+            lanes.extend(self.lanes(node, idx, &mut slots, out));
+        }
+        let defer = !topo.previous.is_empty();
+        let w = &weights;
+        let results = join_all(lanes.into_iter().map(|(node, lane)| self.get_lane(node, lane, defer, w))).await;
+        for (i, r) in results.into_iter().flatten() {
+            out[i] = r;
+        }
+        for &(i, missed) in again {
+            let (Some(route), (Status::Ok, len)) = (routes[i], out[i]) else { continue };
+            if let (true, Some(c)) = (missed, route.copy) {
+                let (key, bufs) = &items[i];
+                self.handoff().copy_later(topo.nodes[c].clone(), key, bufs, len, asked_at, true);
+            }
+        }
+    }
+
+    /// A node's items of a batch get as lanes: to a node that takes batch
+    /// frames fewer, fuller lanes (docs/BENCHMARKS.md, "Batch frames": 64
+    /// KiB pages in batches of 32 over three nodes, 4 items a lane served
+    /// about 1.35x what 1 or 2 a lane did, at a fifth less node CPU a
+    /// page), at most `batch_concurrency`. Each item is taken from
+    /// `slots`, and stays not served in `out` until its answer comes (one
+    /// that a lane never answered can never read as a hit).
+    #[allow(clippy::type_complexity)]
+    fn lanes<'s, 'k, 'b>(
+        &self,
+        node: Arc<Node>,
+        idx: Vec<usize>,
+        slots: &mut [Option<&'s mut GetItem<'k, 'b>>],
+        out: &mut [(Status, usize)],
+    ) -> Vec<(Arc<Node>, Vec<(usize, &'s mut GetItem<'k, 'b>)>)> {
+        let per_lane = if node.speaks() >= WIRE_VERSION_BATCH { MIN_BATCH_LANE_ITEMS } else { 1 };
+        let lanes = self.opts.batch_concurrency.min(idx.len().div_ceil(per_lane)).max(1);
+        let mut of_node: Vec<Vec<(usize, &mut GetItem<'_, '_>)>> = (0..lanes).map(|_| Vec::new()).collect();
+        for (n, i) in idx.into_iter().enumerate() {
+            out[i] = (Status::Unavailable, 0);
+            of_node[n % lanes].push((i, slots[i].take().expect("each item in one group")));
+        }
+        of_node.into_iter().map(|lane| (node.clone(), lane)).collect()
+    }
+
     /// One lane of a batch get: its items, pipelined on one connection.
     /// `defer_misses`: misses are counted by the handoff that follows.
+    /// `weights[i]`: the spread item i's hot key is read with (empty: none).
     async fn get_lane(
         &self,
         node: Arc<Node>,
         mut lane: Vec<(usize, &mut GetItem<'_, '_>)>,
         defer_misses: bool,
+        weights: &[u8],
     ) -> Vec<(usize, (Status, usize))> {
         let mut out = Vec::with_capacity(lane.len());
         for window in lane.chunks_mut(PIPELINE_WINDOW) {
             let idx: Vec<usize> = window.iter().map(|(i, _)| *i).collect();
-            let mut x =
-                GetManyX { items: window.iter_mut().map(|(_, item)| (item.0, &mut item.1[..])).collect(), extra: 0 };
+            let keys: Vec<&[u8]> = window.iter().map(|(_, item)| item.0).collect();
+            let w = if weights.is_empty() { Vec::new() } else { idx.iter().map(|&i| weights[i]).collect() };
+            let mut x = GetManyX {
+                items: window.iter_mut().map(|(_, item)| (item.0, &mut item.1[..])).collect(),
+                extra: 0,
+                weights: w,
+            };
             match self.pipeline().run_on(&node, &mut x).await {
                 Ok(replies) => {
-                    for (i, r) in idx.into_iter().zip(replies) {
+                    for ((i, r), key) in idx.into_iter().zip(replies).zip(keys) {
                         let bytes = if r.status == Status::Ok { r.len as u64 } else { 0 };
+                        if r.status == Status::Ok {
+                            self.note_hot(key, r.spread);
+                        }
                         // A miss may still be found by the handoff: counted then.
                         if r.status != Status::Miss || !defer_misses {
                             self.metrics.count_get(r.status, bytes, r.len);
@@ -548,4 +841,57 @@ impl Client {
         }
         out
     }
+
+    /// One lane of a batch get at a node holding copies of hot keys: its
+    /// items pipelined on one connection, each window within the handoff
+    /// timeout. None for an item not answered (the node failed: it is
+    /// skipped for spread reads, and the rest of the lane not asked).
+    /// Nothing is counted here: the caller counts what is served, and asks
+    /// the owners for the rest.
+    async fn copy_lane(
+        &self,
+        node: Arc<Node>,
+        mut lane: Vec<(usize, &mut GetItem<'_, '_>)>,
+    ) -> Vec<(usize, Option<GetReply>)> {
+        let mut out = Vec::with_capacity(lane.len());
+        let mut failed = false;
+        for window in lane.chunks_mut(PIPELINE_WINDOW) {
+            let idx: Vec<usize> = window.iter().map(|(i, _)| *i).collect();
+            if failed {
+                out.extend(idx.into_iter().map(|i| (i, None)));
+                continue;
+            }
+            let mut x = GetManyX {
+                items: window.iter_mut().map(|(_, item)| (item.0, &mut item.1[..])).collect(),
+                extra: 0,
+                weights: Vec::new(),
+            };
+            match self.pipeline().run_short(&node, self.opts.handoff_timeout, &mut x).await {
+                Ok(replies) => out.extend(idx.into_iter().zip(replies).map(|(i, r)| (i, Some(r)))),
+                Err(e) => {
+                    self.copy_failed(&node, e);
+                    failed = true;
+                    out.extend(idx.into_iter().map(|i| (i, None)));
+                }
+            }
+        }
+        out
+    }
+}
+
+/// Item indices grouped by the node each goes to (None: none), in member
+/// order; a node's Arc is cloned once per group, not per item.
+fn by_node(topo: &Topology, to: impl Iterator<Item = Option<usize>>) -> Vec<(Arc<Node>, Vec<usize>)> {
+    let mut by_member: Vec<Vec<usize>> = vec![Vec::new(); topo.nodes.len()];
+    for (i, m) in to.enumerate() {
+        if let Some(m) = m {
+            by_member[m].push(i);
+        }
+    }
+    by_member
+        .into_iter()
+        .enumerate()
+        .filter(|(_, idx)| !idx.is_empty())
+        .map(|(m, idx)| (topo.nodes[m].clone(), idx))
+        .collect()
 }

@@ -268,7 +268,7 @@ async fn put_frame<S: Socket>(
 /// on protocol v4; at most [`MAX_BATCH_ITEMS`] keys of 1..=1024 bytes):
 /// per key Ok or Miss, or the node's refusal of the frame for every key.
 pub async fn delete_batch<S: Socket>(conn: &mut Conn<S>, keys: &[&[u8]]) -> Result<Vec<Status>, OpError> {
-    let list: Vec<BatchItem<'_>> = keys.iter().map(|key| BatchItem { flags: 0, key, segs: &[] }).collect();
+    let list: Vec<BatchItem<'_>> = keys.iter().map(|key| BatchItem { flags: 0, key, segs: &[], spread: 0 }).collect();
     let body = wire::encode_batch_delete(&list);
     let id = conn.request(Op::BatchDelete, 0, 0, &[&body]).await?;
     let h = conn.answer(id, SMALL_AHEAD).await?;
@@ -287,25 +287,34 @@ pub async fn delete_batch<S: Socket>(conn: &mut Conn<S>, keys: &[&[u8]]) -> Resu
         .collect())
 }
 
+/// One GET. `extra`: request flags beside its own (FLAG_HANDOFF for a
+/// handoff ask); `weight`: the spread this client reads a hot key with
+/// when it asks the owner (the owner counts the read as that many; 0 for
+/// any other read, docs/PROTOCOL.md §2.2).
 pub async fn get<S: Socket>(
     conn: &mut Conn<S>,
     geo: &Geometry,
     key: &[u8],
     bufs: &mut [&mut [u8]],
     extra: u8,
+    weight: u8,
 ) -> Result<GetReply, OpError> {
     if key.is_empty() || key.len() > kv_common::page::MAX_KEY_LEN {
         // As the node answers such a GET (and before a buffer sized for
         // the longest key is sliced by it).
         let why = format!("key length {} outside 1..={}", key.len(), kv_common::page::MAX_KEY_LEN);
-        return Ok(GetReply { status: OpError::refused(Status::BadRequest, why.as_bytes()).status(), len: 0 });
+        return Ok(GetReply {
+            status: OpError::refused(Status::BadRequest, why.as_bytes()).status(),
+            len: 0,
+            spread: 0,
+        });
     }
     if conn.remote.is_some() {
-        if let Some(r) = transport::get(conn, geo, key, bufs, extra).await? {
+        if let Some(r) = transport::get(conn, geo, key, bufs, extra, weight).await? {
             return Ok(r);
         }
     }
-    get_inline(conn, geo, key, bufs, extra).await
+    get_inline(conn, geo, key, bufs, extra, weight).await
 }
 
 async fn get_inline<S: Socket>(
@@ -314,9 +323,10 @@ async fn get_inline<S: Socket>(
     key: &[u8],
     bufs: &mut [&mut [u8]],
     extra: u8,
+    weight: u8,
 ) -> Result<GetReply, OpError> {
     let req = KeyRequest::encode(geo, key);
-    let id = conn.request(Op::Get, FLAG_CHECK_GEOMETRY | extra, 0, &[&req]).await?;
+    let id = conn.request(Op::Get, FLAG_CHECK_GEOMETRY | extra, u16::from(weight), &[&req]).await?;
     // The frame header with the page header and key behind it: one read.
     let h = conn.answer(id, HEADER_LEN + key.len()).await?;
     read_get_body(conn, geo, key, bufs, &h).await
@@ -426,7 +436,7 @@ pub async fn get_pipelined<S: Socket>(
     for (i, named) in again {
         named.stale();
         let (key, bufs) = &mut items[i];
-        replies[i] = Some(get_inline(conn, geo, key, bufs, extra).await?);
+        replies[i] = Some(get_inline(conn, geo, key, bufs, extra, 0).await?);
     }
     Ok(replies.into_iter().map(|r| r.expect("every id answered")).collect())
 }
@@ -443,11 +453,15 @@ pub async fn get_pipelined<S: Socket>(
 /// header and key, checked here with the payload's CRC. An item that is not
 /// served costs only itself; the connection stays usable unless the bytes
 /// themselves are wrong. One reply per item, in item order.
+/// `weights[i]` (when given): the spread this client reads item i's key
+/// with at its owner ([`get`]; sent as [`wire::ITEM_HOT`] and the item
+/// head's second byte).
 pub async fn get_batch<S: Socket>(
     conn: &mut Conn<S>,
     geo: &Geometry,
     items: &mut [(&[u8], &mut [&mut [u8]])],
     extra: u8,
+    weights: &[u8],
 ) -> Result<Vec<GetReply>, OpError> {
     // Buffers named for the node, held until the answers are in (empty:
     // this connection names none, no allocation), and their lists.
@@ -488,9 +502,13 @@ pub async fn get_batch<S: Socket>(
         .map(|r| {
             let list: Vec<BatchItem<'_>> = r
                 .clone()
-                .map(|i| match lists.get(i).filter(|l| !l.is_empty()) {
-                    Some(segs) => BatchItem { flags: ITEM_RDMA, key: items[i].0, segs },
-                    None => BatchItem { flags: 0, key: items[i].0, segs: &[] },
+                .map(|i| {
+                    let spread = weights.get(i).copied().unwrap_or(0);
+                    let hot = if spread > 0 { wire::ITEM_HOT } else { 0 };
+                    match lists.get(i).filter(|l| !l.is_empty()) {
+                        Some(segs) => BatchItem { flags: ITEM_RDMA | hot, key: items[i].0, segs, spread },
+                        None => BatchItem { flags: hot, key: items[i].0, segs: &[], spread },
+                    }
                 })
                 .collect();
             wire::encode_batch_get(geo, &list)
@@ -515,7 +533,7 @@ pub async fn get_batch<S: Socket>(
             let body = conn.answer_body(&h, MAX_SMALL_ANSWER).await?;
             let s = OpError::refused(h.status, &body).status();
             for reply in &mut replies[r] {
-                *reply = Some(GetReply { status: s, len: 0 });
+                *reply = Some(GetReply { status: s, len: 0, spread: 0 });
             }
             continue;
         }
@@ -559,7 +577,8 @@ pub async fn get_batch<S: Socket>(
     // (TOO_SMALL with the size, or the page), inline.
     for i in again {
         let (key, bufs) = &mut items[i];
-        replies[i] = Some(get_inline(conn, geo, key, bufs, extra).await?);
+        let weight = weights.get(i).copied().unwrap_or(0);
+        replies[i] = Some(get_inline(conn, geo, key, bufs, extra, weight).await?);
     }
     Ok(replies.into_iter().map(|r| r.expect("every frame answered")).collect())
 }

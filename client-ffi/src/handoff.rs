@@ -17,13 +17,13 @@ use std::time::{Duration, Instant};
 use futures_util::future::join_all;
 use kv_common::page::PageHeader;
 use kv_common::status::Status;
-use kv_common::wire::{encode_copy_age, FLAG_HANDOFF, MAX_BATCH_KEYS};
+use kv_common::wire::{encode_copy_age, FLAG_HANDOFF, MAX_BATCH_KEYS, MAX_SPREAD};
 
 use crate::conn::is_stale;
 use crate::error::OpError;
 use crate::exchange::{self, GetReply};
 use crate::node::Node;
-use crate::pipeline::{BatchExistX, DeleteX, Exchange, GetItem, GetManyX, GetX, Pipeline, PIPELINE_WINDOW};
+use crate::pipeline::{BatchExistX, Exchange, GetItem, GetManyX, GetX, Pipeline, PIPELINE_WINDOW};
 use crate::topology::Topology;
 
 /// Most previous owners asked for one key.
@@ -34,6 +34,10 @@ pub const HANDOFF_COPIES_AT_ONCE: usize = 4;
 
 /// A previous owner to ask, and the end of the window of the set naming it.
 pub(crate) type Candidate = (Arc<Node>, Instant);
+
+/// A node that may hold a copy of a key being deleted, when a failed ask
+/// there stops being skipped, and whether the delete must reach it.
+pub(crate) type Holder = (Arc<Node>, Instant, bool);
 
 /// A handle's handoff state, kept across requests.
 pub(crate) struct Handoffs {
@@ -54,6 +58,11 @@ impl Handoffs {
         };
         h.set_window(window);
         h
+    }
+
+    /// Whether the handoff is on (its window not zero).
+    pub(crate) fn window_open(&self) -> bool {
+        self.window_ms.load(Ordering::Relaxed) > 0
     }
 
     /// The window of the member set installed now.
@@ -114,28 +123,16 @@ impl<'c> Handoff<'c> {
     /// As [`Handoff::ask`], with the exchange borrowed (its buffers
     /// are read after it).
     pub(crate) async fn ask_on<X: Exchange>(&self, node: &Arc<Node>, until: Instant, x: &mut X) -> Option<X::Out> {
-        let deadline: tokio::time::Instant =
-            crate::call::clamp((tokio::time::Instant::now() + self.pipe.opts.handoff_timeout).into_std()).into();
-        let mut retried = false;
-        loop {
+        match self.pipe.run_short(node, self.pipe.opts.handoff_timeout, x).await {
+            Ok(out) => Some(out),
             // All of the node's connections busy: a local wait, not the node's fault.
-            let slot = tokio::time::timeout_at(deadline, node.slot()).await.ok()?.ok()?;
-            let r = tokio::time::timeout_at(deadline, self.pipe.attempt(node, x, slot, retried))
-                .await
-                .unwrap_or(Err((OpError::Timeout, false)));
-            match r {
-                Ok(out) => return Some(out),
-                Err((e, reused)) if reused && !retried && is_stale(&e) => {
-                    node.drop_idle();
-                    retried = true;
+            Err(OpError::LocalTimeout) => None,
+            Err(e) => {
+                self.pipe.metrics.handoff.failures.fetch_add(1, Ordering::Relaxed);
+                if e.is_peer_failure() {
+                    node.skip_handoff(until);
                 }
-                Err((e, _)) => {
-                    self.pipe.metrics.handoff.failures.fetch_add(1, Ordering::Relaxed);
-                    if e.is_peer_failure() {
-                        node.skip_handoff(until);
-                    }
-                    return None;
-                }
+                None
             }
         }
     }
@@ -153,13 +150,13 @@ impl<'c> Handoff<'c> {
         let mut better = None;
         for (node, until) in self.candidates(topo, key, owner) {
             self.pipe.metrics.handoff.asks.fetch_add(1, Ordering::Relaxed);
-            let mut x = GetX { key, bufs: &mut *bufs, extra: FLAG_HANDOFF };
+            let mut x = GetX { key, bufs: &mut *bufs, extra: FLAG_HANDOFF, weight: 0 };
             // The page is read at most this long ago once the answer is in.
             let asked_at = Instant::now();
             match self.ask_on(&node, until, &mut x).await {
-                Some(r @ GetReply { status: Status::Ok, len }) => {
+                Some(r @ GetReply { status: Status::Ok, len, .. }) => {
                     self.pipe.metrics.handoff.hits.fetch_add(1, Ordering::Relaxed);
-                    self.copy_later(owner.clone(), key, bufs, len, asked_at);
+                    self.copy_later(owner.clone(), key, bufs, len, asked_at, false);
                     return Some(r);
                 }
                 Some(r @ GetReply { status: Status::TooSmall, .. }) => return Some(r),
@@ -261,6 +258,7 @@ impl<'c> Handoff<'c> {
                     let mut x = GetManyX {
                         items: window.iter_mut().map(|(_, item)| (item.0, &mut item.1[..])).collect(),
                         extra: FLAG_HANDOFF,
+                        weights: Vec::new(),
                     };
                     let asked_at = Instant::now();
                     let Some(replies) = self.ask_on(&node, until, &mut x).await else { break };
@@ -268,7 +266,7 @@ impl<'c> Handoff<'c> {
                         if r.status == Status::Ok {
                             self.pipe.metrics.handoff.hits.fetch_add(1, Ordering::Relaxed);
                             if let Some(owner) = self.owner_node(topo, item.0) {
-                                self.copy_later(owner, item.0, &item.1, r.len, asked_at);
+                                self.copy_later(owner, item.0, &item.1, r.len, asked_at, false);
                             }
                         }
                         got.push((i, r));
@@ -298,27 +296,42 @@ impl<'c> Handoff<'c> {
         }
     }
 
-    /// Deletes `key` at every previous owner other than `owner`, all at
-    /// once (so a dead one costs one handoff timeout, not one each).
-    /// Ok(true) when one of them had it; Err when one could not be reached
-    /// (its copy may remain). Nodes skipped for asks are asked too: a
-    /// delete must reach every copy a later ask could find.
-    pub(crate) async fn delete(&self, topo: &Topology, owner: &Node, key: &[u8]) -> Result<bool, Status> {
+    /// The nodes other than `owner` that may hold a copy of `key`: its
+    /// owner in every previous set of the window and, when `spread` (hot
+    /// keys' reads are spread, docs/ARCHITECTURE.md "Hot keys"), the first
+    /// [`MAX_SPREAD`] distinct members from it in the current set and in
+    /// every previous one. Each with when a failed ask stops being
+    /// skipped, and whether the delete fails when that node cannot be
+    /// reached: a previous owner must be reached (a handoff ask would find
+    /// its page); a node that holds at most a hot key's copy need not (a
+    /// dead node must not fail every delete; the copy it may keep is the
+    /// key's own bytes, docs/ARCHITECTURE.md "Hot keys"). Nodes skipped
+    /// for asks are named too.
+    pub(crate) fn holders(&self, topo: &Topology, key: &[u8], owner: &Node, spread: bool) -> Vec<Holder> {
         let now = Instant::now();
-        let mut asked: Vec<(Arc<Node>, Instant)> = Vec::new();
-        for p in topo.previous.iter().filter(|p| p.until > now) {
-            let Some(i) = p.ring.owner(key) else { continue };
-            let n = &p.nodes[i];
-            if (n.id == owner.id && n.addr == owner.addr) || asked.iter().any(|(a, _)| Arc::ptr_eq(a, n)) {
-                continue;
+        let mut out: Vec<Holder> = Vec::new();
+        let mut add = |n: &Arc<Node>, until: Instant, must: bool| {
+            if n.id == owner.id && n.addr == owner.addr {
+                return;
             }
-            asked.push((n.clone(), p.until));
+            match out.iter_mut().find(|h| Arc::ptr_eq(&h.0, n)) {
+                Some(h) => h.2 |= must,
+                None => out.push((n.clone(), until, must)),
+            }
+        };
+        let r = if spread { usize::from(MAX_SPREAD) } else { 1 };
+        if spread {
+            let until = now + self.pipe.opts.peer_cooldown;
+            for i in topo.ring.owners(key, r) {
+                add(&topo.nodes[i], until, false);
+            }
         }
-        let done = join_all(asked.iter().map(|(n, until)| self.ask(n, *until, DeleteX { key }))).await;
-        if done.contains(&None) {
-            return Err(Status::Unavailable);
+        for p in topo.previous.iter().filter(|p| p.until > now) {
+            for (rank, i) in p.ring.owners(key, r).into_iter().enumerate() {
+                add(&p.nodes[i], p.until, rank == 0);
+            }
         }
-        Ok(done.contains(&Some(Status::Ok)))
+        out
     }
 
     /// Writes a page found at a previous owner to its owner in the
@@ -329,8 +342,21 @@ impl<'c> Handoff<'c> {
     /// handoff window the client knows ([`copy_deadline`]): its wait for a
     /// copy slot ends there, and it carries its age to the owner, which
     /// refuses it past half its own window (docs/PROTOCOL.md §2.9).
-    pub(crate) fn copy_later(&self, owner: Arc<Node>, key: &[u8], bufs: &[&mut [u8]], len: usize, read_at: Instant) {
+    ///
+    /// `fill`: a copy of a hot page to a node of its spread that missed it
+    /// (docs/ARCHITECTURE.md, "Hot keys"), counted among the fills; the
+    /// node takes it as any handoff copy.
+    pub(crate) fn copy_later(
+        &self,
+        owner: Arc<Node>,
+        key: &[u8],
+        bufs: &[&mut [u8]],
+        len: usize,
+        read_at: Instant,
+        fill: bool,
+    ) {
         let h = self.pipe.metrics.handoff.clone();
+        let hot = self.pipe.metrics.hot.clone();
         let Ok(rt) = tokio::runtime::Handle::try_current() else {
             h.copies_failed.fetch_add(1, Ordering::Relaxed);
             return;
@@ -389,16 +415,20 @@ impl<'c> Handoff<'c> {
                     }
                 }
             };
+            let (stored, refused, failed) = match fill {
+                true => (&hot.fills_stored, &hot.fills_refused, &hot.fills_failed),
+                false => (&h.copies_stored, &h.copies_refused, &h.copies_failed),
+            };
             match tokio::time::timeout(io, put).await {
                 Ok(Ok(())) => {
-                    h.copies_stored.fetch_add(1, Ordering::Relaxed);
+                    stored.fetch_add(1, Ordering::Relaxed);
                     h.copy_bytes.fetch_add(n, Ordering::Relaxed);
                 }
                 Ok(Err(OpError::Node(Status::Rejected, _))) => {
-                    h.copies_refused.fetch_add(1, Ordering::Relaxed);
+                    refused.fetch_add(1, Ordering::Relaxed);
                 }
                 _ => {
-                    h.copies_failed.fetch_add(1, Ordering::Relaxed);
+                    failed.fetch_add(1, Ordering::Relaxed);
                 }
             }
             h.inflight_bytes.fetch_sub(n, Ordering::AcqRel);
@@ -483,12 +513,19 @@ mod tests {
         let h = c.metrics.handoff.clone();
         let mut page = vec![5u8; 4096];
         // Read a second ago: past half of 400 ms already.
-        c.handoff().copy_later(owner.clone(), b"k1", &[&mut page[..]], 4096, Instant::now() - Duration::from_secs(1));
+        c.handoff().copy_later(
+            owner.clone(),
+            b"k1",
+            &[&mut page[..]],
+            4096,
+            Instant::now() - Duration::from_secs(1),
+            false,
+        );
         eventually("the stale copy to be dropped", || h.copies_expired.load(Ordering::Relaxed) == 1);
         // Fresh, but every copy slot is taken and stays taken.
         let held = rt.block_on(c.handoff().state.copy_slots.clone().acquire_many_owned(HANDOFF_COPIES_AT_ONCE as u32));
         let queued = Instant::now();
-        c.handoff().copy_later(owner, b"k2", &[&mut page[..]], 4096, queued);
+        c.handoff().copy_later(owner, b"k2", &[&mut page[..]], 4096, queued, false);
         eventually("the waiting copy to expire", || h.copies_expired.load(Ordering::Relaxed) == 2);
         assert!(queued.elapsed() >= Duration::from_millis(200), "it waited until its deadline");
         drop(held);

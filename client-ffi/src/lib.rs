@@ -26,6 +26,7 @@ pub mod exchange;
 pub mod ffi;
 pub mod handoff;
 pub mod hello;
+pub mod hot;
 pub mod members;
 pub mod metrics;
 pub mod node;

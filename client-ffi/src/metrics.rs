@@ -70,6 +70,26 @@ pub struct Metrics {
     pub mds_epoch_regressions: AtomicU64,
     /// Handoff (docs/ARCHITECTURE.md, "Ring transitions").
     pub handoff: Arc<HandoffCounters>,
+    /// Hot keys' reads spread over nodes (docs/ARCHITECTURE.md, "Hot keys").
+    pub hot: Arc<HotCounters>,
+}
+
+/// What spreading hot keys' reads did.
+#[derive(Default)]
+pub struct HotCounters {
+    /// Keys this handle holds hot now.
+    pub keys: AtomicU64,
+    /// Reads of hot keys sent to another node than the owner, served there.
+    pub copy_hits: AtomicU64,
+    /// Such reads asked at the owner after all: a miss there (its copy not
+    /// made yet, or evicted), or a failure (the node is then skipped for
+    /// spread reads for the peer cool-down).
+    pub fallbacks: AtomicU64,
+    /// Copies written to a node that missed a hot key (fills): stored,
+    /// refused (the key was deleted meanwhile), failed.
+    pub fills_stored: AtomicU64,
+    pub fills_refused: AtomicU64,
+    pub fills_failed: AtomicU64,
 }
 
 /// What the handoff did: asks at previous owners and background copies.
@@ -122,6 +142,7 @@ impl Default for Metrics {
             mds_failovers: AtomicU64::new(0),
             mds_epoch_regressions: AtomicU64::new(0),
             handoff: Arc::default(),
+            hot: Arc::default(),
         }
     }
 }
@@ -293,6 +314,24 @@ impl Metrics {
                 "handoff_copies_expired",
                 "Background copies given up unsent: older than half the handoff window when their turn came",
                 vec![(vec![], ld(&self.handoff.copies_expired))],
+            ),
+            Fam::gauge("hot_keys", "Keys this handle spreads the reads of now", vec![(vec![], ld(&self.hot.keys))]),
+            Fam::counter(
+                "hot_spread_reads",
+                "Reads of hot keys sent to another node than their owner, by outcome",
+                vec![
+                    (vec![("result", "hit".to_string())], ld(&self.hot.copy_hits)),
+                    (vec![("result", "fallback".to_string())], ld(&self.hot.fallbacks)),
+                ],
+            ),
+            Fam::counter(
+                "hot_fills",
+                "Copies of hot pages written to a node that missed them, by result",
+                vec![
+                    (vec![("result", "stored".to_string())], ld(&self.hot.fills_stored)),
+                    (vec![("result", "refused".to_string())], ld(&self.hot.fills_refused)),
+                    (vec![("result", "failed".to_string())], ld(&self.hot.fills_failed)),
+                ],
             ),
         ];
         fams.extend(rdma.families().into_iter().map(|f| Fam {

@@ -94,18 +94,22 @@ pub(crate) struct GetX<'b, 'c> {
     pub(crate) bufs: &'b mut [&'c mut [u8]],
     /// Request flags beside the get's own (FLAG_HANDOFF for an ask).
     pub(crate) extra: u8,
+    /// The spread a hot key is read with, asked at its owner (0: none).
+    pub(crate) weight: u8,
 }
 
 impl Exchange for GetX<'_, '_> {
     type Out = GetReply;
     fn run<'a>(&'a mut self, conn: &'a mut AsyncConn, geo: &'a Geometry) -> BoxFuture<'a, Result<GetReply, OpError>> {
-        Box::pin(exchange::get(conn, geo, self.key, self.bufs, self.extra))
+        Box::pin(exchange::get(conn, geo, self.key, self.bufs, self.extra, self.weight))
     }
 }
 
 pub(crate) struct GetManyX<'b, 'c> {
     pub(crate) items: Vec<(&'b [u8], &'b mut [&'c mut [u8]])>,
     pub(crate) extra: u8,
+    /// Per item, as [`GetX::weight`] (empty: none).
+    pub(crate) weights: Vec<u8>,
 }
 
 impl Exchange for GetManyX<'_, '_> {
@@ -123,7 +127,7 @@ impl Exchange for GetManyX<'_, '_> {
         // where only that item is refused.
         let keys_fit = self.items.iter().all(|(k, _)| !k.is_empty() && k.len() <= kv_common::page::MAX_KEY_LEN);
         if conn.batch_gets() && keys_fit {
-            Box::pin(exchange::get_batch(conn, geo, &mut self.items, self.extra))
+            Box::pin(exchange::get_batch(conn, geo, &mut self.items, self.extra, &self.weights))
         } else {
             Box::pin(exchange::get_pipelined(conn, geo, &mut self.items, self.extra))
         }
@@ -225,6 +229,36 @@ impl Pipeline<'_> {
                     retried = true;
                 }
                 Err((e, _)) => return Err(self.failed(node, e)),
+            }
+        }
+    }
+
+    /// Runs an exchange on `node` within `timeout` (a short one of its
+    /// own: a handoff ask, a read of a hot key's copy), once more on a
+    /// fresh connection when a pooled one was stale. A local wait for a
+    /// connection slot that takes the whole time is `LocalTimeout`. Keeps
+    /// no health: the caller decides what a failure means.
+    pub(crate) async fn run_short<X: Exchange>(
+        &self,
+        node: &Arc<Node>,
+        timeout: std::time::Duration,
+        x: &mut X,
+    ) -> Result<X::Out, OpError> {
+        let deadline: tokio::time::Instant =
+            crate::call::clamp((tokio::time::Instant::now() + timeout).into_std()).into();
+        let mut retried = false;
+        loop {
+            let slot = tokio::time::timeout_at(deadline, node.slot()).await.map_err(|_| OpError::LocalTimeout)??;
+            let r = tokio::time::timeout_at(deadline, self.attempt(node, x, slot, retried))
+                .await
+                .unwrap_or(Err((OpError::Timeout, false)));
+            match r {
+                Ok(out) => return Ok(out),
+                Err((e, reused)) if reused && !retried && is_stale(&e) => {
+                    node.drop_idle();
+                    retried = true;
+                }
+                Err((e, _)) => return Err(e),
             }
         }
     }

@@ -95,7 +95,7 @@ fn get_on(
     io: Duration,
 ) -> Result<GetReply, OpError> {
     conn.bound(io)?;
-    let r = block_on(exchange::get(conn, geo, key, bufs, 0))?;
+    let r = block_on(exchange::get(conn, geo, key, bufs, 0, 0))?;
     in_step(conn)?;
     Ok(r)
 }
@@ -419,10 +419,11 @@ impl Client {
 
     /// One get on the caller's thread (see the module docs): Ok(length) on
     /// a hit, else the status (and for KV_TOO_SMALL the size needed). None
-    /// when the async core must take it: the handle has RDMA, or a handoff
-    /// set is open (a miss then asks the previous owners).
+    /// when the async core must take it: the handle has RDMA, a handoff
+    /// set is open (a miss then asks the previous owners), or the key is
+    /// hot (its reads are spread, client.rs `read_route`).
     pub fn getv_blocking(&self, key: &[u8], bufs: &mut [&mut [u8]]) -> Option<Result<usize, (Status, usize)>> {
-        if self.fabric.is_on() {
+        if self.fabric.is_on() || self.hot.is_hot(key) {
             return None;
         }
         let topo = self.topology();
@@ -476,12 +477,15 @@ impl Client {
                 Err(e) => return Some(Err(self.metrics.count_get(self.failed_node(&node, e), 0, 0))),
             }
         };
+        if reply.status == Status::Ok {
+            self.note_hot(key, reply.spread);
+        }
         Some(match reply {
-            GetReply { status: Status::Ok, len } => {
+            GetReply { status: Status::Ok, len, .. } => {
                 self.metrics.count_get(Status::Ok, len as u64, 0);
                 Ok(len)
             }
-            GetReply { status, len } => Err(self.metrics.count_get(status, 0, len)),
+            GetReply { status, len, .. } => Err(self.metrics.count_get(status, 0, len)),
         })
     }
 

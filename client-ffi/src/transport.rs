@@ -63,11 +63,14 @@ pub(crate) async fn finish_get<S: Socket>(
         Err(r) => return Ok((r, false)),
     };
     if !placed {
-        return Ok((GetReply { status: Status::TooSmall, len: ph.payload_len as usize }, false));
+        return Ok((GetReply { status: Status::TooSmall, len: ph.payload_len as usize, spread: 0 }, false));
     }
     // A corrupt payload placed remotely: the names may be stale.
-    let r = check_placed(bufs, &ph);
+    let mut r = check_placed(bufs, &ph);
     let stale = r.status == Status::Corrupt;
+    if r.status == Status::Ok {
+        r.spread = kv_common::wire::spread_of_flags(h.flags);
+    }
     Ok((r, stale))
 }
 
@@ -109,9 +112,10 @@ pub(crate) async fn get<S: Socket>(
     key: &[u8],
     bufs: &mut [&mut [u8]],
     extra: u8,
+    weight: u8,
 ) -> Result<Option<GetReply>, OpError> {
     let Some((flags, body, named)) = get_request(conn, geo, key, bufs, extra) else { return Ok(None) };
-    let id = conn.request(Op::Get, flags, 0, &[&body]).await?;
+    let id = conn.request(Op::Get, flags, u16::from(weight), &[&body]).await?;
     let h = conn.answer(id, HEADER_LEN + key.len()).await?;
     let (r, again) = finish_get(conn, geo, key, bufs, &h).await?;
     if !again {

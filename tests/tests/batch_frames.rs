@@ -101,7 +101,7 @@ fn a_batch_answers_every_item_as_single_frames_do_from_memory_and_from_disk() {
         // checked per item, the records are the stored bytes.
         let mut conn = Conn::connect(&node.addr, Duration::from_secs(10)).unwrap();
         let list: Vec<BatchItem<'_>> =
-            asked.iter().map(|k| BatchItem { flags: 0, key: k.as_bytes(), segs: &[] }).collect();
+            asked.iter().map(|k| BatchItem { flags: 0, key: k.as_bytes(), segs: &[], spread: 0 }).collect();
         let (status, items, _) = raw_batch(&mut conn, FLAG_CHECK_GEOMETRY, &wire::encode_batch_get(&geo(), &list));
         assert_eq!(status, Status::Ok);
         for (i, (h, bytes)) in items.iter().enumerate() {
@@ -139,7 +139,10 @@ fn a_malformed_batch_is_refused_and_the_connection_stays_usable() {
     let mut conn = Conn::connect(&node.addr, Duration::from_secs(10)).unwrap();
     let good = wire::encode_batch_get(
         &geo(),
-        &[BatchItem { flags: 0, key: b"a", segs: &[] }, BatchItem { flags: 0, key: b"b", segs: &[] }],
+        &[
+            BatchItem { flags: 0, key: b"a", segs: &[], spread: 0 },
+            BatchItem { flags: 0, key: b"b", segs: &[], spread: 0 },
+        ],
     );
     let mut lies = good.clone();
     lies[32..36].copy_from_slice(&5u32.to_le_bytes()); // five items announced, two sent
@@ -181,7 +184,8 @@ fn an_answer_stops_at_its_byte_bound_and_the_client_splits_by_bytes() {
     }
     // Raw: seven 8 MiB records fit under 64 MiB, the eighth would pass it.
     let mut conn = Conn::connect(&node.addr, Duration::from_secs(30)).unwrap();
-    let list: Vec<BatchItem<'_>> = keys.iter().map(|k| BatchItem { flags: 0, key: k.as_bytes(), segs: &[] }).collect();
+    let list: Vec<BatchItem<'_>> =
+        keys.iter().map(|k| BatchItem { flags: 0, key: k.as_bytes(), segs: &[], spread: 0 }).collect();
     let (status, items, _) = raw_batch(&mut conn, FLAG_CHECK_GEOMETRY, &wire::encode_batch_get(&geo(), &list));
     assert_eq!(status, Status::Ok);
     let st: Vec<Status> = items.iter().map(|(h, _)| h.status).collect();

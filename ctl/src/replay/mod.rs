@@ -762,8 +762,18 @@ pub fn run(a: &ReplayArgs, json: bool, timeout: Duration) -> Result<u8, String> 
         runs,
         wall,
     });
+    // What spreading hot keys' reads did (docs/ARCHITECTURE.md, "Hot
+    // keys"): a read of a copy that missed was asked at the owner too.
+    let hot = &client.core.metrics.hot;
+    let spread = serde_json::json!({
+        "copy_hits": hot.copy_hits.load(Ordering::Relaxed),
+        "fallbacks": hot.fallbacks.load(Ordering::Relaxed),
+        "fills": hot.fills_stored.load(Ordering::Relaxed),
+    });
     if json {
-        println!("{}", r.json());
+        let mut j = r.json();
+        j["spread"] = spread;
+        println!("{j}");
     } else {
         r.print();
     }

@@ -1,0 +1,156 @@
+//! Hot keys' reads spread over nodes (docs/ARCHITECTURE.md, "Hot keys").
+//!
+//! A key's owner marks it hot in its answers, with a spread: the nodes its
+//! reads should go to, the owner first and then the next distinct members
+//! on the ring ([`kv_common::ring::Ring::owners`]), all computable from the
+//! view alone. This handle remembers the keys its owners marked (at most
+//! [`MAX_HOT_KEYS`], each for [`HOT_TTL`] after the owner last said so, and
+//! forgotten at once when the owner answers it unmarked) and sends their
+//! reads to those nodes in turn. A read at the owner tells it the spread,
+//! so that the owner goes on counting the key's reads as they are.
+//!
+//! Any node of the spread holds the page once one read there missed and
+//! the page was read at the owner: the client copies it there as a
+//! handoff copy (a PUT with FLAG_HANDOFF), which the node refuses when the
+//! key was deleted meanwhile. A key names its bytes for good, so a copy is
+//! the page, and every copy read is checked as any page is.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use crate::metrics::HotCounters;
+
+/// Hot keys one handle remembers at once; past it, a key newly marked is
+/// not spread by this handle (its reads go to its owner, as today).
+pub const MAX_HOT_KEYS: usize = 4096;
+
+/// How long a key stays hot for this handle after its owner last marked it.
+pub const HOT_TTL: Duration = Duration::from_secs(5);
+
+struct Entry {
+    spread: u8,
+    until: Instant,
+    /// Reads routed so far: the next goes to node `turn % spread`.
+    turn: u32,
+}
+
+/// The keys this handle spreads the reads of.
+pub(crate) struct HotKeys {
+    map: Mutex<HashMap<Box<[u8]>, Entry>>,
+    /// Entries in the map (read without the lock: a handle with no hot key
+    /// pays one relaxed load a read).
+    len: AtomicUsize,
+    counters: Arc<HotCounters>,
+}
+
+impl HotKeys {
+    pub(crate) fn new(counters: Arc<HotCounters>) -> HotKeys {
+        HotKeys { map: Mutex::new(HashMap::new()), len: AtomicUsize::new(0), counters }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<Box<[u8]>, Entry>> {
+        self.map.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn publish(&self, n: usize) {
+        self.len.store(n, Ordering::Relaxed);
+        self.counters.keys.store(n as u64, Ordering::Relaxed);
+    }
+
+    /// What the owner of `key` answered a read with: hot with `spread`
+    /// (kept for [`HOT_TTL`] more), or not hot (0: forgotten now).
+    pub(crate) fn noted(&self, key: &[u8], spread: u8) {
+        if spread == 0 && self.len.load(Ordering::Relaxed) == 0 {
+            return;
+        }
+        let now = Instant::now();
+        let mut map = self.lock();
+        if spread == 0 {
+            if map.remove(key).is_some() {
+                self.publish(map.len());
+            }
+            return;
+        }
+        if let Some(e) = map.get_mut(key) {
+            e.spread = spread;
+            e.until = now + HOT_TTL;
+            return;
+        }
+        if map.len() >= MAX_HOT_KEYS {
+            map.retain(|_, e| e.until > now);
+            if map.len() >= MAX_HOT_KEYS {
+                return;
+            }
+        }
+        // Turns start at 1: the read that follows a mark goes to another
+        // node than the owner, which has just been read.
+        map.insert(key.into(), Entry { spread, until: now + HOT_TTL, turn: 1 });
+        self.publish(map.len());
+    }
+
+    /// For a read of `key` now: its spread and this read's turn, or None
+    /// when the key is not hot (or no longer).
+    pub(crate) fn turn(&self, key: &[u8]) -> Option<(u8, u32)> {
+        if self.len.load(Ordering::Relaxed) == 0 {
+            return None;
+        }
+        let now = Instant::now();
+        let mut map = self.lock();
+        let e = map.get_mut(key)?;
+        if e.until <= now {
+            map.remove(key);
+            self.publish(map.len());
+            return None;
+        }
+        let t = e.turn;
+        e.turn = e.turn.wrapping_add(1);
+        Some((e.spread, t))
+    }
+
+    /// Whether this handle holds any key hot (one relaxed load).
+    pub(crate) fn any(&self) -> bool {
+        self.len.load(Ordering::Relaxed) > 0
+    }
+
+    /// Whether `key` is hot for this handle (no turn taken).
+    pub(crate) fn is_hot(&self, key: &[u8]) -> bool {
+        if self.len.load(Ordering::Relaxed) == 0 {
+            return false;
+        }
+        self.lock().get(key).is_some_and(|e| e.until > Instant::now())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn marks_are_kept_turned_forgotten_and_bounded() {
+        let h = HotKeys::new(Arc::default());
+        assert_eq!(h.turn(b"k"), None);
+        h.noted(b"k", 0);
+        assert_eq!(h.turn(b"k"), None, "an unmarked answer adds nothing");
+        h.noted(b"k", 4);
+        assert!(h.is_hot(b"k"));
+        let turns: Vec<u32> = (0..5).map(|_| h.turn(b"k").unwrap().1).collect();
+        assert_eq!(turns, [1, 2, 3, 4, 5], "each read takes the next turn");
+        h.noted(b"k", 3);
+        assert_eq!(h.turn(b"k"), Some((3, 6)), "a new spread keeps the turns going");
+        h.noted(b"k", 0);
+        assert_eq!(h.turn(b"k"), None, "the owner says it is no longer hot");
+        assert_eq!(h.counters.keys.load(Ordering::Relaxed), 0);
+        for i in 0..MAX_HOT_KEYS + 10 {
+            h.noted(format!("k{i}").as_bytes(), 2);
+        }
+        assert_eq!(h.len.load(Ordering::Relaxed), MAX_HOT_KEYS, "bounded");
+        assert!(!h.is_hot(format!("k{}", MAX_HOT_KEYS + 1).as_bytes()));
+        // Expired entries make room.
+        h.lock().values_mut().for_each(|e| e.until = Instant::now());
+        h.noted(b"new", 2);
+        assert!(h.is_hot(b"new"));
+        assert_eq!(h.len.load(Ordering::Relaxed), 1);
+    }
+}
