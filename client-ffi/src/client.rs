@@ -616,7 +616,7 @@ impl Client {
     async fn delete_copies(&self, topo: &Topology, keys: &[&[u8]], out: &mut [Status]) {
         let handoff = self.handoff();
         // Per node: the items, each with whether the delete must reach it.
-        let mut groups: Vec<(Arc<Node>, std::time::Instant, Vec<(usize, bool)>)> = Vec::new();
+        let mut groups: Vec<DeleteGroup> = Vec::new();
         for (i, key) in keys.iter().enumerate() {
             if !matches!(out[i], Status::Ok | Status::Miss) {
                 continue;
@@ -895,3 +895,8 @@ fn by_node(topo: &Topology, to: impl Iterator<Item = Option<usize>>) -> Vec<(Arc
         .map(|(m, idx)| (topo.nodes[m].clone(), idx))
         .collect()
 }
+
+/// A node's share of a batch delete's second half: the node, when a failed
+/// ask there stops being skipped, and its items, each with whether the
+/// delete must reach it.
+type DeleteGroup = (Arc<Node>, std::time::Instant, Vec<(usize, bool)>);
