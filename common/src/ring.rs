@@ -428,16 +428,8 @@ impl Ring {
         if self.len == 0 {
             return None;
         }
-        let mut best = (u64::MAX, 0u32);
-        for j in 0..MULTIPROBE_PROBES {
-            let p = probe_point(h, j);
-            let (q, s) = self.successor(p);
-            let d = q.wrapping_sub(p);
-            if d < best.0 || j == 0 {
-                best = (d, s);
-            }
-        }
-        Some(self.slots[best.1 as usize] as usize)
+        let (_, slot) = self.successor(self.multiprobe_point(h));
+        Some(self.slots[slot as usize] as usize)
     }
 
     /// Index of the member owning a point under Ketama: the first point >=
