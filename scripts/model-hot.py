@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
-"""A model of spreading hot keys' reads (docs/ARCHITECTURE.md, "What comes
-next"): the busiest node's reads against the mean, by placement alone and
-with a key's reads spread over the nodes after its owner on the ring.
+"""A model of spreading hot keys' reads (docs/ARCHITECTURE.md, "Hot keys"):
+the busiest node's reads against the mean, by placement alone and with a
+key's reads spread over the nodes after its owner on the ring.
 
 The reads are the shipped trace's own hits: with unlimited capacity, each
 request reads the leading pages of its chain that earlier requests stored
@@ -9,9 +9,16 @@ request reads the leading pages of its chain that earlier requests stored
 page (the block every request starts with) shared, so that the cold reads
 per node stay realistic at 1,000 nodes.
 
-The rule modelled: a key whose reads exceed SHARE x the mean node's reads is
-read from R = ceil(reads / (SHARE x mean)) nodes (the owner and the next
-R - 1 distinct members on the ring), each serving 1/R of them. The ring is
+Two rules are modelled. "spread": a key whose reads exceed SHARE x the mean
+node's reads is read from R = ceil(reads / (SHARE x mean)) nodes (the owner
+and the next R - 1 distinct members on the ring), each serving 1/R of them.
+"as built": the nodes' and clients' rule (server/src/heat.rs, client-ffi
+src/hot.rs): a key is hot when it takes at least an eighth of its owner's
+reads (placement alone: the owner counts spread reads at their weight, so
+it sees the key's whole load), and is read from R = its reads over an
+eighth of the owner's other reads nodes, 2 to 255, at most the group. The
+whole trace stands for one window (the rule is a ratio of reads; the
+nodes' floor of 64 reads a window is left out). The ring is
 a Ketama ring of 160 points per node on an MD5 hash (a stand-in for the
 nodes' xxh3: what matters here is how points spread, not which node a key
 lands on).
@@ -28,6 +35,7 @@ from collections import Counter
 
 SHARE = 0.25
 POINTS = 160
+MAX_SPREAD = int(os.environ.get("MAX_SPREAD", "255"))  # kv_common::wire::MAX_SPREAD
 
 
 def hits(chains):
@@ -61,14 +69,23 @@ def nodes_of(key, r, pts, ids):
     return out
 
 
-def busiest(reads, n, spread):
+def busiest(reads, n, rule):
     pts, ids = ring(n)
     load = [0.0] * n
     mean = sum(reads.values()) / n
+    owned = [0.0] * n
+    if rule == "built":
+        for k, v in reads.items():
+            owned[nodes_of(k, 1, pts, ids)[0]] += v
     for k, v in reads.items():
         r = 1
-        if spread and v > SHARE * mean:
+        if rule == "share" and v > SHARE * mean:
             r = min(n, math.ceil(v / (SHARE * mean)))
+        if rule == "built":
+            total = owned[nodes_of(k, 1, pts, ids)[0]]
+            if v >= total / 8:
+                others = (total - v) / 8
+                r = min(n, max(2, min(MAX_SPREAD, math.ceil(v / max(others, 1)))))
         for o in nodes_of(k, r, pts, ids):
             load[o] += v / r
     return max(load) / mean
@@ -85,10 +102,11 @@ def main():
     for k in range(10):
         for p, v in base.items():
             x10[p if p == first else (k, p)] += v
-    print(f"{'reads':<6} {'nodes':>5} {'placement alone':>16} {'spread':>8}")
+    print(f"{'reads':<6} {'nodes':>5} {'placement alone':>16} {'spread':>8} {'as built':>9}")
     for name, reads, sizes in (("trace", base, (3, 12, 24, 100)), ("x10", x10, (100, 1000))):
         for n in sizes:
-            print(f"{name:<6} {n:>5} {busiest(reads, n, False):>15.2f}x {busiest(reads, n, True):>7.2f}x")
+            cols = [busiest(reads, n, rule) for rule in (None, "share", "built")]
+            print(f"{name:<6} {n:>5} {cols[0]:>15.2f}x {cols[1]:>7.2f}x {cols[2]:>8.2f}x")
 
 
 if __name__ == "__main__":

@@ -229,11 +229,12 @@ impl Client {
                 if pick == 0 && node.cooling() {
                     pick = 1;
                 }
-                if pick > 0 {
-                    let members = topo.ring.owners(key, n);
-                    let c = &topo.nodes[members[pick]];
+                // The ring walked only as far as the member picked.
+                let picked = if pick > 0 { topo.ring.owners(key, pick + 1).get(pick).copied() } else { None };
+                if let Some(m) = picked {
+                    let c = &topo.nodes[m];
                     if !c.cooling() && !c.handoff_skipped() {
-                        return Ok(ReadRoute { owner, copy: Some(members[pick]), weight });
+                        return Ok(ReadRoute { owner, copy: Some(m), weight });
                     }
                 }
                 if !node.cooling() {

@@ -16,7 +16,7 @@
 //! the page, and every copy read is checked as any page is.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU16, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -42,12 +42,43 @@ pub(crate) struct HotKeys {
     /// Entries in the map (read without the lock: a handle with no hot key
     /// pays one relaxed load a read).
     len: AtomicUsize,
+    /// Entries in the map per slot of their key's hash (changed under the
+    /// map's lock, read without it): a read of a key whose slot is empty,
+    /// nearly every cold key while a few are hot, takes no lock.
+    slots: Box<[AtomicU16]>,
     counters: Arc<HotCounters>,
+}
+
+/// Slots of [`HotKeys::slots`] (32 KiB a handle).
+const FILTER_SLOTS: usize = 1 << 14;
+
+fn slot_of(key: &[u8]) -> usize {
+    (kv_common::ring::key_point(key) % FILTER_SLOTS as u64) as usize
 }
 
 impl HotKeys {
     pub(crate) fn new(counters: Arc<HotCounters>) -> HotKeys {
-        HotKeys { map: Mutex::new(HashMap::new()), len: AtomicUsize::new(0), counters }
+        HotKeys {
+            map: Mutex::new(HashMap::new()),
+            len: AtomicUsize::new(0),
+            slots: (0..FILTER_SLOTS).map(|_| AtomicU16::new(0)).collect(),
+            counters,
+        }
+    }
+
+    /// Whether `key` may be in the map (false: it is not), without the lock.
+    fn may_hold(&self, key: &[u8]) -> bool {
+        self.len.load(Ordering::Relaxed) > 0 && self.slots[slot_of(key)].load(Ordering::Relaxed) > 0
+    }
+
+    /// Under the map's lock: `key` entered the map, or left it.
+    fn count(&self, key: &[u8], entered: bool) {
+        let s = &self.slots[slot_of(key)];
+        if entered {
+            s.fetch_add(1, Ordering::Relaxed);
+        } else {
+            s.fetch_sub(1, Ordering::Relaxed);
+        }
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<Box<[u8]>, Entry>> {
@@ -62,13 +93,14 @@ impl HotKeys {
     /// What the owner of `key` answered a read with: hot with `spread`
     /// (kept for [`HOT_TTL`] more), or not hot (0: forgotten now).
     pub(crate) fn noted(&self, key: &[u8], spread: u8) {
-        if spread == 0 && self.len.load(Ordering::Relaxed) == 0 {
+        if spread == 0 && !self.may_hold(key) {
             return;
         }
         let now = Instant::now();
         let mut map = self.lock();
         if spread == 0 {
             if map.remove(key).is_some() {
+                self.count(key, false);
                 self.publish(map.len());
             }
             return;
@@ -79,7 +111,13 @@ impl HotKeys {
             return;
         }
         if map.len() >= MAX_HOT_KEYS {
-            map.retain(|_, e| e.until > now);
+            map.retain(|k, e| {
+                let keep = e.until > now;
+                if !keep {
+                    self.count(k, false);
+                }
+                keep
+            });
             if map.len() >= MAX_HOT_KEYS {
                 return;
             }
@@ -87,13 +125,14 @@ impl HotKeys {
         // Turns start at 1: the read that follows a mark goes to another
         // node than the owner, which has just been read.
         map.insert(key.into(), Entry { spread, until: now + HOT_TTL, turn: 1 });
+        self.count(key, true);
         self.publish(map.len());
     }
 
     /// For a read of `key` now: its spread and this read's turn, or None
     /// when the key is not hot (or no longer).
     pub(crate) fn turn(&self, key: &[u8]) -> Option<(u8, u32)> {
-        if self.len.load(Ordering::Relaxed) == 0 {
+        if !self.may_hold(key) {
             return None;
         }
         let now = Instant::now();
@@ -101,6 +140,7 @@ impl HotKeys {
         let e = map.get_mut(key)?;
         if e.until <= now {
             map.remove(key);
+            self.count(key, false);
             self.publish(map.len());
             return None;
         }
@@ -116,7 +156,7 @@ impl HotKeys {
 
     /// Whether `key` is hot for this handle (no turn taken).
     pub(crate) fn is_hot(&self, key: &[u8]) -> bool {
-        if self.len.load(Ordering::Relaxed) == 0 {
+        if !self.may_hold(key) {
             return false;
         }
         self.lock().get(key).is_some_and(|e| e.until > Instant::now())
@@ -142,6 +182,7 @@ mod tests {
         h.noted(b"k", 0);
         assert_eq!(h.turn(b"k"), None, "the owner says it is no longer hot");
         assert_eq!(h.counters.keys.load(Ordering::Relaxed), 0);
+        assert!(h.slots.iter().all(|s| s.load(Ordering::Relaxed) == 0), "its slot emptied");
         for i in 0..MAX_HOT_KEYS + 10 {
             h.noted(format!("k{i}").as_bytes(), 2);
         }
@@ -152,5 +193,45 @@ mod tests {
         h.noted(b"new", 2);
         assert!(h.is_hot(b"new"));
         assert_eq!(h.len.load(Ordering::Relaxed), 1);
+        let held: u32 = h.slots.iter().map(|s| u32::from(s.load(Ordering::Relaxed))).sum();
+        assert_eq!(held, 1, "the slots count the keys held");
+    }
+
+    /// The routing rule over a member list (no network): a hot key's reads
+    /// go in turn to the first `spread` members from its owner, the owner
+    /// told the spread; a node cooling down is passed over; with the
+    /// handoff off nothing is spread.
+    #[test]
+    fn a_hot_keys_reads_take_the_members_from_its_owner_in_turn() {
+        let members =
+            crate::members::parse_members("a=127.0.0.1:9,b=127.0.0.1:9,c=127.0.0.1:9,d=127.0.0.1:9,e=127.0.0.1:9")
+                .unwrap();
+        let c = crate::Client::new(members.clone(), kv_common::page::Geometry::default(), Default::default());
+        let t = c.topology();
+        let order = t.ring.owners(b"k", 3);
+        let owner = order[0];
+        let cold = c.read_route(&t, b"k").unwrap();
+        assert_eq!((cold.owner, cold.copy, cold.weight), (owner, None, 0));
+        c.note_hot(b"k", 3);
+        let seen: Vec<Option<usize>> = (0..6).map(|_| c.read_route(&t, b"k").unwrap().copy).collect();
+        let want = [Some(order[1]), Some(order[2]), None, Some(order[1]), Some(order[2]), None];
+        assert_eq!(seen, want, "the owner's successors, then the owner, in turn");
+        assert_eq!(c.read_route(&t, b"k").unwrap().weight, 3);
+        assert_eq!(c.read_route(&t, b"other").unwrap().copy, None, "other keys stay at their owners");
+        // A spread wider than the group is the group.
+        c.note_hot(b"wide", 64);
+        assert_eq!(c.read_route(&t, b"wide").unwrap().weight, 5);
+        // A member cooling down: its turns go to the owner.
+        t.nodes[order[1]].mark_failed(std::time::Duration::from_secs(60));
+        let seen: Vec<Option<usize>> = (0..3).map(|_| c.read_route(&t, b"k").unwrap().copy).collect();
+        assert_eq!(seen.iter().filter(|s| **s == Some(order[1])).count(), 0, "{seen:?}");
+        assert!(seen.contains(&Some(order[2])));
+        // Handoff off: nothing is noted or spread.
+        let off = crate::Options { handoff: std::time::Duration::ZERO, ..Default::default() };
+        let c = crate::Client::new(members, kv_common::page::Geometry::default(), off);
+        c.note_hot(b"k", 3);
+        let t = c.topology();
+        assert!((0..4).all(|_| c.read_route(&t, b"k").unwrap().copy.is_none()));
+        assert!(!c.is_hot_key(b"k"));
     }
 }

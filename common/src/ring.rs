@@ -392,9 +392,12 @@ impl Ring {
             Placement::MultiProbe => self.multiprobe_point(key_point(key)),
         };
         let (mut p, mut slot) = self.successor(start);
+        // Members met so far, a bit each (a spread may name hundreds).
+        let mut seen = vec![0u64; self.members.len().div_ceil(64)];
         for _ in 0..self.len {
             let m = self.slots[slot as usize] as usize;
-            if !out.contains(&m) {
+            if seen[m / 64] & (1 << (m % 64)) == 0 {
+                seen[m / 64] |= 1 << (m % 64);
                 out.push(m);
                 if out.len() == n {
                     break;

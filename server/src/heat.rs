@@ -7,8 +7,9 @@
 //! when it alone is a sizeable part of the node's work, and reads spread
 //! evenly over many keys mark none), at least `--hot-reads`; nothing is
 //! marked before a first window has ended. A hot key's spread is its reads
-//! over that threshold. A key stays hot while it is read that much, and is
-//! forgotten after [`LINGER_WINDOWS`] windows below it.
+//! over an eighth of the node's other reads ([`spread_of`]); a read a client
+//! spreads counts as the reads it stands for. A key stays hot while it is
+//! read that much, and is forgotten after [`LINGER_WINDOWS`] windows below it.
 //!
 //! Counting costs a get three relaxed atomic additions (the window's reads
 //! and a count-min sketch of two rows) and a bit test (a filter of the hot

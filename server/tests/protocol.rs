@@ -552,6 +552,42 @@ fn a_copy_of_a_key_deleted_twice_is_refused() {
 /// Hot keys (docs/ARCHITECTURE.md, "Hot keys"): a key read past the
 /// node's threshold in a window is marked in its GET and BATCH_GET answers
 /// with a spread; a key read less is not; the mark goes once the reads stop.
+/// A read a client spreads stands for as many reads as its spread, at the
+/// owner: one weighted GET (bytes 2..4) or BATCH_GET item (`ITEM_HOT` and
+/// its spread byte) is as many reads as its weight; an unweighted one is one.
+#[test]
+fn a_weighted_read_counts_as_the_spread_it_stands_for() {
+    use kv_common::wire::{self, BatchItem, KeyRequest, ITEM_HOT};
+    let heat = kv_server::heat::HeatConfig { window: Duration::from_millis(200), min_reads: 16 };
+    let (s, _shared) = TestServer::start_node(16, |d| NodeSettings { heat, ..d });
+    let g = geo();
+    let mut c = s.conn();
+    for k in [&b"weighted"[..], b"batched", b"plain"] {
+        assert!(c.put(&g, k, &vec![5u8; 1_000]).unwrap());
+    }
+    // Nothing is marked before the node's first window has ended.
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    while c.stats().unwrap().hot_threshold == 0 {
+        assert!(std::time::Instant::now() < deadline, "no window ended");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let get = |c: &mut Conn, key: &[u8], weight: u16| {
+        c.send_aged(Op::Get, 0, weight, &[&KeyRequest::encode(&g, key)]).unwrap();
+        let r = c.recv().unwrap();
+        assert_eq!(r.header.status, Status::Ok);
+        wire::spread_of_flags(r.header.flags)
+    };
+    assert_eq!(get(&mut c, b"plain", 0), 0, "one read is not hot");
+    assert!(get(&mut c, b"weighted", 16) >= 2, "one read standing for 16 reaches the threshold");
+    let items = [BatchItem { flags: ITEM_HOT, key: b"batched", segs: &[], spread: 16 }];
+    c.send(Op::BatchGet, 0, &[&wire::encode_batch_get(&g, &items)]).unwrap();
+    let r = c.recv().unwrap();
+    let answer = wire::decode_batch_answer(&r.body, 1).unwrap();
+    assert_ne!(answer[0].0.flags & ITEM_HOT, 0, "{:?}", answer[0].0);
+    let st = c.stats().unwrap();
+    assert_eq!((st.hot_keys, st.hot_reads), (2, 2), "two reads served, two keys hot: {st:?}");
+}
+
 #[test]
 fn a_key_read_past_the_threshold_is_marked_hot_until_its_reads_stop() {
     use kv_common::wire::{self, BatchItem, KeyRequest, ITEM_HOT};
