@@ -810,16 +810,18 @@ impl Client {
         let mut out = Vec::with_capacity(lane.len());
         for window in lane.chunks_mut(PIPELINE_WINDOW) {
             let idx: Vec<usize> = window.iter().map(|(i, _)| *i).collect();
-            let keys: Vec<&[u8]> = window.iter().map(|(_, item)| item.0).collect();
             let w = if weights.is_empty() { Vec::new() } else { idx.iter().map(|&i| weights[i]).collect() };
             let mut x = GetManyX {
                 items: window.iter_mut().map(|(_, item)| (item.0, &mut item.1[..])).collect(),
                 extra: 0,
                 weights: w,
             };
-            match self.pipeline().run_on(&node, &mut x).await {
+            let r = self.pipeline().run_on(&node, &mut x).await;
+            drop(x);
+            match r {
                 Ok(replies) => {
-                    for ((i, r), key) in idx.into_iter().zip(replies).zip(keys) {
+                    for ((i, r), (_, item)) in idx.into_iter().zip(replies).zip(window.iter()) {
+                        let key = item.0;
                         let bytes = if r.status == Status::Ok { r.len as u64 } else { 0 };
                         if r.status == Status::Ok {
                             self.note_hot(key, r.spread);
