@@ -4,7 +4,7 @@
 //! and clients that follow the group. A hot page read from several nodes
 //! is the same bytes everywhere; a delete reaches every copy and no late
 //! fill brings it back; a join or a leave keeps it a hit; a killed copy
-//! holder costs one short timeout; hot state expires when reads stop; a
+//! holder costs one short timeout, to single and batch gets; hot state expires when reads stop; a
 //! cold workload sends no request more than it did before.
 
 use std::sync::atomic::Ordering;
@@ -285,8 +285,49 @@ fn a_join_and_a_killed_copy_holder_keep_a_hot_page_a_hit_at_the_cost_of_one_shor
         }
     }
     assert!(slow <= 1, "{slow} slow reads: one short timeout at most");
-    // Once the group drops it (the 3 s lease), the reads go on as hits.
-    g.await_count(&c, 5);
+
+    // Batch gets the same: kill another copy holder, then read the page
+    // in batches beside cold pages; the items sent to the dead node go to
+    // their owners in the same call.
+    for i in 0..8 {
+        assert_eq!(c.putv(&cold(i), &[&page(200 + i)]), Status::Ok);
+    }
+    let victim = ns.iter().position(|n| n.addr != owner && addrs.contains(&n.addr)).unwrap();
+    let dead: Vec<String> = addrs.iter().filter(|a| !ns.iter().any(|n| &n.addr == *a)).cloned().collect();
+    let second = ns.remove(victim);
+    let dead: Vec<String> = dead.into_iter().chain([second.addr.clone()]).collect();
+    second.kill9();
+    // The cold pages beside it: those whose owners are alive (a dead
+    // owner's pages are not served, hot or not).
+    let t = c.core.topology();
+    let alive = |k: &[u8]| !dead.contains(&t.nodes[t.ring.owner(k).unwrap()].addr);
+    let cold_alive: Vec<usize> = (0..8).filter(|&i| alive(&cold(i))).collect();
+    let keys: Vec<Vec<u8>> = std::iter::once(HOT.to_vec()).chain(cold_alive.iter().map(|&i| cold(i))).collect();
+    let mut bufs: Vec<Vec<u8>> = keys.iter().map(|_| vec![0u8; p.len()]).collect();
+    let fallbacks = c.core.metrics.hot.fallbacks.load(Ordering::Relaxed);
+    let mut slow = 0;
+    for round in 0..100 {
+        let mut items: Vec<(&[u8], Vec<&mut [u8]>)> =
+            keys.iter().zip(bufs.iter_mut()).map(|(k, b)| (&k[..], vec![&mut b[..]])).collect();
+        let t0 = Instant::now();
+        let out = c.batch_getv(&mut items);
+        let took = t0.elapsed();
+        assert!(out.iter().all(|r| r.0 == Status::Ok), "round {round}: {out:?}");
+        assert_eq!(bufs[0], p);
+        for (j, &i) in cold_alive.iter().enumerate() {
+            assert_eq!(bufs[1 + j], page(200 + i));
+        }
+        assert!(took < Duration::from_millis(SHORT_MS + 1500), "round {round} took {took:?}");
+        if took > Duration::from_millis(SHORT_MS / 2) {
+            slow += 1;
+        }
+    }
+    assert!(slow <= 1, "{slow} slow batches: one short timeout at most");
+    let fell = c.core.metrics.hot.fallbacks.load(Ordering::Relaxed) - fallbacks;
+    assert!(fell >= 1, "the dead node's turn went to the owner");
+
+    // Once the group drops them (the 3 s lease), the reads go on as hits.
+    g.await_count(&c, 4);
     for _ in 0..100 {
         assert!(c.getv(HOT, &mut [&mut buf[..]]).is_ok());
     }
