@@ -17,7 +17,7 @@ use std::time::{Duration, Instant};
 use futures_util::future::join_all;
 use kv_common::page::PageHeader;
 use kv_common::status::Status;
-use kv_common::wire::{encode_copy_age, FLAG_HANDOFF, MAX_BATCH_KEYS, MAX_SPREAD};
+use kv_common::wire::{encode_copy_age, FLAG_FILL, FLAG_HANDOFF, MAX_BATCH_KEYS, MAX_SPREAD};
 
 use crate::conn::is_stale;
 use crate::error::OpError;
@@ -402,7 +402,8 @@ impl<'c> Handoff<'c> {
                     let mut co = owner.checkout(slot, connect, fresh).await?;
                     let reused = co.reused;
                     let age = encode_copy_age(read_at.elapsed());
-                    match exchange::put(co.conn(), &header, &key, &[&data], FLAG_HANDOFF, age).await {
+                    let flags = if fill { FLAG_HANDOFF | FLAG_FILL } else { FLAG_HANDOFF };
+                    match exchange::put(co.conn(), &header, &key, &[&data], flags, age).await {
                         Ok(_) => {
                             co.release();
                             return Ok(());

@@ -116,6 +116,10 @@ pub struct NodeStats {
     pub hot_refused: u64,
     #[serde(default)]
     pub hot_threshold: u64,
+    /// Copies of hot pages stored here to serve a share of their reads
+    /// (fills, also counted in `handoff_copies`).
+    #[serde(default)]
+    pub hot_fills: u64,
     /// Pages this node pushed to their new owners while draining, their
     /// record bytes, and pushes refused or failed.
     #[serde(default)]

@@ -124,6 +124,10 @@ pub const FLAG_RDMA: u8 = 2;
 /// refuses (REJECTED) when the key was deleted within the handoff window.
 /// Nodes that predate it ignore the bit.
 pub const FLAG_HANDOFF: u8 = 4;
+/// Request flag on a PUT with [`FLAG_HANDOFF`]: the copy fills a node of a
+/// hot key's spread (docs/ARCHITECTURE.md, "Hot keys"), taken as any
+/// handoff copy and counted apart too. Nodes that predate it ignore the bit.
+pub const FLAG_FILL: u8 = 8;
 /// Response flag on GET: the payload was written into the request's
 /// segments; the body holds the record's header and key only.
 pub const RSP_FLAG_RDMA: u16 = 2;

@@ -55,6 +55,9 @@ pub struct Handoff {
     pub copy_bytes: AtomicU64,
     pub refused: AtomicU64,
     pub too_old: AtomicU64,
+    /// Of the copies stored, those that fill a node of a hot key's spread
+    /// (FLAG_FILL).
+    pub fills: AtomicU64,
     /// Tests only: run (on a blocking thread) between a copy's store and
     /// its second tombstone check, to force a delete and a put in between.
     #[doc(hidden)]
@@ -85,6 +88,7 @@ impl Handoff {
             copy_bytes: AtomicU64::new(0),
             refused: AtomicU64::new(0),
             too_old: AtomicU64::new(0),
+            fills: AtomicU64::new(0),
             after_copy_stored: std::sync::OnceLock::new(),
             pushed: AtomicU64::new(0),
             pushed_bytes: AtomicU64::new(0),

@@ -270,6 +270,7 @@ impl Collector for StatsCollector {
         gauge(&mut e, "hot_keys", "Keys marked hot now: read past the hot threshold in a window", s.hot_keys)?;
         counter(&mut e, "hot_reads", "Reads served of keys marked hot", s.hot_reads)?;
         counter(&mut e, "hot_marked", "Keys that turned hot", s.hot_marked)?;
+        counter(&mut e, "hot_fills", "Copies of hot pages stored here to serve a share of their reads", s.hot_fills)?;
         counter(
             &mut e,
             "hot_refused",

@@ -240,6 +240,7 @@ impl Shared {
         s.hot_marked = heat.hot_marked;
         s.hot_refused = heat.hot_refused;
         s.hot_threshold = heat.threshold;
+        s.hot_fills = h.fills.load(Ordering::Relaxed);
         s
     }
 }

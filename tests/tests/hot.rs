@@ -140,6 +140,8 @@ fn a_hot_page_is_served_from_several_nodes_byte_identical_and_a_delete_reaches_e
     // The nodes counted hot reads; the copies arrived as handoff copies.
     let copies: u64 = addrs.iter().map(|a| stats(a).handoff_copies).sum();
     assert_eq!(copies, 4, "one fill a node of the spread");
+    let fills: Vec<u64> = addrs.iter().map(|a| stats(a).hot_fills).collect();
+    assert_eq!(fills.iter().sum::<u64>(), 4, "each node but the owner counts its fill: {fills:?}");
     assert!(addrs.iter().map(|a| stats(a).hot_reads).sum::<u64>() > 0);
     // A batch get of it beside cold keys: served, from wherever.
     for i in 0..8 {
