@@ -95,6 +95,13 @@ fn holders(nodes: &[&str], key: &[u8]) -> Vec<String> {
         .collect()
 }
 
+/// One batch get of `keys`, each into its buffer.
+fn batch_get(c: &BlockingClient, keys: &[Vec<u8>], bufs: &mut [Vec<u8>]) -> Vec<(Status, usize)> {
+    let mut items: Vec<(&[u8], Vec<&mut [u8]>)> =
+        keys.iter().zip(bufs.iter_mut()).map(|(k, b)| (&k[..], vec![&mut b[..]])).collect();
+    c.batch_getv(&mut items)
+}
+
 /// Reads `key` until `want` nodes hold it (its reads spread and its copies
 /// filled), every read a hit with the page's bytes.
 fn read_until_spread(c: &BlockingClient, addrs: &[&str], key: &[u8], want: usize, p: &[u8]) {
@@ -150,9 +157,7 @@ fn a_hot_page_is_served_from_several_nodes_byte_identical_and_a_delete_reaches_e
     let mut bufs: Vec<Vec<u8>> = (0..9).map(|_| vec![0u8; p.len()]).collect();
     for _ in 0..4 {
         let keys: Vec<Vec<u8>> = std::iter::once(HOT.to_vec()).chain((0..8).map(cold)).collect();
-        let mut items: Vec<(&[u8], Vec<&mut [u8]>)> =
-            keys.iter().zip(bufs.iter_mut()).map(|(k, b)| (&k[..], vec![&mut b[..]])).collect();
-        let out = c.batch_getv(&mut items);
+        let out = batch_get(&c, &keys, &mut bufs);
         assert!(out.iter().all(|r| r.0 == Status::Ok), "{out:?}");
         assert_eq!(bufs[0], p);
         for i in 0..8 {
@@ -207,9 +212,7 @@ fn a_cold_workload_sends_no_extra_request_and_hot_state_expires_when_reads_stop(
         }
         let keys: Vec<Vec<u8>> = (0..64).map(cold).collect();
         let mut bufs: Vec<Vec<u8>> = keys.iter().map(|_| vec![0u8; 16384]).collect();
-        let mut items: Vec<(&[u8], Vec<&mut [u8]>)> =
-            keys.iter().zip(bufs.iter_mut()).map(|(k, b)| (&k[..], vec![&mut b[..]])).collect();
-        assert!(c.batch_getv(&mut items).iter().all(|r| r.0 == Status::Ok));
+        assert!(batch_get(&c, &keys, &mut bufs).iter().all(|r| r.0 == Status::Ok));
         reads += keys.len() as u64;
     }
     assert_eq!(served() - before, reads, "one read at one node for each read asked");
@@ -309,10 +312,8 @@ fn a_join_and_a_killed_copy_holder_keep_a_hot_page_a_hit_at_the_cost_of_one_shor
     let fallbacks = c.core.metrics.hot.fallbacks.load(Ordering::Relaxed);
     let mut slow = 0;
     for round in 0..100 {
-        let mut items: Vec<(&[u8], Vec<&mut [u8]>)> =
-            keys.iter().zip(bufs.iter_mut()).map(|(k, b)| (&k[..], vec![&mut b[..]])).collect();
         let t0 = Instant::now();
-        let out = c.batch_getv(&mut items);
+        let out = batch_get(&c, &keys, &mut bufs);
         let took = t0.elapsed();
         assert!(out.iter().all(|r| r.0 == Status::Ok), "round {round}: {out:?}");
         assert_eq!(bufs[0], p);
