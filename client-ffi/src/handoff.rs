@@ -10,8 +10,9 @@
 //! geometry, CRC): the handoff changes where a page is looked for, never
 //! what may be served.
 
+use std::collections::HashSet;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use futures_util::future::join_all;
@@ -48,6 +49,34 @@ pub(crate) struct Handoffs {
     /// `handoff_ms`, else the `handoff_ms` option, as the client's install
     /// resolves it): a background copy older than half of it is given up.
     window_ms: Arc<AtomicU64>,
+    /// The copies in flight, by node address and key: a second copy of a
+    /// page to the same node is not sent while the first is on its way
+    /// (reads that keep missing there until it lands would each send one).
+    in_flight: CopiesInFlight,
+}
+
+/// The copies in flight, by node address and key.
+type CopiesInFlight = Arc<Mutex<HashSet<(String, Vec<u8>)>>>;
+
+/// A copy's place among the copies in flight, given up when dropped.
+struct InFlight {
+    set: CopiesInFlight,
+    entry: (String, Vec<u8>),
+}
+
+impl InFlight {
+    /// The copy of `key` to `addr`, unless one is in flight already.
+    fn claim(set: &CopiesInFlight, addr: &str, key: &[u8]) -> Option<InFlight> {
+        let entry = (addr.to_string(), key.to_vec());
+        let fresh = set.lock().unwrap_or_else(|e| e.into_inner()).insert(entry.clone());
+        fresh.then(|| InFlight { set: set.clone(), entry })
+    }
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        self.set.lock().unwrap_or_else(|e| e.into_inner()).remove(&self.entry);
+    }
 }
 
 impl Handoffs {
@@ -55,6 +84,7 @@ impl Handoffs {
         let h = Handoffs {
             copy_slots: Arc::new(tokio::sync::Semaphore::new(HANDOFF_COPIES_AT_ONCE)),
             window_ms: Arc::new(AtomicU64::new(0)),
+            in_flight: Arc::new(Mutex::new(HashSet::new())),
         };
         h.set_window(window);
         h
@@ -346,6 +376,9 @@ impl<'c> Handoff<'c> {
     /// `fill`: a copy of a hot page to a node of its spread that missed it
     /// (docs/ARCHITECTURE.md, "Hot keys"), counted among the fills; the
     /// node takes it as any handoff copy.
+    ///
+    /// A copy of the same key to the same node already in flight makes
+    /// this one redundant: it is not sent, and not counted.
     pub(crate) fn copy_later(
         &self,
         owner: Arc<Node>,
@@ -359,6 +392,9 @@ impl<'c> Handoff<'c> {
         let hot = self.pipe.metrics.hot.clone();
         let Ok(rt) = tokio::runtime::Handle::try_current() else {
             h.copies_failed.fetch_add(1, Ordering::Relaxed);
+            return;
+        };
+        let Some(claim) = InFlight::claim(&self.state.in_flight, &owner.addr, key) else {
             return;
         };
         let budget = self.pipe.opts.handoff_budget;
@@ -384,6 +420,7 @@ impl<'c> Handoff<'c> {
         let gate = self.state.copy_slots.clone();
         let window = self.state.window_ms.clone();
         rt.spawn(async move {
+            let _claim = claim;
             // A few copies at once per handle: they wait here, not in the
             // owner's connection queue ahead of the caller's own requests;
             // no longer than the copy stays young enough to be sent.
@@ -537,5 +574,34 @@ mod tests {
         assert_eq!(sent, 0, "nothing was sent");
         let snap = c.metrics.render(0, None, Vec::new(), c.fabric.counters());
         assert!(snap.contains("kvclient_handoff_copies_expired_total 2"), "{snap}");
+    }
+
+    /// A second copy of a key to the node a first one is on its way to is
+    /// not sent (reads that miss there until the first lands would each
+    /// send one); once the first has ended, a copy may go again.
+    #[test]
+    fn a_copy_already_in_flight_to_the_node_is_not_sent_twice() {
+        let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build().unwrap();
+        let _in = rt.enter();
+        let opts = Options { handoff: Duration::from_millis(400), ..Options::default() };
+        let c = Client::new(Vec::new(), Geometry::default(), opts);
+        let n1 = Arc::new(Node::new("n1".into(), "127.0.0.1:9".into(), 1, 4, None, c.fabric.offer()));
+        let n2 = Arc::new(Node::new("n2".into(), "127.0.0.1:10".into(), 1, 4, None, c.fabric.offer()));
+        let h = c.metrics.handoff.clone();
+        let mut page = vec![5u8; 4096];
+        // Every copy slot held: the copies wait until their deadline.
+        let held = rt.block_on(c.handoff().state.copy_slots.clone().acquire_many_owned(HANDOFF_COPIES_AT_ONCE as u32));
+        for _ in 0..3 {
+            c.handoff().copy_later(n1.clone(), b"k", &[&mut page[..]], 4096, Instant::now(), true);
+        }
+        c.handoff().copy_later(n1.clone(), b"other", &[&mut page[..]], 4096, Instant::now(), true);
+        c.handoff().copy_later(n2, b"k", &[&mut page[..]], 4096, Instant::now(), true);
+        assert_eq!(h.inflight_bytes.load(Ordering::Relaxed), 3 * 4096, "one copy a key and node");
+        eventually("the waiting copies to expire", || h.copies_expired.load(Ordering::Relaxed) == 3);
+        eventually("the budget back", || h.inflight_bytes.load(Ordering::Relaxed) == 0);
+        c.handoff().copy_later(n1, b"k", &[&mut page[..]], 4096, Instant::now(), true);
+        assert_eq!(h.inflight_bytes.load(Ordering::Relaxed), 4096, "the key may be copied there again");
+        eventually("it to expire too", || h.copies_expired.load(Ordering::Relaxed) == 4);
+        drop(held);
     }
 }
