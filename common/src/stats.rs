@@ -120,6 +120,10 @@ pub struct NodeStats {
     /// (fills, also counted in `handoff_copies`).
     #[serde(default)]
     pub hot_fills: u64,
+    /// Of those fills, the copies still held here (fills since the node
+    /// started, at most 65,536 tracked; evicted and deleted ones not).
+    #[serde(default)]
+    pub hot_copies_held: u64,
     /// Pages this node pushed to their new owners while draining, their
     /// record bytes, and pushes refused or failed.
     #[serde(default)]

@@ -400,8 +400,8 @@ fn run(cli: &Cli) -> Result<u8, String> {
             );
             println!("{}", cluster::handoff_line(&s));
             println!(
-                "hot keys {}  reads of hot keys {}  turned hot {}  threshold {} reads a window  copies filled {}",
-                s.hot_keys, s.hot_reads, s.hot_marked, s.hot_threshold, s.hot_fills
+                "hot keys {}  reads of hot keys {}  turned hot {}  threshold {} reads a window  copies filled {}  held {}",
+                s.hot_keys, s.hot_reads, s.hot_marked, s.hot_threshold, s.hot_fills, s.hot_copies_held
             );
             if s.ack_memory {
                 println!("{}", cluster::ack_line(&s));

@@ -26,6 +26,10 @@ use std::time::{Duration, Instant};
 /// refused until that one would have expired (never a page brought back).
 pub const MAX_TOMBSTONES: usize = 1 << 20;
 
+/// Most fills tracked to count the copies held ([`Handoff::copies_held`]);
+/// past it a new fill is stored but not tracked (the count falls short).
+pub const MAX_FILLS_TRACKED: usize = 1 << 16;
+
 /// Most expired tombstones dropped by one call.
 const EXPIRE_STEP: usize = 1024;
 
@@ -58,6 +62,10 @@ pub struct Handoff {
     /// Of the copies stored, those that fill a node of a hot key's spread
     /// (FLAG_FILL).
     pub fills: AtomicU64,
+    /// The keys of fills stored here, by key hash, while this process runs
+    /// (at most [`MAX_FILLS_TRACKED`]): the copies of hot pages held are
+    /// those of them still stored ([`Handoff::copies_held`]).
+    filled: Mutex<HashMap<u64, Box<[u8]>>>,
     /// Tests only: run (on a blocking thread) between a copy's store and
     /// its second tombstone check, to force a delete and a put in between.
     #[doc(hidden)]
@@ -89,6 +97,7 @@ impl Handoff {
             refused: AtomicU64::new(0),
             too_old: AtomicU64::new(0),
             fills: AtomicU64::new(0),
+            filled: Mutex::default(),
             after_copy_stored: std::sync::OnceLock::new(),
             pushed: AtomicU64::new(0),
             pushed_bytes: AtomicU64::new(0),
@@ -116,6 +125,33 @@ impl Handoff {
         if t.refuse_until.is_some_and(|u| u <= now) {
             t.refuse_until = None;
         }
+    }
+
+    /// Counts a fill stored here: a copy of the hot page `key`
+    /// (docs/ARCHITECTURE.md, "Hot keys").
+    pub fn filled(&self, key_hash: u64, key: &[u8]) {
+        self.fills.fetch_add(1, Ordering::Relaxed);
+        let mut f = self.filled.lock().unwrap_or_else(|e| e.into_inner());
+        if f.len() < MAX_FILLS_TRACKED || f.contains_key(&key_hash) {
+            f.insert(key_hash, key.into());
+        }
+    }
+
+    /// The copies of hot pages this node holds: the fills stored since it
+    /// started whose keys `held` still finds (evicted and deleted ones are
+    /// forgotten here). Blocking (`held` asks the store): call it off the
+    /// reactor. A copy recovered after a restart counts as a page of its own.
+    pub fn copies_held(&self, held: impl Fn(&[u8]) -> bool) -> u64 {
+        let keys: Vec<(u64, Box<[u8]>)> = {
+            let f = self.filled.lock().unwrap_or_else(|e| e.into_inner());
+            f.iter().map(|(h, k)| (*h, k.clone())).collect()
+        };
+        let gone: Vec<u64> = keys.iter().filter(|(_, k)| !held(k)).map(|(h, _)| *h).collect();
+        let mut f = self.filled.lock().unwrap_or_else(|e| e.into_inner());
+        for h in &gone {
+            f.remove(h);
+        }
+        f.len() as u64
     }
 
     /// Records a delete of the key whose hash is `key_hash` (before the key
@@ -239,5 +275,29 @@ mod tests {
         }
         assert_eq!(h.tombstones(), MAX_TOMBSTONES as u64);
         assert!(h.refuses(u64::MAX), "a tombstone was dropped: nothing may come back");
+    }
+
+    /// The copies held are the fills still stored: a fill evicted or
+    /// deleted drops out when counted; a fill of a key filled before counts
+    /// once; past the bound, fills are counted but not tracked.
+    #[test]
+    fn copies_held_are_the_fills_still_stored() {
+        let h = Handoff::new(Duration::from_secs(60));
+        let held = std::sync::Mutex::new(std::collections::HashSet::<Vec<u8>>::new());
+        for k in [&b"a"[..], b"b", b"c", b"a"] {
+            held.lock().unwrap().insert(k.to_vec());
+            h.filled(kv_common::page::key_hash(k), k);
+        }
+        let holds = |k: &[u8]| held.lock().unwrap().contains(k);
+        assert_eq!(h.fills.load(Ordering::Relaxed), 4);
+        assert_eq!(h.copies_held(holds), 3);
+        held.lock().unwrap().remove(&b"b"[..]);
+        assert_eq!(h.copies_held(holds), 2, "evicted or deleted");
+        held.lock().unwrap().insert(b"b".to_vec());
+        assert_eq!(h.copies_held(holds), 2, "a page stored again is not a fill");
+        for k in 0..MAX_FILLS_TRACKED as u64 {
+            h.filled(k << 8 | 1, &k.to_le_bytes());
+        }
+        assert_eq!(h.copies_held(|_| true), MAX_FILLS_TRACKED as u64, "bounded");
     }
 }

@@ -271,6 +271,12 @@ impl Collector for StatsCollector {
         counter(&mut e, "hot_reads", "Reads served of keys marked hot", s.hot_reads)?;
         counter(&mut e, "hot_marked", "Keys that turned hot", s.hot_marked)?;
         counter(&mut e, "hot_fills", "Copies of hot pages stored here to serve a share of their reads", s.hot_fills)?;
+        gauge(
+            &mut e,
+            "hot_copies_held",
+            "Copies of hot pages filled here since the node started and still held",
+            s.hot_copies_held,
+        )?;
         counter(
             &mut e,
             "hot_refused",

@@ -365,7 +365,7 @@ async fn store_copy(
         h.copies.fetch_add(1, Ordering::Relaxed);
         h.copy_bytes.fetch_add(len, Ordering::Relaxed);
         if req.flags & wire::FLAG_FILL != 0 {
-            h.fills.fetch_add(1, Ordering::Relaxed);
+            h.filled(hash, &key);
         }
     }
     put_answer(req, res.map(|r| r.map(|(o, _)| o)))

@@ -241,6 +241,7 @@ impl Shared {
         s.hot_refused = heat.hot_refused;
         s.hot_threshold = heat.threshold;
         s.hot_fills = h.fills.load(Ordering::Relaxed);
+        s.hot_copies_held = h.copies_held(|k| self.store.record_size(k).is_some());
         s
     }
 }

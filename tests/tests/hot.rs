@@ -149,6 +149,8 @@ fn a_hot_page_is_served_from_several_nodes_byte_identical_and_a_delete_reaches_e
     assert_eq!(copies, 4, "one fill a node of the spread");
     let fills: Vec<u64> = addrs.iter().map(|a| stats(a).hot_fills).collect();
     assert_eq!(fills.iter().sum::<u64>(), 4, "each node but the owner counts its fill: {fills:?}");
+    let held: Vec<u64> = addrs.iter().map(|a| stats(a).hot_copies_held).collect();
+    assert_eq!(held.iter().sum::<u64>(), 4, "each node but the owner holds its copy: {held:?}");
     assert!(addrs.iter().map(|a| stats(a).hot_reads).sum::<u64>() > 0);
     // A batch get of it beside cold keys: served, from wherever.
     for i in 0..8 {
@@ -182,6 +184,7 @@ fn a_hot_page_is_served_from_several_nodes_byte_identical_and_a_delete_reaches_e
         assert_eq!(d.recv().unwrap().header.status, Status::Rejected, "{a} keeps the delete's tombstone");
     }
     assert_eq!(holders(&addrs, HOT), Vec::<String>::new());
+    assert_eq!(addrs.iter().map(|a| stats(a).hot_copies_held).sum::<u64>(), 0, "no copy held after the delete");
     let snap = c.stats_text();
     assert!(snap.contains("kvclient_hot_fills_total{result=\"stored\"} 4"), "{snap}");
 }
