@@ -247,7 +247,11 @@ fn run(
                 // A refused token is a misconfiguration: the starter gets
                 // KV_EDENIED; the thread keeps asking (the MDS may be
                 // given the token later) at the same pace as after errors.
-                let st = if matches!(e, MdsError::Denied(_)) { Status::Edenied } else { Status::Unavailable };
+                let st = if matches!(e, MdsError::Denied(_) | MdsError::Forbidden(_)) {
+                    Status::Edenied
+                } else {
+                    Status::Unavailable
+                };
                 fail(&core, &mut first, st, format!("MDS discovery of group {group}: {e}"));
                 // Every replica failed: keep the ring, try again shortly.
                 pause(stop, poll.min(Duration::from_secs(1)));

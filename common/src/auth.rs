@@ -1,15 +1,27 @@
-//! Access control (docs/DEPLOY.md, "Access control"): an optional token per
-//! group, shared by the group's nodes, its clients and the kv-mds replicas.
+//! Access control (docs/DEPLOY.md, "Access control"): an optional
+//! credential file per group, shared by the group's nodes and the kv-mds
+//! replicas; each client holds its own token.
 //!
 //! A token is always read from a file, never taken from a command line
-//! (argv is visible to every user of the host). [`read_token_file`] is the
-//! one reader every part uses: the file's contents trimmed of surrounding
-//! whitespace, 1..=[`MAX_TOKEN_LEN`] visible ASCII characters. Tokens are
-//! compared in time that depends only on the expected token's length
-//! ([`Token::matches`]).
+//! (argv is visible to every user of the host). A file holds either one
+//! bare token (the group's only credential, which may do everything: the
+//! format of every release before roles), or a table of credentials, a
+//! line each (`#` starts a comment):
 //!
-//! The token proves membership of a group; it is not encryption: pages and
-//! the token itself cross the network in the clear.
+//! ```text
+//! TOKEN role=engine [tenant=NAME]
+//! TOKEN role=node [node=ID]
+//! TOKEN role=admin
+//! ```
+//!
+//! [`Credentials::read`] reads either form (nodes and kv-mds);
+//! [`read_token_file`] reads the one token a client presents (a bare
+//! token, or a table of one line). Tokens are 1..=[`MAX_TOKEN_LEN`]
+//! visible ASCII characters, compared in time that depends only on the
+//! expected tokens ([`Token::matches`], [`Credentials::find`]).
+//!
+//! The token proves membership of a group and its role there; it is not
+//! encryption: pages and the token itself cross the network in the clear.
 
 use std::collections::BTreeMap;
 use std::io::Read;
@@ -21,6 +33,10 @@ pub const MAX_TOKEN_LEN: usize = 1024;
 
 /// The variable every client other than the C ABI reads for its token file.
 pub const TOKEN_FILE_ENV: &str = "KVCELLAR_AUTH_TOKEN_FILE";
+
+/// The variable kvctl reads for the admin token it presents for changes to
+/// a group.
+pub const ADMIN_TOKEN_FILE_ENV: &str = "KVCELLAR_ADMIN_TOKEN_FILE";
 
 /// A group's secret. Its `Debug` form never shows the bytes.
 #[derive(Clone, PartialEq, Eq)]
@@ -72,18 +88,203 @@ pub fn ct_eq(expected: &[u8], offered: &[u8]) -> bool {
     std::hint::black_box(diff) == 0
 }
 
-/// Reads a token file: its contents trimmed of surrounding whitespace must
-/// be a valid [`Token`]. Errors name the file and say what is wrong.
-pub fn read_token_file(path: &Path) -> Result<Token, String> {
-    let what = || format!("auth token file {}", path.display());
-    let f = std::fs::File::open(path).map_err(|e| format!("{}: {e}", what()))?;
-    let mut text = Vec::new();
-    // A token is short: a file much longer is the wrong file.
-    f.take(64 * 1024 + 1).read_to_end(&mut text).map_err(|e| format!("{}: {e}", what()))?;
-    if text.len() > 64 * 1024 {
-        return Err(format!("{}: longer than 64 KiB, not a token file", what()));
+/// Longest credential file read (a table of a few thousand lines).
+const MAX_FILE: usize = 1 << 20;
+
+/// Most credentials in one file.
+pub const MAX_CREDENTIALS: usize = 10_000;
+
+/// What a credential may do in its group (docs/DEPLOY.md, "Roles").
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Role {
+    /// Reads views; reads and writes pages.
+    Engine,
+    /// Also registers, heartbeats and deregisters a node (its own, when
+    /// the credential names one).
+    Node,
+    /// Everything, including changes to the group (its placement rule).
+    Admin,
+}
+
+impl Role {
+    pub fn name(self) -> &'static str {
+        match self {
+            Role::Engine => "engine",
+            Role::Node => "node",
+            Role::Admin => "admin",
+        }
     }
-    Token::new(text.trim_ascii()).map_err(|e| format!("{}: {e}", what()))
+}
+
+/// One line of a credential file.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Credential {
+    pub token: Token,
+    pub role: Role,
+    /// The tenant it admits (`tenant=`); None: the default tenant.
+    pub tenant: Option<String>,
+    /// For a node credential, the one node id it may act for (`node=`);
+    /// None: any node.
+    pub node: Option<String>,
+}
+
+impl Credential {
+    /// Whether it may register, heartbeat or deregister the node `id`.
+    pub fn may_act_for_node(&self, id: &str) -> bool {
+        match self.role {
+            Role::Admin => true,
+            Role::Node => self.node.as_deref().is_none_or(|n| n == id),
+            Role::Engine => false,
+        }
+    }
+}
+
+/// A group's credentials, as a node or a kv-mds holds them.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Credentials {
+    entries: Vec<Credential>,
+}
+
+impl Credentials {
+    /// One bare token that may do everything (the format before roles).
+    pub fn single(token: Token) -> Credentials {
+        Credentials { entries: vec![Credential { token, role: Role::Admin, tenant: None, node: None }] }
+    }
+
+    /// Reads a credential file (either form). Errors name the file and
+    /// the line, and say what is wrong.
+    pub fn read(path: &Path) -> Result<Credentials, String> {
+        let what = || format!("auth token file {}", path.display());
+        let f = std::fs::File::open(path).map_err(|e| format!("{}: {e}", what()))?;
+        let mut text = Vec::new();
+        f.take(MAX_FILE as u64 + 1).read_to_end(&mut text).map_err(|e| format!("{}: {e}", what()))?;
+        if text.len() > MAX_FILE {
+            return Err(format!("{}: longer than 1 MiB, not a token file", what()));
+        }
+        Credentials::parse(&text).map_err(|e| format!("{}: {e}", what()))
+    }
+
+    /// Parses a credential file's contents: one bare token, or a table.
+    pub fn parse(text: &[u8]) -> Result<Credentials, String> {
+        let trimmed = text.trim_ascii();
+        if !trimmed.is_empty() && !trimmed.iter().any(|b| b.is_ascii_whitespace()) {
+            return Ok(Credentials::single(Token::new(trimmed)?));
+        }
+        let text = std::str::from_utf8(text).map_err(|_| "not UTF-8 text".to_string())?;
+        let mut entries: Vec<Credential> = Vec::new();
+        for (n, line) in text.lines().enumerate() {
+            let line = line.split('#').next().unwrap_or("").trim();
+            if line.is_empty() {
+                continue;
+            }
+            let at = |e: String| format!("line {}: {e}", n + 1);
+            let c = parse_line(line).map_err(at)?;
+            if entries.iter().any(|e| e.token == c.token) {
+                return Err(at("this token is given twice".into()));
+            }
+            if entries.len() == MAX_CREDENTIALS {
+                return Err(format!("more than {MAX_CREDENTIALS} credentials"));
+            }
+            entries.push(c);
+        }
+        if entries.is_empty() {
+            return Err("the token is empty (no credential in the file)".into());
+        }
+        Ok(Credentials { entries })
+    }
+
+    /// The credential whose token `offered` is, if any. Every credential's
+    /// token is compared in full, so the time taken does not depend on
+    /// which one (if any) matched.
+    pub fn find(&self, offered: &[u8]) -> Option<&Credential> {
+        let mut found = None;
+        for c in &self.entries {
+            if c.token.matches(offered) && found.is_none() {
+                found = Some(c);
+            }
+        }
+        found
+    }
+
+    pub fn entries(&self) -> &[Credential] {
+        &self.entries
+    }
+
+    /// The token a node presents to kv-mds and to other nodes: the file's
+    /// one token when it holds one, else its node credential for `id` (one
+    /// that names `id`, else one that names no node), else an admin one.
+    pub fn for_node(&self, id: Option<&str>) -> Result<Token, String> {
+        if let [only] = &self.entries[..] {
+            return Ok(only.token.clone());
+        }
+        let named = |c: &&Credential| c.role == Role::Node && id.is_some() && c.node.as_deref() == id;
+        let any_node = |c: &&Credential| c.role == Role::Node && c.node.is_none();
+        let admin = |c: &&Credential| c.role == Role::Admin;
+        let e = self.entries.iter();
+        e.clone()
+            .find(named)
+            .or_else(|| e.clone().find(any_node))
+            .or_else(|| e.clone().find(admin))
+            .map(|c| c.token.clone())
+            .ok_or_else(|| match id {
+                Some(id) => format!("no credential this node may present: add a line `TOKEN role=node node={id}`"),
+                None => "no credential this node may present: add a line `TOKEN role=node`".into(),
+            })
+    }
+}
+
+/// One table line: `TOKEN role=ROLE [tenant=NAME] [node=ID]`.
+fn parse_line(line: &str) -> Result<Credential, String> {
+    let mut fields = line.split_ascii_whitespace();
+    let token = Token::new(fields.next().unwrap_or("").as_bytes())?;
+    let (mut role, mut tenant, mut node) = (None, None, None);
+    for f in fields {
+        let (k, v) = f
+            .split_once('=')
+            .ok_or_else(|| format!("{f:?} is not role=..., tenant=... or node=... (a token has no spaces)"))?;
+        let slot = match k {
+            "role" => {
+                let r = match v {
+                    "engine" => Role::Engine,
+                    "node" => Role::Node,
+                    "admin" => Role::Admin,
+                    _ => return Err(format!("role {v:?} is not engine, node or admin")),
+                };
+                if role.replace(r).is_some() {
+                    return Err("role is given twice".into());
+                }
+                continue;
+            }
+            "tenant" => &mut tenant,
+            "node" => &mut node,
+            _ => return Err(format!("{k:?} is not role, tenant or node")),
+        };
+        if !valid_name(v) {
+            return Err(format!("{k} {v:?} must be 1-64 of A-Z a-z 0-9 . _ -"));
+        }
+        if slot.replace(v.to_string()).is_some() {
+            return Err(format!("{k} is given twice"));
+        }
+    }
+    let role = role.ok_or("no role= (engine, node or admin)")?;
+    if node.is_some() && role != Role::Node {
+        return Err("node= is for role=node only".into());
+    }
+    Ok(Credential { token, role, tenant, node })
+}
+
+/// Reads the token a client presents: a file of one bare token, or a
+/// table of one credential. Errors name the file and say what is wrong.
+pub fn read_token_file(path: &Path) -> Result<Token, String> {
+    let c = Credentials::read(path)?;
+    match c.entries() {
+        [only] => Ok(only.token.clone()),
+        many => Err(format!(
+            "auth token file {}: holds {} credentials; a client presents one (give it a file with its own token)",
+            path.display(),
+            many.len()
+        )),
+    }
 }
 
 /// A warning when the token file is open to more than its owner and its
@@ -101,17 +302,17 @@ pub fn loose_permissions(path: &Path) -> Option<String> {
     })
 }
 
-/// The tokens a kv-mds checks: one for every group, and per-group ones that
-/// take precedence. A group with neither is open.
+/// The credentials a kv-mds checks: one file for every group, and
+/// per-group ones that take precedence. A group with neither is open.
 #[derive(Debug, Clone, Default)]
 pub struct GroupTokens {
-    pub all: Option<Token>,
-    pub groups: BTreeMap<String, Token>,
+    pub all: Option<Credentials>,
+    pub groups: BTreeMap<String, Credentials>,
 }
 
 impl GroupTokens {
-    /// The token calls for `group` must carry, if any.
-    pub fn for_group(&self, group: &str) -> Option<&Token> {
+    /// The credentials calls for `group` must carry one of, if any.
+    pub fn for_group(&self, group: &str) -> Option<&Credentials> {
         self.groups.get(group).or(self.all.as_ref())
     }
 
@@ -133,7 +334,7 @@ impl GroupTokens {
         if self.groups.contains_key(group) {
             return Err(format!("--group-token-file: group {group} is given twice"));
         }
-        self.groups.insert(group.to_string(), read_token_file(Path::new(path))?);
+        self.groups.insert(group.to_string(), Credentials::read(Path::new(path))?);
         Ok(())
     }
 }
@@ -167,8 +368,7 @@ mod tests {
         assert_eq!(t.as_bytes(), b"s3cret-token");
         assert!(t.matches(b"s3cret-token") && !t.matches(b"s3cret-token "));
         assert!(!format!("{t:?}").contains("s3cret"), "Debug must not show the token");
-        for (text, why) in [("\n \n", "empty"), ("two words", "not visible ASCII"), ("caf\u{e9}", "not visible ASCII")]
-        {
+        for (text, why) in [("\n \n", "empty"), ("two words", "not role="), ("caf\u{e9}", "not visible ASCII")] {
             std::fs::write(&p, text).unwrap();
             let e = read_token_file(&p).unwrap_err();
             assert!(e.contains(why) && e.contains("auth token file"), "{e}");
@@ -197,13 +397,65 @@ mod tests {
         let mut g = GroupTokens::default();
         assert!(g.is_open());
         g.add_group_spec(&format!("ga={}", p.display())).unwrap();
-        assert_eq!(g.for_group("ga").unwrap().as_bytes(), b"tok-a");
+        assert!(g.for_group("ga").unwrap().find(b"tok-a").is_some());
         assert!(g.for_group("gb").is_none());
-        g.all = Some(Token::new(b"tok-all").unwrap());
-        assert_eq!(g.for_group("gb").unwrap().as_bytes(), b"tok-all");
-        assert_eq!(g.for_group("ga").unwrap().as_bytes(), b"tok-a", "a group's own token wins");
+        g.all = Some(Credentials::single(Token::new(b"tok-all").unwrap()));
+        assert!(g.for_group("gb").unwrap().find(b"tok-all").is_some());
+        assert!(g.for_group("ga").unwrap().find(b"tok-all").is_none(), "a group's own file wins");
         assert!(g.add_group_spec(&format!("ga={}", p.display())).unwrap_err().contains("twice"));
         assert!(g.add_group_spec("nogroup").unwrap_err().contains("GROUP=PATH"));
         assert!(g.add_group_spec("a/b=/x").unwrap_err().contains("group"));
+    }
+
+    /// A table: roles, tenants, node ids; comments and blank lines; the
+    /// token each party presents; one clear error a line.
+    #[test]
+    fn credential_tables_name_roles_tenants_and_nodes() {
+        let text = "# prod\n\
+                    eng-a role=engine tenant=team-a   # team A's engines\n\
+                    \n\
+                    eng-b   role=engine tenant=team-b\n\
+                    n7-tok role=node node=n7\n\
+                    any-node role=node\n\
+                    adm role=admin\n";
+        let c = Credentials::parse(text.as_bytes()).unwrap();
+        assert_eq!(c.entries().len(), 5);
+        let a = c.find(b"eng-a").unwrap();
+        assert_eq!((a.role, a.tenant.as_deref()), (Role::Engine, Some("team-a")));
+        assert!(!a.may_act_for_node("n1"));
+        let n7 = c.find(b"n7-tok").unwrap();
+        assert!(n7.may_act_for_node("n7") && !n7.may_act_for_node("n8"));
+        assert!(c.find(b"any-node").unwrap().may_act_for_node("n8"));
+        assert!(c.find(b"adm").unwrap().may_act_for_node("n8"));
+        assert!(c.find(b"eng").is_none() && c.find(b"").is_none());
+        assert_eq!(c.for_node(Some("n7")).unwrap().as_bytes(), b"n7-tok");
+        assert_eq!(c.for_node(Some("n9")).unwrap().as_bytes(), b"any-node");
+        assert_eq!(c.for_node(None).unwrap().as_bytes(), b"any-node");
+        let engines = Credentials::parse(b"e1 role=engine\ne2 role=engine tenant=t").unwrap();
+        assert!(engines.for_node(Some("n1")).unwrap_err().contains("role=node node=n1"));
+        // The format before roles: one bare token, which may do everything.
+        let bare = Credentials::parse(b"  s3cret\n").unwrap();
+        assert_eq!(bare.find(b"s3cret").unwrap().role, Role::Admin);
+        assert_eq!(bare.for_node(Some("n1")).unwrap().as_bytes(), b"s3cret");
+        for (text, why) in [
+            ("t1 role=root", "line 1: role \"root\" is not engine, node or admin"),
+            ("t1 tenant=a", "line 1: no role="),
+            ("t1 role=engine\nt1 role=admin", "line 2: this token is given twice"),
+            ("t1 role=engine node=n1", "node= is for role=node only"),
+            ("t1 role=engine tenant=a/b", "tenant \"a/b\" must be"),
+            ("t1 role=engine color=red", "\"color\" is not role, tenant or node"),
+            ("t1 role=engine role=admin", "role is given twice"),
+            ("# nothing here\n", "no credential"),
+        ] {
+            let e = Credentials::parse(text.as_bytes()).unwrap_err();
+            assert!(e.contains(why), "{text:?}: {e}");
+        }
+        let d = tempfile::tempdir().unwrap();
+        let p = d.path().join("t");
+        std::fs::write(&p, "c1 role=engine tenant=x\n").unwrap();
+        assert_eq!(read_token_file(&p).unwrap().as_bytes(), b"c1", "a table of one: its token");
+        std::fs::write(&p, text).unwrap();
+        let e = read_token_file(&p).unwrap_err();
+        assert!(e.contains("holds 5 credentials"), "{e}");
     }
 }

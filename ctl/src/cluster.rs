@@ -37,9 +37,10 @@ pub fn imbalance(view: &View, shares: &[f64]) -> Option<f64> {
 pub fn set_placement(mds: &str, group: &str, rule: &str, timeout: Duration) -> Result<u64, String> {
     let rule = Placement::parse(rule).map_err(|e| format!("--set-placement: {e}"))?;
     let mut c =
-        MdsClient::from_csv(mds, timeout).map_err(|e| format!("--mds: {e}"))?.with_token(crate::token().cloned());
+        MdsClient::from_csv(mds, timeout).map_err(|e| format!("--mds: {e}"))?.with_token(crate::admin_token().cloned());
     c.set_placement(group, rule).map(|r| r.epoch).map_err(|e| match e {
         kv_common::mds::MdsError::Denied(_) => crate::denied_line(&e.to_string()),
+        kv_common::mds::MdsError::Forbidden(_) => crate::forbidden_line(&e.to_string()),
         e => e.to_string(),
     })
 }

@@ -63,6 +63,9 @@ struct Cli {
     /// File holding the group's auth token, presented to nodes and kv-mds (else KVCELLAR_AUTH_TOKEN_FILE).
     #[arg(long, global = true)]
     auth_token_file: Option<std::path::PathBuf>,
+    /// File holding an admin token of the group, presented for changes to the group (`ring --set-placement`; else KVCELLAR_ADMIN_TOKEN_FILE, else the auth token).
+    #[arg(long, global = true)]
+    admin_token_file: Option<std::path::PathBuf>,
     #[command(subcommand)]
     cmd: Cmd,
 }
@@ -204,7 +207,12 @@ fn main() -> ExitCode {
         Ok(c) => c,
         Err(code) => return code,
     };
-    let token = match read_token(cli.auth_token_file.as_deref()) {
+    let tokens = read_token(cli.auth_token_file.as_deref(), "--auth-token-file", kv_common::auth::TOKEN_FILE_ENV)
+        .and_then(|t| {
+            read_token(cli.admin_token_file.as_deref(), "--admin-token-file", kv_common::auth::ADMIN_TOKEN_FILE_ENV)
+                .map(|a| (t, a))
+        });
+    let (token, admin) = match tokens {
         Ok(t) => t,
         Err(e) => {
             eprintln!("kvctl: error: {e}");
@@ -212,6 +220,7 @@ fn main() -> ExitCode {
         }
     };
     let _ = TOKEN.set(token);
+    let _ = ADMIN_TOKEN.set(admin);
     match run(&cli) {
         Ok(code) => ExitCode::from(code),
         Err(e) => {
@@ -228,16 +237,27 @@ pub fn token() -> Option<&'static kv_common::auth::Token> {
     TOKEN.get().and_then(|t| t.as_ref())
 }
 
-/// The token of `--auth-token-file`, else of KVCELLAR_AUTH_TOKEN_FILE.
-fn read_token(flag: Option<&std::path::Path>) -> Result<Option<kv_common::auth::Token>, String> {
-    use kv_common::auth::{read_token_file, TOKEN_FILE_ENV};
+static ADMIN_TOKEN: OnceLock<Option<kv_common::auth::Token>> = OnceLock::new();
+
+/// The token presented for changes to the group: the admin token, else
+/// the auth token.
+pub fn admin_token() -> Option<&'static kv_common::auth::Token> {
+    ADMIN_TOKEN.get().and_then(|t| t.as_ref()).or_else(token)
+}
+
+/// The token of the file `flag` names, else of the one the variable `env`
+/// names.
+fn read_token(
+    flag: Option<&std::path::Path>,
+    flag_name: &str,
+    env: &str,
+) -> Result<Option<kv_common::auth::Token>, String> {
+    use kv_common::auth::read_token_file;
     if let Some(p) = flag {
-        return read_token_file(p).map(Some).map_err(|e| format!("--auth-token-file: {e}"));
+        return read_token_file(p).map(Some).map_err(|e| format!("{flag_name}: {e}"));
     }
-    match std::env::var(TOKEN_FILE_ENV).ok().filter(|v| !v.trim().is_empty()) {
-        Some(p) => {
-            read_token_file(std::path::Path::new(p.trim())).map(Some).map_err(|e| format!("{TOKEN_FILE_ENV}: {e}"))
-        }
+    match std::env::var(env).ok().filter(|v| !v.trim().is_empty()) {
+        Some(p) => read_token_file(std::path::Path::new(p.trim())).map(Some).map_err(|e| format!("{env}: {e}")),
         None => Ok(None),
     }
 }
@@ -249,6 +269,11 @@ fn check_denied(st: Status) -> Result<(), String> {
         return Err(denied_line(&why));
     }
     Ok(())
+}
+
+/// A change to the group refused for the credential's role: one line.
+pub fn forbidden_line(why: &str) -> String {
+    format!("{why} (changes to a group need an admin credential: give it with --admin-token-file or KVCELLAR_ADMIN_TOKEN_FILE)")
 }
 
 pub fn denied_line(why: &str) -> String {

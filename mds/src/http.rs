@@ -13,8 +13,11 @@
 //! | GET    | /, /api/groups                            | the dashboard and its data    |
 //!
 //! Calls under `/v1/groups/{g}/` must carry `Authorization: Bearer TOKEN`
-//! when the group has a token (`--auth-token-file`, `--group-token-file`);
-//! without it they get a 401. The probes need none.
+//! when the group has credentials (`--auth-token-file`,
+//! `--group-token-file`); without one of them they get a 401, and a call
+//! the credential's role may not make gets a 403 (docs/PROTOCOL.md, "MDS
+//! API": engines read views, nodes also register, heartbeat and deregister,
+//! only an admin sets the placement rule). The probes need none.
 
 use std::convert::Infallible;
 use std::sync::atomic::Ordering;
@@ -24,6 +27,7 @@ use std::time::Duration;
 use http_body_util::{BodyExt, Full, Limited};
 use hyper::body::{Bytes, Incoming};
 use hyper::{Request, Response, StatusCode};
+use kv_common::auth::Role;
 use kv_common::mds::{
     valid_name, ErrorReply, HeartbeatRequest, LeaseReply, MemberRecord, RegisterRequest, MAX_WAIT_MS,
 };
@@ -291,15 +295,76 @@ impl Api {
     }
 }
 
-/// Whether `req` carries the token `group` needs (any, when it needs none).
-fn authorized(tokens: &kv_common::auth::GroupTokens, group: &str, req: &Request<Incoming>) -> bool {
-    let Some(want) = tokens.for_group(group) else { return true };
+/// What a call's credential allows in its group.
+#[derive(Clone, Copy)]
+enum Grant<'t> {
+    /// The group has no credentials: every call is allowed.
+    Open,
+    As(&'t kv_common::auth::Credential),
+}
+
+impl Grant<'_> {
+    fn role(self) -> Role {
+        match self {
+            Grant::Open => Role::Admin,
+            Grant::As(c) => c.role,
+        }
+    }
+
+    fn may_act_for_node(self, id: &str) -> bool {
+        match self {
+            Grant::Open => true,
+            Grant::As(c) => c.may_act_for_node(id),
+        }
+    }
+}
+
+/// The credential `req` carries for `group` (Open when the group needs
+/// none); None when it carries none of the group's.
+fn authorized<'t>(tokens: &'t kv_common::auth::GroupTokens, group: &str, req: &Request<Incoming>) -> Option<Grant<'t>> {
+    let Some(creds) = tokens.for_group(group) else { return Some(Grant::Open) };
     let offered = req
         .headers()
         .get(hyper::header::AUTHORIZATION)
         .and_then(|v| v.as_bytes().strip_prefix(b"Bearer "))
         .unwrap_or(b"");
-    want.matches(offered.trim_ascii())
+    creds.find(offered.trim_ascii()).map(Grant::As)
+}
+
+/// Why `grant` may not make `call`, if it may not: engines read views;
+/// nodes also register, heartbeat and deregister (their own id, when the
+/// credential names one); only an admin changes the group.
+fn forbidden_reason(grant: Grant<'_>, call: &Call<'_>) -> Option<String> {
+    let role = grant.role().name();
+    match *call {
+        Call::SetPlacement { group } => (grant.role() != Role::Admin)
+            .then(|| format!("changing group {group}'s placement rule needs an admin credential; this one is {role}")),
+        Call::Register { group, id } | Call::Heartbeat { group, id } | Call::Deregister { group, id, .. } => {
+            (!grant.may_act_for_node(id)).then(|| match grant {
+                Grant::As(c) if c.role == Role::Node => {
+                    format!(
+                        "this node credential is bound to node {}, not {id}, in group {group}",
+                        c.node.as_deref().unwrap_or("?")
+                    )
+                }
+                _ => format!(
+                "only a node or admin credential may register or remove node {id} in group {group}; this one is {role}"
+            ),
+            })
+        }
+        _ => None,
+    }
+}
+
+/// The 403 of a call the caller's role may not make, logged once a minute
+/// at most.
+fn forbidden(mds: &Mds, why: String, peer: std::net::SocketAddr, req: &Request<Incoming>) -> Reply {
+    static LOGGED: kv_common::daemon::Throttle = kv_common::daemon::Throttle::new(Duration::from_secs(60));
+    mds.reg.counters.forbidden.fetch_add(1, Ordering::Relaxed);
+    if LOGGED.ready() {
+        tracing::warn!(%peer, path = req.uri().path(), "refused a call: {why} (one line a minute at most; kvmds_forbidden_requests_total counts all)");
+    }
+    error(StatusCode::FORBIDDEN, why)
 }
 
 /// The 401 of a refused call, logged once a minute at most.
@@ -342,8 +407,11 @@ async fn handle(
         | Call::Heartbeat { group, .. }
         | Call::Deregister { group, .. } => *group,
     };
-    if !authorized(tokens, group, &req) {
+    let Some(grant) = authorized(tokens, group, &req) else {
         return denied(mds, group, peer, &req);
+    };
+    if let Some(why) = forbidden_reason(grant, &call) {
+        return forbidden(mds, why, peer, &req);
     }
     match call {
         Call::View { group, after, wait_ms, rules, delta, min_epoch } => {
@@ -375,7 +443,7 @@ async fn groups(mds: &Mds, tokens: &kv_common::auth::GroupTokens, req: &Request<
     if let Some(groups) = v.get_mut("groups").and_then(|g| g.as_array_mut()) {
         for g in groups {
             let name = g.get("group").and_then(|n| n.as_str()).unwrap_or_default().to_string();
-            if !authorized(tokens, &name, req) {
+            if authorized(tokens, &name, req).is_none() {
                 g["members"] = serde_json::Value::Array(Vec::new());
                 g["hidden"] = serde_json::Value::Bool(true);
             }

@@ -44,10 +44,10 @@ struct Cli {
     /// Log level: error, warn, info, debug or trace.
     #[arg(long, default_value = "info")]
     log_level: tracing::Level,
-    /// File holding the auth token every group's calls must carry (trimmed; 1-1024 visible ASCII characters); /healthz and /metrics need none (default: groups are open).
+    /// File holding the auth token every group's calls must carry (trimmed; 1-1024 visible ASCII characters), or a table of credentials with roles (docs/DEPLOY.md, "Roles"); /healthz and /metrics need none (default: groups are open).
     #[arg(long)]
     auth_token_file: Option<std::path::PathBuf>,
-    /// GROUP=PATH: the token of one group, taking precedence over --auth-token-file for it; repeat for more groups.
+    /// GROUP=PATH: the token or credential table of one group, taking precedence over --auth-token-file for it; repeat for more groups.
     #[arg(long)]
     group_token_file: Vec<String>,
     /// PEM file of the CA that signed etcd's certificate: talk to etcd over TLS (endpoints without a scheme become https://).
@@ -137,7 +137,7 @@ fn main() -> ExitCode {
 fn tokens(cli: &Cli) -> Result<kv_common::auth::GroupTokens, String> {
     let mut t = kv_common::auth::GroupTokens::default();
     if let Some(p) = &cli.auth_token_file {
-        t.all = Some(kv_common::auth::read_token_file(p).map_err(|e| format!("--auth-token-file: {e}"))?);
+        t.all = Some(kv_common::auth::Credentials::read(p).map_err(|e| format!("--auth-token-file: {e}"))?);
     }
     for spec in &cli.group_token_file {
         t.add_group_spec(spec)?;

@@ -46,7 +46,7 @@ impl Collector for Counters {
     fn encode(&self, mut e: DescriptorEncoder<'_>) -> Result<(), std::fmt::Error> {
         let c = &self.mds.reg.counters;
         let ld = |a: &AtomicU64| a.load(Ordering::Relaxed);
-        let counters: [(&str, &str, u64); 22] = [
+        let counters: [(&str, &str, u64); 23] = [
             ("registrations", "Node registrations served", ld(&c.registrations)),
             ("heartbeats", "Node heartbeats served", ld(&c.heartbeats)),
             ("takeovers", "Heartbeats that took a node's lease over from another replica", ld(&c.takeovers)),
@@ -97,6 +97,7 @@ impl Collector for Counters {
             ),
             ("refused_long_polls", "Long-polls refused at the long-poll cap", ld(&c.refused_polls)),
             ("denied_requests", "API calls refused for a missing or wrong auth token (401)", ld(&c.denied)),
+            ("forbidden_requests", "API calls refused because the caller's role may not make them (403)", ld(&c.forbidden)),
         ];
         for (name, help, v) in counters {
             ConstCounter::new(v).encode(e.encode_descriptor(name, help, None, MetricType::Counter)?)?;

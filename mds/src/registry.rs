@@ -121,6 +121,8 @@ pub struct Counters {
     pub settles_shared: AtomicU64,
     /// API calls refused for a missing or wrong auth token.
     pub denied: AtomicU64,
+    /// API calls refused because the caller's role may not make them (403).
+    pub forbidden: AtomicU64,
     /// etcd leases granted (registrations and takeovers).
     pub lease_grants: AtomicU64,
     /// Heartbeats that found the node's lease expired in etcd.

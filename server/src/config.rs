@@ -68,7 +68,7 @@ pub struct Cli {
     /// Ring weight: this node's share of keys relative to the others, 1..=10000 (with --mds; default 1).
     #[arg(long)]
     pub weight: Option<u32>,
-    /// File holding the group's auth token (trimmed; 1-1024 visible ASCII characters): clients must present it, and the node presents it to kv-mds (default: no token, any client is served).
+    /// File holding the group's auth token (trimmed; 1-1024 visible ASCII characters), or a table of credentials with roles (docs/DEPLOY.md, "Roles"): clients must present one of its tokens, and the node presents the token, or its node credential, to kv-mds (default: no token, any client is served).
     #[arg(long)]
     pub auth_token_file: Option<PathBuf>,
     /// RDMA devices to serve payloads over, `:`-separated, e.g. mlx5_0:mlx5_1 (one rail each). Any build accepts it; a build without RDMA, or a device that is absent or unusable, means TCP and one log line saying why (default: TCP only).
@@ -171,7 +171,11 @@ pub struct ServerConfig {
     pub max_inflight: u64,
     pub metrics_listen: Option<SocketAddr>,
     pub membership: Option<MembershipConfig>,
-    /// The group's token (clients present it; the node presents it to kv-mds).
+    /// The group's credentials (clients present one of their tokens).
+    pub auth: Option<kv_common::auth::Credentials>,
+    /// The token this node presents to kv-mds and to other nodes: the
+    /// file's one token, or its node credential
+    /// ([`kv_common::auth::Credentials::for_node`]).
     pub auth_token: Option<kv_common::auth::Token>,
     /// Where it was read from, for the start-up permission check.
     pub auth_token_file: Option<PathBuf>,
@@ -282,9 +286,16 @@ impl ServerConfig {
             None => None,
         };
         let auth_token_file = cli.auth_token_file.or(file.auth_token_file);
-        let auth_token = match &auth_token_file {
-            Some(p) => Some(kv_common::auth::read_token_file(p).map_err(|e| format!("--auth-token-file: {e}"))?),
+        let auth = match &auth_token_file {
+            Some(p) => Some(kv_common::auth::Credentials::read(p).map_err(|e| format!("--auth-token-file: {e}"))?),
             None => None,
+        };
+        // A member must have a token to present; a node outside a group
+        // presents one only to other nodes, if it has one.
+        let auth_token = match (&auth, &membership) {
+            (Some(c), Some(m)) => Some(c.for_node(Some(&m.id)).map_err(|e| format!("--auth-token-file: {e}"))?),
+            (Some(c), None) => c.for_node(None).ok(),
+            (None, _) => None,
         };
         let max_conns = cli.max_conns.or(file.max_conns).unwrap_or(1024);
         if max_conns == 0 {
@@ -346,6 +357,7 @@ impl ServerConfig {
             max_record,
             max_inflight,
             metrics_listen,
+            auth,
             auth_token,
             auth_token_file,
             rdma,
@@ -517,5 +529,23 @@ mod tests {
         std::fs::write(&tok, "").unwrap();
         let e = cli(&[&base[..], &["--auth-token-file", tok.to_str().unwrap()]].concat()).unwrap_err();
         assert!(e.contains("--auth-token-file") && e.contains("empty"), "{e}");
+        // A credential table: the node presents its own node credential; a
+        // member of a group whose table has none for it does not start.
+        std::fs::write(&tok, "e role=engine\nn1 role=node node=n1\n").unwrap();
+        let member = [
+            "--mds",
+            "127.0.0.1:7480",
+            "--group",
+            "g",
+            "--advertise",
+            "127.0.0.1:1",
+            "--auth-token-file",
+            tok.to_str().unwrap(),
+        ];
+        let c = cli(&[&base[..], &member[..], &["--id", "n1"]].concat()).unwrap();
+        assert_eq!(c.auth_token.unwrap().as_bytes(), b"n1");
+        assert!(c.auth.unwrap().find(b"e").is_some(), "engines' tokens open the data port");
+        let e = cli(&[&base[..], &member[..], &["--id", "n2"]].concat()).unwrap_err();
+        assert!(e.contains("role=node node=n2"), "{e}");
     }
 }

@@ -119,9 +119,9 @@ fn run(cfg: MembershipConfig, addr: String, mut mds: MdsClient, stop: &(Mutex<bo
                 Err(MdsError::Aborted) => break,
                 Err(e) => {
                     let msg = e.to_string();
-                    if matches!(e, MdsError::Denied(_)) {
+                    if matches!(e, MdsError::Denied(_) | MdsError::Forbidden(_)) {
                         if last_failure.as_deref() != Some(msg.as_str()) {
-                            tracing::error!(error = %msg, group, "kv-mds refuses this node's auth token: not in the group (check --auth-token-file on both sides; retrying)");
+                            tracing::error!(error = %msg, group, "kv-mds refuses this node's credential (check --auth-token-file on both sides: a token of the group with role=node, bound to no node or to this node's id; retrying)");
                         }
                     } else if last_failure.is_none() {
                         tracing::warn!(error = %msg, "cannot register yet (serving meanwhile; retrying)");

@@ -95,7 +95,7 @@ impl Node {
         }
         let settings = server::NodeSettings {
             idle_timeout: cfg.idle_timeout,
-            token: cfg.auth_token.clone(),
+            token: cfg.auth.clone(),
             handoff_window: cfg.handoff,
             node_id: cfg.membership.as_ref().map(|m| m.id.clone()),
             group: cfg.membership.as_ref().map(|m| m.group.clone()),
@@ -147,7 +147,7 @@ impl Node {
             _ => m.advertise.clone(),
         });
         tracing::info!(
-            %addr, auth = cfg.auth_token.is_some(), recovery_ms = started.elapsed().as_millis() as u64,
+            %addr, auth = cfg.auth.is_some(), recovery_ms = started.elapsed().as_millis() as u64,
             version = env!("CARGO_PKG_VERSION"), "serving"
         );
         Ok(Node { rt, cfg, shared, addr, metrics_addr, advertised, membership: None, stop, served })

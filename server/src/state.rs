@@ -28,8 +28,9 @@ pub struct Shared {
     /// Time for the hello, for a begun frame (plus 1 s per MiB) and for a
     /// response to be taken (30 s; tests shorten it).
     pub frame_timeout: std::time::Duration,
-    /// The group's auth token: a client must present it in its hello.
-    pub token: Option<kv_common::auth::Token>,
+    /// The group's credentials: a client must present one of their
+    /// tokens in its hello.
+    pub token: Option<kv_common::auth::Credentials>,
     /// Hellos refused for the token, and accepted in protocol v1.
     pub denied: AtomicU64,
     pub v1_accepted: AtomicU64,
@@ -114,8 +115,8 @@ pub struct NodeSettings {
     pub idle_timeout: Option<std::time::Duration>,
     /// Time for a begun frame and for a response to be taken (tests shorten it).
     pub frame_timeout: std::time::Duration,
-    /// The group's auth token (`--auth-token-file`).
-    pub token: Option<kv_common::auth::Token>,
+    /// The group's credentials (`--auth-token-file`).
+    pub token: Option<kv_common::auth::Credentials>,
     /// How long a deleted key's copies are refused (`--handoff-secs`).
     pub handoff_window: std::time::Duration,
     /// `--id` and `--group` when the node joins a group.

@@ -1,7 +1,8 @@
 //! Access control end to end (docs/DEPLOY.md, "Access control"): a real
 //! etcd, a kv-mds with a token per group, nodes of two groups, the client
 //! library, kvctl and raw hellos. Also the protocol v1 hello a node of this
-//! release still serves when it has no token.
+//! release still serves when it has no token, and the roles of a
+//! credential table (engines, nodes, admins).
 
 use std::io::{Read, Write};
 use std::net::TcpStream;
@@ -79,7 +80,7 @@ fn tokens_keep_strangers_and_other_groups_out() {
     });
     for n in [&stranger, &impostor] {
         wait_until(Duration::from_secs(10), "the refused node logs why", || {
-            n.stderr_lines.try_iter().find(|l| l.contains("refuses this node's auth token"))
+            n.stderr_lines.try_iter().find(|l| l.contains("refuses this node's credential"))
         });
     }
     let v = view_a(Some(token_a.clone())).unwrap();
@@ -226,4 +227,110 @@ fn a_node_without_a_token_serves_protocol_v1_clients() {
     assert_eq!(c.putv(b"k", &[b"v"]), Status::Ok);
     let mut conn = kvclient::Conn::connect(&n.addr, Duration::from_secs(5)).unwrap();
     assert!(conn.stats().unwrap().v1_connections >= 1);
+}
+
+/// A credential table: an engine's token reads the view and serves pages
+/// but may not change the group or register a node (403, not 401); a node
+/// credential bound to one id registers that node only; an unbound one any;
+/// only an admin's sets the placement rule, and kvctl presents it with
+/// `--admin-token-file`.
+#[test]
+fn roles_keep_engines_from_changing_the_group() {
+    use kv_common::mds::RegisterRequest;
+    let t = tempfile::tempdir().unwrap();
+    let table = write_token(
+        t.path(),
+        "group.tokens",
+        "# the group's credentials\n\
+         eng-token   role=engine tenant=team-a\n\
+         n1-token    role=node node=n1\n\
+         nodes-token role=node\n\
+         adm-token   role=admin\n",
+    );
+    let eng = write_token(t.path(), "eng.token", "eng-token\n");
+    let adm = write_token(t.path(), "adm.token", "adm-token role=admin\n");
+    let etcd = Etcd::start(t.path().to_path_buf());
+    let mds = Mds::start_with("127.0.0.1:0", &etcd.endpoint(), "3s", &["--group-token-file", &format!("g={table}")]);
+    let eps = mds.addr.clone();
+    // Every node holds the whole table: n1 presents its own credential,
+    // n2 the unbound node one.
+    let n1 = node(t.path(), &eps, "g", "n1", Some(&table));
+    let n2 = node(t.path(), &eps, "g", "n2", Some(&table));
+    let tok = |text: &[u8]| Some(kv_common::auth::Token::new(text).unwrap());
+    let mds_as = |text: &[u8]| MdsClient::new(vec![eps.clone()], Duration::from_secs(2)).with_token(tok(text));
+    wait_until(Duration::from_secs(20), "n1 and n2 in the view", || {
+        mds_as(b"eng-token").view("g").ok().filter(|v| v.members.len() == 2)
+    });
+
+    // An engine's token reads pages at the nodes.
+    let opts = format!("auth_token_file={eng},io_timeout_ms=3000,connect_timeout_ms=1000");
+    let c = BlockingClient::new(Vec::new(), geo(), Options::parse(&opts).unwrap()).unwrap();
+    assert!(c.start_discovery(vec![eps.clone()], "g".into(), Duration::from_millis(500)).unwrap().is_ok());
+    let page: Vec<u8> = (0..8192).map(|i| (i * 3) as u8).collect();
+    assert_eq!(c.putv(b"page", &[&page]), Status::Ok);
+    let mut buf = vec![0u8; page.len()];
+    assert_eq!(c.getv(b"page", &mut [&mut buf[..]]), Ok(page.len()));
+
+    // It may not change the placement, nor register a node: 403, with why.
+    let rule = kv_common::ring::Placement::parse("multiprobe").unwrap();
+    match mds_as(b"eng-token").set_placement("g", rule) {
+        Err(MdsError::Forbidden(m)) => assert!(m.contains("needs an admin credential") && m.contains("engine"), "{m}"),
+        other => panic!("an engine's token set the placement: {other:?}"),
+    }
+    let req = RegisterRequest { addr: "127.0.0.1:9".into(), weight: 1, instance: String::new(), metrics_addr: None };
+    match mds_as(b"eng-token").register("g", "n9", &req) {
+        Err(MdsError::Forbidden(m)) => assert!(m.contains("only a node or admin credential"), "{m}"),
+        other => panic!("an engine's token registered a node: {other:?}"),
+    }
+    // A node credential bound to n1 acts for n1 only.
+    match mds_as(b"n1-token").register("g", "n9", &req) {
+        Err(MdsError::Forbidden(m)) => assert!(m.contains("bound to node n1, not n9"), "{m}"),
+        other => panic!("n1's credential registered n9: {other:?}"),
+    }
+    match mds_as(b"n1-token").deregister("g", "n2", "") {
+        Err(MdsError::Forbidden(_)) => {}
+        other => panic!("n1's credential removed n2: {other:?}"),
+    }
+    // A token of no line is still a 401.
+    assert!(matches!(mds_as(b"nobody").view("g"), Err(MdsError::Denied(_))));
+    assert_eq!(mds_as(b"eng-token").view("g").unwrap().members.len(), 2, "nothing changed");
+
+    // kvctl: with the engine's token, one line and exit 2; with the admin's
+    // (--admin-token-file), a new epoch under the new rule.
+    let (code, out, err) = run(
+        "kvctl",
+        &["--auth-token-file", &eng, "ring", "--mds", &eps, "--group", "g", "--set-placement", "multiprobe"],
+    );
+    assert_eq!(code, 2, "{out}{err}");
+    assert_eq!(err.trim().lines().count(), 1, "{err}");
+    assert!(err.contains("not allowed") && err.contains("--admin-token-file"), "{err}");
+    let args = [
+        "--auth-token-file",
+        &eng,
+        "--admin-token-file",
+        &adm,
+        "ring",
+        "--mds",
+        &eps,
+        "--group",
+        "g",
+        "--set-placement",
+        "multiprobe",
+    ];
+    let (code, out, err) = run("kvctl", &args);
+    assert_eq!(code, 0, "{out}{err}");
+    wait_until(Duration::from_secs(10), "the view under multiprobe", || {
+        mds_as(b"eng-token").view("g").ok().filter(|v| v.placement().map(|p| p.name()) == Ok("multiprobe"))
+    });
+
+    let probe = MdsClient::new(vec![eps.clone()], Duration::from_secs(2));
+    let (_, body) = probe.request(&eps, "GET", "/metrics", None, Duration::ZERO).unwrap();
+    let body = String::from_utf8_lossy(&body).to_string();
+    let forbidden: u64 = body
+        .lines()
+        .find_map(|l| l.strip_prefix("kvmds_forbidden_requests_total "))
+        .and_then(|v| v.parse().ok())
+        .unwrap();
+    assert!(forbidden >= 5, "{body}");
+    drop((n1, n2));
 }

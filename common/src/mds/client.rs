@@ -289,6 +289,8 @@ impl MdsClient {
             .unwrap_or_else(|_| String::from_utf8_lossy(&body).into_owned());
         if status == 401 {
             Err(MdsError::Denied(msg))
+        } else if status == 403 {
+            Err(MdsError::Forbidden(msg))
         } else if status == 404 {
             Err(MdsError::NotRegistered(msg))
         } else if status == 409 {

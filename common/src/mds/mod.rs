@@ -298,6 +298,10 @@ pub enum MdsError {
     Aborted,
     /// The MDS refused the auth token (401): missing or wrong for the group.
     Denied(String),
+    /// The MDS knows the credential but its role may not make the call
+    /// (403): an engine's token changing the group, a node's token bound
+    /// to another node id.
+    Forbidden(String),
     /// The group places keys by a rule this client does not know (422): it
     /// must refuse the group rather than guess where keys live.
     Unsupported(String),
@@ -312,6 +316,7 @@ impl std::fmt::Display for MdsError {
             MdsError::Unavailable(m) => write!(f, "no MDS answered: {m}"),
             MdsError::Aborted => write!(f, "aborted"),
             MdsError::Denied(m) => write!(f, "access denied: {m}"),
+            MdsError::Forbidden(m) => write!(f, "not allowed: {m}"),
             MdsError::Unsupported(m) => write!(f, "cannot follow the group: {m}"),
         }
     }
