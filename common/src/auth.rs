@@ -273,6 +273,28 @@ fn parse_line(line: &str) -> Result<Credential, String> {
     Ok(Credential { token, role, tenant, node })
 }
 
+/// Credentials a daemon holds while serving, replaced as a whole when its
+/// files are read again (SIGHUP, docs/DEPLOY.md "Rotating tokens"): a
+/// check takes the set current when it begins.
+#[derive(Debug, Default)]
+pub struct Reloadable<T>(std::sync::RwLock<Arc<T>>);
+
+impl<T> Reloadable<T> {
+    pub fn new(value: T) -> Reloadable<T> {
+        Reloadable(std::sync::RwLock::new(Arc::new(value)))
+    }
+
+    /// The current value.
+    pub fn get(&self) -> Arc<T> {
+        self.0.read().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    /// Replaces the value; checks begun before keep the one they took.
+    pub fn set(&self, value: T) {
+        *self.0.write().unwrap_or_else(|e| e.into_inner()) = Arc::new(value);
+    }
+}
+
 /// Reads the token a client presents: a file of one bare token, or a
 /// table of one credential. Errors name the file and say what is wrong.
 pub fn read_token_file(path: &Path) -> Result<Token, String> {

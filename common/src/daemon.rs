@@ -64,6 +64,37 @@ impl Default for Signals {
     }
 }
 
+/// Reads `target` again with `read` at every SIGHUP, for as long as the
+/// runtime runs: a file that reads replaces it (logged with `describe`), one
+/// that does not leaves the previous value in use and logs why, one line.
+/// Needs a Tokio runtime (spawns a task).
+pub fn reload_on_hangup<T: Send + Sync + 'static>(
+    what: &'static str,
+    target: std::sync::Arc<crate::auth::Reloadable<T>>,
+    read: impl Fn() -> Result<T, String> + Send + 'static,
+    describe: impl Fn(&T) -> String + Send + 'static,
+) {
+    use tokio::signal::unix::{signal, SignalKind};
+    let mut hup = match signal(SignalKind::hangup()) {
+        Ok(s) => s,
+        Err(e) => {
+            tracing::warn!(error = %e, "cannot watch SIGHUP: {what} are read at start only");
+            return;
+        }
+    };
+    tokio::spawn(async move {
+        while hup.recv().await.is_some() {
+            match read() {
+                Ok(v) => {
+                    tracing::info!("SIGHUP: {what} read again: {}", describe(&v));
+                    target.set(v);
+                }
+                Err(e) => tracing::error!("SIGHUP: {what} not replaced, the previous ones stay in use: {e}"),
+            }
+        }
+    });
+}
+
 /// Says yes at most once per `every`: for a log line that a flood of the
 /// same event (refusals, denied tokens) must not repeat for each event.
 /// `const`, so it can be a `static` beside the code that logs.

@@ -61,8 +61,8 @@ pub struct Limits {
     pub max_conns: usize,
     /// Long-polls waiting at once; more get a 503.
     pub max_long_polls: usize,
-    /// The tokens calls must carry, per group.
-    pub tokens: kv_common::auth::GroupTokens,
+    /// The credentials calls must carry, per group (replaced on SIGHUP).
+    pub tokens: Arc<kv_common::auth::Reloadable<kv_common::auth::GroupTokens>>,
     /// The runtime that serves connections whose first request is a
     /// node's call (None: this one serves every connection).
     pub nodes: Option<tokio::runtime::Handle>,
@@ -143,7 +143,7 @@ pub async fn serve(listener: TcpListener, mds: Arc<Mds>, limits: Limits, shutdow
     let api = Api {
         registry: Arc::new(crate::metrics::registry(&mds)),
         polls: Arc::new(tokio::sync::Semaphore::new(limits.max_long_polls)),
-        tokens: Arc::new(limits.tokens.clone()),
+        tokens: limits.tokens.clone(),
         max_conns: limits.max_conns,
         nodes: limits.nodes.clone(),
         mds,
@@ -155,7 +155,7 @@ pub async fn serve(listener: TcpListener, mds: Arc<Mds>, limits: Limits, shutdow
 struct Api {
     mds: Arc<Mds>,
     polls: Arc<tokio::sync::Semaphore>,
-    tokens: Arc<kv_common::auth::GroupTokens>,
+    tokens: Arc<kv_common::auth::Reloadable<kv_common::auth::GroupTokens>>,
     registry: Arc<prometheus_client::registry::Registry>,
     max_conns: usize,
     nodes: Option<tokio::runtime::Handle>,
@@ -249,7 +249,8 @@ impl Api {
             let (api, ok) = (api.clone(), ok.clone());
             let call = InFlight::new(calls.clone());
             async move {
-                let reply = handle(&api.mds, &api.polls, &api.tokens, &api.registry, peer, req).await;
+                let tokens = api.tokens.get();
+                let reply = handle(&api.mds, &api.polls, &tokens, &api.registry, peer, req).await;
                 drop(call);
                 if reply.status().is_success() {
                     ok.store(true, Ordering::Relaxed);

@@ -2,6 +2,7 @@
 
 use std::net::SocketAddr;
 use std::process::ExitCode;
+use std::sync::Arc;
 use std::time::Duration;
 
 use clap::Parser;
@@ -15,7 +16,7 @@ const EXAMPLES: &str = "Examples:
 Nodes register with `kv-server --mds`; clients follow a group with
 `kvctl ring --mds`, the C ABI's kv_start_mds_discovery or KVCELLAR_MDS.";
 
-#[derive(Parser, Debug)]
+#[derive(Parser, Debug, Clone)]
 #[command(name = "kv-mds", version, about, after_help = EXAMPLES)]
 struct Cli {
     /// Address the HTTP/JSON API (and /metrics, /healthz) listens on, IP:PORT.
@@ -229,6 +230,13 @@ fn run(
         });
         println!("kv-mds listening on {addr}");
         tracing::info!(%addr, open = tokens.is_open(), lease_ttl_ms = cli.lease_ttl.as_millis() as u64, handoff_secs = cli.handoff_secs, version = env!("CARGO_PKG_VERSION"), "serving");
+        let tokens = Arc::new(kv_common::auth::Reloadable::new(tokens));
+        if !tokens.get().is_open() {
+            let again = cli.clone();
+            kv_common::daemon::reload_on_hangup("auth token files", tokens.clone(), move || self::tokens(&again), |t| {
+                format!("{} group files, {} credentials for every group", t.groups.len(), t.all.as_ref().map_or(0, |c| c.entries().len()))
+            });
+        }
         let limits = kv_mds::http::Limits {
             max_conns: cli.max_conns,
             max_long_polls: cli.max_long_polls.min(cli.max_conns),

@@ -218,7 +218,7 @@ async fn handshake(
         None => true,
         // A v1 hello carries no token: a node with a token refuses it (the
         // client then says hello in v2).
-        Some(t) => version >= 2 && t.find(&offered).is_some(),
+        Some(t) => version >= 2 && t.get().find(&offered).is_some(),
     };
     use kv_common::listen::Admission;
     let greeted = match allowed {

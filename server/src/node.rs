@@ -112,6 +112,13 @@ impl Node {
         if let Some(w) = cfg.auth_token_file.as_deref().and_then(kv_common::auth::loose_permissions) {
             tracing::warn!("{w}");
         }
+        if let (Some(live), Some(path)) = (&shared.token, cfg.auth_token_file.clone()) {
+            let _rt = rt.enter();
+            let read = move || kv_common::auth::Credentials::read(&path);
+            kv_common::daemon::reload_on_hangup("auth token file", live.clone(), read, |c| {
+                format!("{} credentials", c.entries().len())
+            });
+        }
         let listener = {
             let _rt = rt.enter();
             listen_data_port(socket).map_err(|e| format!("cannot listen on {}: {e}", cfg.listen))?

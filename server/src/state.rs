@@ -29,8 +29,8 @@ pub struct Shared {
     /// response to be taken (30 s; tests shorten it).
     pub frame_timeout: std::time::Duration,
     /// The group's credentials: a client must present one of their
-    /// tokens in its hello.
-    pub token: Option<kv_common::auth::Credentials>,
+    /// tokens in its hello (replaced on SIGHUP; None: open).
+    pub token: Option<Arc<kv_common::auth::Reloadable<kv_common::auth::Credentials>>>,
     /// Hellos refused for the token, and accepted in protocol v1.
     pub denied: AtomicU64,
     pub v1_accepted: AtomicU64,
@@ -184,7 +184,7 @@ impl Shared {
             connections: AtomicU64::new(0),
             idle_timeout,
             frame_timeout,
-            token,
+            token: token.map(|t| Arc::new(kv_common::auth::Reloadable::new(t))),
             denied: AtomicU64::new(0),
             v1_accepted: AtomicU64::new(0),
             refused: AtomicU64::new(0),

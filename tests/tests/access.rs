@@ -334,3 +334,54 @@ fn roles_keep_engines_from_changing_the_group() {
     assert!(forbidden >= 5, "{body}");
     drop((n1, n2));
 }
+
+/// Tokens rotate without a restart: the table rewritten on kv-mds's and the
+/// node's hosts and a SIGHUP to each, and the new engine token is served
+/// while the removed one is refused (401 at kv-mds, "denied" at the node);
+/// a file that no longer parses leaves the previous table in use.
+#[test]
+fn a_sighup_reads_the_credentials_again() {
+    let t = tempfile::tempdir().unwrap();
+    let before = "old-engine role=engine\nnodes role=node\n";
+    let table = write_token(t.path(), "group.tokens", before);
+    let etcd = Etcd::start(t.path().to_path_buf());
+    let mds = Mds::start_with("127.0.0.1:0", &etcd.endpoint(), "3s", &["--group-token-file", &format!("g={table}")]);
+    let eps = mds.addr.clone();
+    let n1 = node(t.path(), &eps, "g", "n1", Some(&table));
+    let view_as = |text: &[u8]| {
+        MdsClient::new(vec![eps.clone()], Duration::from_secs(2))
+            .with_token(Some(kv_common::auth::Token::new(text).unwrap()))
+            .view("g")
+    };
+    wait_until(Duration::from_secs(20), "n1 in the view", || {
+        view_as(b"old-engine").ok().filter(|v| v.members.len() == 1)
+    });
+    let hello = |tok: &[u8]| raw_hello(&n1.addr, &kv_common::wire::client_hello(2, Some(tok))).unwrap().status;
+    assert_eq!(hello(b"old-engine"), HELLO_ACCEPTED);
+    assert_eq!(hello(b"new-engine"), HELLO_DENIED);
+
+    // Rotated: the new token in, the old one out, on both hosts.
+    std::fs::write(&table, "new-engine role=engine\nnodes role=node\n").unwrap();
+    mds.signal(libc::SIGHUP);
+    n1.signal(libc::SIGHUP);
+    wait_until(Duration::from_secs(10), "kv-mds to take the new table", || view_as(b"new-engine").ok());
+    wait_until(Duration::from_secs(10), "the node to take the new table", || {
+        (hello(b"new-engine") == HELLO_ACCEPTED).then_some(())
+    });
+    assert!(matches!(view_as(b"old-engine"), Err(MdsError::Denied(_))));
+    assert_eq!(hello(b"old-engine"), HELLO_DENIED);
+    // The node stays in its group (its own credential did not change).
+    assert_eq!(view_as(b"new-engine").unwrap().members.len(), 1);
+
+    // A table that no longer parses: one error line, the previous in use.
+    std::fs::write(&table, "new-engine role=wizard\n").unwrap();
+    mds.signal(libc::SIGHUP);
+    n1.signal(libc::SIGHUP);
+    for lines in [&mds.stderr_lines, &n1.stderr_lines] {
+        wait_until(Duration::from_secs(10), "the refused reload logged", || {
+            lines.try_iter().find(|l| l.contains("not replaced") && l.contains("wizard"))
+        });
+    }
+    assert!(view_as(b"new-engine").is_ok());
+    assert_eq!(hello(b"new-engine"), HELLO_ACCEPTED);
+}
