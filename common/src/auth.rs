@@ -190,6 +190,14 @@ impl Credentials {
         if entries.is_empty() {
             return Err("the token is empty (no credential in the file)".into());
         }
+        // Nodes know a tenant by its id: two names with one id would share
+        // pages.
+        let mut ids: BTreeMap<u32, &str> = BTreeMap::new();
+        for name in entries.iter().filter_map(|e| e.tenant.as_deref()) {
+            if let Some(other) = ids.insert(tenant_id(name), name).filter(|o| *o != name) {
+                return Err(format!("tenants {other:?} and {name:?} have the same id: rename one"));
+            }
+        }
         Ok(Credentials { entries })
     }
 
@@ -230,6 +238,24 @@ impl Credentials {
                 Some(id) => format!("no credential this node may present: add a line `TOKEN role=node node={id}`"),
                 None => "no credential this node may present: add a line `TOKEN role=node`".into(),
             })
+    }
+}
+
+/// A tenant's id, as nodes keep it: a 32-bit FNV-1a hash of its name,
+/// never 0 (the default tenant's id, of every credential that names none).
+pub fn tenant_id(name: &str) -> u32 {
+    let mut h: u32 = 0x811c_9dc5;
+    for b in name.bytes() {
+        h ^= u32::from(b);
+        h = h.wrapping_mul(0x0100_0193);
+    }
+    h.max(1)
+}
+
+impl Credential {
+    /// The id of the tenant it admits (0: the default tenant).
+    pub fn tenant_id(&self) -> u32 {
+        self.tenant.as_deref().map_or(0, tenant_id)
     }
 }
 
@@ -479,5 +505,11 @@ mod tests {
         std::fs::write(&p, text).unwrap();
         let e = read_token_file(&p).unwrap_err();
         assert!(e.contains("holds 5 credentials"), "{e}");
+        // Tenant ids: stable, never the default's.
+        assert_eq!(tenant_id("team-a"), tenant_id("team-a"));
+        assert_ne!(tenant_id("team-a"), tenant_id("team-b"));
+        assert_ne!(tenant_id(""), 0);
+        assert_eq!(c.find(b"eng-a").unwrap().tenant_id(), tenant_id("team-a"));
+        assert_eq!(c.find(b"adm").unwrap().tenant_id(), 0);
     }
 }

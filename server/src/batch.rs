@@ -90,13 +90,15 @@ pub fn start(shared: &Shared, s: &Session, req: &ReqHeader, body: &[u8]) -> Begu
         None => Vec::new(),
     };
     let named = |i: usize| segs.get(i).is_some_and(|s| !s.is_empty());
+    // The keys in the connection's tenant's namespace (crate::tenant).
+    let keys: Vec<std::borrow::Cow<'_, [u8]>> = items.iter().map(|i| crate::tenant::ns_key(s.tenant, i.key)).collect();
     let mut out: Vec<Item> = Vec::with_capacity(items.len());
     let mut pending = false;
-    for (i, it) in items.iter().enumerate() {
-        let item = match store.peek_cached(it.key, check.then_some(&geo)) {
+    for (i, key) in keys.iter().enumerate() {
+        let item = match store.peek_cached(key, check.then_some(&geo)) {
             Some(GetOutcome::Hit(rec)) => Item::Mem(rec),
             Some(GetOutcome::Mismatch) => Item::Done(Status::Mismatch, None),
-            _ => match store.try_record_size(it.key) {
+            _ => match store.try_record_size(key) {
                 Some(Some(n)) => Item::Disk(n),
                 Some(None) => {
                     store.count_miss();
@@ -111,12 +113,12 @@ pub fn start(shared: &Shared, s: &Session, req: &ReqHeader, body: &[u8]) -> Begu
         out.push(item);
     }
     if !pending {
-        bound(shared, |i| items[i].key, |_| false, &mut out);
+        bound(shared, |i| &keys[i], |_| false, &mut out);
         count_asks(shared, &handoff, &out);
-        return Begun::Answered(answer(shared, req, out, |i| items[i].key, &weights));
+        return Begun::Answered(answer(shared, req, out, |i| &keys[i], &weights));
     }
     Begun::Disk(Started {
-        keys: items.iter().map(|i| i.key.to_vec()).collect(),
+        keys: keys.into_iter().map(|k| k.into_owned()).collect(),
         handoff,
         weights,
         geo: check.then_some(geo),
@@ -462,7 +464,8 @@ pub async fn put(
                     body_len: buf.len() as u32,
                     req_id: req.req_id,
                 };
-                let (status, rflags, msg) = crate::ops::store_put(shared, &one, buf, mem, t0).await.into_item();
+                let (status, rflags, msg) =
+                    crate::ops::store_put(shared, s.tenant, &one, buf, mem, t0).await.into_item();
                 let dup = if rflags & RSP_FLAG_DUPLICATE != 0 { ITEM_DUPLICATE } else { 0 };
                 (status, dup, msg)
             }
@@ -478,15 +481,15 @@ pub async fn put(
 
 /// BATCH_DELETE: each key's tombstone first (as DELETE), then the deletes,
 /// in one pass off the reactor (each appends to an index journal).
-pub async fn delete(shared: &Arc<Shared>, req: &ReqHeader, body: &[u8]) -> Response {
+pub async fn delete(shared: &Arc<Shared>, tenant: u32, req: &ReqHeader, body: &[u8]) -> Response {
     let items = match wire::decode_batch_delete(body) {
         Ok(i) => i,
         Err(e) => return error_response(req, Status::BadRequest, &e.to_string()),
     };
-    for it in &items {
-        shared.handoff.deleted(kv_common::page::key_hash(it.key));
+    let keys: Vec<Vec<u8>> = items.iter().map(|i| crate::tenant::ns_key(tenant, i.key).into_owned()).collect();
+    for k in &keys {
+        shared.handoff.deleted(kv_common::page::key_hash(k));
     }
-    let keys: Vec<Vec<u8>> = items.iter().map(|i| i.key.to_vec()).collect();
     let store = shared.store.clone();
     let _io = shared.io_slots.acquire().await.expect("semaphore open");
     match tokio::task::spawn_blocking(move || keys.iter().map(|k| store.delete(k)).collect::<Vec<bool>>()).await {

@@ -76,8 +76,8 @@ pub async fn serve(conn: kv_common::listen::Accepted, shared: Arc<Shared>) {
     // into their buffers past it, and small frames still come in batches.
     let mut rd = BufReader::with_capacity(8 * 1024, rd);
     let mut wr = BufWriter::with_capacity(WRITE_BUFFER, wr);
-    match handshake(&mut rd, &mut wr, &shared, peer, &opening).await {
-        Ok(Greeted::Accepted) => {}
+    let tenant = match handshake(&mut rd, &mut wr, &shared, peer, &opening).await {
+        Ok(Greeted::Accepted(tenant)) => tenant,
         Ok(Greeted::Denied | Greeted::Closed) => return,
         Ok(Greeted::Busy) => {
             // Close after the peer's FIN, so the answer is not lost to a
@@ -91,9 +91,9 @@ pub async fn serve(conn: kv_common::listen::Accepted, shared: Arc<Shared>) {
             tracing::warn!(%peer, reason = %e, "closing connection: bad hello");
             return;
         }
-    }
+    };
     shared.connections.fetch_add(1, Ordering::Relaxed);
-    serve_frames(rd, wr, peer, &shared, &mut shutdown).await;
+    serve_frames(rd, wr, peer, tenant, &shared, &mut shutdown).await;
     shared.connections.fetch_sub(1, Ordering::Relaxed);
 }
 
@@ -102,11 +102,13 @@ async fn serve_frames(
     mut rd: BufReader<OwnedReadHalf>,
     wr: BufWriter<tokio::net::tcp::OwnedWriteHalf>,
     peer: SocketAddr,
+    tenant: u32,
     shared: &Arc<Shared>,
     shutdown: &mut watch::Receiver<bool>,
 ) {
     let (dead, mut dead_rx) = watch::channel(false);
-    let session = Arc::new(Session { out: Out::new(wr, dead, peer, shared.frame_timeout), remote: Default::default() });
+    let out = Out::new(wr, dead, peer, shared.frame_timeout);
+    let session = Arc::new(Session { out, remote: Default::default(), tenant });
     let inflight = Arc::new(tokio::sync::Semaphore::new(MAX_INFLIGHT_PER_CONN));
     let mut draining_until: Option<Instant> = None;
     // Far enough to never fire when idle connections are kept forever.
@@ -177,7 +179,8 @@ async fn serve_frames(
 
 /// How a hello ended (each but an error was answered).
 enum Greeted {
-    Accepted,
+    /// Admitted, bound to this tenant (crate::tenant; 0: the default).
+    Accepted(u32),
     /// A missing or wrong token: the caller closes.
     Denied,
     /// The node is at its connection cap: the caller closes gracefully.
@@ -214,24 +217,26 @@ async fn handshake(
     };
     let mut offered = vec![0u8; token_len];
     read_exact_by(rd, &mut offered, deadline).await?;
+    // The tenant is the credential's: what the hello's own tenant field
+    // says is not taken (docs/PROTOCOL.md §2.1).
     let allowed = match &shared.token {
-        None => true,
+        None => Some(crate::tenant::DEFAULT),
         // A v1 hello carries no token: a node with a token refuses it (the
         // client then says hello in v2).
-        Some(t) => version >= 2 && t.get().find(&offered).is_some(),
+        Some(t) => t.get().find(&offered).filter(|_| version >= 2).map(|c| c.tenant_id()),
     };
     use kv_common::listen::Admission;
     let greeted = match allowed {
-        false => Greeted::Denied,
-        true => match opening.admit() {
-            Admission::Admitted => Greeted::Accepted,
+        None => Greeted::Denied,
+        Some(tenant) => match opening.admit() {
+            Admission::Admitted => Greeted::Accepted(tenant),
             Admission::Full => Greeted::Busy,
             // Closed to make room, or the node is stopping: no answer.
             Admission::Closed => return Ok(Greeted::Closed),
         },
     };
     let reply = match greeted {
-        Greeted::Accepted => Hello { version, status: HELLO_ACCEPTED, max_record: shared.limits.max_record },
+        Greeted::Accepted(_) => Hello { version, status: HELLO_ACCEPTED, max_record: shared.limits.max_record },
         // A refused v1 client is told the newest version, which carries a
         // token (a v1 client then prints "node speaks protocol v3").
         Greeted::Denied => Hello { version: WIRE_VERSION, status: HELLO_DENIED, max_record: shared.limits.max_record },
@@ -249,10 +254,10 @@ async fn handshake(
             shared.refused.fetch_add(1, Ordering::Relaxed);
             log_busy(peer);
         }
-        Greeted::Accepted if version < 2 => {
+        Greeted::Accepted(_) if version < 2 => {
             shared.v1_accepted.fetch_add(1, Ordering::Relaxed);
         }
-        Greeted::Accepted | Greeted::Closed => {}
+        Greeted::Accepted(_) | Greeted::Closed => {}
     }
     wr.write_all(&reply.encode()).await?;
     wr.flush().await?;

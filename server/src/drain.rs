@@ -194,10 +194,25 @@ pub fn push_pages(
     );
     let mut queues: Vec<Queue> =
         members.iter().map(|_| Queue { keys: Vec::new(), next: 0, active: 0, dead: false }).collect();
+    // A tenant's pages stay (a push would store them in the default
+    // tenant's namespace: the owner takes a node's credential as the
+    // default tenant's). Owners are the client's keys' (crate::tenant).
+    let mut tenants = 0u64;
     for (rank, k) in store.keys_by_recency().into_iter().enumerate() {
-        if let Some(i) = ring.owner(&k) {
+        let (tenant, own) = crate::tenant::split(&k);
+        if tenant != crate::tenant::DEFAULT {
+            tenants += 1;
+            continue;
+        }
+        if let Some(i) = ring.owner(own) {
             queues[i].keys.push((rank.min(u32::MAX as usize) as u32, k));
         }
+    }
+    if tenants > 0 {
+        tracing::warn!(
+            pages = tenants,
+            "drain: tenants' pages are not pushed (the default tenant's only): their keys miss once this node is gone"
+        );
     }
     let tally: Vec<OwnerTally> = members
         .iter()

@@ -26,4 +26,5 @@ pub mod rdma;
 pub mod server;
 pub mod state;
 pub mod store;
+pub mod tenant;
 pub mod transport;

@@ -27,6 +27,9 @@ use crate::transport::Slot;
 pub struct Session {
     pub out: Out,
     pub remote: Slot,
+    /// The tenant its hello's credential bound it to: its keys are taken
+    /// in that tenant's namespace (crate::tenant).
+    pub tenant: u32,
 }
 
 /// Counts an answered request and its service time (from `t0`, when the
@@ -39,7 +42,7 @@ pub fn counted(shared: &Shared, op: Op, t0: Instant, r: Response) -> Response {
 /// The one place internal store errors become wire statuses.
 fn store_error_status(e: &StoreError) -> Status {
     match e {
-        StoreError::BadRecord(_) => Status::BadRequest,
+        StoreError::BadRecord(_) | StoreError::TenantKey(_) => Status::BadRequest,
         // The client computed the CRC over what it meant to send: bytes
         // damaged on the way (not a caller error; the put may be retried).
         StoreError::BadPayload => Status::Corrupt,
@@ -77,7 +80,7 @@ pub async fn dispatch(
         return;
     }
     if !matches!(req.op, Op::Get | Op::RdmaConnect | Op::Delete | Op::BatchDelete) {
-        if let Some(r) = handle_small(shared, &req, &body) {
+        if let Some(r) = handle_small(shared, s.tenant, &req, &body) {
             s.out.send(counted(shared, req.op, t0, r)).await;
             drop(permit);
             return;
@@ -94,16 +97,16 @@ pub async fn dispatch(
                 r
             }
             Op::RdmaConnect => connect(&shared, &s, req, body).await,
-            Op::Delete => delete(&shared, &req, &body).await,
-            Op::BatchDelete => crate::batch::delete(&shared, &req, &body).await,
+            Op::Delete => delete(&shared, s.tenant, &req, &body).await,
+            Op::BatchDelete => crate::batch::delete(&shared, s.tenant, &req, &body).await,
             // An index lock was busy (a put, a checkpoint copy) or the op
             // must take locks: answered from the blocking pool instead of
             // making the reactor wait.
             _ => {
-                let s2 = shared.clone();
+                let (s2, tenant) = (shared.clone(), s.tenant);
                 // Blocking-pool work waits for an I/O slot like a get does.
                 let _io = shared.io_slots.acquire().await.expect("semaphore open");
-                tokio::task::spawn_blocking(move || handle_blocking(&s2, &req, &body))
+                tokio::task::spawn_blocking(move || handle_blocking(&s2, tenant, &req, &body))
                     .await
                     .unwrap_or_else(|_| error_response(&req, Status::Internal, "internal error"))
             }
@@ -131,15 +134,15 @@ async fn connect(shared: &Arc<Shared>, s: &Arc<Session>, req: ReqHeader, body: V
 }
 
 /// DELETE: appends to the index journal (a system call, so off the reactor).
-async fn delete(shared: &Arc<Shared>, req: &ReqHeader, body: &[u8]) -> Response {
+async fn delete(shared: &Arc<Shared>, tenant: u32, req: &ReqHeader, body: &[u8]) -> Response {
     let k = match wire::decode_key(body) {
-        Ok(k) => k,
+        Ok(k) => crate::tenant::ns_key(tenant, k),
         Err(e) => return error_response(req, Status::BadRequest, &e.to_string()),
     };
     // The tombstone first: a handoff copy stored meanwhile is then removed
     // by this delete or by itself.
-    shared.handoff.deleted(kv_common::page::key_hash(k));
-    let (store, k) = (shared.store.clone(), k.to_vec());
+    shared.handoff.deleted(kv_common::page::key_hash(&k));
+    let (store, k) = (shared.store.clone(), k.into_owned());
     // Blocking-pool work waits for an I/O slot like a get does.
     let _io = shared.io_slots.acquire().await.expect("semaphore open");
     match tokio::task::spawn_blocking(move || store.delete(&k)).await {
@@ -202,7 +205,7 @@ pub async fn put(
             }
         }
     };
-    let r = store_put(&shared, &req, buf, mem, t0).await;
+    let r = store_put(&shared, s.tenant, &req, buf, mem, t0).await;
     s.out.send(counted(&shared, req.op, t0, r)).await;
     drop(permit);
 }
@@ -258,6 +261,7 @@ async fn answer_hit(
 /// request was in hand.
 pub(crate) async fn store_put(
     shared: &Arc<Shared>,
+    tenant: u32,
     req: &ReqHeader,
     buf: PooledBuf,
     mem: OwnedSemaphorePermit,
@@ -267,7 +271,7 @@ pub(crate) async fn store_put(
         return error_response(req, Status::Rejected, "the node is draining (shutting down): it takes no puts");
     }
     if req.flags & FLAG_HANDOFF != 0 {
-        return store_copy(shared, req, buf, mem, t0).await;
+        return store_copy(shared, tenant, req, buf, mem, t0).await;
     }
     let store = shared.store.clone();
     // Err: why the put's task failed (a panic), answered as Internal.
@@ -275,7 +279,7 @@ pub(crate) async fn store_put(
         // Most puts end in memory (held for a flusher): on this task,
         // without the hop to a blocking thread and back. A record too
         // large to check here, or a disk lock busy now, takes the hop.
-        let held = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| store.try_put_held(buf)));
+        let held = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| store.try_put_held(buf, tenant)));
         match held {
             Ok(Ok(Held::Done(r))) => Ok(r),
             Ok(Ok(Held::ToMedia(p))) => {
@@ -284,13 +288,13 @@ pub(crate) async fn store_put(
             }
             Ok(Err(buf)) => {
                 let _io = shared.io_slots.acquire().await.expect("semaphore open");
-                tokio::task::spawn_blocking(move || store.put(buf)).await.map_err(|e| e.to_string())
+                tokio::task::spawn_blocking(move || store.put_in(buf, tenant)).await.map_err(|e| e.to_string())
             }
             Err(_) => Err("a put panicked".to_string()),
         }
     } else {
         let _io = shared.io_slots.acquire().await.expect("semaphore open");
-        tokio::task::spawn_blocking(move || store.put(buf)).await.map_err(|e| e.to_string())
+        tokio::task::spawn_blocking(move || store.put_in(buf, tenant)).await.map_err(|e| e.to_string())
     };
     drop(mem);
     put_answer(req, res)
@@ -318,6 +322,7 @@ fn put_answer(req: &ReqHeader, res: Result<Result<PutOutcome, StoreError>, Strin
 /// acknowledged after the delete.
 async fn store_copy(
     shared: &Arc<Shared>,
+    tenant: u32,
     req: &ReqHeader,
     buf: PooledBuf,
     mem: OwnedSemaphorePermit,
@@ -325,7 +330,10 @@ async fn store_copy(
 ) -> Response {
     let h = &shared.handoff;
     // None: not a record, which the store refuses with the reason.
-    let copy = record_key(buf.as_slice()).map(|(key, len)| (kv_common::page::key_hash(&key), key, len));
+    let copy = record_key(buf.as_slice()).map(|(key, len)| {
+        let key = crate::tenant::ns_key(tenant, &key).into_owned();
+        (kv_common::page::key_hash(&key), key, len)
+    });
     if copy.as_ref().is_some_and(|(hash, _, _)| h.refuses(*hash)) {
         h.refused.fetch_add(1, Ordering::Relaxed);
         return error_response(req, Status::Rejected, COPY_OF_DELETED);
@@ -344,7 +352,7 @@ async fn store_copy(
     let store = shared.store.clone();
     let res = {
         let _io = shared.io_slots.acquire().await.expect("semaphore open");
-        tokio::task::spawn_blocking(move || store.put_copy(buf)).await.map_err(|e| e.to_string())
+        tokio::task::spawn_blocking(move || store.put_copy(buf, tenant)).await.map_err(|e| e.to_string())
     };
     drop(mem);
     if let (Ok(Ok((stored, stamp))), Some((hash, key, len))) = (&res, copy) {
@@ -386,21 +394,23 @@ async fn handle_get(shared: &Arc<Shared>, s: &Session, req: &ReqHeader, body: &[
     };
     let check = req.flags & FLAG_CHECK_GEOMETRY != 0;
     let geo = kr.geometry;
+    let key = crate::tenant::ns_key(s.tenant, kr.key);
+    let key = &key[..];
     // A page in the memory tier is answered here, without a hop to the
     // blocking pool (its buffer is shared, not copied; it is bounded by
     // --mem-cap, not by the in-flight budget).
-    match shared.store.get_cached(kr.key, check.then_some(&geo)) {
-        Some(GetOutcome::Hit(rec)) => return answer_hit(shared, s, req, kr.key, rec, &segs, None).await,
+    match shared.store.get_cached(key, check.then_some(&geo)) {
+        Some(GetOutcome::Hit(rec)) => return answer_hit(shared, s, req, key, rec, &segs, None).await,
         Some(GetOutcome::Mismatch) => return respond(req, Status::Mismatch, 0, Body::Empty),
         _ => {}
     }
     // The record's bytes count against --max-inflight until written out.
     // Its size comes from the index without blocking this reactor thread
     // behind a put, an eviction or a checkpoint holding the index lock.
-    let size = match shared.store.try_record_size(kr.key) {
+    let size = match shared.store.try_record_size(key) {
         Some(s) => s,
         None => {
-            let (store, key) = (shared.store.clone(), kr.key.to_vec());
+            let (store, key) = (shared.store.clone(), key.to_vec());
             let _io = shared.io_slots.acquire().await.expect("semaphore open");
             tokio::task::spawn_blocking(move || store.record_size(&key)).await.unwrap_or(None)
         }
@@ -411,14 +421,14 @@ async fn handle_get(shared: &Arc<Shared>, s: &Session, req: &ReqHeader, body: &[
     };
     let units = size.div_ceil(4096).clamp(1, shared.limits.max_record.div_ceil(4096)) as u32;
     let budget = shared.inflight_bytes.clone().acquire_many_owned(units).await.expect("semaphore open");
-    let key = kr.key.to_vec();
+    let owned = key.to_vec();
     let store = shared.store.clone();
     let res = {
         let _io = shared.io_slots.acquire().await.expect("semaphore open");
-        tokio::task::spawn_blocking(move || store.get(&key, check.then_some(&geo))).await
+        tokio::task::spawn_blocking(move || store.get(&owned, check.then_some(&geo))).await
     };
     match res {
-        Ok(GetOutcome::Hit(rec)) => answer_hit(shared, s, req, kr.key, rec, &segs, Some(budget)).await,
+        Ok(GetOutcome::Hit(rec)) => answer_hit(shared, s, req, key, rec, &segs, Some(budget)).await,
         Ok(GetOutcome::Mismatch) => respond(req, Status::Mismatch, 0, Body::Empty),
         Ok(GetOutcome::Miss) => respond(req, Status::Miss, 0, Body::Empty),
         Err(e) => {
@@ -457,10 +467,10 @@ fn presence_status(p: Presence) -> Status {
 
 /// Requests answered from memory alone, inline on the reactor; None when
 /// that would mean waiting for a lock (then [`handle_blocking`] answers).
-fn handle_small(shared: &Shared, req: &ReqHeader, body: &[u8]) -> Option<Response> {
+fn handle_small(shared: &Shared, tenant: u32, req: &ReqHeader, body: &[u8]) -> Option<Response> {
     let store = &shared.store;
     match req.op {
-        Op::Exist | Op::BatchExist => answer_exist(shared, req, body, |keys, geo| match keys {
+        Op::Exist | Op::BatchExist => answer_exist(shared, tenant, req, body, |keys, geo| match keys {
             [key] => store.try_exist(key, geo).map(Found::One),
             keys => store.try_exist_batch(keys, geo).map(Found::Many),
         }),
@@ -491,6 +501,7 @@ impl Found {
 /// would have to wait for a lock, and so this answers None too).
 fn answer_exist(
     shared: &Shared,
+    tenant: u32,
     req: &ReqHeader,
     body: &[u8],
     lookup: impl Fn(&[&[u8]], Option<&Geometry>) -> Option<Found>,
@@ -513,6 +524,17 @@ fn answer_exist(
             Err(e) => return Some(error_response(req, Status::BadRequest, &e.to_string())),
         },
     };
+    // In the tenant's namespace (crate::tenant); the default tenant's keys
+    // are used as they came.
+    let ns = crate::tenant::ns_keys(tenant, keys);
+    let ns_refs: Vec<&[u8]>;
+    let keys = match &ns {
+        Some(ns) => {
+            ns_refs = ns.iter().map(|k| &k[..]).collect();
+            &ns_refs[..]
+        }
+        None => keys,
+    };
     let found = lookup(keys, check.then_some(&geo))?;
     let found = found.as_slice();
     count_handoff(shared, req, found);
@@ -527,14 +549,14 @@ fn answer_exist(
 }
 
 /// The same requests, allowed to wait for locks (blocking pool only).
-fn handle_blocking(shared: &Shared, req: &ReqHeader, body: &[u8]) -> Response {
+fn handle_blocking(shared: &Shared, tenant: u32, req: &ReqHeader, body: &[u8]) -> Response {
     let store = &shared.store;
     let exist = |keys: &[&[u8]], geo: Option<&Geometry>| match keys {
         [key] => Some(Found::One(store.exist(key, geo))),
         keys => Some(Found::Many(keys.iter().map(|k| store.exist(k, geo)).collect())),
     };
     match req.op {
-        Op::Exist | Op::BatchExist => answer_exist(shared, req, body, exist).unwrap_or_else(|| {
+        Op::Exist | Op::BatchExist => answer_exist(shared, tenant, req, body, exist).unwrap_or_else(|| {
             // `exist` always answers; should that change, an error, not a panic.
             error_response(req, Status::Internal, "internal error")
         }),
@@ -542,6 +564,7 @@ fn handle_blocking(shared: &Shared, req: &ReqHeader, body: &[u8]) -> Response {
             let json = serde_json::to_vec(&*shared.stats()).unwrap_or_default();
             respond(req, Status::Ok, 0, Body::Bytes(json))
         }
-        _ => handle_small(shared, req, body).unwrap_or_else(|| error_response(req, Status::Internal, "misrouted op")),
+        _ => handle_small(shared, tenant, req, body)
+            .unwrap_or_else(|| error_response(req, Status::Internal, "misrouted op")),
     }
 }

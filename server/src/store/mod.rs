@@ -89,6 +89,9 @@ pub enum StoreError {
     Full(String),
     #[error("record too large: {0}")]
     TooLarge(String),
+    /// A key too long for a tenant's namespace (crate::tenant).
+    #[error("{0}")]
+    TenantKey(String),
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -17,7 +17,12 @@ impl Store {
     /// it returns once the record is held for a flusher (or, past the
     /// bound, once on media).
     pub fn put(&self, rec: PooledBuf) -> Result<PutOutcome, StoreError> {
-        let held = match self.held_with(rec, true, |d, k| Ok::<_, std::convert::Infallible>(d.contains(k))) {
+        self.put_in(rec, crate::tenant::DEFAULT)
+    }
+
+    /// [`Store::put`] in `tenant`'s namespace (crate::tenant).
+    pub fn put_in(&self, rec: PooledBuf, tenant: u32) -> Result<PutOutcome, StoreError> {
+        let held = match self.held_with(rec, tenant, true, |d, k| Ok::<_, std::convert::Infallible>(d.contains(k))) {
             Ok(h) => h,
             Err((_, never)) => match never {},
         };
@@ -33,8 +38,9 @@ impl Store {
     /// with the stamp of the record it stored, so that the copy, and
     /// nothing stored under its key since, can be taken out again
     /// ([`Store::delete_if_stamp`]). Blocking.
-    pub fn put_copy(&self, rec: PooledBuf) -> Result<(PutOutcome, Option<Stamp>), StoreError> {
-        let held = match self.held_with(rec, false, |d, k| Ok::<_, std::convert::Infallible>(d.contains(k))) {
+    /// `tenant`: whose namespace it is stored in (crate::tenant).
+    pub fn put_copy(&self, rec: PooledBuf, tenant: u32) -> Result<(PutOutcome, Option<Stamp>), StoreError> {
+        let held = match self.held_with(rec, tenant, false, |d, k| Ok::<_, std::convert::Infallible>(d.contains(k))) {
             Ok(h) => h,
             Err((_, never)) => match never {},
         };
@@ -80,11 +86,12 @@ impl Store {
     /// record back, for [`Store::put`] on a blocking thread (which checks
     /// the CRC again: a busy lock is rare, and a record up to 1 MiB costs
     /// tens of microseconds).
-    pub fn try_put_held(&self, rec: PooledBuf) -> Result<Held, PooledBuf> {
+    /// `tenant`: whose namespace it is stored in (crate::tenant).
+    pub fn try_put_held(&self, rec: PooledBuf, tenant: u32) -> Result<Held, PooledBuf> {
         if rec.len() > INLINE_PUT_MAX {
             return Err(rec);
         }
-        self.held_with(rec, true, Disk::try_contains).map_err(|(rec, disk::Busy)| rec)
+        self.held_with(rec, tenant, true, Disk::try_contains).map_err(|(rec, disk::Busy)| rec)
     }
 
     /// [`Store::try_put_held`] with `contains` asking a disk whether it
@@ -93,6 +100,7 @@ impl Store {
     fn held_with<E>(
         &self,
         mut rec: PooledBuf,
+        tenant: u32,
         may_hold: bool,
         contains: impl Fn(&Disk, &[u8]) -> Result<bool, E>,
     ) -> Result<Held, (PooledBuf, E)> {
@@ -106,7 +114,10 @@ impl Store {
         if crc32fast::hash(payload) != header.payload_crc {
             return Ok(Held::Done(Err(StoreError::BadPayload)));
         }
-        let key = key.to_vec();
+        if let Some(why) = crate::tenant::key_refused(tenant, key) {
+            return Ok(Held::Done(Err(StoreError::TenantKey(why))));
+        }
+        let key = crate::tenant::ns_key(tenant, key).into_owned();
         // Held for a flusher first: a flusher lets go of a key only once its
         // disk has it, so this order never misses a key between the two.
         let mut present = self.behind.as_ref().is_some_and(|b| b.contains(&key));

@@ -286,7 +286,7 @@ impl Disk {
             match e {
                 Replayed::Put { off, alloc_len, header, key } => {
                     let ok = PageHeader::decode(&header).ok().filter(|h| {
-                        h.check_key(&key).is_ok()
+                        h.check_key(crate::tenant::client_key(&key)).is_ok()
                             && off % ALIGN as u64 == 0
                             && alloc_len == align_up(h.record_len())
                             && off + alloc_len <= file_len.min(limit)

@@ -45,7 +45,10 @@ impl Disk {
         }
         buf.set_len(header.record_len() as usize);
         let rec = buf.as_slice();
-        let key_ok = &rec[HEADER_LEN..HEADER_LEN + key.len()] == key;
+        // The record holds the client's key; the index, the tenant's
+        // namespaced one (crate::tenant).
+        let own = crate::tenant::client_key(key);
+        let key_ok = rec.get(HEADER_LEN..HEADER_LEN + own.len()) == Some(own);
         if rec[..HEADER_LEN] != header_bytes || !key_ok {
             self.drop_damaged(key, &ext, "stored header or key differs from the index");
             return Ok(Lookup::Damaged);
@@ -54,7 +57,7 @@ impl Disk {
         // a crash: a record damaged on the device after it was written (or
         // after a clean stop) is dropped here, so get and exist agree that
         // it is gone, instead of being sent to clients that reject it.
-        let payload = &rec[HEADER_LEN + key.len()..];
+        let payload = &rec[HEADER_LEN + own.len()..];
         if crc32fast::hash(payload) != header.payload_crc {
             self.drop_damaged(key, &ext, "payload checksum failed");
             return Ok(Lookup::Damaged);

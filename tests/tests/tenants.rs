@@ -1,0 +1,116 @@
+//! Tenants end to end (docs/DEPLOY.md, "Tenants"): a real etcd, kv-mds and
+//! nodes given one credential table, and clients of the library holding
+//! one engine token each. A tenant's keys live in its own namespace at
+//! every node: another tenant (or the default one) sending the same key
+//! bytes reads, finds, overwrites and deletes nothing of it, by single or
+//! batch calls, whatever prefix it puts in front.
+
+use std::time::Duration;
+
+use kv_common::page::Geometry;
+use kv_common::status::Status;
+use kv_e2e::cluster::{wait_until, Etcd, Mds};
+use kv_e2e::Node;
+use kvclient::{BlockingClient, Options};
+
+fn geo() -> Geometry {
+    Geometry { model_hash: 21, page_size: 16, dtype_tag: 1, tp_size: 1, ..Geometry::default() }
+}
+
+fn write(dir: &std::path::Path, name: &str, text: &str) -> String {
+    use std::os::unix::fs::PermissionsExt;
+    let p = dir.join(name);
+    std::fs::write(&p, text).unwrap();
+    std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o600)).unwrap();
+    p.to_str().unwrap().to_string()
+}
+
+fn page(seed: u8) -> Vec<u8> {
+    (0..12_288).map(|i| (i as u8).wrapping_mul(seed) ^ seed).collect()
+}
+
+#[test]
+fn two_tenants_sending_the_same_keys_never_touch_each_others_pages() {
+    let t = tempfile::tempdir().unwrap();
+    let table = write(
+        t.path(),
+        "group.tokens",
+        "a-token role=engine tenant=team-a\n\
+         b-token role=engine tenant=team-b\n\
+         d-token role=engine\n\
+         nodes   role=node\n",
+    );
+    let etcd = Etcd::start(t.path().to_path_buf());
+    let mds = Mds::start_with("127.0.0.1:0", &etcd.endpoint(), "3s", &["--group-token-file", &format!("g={table}")]);
+    let nodes: Vec<Node> = (1..=3)
+        .map(|i| {
+            let id = format!("n{i}");
+            let d = t.path().join(&id);
+            let args = ["--no-sync", "--auth-token-file", table.as_str()];
+            Node::member("kv-server", "127.0.0.1:0", d.to_str().unwrap(), &mds.addr, "g", &id, &args)
+        })
+        .collect();
+    let client = |token: &str| {
+        let f = write(t.path(), &format!("{token}.file"), token);
+        let o = Options::parse(&format!("auth_token_file={f},io_timeout_ms=3000,connect_timeout_ms=1000")).unwrap();
+        let c = BlockingClient::new(Vec::new(), geo(), o).unwrap();
+        assert!(c.start_discovery(vec![mds.addr.clone()], "g".into(), Duration::from_millis(500)).unwrap().is_ok());
+        wait_until(Duration::from_secs(20), "the client to route to 3 nodes", || {
+            (c.core.topology().nodes.len() == nodes.len()).then_some(())
+        });
+        c
+    };
+    let (a, b, d) = (client("a-token"), client("b-token"), client("d-token"));
+    let keys: Vec<Vec<u8>> = (0..12).map(|i| format!("shared-prefix/block-{i}").into_bytes()).collect();
+    let refs: Vec<&[u8]> = keys.iter().map(|k| &k[..]).collect();
+    let get = |c: &BlockingClient, k: &[u8]| {
+        let mut buf = vec![0u8; 12_288];
+        c.getv(k, &mut [&mut buf[..]]).map(|n| buf[..n].to_vec())
+    };
+
+    // Tenant A writes; B and the default tenant find none of it.
+    for k in &keys {
+        assert_eq!(a.putv(k, &[&page(1)]), Status::Ok);
+    }
+    for other in [&b, &d] {
+        assert!(other.batch_exist(&refs).iter().all(|s| *s == Status::Miss));
+        assert_eq!(other.exist(&keys[0]), Status::Miss);
+        assert_eq!(get(other, &keys[0]), Err((Status::Miss, 0)));
+        let mut bufs: Vec<Vec<u8>> = keys.iter().map(|_| vec![0u8; 12_288]).collect();
+        let mut items: Vec<(&[u8], Vec<&mut [u8]>)> =
+            keys.iter().zip(bufs.iter_mut()).map(|(k, b)| (&k[..], vec![&mut b[..]])).collect();
+        assert!(other.batch_getv(&mut items).iter().all(|r| r.0 == Status::Miss));
+        // Deleting the same names deletes nothing of A's.
+        assert_eq!(other.delete(&keys[0]), Status::Miss);
+        assert!(other.batch_delete(&refs[1..4]).iter().all(|s| *s == Status::Miss));
+    }
+    // B and the default tenant write the same names: their own pages, not
+    // duplicates of A's.
+    for k in &keys {
+        assert_eq!(b.putv(k, &[&page(2)]), Status::Ok);
+    }
+    let p3 = page(3);
+    let d_items: Vec<(&[u8], Vec<&[u8]>)> = refs.iter().map(|k| (*k, vec![&p3[..]])).collect();
+    assert!(d.batch_putv(&d_items).iter().all(|s| *s == Status::Ok));
+    for k in &keys {
+        assert_eq!(get(&a, k).unwrap(), page(1), "A reads its own page");
+        assert_eq!(get(&b, k).unwrap(), page(2), "B reads its own page");
+        assert_eq!(get(&d, k).unwrap(), page(3), "the default tenant reads its own page");
+    }
+    // B deletes its pages: A's and the default tenant's stay.
+    assert!(b.batch_delete(&refs).iter().all(|s| *s == Status::Ok));
+    assert!(b.batch_exist(&refs).iter().all(|s| *s == Status::Miss));
+    assert!(a.batch_exist(&refs).iter().all(|s| *s == Status::Ok));
+    assert!(d.batch_exist(&refs).iter().all(|s| *s == Status::Ok));
+    assert_eq!(get(&a, &keys[5]).unwrap(), page(1));
+    // Each node holds three namespaces' worth at most: 12 keys for A and
+    // 12 for the default tenant, 0 for B now.
+    let objects: u64 = nodes
+        .iter()
+        .map(|n| {
+            let tok = kv_common::auth::Token::new(b"nodes").unwrap();
+            kvclient::Conn::connect_with(&n.addr, Duration::from_secs(2), Some(&tok)).unwrap().stats().unwrap().objects
+        })
+        .sum();
+    assert_eq!(objects, 24);
+}
