@@ -124,6 +124,11 @@ pub struct NodeStats {
     /// started, at most 65,536 tracked; evicted and deleted ones not).
     #[serde(default)]
     pub hot_copies_held: u64,
+    /// Each tenant's holding at this node (docs/DEPLOY.md, "Tenants"):
+    /// at most [`MAX_TENANTS_SHOWN`], the largest by bytes, the rest summed
+    /// under the name `other`.
+    #[serde(default)]
+    pub tenants: Vec<TenantStats>,
     /// Pages this node pushed to their new owners while draining, their
     /// record bytes, and pushes refused or failed.
     #[serde(default)]
@@ -413,4 +418,21 @@ mod tests {
         );
         assert_eq!(sum.op("get").map(|w| (w.count, w.buckets[0].1)), Some((30, 30)));
     }
+}
+
+/// Most tenants a node's statistics and `/metrics` name one by one.
+pub const MAX_TENANTS_SHOWN: usize = 64;
+
+/// What one tenant holds at a node.
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
+pub struct TenantStats {
+    /// Its name from the node's credential table; `default` for the
+    /// default tenant; `id-XXXXXXXX` for an id the table no longer names;
+    /// `other` for those past [`MAX_TENANTS_SHOWN`].
+    pub tenant: String,
+    /// Bytes of its records on disk (extents), and its records.
+    pub bytes: u64,
+    pub objects: u64,
+    /// Its records evicted for room since the disks opened.
+    pub evictions: u64,
 }

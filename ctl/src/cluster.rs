@@ -158,7 +158,48 @@ fn tiers(s: &NodeStats) -> (f64, f64) {
 }
 
 /// Exit 0 when every member answered, 1 when some did not.
-pub fn stat_all(group: &str, epoch: Option<u64>, members: &[MemberRecord], timeout: Duration, json: bool) -> u8 {
+/// Each node's tenants (bytes, records, evictions), then, with `total`, each
+/// tenant over the nodes.
+pub fn print_tenants(nodes: &[(String, Vec<kv_common::stats::TenantStats>)], total: bool) {
+    let mut t = table(&["NODE", "TENANT", "BYTES", "OBJECTS", "EVICTED"], 2);
+    let mut sums: std::collections::BTreeMap<String, kv_common::stats::TenantStats> = Default::default();
+    for (node, tenants) in nodes {
+        for s in tenants {
+            t.add_row(vec![
+                node.clone(),
+                s.tenant.clone(),
+                format_size(s.bytes),
+                s.objects.to_string(),
+                s.evictions.to_string(),
+            ]);
+            let sum = sums.entry(s.tenant.clone()).or_default();
+            sum.bytes += s.bytes;
+            sum.objects += s.objects;
+            sum.evictions += s.evictions;
+        }
+    }
+    if total {
+        for (name, s) in &sums {
+            t.add_row(vec![
+                "TOTAL".into(),
+                name.clone(),
+                format_size(s.bytes),
+                s.objects.to_string(),
+                s.evictions.to_string(),
+            ]);
+        }
+    }
+    println!("{t}");
+}
+
+pub fn stat_all(
+    group: &str,
+    epoch: Option<u64>,
+    members: &[MemberRecord],
+    timeout: Duration,
+    json: bool,
+    tenants: bool,
+) -> u8 {
     let stats = gather(members, timeout);
     let mut total = NodeStats::default();
     let mut down = 0;
@@ -289,6 +330,14 @@ pub fn stat_all(group: &str, epoch: Option<u64>, members: &[MemberRecord], timeo
     }
     if total.mem_capacity_bytes > 0 {
         println!("{}", warm_line(&total));
+    }
+    if tenants {
+        let nodes: Vec<(String, Vec<kv_common::stats::TenantStats>)> = members
+            .iter()
+            .zip(&stats)
+            .filter_map(|(m, s)| s.as_ref().ok().map(|s| (m.id.clone(), s.tenants.clone())))
+            .collect();
+        print_tenants(&nodes, true);
     }
     u8::from(down > 0)
 }

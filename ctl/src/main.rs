@@ -131,6 +131,9 @@ enum Cmd {
         /// Member list instead of --mds (with --all; else KVCELLAR_MEMBERS).
         #[arg(long, requires = "all", conflicts_with = "mds")]
         members: Option<String>,
+        /// Also each tenant's bytes, records and evictions, per node (and, with --all, in total).
+        #[arg(long)]
+        tenants: bool,
     },
     /// A group's view from kv-mds: epoch, placement rule, then each member's weight, vnodes and share of keys.
     Ring {
@@ -390,7 +393,7 @@ fn run(cli: &Cli) -> Result<u8, String> {
             let view = cluster::fetch_view(&mds, &group, Duration::from_millis(cli.timeout_ms))?;
             cluster::ring(&view, cli.json)
         }
-        Cmd::Stat { all: true, mds, group, members, .. } => {
+        Cmd::Stat { all: true, mds, group, members, tenants, .. } => {
             let timeout = Duration::from_millis(cli.timeout_ms);
             let cluster = target::resolve(members.as_deref(), None, mds.as_deref(), group.as_deref())
                 .map_err(|e| format!("stat --all: {e}"))?;
@@ -402,9 +405,9 @@ fn run(cli: &Cli) -> Result<u8, String> {
                 }
                 target::Cluster::Members(m) => (None, cluster::member_records(&m)?),
             };
-            Ok(cluster::stat_all(&group, epoch, &list, timeout, cli.json))
+            Ok(cluster::stat_all(&group, epoch, &list, timeout, cli.json, *tenants))
         }
-        Cmd::Stat { addr, .. } => {
+        Cmd::Stat { addr, tenants, .. } => {
             let addr = addr.as_deref().ok_or("give a node address or --all")?;
             let mut c = connect(cli, addr)?;
             let s = c.stats().map_err(|e| e.to_string())?;
@@ -460,6 +463,9 @@ fn run(cli: &Cli) -> Result<u8, String> {
                     d.dir,
                     d.failure.as_ref().map(|f| format!("  ({f})")).unwrap_or_default()
                 );
+            }
+            if *tenants {
+                cluster::print_tenants(&[(addr.to_string(), s.tenants.clone())], false);
             }
             Ok(0)
         }

@@ -202,6 +202,24 @@ impl Collector for StatsCollector {
             MetricType::Counter,
             s.disks.iter().map(|d| ([("disk", d.id.clone()), ("dir", d.dir.clone())], ConstCounter::new(d.evictions))),
         )?;
+        let per_tenant = |f: fn(&kv_common::stats::TenantStats) -> u64| {
+            s.tenants.iter().map(move |t| ([("tenant", t.tenant.clone())], ConstGauge::new(f(t))))
+        };
+        family(
+            &mut e,
+            "tenant_bytes",
+            "Bytes of records on disk, per tenant",
+            MetricType::Gauge,
+            per_tenant(|t| t.bytes),
+        )?;
+        family(&mut e, "tenant_objects", "Records on disk, per tenant", MetricType::Gauge, per_tenant(|t| t.objects))?;
+        family(
+            &mut e,
+            "tenant_evictions",
+            "A tenant's records evicted for room since the disks opened",
+            MetricType::Counter,
+            s.tenants.iter().map(|t| ([("tenant", t.tenant.clone())], ConstCounter::new(t.evictions))),
+        )?;
         gauge(&mut e, "failed_disks", "Disks out of service", s.failed_disks)?;
         gauge(
             &mut e,

@@ -210,6 +210,43 @@ impl Shared {
         self.snapshot.get(|| self.gather())
     }
 
+    /// Each tenant's holding, named from the credential table in use: the
+    /// largest [`kv_common::stats::MAX_TENANTS_SHOWN`] by bytes one by one,
+    /// the rest summed as `other` (logged once: the table names more
+    /// tenants than a node shows).
+    fn tenant_stats(&self) -> Vec<kv_common::stats::TenantStats> {
+        use kv_common::stats::{TenantStats, MAX_TENANTS_SHOWN};
+        let names: std::collections::HashMap<u32, String> = match &self.token {
+            Some(t) => t.get().entries().iter().filter_map(|c| c.tenant.clone().map(|n| (c.tenant_id(), n))).collect(),
+            None => Default::default(),
+        };
+        let mut all: Vec<(u32, crate::store::disk::TenantUse)> = self.store.tenants().into_iter().collect();
+        all.sort_by(|a, b| b.1.bytes.cmp(&a.1.bytes).then(a.0.cmp(&b.0)));
+        let name = |id: u32| match id {
+            crate::tenant::DEFAULT => "default".to_string(),
+            id => names.get(&id).cloned().unwrap_or_else(|| format!("id-{id:08x}")),
+        };
+        let stat = |tenant: String, u: &crate::store::disk::TenantUse| TenantStats {
+            tenant,
+            bytes: u.bytes,
+            objects: u.objects,
+            evictions: u.evictions,
+        };
+        let mut out: Vec<TenantStats> = all.iter().take(MAX_TENANTS_SHOWN).map(|(id, u)| stat(name(*id), u)).collect();
+        if all.len() > MAX_TENANTS_SHOWN {
+            static WARNED: std::sync::Once = std::sync::Once::new();
+            WARNED.call_once(|| {
+                tracing::warn!(tenants = all.len(), shown = MAX_TENANTS_SHOWN, "more tenants hold pages here than the statistics name one by one: the smallest are summed as `other`");
+            });
+            let mut rest = crate::store::disk::TenantUse::default();
+            for (_, u) in &all[MAX_TENANTS_SHOWN..] {
+                rest.add(u);
+            }
+            out.push(stat("other".into(), &rest));
+        }
+        out
+    }
+
     fn gather(&self) -> NodeStats {
         let mut s = self.store.stats();
         s.connections = self.connections.load(Ordering::Relaxed);
@@ -243,6 +280,7 @@ impl Shared {
         s.hot_threshold = heat.threshold;
         s.hot_fills = h.fills.load(Ordering::Relaxed);
         s.hot_copies_held = h.copies_held(|k| self.store.record_size(k).is_some());
+        s.tenants = self.tenant_stats();
         s
     }
 }

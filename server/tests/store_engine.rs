@@ -1353,6 +1353,11 @@ fn tenants_keep_the_same_key_apart_across_restarts() {
         assert_eq!(served(&s, 7).unwrap(), page("seven"), "crash {crash}");
         assert!(served(&s, 8).is_none(), "crash {crash}: the delete holds");
         assert_eq!(s.stats().objects, 2, "crash {crash}");
+        let held = s.tenants();
+        assert_eq!(held.get(&0).map(|u| u.objects), Some(1), "crash {crash}: rebuilt from the journal");
+        assert_eq!(held.get(&7).map(|u| u.objects), Some(1), "crash {crash}");
+        assert_eq!(held.get(&8).map_or(0, |u| u.objects), 0, "crash {crash}");
+        assert_eq!(held[&7].bytes, held[&0].bytes, "crash {crash}: the same record size");
         for (tenant, _) in [(0, ()), (7, ())] {
             assert!(s.delete(&ns_key(tenant, b"same-key")));
         }
@@ -1363,4 +1368,14 @@ fn tenants_keep_the_same_key_apart_across_restarts() {
     let r = s.put_in(s.pool().copy_of(&build_record(geo(), &long, b"x")), 7);
     assert!(matches!(r, Err(StoreError::TenantKey(ref m)) if m.contains("at most 1016")), "{r:?}");
     assert_eq!(s.put(s.pool().copy_of(&build_record(geo(), &long, b"x"))).unwrap(), PutOutcome::Stored);
+    // A tenant that fills the disks is charged its own evictions.
+    for i in 0..40 {
+        let k = format!("flood-{i}");
+        s.put_in(s.pool().copy_of(&build_record(geo(), k.as_bytes(), &payload(&k, 1 << 20))), 9).unwrap();
+    }
+    let held = s.tenants();
+    assert!(held[&9].evictions > 0, "{held:?}");
+    assert_eq!(held.get(&7).map_or(0, |u| u.evictions), 0);
+    let total: u64 = held.values().map(|u| u.bytes).sum();
+    assert!(total <= 16 << 20 && total == s.stats().used_bytes, "{total} {held:?}");
 }

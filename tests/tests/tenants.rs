@@ -103,14 +103,45 @@ fn two_tenants_sending_the_same_keys_never_touch_each_others_pages() {
     assert!(a.batch_exist(&refs).iter().all(|s| *s == Status::Ok));
     assert!(d.batch_exist(&refs).iter().all(|s| *s == Status::Ok));
     assert_eq!(get(&a, &keys[5]).unwrap(), page(1));
-    // Each node holds three namespaces' worth at most: 12 keys for A and
-    // 12 for the default tenant, 0 for B now.
-    let objects: u64 = nodes
-        .iter()
-        .map(|n| {
-            let tok = kv_common::auth::Token::new(b"nodes").unwrap();
-            kvclient::Conn::connect_with(&n.addr, Duration::from_secs(2), Some(&tok)).unwrap().stats().unwrap().objects
+    // The nodes count what each tenant holds: 12 pages of A's, 12 of the
+    // default tenant's, none of B's now (its 12 deletes were no evictions).
+    let stats = |addr: &str| {
+        let tok = kv_common::auth::Token::new(b"nodes").unwrap();
+        kvclient::Conn::connect_with(addr, Duration::from_secs(2), Some(&tok)).unwrap().stats().unwrap()
+    };
+    let held = |name: &str| -> (u64, u64) {
+        nodes.iter().flat_map(|n| stats(&n.addr).tenants).filter(|t| t.tenant == name).fold((0, 0), |a, t| {
+            assert_eq!(t.evictions, 0, "{name}: nothing was evicted");
+            (a.0 + t.objects, a.1 + t.bytes)
         })
-        .sum();
-    assert_eq!(objects, 24);
+    };
+    assert_eq!(held("team-a").0, 12);
+    assert_eq!(held("default").0, 12);
+    assert_eq!(held("team-b").0, 0);
+    assert_eq!(nodes.iter().map(|n| stats(&n.addr).objects).sum::<u64>(), 24);
+    // kvctl shows them per node and in total.
+    let nodes_token = write(t.path(), "nodes.file", "nodes");
+    let args = ["--auth-token-file", &nodes_token, "stat", "--all", "--mds", &mds.addr, "--group", "g", "--tenants"];
+    let (code, out, err) = kv_e2e::run("kvctl", &args);
+    assert_eq!(code, 0, "{out}{err}");
+    assert!(out.contains("TENANT") && out.contains("team-a") && out.contains("TOTAL"), "{out}");
+
+    // A restart rebuilds each tenant's holding exactly, from the journal.
+    let mut nodes = nodes;
+    let before: Vec<_> = stats(&nodes[0].addr).tenants;
+    let old = nodes.remove(0);
+    old.signal(libc::SIGTERM);
+    assert!(old.wait_exit(Duration::from_secs(30)).success());
+    let d = t.path().join("n1");
+    let args = ["--no-sync", "--auth-token-file", table.as_str()];
+    let again = Node::member("kv-server", "127.0.0.1:0", d.to_str().unwrap(), &mds.addr, "g", "n1", &args);
+    let after: Vec<_> = stats(&again.addr).tenants;
+    let sized = |v: &[kv_common::stats::TenantStats]| {
+        let mut v: Vec<(String, u64, u64)> =
+            v.iter().filter(|t| t.objects > 0).map(|t| (t.tenant.clone(), t.bytes, t.objects)).collect();
+        v.sort();
+        v
+    };
+    assert_eq!(sized(&after), sized(&before), "per-tenant bytes and records after a restart");
+    assert!(sized(&before).iter().any(|t| t.0 == "team-a"), "{before:?}");
 }

@@ -26,6 +26,19 @@ pub(super) struct Counters {
 }
 
 impl Store {
+    /// What each tenant holds on the disks in service, summed over them, by
+    /// tenant id (crate::tenant): records' extent bytes, records, and their
+    /// evictions since the disks opened.
+    pub fn tenants(&self) -> std::collections::BTreeMap<u32, super::disk::TenantUse> {
+        let mut out: std::collections::BTreeMap<u32, super::disk::TenantUse> = Default::default();
+        for d in self.view().live() {
+            for (t, u) in d.tenant_use() {
+                out.entry(t).or_default().add(&u);
+            }
+        }
+        out
+    }
+
     pub fn stats(&self) -> NodeStats {
         let v = self.view();
         let disks: Vec<_> = v

@@ -139,13 +139,36 @@ pub fn use_tick() -> u64 {
 /// A live record as a checkpoint copies it: key, header, offset, extent length.
 type LiveRecord = (Arc<[u8]>, [u8; HEADER_LEN], u64, u64);
 
+/// What one tenant holds on a disk, and its records evicted there
+/// (crate::tenant; the default tenant is id 0).
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct TenantUse {
+    /// Bytes of its records' extents, and the records.
+    pub bytes: u64,
+    pub objects: u64,
+    /// Its records evicted for room since the disk opened.
+    pub evictions: u64,
+}
+
+impl TenantUse {
+    pub fn add(&mut self, o: &TenantUse) {
+        self.bytes += o.bytes;
+        self.objects += o.objects;
+        self.evictions += o.evictions;
+    }
+}
+
 struct State {
+    /// Entries go in and out through [`State::enter`], [`State::remove`],
+    /// [`State::evict_lru`] and [`State::clear`], which keep `tenants`.
     index: LruCache<Arc<[u8]>, Entry>,
     alloc: Allocator,
     /// Bytes of allocated extents, pinned-but-evicted ones included.
     used: u64,
     /// The stamp the next record entered gets.
     next_stamp: u64,
+    /// What each tenant holds in `index`, by tenant id.
+    tenants: std::collections::HashMap<u32, TenantUse>,
 }
 
 impl State {
@@ -153,6 +176,57 @@ impl State {
         let s = self.next_stamp;
         self.next_stamp += 1;
         s
+    }
+
+    /// Each tenant's holding, counted from the index (at open).
+    fn tally(index: &LruCache<Arc<[u8]>, Entry>) -> std::collections::HashMap<u32, TenantUse> {
+        let mut t: std::collections::HashMap<u32, TenantUse> = std::collections::HashMap::new();
+        for (k, e) in index.iter() {
+            let u = t.entry(crate::tenant::split(k).0).or_default();
+            u.bytes += e.ext.len;
+            u.objects += 1;
+        }
+        t
+    }
+
+    fn enter(&mut self, key: Arc<[u8]>, e: Entry) {
+        let tenant = crate::tenant::split(&key).0;
+        let len = e.ext.len;
+        if let Some(old) = self.index.put(key, e) {
+            self.left(tenant, &old);
+        }
+        let u = self.tenants.entry(tenant).or_default();
+        u.bytes += len;
+        u.objects += 1;
+    }
+
+    fn left(&mut self, tenant: u32, e: &Entry) {
+        if let Some(u) = self.tenants.get_mut(&tenant) {
+            u.bytes = u.bytes.saturating_sub(e.ext.len);
+            u.objects = u.objects.saturating_sub(1);
+        }
+    }
+
+    fn remove(&mut self, key: &[u8]) -> Option<Entry> {
+        let e = self.index.pop(key)?;
+        self.left(crate::tenant::split(key).0, &e);
+        Some(e)
+    }
+
+    fn evict_lru(&mut self) -> Option<(Arc<[u8]>, Entry)> {
+        let (k, e) = self.index.pop_lru()?;
+        let tenant = crate::tenant::split(&k).0;
+        self.left(tenant, &e);
+        self.tenants.entry(tenant).or_default().evictions += 1;
+        Some((k, e))
+    }
+
+    fn clear(&mut self) {
+        self.index.clear();
+        for u in self.tenants.values_mut() {
+            u.bytes = 0;
+            u.objects = 0;
+        }
     }
 }
 
@@ -365,6 +439,7 @@ impl Disk {
             cap: limit,
             dev,
             state: Mutex::new(State {
+                tenants: State::tally(&index),
                 index,
                 alloc,
                 used,
@@ -477,7 +552,7 @@ impl Disk {
     /// reads are applied). False when the index is empty.
     fn evict_one(&self, st: &mut State) -> bool {
         self.apply_touched(st);
-        let Some((key, entry)) = st.index.pop_lru() else {
+        let Some((key, entry)) = st.evict_lru() else {
             return false;
         };
         self.evictions.fetch_add(1, Ordering::Relaxed);
@@ -495,7 +570,7 @@ impl Disk {
         if self.is_failed() {
             let mut st = lock(&self.state);
             if !st.index.is_empty() {
-                st.index.clear();
+                st.clear();
                 self.drain_released(&mut st);
             }
             lock(&self.touched).clear();
@@ -583,6 +658,13 @@ impl Disk {
         }
         std::fs::write(self.dir.join(CLEAN_FILE), b"clean\n")?;
         journal::sync_dir(&self.dir)
+    }
+
+    /// What each tenant holds on this disk now (none on a failed one),
+    /// and its evictions here.
+    pub fn tenant_use(&self) -> Vec<(u32, TenantUse)> {
+        let st = lock(&self.state);
+        st.tenants.iter().map(|(t, u)| (*t, *u)).collect()
     }
 
     pub fn stats(&self) -> DiskStats {

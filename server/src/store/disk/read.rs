@@ -70,7 +70,7 @@ impl Disk {
         let mut st = lock(&self.state);
         let same = st.index.peek(key).is_some_and(|e| Arc::ptr_eq(&e.ext, ext));
         if same {
-            st.index.pop(key);
+            st.remove(key);
             self.corrupt_dropped.fetch_add(1, Ordering::Relaxed);
             tracing::warn!(disk = %self.id, key = %String::from_utf8_lossy(key), why, "damaged record dropped");
             if let Err(e) = self.journal_append(journal::Entry::Del { key }) {
@@ -184,7 +184,7 @@ impl Disk {
                 return false;
             }
         }
-        let Some(entry) = st.index.pop(key) else {
+        let Some(entry) = st.remove(key) else {
             return false;
         };
         if let Err(e) = self.journal_append(journal::Entry::Del { key }) {

@@ -228,7 +228,7 @@ impl Disk {
         }
         self.appends_since_sync.fetch_add(1, Ordering::Relaxed);
         let stamp = st.stamp();
-        st.index.put(key.into(), Entry { ext, header: *header, header_bytes, used: use_tick(), stamp });
+        st.enter(key.into(), Entry { ext, header: *header, header_bytes, used: use_tick(), stamp });
         drop(st);
         Ok(PutResult::Stored(stamp))
     }
@@ -338,7 +338,7 @@ impl Disk {
         for (i, ext, header_bytes) in placed {
             let (_, key, header) = items[i];
             let stamp = st.stamp();
-            st.index.put(key.into(), Entry { ext, header: *header, header_bytes, used: use_tick(), stamp });
+            st.enter(key.into(), Entry { ext, header: *header, header_bytes, used: use_tick(), stamp });
             out[i] = Ok(PutResult::Stored(stamp));
         }
         drop(st);
