@@ -55,7 +55,8 @@ pub(crate) struct ReadRoute {
     pub(crate) owner: usize,
     /// For a hot key, the node of its spread to ask first (None: the owner).
     pub(crate) copy: Option<usize>,
-    /// The spread a hot key is read with, told to its owner (0: not hot).
+    /// The spread a hot key's read at its owner stands for, told to the
+    /// owner: the key's spread on the owner's own turn, else 0 (one read).
     pub(crate) weight: u8,
 }
 
@@ -224,8 +225,11 @@ impl Client {
         if let Some((spread, turn)) = hot {
             let n = usize::from(spread).min(topo.nodes.len());
             if n >= 2 {
-                let weight = n as u8;
                 let mut pick = turn as usize % n;
+                // Only the owner's own turn stands for the n reads of a
+                // round; a read it takes for a copy (the copy skipped, or
+                // a fallback after a copy's miss) is one read.
+                let weight = if pick == 0 { n as u8 } else { 0 };
                 if pick == 0 && node.cooling() {
                     pick = 1;
                 }
@@ -234,7 +238,7 @@ impl Client {
                 if let Some(m) = picked {
                     let c = &topo.nodes[m];
                     if !c.cooling() && !c.handoff_skipped() {
-                        return Ok(ReadRoute { owner, copy: Some(m), weight });
+                        return Ok(ReadRoute { owner, copy: Some(m), weight: 0 });
                     }
                 }
                 if !node.cooling() {

@@ -335,8 +335,10 @@ impl<'c> Handoff<'c> {
     /// reached: a previous owner must be reached (a handoff ask would find
     /// its page); a node that holds at most a hot key's copy need not (a
     /// dead node must not fail every delete; the copy it may keep is the
-    /// key's own bytes, docs/ARCHITECTURE.md "Hot keys"). Nodes skipped
-    /// for asks are named too.
+    /// key's own bytes, docs/ARCHITECTURE.md "Hot keys"). Previous owners
+    /// skipped for asks are named too; a node that may hold only a copy is
+    /// left out while it cools down or is skipped (it failed lately: a
+    /// delete does not wait a timeout on it).
     pub(crate) fn holders(&self, topo: &Topology, key: &[u8], owner: &Node, spread: bool) -> Vec<Holder> {
         let now = Instant::now();
         let mut out: Vec<Holder> = Vec::new();
@@ -361,6 +363,7 @@ impl<'c> Handoff<'c> {
                 add(&p.nodes[i], p.until, rank == 0);
             }
         }
+        out.retain(|(n, _, must)| *must || !(n.cooling() || n.handoff_skipped()));
         out
     }
 

@@ -16,7 +16,7 @@
 //! the page, and every copy read is checked as any page is.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU16, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU16, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -28,6 +28,12 @@ pub const MAX_HOT_KEYS: usize = 4096;
 
 /// How long a key stays hot for this handle after its owner last marked it.
 pub const HOT_TTL: Duration = Duration::from_secs(5);
+
+/// How often, at most, the keys past their hold are dropped all at once
+/// (while any are held): a key no longer read leaves within this after
+/// its hold, so a handle whose keys all cooled is back to one relaxed
+/// load a read and its batches to no routing per item.
+const SWEEP_EVERY: Duration = Duration::from_secs(1);
 
 struct Entry {
     spread: u8,
@@ -47,6 +53,9 @@ pub(crate) struct HotKeys {
     /// nearly every cold key while a few are hot, takes no lock.
     slots: Box<[AtomicU16]>,
     counters: Arc<HotCounters>,
+    /// When the next sweep of expired keys is due, in ns after `base`.
+    sweep_at: AtomicU64,
+    base: Instant,
 }
 
 /// Slots of [`HotKeys::slots`] (32 KiB a handle).
@@ -63,6 +72,40 @@ impl HotKeys {
             len: AtomicUsize::new(0),
             slots: (0..FILTER_SLOTS).map(|_| AtomicU16::new(0)).collect(),
             counters,
+            sweep_at: AtomicU64::new(0),
+            base: Instant::now(),
+        }
+    }
+
+    /// Drops the keys past their hold, at most once per [`SWEEP_EVERY`]
+    /// (callers only while some key is held).
+    fn sweep_if_due(&self, now: Instant) {
+        let at = self.sweep_at.load(Ordering::Relaxed);
+        let since = now.saturating_duration_since(self.base).as_nanos() as u64;
+        if since < at {
+            return;
+        }
+        let next = since + SWEEP_EVERY.as_nanos() as u64;
+        // One caller sweeps; the others go on.
+        if self.sweep_at.compare_exchange(at, next, Ordering::Relaxed, Ordering::Relaxed).is_err() {
+            return;
+        }
+        let mut map = self.lock();
+        self.drop_expired(&mut map, now);
+    }
+
+    /// Under the map's lock: drops the keys past their hold.
+    fn drop_expired(&self, map: &mut HashMap<Box<[u8]>, Entry>, now: Instant) {
+        let before = map.len();
+        map.retain(|k, e| {
+            let keep = e.until > now;
+            if !keep {
+                self.count(k, false);
+            }
+            keep
+        });
+        if map.len() != before {
+            self.publish(map.len());
         }
     }
 
@@ -111,13 +154,7 @@ impl HotKeys {
             return;
         }
         if map.len() >= MAX_HOT_KEYS {
-            map.retain(|k, e| {
-                let keep = e.until > now;
-                if !keep {
-                    self.count(k, false);
-                }
-                keep
-            });
+            self.drop_expired(&mut map, now);
             if map.len() >= MAX_HOT_KEYS {
                 return;
             }
@@ -136,6 +173,7 @@ impl HotKeys {
             return None;
         }
         let now = Instant::now();
+        self.sweep_if_due(now);
         let mut map = self.lock();
         let e = map.get_mut(key)?;
         if e.until <= now {
@@ -149,8 +187,14 @@ impl HotKeys {
         Some((e.spread, t))
     }
 
-    /// Whether this handle holds any key hot (one relaxed load).
+    /// Whether this handle holds any key hot (one relaxed load when none
+    /// is; with some held, keys past their hold are dropped first, once a
+    /// second at most).
     pub(crate) fn any(&self) -> bool {
+        if self.len.load(Ordering::Relaxed) == 0 {
+            return false;
+        }
+        self.sweep_if_due(Instant::now());
         self.len.load(Ordering::Relaxed) > 0
     }
 
@@ -195,6 +239,12 @@ mod tests {
         assert_eq!(h.len.load(Ordering::Relaxed), 1);
         let held: u32 = h.slots.iter().map(|s| u32::from(s.load(Ordering::Relaxed))).sum();
         assert_eq!(held, 1, "the slots count the keys held");
+        // A key never read again leaves by the sweep, not by its own read.
+        h.lock().values_mut().for_each(|e| e.until = Instant::now());
+        h.sweep_at.store(0, Ordering::Relaxed);
+        assert!(!h.any(), "every key past its hold: none held");
+        assert_eq!(h.counters.keys.load(Ordering::Relaxed), 0);
+        assert!(h.slots.iter().all(|s| s.load(Ordering::Relaxed) == 0));
     }
 
     /// The routing rule over a member list (no network): a hot key's reads
@@ -213,19 +263,33 @@ mod tests {
         let cold = c.read_route(&t, b"k").unwrap();
         assert_eq!((cold.owner, cold.copy, cold.weight), (owner, None, 0));
         c.note_hot(b"k", 3);
-        let seen: Vec<Option<usize>> = (0..6).map(|_| c.read_route(&t, b"k").unwrap().copy).collect();
-        let want = [Some(order[1]), Some(order[2]), None, Some(order[1]), Some(order[2]), None];
-        assert_eq!(seen, want, "the owner's successors, then the owner, in turn");
-        assert_eq!(c.read_route(&t, b"k").unwrap().weight, 3);
+        let seen: Vec<(Option<usize>, u8)> = (0..6)
+            .map(|_| {
+                let r = c.read_route(&t, b"k").unwrap();
+                (r.copy, r.weight)
+            })
+            .collect();
+        let (o1, o2) = (Some(order[1]), Some(order[2]));
+        let want = [(o1, 0), (o2, 0), (None, 3), (o1, 0), (o2, 0), (None, 3)];
+        assert_eq!(seen, want, "the owner's successors, then the owner told the spread, in turn");
         assert_eq!(c.read_route(&t, b"other").unwrap().copy, None, "other keys stay at their owners");
-        // A spread wider than the group is the group.
+        // A spread wider than the group is the group: the owner's turn
+        // comes every 5th read and stands for 5.
         c.note_hot(b"wide", 64);
-        assert_eq!(c.read_route(&t, b"wide").unwrap().weight, 5);
-        // A member cooling down: its turns go to the owner.
+        let weights: Vec<u8> = (0..5).map(|_| c.read_route(&t, b"wide").unwrap().weight).collect();
+        assert_eq!(weights, [0, 0, 0, 0, 5]);
+        // A member cooling down: its turns go to the owner, as one read
+        // each (the owner's own turn still stands for the spread).
         t.nodes[order[1]].mark_failed(std::time::Duration::from_secs(60));
-        let seen: Vec<Option<usize>> = (0..3).map(|_| c.read_route(&t, b"k").unwrap().copy).collect();
-        assert_eq!(seen.iter().filter(|s| **s == Some(order[1])).count(), 0, "{seen:?}");
-        assert!(seen.contains(&Some(order[2])));
+        let seen: Vec<(Option<usize>, u8)> = (0..3)
+            .map(|_| {
+                let r = c.read_route(&t, b"k").unwrap();
+                (r.copy, r.weight)
+            })
+            .collect();
+        assert_eq!(seen.iter().filter(|s| s.0 == Some(order[1])).count(), 0, "{seen:?}");
+        assert!(seen.contains(&(Some(order[2]), 0)));
+        assert!(seen.contains(&(None, 0)) && seen.contains(&(None, 3)), "{seen:?}");
         // Handoff off: nothing is noted or spread.
         let off = crate::Options { handoff: std::time::Duration::ZERO, ..Default::default() };
         let c = crate::Client::new(members, kv_common::page::Geometry::default(), off);
