@@ -173,7 +173,7 @@ impl Credentials {
         let text = std::str::from_utf8(text).map_err(|_| "not UTF-8 text".to_string())?;
         let mut entries: Vec<Credential> = Vec::new();
         for (n, line) in text.lines().enumerate() {
-            let line = line.split('#').next().unwrap_or("").trim();
+            let line = strip_comment(line).trim();
             if line.is_empty() {
                 continue;
             }
@@ -218,13 +218,12 @@ impl Credentials {
         &self.entries
     }
 
-    /// The token a node presents to kv-mds and to other nodes: the file's
-    /// one token when it holds one, else its node credential for `id` (one
-    /// that names `id`, else one that names no node), else an admin one.
+    /// The token a node presents to kv-mds and to other nodes: its node
+    /// credential for `id` (one that names `id`, else one that names no
+    /// node), else an admin one (a bare single token is one). Err names the
+    /// line to add: a node holding only an engine's token, or one bound to
+    /// another id, would be refused by kv-mds at every heartbeat.
     pub fn for_node(&self, id: Option<&str>) -> Result<Token, String> {
-        if let [only] = &self.entries[..] {
-            return Ok(only.token.clone());
-        }
         let named = |c: &&Credential| c.role == Role::Node && id.is_some() && c.node.as_deref() == id;
         let any_node = |c: &&Credential| c.role == Role::Node && c.node.is_none();
         let admin = |c: &&Credential| c.role == Role::Admin;
@@ -256,6 +255,16 @@ impl Credential {
     /// The id of the tenant it admits (0: the default tenant).
     pub fn tenant_id(&self) -> u32 {
         self.tenant.as_deref().map_or(0, tenant_id)
+    }
+}
+
+/// A table line without its comment: from a `#` that starts the line or
+/// follows whitespace (a `#` inside a token is the token's).
+fn strip_comment(line: &str) -> &str {
+    let b = line.as_bytes();
+    match (0..b.len()).find(|&i| b[i] == b'#' && (i == 0 || b[i - 1].is_ascii_whitespace())) {
+        Some(i) => &line[..i],
+        None => line,
     }
 }
 
@@ -481,6 +490,16 @@ mod tests {
         assert_eq!(c.for_node(None).unwrap().as_bytes(), b"any-node");
         let engines = Credentials::parse(b"e1 role=engine\ne2 role=engine tenant=t").unwrap();
         assert!(engines.for_node(Some("n1")).unwrap_err().contains("role=node node=n1"));
+        // A table of one line is checked as any: an engine's token or one
+        // bound to another node is no node's credential.
+        let one = Credentials::parse(b"e1 role=engine\n").unwrap();
+        assert!(one.for_node(Some("n1")).is_err());
+        let bound = Credentials::parse(b"n7 role=node node=n7\n").unwrap();
+        assert_eq!(bound.for_node(Some("n7")).unwrap().as_bytes(), b"n7");
+        assert!(bound.for_node(Some("n8")).unwrap_err().contains("node=n8"));
+        // A `#` inside a token is the token's; one after a space starts a comment.
+        let hashed = Credentials::parse(b"ab#cd role=engine #a comment\n#whole line\n").unwrap();
+        assert!(hashed.find(b"ab#cd").is_some() && hashed.entries().len() == 1);
         // The format before roles: one bare token, which may do everything.
         let bare = Credentials::parse(b"  s3cret\n").unwrap();
         assert_eq!(bare.find(b"s3cret").unwrap().role, Role::Admin);

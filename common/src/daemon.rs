@@ -95,6 +95,20 @@ pub fn reload_on_hangup<T: Send + Sync + 'static>(
     });
 }
 
+/// For a daemon with nothing to read again: SIGHUP logs so, one line each,
+/// instead of stopping the process (its default action), so a `reload`
+/// never stops a daemon that was started without token files. Needs a
+/// Tokio runtime (spawns a task).
+pub fn hangup_reads_nothing(why: &'static str) {
+    use tokio::signal::unix::{signal, SignalKind};
+    let Ok(mut hup) = signal(SignalKind::hangup()) else { return };
+    tokio::spawn(async move {
+        while hup.recv().await.is_some() {
+            tracing::info!("SIGHUP: nothing read again ({why})");
+        }
+    });
+}
+
 /// Says yes at most once per `every`: for a log line that a flood of the
 /// same event (refusals, denied tokens) must not repeat for each event.
 /// `const`, so it can be a `static` beside the code that logs.

@@ -157,7 +157,6 @@ fn tiers(s: &NodeStats) -> (f64, f64) {
     (mem, 100.0 * s.hits.saturating_sub(s.mem_hits) as f64 / gets as f64)
 }
 
-/// Exit 0 when every member answered, 1 when some did not.
 /// Each node's tenants (bytes, records, evictions), then, with `total`, each
 /// tenant over the nodes.
 pub fn print_tenants(nodes: &[(String, Vec<kv_common::stats::TenantStats>)], total: bool) {
@@ -192,6 +191,7 @@ pub fn print_tenants(nodes: &[(String, Vec<kv_common::stats::TenantStats>)], tot
     println!("{t}");
 }
 
+/// Exit 0 when every member answered, 1 when some did not.
 pub fn stat_all(
     group: &str,
     epoch: Option<u64>,

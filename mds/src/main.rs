@@ -236,6 +236,8 @@ fn run(
             kv_common::daemon::reload_on_hangup("auth token files", tokens.clone(), move || self::tokens(&again), |t| {
                 format!("{} group files, {} credentials for every group", t.groups.len(), t.all.as_ref().map_or(0, |c| c.entries().len()))
             });
+        } else {
+            kv_common::daemon::hangup_reads_nothing("no --auth-token-file or --group-token-file: every group is open");
         }
         let limits = kv_mds::http::Limits {
             max_conns: cli.max_conns,

@@ -112,12 +112,17 @@ impl Node {
         if let Some(w) = cfg.auth_token_file.as_deref().and_then(kv_common::auth::loose_permissions) {
             tracing::warn!("{w}");
         }
-        if let (Some(live), Some(path)) = (&shared.token, cfg.auth_token_file.clone()) {
+        {
             let _rt = rt.enter();
-            let read = move || kv_common::auth::Credentials::read(&path);
-            kv_common::daemon::reload_on_hangup("auth token file", live.clone(), read, |c| {
-                format!("{} credentials", c.entries().len())
-            });
+            match (&shared.token, cfg.auth_token_file.clone()) {
+                (Some(live), Some(path)) => {
+                    let read = move || kv_common::auth::Credentials::read(&path);
+                    kv_common::daemon::reload_on_hangup("auth token file", live.clone(), read, |c| {
+                        format!("{} credentials", c.entries().len())
+                    });
+                }
+                _ => kv_common::daemon::hangup_reads_nothing("no --auth-token-file: any client is served"),
+            }
         }
         let listener = {
             let _rt = rt.enter();
