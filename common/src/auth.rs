@@ -194,7 +194,7 @@ impl Credentials {
         // pages.
         let mut ids: BTreeMap<u32, &str> = BTreeMap::new();
         for name in entries.iter().filter_map(|e| e.tenant.as_deref()) {
-            if let Some(other) = ids.insert(tenant_id(name), name).filter(|o| *o != name) {
+            if let Some(other) = ids.insert(crate::quota::tenant_id_of(name), name).filter(|o| *o != name) {
                 return Err(format!("tenants {other:?} and {name:?} have the same id: rename one"));
             }
         }
@@ -252,9 +252,10 @@ pub fn tenant_id(name: &str) -> u32 {
 }
 
 impl Credential {
-    /// The id of the tenant it admits (0: the default tenant).
+    /// The id of the tenant it admits (0: the default tenant, also when
+    /// it is named `default`).
     pub fn tenant_id(&self) -> u32 {
-        self.tenant.as_deref().map_or(0, tenant_id)
+        self.tenant.as_deref().map_or(0, crate::quota::tenant_id_of)
     }
 }
 

@@ -5,7 +5,7 @@
 //! placement of §3 ([`ring`]), the data-plane wire frames ([`wire`], byte tables
 //! in docs/PROTOCOL.md), the status codes shared by the wire and the C ABI
 //! ([`status`]), the node statistics record ([`stats`]), size parsing
-//! ([`size`]) and auth tokens ([`auth`]). Encoders and decoders work on byte
+//! ([`size`]), auth tokens ([`auth`]) and tenants' quotas ([`quota`]). Encoders and decoders work on byte
 //! slices, so every part (and every fuzz target) uses the same checked code.
 //!
 //! Without the `daemon` feature two modules do I/O: [`mds`], the one small
@@ -30,6 +30,7 @@ pub mod io;
 pub mod listen;
 pub mod mds;
 pub mod page;
+pub mod quota;
 pub mod ring;
 pub mod size;
 pub mod stats;

@@ -435,4 +435,21 @@ pub struct TenantStats {
     pub objects: u64,
     /// Its records evicted for room since the disks opened.
     pub evictions: u64,
+    /// Of those, the ones evicted for another tenant's put: capacity it
+    /// borrowed beyond its quota taken back (without quotas, any other
+    /// tenant's put).
+    #[serde(default)]
+    pub evicted_for_others: u64,
+    /// Its share of the node in bytes (its quota); 0: none (it borrows
+    /// what others leave).
+    #[serde(default)]
+    pub quota: u64,
+    /// Its gets answered with a page, and as a miss, and its puts stored,
+    /// since the node started.
+    #[serde(default)]
+    pub hits: u64,
+    #[serde(default)]
+    pub misses: u64,
+    #[serde(default)]
+    pub puts: u64,
 }

@@ -171,7 +171,10 @@ pub fn mds_request(data: &[u8]) {
                 assert!(kv_common::mds::valid_name(group));
                 assert!(wait_ms <= kv_common::mds::MAX_WAIT_MS);
             }
-            Call::SetPlacement { group } => assert!(kv_common::mds::valid_name(group)),
+            Call::SetPlacement { group } | Call::Quotas { group } => assert!(kv_common::mds::valid_name(group)),
+            Call::SetQuota { group, tenant, .. } => {
+                assert!(kv_common::mds::valid_name(group) && kv_common::mds::valid_name(tenant));
+            }
             Call::Register { group, id } | Call::Heartbeat { group, id } | Call::Deregister { group, id, .. } => {
                 assert!(kv_common::mds::valid_name(group) && kv_common::mds::valid_name(id));
             }
@@ -182,6 +185,12 @@ pub fn mds_request(data: &[u8]) {
         assert!((1..=kv_common::ring::MAX_WEIGHT).contains(&r.weight));
     }
     let _ = kv_mds::http::parse_heartbeat(body);
+    // A quota, and a table of them, parse or give one line; a parsed one
+    // prints back to itself.
+    let text = String::from_utf8_lossy(body);
+    if let Ok(q) = kv_common::quota::Quotas::parse_list(&text) {
+        assert_eq!(kv_common::quota::Quotas::parse_list(&q.to_list()).as_ref().map(|p| p.0.len()), Ok(q.0.len()));
+    }
 }
 
 /// Configuration text: kv-server's TOML (then every check of its values),

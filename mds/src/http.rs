@@ -9,6 +9,9 @@
 //! |        |   [&rules=R][&delta=1][&min_epoch=M]      | (rules known; a change only;  |
 //! |        |                                           | a plain poll at least M)      |
 //! | PUT    | /v1/groups/{g}/placement                  | set the placement rule        |
+//! | GET    | /v1/groups/{g}/tenants                    | the tenants' quotas           |
+//! | PUT    | /v1/groups/{g}/tenants/{t}                | set a tenant's quota          |
+//! | DELETE | /v1/groups/{g}/tenants/{t}                | remove a tenant's quota       |
 //! | GET    | /healthz, /livez, /metrics                | probes                        |
 //! | GET    | /, /api/groups                            | the dashboard and its data    |
 //!
@@ -17,7 +20,7 @@
 //! `--group-token-file`); without one of them they get a 401, and a call
 //! the credential's role may not make gets a 403 (docs/PROTOCOL.md, "MDS
 //! API": engines read views, nodes also register, heartbeat and deregister,
-//! only an admin sets the placement rule). The probes need none.
+//! only an admin sets the placement rule or a quota). The probes need none.
 
 use std::convert::Infallible;
 use std::sync::atomic::Ordering;
@@ -101,6 +104,7 @@ fn reg_error(e: RegError) -> Reply {
         }
         RegError::NotRegistered(m) => error(StatusCode::NOT_FOUND, m),
         RegError::Taken(m) => error(StatusCode::CONFLICT, m),
+        RegError::Invalid(m) => error(StatusCode::UNPROCESSABLE_ENTITY, m),
     }
 }
 
@@ -340,6 +344,9 @@ fn forbidden_reason(grant: Grant<'_>, call: &Call<'_>) -> Option<String> {
     match *call {
         Call::SetPlacement { group } => (grant.role() != Role::Admin)
             .then(|| format!("changing group {group}'s placement rule needs an admin credential; this one is {role}")),
+        Call::SetQuota { group, tenant, .. } => (grant.role() != Role::Admin).then(|| {
+            format!("changing tenant {tenant}'s quota in group {group} needs an admin credential; this one is {role}")
+        }),
         Call::Register { group, id } | Call::Heartbeat { group, id } | Call::Deregister { group, id, .. } => {
             (!grant.may_act_for_node(id)).then(|| match grant {
                 Grant::As(c) if c.role == Role::Node => {
@@ -404,6 +411,8 @@ async fn handle(
         Call::Groups => return groups(mds, tokens, &req).await,
         Call::View { group, .. }
         | Call::SetPlacement { group }
+        | Call::Quotas { group }
+        | Call::SetQuota { group, .. }
         | Call::Register { group, .. }
         | Call::Heartbeat { group, .. }
         | Call::Deregister { group, .. } => *group,
@@ -419,6 +428,11 @@ async fn handle(
             view(mds, polls, group, ViewAsk { after, wait: wait_ms, rules, delta, min_epoch }).await
         }
         Call::SetPlacement { group } => set_placement(mds, group, req).await,
+        Call::Quotas { group } => match limited(Duration::ZERO, mds.reg.quotas(group)).await {
+            Ok((q, _)) => json(StatusCode::OK, &kv_common::mds::QuotasReply { quotas: q.to_strings() }),
+            Err(e) => reg_error(e),
+        },
+        Call::SetQuota { group, tenant, set } => set_quota(mds, group, tenant, set, req).await,
         Call::Register { group, id } => register(mds, group, id, req).await,
         Call::Heartbeat { group, id } => heartbeat(mds, group, id, req).await,
         Call::Deregister { group, id, instance } => deregister(mds, group, id, instance).await,
@@ -477,6 +491,15 @@ pub enum Call<'a> {
     SetPlacement {
         group: &'a str,
     },
+    Quotas {
+        group: &'a str,
+    },
+    /// `set`: PUT (a quota in the body); else DELETE.
+    SetQuota {
+        group: &'a str,
+        tenant: &'a str,
+        set: bool,
+    },
     Register {
         group: &'a str,
         id: &'a str,
@@ -530,6 +553,11 @@ pub fn parse_call<'a>(method: &str, path: &'a str, query: &'a str) -> Result<Cal
                     }
                 }
                 ("PUT", ["placement"]) => Ok(Call::SetPlacement { group }),
+                ("GET", ["tenants"]) => Ok(Call::Quotas { group }),
+                ("PUT" | "DELETE", ["tenants", tenant]) => {
+                    name_ok("tenant", tenant)?;
+                    Ok(Call::SetQuota { group, tenant, set: method == "PUT" })
+                }
                 ("POST", ["members", id]) => {
                     name_ok("node id", id)?;
                     Ok(Call::Register { group, id })
@@ -625,6 +653,28 @@ async fn set_placement(mds: &Mds, group: &str, req: Request<Incoming>) -> Reply 
             StatusCode::OK,
             &kv_common::mds::PlacementReply { placement: rule.name().to_string(), epoch: h.view.epoch },
         ),
+        Err(e) => reg_error(e),
+    }
+}
+
+async fn set_quota(mds: &Mds, group: &str, tenant: &str, set: bool, req: Request<Incoming>) -> Reply {
+    let quota = if set {
+        let body = match read_body(req).await {
+            Ok(b) => b,
+            Err(reply) => return reply,
+        };
+        match serde_json::from_slice::<kv_common::mds::QuotaRequest>(&body)
+            .map_err(|e| format!("body is not {{\"quota\": SHARE}}: {e}"))
+            .and_then(|r| kv_common::quota::Quota::parse(&r.quota))
+        {
+            Ok(q) => Some(q),
+            Err(m) => return error(StatusCode::BAD_REQUEST, m),
+        }
+    } else {
+        None
+    };
+    match limited(Duration::ZERO, mds.reg.set_quota(group, tenant, quota)).await {
+        Ok(q) => json(StatusCode::OK, &kv_common::mds::QuotasReply { quotas: q.to_strings() }),
         Err(e) => reg_error(e),
     }
 }

@@ -96,6 +96,9 @@ pub enum RegError {
     Taken(String),
     #[error("etcd did not answer within {0} ms")]
     Slow(u64),
+    /// The request (or what etcd holds for it) is wrong: one line why.
+    #[error("{0}")]
+    Invalid(String),
 }
 
 #[derive(Default)]
@@ -298,6 +301,10 @@ fn placement_in(group: &str, kvs: &[etcd_client::KeyValue]) -> Option<String> {
     let kv = kvs.iter().find(|kv| kv.key() == key.as_bytes())?;
     let name = String::from_utf8_lossy(kv.value()).trim().to_string();
     (name != kv_common::ring::Placement::Ketama.name()).then_some(name)
+}
+
+fn tenants_key(group: &str) -> String {
+    format!("{ETCD_ROOT}{group}/tenants")
 }
 
 fn current_key(group: &str) -> String {
@@ -774,6 +781,73 @@ impl Registry {
         }
         tracing::info!(group, placement = rule.name(), "placement rule set");
         self.view(group).await
+    }
+
+    /// The group's tenants' quotas (docs/DEPLOY.md, "Tenants"): one etcd
+    /// key, a JSON object of tenant name to share, outside the epoch's
+    /// digest (a quota changes no placement). A value that does not parse
+    /// (written by hand) is one clear error; nodes keep the quotas they had.
+    pub async fn quotas(&self, group: &str) -> Result<(kv_common::quota::Quotas, i64), RegError> {
+        let mut etcd = self.etcd.clone();
+        let got = etcd_call!(self, etcd.get(tenants_key(group), None).await)?;
+        let Some(kv) = got.kvs().first() else {
+            return Ok((Default::default(), 0));
+        };
+        let parsed = serde_json::from_slice::<std::collections::BTreeMap<String, String>>(kv.value())
+            .map_err(|e| e.to_string())
+            .and_then(|m| kv_common::quota::Quotas::from_strings(&m));
+        match parsed {
+            Ok(q) => Ok((q, kv.mod_revision())),
+            Err(e) => {
+                Err(RegError::Invalid(format!("group {group}'s quotas in etcd do not parse ({e}): set them again")))
+            }
+        }
+    }
+
+    /// Sets (`Some`) or removes (`None`) one tenant's quota, and returns
+    /// the group's quotas after it. The table is read, changed and written
+    /// back only if nobody changed it meanwhile (retried a few times).
+    pub async fn set_quota(
+        &self,
+        group: &str,
+        tenant: &str,
+        quota: Option<kv_common::quota::Quota>,
+    ) -> Result<kv_common::quota::Quotas, RegError> {
+        let key = tenants_key(group);
+        for _ in 0..8 {
+            let (mut q, rev) = match self.quotas(group).await {
+                Ok(got) => got,
+                // A table that does not parse is replaced by this one entry.
+                Err(RegError::Invalid(_)) if quota.is_some() => (Default::default(), -1),
+                Err(e) => return Err(e),
+            };
+            match quota {
+                Some(v) => q.insert(tenant, v).map_err(RegError::Invalid)?,
+                None => {
+                    if q.0.remove(tenant).is_none() {
+                        return Ok(q);
+                    }
+                }
+            }
+            let value = serde_json::to_vec(&q.to_strings()).unwrap_or_default();
+            let txn = || {
+                let when =
+                    if rev < 0 { vec![] } else { vec![Compare::mod_revision(key.clone(), CompareOp::Equal, rev)] };
+                let op = if q.is_empty() {
+                    TxnOp::delete(key.clone(), None)
+                } else {
+                    TxnOp::put(key.clone(), value.clone(), None)
+                };
+                Txn::new().when(when).and_then([op])
+            };
+            let mut etcd = self.etcd.clone();
+            let done = etcd_call!(self, etcd.txn(txn()).await)?;
+            if done.succeeded() {
+                tracing::info!(group, tenant, quota = ?quota.map(|q| q.to_string()), "tenant quota set");
+                return Ok(q);
+            }
+        }
+        Err(RegError::Conflict(format!("group {group}'s quotas kept changing under this call: retry")))
     }
 
     /// The group's view, its epoch brought up to date first (module docs).

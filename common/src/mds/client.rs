@@ -255,6 +255,30 @@ impl MdsClient {
         self.call_json("PUT", &format!("/v1/groups/{group}/placement"), Some(&body), Duration::ZERO)
     }
 
+    /// The group's tenants' quotas (docs/DEPLOY.md, "Tenants").
+    pub fn quotas(&mut self, group: &str) -> Result<super::QuotasReply, MdsError> {
+        self.call_json("GET", &format!("/v1/groups/{group}/tenants"), None, Duration::ZERO)
+    }
+
+    /// Sets (`Some(share)`, e.g. `40%` or `200G`) or removes a tenant's
+    /// quota (an admin's call); answered with the group's quotas after it.
+    pub fn set_quota(
+        &mut self,
+        group: &str,
+        tenant: &str,
+        quota: Option<&str>,
+    ) -> Result<super::QuotasReply, MdsError> {
+        let path = format!("/v1/groups/{group}/tenants/{tenant}");
+        match quota {
+            Some(q) => {
+                let body = serde_json::to_vec(&super::QuotaRequest { quota: q.to_string() })
+                    .map_err(|e| MdsError::Rejected(e.to_string()))?;
+                self.call_json("PUT", &path, Some(&body), Duration::ZERO)
+            }
+            None => self.call_json("DELETE", &path, None, Duration::ZERO),
+        }
+    }
+
     pub fn register(&mut self, group: &str, id: &str, req: &RegisterRequest) -> Result<LeaseReply, MdsError> {
         let body = serde_json::to_vec(req).map_err(|e| MdsError::Rejected(e.to_string()))?;
         self.call_json("POST", &format!("/v1/groups/{group}/members/{id}"), Some(&body), Duration::ZERO)

@@ -238,6 +238,20 @@ pub struct PlacementReply {
     pub epoch: u64,
 }
 
+/// The body of `PUT /v1/groups/{g}/tenants/{t}`: a share such as `40%`
+/// or `200G` ([`crate::quota::Quota::parse`]).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct QuotaRequest {
+    pub quota: String,
+}
+
+/// The answer to the tenants calls: the group's quotas after the call,
+/// tenant name to share.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct QuotasReply {
+    pub quotas: std::collections::BTreeMap<String, String>,
+}
+
 /// The body of a register request.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct RegisterRequest {
