@@ -101,7 +101,7 @@ pub fn start(shared: &Shared, s: &Session, req: &ReqHeader, body: &[u8]) -> Begu
             _ => match store.try_record_size(key) {
                 Some(Some(n)) => Item::Disk(n),
                 Some(None) => {
-                    store.count_miss();
+                    store.count_miss(key);
                     Item::Done(Status::Miss, None)
                 }
                 None => Item::Unknown,
@@ -155,7 +155,7 @@ pub async fn finish(shared: &Arc<Shared>, session: &Session, req: &ReqHeader, mu
             *item = match tokio::task::spawn_blocking(move || store.record_size(&key)).await.unwrap_or(None) {
                 Some(n) => Item::Disk(n),
                 None => {
-                    shared.store.count_miss();
+                    shared.store.count_miss(&s.keys[i]);
                     Item::Done(Status::Miss, None)
                 }
             };

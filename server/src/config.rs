@@ -98,6 +98,9 @@ pub struct Cli {
     /// Do not push pages to their new owners while draining (with --mds, a draining node pushes its pages, most recently used first, to the owners in the group it left, until the drain ends).
     #[arg(long)]
     pub no_drain_push: bool,
+    /// Tenants' shares of this node, TENANT=SHARE comma separated, a share being bytes (200G) or a part of the node (40%): a tenant over its share evicts its own pages first; what it leaves unused is lent to the others (docs/DEPLOY.md, "Tenants"). For nodes without --mds; a node in a group follows the group's quotas (`kvctl tenants set`) (default: none, one LRU for all).
+    #[arg(long)]
+    pub quotas: Option<String>,
 }
 
 const SERVER_EXAMPLES: &str = "Examples:
@@ -138,6 +141,8 @@ pub struct FileConfig {
     pub ack_memory_max: Option<String>,
     pub hot_reads: Option<u32>,
     pub hot_window_ms: Option<u64>,
+    /// `[quotas]`: tenant name = share (`"200G"`, `"40%"`).
+    pub quotas: Option<std::collections::BTreeMap<String, String>>,
 }
 
 /// Membership through kv-mds (`--mds`).
@@ -189,6 +194,9 @@ pub struct ServerConfig {
     pub drain_push: bool,
     /// How hot keys are marked (`--hot-reads`, `--hot-window-ms`).
     pub heat: crate::heat::HeatConfig,
+    /// Tenants' shares (`--quotas`, `[quotas]`); a node in a group follows
+    /// the group's instead.
+    pub quotas: kv_common::quota::Quotas,
 }
 
 fn size(what: &str, s: &str) -> Result<u64, String> {
@@ -324,8 +332,14 @@ impl ServerConfig {
             window: std::time::Duration::from_millis(hot_window),
             min_reads: cli.hot_reads.or(file.hot_reads).unwrap_or(crate::heat::HeatConfig::default().min_reads),
         };
+        let quotas = match (cli.quotas, file.quotas) {
+            (Some(q), _) => kv_common::quota::Quotas::parse_list(&q).map_err(|e| format!("--quotas: {e}"))?,
+            (None, Some(m)) => kv_common::quota::Quotas::from_strings(&m).map_err(|e| format!("[quotas]: {e}"))?,
+            (None, None) => Default::default(),
+        };
         let disks_n = disks.len();
         Ok(ServerConfig {
+            quotas,
             heat,
             drain: std::time::Duration::from_secs_f64(drain),
             drain_push: !cli.no_drain_push && file.drain_push.unwrap_or(true),

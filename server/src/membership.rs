@@ -1,6 +1,8 @@
 //! Joining a group through kv-mds (`--mds`): register once the node can
 //! serve, heartbeat every third of the lease TTL to any reachable replica,
-//! register again when told the lease is gone, deregister on shutdown.
+//! register again when told the lease is gone, deregister on shutdown;
+//! and follow the group's tenants' quotas, read with the heartbeats at
+//! most every [`QUOTA_POLL`].
 //!
 //! It runs on its own thread with blocking HTTP calls: membership traffic is
 //! a request every few seconds, and keeping it off the data-plane runtime
@@ -20,6 +22,13 @@ use crate::config::MembershipConfig;
 const CALL_TIMEOUT: Duration = Duration::from_secs(3);
 /// Longest pause between registration attempts while no MDS answers.
 const MAX_BACKOFF: Duration = Duration::from_secs(5);
+/// How often a node reads its group's quotas (with a heartbeat): a quota
+/// set with `kvctl tenants set` is in force on every node within about
+/// this and a heartbeat period.
+pub const QUOTA_POLL: Duration = Duration::from_secs(2);
+
+/// What the node does with the group's quotas when they change.
+pub type OnQuotas = Box<dyn FnMut(&kv_common::quota::Quotas) + Send>;
 
 pub struct Membership {
     stop: Arc<(Mutex<bool>, Condvar)>,
@@ -41,6 +50,7 @@ impl Membership {
         cfg: MembershipConfig,
         addr: String,
         token: Option<kv_common::auth::Token>,
+        on_quotas: OnQuotas,
     ) -> std::io::Result<Membership> {
         let stop = Arc::new((Mutex::new(false), Condvar::new()));
         let client = MdsClient::new(cfg.endpoints.clone(), CALL_TIMEOUT)
@@ -48,8 +58,9 @@ impl Membership {
             .with_keep_idle(kv_common::mds::NODE_KEEP_IDLE);
         let abort = client.abort_handle();
         let s = stop.clone();
-        let thread =
-            std::thread::Builder::new().name("kv-membership".into()).spawn(move || run(cfg, addr, client, &s))?;
+        let thread = std::thread::Builder::new()
+            .name("kv-membership".into())
+            .spawn(move || run(cfg, addr, client, &s, on_quotas))?;
         Ok(Membership { stop, abort, thread: Some(thread) })
     }
 
@@ -85,7 +96,14 @@ fn instance_token() -> String {
 }
 
 /// Returns the epoch after the deregistration, when it was answered.
-fn run(cfg: MembershipConfig, addr: String, mut mds: MdsClient, stop: &(Mutex<bool>, Condvar)) -> Option<u64> {
+fn run(
+    cfg: MembershipConfig,
+    addr: String,
+    mut mds: MdsClient,
+    stop: &(Mutex<bool>, Condvar),
+    mut on_quotas: OnQuotas,
+) -> Option<u64> {
+    let mut quotas = Quotas::new();
     let instance = instance_token();
     let req = RegisterRequest {
         addr: addr.clone(),
@@ -113,6 +131,7 @@ fn run(cfg: MembershipConfig, addr: String, mut mds: MdsClient, stop: &(Mutex<bo
                         lease_ttl_ms = r.ttl_ms, "registered");
                     ttl = Some(t);
                     last_failure = None;
+                    quotas.poll(&mut mds, group, &mut on_quotas);
                     backoff = Duration::from_millis(100);
                     t / 3
                 }
@@ -142,6 +161,7 @@ fn run(cfg: MembershipConfig, addr: String, mut mds: MdsClient, stop: &(Mutex<bo
                     if last_failure.take().is_some() {
                         tracing::info!(mds = mds.current(), "heartbeats answered again");
                     }
+                    quotas.poll(&mut mds, group, &mut on_quotas);
                     t / 3
                 }
                 Err(MdsError::NotRegistered(m)) => {
@@ -192,6 +212,54 @@ fn run(cfg: MembershipConfig, addr: String, mut mds: MdsClient, stop: &(Mutex<bo
         Err(e) => {
             tracing::warn!(error = %e, "could not deregister: the lease will expire instead");
             None
+        }
+    }
+}
+
+/// The group's quotas as last read, and when.
+struct Quotas {
+    held: Option<kv_common::quota::Quotas>,
+    read: Option<std::time::Instant>,
+    /// The last failure logged (one line per distinct failure).
+    failed: Option<String>,
+}
+
+impl Quotas {
+    fn new() -> Quotas {
+        Quotas { held: None, read: None, failed: None }
+    }
+
+    /// Reads the group's quotas when [`QUOTA_POLL`] has passed, and hands
+    /// them on when they changed. A read that fails, or a table that does
+    /// not parse, keeps the quotas in force (one log line).
+    fn poll(&mut self, mds: &mut MdsClient, group: &str, on: &mut OnQuotas) {
+        if self.read.is_some_and(|t| t.elapsed() < QUOTA_POLL) {
+            return;
+        }
+        self.read = Some(std::time::Instant::now());
+        let got = match mds.quotas(group) {
+            Ok(r) => kv_common::quota::Quotas::from_strings(&r.quotas),
+            // An MDS of an earlier release has no tenants call: no quotas.
+            Err(MdsError::Rejected(m)) if m.contains("no such call") => Ok(Default::default()),
+            Err(e) => Err(e.to_string()),
+        };
+        match got {
+            Ok(q) => {
+                self.failed = None;
+                if self.held.as_ref() != Some(&q) {
+                    if self.held.is_some() || !q.is_empty() {
+                        tracing::info!(group, quotas = %q.to_list(), "the group's tenants' quotas in force");
+                    }
+                    on(&q);
+                    self.held = Some(q);
+                }
+            }
+            Err(e) => {
+                if self.failed.as_deref() != Some(e.as_str()) {
+                    tracing::warn!(group, error = %e, "cannot read the group's quotas: the ones in force are kept");
+                    self.failed = Some(e);
+                }
+            }
         }
     }
 }

@@ -220,6 +220,38 @@ impl Collector for StatsCollector {
             MetricType::Counter,
             s.tenants.iter().map(|t| ([("tenant", t.tenant.clone())], ConstCounter::new(t.evictions))),
         )?;
+        let tenant_counter = |f: fn(&kv_common::stats::TenantStats) -> u64| {
+            s.tenants.iter().map(move |t| ([("tenant", t.tenant.clone())], ConstCounter::new(f(t))))
+        };
+        family(
+            &mut e,
+            "tenant_evictions_for_others",
+            "A tenant's records evicted for another tenant's put (capacity borrowed beyond its quota taken back)",
+            MetricType::Counter,
+            tenant_counter(|t| t.evicted_for_others),
+        )?;
+        family(
+            &mut e,
+            "tenant_quota_bytes",
+            "A tenant's share of the node in bytes (0: no quota)",
+            MetricType::Gauge,
+            per_tenant(|t| t.quota),
+        )?;
+        family(
+            &mut e,
+            "tenant_hits",
+            "A tenant's gets answered with a page",
+            MetricType::Counter,
+            tenant_counter(|t| t.hits),
+        )?;
+        family(
+            &mut e,
+            "tenant_misses",
+            "A tenant's gets answered as a miss",
+            MetricType::Counter,
+            tenant_counter(|t| t.misses),
+        )?;
+        family(&mut e, "tenant_puts", "A tenant's puts stored", MetricType::Counter, tenant_counter(|t| t.puts))?;
         gauge(&mut e, "failed_disks", "Disks out of service", s.failed_disks)?;
         gauge(
             &mut e,

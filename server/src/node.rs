@@ -76,6 +76,18 @@ impl Node {
                 torn_journal_bytes = r.torn_journal_bytes, "disk recovered"
             );
         }
+        if !cfg.quotas.is_empty() {
+            if cfg.membership.is_some() {
+                tracing::warn!(
+                    "--quotas is for nodes without --mds: this node follows its group's quotas (kvctl tenants set)"
+                );
+            } else {
+                for w in store.set_quotas(&cfg.quotas) {
+                    tracing::warn!("{w}");
+                }
+                tracing::info!(quotas = %cfg.quotas.to_list(), "tenants' quotas in force");
+            }
+        }
         if let Some(max) = cfg.store.ack_memory_max {
             tracing::info!(
                 max_unflushed_bytes = max,
@@ -197,8 +209,15 @@ impl Node {
         }
         m.metrics_addr = self.metrics_addr.map(|a| crate::metrics::advertised(a, &advertise));
         self.membership = Some(
-            Membership::start(m, advertise, self.cfg.auth_token.clone())
-                .map_err(|e| format!("cannot start the membership thread: {e}"))?,
+            Membership::start(m, advertise, self.cfg.auth_token.clone(), {
+                let store = self.shared.store.clone();
+                Box::new(move |q| {
+                    for w in store.set_quotas(q) {
+                        tracing::warn!("{w}");
+                    }
+                })
+            })
+            .map_err(|e| format!("cannot start the membership thread: {e}"))?,
         );
         Ok(())
     }

@@ -416,7 +416,7 @@ async fn handle_get(shared: &Arc<Shared>, s: &Session, req: &ReqHeader, body: &[
         }
     };
     let Some(size) = size else {
-        shared.store.count_miss();
+        shared.store.count_miss(key);
         return respond(req, Status::Miss, 0, Body::Empty);
     };
     let units = size.div_ceil(4096).clamp(1, shared.limits.max_record.div_ceil(4096)) as u32;

@@ -210,39 +210,71 @@ impl Shared {
         self.snapshot.get(|| self.gather())
     }
 
-    /// Each tenant's holding, named from the credential table in use: the
-    /// largest [`kv_common::stats::MAX_TENANTS_SHOWN`] by bytes one by one,
-    /// the rest summed as `other` (logged once: the table names more
-    /// tenants than a node shows).
+    /// Each tenant's holding, quota, gets and puts, named from the
+    /// credential table in use and the quotas: the largest
+    /// [`kv_common::stats::MAX_TENANTS_SHOWN`] by bytes one by one, the
+    /// rest summed as `other` (logged once: more tenants than a node shows).
     fn tenant_stats(&self) -> Vec<kv_common::stats::TenantStats> {
         use kv_common::stats::{TenantStats, MAX_TENANTS_SHOWN};
-        let names: std::collections::HashMap<u32, String> = match &self.token {
+        use std::collections::BTreeMap;
+        let mut names: std::collections::HashMap<u32, String> = match &self.token {
             Some(t) => t.get().entries().iter().filter_map(|c| c.tenant.clone().map(|n| (c.tenant_id(), n))).collect(),
             None => Default::default(),
         };
-        let mut all: Vec<(u32, crate::store::disk::TenantUse)> = self.store.tenants().into_iter().collect();
-        all.sort_by(|a, b| b.1.bytes.cmp(&a.1.bytes).then(a.0.cmp(&b.0)));
+        let quotas = self.store.quotas();
+        for n in quotas.0.keys() {
+            names.insert(kv_common::quota::tenant_id_of(n), n.clone());
+        }
         let name = |id: u32| match id {
             crate::tenant::DEFAULT => "default".to_string(),
             id => names.get(&id).cloned().unwrap_or_else(|| format!("id-{id:08x}")),
         };
-        let stat = |tenant: String, u: &crate::store::disk::TenantUse| TenantStats {
-            tenant,
-            bytes: u.bytes,
-            objects: u.objects,
-            evictions: u.evictions,
-        };
-        let mut out: Vec<TenantStats> = all.iter().take(MAX_TENANTS_SHOWN).map(|(id, u)| stat(name(*id), u)).collect();
-        if all.len() > MAX_TENANTS_SHOWN {
-            static WARNED: std::sync::Once = std::sync::Once::new();
-            WARNED.call_once(|| {
-                tracing::warn!(tenants = all.len(), shown = MAX_TENANTS_SHOWN, "more tenants hold pages here than the statistics name one by one: the smallest are summed as `other`");
-            });
-            let mut rest = crate::store::disk::TenantUse::default();
-            for (_, u) in &all[MAX_TENANTS_SHOWN..] {
-                rest.add(u);
+        let mut by_id: BTreeMap<u32, TenantStats> = BTreeMap::new();
+        for (id, u) in self.store.tenants() {
+            let t = by_id.entry(id).or_default();
+            t.bytes = u.bytes;
+            t.objects = u.objects;
+            t.evictions = u.evictions;
+            t.evicted_for_others = u.evicted_for_others;
+        }
+        for (id, b) in self.store.quota_bytes() {
+            by_id.entry(id).or_default().quota = b;
+        }
+        let mut counted_apart = None;
+        for (id, [hits, misses, puts]) in self.store.tenant_ops() {
+            if id == crate::store::tenants::OTHER {
+                counted_apart = Some(TenantStats { hits, misses, puts, ..Default::default() });
+                continue;
             }
-            out.push(stat("other".into(), &rest));
+            let t = by_id.entry(id).or_default();
+            (t.hits, t.misses, t.puts) = (hits, misses, puts);
+        }
+        let mut all: Vec<(u32, TenantStats)> = by_id.into_iter().collect();
+        // A tenant with nothing held nor done here is left out.
+        all.retain(|(id, t)| *id == crate::tenant::DEFAULT || *t != TenantStats::default());
+        all.sort_by(|a, b| b.1.bytes.cmp(&a.1.bytes).then(b.1.quota.cmp(&a.1.quota)).then(a.0.cmp(&b.0)));
+        let mut out: Vec<TenantStats> =
+            all.iter().take(MAX_TENANTS_SHOWN).map(|(id, t)| TenantStats { tenant: name(*id), ..t.clone() }).collect();
+        if all.len() > MAX_TENANTS_SHOWN || counted_apart.is_some() {
+            if all.len() > MAX_TENANTS_SHOWN {
+                static WARNED: std::sync::Once = std::sync::Once::new();
+                WARNED.call_once(|| {
+                    tracing::warn!(tenants = all.len(), shown = MAX_TENANTS_SHOWN, "more tenants hold pages here than the statistics name one by one: the smallest are summed as `other`");
+                });
+            }
+            let mut rest = counted_apart.unwrap_or_default();
+            for (_, t) in all.iter().skip(MAX_TENANTS_SHOWN) {
+                rest.bytes += t.bytes;
+                rest.objects += t.objects;
+                rest.evictions += t.evictions;
+                rest.evicted_for_others += t.evicted_for_others;
+                rest.quota += t.quota;
+                rest.hits += t.hits;
+                rest.misses += t.misses;
+                rest.puts += t.puts;
+            }
+            rest.tenant = "other".into();
+            out.push(rest);
         }
         out
     }

@@ -1379,3 +1379,96 @@ fn tenants_keep_the_same_key_apart_across_restarts() {
     let total: u64 = held.values().map(|u| u.bytes).sum();
     assert!(total <= 16 << 20 && total == s.stats().used_bytes, "{total} {held:?}");
 }
+
+/// Two tenants with half the node each: one floods three times the node
+/// while the other reads a fifth of it; the reader keeps every page (and
+/// loses them without quotas); the flooder borrows what the other leaves
+/// and gives it back to the other's next writes; the memory tier keeps
+/// the same rule; a restart rebuilds the same holdings.
+#[test]
+fn quotas_evict_within_a_tenant_and_lend_what_is_idle() {
+    use kv_common::quota::Quotas;
+    use kv_server::tenant::ns_key;
+    let (a, b) = (kv_common::auth::tenant_id("team-a"), kv_common::auth::tenant_id("team-b"));
+    const PAGE: usize = 250_000; // 256 KiB with its header, aligned
+    let put_as = |s: &Store, tenant: u32, key: &str| {
+        let rec = build_record(geo(), key.as_bytes(), &payload(key, PAGE));
+        s.put_in(s.pool().copy_of(&rec), tenant).unwrap()
+    };
+    let b_keys: Vec<String> = (0..12).map(|i| format!("b-{i}")).collect();
+    let b_kept =
+        |s: &Store| b_keys.iter().filter(|k| s.exist(&ns_key(b, k.as_bytes()), None) == Presence::Present).count();
+    // 2 disks of 8 MiB: B's 12 pages are 3 MiB, a fifth of the node; A
+    // writes 192 pages, three times it; B reads its set every 64 of them.
+    let flood = |s: &Store| {
+        for k in &b_keys {
+            assert_eq!(put_as(s, b, k), PutOutcome::Stored);
+        }
+        for i in 0..192 {
+            put_as(s, a, &format!("a-{i}"));
+            if i % 64 == 63 {
+                for k in &b_keys {
+                    let _ = s.get(&ns_key(b, k.as_bytes()), None);
+                }
+            }
+        }
+    };
+    for quotas in [false, true] {
+        let t = tempfile::tempdir().unwrap();
+        let c = cfg(&dirs(&t, 2), 8 << 20, 1 << 20);
+        let (s, _) = Store::open(&c).unwrap();
+        if quotas {
+            let w = s.set_quotas(&Quotas::parse_list("team-a=50%,team-b=50%").unwrap());
+            assert!(w.is_empty(), "{w:?}");
+            assert_eq!(s.quota_bytes()[&a], 8 << 20);
+        }
+        flood(&s);
+        let held = s.tenants();
+        if !quotas {
+            // One LRU: B's pages lose to a flood of pages newer than their
+            // last read.
+            assert!(b_kept(&s) < b_keys.len(), "without quotas the flood evicts B: {held:?}");
+            continue;
+        }
+        assert_eq!(b_kept(&s), b_keys.len(), "every one of B's pages is kept: {held:?}");
+        assert_eq!(held[&b].evictions, 0, "{held:?}");
+        assert!(held[&a].evictions > 100, "A evicts its own: {held:?}");
+        assert_eq!(held[&a].evicted_for_others, 0, "{held:?}");
+        // A borrows what B leaves: more than its half of the node.
+        assert!(held[&a].bytes > 10 << 20, "A uses B's idle share: {held:?}");
+        // B writes 8 pages more (5 MiB in all, below its half): they take
+        // A's borrowed room back, and B loses nothing.
+        for i in 12..20 {
+            assert_eq!(put_as(&s, b, &format!("b-{i}")), PutOutcome::Stored);
+        }
+        let after = s.tenants();
+        assert!(after[&a].evicted_for_others >= 8, "{after:?}");
+        assert_eq!(after[&b].evictions, 0, "{after:?}");
+        assert_eq!(after[&b].objects, 20, "{after:?}");
+        assert_eq!(b_kept(&s), b_keys.len());
+        // Per-tenant gets and puts.
+        let ops: std::collections::HashMap<u32, [u64; 3]> = s.tenant_ops().into_iter().collect();
+        assert_eq!(ops[&b][2], 20, "B's puts");
+        assert_eq!(ops[&b][0], 12 * 3, "B's hits");
+        assert_eq!(ops[&b][1], 0, "B's misses");
+        assert_eq!(ops[&a][2], 192, "A's puts");
+        // A restart rebuilds the holdings exactly; the quotas are set again
+        // by whoever holds them (the node's config or kv-mds).
+        s.close().unwrap();
+        drop(s);
+        let (s, _) = Store::open(&c).unwrap();
+        let again = s.tenants();
+        for t in [a, b] {
+            assert_eq!((again[&t].bytes, again[&t].objects), (after[&t].bytes, after[&t].objects));
+        }
+        s.set_quotas(&Quotas::parse_list("team-a=50%,team-b=50%").unwrap());
+        for i in 192..260 {
+            put_as(&s, a, &format!("a-{i}"));
+        }
+        assert_eq!(b_kept(&s), b_keys.len(), "after the restart too");
+        // A quota larger than the node is held to it, with one line.
+        let w = s.set_quotas(&Quotas::parse_list("team-a=1T").unwrap());
+        assert!(w.len() == 1 && w[0].contains("team-a's quota 1T is larger than this node"), "{w:?}");
+        assert_eq!(s.quota_bytes()[&a], 16 << 20);
+    }
+}

@@ -265,7 +265,10 @@ impl Store {
             let r = reopen(&spec.dir.join(disk::DATA_FILE), self.sync_writes)
                 .and_then(|dev| Disk::open(dd.id.clone(), &spec.dir, spec.cap, dev));
             match r {
-                Ok((d, rep)) => opened.push((i, d, rep, t0)),
+                Ok((d, rep)) => {
+                    d.set_shares(self.disk_shares(spec.cap));
+                    opened.push((i, d, rep, t0))
+                }
                 Err(e) => {
                     let e = e.to_string();
                     let mut last = lock(&dd.last_attempt);

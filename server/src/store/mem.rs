@@ -7,6 +7,7 @@ use std::sync::{Arc, Mutex};
 use lru::LruCache;
 
 use super::buf::PooledBuf;
+use super::shares::Shares;
 
 pub struct MemTier {
     cap: u64,
@@ -14,7 +15,9 @@ pub struct MemTier {
 }
 
 struct Inner {
-    lru: LruCache<Box<[u8]>, Arc<PooledBuf>>,
+    lru: LruCache<Arc<[u8]>, Arc<PooledBuf>>,
+    /// Tenants' shares of the tier (super::shares; empty: one LRU).
+    shares: Shares,
     used: u64,
     /// Bumped by every removal. A reader that fetched a record from disk
     /// inserts it only if no removal happened since it started, so a delete
@@ -24,7 +27,10 @@ struct Inner {
 
 impl MemTier {
     pub fn new(cap: u64) -> MemTier {
-        MemTier { cap, inner: Mutex::new(Inner { lru: LruCache::unbounded(), used: 0, removals: 0 }) }
+        MemTier {
+            cap,
+            inner: Mutex::new(Inner { lru: LruCache::unbounded(), shares: Shares::default(), used: 0, removals: 0 }),
+        }
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
@@ -56,23 +62,49 @@ impl MemTier {
             // Dropping the older copy is always right, whatever happens next.
             if let Some(old) = g.lru.pop(key) {
                 g.used -= old.capacity() as u64;
+                g.shares.left(tenant_of(key), key);
             }
         }
         if g.removals != generation || g.lru.contains(key) || size > self.cap {
             return;
         }
+        let putter = tenant_of(key);
         while g.used + size > self.cap {
-            match g.lru.pop_lru() {
-                Some((_, old)) => g.used -= old.capacity() as u64,
+            let victim = g.shares.victim(putter, size).map(|v| v.key);
+            let old = match victim {
+                Some(k) => g.lru.pop_entry(&k[..]),
+                None => g.lru.pop_lru(),
+            };
+            match old {
+                Some((k, old)) => {
+                    g.used -= old.capacity() as u64;
+                    g.shares.left(tenant_of(&k), &k);
+                }
                 None => break,
             }
         }
         g.used += size;
-        g.lru.put(key.into(), rec);
+        let key: Arc<[u8]> = key.into();
+        if g.shares.active() {
+            g.shares.entered(putter, key.clone(), size);
+        }
+        g.lru.put(key, rec);
     }
 
     pub fn get(&self, key: &[u8]) -> Option<Arc<PooledBuf>> {
-        self.lock().lru.get(key).cloned()
+        let mut g = self.lock();
+        let rec = g.lru.get(key).cloned();
+        if rec.is_some() && g.shares.active() {
+            g.shares.used(tenant_of(key), key);
+        }
+        rec
+    }
+
+    /// Sets the tenants' shares of the tier: bytes by tenant id (empty: off).
+    pub fn set_shares(&self, share: std::collections::HashMap<u32, u64>) {
+        let g = &mut *self.lock();
+        let lru = &g.lru;
+        g.shares.set(share, || lru.iter().rev().map(|(k, b)| (tenant_of(k), k.clone(), b.capacity() as u64)).collect());
     }
 
     /// Sets `out[i]` for each of `keys` held, under one lock (no recency
@@ -96,6 +128,7 @@ impl MemTier {
         match g.lru.pop(key) {
             Some(old) => {
                 g.used -= old.capacity() as u64;
+                g.shares.left(tenant_of(key), key);
                 true
             }
             None => false,
@@ -109,4 +142,8 @@ impl MemTier {
     pub fn cap(&self) -> u64 {
         self.cap
     }
+}
+
+fn tenant_of(key: &[u8]) -> u32 {
+    crate::tenant::split(key).0
 }

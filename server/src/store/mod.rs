@@ -14,6 +14,7 @@ pub mod device;
 pub mod disk;
 pub mod journal;
 pub mod mem;
+pub mod shares;
 pub mod warm;
 
 mod background;
@@ -21,6 +22,7 @@ mod health;
 mod put;
 mod read;
 mod stats;
+pub mod tenants;
 
 use std::io;
 use std::path::{Path, PathBuf};
@@ -190,6 +192,10 @@ pub struct Store {
     behind: Option<Arc<behind::WriteBehind>>,
     /// Reads pages an exist found on disk into the memory tier.
     warmer: Option<Arc<warm::Warmer>>,
+    /// Tenants' quotas in force ([`Store::set_quotas`]).
+    quotas: Mutex<kv_common::quota::Quotas>,
+    /// Each tenant's gets and puts.
+    tenant_ops: tenants::TenantOps,
     pool: BufPool,
     c: Counters,
     started: Instant,
@@ -286,6 +292,8 @@ impl Store {
                 Arc::new(behind::WriteBehind::with_batches(max, FLUSH_BATCH, FLUSH_BATCH_BYTES, cfg.disks.len()))
             }),
             warmer: (cfg.mem_cap > 0).then(|| Arc::new(warm::Warmer::new(warm_budget(cfg.mem_cap)))),
+            quotas: Mutex::new(Default::default()),
+            tenant_ops: Default::default(),
             pool: BufPool::with_arena(cfg.pool_bytes, arena),
             c: Counters::default(),
             started: Instant::now(),

@@ -143,6 +143,7 @@ impl Store {
         if let Some(b) = self.behind.as_ref().filter(|_| may_hold && self.can_store(&key, rec.len() as u64)) {
             if b.hold(&key, rec.clone()) {
                 self.c.puts.fetch_add(1, Ordering::Relaxed);
+                self.tenant_ops.of(&key, |c| c.puts.fetch_add(1, Ordering::Relaxed));
                 self.c.bytes_written.fetch_add(rec.len() as u64, Ordering::Relaxed);
                 if let Some(m) = &self.mem {
                     m.replace(&key, rec, generation);
@@ -173,6 +174,7 @@ impl Store {
         match out {
             Ok((PutOutcome::Stored, _)) => {
                 self.c.puts.fetch_add(1, Ordering::Relaxed);
+                self.tenant_ops.of(&key, |c| c.puts.fetch_add(1, Ordering::Relaxed));
                 self.c.bytes_written.fetch_add(rec.len() as u64, Ordering::Relaxed);
                 if let Some(m) = &self.mem {
                     // A copy still held from before the disk evicted

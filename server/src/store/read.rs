@@ -30,12 +30,14 @@ impl Store {
             GetOutcome::Hit(b) => {
                 self.c.hits.fetch_add(1, Ordering::Relaxed);
                 self.c.bytes_read.fetch_add(b.len() as u64, Ordering::Relaxed);
+                self.tenant_ops.of(key, |c| c.hits.fetch_add(1, Ordering::Relaxed));
             }
             GetOutcome::Mismatch => {
                 self.c.mismatches.fetch_add(1, Ordering::Relaxed);
             }
             GetOutcome::Miss => {
                 self.c.misses.fetch_add(1, Ordering::Relaxed);
+                self.tenant_ops.of(key, |c| c.misses.fetch_add(1, Ordering::Relaxed));
             }
         }
         out
@@ -71,6 +73,7 @@ impl Store {
     pub fn count_cached_hit(&self, key: &[u8], len: usize) {
         self.c.hits.fetch_add(1, Ordering::Relaxed);
         self.c.bytes_read.fetch_add(len as u64, Ordering::Relaxed);
+        self.tenant_ops.of(key, |c| c.hits.fetch_add(1, Ordering::Relaxed));
         self.served_from_memory(key);
     }
 
@@ -97,10 +100,11 @@ impl Store {
         self.read_cold(key)
     }
 
-    /// Counts a get answered as a miss without calling [`Store::get`].
-    pub fn count_miss(&self) {
+    /// Counts a get of `key` answered as a miss without calling [`Store::get`].
+    pub fn count_miss(&self, key: &[u8]) {
         self.c.misses_absent.fetch_add(1, Ordering::Relaxed);
         self.c.misses.fetch_add(1, Ordering::Relaxed);
+        self.tenant_ops.of(key, |c| c.misses.fetch_add(1, Ordering::Relaxed));
     }
 
     fn lookup(&self, key: &[u8], geo: Option<&Geometry>) -> GetOutcome {

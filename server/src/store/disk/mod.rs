@@ -148,6 +148,9 @@ pub struct TenantUse {
     pub objects: u64,
     /// Its records evicted for room since the disk opened.
     pub evictions: u64,
+    /// Of those, the ones evicted for another tenant's put (capacity it
+    /// borrowed taken back; without quotas, any tenant's put).
+    pub evicted_for_others: u64,
 }
 
 impl TenantUse {
@@ -155,6 +158,7 @@ impl TenantUse {
         self.bytes += o.bytes;
         self.objects += o.objects;
         self.evictions += o.evictions;
+        self.evicted_for_others += o.evicted_for_others;
     }
 }
 
@@ -169,6 +173,9 @@ struct State {
     next_stamp: u64,
     /// What each tenant holds in `index`, by tenant id.
     tenants: std::collections::HashMap<u32, TenantUse>,
+    /// Tenants' shares of this disk (empty without quotas), and their
+    /// records' recency when there are some.
+    shares: super::shares::Shares,
 }
 
 impl State {
@@ -192,6 +199,9 @@ impl State {
     fn enter(&mut self, key: Arc<[u8]>, e: Entry) {
         let tenant = crate::tenant::split(&key).0;
         let len = e.ext.len;
+        if self.shares.active() {
+            self.shares.entered(tenant, key.clone(), len);
+        }
         if let Some(old) = self.index.put(key, e) {
             self.left(tenant, &old);
         }
@@ -209,19 +219,58 @@ impl State {
 
     fn remove(&mut self, key: &[u8]) -> Option<Entry> {
         let e = self.index.pop(key)?;
-        self.left(crate::tenant::split(key).0, &e);
+        let tenant = crate::tenant::split(key).0;
+        self.left(tenant, &e);
+        self.shares.left(tenant, key);
         Some(e)
     }
 
-    fn evict_lru(&mut self) -> Option<(Arc<[u8]>, Entry)> {
-        let (k, e) = self.index.pop_lru()?;
+    /// The record to make room for a put of `need` bytes by `putter`:
+    /// the least recently used, or with tenants' shares the one they name
+    /// (super::shares).
+    fn evict_for(&mut self, putter: u32, need: u64) -> Option<(Arc<[u8]>, Entry)> {
+        let (k, e, for_another) = match self.shares.victim(putter, need) {
+            Some(v) => {
+                let e = self.index.pop(&v.key[..])?;
+                (v.key, e, v.for_another)
+            }
+            None => {
+                let (k, e) = self.index.pop_lru()?;
+                let other = crate::tenant::split(&k).0 != putter;
+                (k, e, other)
+            }
+        };
         let tenant = crate::tenant::split(&k).0;
         self.left(tenant, &e);
-        self.tenants.entry(tenant).or_default().evictions += 1;
+        self.shares.left(tenant, &k);
+        let u = self.tenants.entry(tenant).or_default();
+        u.evictions += 1;
+        if for_another {
+            u.evicted_for_others += 1;
+        }
         Some((k, e))
     }
 
+    /// A read made the record the most recent (of its tenant too).
+    fn touch(&mut self, key: &[u8], now: u64) -> Option<&mut Entry> {
+        if self.shares.active() {
+            self.shares.used(crate::tenant::split(key).0, key);
+        }
+        let e = self.index.get_mut(key)?;
+        e.used = now;
+        Some(e)
+    }
+
+    /// Sets the tenants' shares of this disk (bytes by tenant id; empty: off).
+    fn set_shares(&mut self, share: std::collections::HashMap<u32, u64>) {
+        let index = &self.index;
+        self.shares.set(share, || {
+            index.iter().rev().map(|(k, e)| (crate::tenant::split(k).0, k.clone(), e.ext.len)).collect()
+        });
+    }
+
     fn clear(&mut self) {
+        self.shares.clear();
         self.index.clear();
         for u in self.tenants.values_mut() {
             u.bytes = 0;
@@ -440,6 +489,7 @@ impl Disk {
             dev,
             state: Mutex::new(State {
                 tenants: State::tally(&index),
+                shares: Default::default(),
                 index,
                 alloc,
                 used,
@@ -542,17 +592,17 @@ impl Disk {
         };
         let now = use_tick();
         for k in &keys {
-            if let Some(e) = st.index.get_mut(&k[..]) {
-                e.used = now;
-            }
+            st.touch(k, now);
         }
     }
 
-    /// Evicts the least recently used record (after the memory tier's
-    /// reads are applied). False when the index is empty.
-    fn evict_one(&self, st: &mut State) -> bool {
+    /// Evicts a record to make room for a put of `need` bytes by tenant
+    /// `putter` (after the memory tier's reads are applied): the least
+    /// recently used, or the one the tenants' shares name
+    /// ([`State::evict_for`]). False when the index is empty.
+    fn evict_one(&self, st: &mut State, putter: u32, need: u64) -> bool {
         self.apply_touched(st);
-        let Some((key, entry)) = st.evict_lru() else {
+        let Some((key, entry)) = st.evict_for(putter, need) else {
             return false;
         };
         self.evictions.fetch_add(1, Ordering::Relaxed);
@@ -658,6 +708,12 @@ impl Disk {
         }
         std::fs::write(self.dir.join(CLEAN_FILE), b"clean\n")?;
         journal::sync_dir(&self.dir)
+    }
+
+    /// Sets the tenants' shares of this disk: bytes by tenant id (empty:
+    /// no quotas, one LRU for all).
+    pub fn set_shares(&self, share: std::collections::HashMap<u32, u64>) {
+        lock(&self.state).set_shares(share);
     }
 
     /// What each tenant holds on this disk now (none on a failed one),

@@ -20,14 +20,7 @@ impl Disk {
         }
         let (ext, header, header_bytes) = {
             let mut st = lock(&self.state);
-            let e = if promote {
-                st.index.get_mut(key).map(|e| {
-                    e.used = use_tick();
-                    &*e
-                })
-            } else {
-                st.index.peek(key)
-            };
+            let e = if promote { st.touch(key, use_tick()).map(|e| &*e) } else { st.index.peek(key) };
             match e {
                 None => return Ok(Lookup::Miss),
                 Some(e) if geo.is_some_and(|g| !g.matches(&e.header)) => return Ok(Lookup::Mismatch),

@@ -176,8 +176,9 @@ impl Disk {
             if st.index.contains(key) {
                 return Ok(PutResult::Duplicate);
             }
+            let putter = crate::tenant::split(key).0;
             while st.used + alloc_len > self.cap {
-                if !self.evict_one(&mut st) {
+                if !self.evict_one(&mut st, putter, alloc_len) {
                     break;
                 }
             }
@@ -187,7 +188,7 @@ impl Disk {
                         break off;
                     }
                 }
-                if !self.evict_one(&mut st) {
+                if !self.evict_one(&mut st, putter, alloc_len) {
                     // Everything evicted is still pinned by readers.
                     return Err(DiskError::Full(self.id.clone()));
                 }
@@ -270,8 +271,10 @@ impl Disk {
             if total > self.cap {
                 return None;
             }
+            // One connection's batch: one tenant's keys.
+            let putter = crate::tenant::split(items[fresh[0]].1).0;
             while st.used + total > self.cap {
-                if !self.evict_one(&mut st) {
+                if !self.evict_one(&mut st, putter, total) {
                     return None;
                 }
             }
