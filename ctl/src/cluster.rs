@@ -157,38 +157,83 @@ fn tiers(s: &NodeStats) -> (f64, f64) {
     (mem, 100.0 * s.hits.saturating_sub(s.mem_hits) as f64 / gets as f64)
 }
 
-/// Each node's tenants (bytes, records, evictions), then, with `total`, each
+/// Each node's tenants (quota, bytes, records, evictions and those for
+/// another tenant's put, hits, misses, puts), then, with `total`, each
 /// tenant over the nodes.
 pub fn print_tenants(nodes: &[(String, Vec<kv_common::stats::TenantStats>)], total: bool) {
-    let mut t = table(&["NODE", "TENANT", "BYTES", "OBJECTS", "EVICTED"], 2);
+    let mut t =
+        table(&["NODE", "TENANT", "QUOTA", "BYTES", "OBJECTS", "EVICTED", "FOR OTHERS", "HITS", "MISSES", "PUTS"], 2);
+    let row = |node: &str, s: &kv_common::stats::TenantStats| {
+        vec![
+            node.to_string(),
+            s.tenant.clone(),
+            if s.quota == 0 { "-".into() } else { format_size(s.quota) },
+            format_size(s.bytes),
+            s.objects.to_string(),
+            s.evictions.to_string(),
+            s.evicted_for_others.to_string(),
+            s.hits.to_string(),
+            s.misses.to_string(),
+            s.puts.to_string(),
+        ]
+    };
     let mut sums: std::collections::BTreeMap<String, kv_common::stats::TenantStats> = Default::default();
     for (node, tenants) in nodes {
         for s in tenants {
-            t.add_row(vec![
-                node.clone(),
-                s.tenant.clone(),
-                format_size(s.bytes),
-                s.objects.to_string(),
-                s.evictions.to_string(),
-            ]);
+            t.add_row(row(node, s));
             let sum = sums.entry(s.tenant.clone()).or_default();
+            sum.quota += s.quota;
             sum.bytes += s.bytes;
             sum.objects += s.objects;
             sum.evictions += s.evictions;
+            sum.evicted_for_others += s.evicted_for_others;
+            sum.hits += s.hits;
+            sum.misses += s.misses;
+            sum.puts += s.puts;
         }
     }
     if total {
         for (name, s) in &sums {
-            t.add_row(vec![
-                "TOTAL".into(),
-                name.clone(),
-                format_size(s.bytes),
-                s.objects.to_string(),
-                s.evictions.to_string(),
-            ]);
+            t.add_row(row("TOTAL", &kv_common::stats::TenantStats { tenant: name.clone(), ..s.clone() }));
         }
     }
     println!("{t}");
+}
+
+/// `kvctl tenants`: changes one quota (an admin's call) when asked, then
+/// prints the group's quotas.
+pub fn tenants(
+    mds: &str,
+    group: &str,
+    change: Option<(&str, Option<&str>)>,
+    timeout: Duration,
+    json: bool,
+) -> Result<u8, String> {
+    let token = if change.is_some() { crate::admin_token() } else { crate::token() };
+    let mut c = MdsClient::from_csv(mds, timeout).map_err(|e| format!("--mds: {e}"))?.with_token(token.cloned());
+    let refused = |e: kv_common::mds::MdsError| match e {
+        kv_common::mds::MdsError::Denied(_) => crate::denied_line(&e.to_string()),
+        kv_common::mds::MdsError::Forbidden(_) => crate::forbidden_line(&e.to_string()),
+        e => e.to_string(),
+    };
+    let reply = match change {
+        Some((tenant, quota)) => c.set_quota(group, tenant, quota).map_err(refused)?,
+        None => c.quotas(group).map_err(refused)?,
+    };
+    if json {
+        println!("{}", serde_json::json!({ "group": group, "quotas": reply.quotas }));
+        return Ok(0);
+    }
+    if reply.quotas.is_empty() {
+        println!("group {group}: no tenant has a quota (one LRU per disk for all)");
+        return Ok(0);
+    }
+    let mut t = table(&["TENANT", "QUOTA"], 1);
+    for (n, q) in &reply.quotas {
+        t.add_row(vec![n.clone(), q.clone()]);
+    }
+    println!("group {group}: each tenant's share of every node\n{t}");
+    Ok(0)
 }
 
 /// Exit 0 when every member answered, 1 when some did not.

@@ -131,7 +131,8 @@ enum Cmd {
         /// Member list instead of --mds (with --all; else KVCELLAR_MEMBERS).
         #[arg(long, requires = "all", conflicts_with = "mds")]
         members: Option<String>,
-        /// Also each tenant's bytes, records and evictions, per node (and, with --all, in total).
+        /// Also each tenant's quota, bytes, records, evictions (own and for others), hits, misses and puts,
+        /// per node (and, with --all, in total).
         #[arg(long)]
         tenants: bool,
     },
@@ -147,6 +148,23 @@ enum Cmd {
         /// with handoff. Upgrade every kv-mds, node and client first (docs/DEPLOY.md).
         #[arg(long, value_name = "RULE")]
         set_placement: Option<String>,
+    },
+    /// A group's tenants' quotas from kv-mds (docs/DEPLOY.md, "Tenants"); --set and --unset change
+    /// one (an admin's call: --admin-token-file). Nodes follow within a few seconds.
+    Tenants {
+        /// kv-mds endpoints `host:port,...` (else KVCELLAR_MDS).
+        #[arg(long)]
+        mds: Option<String>,
+        /// Group (else KVCELLAR_GROUP, else "default").
+        #[arg(long)]
+        group: Option<String>,
+        /// Sets a tenant's share of each node: TENANT=SHARE, a share being bytes (200G) or a part of the
+        /// node (40%). A tenant over its share evicts its own pages first; what it leaves is lent.
+        #[arg(long, value_name = "TENANT=SHARE", conflicts_with = "unset")]
+        set: Option<String>,
+        /// Removes a tenant's quota (it then borrows what others leave).
+        #[arg(long, value_name = "TENANT")]
+        unset: Option<String>,
     },
     /// A live view of a group: per node and in total, requests/s, gets/s, read and write throughput,
     /// hit rate by tier, get and put p99, use; refreshed every --interval-ms (Ctrl-C ends it).
@@ -392,6 +410,25 @@ fn run(cli: &Cli) -> Result<u8, String> {
             }
             let view = cluster::fetch_view(&mds, &group, Duration::from_millis(cli.timeout_ms))?;
             cluster::ring(&view, cli.json)
+        }
+        Cmd::Tenants { mds, group, set, unset } => {
+            let (mds, group) = match target::resolve(None, None, mds.as_deref(), group.as_deref())? {
+                target::Cluster::Mds { endpoints, group } => (endpoints, group),
+                target::Cluster::Members(_) => {
+                    return Err("tenants needs --mds host:port,... (or KVCELLAR_MDS); a node without kv-mds takes its quotas from its own --quotas".into())
+                }
+            };
+            let timeout = Duration::from_millis(cli.timeout_ms);
+            let change = match (set, unset) {
+                (Some(s), _) => {
+                    let (t, q) = s.split_once('=').ok_or("--set: expected TENANT=SHARE, e.g. team-a=40%")?;
+                    kv_common::quota::Quota::parse(q).map_err(|e| format!("--set: {e}"))?;
+                    Some((t.trim(), Some(q.trim())))
+                }
+                (None, Some(t)) => Some((t.as_str(), None)),
+                (None, None) => None,
+            };
+            cluster::tenants(&mds, &group, change, timeout, cli.json)
         }
         Cmd::Stat { all: true, mds, group, members, tenants, .. } => {
             let timeout = Duration::from_millis(cli.timeout_ms);
