@@ -145,3 +145,161 @@ fn two_tenants_sending_the_same_keys_never_touch_each_others_pages() {
     assert_eq!(sized(&after), sized(&before), "per-tenant bytes and records after a restart");
     assert!(sized(&before).iter().any(|t| t.0 == "team-a"), "{before:?}");
 }
+
+/// Quotas end to end (docs/DEPLOY.md, "Tenants"): an admin gives two
+/// tenants half of every node each (`kvctl tenants --set`; an engine's
+/// token gets a 403); tenant A writes three times the group's capacity
+/// while tenant B reads its working set, a fifth of it, throughout. B
+/// keeps every page and misses none (a read that times out on this small
+/// machine is counted, and must stay under 0.1 %); A evicts its own. A
+/// holds more than its half while B leaves it idle, and B's next writes
+/// take that back without B losing a page.
+#[test]
+fn a_flooding_tenant_evicts_its_own_pages_and_lends_back() {
+    const PAGE: usize = 256 << 10;
+    let t = tempfile::tempdir().unwrap();
+    let table = write(
+        t.path(),
+        "group.tokens",
+        "a-token role=engine tenant=team-a\n\
+         b-token role=engine tenant=team-b\n\
+         adm     role=admin\n\
+         nodes   role=node\n",
+    );
+    let etcd = Etcd::start(t.path().to_path_buf());
+    let mds = Mds::start_with("127.0.0.1:0", &etcd.endpoint(), "3s", &["--group-token-file", &format!("g={table}")]);
+    // 3 nodes of 16 MiB: the group holds 48 MiB.
+    let nodes: Vec<Node> = (1..=3)
+        .map(|i| {
+            let id = format!("n{i}");
+            let d = t.path().join(&id);
+            let args = ["--no-sync", "--cap", "16M", "--auth-token-file", table.as_str()];
+            Node::member("kv-server", "127.0.0.1:0", d.to_str().unwrap(), &mds.addr, "g", &id, &args)
+        })
+        .collect();
+    let files: Vec<String> =
+        ["a-token", "b-token", "adm", "nodes"].iter().map(|n| write(t.path(), &format!("{n}.file"), n)).collect();
+    let kvctl = |token: &str, args: &[&str]| {
+        let mut full = vec!["--auth-token-file", token, "--admin-token-file", token, "tenants", "--mds", &mds.addr];
+        full.extend_from_slice(&["--group", "g"]);
+        full.extend_from_slice(args);
+        kv_e2e::run("kvctl", &full)
+    };
+    // An engine cannot set a quota; a share that does not parse is one
+    // line; kv-mds refuses one too, and keeps what it had.
+    let (code, out, err) = kvctl(&files[0], &["--set", "team-a=50%"]);
+    assert_ne!(code, 0, "{out}{err}");
+    assert!(err.contains("not allowed") && err.contains("admin credential"), "{err}");
+    let (code, _, err) = kvctl(&files[2], &["--set", "team-a=150%"]);
+    assert!(code != 0 && err.lines().count() == 1 && err.contains("at most 100%"), "{err}");
+    let adm = kv_common::auth::Token::new(b"adm").unwrap();
+    let mut mc = kv_common::mds::MdsClient::from_csv(&mds.addr, Duration::from_secs(3)).unwrap().with_token(Some(adm));
+    let refused = mc.set_quota("g", "team-a", Some("-1G")).unwrap_err();
+    assert!(refused.to_string().contains("quota"), "{refused}");
+    for share in ["team-a=50%", "team-b=50%"] {
+        let (code, out, err) = kvctl(&files[2], &["--set", share]);
+        assert_eq!(code, 0, "{out}{err}");
+    }
+    let (code, out, _) = kvctl(&files[0], &[]);
+    assert!(code == 0 && out.contains("team-a") && out.contains("50%"), "an engine reads the quotas: {out}");
+    let stats = |addr: &str| {
+        let tok = kv_common::auth::Token::new(b"nodes").unwrap();
+        kvclient::Conn::connect_with(addr, Duration::from_secs(2), Some(&tok)).unwrap().stats().unwrap()
+    };
+    let tenant = |name: &str| -> kv_common::stats::TenantStats {
+        let mut sum = kv_common::stats::TenantStats::default();
+        for n in &nodes {
+            for s in stats(&n.addr).tenants.into_iter().filter(|s| s.tenant == name) {
+                sum.quota += s.quota;
+                sum.bytes += s.bytes;
+                sum.objects += s.objects;
+                sum.evictions += s.evictions;
+                sum.evicted_for_others += s.evicted_for_others;
+                sum.hits += s.hits;
+                sum.misses += s.misses;
+                sum.puts += s.puts;
+            }
+        }
+        sum
+    };
+    wait_until(Duration::from_secs(20), "every node to follow the group's quotas", || {
+        (tenant("team-a").quota == 24 << 20 && tenant("team-b").quota == 24 << 20).then_some(())
+    });
+
+    let client = |token: &str| {
+        let f = write(t.path(), &format!("{token}.client"), token);
+        let o = Options::parse(&format!("auth_token_file={f},io_timeout_ms=3000,connect_timeout_ms=1000")).unwrap();
+        let c = BlockingClient::new(Vec::new(), geo(), o).unwrap();
+        assert!(c.start_discovery(vec![mds.addr.clone()], "g".into(), Duration::from_millis(500)).unwrap().is_ok());
+        wait_until(Duration::from_secs(20), "the client to route to 3 nodes", || {
+            (c.core.topology().nodes.len() == nodes.len()).then_some(())
+        });
+        c
+    };
+    let (a, b) = (client("a-token"), client("b-token"));
+    let big = |seed: usize| -> Vec<u8> { (0..PAGE).map(|i| (i ^ seed.wrapping_mul(31)) as u8).collect() };
+    // B's working set: 38 pages of 256 KiB, a fifth of the group.
+    let b_keys: Vec<String> = (0..38).map(|i| format!("b-set/{i}")).collect();
+    for (i, k) in b_keys.iter().enumerate() {
+        assert_eq!(b.putv(k.as_bytes(), &[&big(i)]), Status::Ok);
+    }
+    // A floods 3 x 48 MiB while B reads its set throughout.
+    let done = std::sync::atomic::AtomicBool::new(false);
+    let (reads, misses, timeouts) = std::thread::scope(|s| {
+        s.spawn(|| {
+            let p = big(7);
+            for i in 0..576 {
+                let st = a.putv(format!("a-flood/{i}").as_bytes(), &[&p]);
+                assert!(matches!(st, Status::Ok | Status::Timeout), "A's put {i}: {st:?}");
+            }
+            done.store(true, std::sync::atomic::Ordering::SeqCst);
+        });
+        let (mut reads, mut misses, mut timeouts) = (0u64, 0u64, 0u64);
+        let mut buf = vec![0u8; PAGE];
+        while !done.load(std::sync::atomic::Ordering::SeqCst) {
+            for (i, k) in b_keys.iter().enumerate() {
+                reads += 1;
+                match b.getv(k.as_bytes(), &mut [&mut buf[..]]) {
+                    Ok(n) => assert!(n == PAGE && buf == big(i), "B's page {k} is its own"),
+                    Err((Status::Timeout, _)) => timeouts += 1,
+                    Err((st, _)) => {
+                        misses += 1;
+                        eprintln!("B's read of {k}: {st:?}");
+                    }
+                }
+            }
+        }
+        (reads, misses, timeouts)
+    });
+    eprintln!("B: {reads} reads while A flooded, {misses} misses, {timeouts} timeouts");
+    assert_eq!(misses, 0, "B misses none of its pages while A floods");
+    assert!(timeouts * 1000 <= reads, "{timeouts} of {reads} timed out");
+    assert!(reads >= b_keys.len() as u64, "B read throughout");
+    let refs: Vec<&[u8]> = b_keys.iter().map(|k| k.as_bytes()).collect();
+    assert!(b.batch_exist(&refs).iter().all(|s| *s == Status::Ok), "every one of B's pages is stored");
+    let (ta, tb) = (tenant("team-a"), tenant("team-b"));
+    assert!(ta.evictions > 300 && ta.evicted_for_others == 0, "A evicts its own: {ta:?}");
+    assert_eq!((tb.evictions, tb.misses, tb.objects), (0, 0, 38), "{tb:?}");
+    assert!(ta.puts >= 570 && tb.hits >= reads - timeouts, "{ta:?} {tb:?}");
+    // With B idle above its pages, A holds more than its half.
+    assert!(ta.bytes > 30 << 20, "A borrows B's idle share: {ta:?}");
+    // B's next writes (19 pages more) take the room back.
+    for i in 38..57 {
+        assert_eq!(b.putv(format!("b-set/{i}").as_bytes(), &[&big(i)]), Status::Ok);
+    }
+    let (ta, tb) = (tenant("team-a"), tenant("team-b"));
+    assert!(ta.evicted_for_others >= 19, "{ta:?}");
+    assert_eq!((tb.evictions, tb.objects), (0, 57), "{tb:?}");
+    assert!(b.batch_exist(&refs).iter().all(|s| *s == Status::Ok));
+    // kvctl shows the quotas and the counts per node and in total.
+    let args = ["--auth-token-file", &files[3], "stat", "--all", "--mds", &mds.addr, "--group", "g", "--tenants"];
+    let (code, out, err) = kv_e2e::run("kvctl", &args);
+    assert_eq!(code, 0, "{out}{err}");
+    assert!(out.contains("QUOTA") && out.contains("FOR OTHERS") && out.contains("8.0 MiB"), "{out}");
+    // Removing a quota: nodes follow; the tenant then borrows like any.
+    let (code, out, err) = kvctl(&files[2], &["--unset", "team-a"]);
+    assert!(code == 0 && !out.contains("team-a"), "{out}{err}");
+    wait_until(Duration::from_secs(20), "every node to drop team-a's quota", || {
+        (tenant("team-a").quota == 0).then_some(())
+    });
+}
