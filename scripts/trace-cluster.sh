@@ -11,7 +11,9 @@
 #
 # NODES (environment, default 3) is the group's size at `up`; NODE_ARGS
 # (environment, at `up`) are more kv-server flags for every node started
-# (a memory tier: NODE_ARGS="--mem-cap 64M").
+# (a memory tier: NODE_ARGS="--mem-cap 64M"); MDS_ARGS more kv-mds flags (a
+# credential table: MDS_ARGS="--group-token-file trace=FILE"; kvctl then
+# needs KVCELLAR_AUTH_TOKEN_FILE).
 # SCALE divides the membership clocks (lease TTL 30 s, drain 30 s, handoff
 # window HANDOFF_SECS) as the replay's --speed divides trace time. Nodes
 # listen on ports picked at `up` and kept, so a restarted node comes back at
@@ -108,7 +110,7 @@ case $cmd in
     done
     curl -sf "http://127.0.0.1:$cport/health" >/dev/null || { echo "etcd did not come up; see $work/etcd.log" >&2; exit 1; }
     "$bin/kv-mds" --listen 127.0.0.1:0 --etcd "127.0.0.1:$cport" --lease-ttl "$(cat "$state/ttl")s" \
-      --handoff-secs "$(cat "$state/handoff")" >"$work/mds.out" 2>"$work/mds.log" &
+      --handoff-secs "$(cat "$state/handoff")" ${MDS_ARGS:-} >"$work/mds.out" 2>"$work/mds.log" &
     echo $! >"$state/mds.pid"
     await_line "$work/mds.out" $! kv-mds
     sed -n 's/^kv-mds listening on //p' "$work/mds.out" >"$state/mds"
