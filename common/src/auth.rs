@@ -298,6 +298,9 @@ fn parse_line(line: &str) -> Result<Credential, String> {
         if !valid_name(v) {
             return Err(format!("{k} {v:?} must be 1-64 of A-Z a-z 0-9 . _ -"));
         }
+        if k == "tenant" && v == crate::quota::DEFAULT_TENANT {
+            return Err("tenant=default names the default tenant: leave tenant= out".into());
+        }
         if slot.replace(v.to_string()).is_some() {
             return Err(format!("{k} is given twice"));
         }
@@ -513,6 +516,7 @@ mod tests {
             ("t1 role=engine tenant=a/b", "tenant \"a/b\" must be"),
             ("t1 role=engine color=red", "\"color\" is not role, tenant or node"),
             ("t1 role=engine role=admin", "role is given twice"),
+            ("t1 role=engine tenant=default", "leave tenant= out"),
             ("# nothing here\n", "no credential"),
         ] {
             let e = Credentials::parse(text.as_bytes()).unwrap_err();

@@ -2,7 +2,7 @@
 //! of a node, as bytes (`200G`) or as a part of the node's capacity
 //! (`40%`). One table format serves the node's TOML (`[quotas]`), its
 //! `--quotas` flag, kv-mds (a group's setting, kept in etcd as the JSON
-//! object of the same strings) and `kvctl tenants set`.
+//! object of the same strings) and `kvctl tenants --set`.
 //!
 //! A node splits a tenant's share across its disks (and its memory tier)
 //! by capacity; a tenant over its share evicts its own least recently used
@@ -13,8 +13,7 @@ use std::collections::BTreeMap;
 
 use crate::size::{format_size, parse_size};
 
-/// Most tenants a quota table names. A node keeps an order list per
-/// tenant with a share, so the bound keeps one eviction's choice cheap.
+/// Most tenants a quota table names.
 pub const MAX_QUOTAS: usize = 256;
 
 /// The name the default tenant (every credential naming none) goes by.
@@ -74,7 +73,11 @@ impl std::fmt::Display for Quota {
             Quota::Bytes(b) if b % (1 << 30) == 0 => write!(f, "{}G", b >> 30),
             Quota::Bytes(b) if b % (1 << 20) == 0 => write!(f, "{}M", b >> 20),
             Quota::Bytes(b) => write!(f, "{b}"),
-            Quota::Part(p) => write!(f, "{}%", p * 100.0),
+            Quota::Part(p) => {
+                // Six decimals of a percent: 0.07 prints 7%, not 7.000000000000001%.
+                let pct = (p * 100.0 * 1e6).round() / 1e6;
+                write!(f, "{}%", if pct > 0.0 { pct } else { p * 100.0 })
+            }
         }
     }
 }
@@ -182,6 +185,8 @@ mod tests {
         assert_eq!(Quota::parse("0.25").unwrap(), Quota::Part(0.25));
         assert_eq!(Quota::parse("200G").unwrap(), Quota::Bytes(200 << 30));
         assert_eq!(Quota::parse("1").unwrap(), Quota::Bytes(1));
+        assert_eq!(Quota::parse("7%").unwrap().to_string(), "7%");
+        assert_eq!(Quota::parse("0.29").unwrap().to_string(), "29%");
         for bad in ["0%", "101%", "-3%", "abc", "0", "1.5x", "nan%"] {
             let e = Quota::parse(bad).unwrap_err();
             assert!(e.starts_with("quota "), "{e}");

@@ -98,7 +98,7 @@ pub struct Cli {
     /// Do not push pages to their new owners while draining (with --mds, a draining node pushes its pages, most recently used first, to the owners in the group it left, until the drain ends).
     #[arg(long)]
     pub no_drain_push: bool,
-    /// Tenants' shares of this node, TENANT=SHARE comma separated, a share being bytes (200G) or a part of the node (40%): a tenant over its share evicts its own pages first; what it leaves unused is lent to the others (docs/DEPLOY.md, "Tenants"). For nodes without --mds; a node in a group follows the group's quotas (`kvctl tenants set`) (default: none, one LRU for all).
+    /// Tenants' shares of this node, TENANT=SHARE comma separated, a share being bytes (200G) or a part of the node (40%): a tenant over its share evicts its own pages first; what it leaves unused is lent to the others (docs/DEPLOY.md, "Tenants"). For nodes without --mds; a node in a group follows the group's quotas (`kvctl tenants --set`) (default: none, one LRU for all).
     #[arg(long)]
     pub quotas: Option<String>,
 }

@@ -23,7 +23,7 @@ const CALL_TIMEOUT: Duration = Duration::from_secs(3);
 /// Longest pause between registration attempts while no MDS answers.
 const MAX_BACKOFF: Duration = Duration::from_secs(5);
 /// How often a node reads its group's quotas (with a heartbeat): a quota
-/// set with `kvctl tenants set` is in force on every node within about
+/// set with `kvctl tenants --set` is in force on every node within about
 /// this and a heartbeat period.
 pub const QUOTA_POLL: Duration = Duration::from_secs(2);
 
@@ -240,7 +240,9 @@ impl Quotas {
         let got = match mds.quotas(group) {
             Ok(r) => kv_common::quota::Quotas::from_strings(&r.quotas),
             // An MDS of an earlier release has no tenants call: no quotas.
-            Err(MdsError::Rejected(m)) if m.contains("no such call") => Ok(Default::default()),
+            Err(MdsError::Rejected(m) | MdsError::NotRegistered(m)) if m.contains("no such call") => {
+                Ok(Default::default())
+            }
             Err(e) => Err(e.to_string()),
         };
         match got {

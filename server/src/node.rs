@@ -79,7 +79,7 @@ impl Node {
         if !cfg.quotas.is_empty() {
             if cfg.membership.is_some() {
                 tracing::warn!(
-                    "--quotas is for nodes without --mds: this node follows its group's quotas (kvctl tenants set)"
+                    "--quotas is for nodes without --mds: this node follows its group's quotas (kvctl tenants --set)"
                 );
             } else {
                 for w in store.set_quotas(&cfg.quotas) {

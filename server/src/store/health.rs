@@ -353,6 +353,11 @@ impl Store {
             *dd = DownDeletes::default();
         }
         *w = Arc::new(view);
+        // Quotas set while these disks were scanned reached only the disks
+        // then in service: give the revived ones the shares in force now.
+        for d in w.live() {
+            d.set_shares(self.disk_shares(d.cap()));
+        }
         n
     }
 }

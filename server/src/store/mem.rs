@@ -71,10 +71,15 @@ impl MemTier {
         let putter = tenant_of(key);
         while g.used + size > self.cap {
             let victim = g.shares.victim(putter, size).map(|v| v.key);
-            let old = match victim {
-                Some(k) => g.lru.pop_entry(&k[..]),
-                None => g.lru.pop_lru(),
-            };
+            let named = victim.and_then(|k| {
+                let e = g.lru.pop_entry(&k[..]);
+                if e.is_none() {
+                    // Never expected (the lists follow the LRU): forget it.
+                    g.shares.left(tenant_of(&k), &k);
+                }
+                e
+            });
+            let old = named.or_else(|| g.lru.pop_lru());
             match old {
                 Some((k, old)) => {
                     g.used -= old.capacity() as u64;

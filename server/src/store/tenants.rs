@@ -88,8 +88,15 @@ impl TenantOps {
         if tenant == crate::tenant::DEFAULT {
             return f(&self.default);
         }
-        if let Some(c) = self.named.read().unwrap_or_else(|e| e.into_inner()).get(&tenant) {
-            return f(c);
+        {
+            let named = self.named.read().unwrap_or_else(|e| e.into_inner());
+            if let Some(c) = named.get(&tenant) {
+                return f(c);
+            }
+            if named.len() >= MAX_COUNTED {
+                drop(named);
+                return f(&self.other);
+            }
         }
         let mut named = self.named.write().unwrap_or_else(|e| e.into_inner());
         if named.len() >= MAX_COUNTED && !named.contains_key(&tenant) {

@@ -229,11 +229,17 @@ impl State {
     /// the least recently used, or with tenants' shares the one they name
     /// (super::shares).
     fn evict_for(&mut self, putter: u32, need: u64) -> Option<(Arc<[u8]>, Entry)> {
-        let (k, e, for_another) = match self.shares.victim(putter, need) {
-            Some(v) => {
-                let e = self.index.pop(&v.key[..])?;
-                (v.key, e, v.for_another)
+        let named = self.shares.victim(putter, need).and_then(|v| match self.index.pop(&v.key[..]) {
+            Some(e) => Some((v.key, e, v.for_another)),
+            None => {
+                // Never expected: the lists follow the index. Forget the
+                // key and fall back to the index's LRU rather than fail.
+                self.shares.left(crate::tenant::split(&v.key).0, &v.key);
+                None
             }
+        });
+        let (k, e, for_another) = match named {
+            Some(n) => n,
             None => {
                 let (k, e) = self.index.pop_lru()?;
                 let other = crate::tenant::split(&k).0 != putter;
@@ -259,6 +265,11 @@ impl State {
         let e = self.index.get_mut(key)?;
         e.used = now;
         Some(e)
+    }
+
+    /// Whether eviction depends on which tenant puts (tenants' shares).
+    fn by_tenant(&self) -> bool {
+        self.shares.active()
     }
 
     /// Sets the tenants' shares of this disk (bytes by tenant id; empty: off).

@@ -271,8 +271,13 @@ impl Disk {
             if total > self.cap {
                 return None;
             }
-            // One connection's batch: one tenant's keys.
+            // Under tenants' shares, room is made for one tenant's put at a
+            // time: a run of several tenants' records (the write-behind
+            // flushers' queue mixes them) is written one by one.
             let putter = crate::tenant::split(items[fresh[0]].1).0;
+            if st.by_tenant() && fresh.iter().any(|&i| crate::tenant::split(items[i].1).0 != putter) {
+                return None;
+            }
             while st.used + total > self.cap {
                 if !self.evict_one(&mut st, putter, total) {
                     return None;
