@@ -53,6 +53,8 @@ pub struct DataConn {
     broken: bool,
     /// Taken from a pool's idle list (its node may have closed it since).
     pub reused: bool,
+    /// The tenant the node bound it to at the hello (0: the credential's).
+    tenant: u32,
 }
 
 fn err(msg: String) -> io::Error {
@@ -67,16 +69,36 @@ impl DataConn {
         connect_timeout: Duration,
         io_timeout: Duration,
     ) -> io::Result<DataConn> {
+        DataConn::connect_for(addr, token, 0, connect_timeout, io_timeout)
+    }
+
+    /// As [`DataConn::connect`], acting for `tenant` (not 0: `token` is a
+    /// node's or an admin's). A node that does not bind the connection to
+    /// it (an earlier release) is an error of kind `Unsupported`: nothing
+    /// is sent that it would keep as the credential's tenant's.
+    pub fn connect_for(
+        addr: &str,
+        token: Option<&[u8]>,
+        tenant: u32,
+        connect_timeout: Duration,
+        io_timeout: Duration,
+    ) -> io::Result<DataConn> {
         let sa = addr.to_socket_addrs()?.next().ok_or_else(|| err(format!("{addr} resolves to no address")))?;
         let s = TcpStream::connect_timeout(&sa, connect_timeout)?;
         s.set_nodelay(true)?;
         let mut socket = Blocking::new(s, io_timeout)?;
         let mut hb = [0u8; HELLO_LEN];
         block_on(async {
-            socket.write_parts(&[&wire::client_hello(WIRE_VERSION, token)]).await?;
+            socket.write_parts(&[&wire::client_hello_for(WIRE_VERSION, token, tenant)]).await?;
             socket.read_exact(&mut hb).await
         })?;
         let reply = Hello::decode(&hb).map_err(|e| err(format!("{addr}: {e}")))?;
+        if tenant != 0 && reply.status == wire::HELLO_ACCEPTED {
+            return Err(io::Error::new(
+                io::ErrorKind::Unsupported,
+                format!("{addr} does not take pages for a tenant (an earlier release)"),
+            ));
+        }
         match wire::judge_hello(WIRE_VERSION, &reply) {
             HelloVerdict::Accepted { max_record } => Ok(DataConn {
                 link: driver::Conn::new(socket, max_record, WIRE_VERSION),
@@ -85,6 +107,7 @@ impl DataConn {
                 in_flight: 0,
                 broken: false,
                 reused: false,
+                tenant,
             }),
             HelloVerdict::Denied => Err(err(format!("{addr} refused this node's auth token"))),
             HelloVerdict::Retry(v) => Err(err(format!("{addr} speaks protocol v{v} only"))),
@@ -178,23 +201,33 @@ impl ConnPool {
 
     /// An idle connection to `addr` (marked `reused`), else a new one.
     pub fn take(&self, addr: &str) -> io::Result<DataConn> {
+        self.take_for(addr, 0)
+    }
+
+    /// As [`ConnPool::take`], acting for `tenant` ([`DataConn::connect_for`]).
+    pub fn take_for(&self, addr: &str, tenant: u32) -> io::Result<DataConn> {
         {
             let mut idle = self.idle.lock().unwrap_or_else(|e| e.into_inner());
-            if let Some(i) = idle.iter().rposition(|c| c.addr == addr) {
+            if let Some(i) = idle.iter().rposition(|c| c.addr == addr && c.tenant == tenant) {
                 if let Some(mut c) = idle.remove(i) {
                     c.reused = true;
                     return Ok(c);
                 }
             }
         }
-        DataConn::connect(addr, self.token.as_deref(), self.connect_timeout, self.io_timeout)
+        DataConn::connect_for(addr, self.token.as_deref(), tenant, self.connect_timeout, self.io_timeout)
     }
 
     /// A new connection to `addr`, never an idle one (after a reused one
     /// failed: its node may have closed it while it sat idle).
     pub fn fresh(&self, addr: &str) -> io::Result<DataConn> {
+        self.fresh_for(addr, 0)
+    }
+
+    /// As [`ConnPool::fresh`], acting for `tenant`.
+    pub fn fresh_for(&self, addr: &str, tenant: u32) -> io::Result<DataConn> {
         self.drop_idle(addr);
-        DataConn::connect(addr, self.token.as_deref(), self.connect_timeout, self.io_timeout)
+        DataConn::connect_for(addr, self.token.as_deref(), tenant, self.connect_timeout, self.io_timeout)
     }
 
     /// Gives a connection back for reuse; one with answers still owed, or
@@ -272,6 +305,20 @@ mod tests {
         let c = pool.take(&addr).unwrap();
         assert!(c.reused);
         drop(c);
+        t.join().unwrap();
+    }
+
+    #[test]
+    fn a_node_that_does_not_act_for_a_tenant_gets_nothing_of_its() {
+        // The stand-in answers HELLO_ACCEPTED, as an earlier release does to
+        // a hello naming a tenant: refused before any request, as Unsupported.
+        let (addr, t) = echo_node(2);
+        let pool = ConnPool::new(2, None, Duration::from_secs(2), Duration::from_secs(2));
+        let e = pool.take_for(&addr, 7).err().expect("refused");
+        assert_eq!(e.kind(), io::ErrorKind::Unsupported, "{e}");
+        assert!(e.to_string().contains("does not take pages for a tenant"), "{e}");
+        // The default tenant's connection is as before.
+        assert!(pool.take(&addr).is_ok());
         t.join().unwrap();
     }
 

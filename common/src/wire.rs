@@ -36,6 +36,11 @@ pub const HELLO_DENIED: u16 = 2;
 /// Node hello status: the node is at its connection cap (`--max-conns`);
 /// it closes. Try again later or treat the node as unavailable.
 pub const HELLO_BUSY: u16 = 3;
+/// Node hello status (v3 and later): accepted, and bound to the tenant the
+/// client's hello named; only a node or admin credential may name one (a
+/// node's drain push of a tenant's pages). A node of an earlier release
+/// answers [`HELLO_ACCEPTED`] and binds the credential's tenant instead.
+pub const HELLO_ACCEPTED_FOR_TENANT: u16 = 4;
 /// Bytes of each hello.
 pub const HELLO_LEN: usize = 16;
 /// Bytes of a frame header (request or response).
@@ -278,13 +283,17 @@ impl Hello {
 /// What a client sends to open a connection at `version`: the hello, and
 /// from v2 the token after it (its length in the hello's status field).
 ///
-/// From v3 the client's bytes 8..12 carry its tenant id (0: none; nodes of
-/// this release read it and do nothing with it yet) and bytes 12..16 are
-/// reserved (0); before v3 all eight bytes are 0.
+/// From v3 the client's bytes 8..12 carry a tenant id (0: none) and bytes
+/// 12..16 are reserved (0); before v3 all eight bytes are 0.
 pub fn client_hello(version: u16, token: Option<&[u8]>) -> Vec<u8> {
+    client_hello_for(version, token, 0)
+}
+
+/// [`client_hello`] naming `tenant` (v3 and later): a node or admin
+/// credential acting for that tenant ([`HELLO_ACCEPTED_FOR_TENANT`]).
+pub fn client_hello_for(version: u16, token: Option<&[u8]>, tenant: u32) -> Vec<u8> {
     let token = if version >= 2 { token.unwrap_or(&[]) } else { &[] };
     let len = token.len().min(crate::auth::MAX_TOKEN_LEN);
-    let tenant: u32 = 0;
     let room = if version >= WIRE_VERSION_BATCH { u64::from(tenant) } else { 0 };
     let mut b = Hello { version, status: len as u16, max_record: room }.encode().to_vec();
     b.extend_from_slice(&token[..len]);
@@ -307,7 +316,7 @@ pub enum HelloVerdict {
 /// Judges the node's `reply` to a hello sent at version `sent`.
 pub fn judge_hello(sent: u16, reply: &Hello) -> HelloVerdict {
     match reply.status {
-        HELLO_ACCEPTED => HelloVerdict::Accepted { max_record: reply.max_record },
+        HELLO_ACCEPTED | HELLO_ACCEPTED_FOR_TENANT => HelloVerdict::Accepted { max_record: reply.max_record },
         HELLO_VERSION_REFUSED if reply.version < sent && reply.version >= WIRE_VERSION_MIN => {
             HelloVerdict::Retry(reply.version)
         }
@@ -1257,6 +1266,10 @@ mod tests {
 
     #[test]
     fn a_v3_hello_has_room_for_a_tenant_and_older_ones_keep_their_zeros() {
+        let named = Hello::decode(client_hello_for(3, Some(b"tok"), 0xABCD)[..HELLO_LEN].try_into().unwrap()).unwrap();
+        assert_eq!(named.max_record, 0xABCD, "a tenant named in bytes 8..12");
+        let acting = Hello { version: 3, status: HELLO_ACCEPTED_FOR_TENANT, max_record: 9 };
+        assert_eq!(judge_hello(3, &acting), HelloVerdict::Accepted { max_record: 9 });
         let v3 = client_hello(3, Some(b"tok"));
         assert_eq!(&v3[..16], &[0x4b, 0x56, 0x43, 0x57, 3, 0, 3, 0, 0, 0, 0, 0, 0, 0, 0, 0]);
         assert_eq!(&v3[16..], b"tok");

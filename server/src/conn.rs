@@ -77,7 +77,7 @@ pub async fn serve(conn: kv_common::listen::Accepted, shared: Arc<Shared>) {
     let mut rd = BufReader::with_capacity(8 * 1024, rd);
     let mut wr = BufWriter::with_capacity(WRITE_BUFFER, wr);
     let tenant = match handshake(&mut rd, &mut wr, &shared, peer, &opening).await {
-        Ok(Greeted::Accepted(tenant)) => tenant,
+        Ok(Greeted::Accepted(tenant, _)) => tenant,
         Ok(Greeted::Denied | Greeted::Closed) => return,
         Ok(Greeted::Busy) => {
             // Close after the peer's FIN, so the answer is not lost to a
@@ -179,8 +179,9 @@ async fn serve_frames(
 
 /// How a hello ended (each but an error was answered).
 enum Greeted {
-    /// Admitted, bound to this tenant (crate::tenant; 0: the default).
-    Accepted(u32),
+    /// Admitted, bound to this tenant (crate::tenant; 0: the default);
+    /// true when it is the one the hello named (a node acting for it).
+    Accepted(u32, bool),
     /// A missing or wrong token: the caller closes.
     Denied,
     /// The node is at its connection cap: the caller closes gracefully.
@@ -218,25 +219,34 @@ async fn handshake(
     let mut offered = vec![0u8; token_len];
     read_exact_by(rd, &mut offered, deadline).await?;
     // The tenant is the credential's: what the hello's own tenant field
-    // says is not taken (docs/PROTOCOL.md §2.1).
+    // says is taken only from a node or admin credential, acting for that
+    // tenant (a draining node's push; docs/PROTOCOL.md §2.1).
+    let named = if version >= kv_common::wire::WIRE_VERSION_BATCH { hello.max_record as u32 } else { 0 };
     let allowed = match &shared.token {
-        None => Some(crate::tenant::DEFAULT),
+        None => Some((crate::tenant::DEFAULT, false)),
         // A v1 hello carries no token: a node with a token refuses it (the
         // client then says hello in v2).
-        Some(t) => t.get().find(&offered).filter(|_| version >= 2).map(|c| c.tenant_id()),
+        Some(t) => t.get().find(&offered).filter(|_| version >= 2).map(|c| match c.role {
+            kv_common::auth::Role::Node | kv_common::auth::Role::Admin if named != 0 => (named, true),
+            _ => (c.tenant_id(), false),
+        }),
     };
     use kv_common::listen::Admission;
     let greeted = match allowed {
         None => Greeted::Denied,
-        Some(tenant) => match opening.admit() {
-            Admission::Admitted => Greeted::Accepted(tenant),
+        Some((tenant, acting)) => match opening.admit() {
+            Admission::Admitted => Greeted::Accepted(tenant, acting),
             Admission::Full => Greeted::Busy,
             // Closed to make room, or the node is stopping: no answer.
             Admission::Closed => return Ok(Greeted::Closed),
         },
     };
     let reply = match greeted {
-        Greeted::Accepted(_) => Hello { version, status: HELLO_ACCEPTED, max_record: shared.limits.max_record },
+        Greeted::Accepted(_, acting) => Hello {
+            version,
+            status: if acting { kv_common::wire::HELLO_ACCEPTED_FOR_TENANT } else { HELLO_ACCEPTED },
+            max_record: shared.limits.max_record,
+        },
         // A refused v1 client is told the newest version, which carries a
         // token (a v1 client then prints "node speaks protocol v3").
         Greeted::Denied => Hello { version: WIRE_VERSION, status: HELLO_DENIED, max_record: shared.limits.max_record },
@@ -254,10 +264,10 @@ async fn handshake(
             shared.refused.fetch_add(1, Ordering::Relaxed);
             log_busy(peer);
         }
-        Greeted::Accepted(_) if version < 2 => {
+        Greeted::Accepted(..) if version < 2 => {
             shared.v1_accepted.fetch_add(1, Ordering::Relaxed);
         }
-        Greeted::Accepted(_) | Greeted::Closed => {}
+        Greeted::Accepted(..) | Greeted::Closed => {}
     }
     wr.write_all(&reply.encode()).await?;
     wr.flush().await?;

@@ -194,25 +194,12 @@ pub fn push_pages(
     );
     let mut queues: Vec<Queue> =
         members.iter().map(|_| Queue { keys: Vec::new(), next: 0, active: 0, dead: false }).collect();
-    // A tenant's pages stay (a push would store them in the default
-    // tenant's namespace: the owner takes a node's credential as the
-    // default tenant's). Owners are the client's keys' (crate::tenant).
-    let mut tenants = 0u64;
+    // Owners are the client's keys' (crate::tenant); a tenant's pages go
+    // on connections acting for it, in batches of one tenant's pages.
     for (rank, k) in store.keys_by_recency().into_iter().enumerate() {
-        let (tenant, own) = crate::tenant::split(&k);
-        if tenant != crate::tenant::DEFAULT {
-            tenants += 1;
-            continue;
-        }
-        if let Some(i) = ring.owner(own) {
+        if let Some(i) = ring.owner(crate::tenant::client_key(&k)) {
             queues[i].keys.push((rank.min(u32::MAX as usize) as u32, k));
         }
-    }
-    if tenants > 0 {
-        tracing::warn!(
-            pages = tenants,
-            "drain: tenants' pages are not pushed (the default tenant's only): their keys miss once this node is gone"
-        );
     }
     let tally: Vec<OwnerTally> = members
         .iter()
@@ -294,7 +281,14 @@ fn worker(
                 }
             };
             let q = &mut s.queues[o];
-            let end = (q.next + BATCH).min(q.keys.len());
+            // One tenant's pages a batch (they go on a connection acting
+            // for it), in the queue's order.
+            let tenant = crate::tenant::split(&q.keys[q.next].1).0;
+            let end = q.keys[q.next..]
+                .iter()
+                .take(BATCH)
+                .position(|(_, k)| crate::tenant::split(k).0 != tenant)
+                .map_or((q.next + BATCH).min(q.keys.len()), |n| q.next + n);
             let batch: Vec<Arc<[u8]>> = q.keys[q.next..end].iter().map(|(_, k)| k.clone()).collect();
             q.next = end;
             q.active += 1;
@@ -306,7 +300,8 @@ fn worker(
             s.requeue(o);
             (o, batch)
         };
-        let out = push_batch(store, h, pool, &members[o].addr, &batch, stop);
+        let tenant = batch.first().map_or(crate::tenant::DEFAULT, |k| crate::tenant::split(k).0);
+        let out = push_batch(store, h, pool, &members[o].addr, tenant, &batch, stop);
         let mut s = lock.lock().unwrap_or_else(|e| e.into_inner());
         let ended = stop();
         let t = &mut s.tally[o];
@@ -365,15 +360,21 @@ fn push_batch(
     h: &Handoff,
     pool: &ConnPool,
     addr: &str,
+    tenant: u32,
     keys: &[Arc<[u8]>],
     stop: &dyn Fn() -> bool,
 ) -> BatchOut {
-    let failed = |e: std::io::Error| BatchOut {
-        unanswered: keys.len() as u64,
-        error: Some(e.to_string()),
-        ..Default::default()
+    let failed = |e: std::io::Error| {
+        if e.kind() == std::io::ErrorKind::Unsupported {
+            // An owner of an earlier release cannot keep a tenant's pages
+            // apart: they are left (misses there), the owner is not.
+            static LOGGED: std::sync::Once = std::sync::Once::new();
+            LOGGED.call_once(|| tracing::warn!(error = %e, "drain: a tenant's pages are not pushed to this owner"));
+            return BatchOut { unsent: keys.len() as u64, ..Default::default() };
+        }
+        BatchOut { unanswered: keys.len() as u64, error: Some(e.to_string()), ..Default::default() }
     };
-    let mut conn = match connect(pool, addr, stop, false) {
+    let mut conn = match connect(pool, addr, tenant, stop, false) {
         Ok(c) => c,
         Err(e) => return failed(e),
     };
@@ -383,7 +384,7 @@ fn push_batch(
         matches!(k, UnexpectedEof | ConnectionReset | ConnectionAborted | BrokenPipe)
     });
     if stale && conn.reused && out.pushed + out.refused == 0 && !stop() {
-        conn = match connect(pool, addr, stop, true) {
+        conn = match connect(pool, addr, tenant, stop, true) {
             Ok(c) => c,
             Err(e) => return failed(e),
         };
@@ -400,7 +401,13 @@ const CONNECT_TRIES: u32 = 3;
 
 /// A connection to `addr` (a new one with `fresh`), tried a few times with
 /// a short pause between, never past the drain's end.
-fn connect(pool: &ConnPool, addr: &str, stop: &dyn Fn() -> bool, fresh: bool) -> std::io::Result<DataConn> {
+fn connect(
+    pool: &ConnPool,
+    addr: &str,
+    tenant: u32,
+    stop: &dyn Fn() -> bool,
+    fresh: bool,
+) -> std::io::Result<DataConn> {
     let mut last = None;
     for i in 0..CONNECT_TRIES {
         if i > 0 {
@@ -409,8 +416,9 @@ fn connect(pool: &ConnPool, addr: &str, stop: &dyn Fn() -> bool, fresh: bool) ->
             }
             std::thread::sleep(Duration::from_millis(100 << i));
         }
-        match if fresh || i > 0 { pool.fresh(addr) } else { pool.take(addr) } {
+        match if fresh || i > 0 { pool.fresh_for(addr, tenant) } else { pool.take_for(addr, tenant) } {
             Ok(c) => return Ok(c),
+            Err(e) if e.kind() == std::io::ErrorKind::Unsupported => return Err(e),
             // A hung owner (no hello within the I/O timeout) is not asked again.
             Err(e) if matches!(e.kind(), std::io::ErrorKind::TimedOut | std::io::ErrorKind::WouldBlock) => {
                 return Err(e)

@@ -303,3 +303,72 @@ fn a_flooding_tenant_evicts_its_own_pages_and_lends_back() {
         (tenant("team-a").quota == 0).then_some(())
     });
 }
+
+/// A draining node pushes every tenant's pages to their new owners, each
+/// tenant's on connections acting for it (a node credential naming the
+/// tenant in its hello): once the node is gone each tenant reads its own
+/// pages there, and the same key names of another tenant stay misses.
+#[test]
+fn a_draining_node_pushes_each_tenants_pages_into_its_namespace() {
+    let t = tempfile::tempdir().unwrap();
+    let table = write(
+        t.path(),
+        "group.tokens",
+        "a-token role=engine tenant=team-a\n\
+         b-token role=engine tenant=team-b\n\
+         d-token role=engine\n\
+         nodes   role=node\n",
+    );
+    let etcd = Etcd::start(t.path().to_path_buf());
+    let mds = Mds::start_with("127.0.0.1:0", &etcd.endpoint(), "3s", &["--group-token-file", &format!("g={table}")]);
+    let mut nodes: Vec<Node> = (1..=3)
+        .map(|i| {
+            let id = format!("n{i}");
+            let d = t.path().join(&id);
+            let args = ["--no-sync", "--drain-secs", "4", "--auth-token-file", table.as_str()];
+            Node::member("kv-server", "127.0.0.1:0", d.to_str().unwrap(), &mds.addr, "g", &id, &args)
+        })
+        .collect();
+    let client = |token: &str, n: usize| {
+        let f = write(t.path(), &format!("{token}.file"), token);
+        let o = Options::parse(&format!("auth_token_file={f},io_timeout_ms=3000,connect_timeout_ms=1000")).unwrap();
+        let c = BlockingClient::new(Vec::new(), geo(), o).unwrap();
+        assert!(c.start_discovery(vec![mds.addr.clone()], "g".into(), Duration::from_millis(200)).unwrap().is_ok());
+        wait_until(Duration::from_secs(20), "the client to route to the group", || {
+            (c.core.topology().nodes.len() == n).then_some(())
+        });
+        c
+    };
+    let (a, b) = (client("a-token", 3), client("b-token", 3));
+    let keys: Vec<Vec<u8>> = (0..40).map(|i| format!("drained/{i}").into_bytes()).collect();
+    for k in &keys {
+        assert_eq!(a.putv(k, &[&page(1)]), Status::Ok);
+        assert_eq!(b.putv(k, &[&page(2)]), Status::Ok);
+    }
+    let stats = |addr: &str| {
+        let tok = kv_common::auth::Token::new(b"nodes").unwrap();
+        kvclient::Conn::connect_with(addr, Duration::from_secs(2), Some(&tok)).unwrap().stats().unwrap()
+    };
+    let leaving = nodes.remove(0);
+    let held = stats(&leaving.addr).objects;
+    assert!(held >= 8, "the leaving node holds both tenants' pages: {held}");
+    leaving.signal(libc::SIGTERM);
+    let (status, lines) = leaving.wait_exit_lines(Duration::from_secs(60));
+    assert!(status.success());
+    let closing = lines.iter().find(|l| l.contains("pages pushed to")).expect("the push's closing line");
+    assert!(closing.contains(&format!("{held} of {held} pages pushed")), "{closing}");
+    // A client that knows only the group as it is now: each tenant reads
+    // its own page at the new owners, none of the other's.
+    let (a2, b2, d2) = (client("a-token", 2), client("b-token", 2), client("d-token", 2));
+    let mut buf = vec![0u8; 12_288];
+    for k in &keys {
+        assert_eq!(a2.getv(k, &mut [&mut buf[..]]), Ok(12_288), "A's page after the drain");
+        assert_eq!(buf, page(1));
+        assert_eq!(b2.getv(k, &mut [&mut buf[..]]), Ok(12_288), "B's page after the drain");
+        assert_eq!(buf, page(2));
+        assert_eq!(d2.exist(k), Status::Miss, "the default tenant finds neither");
+    }
+    let per: u64 =
+        nodes.iter().flat_map(|n| stats(&n.addr).tenants).filter(|t| t.tenant == "default").map(|t| t.objects).sum();
+    assert_eq!(per, 0, "nothing landed in the default tenant's namespace");
+}
