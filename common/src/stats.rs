@@ -453,3 +453,18 @@ pub struct TenantStats {
     #[serde(default)]
     pub puts: u64,
 }
+
+impl TenantStats {
+    /// Adds `o`'s figures (its name aside): a tenant over nodes, or the
+    /// tenants summed as `other`.
+    pub fn add(&mut self, o: &TenantStats) {
+        self.bytes += o.bytes;
+        self.objects += o.objects;
+        self.evictions += o.evictions;
+        self.evicted_for_others += o.evicted_for_others;
+        self.quota += o.quota;
+        self.hits += o.hits;
+        self.misses += o.misses;
+        self.puts += o.puts;
+    }
+}

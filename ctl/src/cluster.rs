@@ -181,15 +181,7 @@ pub fn print_tenants(nodes: &[(String, Vec<kv_common::stats::TenantStats>)], tot
     for (node, tenants) in nodes {
         for s in tenants {
             t.add_row(row(node, s));
-            let sum = sums.entry(s.tenant.clone()).or_default();
-            sum.quota += s.quota;
-            sum.bytes += s.bytes;
-            sum.objects += s.objects;
-            sum.evictions += s.evictions;
-            sum.evicted_for_others += s.evicted_for_others;
-            sum.hits += s.hits;
-            sum.misses += s.misses;
-            sum.puts += s.puts;
+            sums.entry(s.tenant.clone()).or_default().add(s);
         }
     }
     if total {

@@ -264,14 +264,7 @@ impl Shared {
             }
             let mut rest = counted_apart.unwrap_or_default();
             for (_, t) in all.iter().skip(MAX_TENANTS_SHOWN) {
-                rest.bytes += t.bytes;
-                rest.objects += t.objects;
-                rest.evictions += t.evictions;
-                rest.evicted_for_others += t.evicted_for_others;
-                rest.quota += t.quota;
-                rest.hits += t.hits;
-                rest.misses += t.misses;
-                rest.puts += t.puts;
+                rest.add(t);
             }
             rest.tenant = "other".into();
             out.push(rest);

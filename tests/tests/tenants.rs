@@ -13,6 +13,13 @@ use kv_e2e::cluster::{wait_until, Etcd, Mds};
 use kv_e2e::Node;
 use kvclient::{BlockingClient, Options};
 
+/// Two tenants' engines, the default tenant's, an admin and the nodes.
+const TABLE: &str = "a-token role=engine tenant=team-a\n\
+                     b-token role=engine tenant=team-b\n\
+                     d-token role=engine\n\
+                     adm     role=admin\n\
+                     nodes   role=node\n";
+
 fn geo() -> Geometry {
     Geometry { model_hash: 21, page_size: 16, dtype_tag: 1, tp_size: 1, ..Geometry::default() }
 }
@@ -29,38 +36,63 @@ fn page(seed: u8) -> Vec<u8> {
     (0..12_288).map(|i| (i as u8).wrapping_mul(seed) ^ seed).collect()
 }
 
-#[test]
-fn two_tenants_sending_the_same_keys_never_touch_each_others_pages() {
-    let t = tempfile::tempdir().unwrap();
-    let table = write(
-        t.path(),
-        "group.tokens",
-        "a-token role=engine tenant=team-a\n\
-         b-token role=engine tenant=team-b\n\
-         d-token role=engine\n\
-         nodes   role=node\n",
-    );
-    let etcd = Etcd::start(t.path().to_path_buf());
-    let mds = Mds::start_with("127.0.0.1:0", &etcd.endpoint(), "3s", &["--group-token-file", &format!("g={table}")]);
-    let nodes: Vec<Node> = (1..=3)
-        .map(|i| {
-            let id = format!("n{i}");
-            let d = t.path().join(&id);
-            let args = ["--no-sync", "--auth-token-file", table.as_str()];
-            Node::member("kv-server", "127.0.0.1:0", d.to_str().unwrap(), &mds.addr, "g", &id, &args)
-        })
-        .collect();
-    let client = |token: &str| {
-        let f = write(t.path(), &format!("{token}.file"), token);
+/// A real etcd, kv-mds and 3 nodes of group `g`, sharing one credential
+/// table. Fields drop in order: nodes, kv-mds, etcd, then their files.
+struct Group {
+    nodes: Vec<Node>,
+    mds: Mds,
+    _etcd: Etcd,
+    table: String,
+    t: tempfile::TempDir,
+}
+
+impl Group {
+    fn start(table: &str, node_args: &[&str]) -> Group {
+        let t = tempfile::tempdir().unwrap();
+        let table = write(t.path(), "group.tokens", table);
+        let etcd = Etcd::start(t.path().to_path_buf());
+        let tokens = format!("g={table}");
+        let mds = Mds::start_with("127.0.0.1:0", &etcd.endpoint(), "3s", &["--group-token-file", &tokens]);
+        let nodes = (1..=3)
+            .map(|i| {
+                let id = format!("n{i}");
+                let d = t.path().join(&id);
+                let mut args = vec!["--no-sync", "--auth-token-file", table.as_str()];
+                args.extend_from_slice(node_args);
+                Node::member("kv-server", "127.0.0.1:0", d.to_str().unwrap(), &mds.addr, "g", &id, &args)
+            })
+            .collect();
+        Group { nodes, mds, _etcd: etcd, table, t }
+    }
+
+    /// A client of the library holding `token` alone, once it routes to
+    /// `n` nodes.
+    fn client(&self, token: &str, n: usize) -> BlockingClient {
+        let f = write(self.t.path(), &format!("{token}.client"), token);
         let o = Options::parse(&format!("auth_token_file={f},io_timeout_ms=3000,connect_timeout_ms=1000")).unwrap();
         let c = BlockingClient::new(Vec::new(), geo(), o).unwrap();
-        assert!(c.start_discovery(vec![mds.addr.clone()], "g".into(), Duration::from_millis(500)).unwrap().is_ok());
-        wait_until(Duration::from_secs(20), "the client to route to 3 nodes", || {
-            (c.core.topology().nodes.len() == nodes.len()).then_some(())
+        assert!(c
+            .start_discovery(vec![self.mds.addr.clone()], "g".into(), Duration::from_millis(200))
+            .unwrap()
+            .is_ok());
+        wait_until(Duration::from_secs(20), "the client to route to the group", || {
+            (c.core.topology().nodes.len() == n).then_some(())
         });
         c
-    };
-    let (a, b, d) = (client("a-token"), client("b-token"), client("d-token"));
+    }
+}
+
+/// A node's statistics, read with the table's node credential `nodes`.
+fn stats(addr: &str) -> kv_common::stats::NodeStats {
+    let tok = kv_common::auth::Token::new(b"nodes").unwrap();
+    kvclient::Conn::connect_with(addr, Duration::from_secs(2), Some(&tok)).unwrap().stats().unwrap()
+}
+
+#[test]
+fn two_tenants_sending_the_same_keys_never_touch_each_others_pages() {
+    let mut g = Group::start(TABLE, &[]);
+    let (t, table) = (g.t.path().to_path_buf(), g.table.clone());
+    let (a, b, d) = (g.client("a-token", 3), g.client("b-token", 3), g.client("d-token", 3));
     let keys: Vec<Vec<u8>> = (0..12).map(|i| format!("shared-prefix/block-{i}").into_bytes()).collect();
     let refs: Vec<&[u8]> = keys.iter().map(|k| &k[..]).collect();
     let get = |c: &BlockingClient, k: &[u8]| {
@@ -105,12 +137,8 @@ fn two_tenants_sending_the_same_keys_never_touch_each_others_pages() {
     assert_eq!(get(&a, &keys[5]).unwrap(), page(1));
     // The nodes count what each tenant holds: 12 pages of A's, 12 of the
     // default tenant's, none of B's now (its 12 deletes were no evictions).
-    let stats = |addr: &str| {
-        let tok = kv_common::auth::Token::new(b"nodes").unwrap();
-        kvclient::Conn::connect_with(addr, Duration::from_secs(2), Some(&tok)).unwrap().stats().unwrap()
-    };
     let held = |name: &str| -> (u64, u64) {
-        nodes.iter().flat_map(|n| stats(&n.addr).tenants).filter(|t| t.tenant == name).fold((0, 0), |a, t| {
+        g.nodes.iter().flat_map(|n| stats(&n.addr).tenants).filter(|t| t.tenant == name).fold((0, 0), |a, t| {
             assert_eq!(t.evictions, 0, "{name}: nothing was evicted");
             (a.0 + t.objects, a.1 + t.bytes)
         })
@@ -118,23 +146,22 @@ fn two_tenants_sending_the_same_keys_never_touch_each_others_pages() {
     assert_eq!(held("team-a").0, 12);
     assert_eq!(held("default").0, 12);
     assert_eq!(held("team-b").0, 0);
-    assert_eq!(nodes.iter().map(|n| stats(&n.addr).objects).sum::<u64>(), 24);
+    assert_eq!(g.nodes.iter().map(|n| stats(&n.addr).objects).sum::<u64>(), 24);
     // kvctl shows them per node and in total.
-    let nodes_token = write(t.path(), "nodes.file", "nodes");
-    let args = ["--auth-token-file", &nodes_token, "stat", "--all", "--mds", &mds.addr, "--group", "g", "--tenants"];
+    let nodes_token = write(&t, "nodes.file", "nodes");
+    let args = ["--auth-token-file", &nodes_token, "stat", "--all", "--mds", &g.mds.addr, "--group", "g", "--tenants"];
     let (code, out, err) = kv_e2e::run("kvctl", &args);
     assert_eq!(code, 0, "{out}{err}");
     assert!(out.contains("TENANT") && out.contains("team-a") && out.contains("TOTAL"), "{out}");
 
     // A restart rebuilds each tenant's holding exactly, from the journal.
-    let mut nodes = nodes;
-    let before: Vec<_> = stats(&nodes[0].addr).tenants;
-    let old = nodes.remove(0);
+    let before: Vec<_> = stats(&g.nodes[0].addr).tenants;
+    let old = g.nodes.remove(0);
     old.signal(libc::SIGTERM);
     assert!(old.wait_exit(Duration::from_secs(30)).success());
-    let d = t.path().join("n1");
+    let d = t.join("n1");
     let args = ["--no-sync", "--auth-token-file", table.as_str()];
-    let again = Node::member("kv-server", "127.0.0.1:0", d.to_str().unwrap(), &mds.addr, "g", "n1", &args);
+    let again = Node::member("kv-server", "127.0.0.1:0", d.to_str().unwrap(), &g.mds.addr, "g", "n1", &args);
     let after: Vec<_> = stats(&again.addr).tenants;
     let sized = |v: &[kv_common::stats::TenantStats]| {
         let mut v: Vec<(String, u64, u64)> =
@@ -157,28 +184,11 @@ fn two_tenants_sending_the_same_keys_never_touch_each_others_pages() {
 #[test]
 fn a_flooding_tenant_evicts_its_own_pages_and_lends_back() {
     const PAGE: usize = 256 << 10;
-    let t = tempfile::tempdir().unwrap();
-    let table = write(
-        t.path(),
-        "group.tokens",
-        "a-token role=engine tenant=team-a\n\
-         b-token role=engine tenant=team-b\n\
-         adm     role=admin\n\
-         nodes   role=node\n",
-    );
-    let etcd = Etcd::start(t.path().to_path_buf());
-    let mds = Mds::start_with("127.0.0.1:0", &etcd.endpoint(), "3s", &["--group-token-file", &format!("g={table}")]);
     // 3 nodes of 16 MiB: the group holds 48 MiB.
-    let nodes: Vec<Node> = (1..=3)
-        .map(|i| {
-            let id = format!("n{i}");
-            let d = t.path().join(&id);
-            let args = ["--no-sync", "--cap", "16M", "--auth-token-file", table.as_str()];
-            Node::member("kv-server", "127.0.0.1:0", d.to_str().unwrap(), &mds.addr, "g", &id, &args)
-        })
-        .collect();
+    let g = Group::start(TABLE, &["--cap", "16M"]);
+    let (mds, nodes) = (&g.mds, &g.nodes);
     let files: Vec<String> =
-        ["a-token", "b-token", "adm", "nodes"].iter().map(|n| write(t.path(), &format!("{n}.file"), n)).collect();
+        ["a-token", "b-token", "adm", "nodes"].iter().map(|n| write(g.t.path(), &format!("{n}.file"), n)).collect();
     let kvctl = |token: &str, args: &[&str]| {
         let mut full = vec!["--auth-token-file", token, "--admin-token-file", token, "tenants", "--mds", &mds.addr];
         full.extend_from_slice(&["--group", "g"]);
@@ -202,22 +212,11 @@ fn a_flooding_tenant_evicts_its_own_pages_and_lends_back() {
     }
     let (code, out, _) = kvctl(&files[0], &[]);
     assert!(code == 0 && out.contains("team-a") && out.contains("50%"), "an engine reads the quotas: {out}");
-    let stats = |addr: &str| {
-        let tok = kv_common::auth::Token::new(b"nodes").unwrap();
-        kvclient::Conn::connect_with(addr, Duration::from_secs(2), Some(&tok)).unwrap().stats().unwrap()
-    };
     let tenant = |name: &str| -> kv_common::stats::TenantStats {
         let mut sum = kv_common::stats::TenantStats::default();
-        for n in &nodes {
-            for s in stats(&n.addr).tenants.into_iter().filter(|s| s.tenant == name) {
-                sum.quota += s.quota;
-                sum.bytes += s.bytes;
-                sum.objects += s.objects;
-                sum.evictions += s.evictions;
-                sum.evicted_for_others += s.evicted_for_others;
-                sum.hits += s.hits;
-                sum.misses += s.misses;
-                sum.puts += s.puts;
+        for n in nodes {
+            for s in stats(&n.addr).tenants.iter().filter(|s| s.tenant == name) {
+                sum.add(s);
             }
         }
         sum
@@ -226,17 +225,7 @@ fn a_flooding_tenant_evicts_its_own_pages_and_lends_back() {
         (tenant("team-a").quota == 24 << 20 && tenant("team-b").quota == 24 << 20).then_some(())
     });
 
-    let client = |token: &str| {
-        let f = write(t.path(), &format!("{token}.client"), token);
-        let o = Options::parse(&format!("auth_token_file={f},io_timeout_ms=3000,connect_timeout_ms=1000")).unwrap();
-        let c = BlockingClient::new(Vec::new(), geo(), o).unwrap();
-        assert!(c.start_discovery(vec![mds.addr.clone()], "g".into(), Duration::from_millis(500)).unwrap().is_ok());
-        wait_until(Duration::from_secs(20), "the client to route to 3 nodes", || {
-            (c.core.topology().nodes.len() == nodes.len()).then_some(())
-        });
-        c
-    };
-    let (a, b) = (client("a-token"), client("b-token"));
+    let (a, b) = (g.client("a-token", 3), g.client("b-token", 3));
     let big = |seed: usize| -> Vec<u8> { (0..PAGE).map(|i| (i ^ seed.wrapping_mul(31)) as u8).collect() };
     // B's working set: 38 pages of 256 KiB, a fifth of the group.
     let b_keys: Vec<String> = (0..38).map(|i| format!("b-set/{i}")).collect();
@@ -310,46 +299,14 @@ fn a_flooding_tenant_evicts_its_own_pages_and_lends_back() {
 /// pages there, and the same key names of another tenant stay misses.
 #[test]
 fn a_draining_node_pushes_each_tenants_pages_into_its_namespace() {
-    let t = tempfile::tempdir().unwrap();
-    let table = write(
-        t.path(),
-        "group.tokens",
-        "a-token role=engine tenant=team-a\n\
-         b-token role=engine tenant=team-b\n\
-         d-token role=engine\n\
-         nodes   role=node\n",
-    );
-    let etcd = Etcd::start(t.path().to_path_buf());
-    let mds = Mds::start_with("127.0.0.1:0", &etcd.endpoint(), "3s", &["--group-token-file", &format!("g={table}")]);
-    let mut nodes: Vec<Node> = (1..=3)
-        .map(|i| {
-            let id = format!("n{i}");
-            let d = t.path().join(&id);
-            let args = ["--no-sync", "--drain-secs", "4", "--auth-token-file", table.as_str()];
-            Node::member("kv-server", "127.0.0.1:0", d.to_str().unwrap(), &mds.addr, "g", &id, &args)
-        })
-        .collect();
-    let client = |token: &str, n: usize| {
-        let f = write(t.path(), &format!("{token}.file"), token);
-        let o = Options::parse(&format!("auth_token_file={f},io_timeout_ms=3000,connect_timeout_ms=1000")).unwrap();
-        let c = BlockingClient::new(Vec::new(), geo(), o).unwrap();
-        assert!(c.start_discovery(vec![mds.addr.clone()], "g".into(), Duration::from_millis(200)).unwrap().is_ok());
-        wait_until(Duration::from_secs(20), "the client to route to the group", || {
-            (c.core.topology().nodes.len() == n).then_some(())
-        });
-        c
-    };
-    let (a, b) = (client("a-token", 3), client("b-token", 3));
+    let mut g = Group::start(TABLE, &["--drain-secs", "4"]);
+    let (a, b) = (g.client("a-token", 3), g.client("b-token", 3));
     let keys: Vec<Vec<u8>> = (0..40).map(|i| format!("drained/{i}").into_bytes()).collect();
     for k in &keys {
         assert_eq!(a.putv(k, &[&page(1)]), Status::Ok);
         assert_eq!(b.putv(k, &[&page(2)]), Status::Ok);
     }
-    let stats = |addr: &str| {
-        let tok = kv_common::auth::Token::new(b"nodes").unwrap();
-        kvclient::Conn::connect_with(addr, Duration::from_secs(2), Some(&tok)).unwrap().stats().unwrap()
-    };
-    let leaving = nodes.remove(0);
+    let leaving = g.nodes.remove(0);
     let held = stats(&leaving.addr).objects;
     assert!(held >= 8, "the leaving node holds both tenants' pages: {held}");
     leaving.signal(libc::SIGTERM);
@@ -359,7 +316,7 @@ fn a_draining_node_pushes_each_tenants_pages_into_its_namespace() {
     assert!(closing.contains(&format!("{held} of {held} pages pushed")), "{closing}");
     // A client that knows only the group as it is now: each tenant reads
     // its own page at the new owners, none of the other's.
-    let (a2, b2, d2) = (client("a-token", 2), client("b-token", 2), client("d-token", 2));
+    let (a2, b2, d2) = (g.client("a-token", 2), g.client("b-token", 2), g.client("d-token", 2));
     let mut buf = vec![0u8; 12_288];
     for k in &keys {
         assert_eq!(a2.getv(k, &mut [&mut buf[..]]), Ok(12_288), "A's page after the drain");
@@ -369,6 +326,6 @@ fn a_draining_node_pushes_each_tenants_pages_into_its_namespace() {
         assert_eq!(d2.exist(k), Status::Miss, "the default tenant finds neither");
     }
     let per: u64 =
-        nodes.iter().flat_map(|n| stats(&n.addr).tenants).filter(|t| t.tenant == "default").map(|t| t.objects).sum();
+        g.nodes.iter().flat_map(|n| stats(&n.addr).tenants).filter(|t| t.tenant == "default").map(|t| t.objects).sum();
     assert_eq!(per, 0, "nothing landed in the default tenant's namespace");
 }
