@@ -152,3 +152,44 @@ impl MemTier {
 fn tenant_of(key: &[u8]) -> u32 {
     crate::tenant::split(key).0
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::store::buf::BufPool;
+    use crate::tenant::ns_key;
+
+    #[test]
+    fn the_memory_tier_keeps_a_tenant_below_its_share() {
+        let pool = BufPool::new(16 << 20);
+        let rec = || Arc::new(pool.copy_of(&[7u8; 4096]));
+        let size = rec().capacity() as u64;
+        let tier = MemTier::new(40 * size);
+        tier.set_shares([(7, 20 * size), (9, 20 * size)].into_iter().collect());
+        let put = |t: u32, i: usize| tier.insert(&ns_key(t, format!("k{i}").as_bytes()), rec(), tier.generation());
+        let held =
+            |t: u32, n: usize| (0..n).filter(|i| tier.get(&ns_key(t, format!("k{i}").as_bytes())).is_some()).count();
+        for i in 0..8 {
+            put(9, i);
+        }
+        // Tenant 7 floods: it keeps at most the rest, never 9's pages.
+        for i in 0..100 {
+            put(7, i);
+        }
+        assert_eq!(held(9, 8), 8, "tenant 9 below its share keeps every page");
+        assert_eq!(held(7, 100), 32, "tenant 7 holds its share and 9's idle rest");
+        assert_eq!(tier.used(), 40 * size);
+        // Tenant 9's next puts take the lent room back from 7.
+        for i in 8..18 {
+            put(9, i);
+        }
+        assert_eq!(held(9, 18), 18);
+        assert_eq!(held(7, 100), 22);
+        // Off: one LRU again.
+        tier.set_shares(Default::default());
+        for i in 100..140 {
+            put(7, i);
+        }
+        assert_eq!(held(9, 18), 0, "without shares the flood takes everything");
+    }
+}
