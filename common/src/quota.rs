@@ -36,11 +36,13 @@ impl Quota {
             let v: f64 = p.trim().parse().map_err(|_| format!("quota {s:?}: expected a percentage such as 40%"))?;
             return Quota::part(v / 100.0, s);
         }
-        if t.contains('.') && t.chars().all(|c| c.is_ascii_digit() || c == '.') {
+        if t.chars().all(|c| c.is_ascii_digit() || c == '.') {
+            // A bare number is a part of the node (0.4); bytes take a unit.
             let v: f64 = t.parse().map_err(|_| format!("quota {s:?}: bad number"))?;
-            if v <= 1.0 {
-                return Quota::part(v, s);
+            if v > 1.0 || !t.contains('.') {
+                return Err(format!("quota {s:?}: give a part of the node (40% or 0.4) or bytes with a unit (200G)"));
             }
+            return Quota::part(v, s);
         }
         let b = parse_size(t).map_err(|e| format!("quota {s:?}: {e}"))?;
         if b == 0 {
@@ -72,7 +74,8 @@ impl std::fmt::Display for Quota {
             Quota::Bytes(b) if b % (1 << 40) == 0 => write!(f, "{}T", b >> 40),
             Quota::Bytes(b) if b % (1 << 30) == 0 => write!(f, "{}G", b >> 30),
             Quota::Bytes(b) if b % (1 << 20) == 0 => write!(f, "{}M", b >> 20),
-            Quota::Bytes(b) => write!(f, "{b}"),
+            Quota::Bytes(b) if b % (1 << 10) == 0 => write!(f, "{}K", b >> 10),
+            Quota::Bytes(b) => write!(f, "{b}B"),
             Quota::Part(p) => {
                 // Six decimals of a percent: 0.07 prints 7%, not 7.000000000000001%.
                 let pct = (p * 100.0 * 1e6).round() / 1e6;
@@ -184,7 +187,14 @@ mod tests {
         assert_eq!(Quota::parse("40%").unwrap(), Quota::Part(0.4));
         assert_eq!(Quota::parse("0.25").unwrap(), Quota::Part(0.25));
         assert_eq!(Quota::parse("200G").unwrap(), Quota::Bytes(200 << 30));
-        assert_eq!(Quota::parse("1").unwrap(), Quota::Bytes(1));
+        assert_eq!(Quota::parse("1K").unwrap(), Quota::Bytes(1024));
+        for b in [1u64, 1000, 1024, 3 << 20, 5 << 30, 1 << 40] {
+            assert_eq!(Quota::parse(&Quota::Bytes(b).to_string()).unwrap(), Quota::Bytes(b), "{b} prints back");
+        }
+        assert_eq!(Quota::parse("1.0").unwrap(), Quota::Part(1.0));
+        for bare in ["1", "1.5", "200"] {
+            assert!(Quota::parse(bare).unwrap_err().contains("with a unit"), "{bare}");
+        }
         assert_eq!(Quota::parse("7%").unwrap().to_string(), "7%");
         assert_eq!(Quota::parse("0.29").unwrap().to_string(), "29%");
         for bad in ["0%", "101%", "-3%", "abc", "0", "1.5x", "nan%"] {

@@ -35,6 +35,8 @@ pub const PUSH_THREADS: usize = 16;
 const PER_OWNER_MAX: usize = 4;
 /// Pages a worker takes from one owner's queue at a time.
 const BATCH: usize = 32;
+/// Pages of an owner's queue within which one tenant's are pushed together.
+const TENANT_RUN: usize = 8 * BATCH;
 /// Puts a push keeps in flight on one connection, and their bytes.
 const PUSH_WINDOW: usize = 8;
 const PUSH_WINDOW_BYTES: u64 = 16 << 20;
@@ -200,6 +202,15 @@ pub fn push_pages(
         if let Some(i) = ring.owner(crate::tenant::client_key(&k)) {
             queues[i].keys.push((rank.min(u32::MAX as usize) as u32, k));
         }
+    }
+    // Tenants' pages interleave in recency order: within each run of
+    // TENANT_RUN pages of an owner's queue they are put together by tenant
+    // (a stable sort: one tenant's order kept), so batches stay full while
+    // the most recent pages still go first. One tenant: nothing moves.
+    for q in &mut queues {
+        let mut at: Vec<_> = std::mem::take(&mut q.keys).into_iter().enumerate().collect();
+        at.sort_by_key(|(i, (_, k))| (i / TENANT_RUN, crate::tenant::split(k).0));
+        q.keys = at.into_iter().map(|(_, e)| e).collect();
     }
     let tally: Vec<OwnerTally> = members
         .iter()

@@ -205,6 +205,9 @@ impl Collector for StatsCollector {
         let per_tenant = |f: fn(&kv_common::stats::TenantStats) -> u64| {
             s.tenants.iter().map(move |t| ([("tenant", t.tenant.clone())], ConstGauge::new(f(t))))
         };
+        let tenant_counter = |f: fn(&kv_common::stats::TenantStats) -> u64| {
+            s.tenants.iter().map(move |t| ([("tenant", t.tenant.clone())], ConstCounter::new(f(t))))
+        };
         family(
             &mut e,
             "tenant_bytes",
@@ -218,11 +221,8 @@ impl Collector for StatsCollector {
             "tenant_evictions",
             "A tenant's records evicted for room since the disks opened",
             MetricType::Counter,
-            s.tenants.iter().map(|t| ([("tenant", t.tenant.clone())], ConstCounter::new(t.evictions))),
+            tenant_counter(|t| t.evictions),
         )?;
-        let tenant_counter = |f: fn(&kv_common::stats::TenantStats) -> u64| {
-            s.tenants.iter().map(move |t| ([("tenant", t.tenant.clone())], ConstCounter::new(f(t))))
-        };
         family(
             &mut e,
             "tenant_evictions_for_others",
