@@ -468,3 +468,128 @@ impl TenantStats {
         self.puts += o.puts;
     }
 }
+
+/// One tenant over one interval: what it holds at the end of it and its
+/// rates over it. Computed by [`tenant_intervals`] for the node's
+/// dashboard (`/api/history`) and `kvctl top --tenants`; a group's total
+/// per tenant is the sum over its nodes ([`TenantInterval::add`]).
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
+pub struct TenantInterval {
+    pub tenant: String,
+    /// Its share in bytes (0: none), its bytes and records at the end.
+    pub quota: u64,
+    pub bytes: u64,
+    pub objects: u64,
+    /// Gets answered with a page and as a miss, puts stored, per second.
+    pub hits: f64,
+    pub misses: f64,
+    pub puts: f64,
+    /// Its records evicted per second, and of those the ones evicted for
+    /// another tenant's put.
+    pub evictions: f64,
+    pub evicted_for_others: f64,
+    /// Share of its gets answered with a page (None without gets).
+    pub hit: Option<f64>,
+}
+
+impl TenantInterval {
+    /// Adds another node's figures over the same time (rates and holdings
+    /// sum; the hit rate is that of the sum).
+    pub fn add(&mut self, o: &TenantInterval) {
+        self.quota += o.quota;
+        self.bytes += o.bytes;
+        self.objects += o.objects;
+        self.hits += o.hits;
+        self.misses += o.misses;
+        self.puts += o.puts;
+        self.evictions += o.evictions;
+        self.evicted_for_others += o.evicted_for_others;
+        self.hit = hit_share(self.hits, self.misses);
+    }
+}
+
+fn hit_share(hits: f64, misses: f64) -> Option<f64> {
+    (hits + misses > 0.0).then(|| hits / (hits + misses))
+}
+
+/// Each tenant of `cur` over the `secs` since `prev` (a tenant new in
+/// `cur` counts from zero; counters that went back, a restarted node,
+/// count as zero), in `cur`'s order.
+pub fn tenant_intervals(prev: &[TenantStats], cur: &[TenantStats], secs: f64) -> Vec<TenantInterval> {
+    let secs = secs.max(1e-3);
+    cur.iter()
+        .map(|c| {
+            let p = prev.iter().find(|p| p.tenant == c.tenant);
+            let rate = |f: fn(&TenantStats) -> u64| f(c).saturating_sub(p.map_or(0, f)) as f64 / secs;
+            let (hits, misses) = (rate(|s| s.hits), rate(|s| s.misses));
+            TenantInterval {
+                tenant: c.tenant.clone(),
+                quota: c.quota,
+                bytes: c.bytes,
+                objects: c.objects,
+                hits,
+                misses,
+                puts: rate(|s| s.puts),
+                evictions: rate(|s| s.evictions),
+                evicted_for_others: rate(|s| s.evicted_for_others),
+                hit: hit_share(hits, misses),
+            }
+        })
+        .collect()
+}
+
+/// Several nodes' tenants summed by name, in the order of first sight.
+pub fn tenant_totals<'a>(nodes: impl IntoIterator<Item = &'a [TenantInterval]>) -> Vec<TenantInterval> {
+    let mut out: Vec<TenantInterval> = Vec::new();
+    for node in nodes {
+        for t in node {
+            match out.iter_mut().find(|o| o.tenant == t.tenant) {
+                Some(o) => o.add(t),
+                None => out.push(t.clone()),
+            }
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tenant_tests {
+    use super::*;
+
+    fn t(name: &str, hits: u64, misses: u64, puts: u64, ev: u64, others: u64) -> TenantStats {
+        TenantStats {
+            tenant: name.into(),
+            bytes: 100,
+            objects: 2,
+            quota: 1000,
+            hits,
+            misses,
+            puts,
+            evictions: ev,
+            evicted_for_others: others,
+        }
+    }
+
+    #[test]
+    fn a_tenants_rates_and_the_groups_sum() {
+        let a = tenant_intervals(&[t("a", 10, 0, 4, 0, 0)], &[t("a", 40, 10, 8, 6, 2), t("b", 4, 4, 0, 0, 0)], 2.0);
+        assert_eq!(
+            (a[0].hits, a[0].misses, a[0].puts, a[0].evictions, a[0].evicted_for_others),
+            (15.0, 5.0, 2.0, 3.0, 1.0)
+        );
+        assert_eq!(a[0].hit, Some(0.75));
+        // A tenant new since the last record counts from zero.
+        assert_eq!((a[1].hits, a[1].hit), (2.0, Some(0.5)));
+        // A restarted node's counters went back: zero, not a huge rate.
+        let back = tenant_intervals(&[t("a", 40, 10, 8, 6, 2)], &[t("a", 1, 0, 0, 0, 0)], 1.0);
+        assert_eq!((back[0].hits, back[0].hit), (0.0, None));
+        let other = tenant_intervals(&[], &[t("a", 0, 20, 0, 0, 0)], 2.0);
+        let sum = tenant_totals([&a[..], &other[..]]);
+        assert_eq!(sum.len(), 2);
+        assert_eq!(
+            (sum[0].tenant.as_str(), sum[0].hits, sum[0].misses, sum[0].bytes, sum[0].quota),
+            ("a", 15.0, 15.0, 200, 2000)
+        );
+        assert_eq!(sum[0].hit, Some(0.5));
+    }
+}

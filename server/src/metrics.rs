@@ -540,6 +540,9 @@ pub struct OpRate {
 #[derive(Debug, Default, serde::Serialize)]
 pub struct History {
     pub samples: VecDeque<Sample>,
+    /// Each tenant over the last interval only (the dashboard's table; at
+    /// most [`kv_common::stats::MAX_TENANTS_SHOWN`] and `other`).
+    pub tenants: Vec<kv_common::stats::TenantInterval>,
     #[serde(skip)]
     prev: Option<(std::time::Instant, NodeStats)>,
 }
@@ -550,6 +553,7 @@ impl History {
         if let Some((then, prev)) = self.prev.take() {
             let secs = at.duration_since(then).as_secs_f64().max(1e-3);
             self.samples.push_back(sample(&prev, &cur, secs));
+            self.tenants = kv_common::stats::tenant_intervals(&prev.tenants, &cur.tenants, secs);
             while self.samples.len() > SAMPLES_KEPT {
                 self.samples.pop_front();
             }
