@@ -184,6 +184,10 @@ enum Cmd {
         /// Stop after this many refreshes (default: run until interrupted).
         #[arg(long)]
         iterations: Option<u64>,
+        /// Also a table of the group's tenants: each one's use of its quota, gets, hit rate, puts and
+        /// evictions (own and for other tenants' puts) summed over the nodes.
+        #[arg(long)]
+        tenants: bool,
     },
     /// Round-trip time to a node.
     Ping {
@@ -508,7 +512,7 @@ fn run(cli: &Cli) -> Result<u8, String> {
         }
         Cmd::Bench(a) => bench::run(a, cli.json),
         Cmd::Replay(a) => replay::run(a, cli.json, Duration::from_millis(cli.timeout_ms)),
-        Cmd::Top { mds, group, members, interval_ms, iterations } => {
+        Cmd::Top { mds, group, members, interval_ms, iterations, tenants } => {
             let timeout = Duration::from_millis(cli.timeout_ms);
             let source = match target::resolve(members.as_deref(), None, mds.as_deref(), group.as_deref())
                 .map_err(|e| format!("top: {e}"))?
@@ -516,7 +520,8 @@ fn run(cli: &Cli) -> Result<u8, String> {
                 target::Cluster::Mds { endpoints, group } => top::Source::Mds { endpoints, group },
                 target::Cluster::Members(m) => top::Source::Members(cluster::member_records(&m)?),
             };
-            top::run(&source, Duration::from_millis((*interval_ms).max(100)), *iterations, timeout, cli.json)
+            let every = Duration::from_millis((*interval_ms).max(100));
+            top::run(&source, every, *iterations, timeout, cli.json, *tenants)
         }
         Cmd::Health { addr, local, none_ok } => {
             health::run(addr.as_deref(), *local, *none_ok, Duration::from_millis(cli.timeout_ms), cli.json)

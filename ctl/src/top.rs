@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use kv_common::mds::MemberRecord;
 use kv_common::size::format_size;
-use kv_common::stats::{Interval, NodeStats};
+use kv_common::stats::{Interval, NodeStats, TenantInterval};
 
 use crate::cluster;
 
@@ -42,6 +42,10 @@ pub struct Row {
     /// What the rates above were computed from (None before a second record).
     #[serde(skip)]
     interval: Option<Interval>,
+    /// Each tenant over the interval (before a second record: holdings,
+    /// no rates).
+    #[serde(skip)]
+    tenants: Vec<TenantInterval>,
 }
 
 impl Row {
@@ -64,7 +68,14 @@ pub fn row(id: &str, addr: &str, prev: Option<&NodeStats>, cur: &NodeStats, secs
         failed_disks: cur.failed_disks,
         ..Row::default()
     };
-    let Some(p) = prev else { return r };
+    let Some(p) = prev else {
+        r.tenants = kv_common::stats::tenant_intervals(&cur.tenants, &cur.tenants, 1.0);
+        for t in &mut r.tenants {
+            t.hit = None;
+        }
+        return r;
+    };
+    r.tenants = kv_common::stats::tenant_intervals(&p.tenants, &cur.tenants, secs);
     let iv = Interval::between(p, cur, secs);
     r.requests_per_sec = iv.requests_per_sec();
     r.gets_per_sec = iv.per_sec(iv.gets);
@@ -97,6 +108,48 @@ pub fn total(rows: &[Row]) -> Row {
     let up = rows.iter().filter(|r| r.reachable).count();
     t.addr = format!("{up} of {} nodes", rows.len());
     t
+}
+
+/// The group's tenants over the interval: each summed over the reachable
+/// nodes, the largest holding first.
+pub fn tenant_totals(rows: &[Row]) -> Vec<TenantInterval> {
+    let mut all = kv_common::stats::tenant_totals(rows.iter().filter(|r| r.reachable).map(|r| &r.tenants[..]));
+    all.sort_by(|a, b| b.bytes.cmp(&a.bytes).then_with(|| a.tenant.cmp(&b.tenant)));
+    all
+}
+
+/// The tenants' table: use of the quota, rates, evictions (own and those
+/// for another tenant's put, which is borrowed room taken back).
+pub fn render_tenants(tenants: &[TenantInterval], first: bool) -> String {
+    if tenants.is_empty() {
+        return "tenants: none reported (nodes of an earlier release)".into();
+    }
+    let mut t =
+        cluster::table(&["TENANT", "USE OF QUOTA", "RECORDS", "GET/S", "HIT%", "PUT/S", "EVICT/S", "FOR OTHERS/S"], 2);
+    let per = |x: f64| if first { "-".to_string() } else { format!("{x:.0}") };
+    for x in tenants {
+        let quota = if x.quota > 0 {
+            format!(
+                "{} of {} ({:.0}%)",
+                format_size(x.bytes),
+                format_size(x.quota),
+                100.0 * x.bytes as f64 / x.quota as f64
+            )
+        } else {
+            format!("{} (no quota)", format_size(x.bytes))
+        };
+        t.add_row(vec![
+            x.tenant.clone(),
+            quota,
+            x.objects.to_string(),
+            per(x.hits + x.misses),
+            pct(x.hit),
+            per(x.puts),
+            per(x.evictions),
+            per(x.evicted_for_others),
+        ]);
+    }
+    format!("{t}")
 }
 
 fn pct(x: Option<f64>) -> String {
@@ -163,13 +216,15 @@ pub fn balance(rows: &[Row]) -> Option<(String, f64)> {
     kv_common::stats::busiest_over_mean(&loads).map(|(i, m)| (up[i].id.clone(), m))
 }
 
-/// Runs until interrupted, or for `iterations` refreshes.
+/// Runs until interrupted, or for `iterations` refreshes; with `tenants`,
+/// each frame also has the group's tenants.
 pub fn run(
     source: &Source,
     interval: Duration,
     iterations: Option<u64>,
     timeout: Duration,
     json: bool,
+    tenants: bool,
 ) -> Result<u8, String> {
     let tty = std::io::stdout().is_terminal() && !json;
     let mut prev: HashMap<String, (Instant, NodeStats)> = HashMap::new();
@@ -209,11 +264,14 @@ pub fn run(
         if json {
             let read_balance = balance(&rows).map(|(id, m)| serde_json::json!({"busiest": id, "max_over_mean": m}));
             let frame = serde_json::json!({"source": label, "nodes": rows, "total": total(&rows),
-                "read_balance": read_balance});
+                "read_balance": read_balance, "tenants": tenant_totals(&rows)});
             println!("{frame}");
         } else {
             let header = format!("kvctl top  {label}  every {:.1}s", interval.as_secs_f64());
-            let frame = render(&header, &rows, prev.is_empty());
+            let mut frame = render(&header, &rows, prev.is_empty());
+            if tenants {
+                frame = format!("{frame}\n\n{}", render_tenants(&tenant_totals(&rows), prev.is_empty()));
+            }
             if tty {
                 // Home and clear, then the frame: a steady picture.
                 println!("\x1b[H\x1b[2J{frame}");
@@ -255,5 +313,45 @@ mod tests {
         assert!(render("h", &rows, false).contains("read balance: 1.80x the mean gets at the busiest node (n1)"));
         // Before a second refresh there are no rates, so no balance.
         assert_eq!(balance(&[row("n1", "a:1", None, &stats(5, 0), 0.0)]), None);
+    }
+
+    #[test]
+    fn the_tenants_table_sums_the_nodes() {
+        use kv_common::stats::TenantStats;
+        let node = |hits, misses, puts, bytes| NodeStats {
+            tenants: vec![
+                TenantStats {
+                    tenant: "team-a".into(),
+                    bytes,
+                    quota: 100 << 20,
+                    hits,
+                    misses,
+                    puts,
+                    ..Default::default()
+                },
+                TenantStats { tenant: "default".into(), bytes: 1 << 20, objects: 1, ..Default::default() },
+            ],
+            ..NodeStats::default()
+        };
+        let rows = vec![
+            row("n1", "a:1", Some(&node(0, 0, 0, 0)), &node(30, 10, 8, 20 << 20), 2.0),
+            row("n2", "a:2", Some(&node(0, 0, 0, 0)), &node(10, 10, 4, 30 << 20), 2.0),
+            Row { id: "n3".into(), ..Row::default() },
+        ];
+        let t = tenant_totals(&rows);
+        assert_eq!(t[0].tenant, "team-a", "the largest holding first");
+        assert_eq!((t[0].hits, t[0].misses, t[0].puts, t[0].bytes, t[0].quota), (20.0, 10.0, 6.0, 50 << 20, 200 << 20));
+        let out = render_tenants(&t, false);
+        assert!(out.contains("TENANT") && out.contains("FOR OTHERS/S"), "{out}");
+        let a = out.lines().find(|l| l.trim_start().starts_with("team-a")).unwrap_or_else(|| panic!("{out}"));
+        assert!(a.contains("50.0 MiB of 200.0 MiB (25%)") && a.contains("66.7%"), "{a}");
+        assert!(out.lines().any(|l| l.trim_start().starts_with("default") && l.contains("(no quota)")), "{out}");
+        // Before a second refresh: holdings, no rates.
+        let first = tenant_totals(&[row("n1", "a:1", None, &node(5, 0, 0, 1 << 20), 0.0)]);
+        assert_eq!((first[0].hits, first[0].hit), (0.0, None));
+        assert!(render_tenants(&first, true)
+            .lines()
+            .any(|l| l.trim_start().starts_with("team-a") && l.contains(" - ")));
+        assert!(render_tenants(&[], false).contains("none reported"));
     }
 }
