@@ -124,6 +124,8 @@ def main() -> int:
         check(all(f"disk{i} " in dom for i in (0, 1)) and dom.count("in service") >= 3, "a row per disk, in service",
               failures)
         check("memory tier" in dom and "disk tier" in dom, "a row per tier", failures)
+        check(re.search(r"Tenants \(last interval\).*default [0-9.]+ [KMG]iB \(no quota\) \d+ [0-9.]+ [0-9.]+ %", dom)
+              is not None, "the tenants' table: the default tenant's holding and hit rate", failures)
         check(re.search(r"get [0-9.]+ [0-9.]+ (µs|ms)", dom) is not None, "latency by op: get p50 shown", failures)
         check(re.search(r"Read [0-9.]+ MB/s", dom) is not None, "read throughput shown", failures)
         check(os.path.getsize(node_png) > 20_000, "screenshot saved", failures)
@@ -136,6 +138,8 @@ def main() -> int:
         check(dom.count("serving") >= 2, "each member's health read from its own page", failures)
         check(re.search(r"[0-9.]+ % [0-9.]+ %|\d+\.\d %", dom) is not None, "shares shown", failures)
         check("etcd reachable" in dom, "etcd state shown", failures)
+        check(re.search(r"tenants summed over the members.*default [0-9.]+ [KMG]iB \(no quota\) \d+ [0-9.]+ [0-9.]+ %", dom)
+              is not None, "the group's tenants summed over the members", failures)
         check(re.search(r"read balance [0-9.]+x the mean gets \(busiest: gpu-node-[12]\)", dom) is not None,
               "the read balance shown", failures)
         check(os.path.getsize(mds_png) > 10_000, "screenshot saved", failures)
