@@ -788,20 +788,23 @@ impl Registry {
     /// digest (a quota changes no placement). A value that does not parse
     /// (written by hand) is one clear error; nodes keep the quotas they had.
     pub async fn quotas(&self, group: &str) -> Result<(kv_common::quota::Quotas, i64), RegError> {
+        let (parsed, rev) = self.read_quotas(group).await?;
+        parsed.map(|q| (q, rev)).map_err(RegError::Invalid)
+    }
+
+    /// The group's quotas as stored, or why they do not parse, with the
+    /// key's revision either way (0: no key).
+    async fn read_quotas(&self, group: &str) -> Result<(Result<kv_common::quota::Quotas, String>, i64), RegError> {
         let mut etcd = self.etcd.clone();
         let got = etcd_call!(self, etcd.get(tenants_key(group), None).await)?;
         let Some(kv) = got.kvs().first() else {
-            return Ok((Default::default(), 0));
+            return Ok((Ok(Default::default()), 0));
         };
         let parsed = serde_json::from_slice::<std::collections::BTreeMap<String, String>>(kv.value())
             .map_err(|e| e.to_string())
-            .and_then(|m| kv_common::quota::Quotas::from_strings(&m));
-        match parsed {
-            Ok(q) => Ok((q, kv.mod_revision())),
-            Err(e) => {
-                Err(RegError::Invalid(format!("group {group}'s quotas in etcd do not parse ({e}): set them again")))
-            }
-        }
+            .and_then(|m| kv_common::quota::Quotas::from_strings(&m))
+            .map_err(|e| format!("group {group}'s quotas in etcd do not parse ({e}): set them again"));
+        Ok((parsed, kv.mod_revision()))
     }
 
     /// Sets (`Some`) or removes (`None`) one tenant's quota, and returns
@@ -815,11 +818,12 @@ impl Registry {
     ) -> Result<kv_common::quota::Quotas, RegError> {
         let key = tenants_key(group);
         for _ in 0..8 {
-            let (mut q, rev) = match self.quotas(group).await {
-                Ok(got) => got,
-                // A table that does not parse is replaced by this one entry.
-                Err(RegError::Invalid(_)) if quota.is_some() => (Default::default(), -1),
-                Err(e) => return Err(e),
+            let (mut q, rev) = match self.read_quotas(group).await? {
+                (Ok(q), rev) => (q, rev),
+                // A table that does not parse is replaced by this one entry
+                // (if nobody replaced it meanwhile).
+                (Err(_), rev) if quota.is_some() => (Default::default(), rev),
+                (Err(e), _) => return Err(RegError::Invalid(e)),
             };
             match quota {
                 Some(v) => q.insert(tenant, v).map_err(RegError::Invalid)?,
@@ -831,8 +835,8 @@ impl Registry {
             }
             let value = serde_json::to_vec(&q.to_strings()).unwrap_or_default();
             let txn = || {
-                let when =
-                    if rev < 0 { vec![] } else { vec![Compare::mod_revision(key.clone(), CompareOp::Equal, rev)] };
+                // Revision 0: the key is absent.
+                let when = vec![Compare::mod_revision(key.clone(), CompareOp::Equal, rev)];
                 let op = if q.is_empty() {
                     TxnOp::delete(key.clone(), None)
                 } else {
