@@ -399,6 +399,13 @@ fn dashboards_are_self_contained_and_kvctl_top_reads_the_group() {
     let frame: serde_json::Value = serde_json::from_str(out.lines().next().unwrap()).unwrap();
     assert_eq!(frame["nodes"][0]["id"], "n1");
     assert_eq!(frame["total"]["capacity_bytes"], 128u64 << 20);
+    // The tenants' table: without tokens, the default tenant alone.
+    let (status, out, err) = run(
+        "kvctl",
+        &["top", "--mds", &t.mds.addr, "--group", "obs", "--tenants", "--iterations", "2", "--interval-ms", "200"],
+    );
+    assert_eq!(status, 0, "{err}");
+    assert!(out.contains("TENANT") && out.contains("USE OF QUOTA") && out.contains("(no quota)"), "{out}");
     let (status, out, _) = run("kvctl", &["stat", "--all", "--mds", &t.mds.addr, "--group", "obs"]);
     assert_eq!(status, 0);
     assert!(out.contains("MEM-HIT%") && out.contains("DISK-HIT%") && out.contains("FULL"), "{out}");

@@ -41,7 +41,7 @@ fn page(seed: u8) -> Vec<u8> {
 struct Group {
     nodes: Vec<Node>,
     mds: Mds,
-    _etcd: Etcd,
+    etcd: Etcd,
     table: String,
     t: tempfile::TempDir,
 }
@@ -62,7 +62,7 @@ impl Group {
                 Node::member("kv-server", "127.0.0.1:0", d.to_str().unwrap(), &mds.addr, "g", &id, &args)
             })
             .collect();
-        Group { nodes, mds, _etcd: etcd, table, t }
+        Group { nodes, mds, etcd, table, t }
     }
 
     /// A client of the library holding `token` alone, once it routes to
@@ -285,11 +285,47 @@ fn a_flooding_tenant_evicts_its_own_pages_and_lends_back() {
     let (code, out, err) = kv_e2e::run("kvctl", &args);
     assert_eq!(code, 0, "{out}{err}");
     assert!(out.contains("QUOTA") && out.contains("FOR OTHERS") && out.contains("8.0 MiB"), "{out}");
+    // kvctl top --tenants: the group's tenants over each refresh, B's
+    // reads while it runs.
+    let top = ["--auth-token-file", &files[3], "--json", "top", "--mds", &mds.addr, "--group", "g", "--tenants"];
+    let top = [&top[..], &["--iterations", "3", "--interval-ms", "700"]].concat();
+    let (out, b_reads) = std::thread::scope(|s| {
+        let run = s.spawn(|| kv_e2e::run("kvctl", &top));
+        let mut n = 0u64;
+        while !run.is_finished() {
+            let k = &b_keys[n as usize % b_keys.len()];
+            assert_eq!(b.getv(k.as_bytes(), &mut [&mut vec![0u8; 256 << 10][..]]), Ok(256 << 10));
+            n += 1;
+        }
+        (run.join().unwrap(), n)
+    });
+    let (code, out, err) = out;
+    assert_eq!(code, 0, "{out}{err}");
+    let frame: serde_json::Value = serde_json::from_str(out.lines().last().unwrap()).unwrap();
+    let row = |name: &str| frame["tenants"].as_array().unwrap().iter().find(|t| t["tenant"] == name).cloned().unwrap();
+    let (ra, rb) = (row("team-a"), row("team-b"));
+    assert_eq!((ra["quota"].as_u64(), rb["quota"].as_u64()), (Some(24 << 20), Some(24 << 20)), "{frame}");
+    assert_eq!(rb["objects"], 57);
+    assert!(rb["hits"].as_f64().unwrap() > 0.0 && rb["hit"] == 1.0, "B read {b_reads} pages: {rb}");
+    assert_eq!(ra["hits"].as_f64(), Some(0.0), "{ra}");
     // Removing a quota: nodes follow; the tenant then borrows like any.
     let (code, out, err) = kvctl(&files[2], &["--unset", "team-a"]);
     assert!(code == 0 && !out.contains("team-a"), "{out}{err}");
     wait_until(Duration::from_secs(20), "every node to drop team-a's quota", || {
         (tenant("team-a").quota == 0).then_some(())
+    });
+    // A table in etcd that does not parse (written by hand): reading it is
+    // one clear line, the nodes keep the quotas they hold, and an admin's
+    // next change replaces it.
+    let (ok, out) = g.etcd.etcdctl(&["put", "/kvcellar/v1/groups/g/tenants", "{not json"]);
+    assert!(ok, "{out}");
+    let (code, out, err) = kvctl(&files[2], &[]);
+    assert!(code != 0 && err.contains("do not parse") && err.contains("set them again"), "{out}{err}");
+    let (code, out, err) = kvctl(&files[2], &["--set", "team-a=40%"]);
+    assert_eq!(code, 0, "{out}{err}");
+    assert!(out.contains("team-a") && !out.contains("team-b"), "the unreadable table replaced: {out}");
+    wait_until(Duration::from_secs(20), "every node to follow the new table", || {
+        (tenant("team-b").quota == 0 && tenant("team-a").quota > 0).then_some(())
     });
 }
 
