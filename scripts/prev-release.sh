@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
-# Builds kv-server, kv-mds and kvctl of an earlier data-plane protocol for
+# Builds kv-server, kv-mds and kvctl of an earlier release for
 # tests/tests/mixed_versions.rs, once per machine: the binaries are cached
 # outside the clone, keyed on the commit. Prints the directory that holds
 # them (scripts/test.sh names it in KVCELLAR_PREV_BIN_DIR, v1,
-# KVCELLAR_PREV2_BIN_DIR, v2, and KVCELLAR_PREV3_BIN_DIR, v3).
-# Usage: scripts/prev-release.sh [v1|v2|v3]   (default v1; exit 3: the commit
-# is not in this clone)
+# KVCELLAR_PREV2_BIN_DIR, v2, KVCELLAR_PREV3_BIN_DIR, v3, and
+# KVCELLAR_PREV4_BIN_DIR, v4). The releases are built in one target
+# directory, so the dependencies they share are compiled once; `--clean`
+# removes it (scripts/test.sh does, once every release is built).
+# Usage: scripts/prev-release.sh [v1|v2|v3|v4|--clean]   (default v1; exit 3:
+# the commit is not in this clone)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 case "${1:-v1}" in
@@ -17,9 +20,19 @@ case "${1:-v1}" in
   # The last commit speaking protocol v3 (BATCH_GET, no batch writes): the
   # release before this one's protocol v4.
   v3) PREV=4275d8eaee44a4fccfec45af96cb8899be39cd28 ;;
-  *) echo "usage: scripts/prev-release.sh [v1|v2|v3]" >&2; exit 2 ;;
+  # The last commit before tenants (protocol v4, one group token or none;
+  # no credential tables, namespaces or quotas): the previous release of
+  # this one.
+  v4) PREV=23adb83eb70f051a3afa5bce9b675c20d4740aaa ;;
+  --clean) PREV= ;;
+  *) echo "usage: scripts/prev-release.sh [v1|v2|v3|v4|--clean]" >&2; exit 2 ;;
 esac
 CACHE=${KVCELLAR_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/kvcellar}
+shared=$CACHE/prev-release/target
+if [ -z "$PREV" ]; then
+  rm -rf "$shared"
+  exit 0
+fi
 out=$CACHE/prev-release/$PREV
 if [ -f "$out/.ready" ]; then
   echo "$out/bin"
@@ -31,14 +44,18 @@ if ! git cat-file -e "$PREV^{commit}" 2>/dev/null; then
 fi
 rm -rf "$out"
 mkdir -p "$out/src" "$out/bin"
-git archive "$PREV" | tar -x -C "$out/src"
-# Its own target dir (the binaries share names with this tree's); a debug
-# build, as the tests' own binaries.
-(cd "$out/src" && cargo build --locked -q -p kv-server -p kv-mds -p kvctl --target-dir "$out/target") >&2
+# -m: the files dated now, not at the commit. cargo names a workspace's own
+# crates by their place in the workspace, so the releases' crates share
+# names in the shared target; an older date would pass for "unchanged".
+git archive "$PREV" | tar -x -m -C "$out/src"
+# A target dir apart from this tree's (the binaries share names with its
+# own), shared by the earlier releases; a debug build, as the tests' own
+# binaries.
+(cd "$out/src" && cargo build --locked -q -p kv-server -p kv-mds -p kvctl --target-dir "$shared") >&2
 for b in kv-server kv-mds kvctl; do
-  cp "$out/target/debug/$b" "$out/bin/"
+  cp "$shared/debug/$b" "$out/bin/"
 done
-# Only the binaries are kept.
-rm -rf "$out/target" "$out/src"
+# Only the binaries are kept (and the shared target until --clean).
+rm -rf "$out/src"
 touch "$out/.ready"
 echo "$out/bin"

@@ -32,7 +32,7 @@ cargo clippy --workspace --all-targets --locked --features rdma -- -D warnings
 echo "== build binaries and libkvclient.so with RDMA (end-to-end tests use them)"
 cargo build --workspace --locked --features rdma
 echo "== the previous release's binaries, for the mixed-version test (built once per machine)"
-for v in v1 v2 v3; do
+for v in v1 v2 v3 v4; do
   rc=0
   prev=$(bash scripts/prev-release.sh $v) || rc=$?
   if [ "$rc" = 0 ]; then
@@ -40,6 +40,7 @@ for v in v1 v2 v3; do
       v1) export KVCELLAR_PREV_BIN_DIR=$prev KVCELLAR_REQUIRE_PREV=1 ;;
       v2) export KVCELLAR_PREV2_BIN_DIR=$prev KVCELLAR_REQUIRE_PREV2=1 ;;
       v3) export KVCELLAR_PREV3_BIN_DIR=$prev KVCELLAR_REQUIRE_PREV3=1 ;;
+      v4) export KVCELLAR_PREV4_BIN_DIR=$prev KVCELLAR_REQUIRE_PREV4=1 ;;
     esac
   elif [ "$rc" = 3 ]; then
     echo "prev-release: the $v release's commit is not in this clone: its mixed-version test is skipped"
@@ -47,6 +48,7 @@ for v in v1 v2 v3; do
     exit "$rc"
   fi
 done
+bash scripts/prev-release.sh --clean
 echo "== cargo test"
 # The test binaries are built first, apart: a link that fails for want of
 # room or memory on the machine (not for the code) says so here, with the

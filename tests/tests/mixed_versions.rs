@@ -5,12 +5,13 @@
 //! protocol v1 release (the last commit before protocol v2),
 //! KVCELLAR_PREV2_BIN_DIR the protocol v2 release (the last commit before
 //! protocol v3 and its batch frames), KVCELLAR_PREV3_BIN_DIR the protocol
-//! v3 release (the last commit before protocol v4 and its batch writes).
+//! v3 release (the last commit before protocol v4 and its batch writes),
+//! KVCELLAR_PREV4_BIN_DIR the release before tenants (protocol v4, one
+//! group token; no credential tables, namespaces or quotas).
 //!
 //! Without a directory its test says so and passes, unless
-//! KVCELLAR_REQUIRE_PREV=1 (or KVCELLAR_REQUIRE_PREV2=1,
-//! KVCELLAR_REQUIRE_PREV3=1), which scripts/test.sh sets when the build
-//! worked.
+//! KVCELLAR_REQUIRE_PREV=1 (or KVCELLAR_REQUIRE_PREV2=1, ..._PREV3=1,
+//! ..._PREV4=1), which scripts/test.sh sets when the build worked.
 
 use std::time::Duration;
 
@@ -19,6 +20,7 @@ use kv_common::page::Geometry;
 use kv_common::status::Status;
 use kv_e2e::cluster::{wait_until, Etcd, Mds};
 use kv_e2e::{run, Node};
+use kvclient::members::Member;
 use kvclient::{BlockingClient, Options};
 
 fn prev_bin(name: &str) -> Option<String> {
@@ -263,4 +265,166 @@ fn one_group_with_tokens(label: &str, var: &str, require: &str) {
     let (code, out, err) =
         run(&old_kvctl, &[&tokf[..], &["get", "--mds", &mds_new.addr, "--group", "g", "via-mds"]].concat());
     assert_eq!((code, out.as_str()), (0, "x"), "{err}");
+}
+
+fn write(dir: &std::path::Path, name: &str, text: &str) -> String {
+    use std::os::unix::fs::PermissionsExt;
+    let p = dir.join(name);
+    std::fs::write(&p, text).unwrap();
+    std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o600)).unwrap();
+    p.to_str().unwrap().to_string()
+}
+
+/// A client of the library holding the token in `token_file`, on the
+/// static member list `members` (id, address).
+fn static_client(token_file: &str, members: &[(&str, &str)]) -> BlockingClient {
+    let opts = Options::parse(&format!("auth_token_file={token_file},io_timeout_ms=5000")).unwrap();
+    let m = members.iter().map(|(id, a)| Member { id: id.to_string(), addr: a.to_string(), weight: 1 }).collect();
+    BlockingClient::new(m, geo(), opts).unwrap()
+}
+
+/// The page `key` reads as: its bytes, or the status.
+fn read(c: &BlockingClient, key: &str) -> Result<Vec<u8>, Status> {
+    let mut buf = vec![0u8; 20_000];
+    c.getv(key.as_bytes(), &mut [&mut buf[..]]).map(|n| buf[..n].to_vec()).map_err(|e| e.0)
+}
+
+/// Tenant A's page for `key` (other bytes than the default tenant's).
+fn a_page(key: &str) -> Vec<u8> {
+    page(&format!("team-a/{key}"))
+}
+
+/// The release before tenants beside this one, in one group: the group
+/// token of that release is this release's node credential, and tenant A
+/// holds an engine token only this release's node knows. Pages of both
+/// releases' disks are read back by the other release, byte for byte.
+#[test]
+fn the_release_before_tenants_and_this_one_serve_one_group() {
+    let bin = |n| release_bin("KVCELLAR_PREV4_BIN_DIR", "KVCELLAR_REQUIRE_PREV4", n);
+    let (Some(old_server), Some(old_mds), Some(old_kvctl)) = (bin("kv-server"), bin("kv-mds"), bin("kvctl")) else {
+        return;
+    };
+    let t = tempfile::tempdir().unwrap();
+    let group_tok = write(t.path(), "group.token", "upgrade-group-token");
+    let table =
+        write(t.path(), "group.tokens", "upgrade-group-token role=node\nteam-a-token role=engine tenant=team-a\n");
+    let a_tok = write(t.path(), "a.token", "team-a-token");
+    let etcd = Etcd::start(t.path().to_path_buf());
+    let mds_new = Mds::start(&etcd.endpoint(), "3s");
+    let mds_old = Mds::start_bin(&old_mds, "127.0.0.1:0", &etcd.endpoint(), "3s", &[]);
+    let eps = format!("{},{}", mds_old.addr, mds_new.addr);
+    let (d_old, d_new) = (t.path().join("old"), t.path().join("new"));
+    let old_args = ["--no-sync", "--log-level", "info", "--auth-token-file", &group_tok, "--drain-secs", "0"];
+    let old = Node::member(&old_server, "127.0.0.1:0", d_old.to_str().unwrap(), &eps, "g", "old", &old_args);
+    let new_args = ["--no-sync", "--log-level", "info", "--auth-token-file", &table, "--drain-secs", "20"];
+    let new = Node::member("kv-server", "127.0.0.1:0", d_new.to_str().unwrap(), &eps, "g", "new", &new_args);
+    for replica in [&mds_old.addr, &mds_new.addr] {
+        wait_until(Duration::from_secs(20), "both nodes in the view of each replica", || {
+            MdsClient::new(vec![replica.clone()], Duration::from_secs(2))
+                .view("g")
+                .ok()
+                .filter(|v| v.members.len() == 2)
+        });
+    }
+    let discover = |tok: &str, replica: &str| {
+        let o = Options::parse(&format!("auth_token_file={tok},io_timeout_ms=5000")).unwrap();
+        let c = BlockingClient::new(Vec::new(), geo(), o).unwrap();
+        assert!(c.start_discovery(vec![replica.to_string()], "g".into(), Duration::from_millis(500)).unwrap().is_ok());
+        wait_until(Duration::from_secs(20), "the client to route to both nodes", || {
+            (c.core.topology().nodes.len() == 2).then_some(())
+        });
+        c
+    };
+
+    // The default tenant (the group token), through the old replica: a
+    // batch over both nodes, every page intact.
+    let d = discover(&group_tok, &mds_old.addr);
+    let keys: Vec<String> = (0..40).map(|i| format!("v4-mixed-{i}")).collect();
+    let pages: Vec<Vec<u8>> = keys.iter().map(|k| page(k)).collect();
+    let items: Vec<(&[u8], Vec<&[u8]>)> = keys.iter().zip(&pages).map(|(k, p)| (k.as_bytes(), vec![&p[..]])).collect();
+    assert_eq!(d.batch_putv(&items), vec![Status::Ok; 40], "a batch put over both releases' nodes");
+    batch_reads_every_page(&d, &keys);
+    let owner = |k: &String| {
+        let t = d.core.topology();
+        t.nodes[t.ring.owner(k.as_bytes()).unwrap()].id.clone()
+    };
+    let (on_new, on_old): (Vec<&String>, Vec<&String>) = keys.iter().partition(|k| owner(k) == "new");
+    assert!(!on_new.is_empty() && !on_old.is_empty(), "keys on both nodes");
+
+    // Tenant A, through the new replica, writes the same key names: this
+    // release's node keeps them in A's namespace; the previous release's
+    // node does not know A's token and refuses it (nothing lands in the
+    // default tenant's pages). DEPLOY.md: tenant tokens once every node
+    // runs this release.
+    let a = discover(&a_tok, &mds_new.addr);
+    for k in &on_new {
+        assert_eq!(a.putv(k.as_bytes(), &[&a_page(k)]), Status::Ok, "{k}");
+        assert_eq!(read(&a, k), Ok(a_page(k)), "{k}: A reads its own page");
+        assert_eq!(read(&d, k), Ok(page(k)), "{k}: the default tenant still reads its own");
+    }
+    assert_eq!(
+        a.putv(on_old[0].as_bytes(), &[&a_page(on_old[0])]),
+        Status::Edenied,
+        "the older node refuses A's token"
+    );
+    assert_eq!(read(&d, on_old[0]), Ok(page(on_old[0])), "and kept the default tenant's page");
+
+    // The previous release's kvctl against this release's node with the
+    // group token (its node credential).
+    let (code, out, err) =
+        run(&old_kvctl, &["--auth-token-file", &group_tok, "put", "--node", &new.addr, "k-old", "v"]);
+    assert_eq!(code, 0, "{out}{err}");
+    let (code, out, err) = run("kvctl", &["--auth-token-file", &group_tok, "get", "--node", &new.addr, "k-old"]);
+    assert_eq!((code, out.as_str()), (0, "v"), "{err}");
+
+    // This release's node drains: it pushes the default tenant's pages to
+    // the older node, and leaves A's (that node would keep them in the
+    // default namespace), counted and logged once.
+    let held = on_new.len() * 2 + 1;
+    new.signal(libc::SIGTERM);
+    let (status, lines) = new.wait_exit_lines(Duration::from_secs(60));
+    assert!(status.success(), "{lines:?}");
+    let closing = lines.iter().find(|l| l.contains("pages pushed to")).expect("the push's closing line");
+    let defaults = on_new.len() + 1;
+    assert!(
+        closing.contains(&format!("{defaults} of {held} pages pushed"))
+            && closing.contains(&format!("{} left", on_new.len())),
+        "{closing}"
+    );
+    assert!(lines.iter().any(|l| l.contains("a tenant's pages are not pushed to this owner")), "{lines:?}");
+    let d1 = static_client(&group_tok, &[("old", &old.addr)]);
+    for k in &keys {
+        assert_eq!(read(&d1, k), Ok(page(k)), "{k}: the default tenant's page at the older node");
+    }
+    drop(d);
+    drop(a);
+    assert!(old.terminate(Duration::from_secs(30)).success());
+
+    // This release on the older release's disk: every record it wrote
+    // (no tenant) is the default tenant's, and A finds none of them.
+    let reopened = Node::start(&["--dir", d_old.to_str().unwrap(), "--cap", "64M", "--auth-token-file", &table]);
+    let (d2, a2) =
+        (static_client(&group_tok, &[("n", &reopened.addr)]), static_client(&a_tok, &[("n", &reopened.addr)]));
+    for k in &keys {
+        assert_eq!(read(&d2, k), Ok(page(k)), "{k}: a record of the previous release, served to the default tenant");
+        assert_eq!(a2.exist(k.as_bytes()), Status::Miss, "{k}: not tenant A's");
+    }
+    let tok = kv_common::auth::Token::new(b"upgrade-group-token").unwrap();
+    let s = kvclient::Conn::connect_with(&reopened.addr, Duration::from_secs(5), Some(&tok)).unwrap().stats().unwrap();
+    let default = s.tenants.iter().find(|t| t.tenant == "default").expect("the default tenant's holding");
+    assert_eq!((default.objects, s.tenants.len()), (s.objects, 1), "{:?}", s.tenants);
+    drop(reopened);
+
+    // The previous release on this release's disk (the default tenant's
+    // pages and A's of the same names): it starts, serves the default
+    // tenant's pages, and never A's bytes for those names.
+    let back = Node::start_bin(
+        &old_server,
+        "127.0.0.1:0",
+        &["--dir", d_new.to_str().unwrap(), "--cap", "64M", "--auth-token-file", &group_tok],
+    );
+    let d3 = static_client(&group_tok, &[("n", &back.addr)]);
+    for k in &on_new {
+        assert_eq!(read(&d3, k), Ok(page(k)), "{k}: this release's default page, read by the previous release");
+    }
 }
