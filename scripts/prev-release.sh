@@ -29,6 +29,13 @@ case "${1:-v1}" in
 esac
 CACHE=${KVCELLAR_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/kvcellar}
 shared=$CACHE/prev-release/target
+# One run at a time over the shared target (two clones' test runs on one
+# machine): a release unpacked while another was built could otherwise pass
+# the other's newer artifacts for its own, and --clean could remove the
+# target under a build.
+mkdir -p "$CACHE/prev-release"
+exec 9>"$CACHE/prev-release/.lock"
+flock 9
 if [ -z "$PREV" ]; then
   rm -rf "$shared"
   exit 0

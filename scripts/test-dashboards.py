@@ -108,9 +108,9 @@ def main() -> int:
         metrics = [w.split("=", 1)[1] for l in lines if l.startswith("node ") for w in l.split() if w.startswith("metrics=")]
         # Load: puts that overflow the caps (evictions), gets of a hot set.
         kv = [f"{BIN}/kvctl", "bench", "--mds", mds, "--group", "demo", "--no-raw", "--threads", "2"]
-        start(kv + ["--op", "put", "--size", "256K", "--duration", "40"])
-        start(kv + ["--op", "get", "--size", "64K", "--keys", "300", "--duration", "40"])
-        start(kv + ["--op", "batch-exist", "--batch", "32", "--keys", "300", "--duration", "40"])
+        start(kv + ["--op", "put", "--size", "256K", "--duration", "60"])
+        start(kv + ["--op", "get", "--size", "64K", "--keys", "300", "--duration", "60"])
+        start(kv + ["--op", "batch-exist", "--batch", "32", "--keys", "300", "--duration", "60"])
         # Wait for the node to hold 10 samples (20 s) of that load.
         wait("20 s of history", lambda: len(json.loads(http(metrics[0], "/api/history"))["samples"]) >= 10, 60)
 

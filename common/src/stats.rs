@@ -512,15 +512,17 @@ fn hit_share(hits: f64, misses: f64) -> Option<f64> {
     (hits + misses > 0.0).then(|| hits / (hits + misses))
 }
 
-/// Each tenant of `cur` over the `secs` since `prev` (a tenant new in
-/// `cur` counts from zero; counters that went back, a restarted node,
-/// count as zero), in `cur`'s order.
+/// Each tenant of `cur` over the `secs` since `prev`, in `cur`'s order.
+/// A tenant absent from `prev` has holdings and no rates this once: its
+/// counters may be older than the interval (it was summed as `other`, or
+/// known by its id, in `prev`). Counters that went back (a restarted node,
+/// `other` losing a tenant) count as zero.
 pub fn tenant_intervals(prev: &[TenantStats], cur: &[TenantStats], secs: f64) -> Vec<TenantInterval> {
     let secs = secs.max(1e-3);
     cur.iter()
         .map(|c| {
             let p = prev.iter().find(|p| p.tenant == c.tenant);
-            let rate = |f: fn(&TenantStats) -> u64| f(c).saturating_sub(p.map_or(0, f)) as f64 / secs;
+            let rate = |f: fn(&TenantStats) -> u64| p.map_or(0.0, |p| f(c).saturating_sub(f(p)) as f64 / secs);
             let (hits, misses) = (rate(|s| s.hits), rate(|s| s.misses));
             TenantInterval {
                 tenant: c.tenant.clone(),
@@ -578,12 +580,12 @@ mod tenant_tests {
             (15.0, 5.0, 2.0, 3.0, 1.0)
         );
         assert_eq!(a[0].hit, Some(0.75));
-        // A tenant new since the last record counts from zero.
-        assert_eq!((a[1].hits, a[1].hit), (2.0, Some(0.5)));
+        // A tenant new since the last record: holdings, no rates yet.
+        assert_eq!((a[1].hits, a[1].hit, a[1].objects), (0.0, None, 2));
         // A restarted node's counters went back: zero, not a huge rate.
         let back = tenant_intervals(&[t("a", 40, 10, 8, 6, 2)], &[t("a", 1, 0, 0, 0, 0)], 1.0);
         assert_eq!((back[0].hits, back[0].hit), (0.0, None));
-        let other = tenant_intervals(&[], &[t("a", 0, 20, 0, 0, 0)], 2.0);
+        let other = tenant_intervals(&[t("a", 0, 0, 0, 0, 0)], &[t("a", 0, 20, 0, 0, 0)], 2.0);
         let sum = tenant_totals([&a[..], &other[..]]);
         assert_eq!(sum.len(), 2);
         assert_eq!(

@@ -69,10 +69,8 @@ pub fn row(id: &str, addr: &str, prev: Option<&NodeStats>, cur: &NodeStats, secs
         ..Row::default()
     };
     let Some(p) = prev else {
-        r.tenants = kv_common::stats::tenant_intervals(&cur.tenants, &cur.tenants, 1.0);
-        for t in &mut r.tenants {
-            t.hit = None;
-        }
+        // Holdings, no rates: every tenant is new.
+        r.tenants = kv_common::stats::tenant_intervals(&[], &cur.tenants, 1.0);
         return r;
     };
     r.tenants = kv_common::stats::tenant_intervals(&p.tenants, &cur.tenants, secs);

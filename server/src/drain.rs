@@ -62,6 +62,9 @@ pub struct OwnerTally {
     pub left: u64,
     /// Gone from this node before their turn (deleted, evicted).
     pub gone: u64,
+    /// A tenant's pages not sent: the owner runs an earlier release, which
+    /// cannot keep tenants apart (docs/DEPLOY.md, "Tenants").
+    pub older: u64,
     /// Why it was left, when it was.
     pub error: Option<String>,
 }
@@ -96,6 +99,9 @@ impl DrainReport {
     }
     pub fn gone(&self) -> u64 {
         self.sum(|o| o.gone)
+    }
+    pub fn older(&self) -> u64 {
+        self.sum(|o| o.older)
     }
     /// Owners that had pages of this node's.
     pub fn owners_with_pages(&self) -> usize {
@@ -250,7 +256,7 @@ pub fn push_pages(
     report.owners = sched.tally;
     let failed = report.failed();
     h.push_failed_owner.fetch_add(failed, Ordering::Relaxed);
-    h.push_left.store(report.left(), Ordering::Relaxed);
+    h.push_left.store(report.left() + report.older(), Ordering::Relaxed);
     report.elapsed = t0.elapsed();
     report
 }
@@ -320,6 +326,7 @@ fn worker(
         t.refused += out.refused;
         t.gone += out.gone;
         t.left += out.unsent;
+        t.older += out.older;
         match out.error {
             // The drain ended meanwhile: what this batch did not deliver
             // is left, as the rest; the owner is not to blame.
@@ -354,6 +361,8 @@ struct BatchOut {
     gone: u64,
     /// Not sent: the drain ended.
     unsent: u64,
+    /// Not sent: a tenant's pages to an owner of an earlier release.
+    older: u64,
     /// Sent or about to be, unanswered when the owner failed.
     unanswered: u64,
     error: Option<String>,
@@ -381,7 +390,7 @@ fn push_batch(
             // apart: they are left (misses there), the owner is not.
             static LOGGED: std::sync::Once = std::sync::Once::new();
             LOGGED.call_once(|| tracing::warn!(error = %e, "drain: a tenant's pages are not pushed to this owner"));
-            return BatchOut { unsent: keys.len() as u64, ..Default::default() };
+            return BatchOut { older: keys.len() as u64, ..Default::default() };
         }
         BatchOut { unanswered: keys.len() as u64, error: Some(e.to_string()), ..Default::default() }
     };
@@ -522,9 +531,10 @@ const AFTER_STOP: Duration = Duration::from_secs(1);
 pub fn log_report(r: &DrainReport) {
     for o in r.owners.iter().filter(|o| o.pages > 0) {
         tracing::info!(owner = %o.id, addr = %o.addr, pages = o.pages, pushed = o.pushed, refused = o.refused,
-            failed = o.failed, left = o.left, gone = o.gone, error = o.error.as_deref().unwrap_or(""), "drain: pushed to owner");
+            failed = o.failed, left = o.left, gone = o.gone, older = o.older, error = o.error.as_deref().unwrap_or(""),
+            "drain: pushed to owner");
     }
-    let line = format!(
+    let mut line = format!(
         "drain push: {} of {} pages pushed to {} owners ({} refused, {} failed, {} left, {} gone) in {:.1} s",
         r.pushed(),
         r.pages(),
@@ -535,11 +545,19 @@ pub fn log_report(r: &DrainReport) {
         r.gone(),
         r.elapsed.as_secs_f64()
     );
+    if r.older() > 0 {
+        line += &format!(
+            "; {} pages of tenants not sent to owners of an earlier release (they cannot keep tenants apart)",
+            r.older()
+        );
+    }
     if r.left() > 0 {
         tracing::warn!(
             pages_left = r.left(),
             "{line}: the drain ended before every page was pushed (raise --drain-secs)"
         );
+    } else if r.older() > 0 {
+        tracing::warn!(pages_older = r.older(), "{line}");
     } else {
         tracing::info!("{line}");
     }
