@@ -115,6 +115,9 @@ struct Queue {
     next: usize,
     active: usize,
     dead: bool,
+    /// The owner runs an earlier release (it answered a hello naming a
+    /// tenant without binding it): no more tenants' batches are sent to it.
+    older: bool,
 }
 
 struct Sched {
@@ -201,7 +204,7 @@ pub fn push_pages(
         placement,
     );
     let mut queues: Vec<Queue> =
-        members.iter().map(|_| Queue { keys: Vec::new(), next: 0, active: 0, dead: false }).collect();
+        members.iter().map(|_| Queue { keys: Vec::new(), next: 0, active: 0, dead: false, older: false }).collect();
     // Owners are the client's keys' (crate::tenant); a tenant's pages go
     // on connections acting for it, in batches of one tenant's pages.
     for (rank, k) in store.keys_by_recency().into_iter().enumerate() {
@@ -275,7 +278,7 @@ fn worker(
 ) {
     let (lock, turn) = sched;
     loop {
-        let (o, batch) = {
+        let (o, batch, older) = {
             let mut s = lock.lock().unwrap_or_else(|e| e.into_inner());
             let o = loop {
                 if stop() {
@@ -307,6 +310,7 @@ fn worker(
                 .position(|(_, k)| crate::tenant::split(k).0 != tenant)
                 .map_or((q.next + BATCH).min(q.keys.len()), |n| q.next + n);
             let batch: Vec<Arc<[u8]>> = q.keys[q.next..end].iter().map(|(_, k)| k.clone()).collect();
+            let older = q.older && tenant != crate::tenant::DEFAULT;
             q.next = end;
             q.active += 1;
             let taken = q.next == q.keys.len();
@@ -315,11 +319,20 @@ fn worker(
                 s.owner_done();
             }
             s.requeue(o);
-            (o, batch)
+            (o, batch, older)
         };
         let tenant = batch.first().map_or(crate::tenant::DEFAULT, |k| crate::tenant::split(k).0);
-        let out = push_batch(store, h, pool, &members[o].addr, tenant, &batch, stop);
+        // An owner that could not act for one tenant cannot for any: its
+        // other tenants' batches are counted without a connection each.
+        let out = if older {
+            BatchOut { older: batch.len() as u64, ..Default::default() }
+        } else {
+            push_batch(store, h, pool, &members[o].addr, tenant, &batch, stop)
+        };
         let mut s = lock.lock().unwrap_or_else(|e| e.into_inner());
+        if out.older > 0 {
+            s.queues[o].older = true;
+        }
         let ended = stop();
         let t = &mut s.tally[o];
         t.pushed += out.pushed;

@@ -371,6 +371,14 @@ fn the_release_before_tenants_and_this_one_serve_one_group() {
         "the older node refuses A's token"
     );
     assert_eq!(read(&d, on_old[0]), Ok(page(on_old[0])), "and kept the default tenant's page");
+    // More of A's pages at the new node, names of its own: the drain below
+    // has more than one batch (32 pages) of A's for the older owner.
+    let a_only: Vec<String> = (0..120).map(|i| format!("v4-a-only-{i}")).filter(|k| owner(k) == "new").collect();
+    for k in &a_only {
+        assert_eq!(a.putv(k.as_bytes(), &[&a_page(k)]), Status::Ok, "{k}");
+    }
+    let a_held = on_new.len() + a_only.len();
+    assert!(a_held > 32, "A holds {a_held} pages at the new node");
 
     // The previous release's kvctl against this release's node with the
     // group token (its node credential).
@@ -383,7 +391,7 @@ fn the_release_before_tenants_and_this_one_serve_one_group() {
     // This release's node drains: it pushes the default tenant's pages to
     // the older node, and leaves A's (that node would keep them in the
     // default namespace), counted and logged once.
-    let held = on_new.len() * 2 + 1;
+    let held = a_held + on_new.len() + 1;
     new.signal(libc::SIGTERM);
     let (status, lines) = new.wait_exit_lines(Duration::from_secs(60));
     assert!(status.success(), "{lines:?}");
@@ -392,11 +400,11 @@ fn the_release_before_tenants_and_this_one_serve_one_group() {
     assert!(
         closing.contains(&format!("{defaults} of {held} pages pushed"))
             && closing.contains("(0 refused, 0 failed, 0 left, 0 gone)")
-            && closing
-                .contains(&format!("; {} pages of tenants not sent to owners of an earlier release", on_new.len())),
+            && closing.contains(&format!("; {a_held} pages of tenants not sent to owners of an earlier release")),
         "{closing}"
     );
-    assert!(lines.iter().any(|l| l.contains("a tenant's pages are not pushed to this owner")), "{lines:?}");
+    let told = lines.iter().filter(|l| l.contains("a tenant's pages are not pushed to this owner")).count();
+    assert_eq!(told, 1, "{lines:?}");
     let d1 = static_client(&group_tok, &[("old", &old.addr)]);
     for k in &keys {
         assert_eq!(read(&d1, k), Ok(page(k)), "{k}: the default tenant's page at the older node");
