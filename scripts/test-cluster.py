@@ -286,8 +286,13 @@ def main() -> int:
         report["stop_worst_after_removal_ms"] = round(w.worst_ms(after), 1)
         check("docker stop removes the node", t_removed - t_stop <= TTL_S,
               f"out of the ring {t_removed - t_stop:.2f} s after docker stop (lease TTL {TTL_S} s)")
-        check("its keys then miss fast", w.worst_ms(after) < 100 and w.slow(after, 1e18, 100) == 0,
-              f"worst get after removal {w.worst_ms(after):.1f} ms over {sum(1 for o in w.ops if o[0] >= after)} gets; "
+        # As after a partition (below): a get that waited on the stopped
+        # node would take a handoff ask's 500 ms or the 1 s I/O timeout;
+        # 250 ms leaves room for one stall of this 2-core machine (a run
+        # saw one get of 120 ms among 14,524) without hiding that.
+        check("its keys then miss fast", w.worst_ms(after) < 250,
+              f"worst get after removal {w.worst_ms(after):.1f} ms over {sum(1 for o in w.ops if o[0] >= after)} gets "
+              f"({w.slow(after, 1e18, 100)} over 100 ms); "
               f"worst during the stop {w.worst_ms(t_stop):.1f} ms; {s['wrong']} wrong")
 
         # 4. Start it again: its pages come back from its volume.
