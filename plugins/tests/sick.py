@@ -67,19 +67,21 @@ def delta(after: Dict[str, float], before: Dict[str, float]) -> Dict[str, float]
 
 
 class SGLangDriver:
-    """kvcellar.hicache built as test_hicache.make_backend builds it."""
+    """kvcellar.hicache built as test_hicache.make_backend builds it, with
+    the package's default deadlines (those are what these tests measure)."""
 
     name = "sglang"
 
     def __init__(self, cluster: Cluster, pages: int, page_tokens: int = 16, layers: int = 4, heads: int = 2,
                  head_dim: int = 64, extra: Optional[Dict[str, Any]] = None):
         from pools import fill_page, indices_for, make_pool
+        from kvcellar._deadline import DEADLINE_DEFAULTS
         from test_hicache import make_backend
 
         self.pages = pages
         self.pool = make_pool("mha", size=page_tokens * (4 * pages + 8), page_size=page_tokens, layer_num=layers,
                               head_num=heads, head_dim=head_dim)
-        self.b = make_backend(cluster, self.pool, extra=extra)
+        self.b = make_backend(cluster, self.pool, extra={**DEADLINE_DEFAULTS, **(extra or {})})
         self.inner = getattr(self.b, "_backend", self.b)
         self._fill, self._idx = fill_page, indices_for
         self.page_bytes = sum(self.pool.get_page_buffer_meta(indices_for(self.pool, 0, 1))[1])

@@ -17,7 +17,9 @@ from lmc import CHUNK, make_harness, real_lmcache
 
 @pytest.fixture()
 def h(cluster):
-    hh = make_harness({"members": cluster.members, "io_timeout_ms": 3000, "connect_timeout_ms": 500})
+    # About pages, not time: deadlines a loaded CI machine meets (the deadline tests set theirs).
+    hh = make_harness({"members": cluster.members, "io_timeout_ms": 3000, "connect_timeout_ms": 500,
+                       "lookup_deadline_ms": 3000, "load_deadline_ms": 3000, "save_deadline_ms": 3000})
     yield hh
     hh.close()
 
@@ -39,7 +41,7 @@ def test_round_trip_every_byte(h):
 
 @pytest.mark.parametrize("meta", [True, False])
 def test_partial_chunk_with_and_without_chunk_meta(cluster, meta):
-    hh = make_harness({"members": cluster.members}, save_chunk_meta=meta)
+    hh = make_harness({"members": cluster.members, "load_deadline_ms": 3000, "save_deadline_ms": 3000}, save_chunk_meta=meta)
     try:
         c = hh.connector
         obj = hh.new_chunk("partial", tokens=CHUNK // 2)
