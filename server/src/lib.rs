@@ -27,4 +27,5 @@ pub mod server;
 pub mod state;
 pub mod store;
 pub mod tenant;
+mod tenant_rank;
 pub mod transport;

@@ -38,6 +38,8 @@ pub struct Shared {
     pub refused: AtomicU64,
     /// The last statistics gathered ([`Shared::stats`]).
     pub snapshot: Fresh<NodeStats>,
+    /// Which tenants the statistics name, and `other`'s counters.
+    tenant_rank: std::sync::Mutex<crate::tenant_rank::Ranking>,
     /// What the data port's accept loop counts (connections closed before
     /// their hello).
     pub listener: Arc<kv_common::listen::Counters>,
@@ -190,6 +192,7 @@ impl Shared {
             refused: AtomicU64::new(0),
             listener: Arc::default(),
             snapshot: Fresh::default(),
+            tenant_rank: Default::default(),
             denied_log: std::sync::Mutex::new((None, 0)),
             ops: crate::op_metrics::OpMetrics::default(),
             recovery,
@@ -213,7 +216,8 @@ impl Shared {
     /// Each tenant's holding, quota, gets and puts, named from the
     /// credential table in use and the quotas: the largest
     /// [`kv_common::stats::MAX_TENANTS_SHOWN`] by bytes one by one, the
-    /// rest summed as `other` (logged once: more tenants than a node shows).
+    /// rest summed as `other` (logged once: more tenants than a node
+    /// shows), whose counters never go down ([`crate::tenant_rank`]).
     fn tenant_stats(&self) -> Vec<kv_common::stats::TenantStats> {
         use kv_common::stats::{TenantStats, MAX_TENANTS_SHOWN};
         use std::collections::BTreeMap;
@@ -252,23 +256,16 @@ impl Shared {
         let mut all: Vec<(u32, TenantStats)> = by_id.into_iter().collect();
         // A tenant with nothing held nor done here is left out.
         all.retain(|(id, t)| *id == crate::tenant::DEFAULT || *t != TenantStats::default());
-        all.sort_by(|a, b| b.1.bytes.cmp(&a.1.bytes).then(b.1.quota.cmp(&a.1.quota)).then(a.0.cmp(&b.0)));
-        let mut out: Vec<TenantStats> =
-            all.iter().take(MAX_TENANTS_SHOWN).map(|(id, t)| TenantStats { tenant: name(*id), ..t.clone() }).collect();
-        if all.len() > MAX_TENANTS_SHOWN || counted_apart.is_some() {
-            if all.len() > MAX_TENANTS_SHOWN {
-                static WARNED: std::sync::Once = std::sync::Once::new();
-                WARNED.call_once(|| {
-                    tracing::warn!(tenants = all.len(), shown = MAX_TENANTS_SHOWN, "more tenants hold pages here than the statistics name one by one: the smallest are summed as `other`");
-                });
-            }
-            let mut rest = counted_apart.unwrap_or_default();
-            for (_, t) in all.iter().skip(MAX_TENANTS_SHOWN) {
-                rest.add(t);
-            }
-            rest.tenant = "other".into();
-            out.push(rest);
+        if all.len() > MAX_TENANTS_SHOWN {
+            static WARNED: std::sync::Once = std::sync::Once::new();
+            WARNED.call_once(|| {
+                tracing::warn!(tenants = all.len(), shown = MAX_TENANTS_SHOWN, "more tenants hold pages here than the statistics name one by one: the smallest are summed as `other`");
+            });
         }
+        let (named, other) = self.tenant_rank.lock().unwrap_or_else(|e| e.into_inner()).rank(all, counted_apart);
+        let mut out: Vec<TenantStats> =
+            named.into_iter().map(|(id, t)| TenantStats { tenant: name(id), ..t }).collect();
+        out.extend(other);
         out
     }
 
