@@ -29,10 +29,9 @@ fn add_counts(t: &mut TenantStats, c: Counts) {
     t.puts += c[4];
 }
 
-/// What `now` added since `base` (a counter below its base, the disks
-/// reopened, counts from zero).
+/// What `now` added since `base` (never below it: see [`Ranking::rank`]).
 fn since(now: Counts, base: Counts) -> Counts {
-    std::array::from_fn(|i| if now[i] >= base[i] { now[i] - base[i] } else { now[i] })
+    std::array::from_fn(|i| now[i].saturating_sub(base[i]))
 }
 
 /// The ranking's memory from one gather to the next (one at a time).
@@ -66,7 +65,19 @@ impl Ranking {
         for (id, t) in &rest {
             let now = counts(t);
             let base = match self.in_other.get(id) {
-                Some(&(base, _)) => base,
+                Some(&(mut base, last)) => {
+                    // A tenant's own count can go down (a disk left
+                    // service, or reopened and counts again from 0): what
+                    // it added in `other` until then is kept, and it
+                    // counts on from its new value.
+                    for i in 0..base.len() {
+                        if now[i] < last[i] {
+                            self.carried[i] += last[i] - base[i];
+                            base[i] = now[i];
+                        }
+                    }
+                    base
+                }
                 None if self.named.contains(id) => now,
                 None => [0; 5],
             };
@@ -162,7 +173,20 @@ mod tests {
     }
 
     #[test]
-    fn a_counter_below_its_base_counts_from_zero() {
-        assert_eq!(since([5, 0, 9, 1, 1], [3, 0, 10, 1, 0]), [2, 0, 9, 0, 1]);
+    fn a_tenant_whose_own_count_goes_down_leaves_other_where_it_was() {
+        let n = MAX_TENANTS_SHOWN as u32 + 1;
+        let mut r = Ranking::default();
+        let mut all = fleet(n, 0, 0, 0);
+        all[64].1.evictions = 50;
+        assert_eq!(r.rank(all.clone(), None).1.map(|o| o.evictions), Some(50));
+        // Its disk left service: its own count falls to 20.
+        all[64].1.evictions = 20;
+        assert_eq!(r.rank(all.clone(), None).1.map(|o| o.evictions), Some(50));
+        // Then it counts on from there.
+        all[64].1.evictions = 23;
+        assert_eq!(r.rank(all.clone(), None).1.map(|o| o.evictions), Some(53));
+        // And as it leaves other for good, other keeps all 53.
+        let (_, other) = r.rank(all[..64].to_vec(), None);
+        assert_eq!(other.map(|o| o.evictions), Some(53));
     }
 }
