@@ -1472,3 +1472,40 @@ fn quotas_evict_within_a_tenant_and_lend_what_is_idle() {
         assert_eq!(s.quota_bytes()[&a], 16 << 20);
     }
 }
+
+/// A tenant's evictions count on across a disk taken out of service (the
+/// disk's share is carried, as the disks' own counters are): the figure a
+/// node exports per tenant never goes down while it runs.
+#[test]
+fn a_tenants_evictions_survive_its_disk_leaving_service() {
+    use kv_server::tenant::ns_key;
+    let t = tempfile::tempdir().unwrap();
+    let (s, _) = Store::open(&cfg(&dirs(&t, 2), 2 << 20, 0)).unwrap();
+    let mut n = 0;
+    while s.stats().disks.iter().any(|d| d.evictions == 0) {
+        assert!(n < 1000, "the flood must evict on both disks");
+        let k = format!("flood-{n}");
+        s.put_in(s.pool().copy_of(&build_record(geo(), k.as_bytes(), &payload(&k, 100_000))), 9).unwrap();
+        n += 1;
+    }
+    let before = s.tenants()[&9];
+    assert!(before.evictions > 0);
+    // Disk 0 fails (a delete it cannot journal) and leaves service.
+    s.disks()[0].inject_journal_errno(libc::EIO);
+    let on0 = (0..n)
+        .map(|i| ns_key(9, format!("flood-{i}").as_bytes()).into_owned())
+        .rfind(|k| s.owner(k) == Some(0) && s.exist(k, None) == Presence::Present)
+        .unwrap();
+    s.delete(&on0);
+    s.maintain();
+    assert_eq!(s.disks().len(), 1, "disk 0 out of service");
+    let after = s.tenants()[&9];
+    assert_eq!((after.evictions, after.evicted_for_others), (before.evictions, before.evicted_for_others));
+    assert!(after.objects < before.objects, "what it holds is the disk in service's only");
+    // It counts on from there.
+    for i in 0..40 {
+        let k = format!("more-{i}");
+        s.put_in(s.pool().copy_of(&build_record(geo(), k.as_bytes(), &payload(&k, 100_000))), 9).unwrap();
+    }
+    assert!(s.tenants()[&9].evictions > before.evictions);
+}

@@ -61,17 +61,32 @@ fn mount_id(dir: &Path) -> Option<u64> {
 /// disks in service. Replaced whole (one read lock per operation).
 pub(super) struct View {
     pub(super) slots: Vec<Slot>,
-    /// Per slot: evictions and damaged records dropped by the disk's
-    /// earlier incarnations (counters stay monotonic across a revival);
-    /// in the view, so a scrape never counts a disk twice.
-    pub(super) carried: Vec<[u64; 2]>,
+    /// What disks taken out of service had counted (counters stay
+    /// monotonic across a revival); in the view, so a scrape never counts
+    /// a disk twice.
+    pub(super) carried: Carried,
     pub(super) ring: Ring,
     /// Ring member index -> slot index.
     pub(super) disk_of: Vec<usize>,
 }
 
+/// Counts of disks' earlier incarnations, added to the live disks' own.
+#[derive(Clone, Default)]
+pub(super) struct Carried {
+    /// Per slot: evictions and damaged records dropped.
+    pub(super) disks: Vec<[u64; 2]>,
+    /// Per tenant: its evictions, and those for another tenant's put.
+    pub(super) tenants: std::collections::BTreeMap<u32, [u64; 2]>,
+}
+
+impl Carried {
+    pub(super) fn new(slots: usize) -> Carried {
+        Carried { disks: vec![[0, 0]; slots], tenants: Default::default() }
+    }
+}
+
 impl View {
-    pub(super) fn new(carried: Vec<[u64; 2]>, slots: Vec<Slot>) -> View {
+    pub(super) fn new(carried: Carried, slots: Vec<Slot>) -> View {
         let mut members = Vec::new();
         let mut disk_of = Vec::new();
         for (i, s) in slots.iter().enumerate() {
@@ -202,8 +217,13 @@ impl Store {
                 continue;
             }
             let st = d.stats();
-            carried[i][0] += st.evictions;
-            carried[i][1] += d.corrupt_dropped();
+            carried.disks[i][0] += st.evictions;
+            carried.disks[i][1] += d.corrupt_dropped();
+            for (t, u) in d.tenant_use() {
+                let c = carried.tenants.entry(t).or_default();
+                c[0] += u.evictions;
+                c[1] += u.evicted_for_others;
+            }
             tracing::warn!(
                 disk = %d.id, dir = %d.dir.display(), every_s = REVIVE_EVERY.as_secs(),
                 "disk out of service: its files are closed; its directory is checked for a repaired filesystem"

@@ -280,7 +280,7 @@ impl Store {
         }
         let store = Store {
             revivals: slots.iter().map(|_| Default::default()).collect(),
-            view: RwLock::new(Arc::new(View::new(vec![[0, 0]; slots.len()], slots))),
+            view: RwLock::new(Arc::new(View::new(health::Carried::new(slots.len()), slots))),
             specs: cfg.disks.clone(),
             sync_writes: cfg.sync_writes,
             reopen,

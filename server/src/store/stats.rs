@@ -28,13 +28,20 @@ pub(super) struct Counters {
 impl Store {
     /// What each tenant holds on the disks in service, summed over them, by
     /// tenant id (crate::tenant): records' extent bytes, records, and their
-    /// evictions since the disks opened.
+    /// evictions since the store opened (those of disks since taken out of
+    /// service included, so the count never goes down).
     pub fn tenants(&self) -> std::collections::BTreeMap<u32, super::disk::TenantUse> {
         let mut out: std::collections::BTreeMap<u32, super::disk::TenantUse> = Default::default();
-        for d in self.view().live() {
+        let v = self.view();
+        for d in v.live() {
             for (t, u) in d.tenant_use() {
                 out.entry(t).or_default().add(&u);
             }
+        }
+        for (t, [evictions, for_others]) in &v.carried.tenants {
+            let u = out.entry(*t).or_default();
+            u.evictions += evictions;
+            u.evicted_for_others += for_others;
         }
         out
     }
@@ -44,7 +51,7 @@ impl Store {
         let disks: Vec<_> = v
             .slots
             .iter()
-            .zip(&v.carried)
+            .zip(&v.carried.disks)
             .map(|(s, c)| {
                 let mut st = match s {
                     Slot::Live(d) => d.stats(),
@@ -67,7 +74,7 @@ impl Store {
         let corrupt_dropped = v
             .slots
             .iter()
-            .zip(&v.carried)
+            .zip(&v.carried.disks)
             .map(|(s, c)| {
                 c[1] + match s {
                     Slot::Live(d) => d.corrupt_dropped(),
