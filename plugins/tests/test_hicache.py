@@ -15,6 +15,7 @@ import time
 
 import pytest
 
+from conftest import GENEROUS_DEADLINES
 from kvcellar._sglang_api import HiCacheStorageConfig, PoolHitPolicy, PoolTransfer
 from kvcellar.config import ConfigError
 from kvcellar.hicache import KvcellarStorage
@@ -36,10 +37,6 @@ def storage_config(extra, *, tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, mla=Fal
         attn_cp_rank=cp[0], attn_cp_size=cp[1], is_mla_model=mla, enable_storage_metrics=metrics,
         is_page_first_layout=layout == "page_first", model_name=model, extra_config=dict(extra),
     )
-
-
-#: Deadlines for tests about what is stored, not when (ms each).
-GENEROUS_DEADLINES = {"lookup_deadline_ms": 3000, "load_deadline_ms": 3000, "save_deadline_ms": 3000}
 
 
 def make_backend(cluster, pool, *, v1=True, extra=None, **cfg):

@@ -11,18 +11,14 @@ import time
 
 import pytest
 
+from conftest import GENEROUS_DEADLINES
 from kvcellar.config import ConfigError
 from lmc import CHUNK, make_harness, real_lmcache
 
 
-#: Deadlines for tests about what is stored, not when (ms each): a loaded
-#: CI machine can take more than the defaults. The deadline tests set theirs.
-TIMELESS = {"lookup_deadline_ms": 3000, "load_deadline_ms": 3000, "save_deadline_ms": 3000}
-
-
 @pytest.fixture()
 def h(cluster):
-    hh = make_harness({"members": cluster.members, "io_timeout_ms": 3000, "connect_timeout_ms": 500, **TIMELESS})
+    hh = make_harness({"members": cluster.members, "io_timeout_ms": 3000, "connect_timeout_ms": 500, **GENEROUS_DEADLINES})
     yield hh
     hh.close()
 
@@ -44,7 +40,7 @@ def test_round_trip_every_byte(h):
 
 @pytest.mark.parametrize("meta", [True, False])
 def test_partial_chunk_with_and_without_chunk_meta(cluster, meta):
-    hh = make_harness({"members": cluster.members, **TIMELESS}, save_chunk_meta=meta)
+    hh = make_harness({"members": cluster.members, **GENEROUS_DEADLINES}, save_chunk_meta=meta)
     try:
         c = hh.connector
         obj = hh.new_chunk("partial", tokens=CHUNK // 2)
@@ -176,7 +172,7 @@ def test_a_killed_node_gives_misses_not_exceptions():
     from conftest import Cluster
 
     cl = Cluster(2)
-    hh = make_harness({"members": cl.members, "io_timeout_ms": 2000, "connect_timeout_ms": 300, **TIMELESS})
+    hh = make_harness({"members": cl.members, "io_timeout_ms": 2000, "connect_timeout_ms": 300, **GENEROUS_DEADLINES})
     try:
         c = hh.connector
         keys = [hh.key(0x300 + i) for i in range(12)]
@@ -223,7 +219,7 @@ def test_the_same_name_serving_other_weights_misses(cluster, monkeypatch, tmp_pa
 
     def roundtrip(model, put=False, **extra):
         """Whether a connector built now finds the chunk (storing it first with `put`)."""
-        hh = make_harness({"members": cluster.members, **TIMELESS, **extra}, fingerprint=None, model=model)
+        hh = make_harness({"members": cluster.members, **GENEROUS_DEADLINES, **extra}, fingerprint=None, model=model)
         try:
             c, key = hh.connector, hh.key(0x5150)
             if put:
@@ -283,7 +279,7 @@ def test_loaded_line_and_geometry_separation(cluster):
     old = lg.level
     lg.setLevel(logging.INFO)
     try:
-        a = make_harness({"members": cluster.members, **TIMELESS})
+        a = make_harness({"members": cluster.members, **GENEROUS_DEADLINES})
     finally:
         lg.removeHandler(lines)
         lg.setLevel(old)
@@ -291,7 +287,7 @@ def test_loaded_line_and_geometry_separation(cluster):
         assert any("kvcellar LMCache connector ready" in ln for ln in lines.lines), lines.lines
         key = a.key(0x4242)
         a.run(a.connector.put(key, a.new_chunk("g")))
-        b = make_harness({"members": cluster.members, **TIMELESS}, save_chunk_meta=False)
+        b = make_harness({"members": cluster.members, **GENEROUS_DEADLINES}, save_chunk_meta=False)
         try:
             # Same key string, another payload format: never served as this one's.
             assert b.run(b.connector.get(key)) is None

@@ -66,10 +66,11 @@ impl Ranking {
             let now = counts(t);
             let base = match self.in_other.get(id) {
                 Some(&(mut base, last)) => {
-                    // A tenant's own count can go down (a disk left
-                    // service, or reopened and counts again from 0): what
-                    // it added in `other` until then is kept, and it
-                    // counts on from its new value.
+                    // Should a tenant's own count go down (the store
+                    // carries a disk's counts across its leaving service,
+                    // so only a counter it does not carry would): what it
+                    // added in `other` until then is kept, and it counts
+                    // on from its new value.
                     for i in 0..base.len() {
                         if now[i] < last[i] {
                             self.carried[i] += last[i] - base[i];
@@ -179,7 +180,7 @@ mod tests {
         let mut all = fleet(n, 0, 0, 0);
         all[64].1.evictions = 50;
         assert_eq!(r.rank(all.clone(), None).1.map(|o| o.evictions), Some(50));
-        // Its disk left service: its own count falls to 20.
+        // Its own count falls to 20 (a counter the store would not carry).
         all[64].1.evictions = 20;
         assert_eq!(r.rank(all.clone(), None).1.map(|o| o.evictions), Some(50));
         // Then it counts on from there.
