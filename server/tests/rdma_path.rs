@@ -692,6 +692,14 @@ fn named_batch_items_read_from_disk_move_by_rdma() {
     assert_eq!(outs, pages);
     assert_eq!(written(node.counters()), 6 * (192 << 10), "placed by RDMA WRITE");
     assert_eq!((node.answered("batch_get") >= 1, node.answered("get")), (true, 0));
+    // The node's task gives the budget back once its answer is out, which
+    // may be just after the client has read it: polled, with a deadline.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+    while node.shared.inflight_bytes.available_permits() != node.shared.inflight_units as usize
+        && std::time::Instant::now() < deadline
+    {
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
     assert_eq!(
         node.shared.inflight_bytes.available_permits(),
         node.shared.inflight_units as usize,
