@@ -145,12 +145,16 @@ pub const INLINE_PUT_MAX: usize = 1 << 20;
 
 /// Records a write-behind flusher takes at once, and their bytes (past
 /// which it takes no more): each disk's share of them is one vectored write
-/// and one group commit. Records of 1 MiB and more go alone, so the
+/// and one group commit. Records of 4 MiB and more go alone, so the
 /// flushers keep several large writes in flight. While a batch a disk is
 /// being written, the next waits until it is full (or has waited
 /// `behind::LINGER`): under load, small records gather into large writes.
-pub const FLUSH_BATCH: usize = 16;
-pub const FLUSH_BATCH_BYTES: u64 = 1 << 20;
+/// Each disk write and commit costs the node a sleep and a wake-up (and, in
+/// a VM, an exit to the host): 64 records of 64 KiB a batch cost a
+/// memory-acked 64 KiB put about a fifth less CPU than 16 did
+/// (docs/BENCHMARKS.md, Set AJ); 128 and 256 measured no better.
+pub const FLUSH_BATCH: usize = 64;
+pub const FLUSH_BATCH_BYTES: u64 = 4 << 20;
 
 /// Bytes all prefetch warming holds at once, at most: an eighth of the
 /// memory tier, up to 256 MiB. It covers the packed keys of exist batches
