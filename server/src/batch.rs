@@ -29,7 +29,7 @@ use tokio::sync::OwnedSemaphorePermit;
 use tokio::time::Instant;
 
 use crate::frame::{error_response, respond, Body, Part, Response};
-use crate::ops::{counted, Session};
+use crate::ops::{counted, PutStep, Session};
 use crate::state::Shared;
 use crate::store::{GetOutcome, PooledBuf};
 use crate::transport::RemoteMemory;
@@ -385,6 +385,11 @@ pub enum PutItem {
     Refused(Status, String),
     /// A whole record in its own buffer, with its share of `--max-inflight`.
     Record { flags: u8, copy_age: u16, buf: PooledBuf, mem: OwnedSemaphorePermit },
+    /// Answered on the reader's task ([`put_now`]): status, item flags and
+    /// message.
+    Answered(Status, u8, Vec<u8>),
+    /// Checked and held back on the reader's task: it must reach media.
+    ToMedia { flags: u8, copy_age: u16, p: crate::store::ToMedia, mem: OwnedSemaphorePermit },
     /// A record whose payload is in the client's memory ([`ITEM_RDMA`]):
     /// its header and key (`pre`), and the segments to read the payload
     /// from, `record_len` bytes in all.
@@ -447,27 +452,29 @@ pub async fn put(
         .map(|item| {
             let (shared, s) = (&shared, &s);
             async move {
-                let (flags, copy_age, buf, mem) = match item {
+                let (flags, copy_age, step, mem) = match item {
                     PutItem::Refused(status, why) => return (status, 0, why.into_bytes()),
-                    PutItem::Record { flags, copy_age, buf, mem } => (flags, copy_age, buf, mem),
+                    PutItem::Answered(status, flags, msg) => return (status, flags, msg),
+                    PutItem::ToMedia { flags, copy_age, p, mem } => (flags, copy_age, PutStep::ToMedia(p), mem),
+                    PutItem::Record { flags, copy_age, buf, mem } => (flags, copy_age, PutStep::Hop(buf), mem),
                     PutItem::Remote { flags, copy_age, pre, segs, record_len } => {
                         match fill_remote(shared, s, pre, segs, record_len).await {
-                            Ok((buf, mem)) => (flags, copy_age, buf, mem),
+                            Ok((buf, mem)) => {
+                                let one = item_request(&req, flags, copy_age, buf.len());
+                                (flags, copy_age, crate::ops::put_step(shared, s.tenant, &one, buf), mem)
+                            }
                             Err(answer) => return answer,
                         }
                     }
                 };
-                let one = ReqHeader {
-                    op: Op::Put,
-                    flags: if flags & ITEM_HANDOFF != 0 { FLAG_HANDOFF } else { 0 },
-                    copy_age,
-                    body_len: buf.len() as u32,
-                    req_id: req.req_id,
+                let len = match &step {
+                    PutStep::Hop(buf) => buf.len(),
+                    _ => 0,
                 };
-                let (status, rflags, msg) =
-                    crate::ops::store_put(shared, s.tenant, &one, buf, mem, t0).await.into_item();
-                let dup = if rflags & RSP_FLAG_DUPLICATE != 0 { ITEM_DUPLICATE } else { 0 };
-                (status, dup, msg)
+                let one = item_request(&req, flags, copy_age, len);
+                let r = crate::ops::put_later(shared, s.tenant, &one, step, t0).await;
+                drop(mem);
+                item_answer(r)
             }
         })
         .buffered(WRITES_AT_ONCE)
@@ -477,6 +484,74 @@ pub async fn put(
     let r = small_answer(&req, answers);
     s.out.send(counted(&shared, req.op, t0, r)).await;
     drop(permit);
+}
+
+/// A BATCH_PUT item as the single PUT it stands for.
+fn item_request(req: &ReqHeader, flags: u8, copy_age: u16, len: usize) -> ReqHeader {
+    ReqHeader {
+        op: Op::Put,
+        flags: if flags & ITEM_HANDOFF != 0 { FLAG_HANDOFF } else { 0 },
+        copy_age,
+        body_len: len as u32,
+        req_id: req.req_id,
+    }
+}
+
+/// A single put's answer as a batch item's.
+fn item_answer(r: Response) -> (Status, u8, Vec<u8>) {
+    let (status, rflags, msg) = r.into_item();
+    let dup = if rflags & RSP_FLAG_DUPLICATE != 0 { ITEM_DUPLICATE } else { 0 };
+    (status, dup, msg)
+}
+
+/// The part of a BATCH_PUT done on the reader's task, with no wait: each
+/// record's [`crate::ops::put_step`] (most memory-acked puts end there).
+/// `Ok`: every item is answered, and this is the batch's answer, to be sent
+/// from this task (no hop to another task); `Err`: the items, those
+/// answered marked so, for [`put`] to finish on a task of its own.
+pub fn put_now(shared: &Shared, tenant: u32, req: &ReqHeader, items: Vec<PutItem>) -> Result<Response, Vec<PutItem>> {
+    let mut all = true;
+    let items: Vec<PutItem> = items
+        .into_iter()
+        .map(|item| match item {
+            PutItem::Record { flags, copy_age, buf, mem } => {
+                let one = item_request(req, flags, copy_age, buf.len());
+                match crate::ops::put_step(shared, tenant, &one, buf) {
+                    PutStep::Done(r) => {
+                        drop(mem);
+                        let (status, flags, msg) = item_answer(r);
+                        PutItem::Answered(status, flags, msg)
+                    }
+                    PutStep::ToMedia(p) => {
+                        all = false;
+                        PutItem::ToMedia { flags, copy_age, p, mem }
+                    }
+                    PutStep::Hop(buf) => {
+                        all = false;
+                        PutItem::Record { flags, copy_age, buf, mem }
+                    }
+                }
+            }
+            PutItem::Remote { .. } => {
+                all = false;
+                item
+            }
+            PutItem::Refused(..) | PutItem::Answered(..) | PutItem::ToMedia { .. } => item,
+        })
+        .collect();
+    if !all {
+        return Err(items);
+    }
+    let answers = items
+        .into_iter()
+        .map(|item| match item {
+            PutItem::Refused(status, why) => (status, 0, why.into_bytes()),
+            PutItem::Answered(status, flags, msg) => (status, flags, msg),
+            // Not reached: every item was answered above.
+            _ => (Status::Internal, 0, b"internal error".to_vec()),
+        })
+        .collect();
+    Ok(small_answer(req, answers))
 }
 
 /// BATCH_DELETE: each key's tombstone first (as DELETE), then the deletes,

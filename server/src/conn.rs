@@ -534,7 +534,17 @@ async fn read_batch_put(
         return Ok(());
     }
     let t0 = Instant::now();
-    tokio::spawn(crate::batch::put(shared.clone(), session.clone(), req, items, mem, permit, t0));
+    // Most memory-acked batches are answered here, from this task.
+    match crate::batch::put_now(shared, session.tenant, &req, items) {
+        Ok(answer) => {
+            drop(mem);
+            session.out.send(ops::counted(shared, req.op, t0, answer)).await;
+            drop(permit);
+        }
+        Err(items) => {
+            tokio::spawn(crate::batch::put(shared.clone(), session.clone(), req, items, mem, permit, t0));
+        }
+    }
     Ok(())
 }
 

@@ -267,36 +267,65 @@ pub(crate) async fn store_put(
     mem: OwnedSemaphorePermit,
     t0: Instant,
 ) -> Response {
+    let r = put_later(shared, tenant, req, put_step(shared, tenant, req, buf), t0).await;
+    drop(mem);
+    r
+}
+
+/// How far a put got on the task that has its record ([`put_step`]).
+pub(crate) enum PutStep {
+    /// Answered: refused, a duplicate, or acknowledged from memory.
+    Done(Response),
+    /// Checked and held back: it must reach media first.
+    ToMedia(crate::store::ToMedia),
+    /// Not begun (a copy of a handoff, acks on media, a record too large
+    /// to check here, or a disk's lock busy now): stored off the reactor.
+    Hop(PooledBuf),
+}
+
+/// The part of a put that needs no disk I/O and no wait: most memory-acked
+/// puts end here, answered, without a hop to a blocking thread and back.
+pub(crate) fn put_step(shared: &Shared, tenant: u32, req: &ReqHeader, buf: PooledBuf) -> PutStep {
     if shared.draining.load(Ordering::Relaxed) {
-        return error_response(req, Status::Rejected, "the node is draining (shutting down): it takes no puts");
+        return PutStep::Done(error_response(
+            req,
+            Status::Rejected,
+            "the node is draining (shutting down): it takes no puts",
+        ));
     }
-    if req.flags & FLAG_HANDOFF != 0 {
-        return store_copy(shared, tenant, req, buf, mem, t0).await;
+    if req.flags & FLAG_HANDOFF != 0 || !shared.store.acks_in_memory() {
+        return PutStep::Hop(buf);
     }
+    match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| shared.store.try_put_held(buf, tenant))) {
+        Ok(Ok(Held::Done(r))) => PutStep::Done(put_answer(req, Ok(r))),
+        Ok(Ok(Held::ToMedia(p))) => PutStep::ToMedia(p),
+        Ok(Err(buf)) => PutStep::Hop(buf),
+        Err(_) => PutStep::Done(put_answer(req, Err("a put panicked".to_string()))),
+    }
+}
+
+/// The rest of a put after [`put_step`]: its answer.
+pub(crate) async fn put_later(
+    shared: &Arc<Shared>,
+    tenant: u32,
+    req: &ReqHeader,
+    step: PutStep,
+    t0: Instant,
+) -> Response {
     let store = shared.store.clone();
     // Err: why the put's task failed (a panic), answered as Internal.
-    let res: Result<Result<PutOutcome, StoreError>, String> = if store.acks_in_memory() {
-        // Most puts end in memory (held for a flusher): on this task,
-        // without the hop to a blocking thread and back. A record too
-        // large to check here, or a disk lock busy now, takes the hop.
-        let held = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| store.try_put_held(buf, tenant)));
-        match held {
-            Ok(Ok(Held::Done(r))) => Ok(r),
-            Ok(Ok(Held::ToMedia(p))) => {
-                let _io = shared.io_slots.acquire().await.expect("semaphore open");
-                tokio::task::spawn_blocking(move || store.put_to_media(p)).await.map_err(|e| e.to_string())
-            }
-            Ok(Err(buf)) => {
-                let _io = shared.io_slots.acquire().await.expect("semaphore open");
-                tokio::task::spawn_blocking(move || store.put_in(buf, tenant)).await.map_err(|e| e.to_string())
-            }
-            Err(_) => Err("a put panicked".to_string()),
+    let res: Result<Result<PutOutcome, StoreError>, String> = match step {
+        PutStep::Done(r) => return r,
+        PutStep::Hop(buf) if req.flags & FLAG_HANDOFF != 0 => return store_copy(shared, tenant, req, buf, t0).await,
+        PutStep::ToMedia(p) => {
+            let _io = shared.io_slots.acquire().await.expect("semaphore open");
+            tokio::task::spawn_blocking(move || store.put_to_media(p)).await.map_err(|e| e.to_string())
         }
-    } else {
-        let _io = shared.io_slots.acquire().await.expect("semaphore open");
-        tokio::task::spawn_blocking(move || store.put_in(buf, tenant)).await.map_err(|e| e.to_string())
+        PutStep::Hop(buf) => {
+            let _io = shared.io_slots.acquire().await.expect("semaphore open");
+            tokio::task::spawn_blocking(move || store.put_in(buf, tenant)).await.map_err(|e| e.to_string())
+        }
     };
-    drop(mem);
     put_answer(req, res)
 }
 
@@ -320,14 +349,7 @@ fn put_answer(req: &ReqHeader, res: Result<Result<PutOutcome, StoreError>, Strin
 /// media, never acknowledged from memory, and what the second check takes
 /// out is the record this copy stored, by its stamp, never a put
 /// acknowledged after the delete.
-async fn store_copy(
-    shared: &Arc<Shared>,
-    tenant: u32,
-    req: &ReqHeader,
-    buf: PooledBuf,
-    mem: OwnedSemaphorePermit,
-    t0: Instant,
-) -> Response {
+async fn store_copy(shared: &Arc<Shared>, tenant: u32, req: &ReqHeader, buf: PooledBuf, t0: Instant) -> Response {
     let h = &shared.handoff;
     // None: not a record, which the store refuses with the reason.
     let copy = record_key(buf.as_slice()).map(|(key, len)| {
@@ -354,7 +376,6 @@ async fn store_copy(
         let _io = shared.io_slots.acquire().await.expect("semaphore open");
         tokio::task::spawn_blocking(move || store.put_copy(buf, tenant)).await.map_err(|e| e.to_string())
     };
-    drop(mem);
     if let (Ok(Ok((stored, stamp))), Some((hash, key, len))) = (&res, copy) {
         if let Some(hook) = h.after_copy_stored.get().cloned() {
             let _ = tokio::task::spawn_blocking(move || hook()).await;
