@@ -14,6 +14,7 @@
 # Usage: scripts/profile-pages.sh OP SIZE [COUNT]   OP: put | get | exist
 #   KVCELLAR_BIN=DIR   binaries from DIR instead of building this tree
 #   NODE_ARGS="..."    extra kv-server flags
+#   PLAIN_ONLY=1       the first pass only
 # Output under $KVCELLAR_WORK (default target/profile-pages/OP-SIZE).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -146,6 +147,9 @@ except (OSError, ValueError, KeyError):
     pass
 print(f"node CPU {1e6 * (t1 - t0) / hz / pages:.1f} us a page{flush}; context switches a page: voluntary {(v1 - v0) / pages:.2f}, involuntary {(i1 - i0) / pages:.2f}")
 EOF
+
+# PLAIN_ONLY=1: the first pass alone (alternating builds in one sitting).
+[ -z "${PLAIN_ONLY:-}" ] || exit 0
 
 start_node "$out/strace"
 tasks=()
