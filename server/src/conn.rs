@@ -384,7 +384,17 @@ async fn read_put(
         read_body_by(rd, &mut buf.full_mut()[HEADER_LEN..len], deadline).await?;
         buf.set_len(len);
         let t0 = Instant::now();
-        tokio::spawn(ops::put(shared.clone(), session, req, Payload::Inline(buf, mem), permit, t0));
+        // Most memory-acked puts are answered here, from this task.
+        match ops::put_step(shared, session.tenant, &req, buf) {
+            ops::PutStep::Done(r) => {
+                drop(mem);
+                session.out.send(ops::counted(shared, req.op, t0, r)).await;
+                drop(permit);
+            }
+            step => {
+                tokio::spawn(ops::put(shared.clone(), session, req, Payload::Stepped(step, mem), permit, t0));
+            }
+        }
         return Ok(());
     }
     let mut rest = vec![0u8; len - HEADER_LEN];

@@ -165,8 +165,9 @@ pub async fn reserve(shared: &Shared, len: usize, head: &[u8]) -> (PooledBuf, Ow
 
 /// Where a put's payload is.
 pub enum Payload {
-    /// In the record buffer already (it came inline in the frame).
-    Inline(PooledBuf, OwnedSemaphorePermit),
+    /// It came inline in the frame, and the reader's task took its first
+    /// step ([`put_step`]) without settling it.
+    Stepped(PutStep, OwnedSemaphorePermit),
     /// In the client's memory: the record's header and key came in the
     /// frame (`pre`), the payload is filled from `segs`.
     Remote { pre: Vec<u8>, segs: Vec<Segment>, record_len: usize },
@@ -183,8 +184,8 @@ pub async fn put(
     permit: OwnedSemaphorePermit,
     t0: Instant,
 ) {
-    let (buf, mem) = match payload {
-        Payload::Inline(buf, mem) => (buf, mem),
+    let (step, mem) = match payload {
+        Payload::Stepped(step, mem) => (step, mem),
         Payload::Remote { pre, segs, record_len } => {
             let Some(remote) = s.remote.get() else {
                 let r = transport_failed(&req, "no RDMA queue pair on this connection");
@@ -194,7 +195,7 @@ pub async fn put(
             match remote.fill(buf, pre.len(), record_len - pre.len(), &segs).await {
                 Ok(mut buf) => {
                     buf.set_len(record_len);
-                    (buf, mem)
+                    (put_step(&shared, s.tenant, &req, buf), mem)
                 }
                 Err(e) => {
                     tracing::warn!(peer = %s.out.peer, error = %e, "RDMA read of a put failed; the client sends it over TCP");
@@ -205,7 +206,8 @@ pub async fn put(
             }
         }
     };
-    let r = store_put(&shared, s.tenant, &req, buf, mem, t0).await;
+    let r = put_later(&shared, s.tenant, &req, step, t0).await;
+    drop(mem);
     s.out.send(counted(&shared, req.op, t0, r)).await;
     drop(permit);
 }
@@ -255,21 +257,6 @@ async fn answer_hit(
             inline(rec, budget)
         }
     }
-}
-
-/// Stores a received record: the put's answer. `t0`: when the whole
-/// request was in hand.
-pub(crate) async fn store_put(
-    shared: &Arc<Shared>,
-    tenant: u32,
-    req: &ReqHeader,
-    buf: PooledBuf,
-    mem: OwnedSemaphorePermit,
-    t0: Instant,
-) -> Response {
-    let r = put_later(shared, tenant, req, put_step(shared, tenant, req, buf), t0).await;
-    drop(mem);
-    r
 }
 
 /// How far a put got on the task that has its record ([`put_step`]).
