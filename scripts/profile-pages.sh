@@ -2,7 +2,7 @@
 # Where a request's time goes on a node (docs/BENCHMARKS.md, "Profiles"):
 # one kv-server on loopback (one disk directory, a 512 MiB memory tier, on
 # media acks as shipped) under a kvctl bench load of OP at SIZE, 4 threads,
-# batches of 8. Three passes over the same load, each on fresh nodes:
+# batches of 8 (BATCH). Three passes over the same load, each on fresh nodes:
 #   1. plain: throughput, and the node's CPU time and context switches
 #      (voluntary: a thread slept, say on a lock or a flush; involuntary:
 #      preempted) per page, from /proc (with NODE_ARGS="--ack memory", taken
@@ -15,6 +15,7 @@
 #   KVCELLAR_BIN=DIR   binaries from DIR instead of building this tree
 #   NODE_ARGS="..."    extra kv-server flags
 #   PLAIN_ONLY=1       the first pass only
+#   BATCH=N            batches of N pages (default 8; 1: single PUT/GET frames)
 # Output under $KVCELLAR_WORK (default target/profile-pages/OP-SIZE).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -36,9 +37,10 @@ mkdir -p "$out"
 sb=$(python3 -c "
 s = '$size'; m = {'K': 1 << 10, 'M': 1 << 20, 'G': 1 << 30}
 print(int(s[:-1]) * m[s[-1]] if s[-1] in m else int(s))")
-# About 512 MiB of pages a pass unless COUNT (batches of 8) is given.
-[ -n "$count" ] || count=$(python3 -c "print(max(16, (512 << 20) // (8 * $sb)))")
-pages=$((count * 8))
+batch=${BATCH:-8}
+# About 512 MiB of pages a pass unless COUNT (batches) is given.
+[ -n "$count" ] || count=$(python3 -c "print(max(16, (512 << 20) // ($batch * $sb)))")
+pages=$((count * batch))
 node=
 dir=
 # The node stopped, its disk goes (a put pass writes COUNT x 8 pages: 10 GB
@@ -74,7 +76,7 @@ bench() { # bench: the load, on the node up now
   # Reads cycle through 64 pages (in the memory tier): the puts that store
   # them first are a small part of the pass.
   [ "$op" = put ] || extra=(--keys 64)
-  "$bin/kvctl" --json bench --node "$addr" --op "$op" --size "$size" --threads 4 --batch 8 \
+  "$bin/kvctl" --json bench --node "$addr" --op "$op" --size "$size" --threads 4 --batch "$batch" \
     --count "$count" --no-raw "${extra[@]}"
 }
 
@@ -104,7 +106,7 @@ unflushed() { # unflushed: bytes the node acknowledged from memory and has not y
     python3 -c 'import json, sys; print(json.load(sys.stdin).get("unflushed_bytes", 0))' 2>/dev/null || true
 }
 
-echo "== $op $size: $count batches of 8 ($pages pages) a pass, 4 threads, one node"
+echo "== $op $size: $count batches of $batch ($pages pages) a pass, 4 threads, one node"
 start_node "$out/plain"
 read -r t0 v0 i0 <<<"$(proc_figures "$node")"
 bench >"$out/plain.json"
@@ -127,13 +129,13 @@ fi
 cleanup
 node=
 hz=$(getconf CLK_TCK)
-python3 - "$out/plain.json" "$pages" "$hz" "$t0" "$t1" "$v0" "$v1" "$i0" "$i1" "$t2" "$left" <<'EOF' | tee "$out/summary.txt"
+python3 - "$out/plain.json" "$pages" "$hz" "$t0" "$t1" "$v0" "$v1" "$i0" "$i1" "$t2" "$left" "$batch" <<'EOF' | tee "$out/summary.txt"
 import json, sys
 j = json.loads(open(sys.argv[1]).read())
 pages, hz = int(sys.argv[2]), int(sys.argv[3])
 t0, t1, v0, v1, i0, i1, t2 = map(int, sys.argv[4:11])
-left = sys.argv[11]
-print(f"throughput {j['gb_per_sec']:.3f} GB/s, {j['ops_per_sec'] * 8:.0f} pages/s; batch p50 {j['p50_us']:.0f} us p99 {j['p99_us']:.0f} us; statuses {j['statuses']}")
+left, batch = sys.argv[11], int(sys.argv[12])
+print(f"throughput {j['gb_per_sec']:.3f} GB/s, {j['ops_per_sec'] * batch:.0f} pages/s; batch p50 {j['p50_us']:.0f} us p99 {j['p99_us']:.0f} us; statuses {j['statuses']}")
 flush = ""
 if left == "":
     flush = " (the flushers did not finish within 60 s of the load's end)"
