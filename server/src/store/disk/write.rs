@@ -59,10 +59,20 @@ impl Disk {
     }
 
     /// Writes and enters several records: one run when they fit in one
-    /// ([`Disk::write_and_enter_run`]), else one by one.
+    /// ([`Disk::write_and_enter_run`]), else each half as a run of its own
+    /// (a full disk's free space in pieces may hold no run of a whole
+    /// batch, but runs of its halves), down to one by one.
     fn enter_many(&self, items: &[(&PooledBuf, &[u8], &PageHeader)]) -> Vec<Result<PutResult, DiskError>> {
-        self.write_and_enter_run(items)
-            .unwrap_or_else(|| items.iter().map(|(rec, key, header)| self.write_and_enter(rec, key, header)).collect())
+        if let Some(out) = self.write_and_enter_run(items) {
+            return out;
+        }
+        if items.len() >= 4 {
+            let (a, b) = items.split_at(items.len() / 2);
+            let mut out = self.enter_many(a);
+            out.extend(self.enter_many(b));
+            return out;
+        }
+        items.iter().map(|(rec, key, header)| self.write_and_enter(rec, key, header)).collect()
     }
 
     /// The group commit of records just entered: a record is `Stored`
