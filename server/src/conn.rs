@@ -340,7 +340,9 @@ async fn read_request(
 /// Reads a PUT's frame: the page header first (checked before memory is
 /// taken for the body), then either the payload, straight into the
 /// record's buffer, or (with FLAG_RDMA) the key and the segments of the
-/// client's memory the payload is to be filled from. Either way the put
+/// client's memory the payload is to be filled from. An inline record
+/// takes its first step here ([`ops::put_step`]) and, when that settles it
+/// (most memory-acked puts), is answered from this task; otherwise the put
 /// goes on in [`ops::put`].
 async fn read_put(
     rd: &mut BufReader<OwnedReadHalf>,
@@ -424,8 +426,9 @@ async fn read_put(
 /// into a buffer of its own. A record that fails its header's checks is
 /// that item's refusal; a frame whose items do not fill its body exactly
 /// is refused whole (BAD_REQUEST, nothing stored), and the connection
-/// stays usable: its length delimits it. The records are stored in
-/// [`crate::batch::put`].
+/// stays usable: its length delimits it. Each record takes its first step
+/// here ([`crate::batch::put_now`]); a batch all settled is answered from
+/// this task, any other goes on in [`crate::batch::put`].
 async fn read_batch_put(
     rd: &mut BufReader<OwnedReadHalf>,
     session: &Arc<Session>,

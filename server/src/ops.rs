@@ -335,7 +335,8 @@ fn put_answer(req: &ReqHeader, res: Result<Result<PutOutcome, StoreError>, Strin
 /// before the store and again after; handoff.rs). Copies go straight to
 /// media, never acknowledged from memory, and what the second check takes
 /// out is the record this copy stored, by its stamp, never a put
-/// acknowledged after the delete.
+/// acknowledged after the delete. The caller holds the copy's share of
+/// `--max-inflight` until this returns.
 async fn store_copy(shared: &Arc<Shared>, tenant: u32, req: &ReqHeader, buf: PooledBuf, t0: Instant) -> Response {
     let h = &shared.handoff;
     // None: not a record, which the store refuses with the reason.

@@ -145,8 +145,10 @@ pub const INLINE_PUT_MAX: usize = 1 << 20;
 
 /// Records a write-behind flusher takes at once, and their bytes (past
 /// which it takes no more): each disk's share of them is one vectored write
-/// and one group commit. Records of 4 MiB and more go alone, so the
-/// flushers keep several large writes in flight. While a batch a disk is
+/// and one group commit. The record that reaches the bytes closes a batch
+/// (records of 1 to 4 MiB share a run of up to four; one of 4 MiB or more
+/// at the queue's head goes alone), so the flushers keep several large
+/// writes in flight. While a batch a disk is
 /// being written, the next waits until it is full (or has waited
 /// `behind::LINGER`): under load, small records gather into large writes.
 /// Each disk write and commit costs the node a sleep and a wake-up (and, in
