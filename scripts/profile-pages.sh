@@ -16,6 +16,8 @@
 #   NODE_ARGS="..."    extra kv-server flags
 #   PLAIN_ONLY=1       the first pass only
 #   BATCH=N            batches of N pages (default 8; 1: single PUT/GET frames)
+#   CAP=SIZE           the node's --cap (default 8G; smaller: a put load runs
+#                      on a full disk, evicting)
 # Output under $KVCELLAR_WORK (default target/profile-pages/OP-SIZE).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -58,7 +60,7 @@ start_node() { # start_node DIR: one node; sets $node, $addr and $dir
   mkdir -p "$1"
   dir=$1
   # shellcheck disable=SC2086
-  "$bin/kv-server" --listen 127.0.0.1:0 --dir "$1/disk" --cap 8G --mem-cap 512M --log-level info \
+  "$bin/kv-server" --listen 127.0.0.1:0 --dir "$1/disk" --cap "${CAP:-8G}" --mem-cap 512M --log-level info \
     --drain-secs 0 ${NODE_ARGS:-} >"$1/out" 2>"$1/log" &
   node=$!
   addr=
