@@ -497,8 +497,11 @@ fn item_request(req: &ReqHeader, flags: u8, copy_age: u16, len: usize) -> ReqHea
     }
 }
 
+/// A batch item's answer: its status, item flags and message.
+type ItemAnswer = (Status, u8, Vec<u8>);
+
 /// A single put's answer as a batch item's.
-fn item_answer(r: Response) -> (Status, u8, Vec<u8>) {
+fn item_answer(r: Response) -> ItemAnswer {
     let (status, rflags, msg) = r.into_item();
     let dup = if rflags & RSP_FLAG_DUPLICATE != 0 { ITEM_DUPLICATE } else { 0 };
     (status, dup, msg)
@@ -510,48 +513,33 @@ fn item_answer(r: Response) -> (Status, u8, Vec<u8>) {
 /// from this task (no hop to another task); `Err`: the items, those
 /// answered marked so, for [`put`] to finish on a task of its own.
 pub fn put_now(shared: &Shared, tenant: u32, req: &ReqHeader, items: Vec<PutItem>) -> Result<Response, Vec<PutItem>> {
-    let mut all = true;
-    let items: Vec<PutItem> = items
+    // Ok: the item's answer; Err: the item, to be finished later.
+    let stepped: Vec<Result<ItemAnswer, PutItem>> = items
         .into_iter()
         .map(|item| match item {
+            PutItem::Refused(status, why) => Ok((status, 0, why.into_bytes())),
+            PutItem::Answered(status, flags, msg) => Ok((status, flags, msg)),
             PutItem::Record { flags, copy_age, buf, mem } => {
                 let one = item_request(req, flags, copy_age, buf.len());
                 match crate::ops::put_step(shared, tenant, &one, buf) {
-                    PutStep::Done(r) => {
-                        drop(mem);
-                        let (status, flags, msg) = item_answer(r);
-                        PutItem::Answered(status, flags, msg)
-                    }
-                    PutStep::ToMedia(p) => {
-                        all = false;
-                        PutItem::ToMedia { flags, copy_age, p, mem }
-                    }
-                    PutStep::Hop(buf) => {
-                        all = false;
-                        PutItem::Record { flags, copy_age, buf, mem }
-                    }
+                    PutStep::Done(r) => Ok(item_answer(r)),
+                    PutStep::ToMedia(p) => Err(PutItem::ToMedia { flags, copy_age, p, mem }),
+                    PutStep::Hop(buf) => Err(PutItem::Record { flags, copy_age, buf, mem }),
                 }
             }
-            PutItem::Remote { .. } => {
-                all = false;
-                item
-            }
-            PutItem::Refused(..) | PutItem::Answered(..) | PutItem::ToMedia { .. } => item,
+            PutItem::Remote { .. } | PutItem::ToMedia { .. } => Err(item),
         })
         .collect();
-    if !all {
-        return Err(items);
+    if stepped.iter().all(Result::is_ok) {
+        return Ok(small_answer(req, stepped.into_iter().flatten().collect()));
     }
-    let answers = items
+    Err(stepped
         .into_iter()
-        .map(|item| match item {
-            PutItem::Refused(status, why) => (status, 0, why.into_bytes()),
-            PutItem::Answered(status, flags, msg) => (status, flags, msg),
-            // Not reached: every item was answered above.
-            _ => (Status::Internal, 0, b"internal error".to_vec()),
+        .map(|s| match s {
+            Ok((status, flags, msg)) => PutItem::Answered(status, flags, msg),
+            Err(item) => item,
         })
-        .collect();
-    Ok(small_answer(req, answers))
+        .collect())
 }
 
 /// BATCH_DELETE: each key's tombstone first (as DELETE), then the deletes,

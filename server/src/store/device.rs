@@ -181,13 +181,10 @@ impl FileDevice {
     /// One `pwritev` of `bufs` (at most [`MAX_IOV`]) at `off`; what a short
     /// write left, one buffer at a time.
     fn pwritev_all(&self, bufs: &[&[u8]], off: u64) -> io::Result<()> {
-        if bufs.len() < 2 {
-            let mut at = off;
-            for b in bufs {
-                self.file.write_all_at(b, at)?;
-                at += b.len() as u64;
-            }
-            return Ok(());
+        match bufs {
+            [] => return Ok(()),
+            [b] => return self.file.write_all_at(b, off),
+            _ => {}
         }
         let iov: Vec<libc::iovec> =
             bufs.iter().map(|b| libc::iovec { iov_base: b.as_ptr() as *mut libc::c_void, iov_len: b.len() }).collect();
